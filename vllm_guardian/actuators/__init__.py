@@ -1,0 +1,1 @@
+"""Actuators: the edge that acts (gate, systemd, flags file, notify sinks). They never raise into the loop."""

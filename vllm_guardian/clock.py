@@ -1,0 +1,54 @@
+"""Time, injected: the daemon uses SystemClock, tests drive FakeClock.
+
+The pure core never reads a clock; the shell reads one here and passes ``now`` in.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+
+class Clock(Protocol):
+    def time(self) -> float:
+        """Unix time in seconds (what snapshots and records carry)."""
+        ...
+
+    def monotonic(self) -> float:
+        """A clock that never jumps, for durations and deadlines."""
+        ...
+
+    def sleep(self, seconds: float) -> None: ...
+
+
+class SystemClock:
+    def time(self) -> float:
+        return time.time()
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
+
+
+class FakeClock:
+    """A clock that moves only when told to; ``sleep`` advances it instantly."""
+
+    def __init__(self, start: float = 1_800_000_000.0) -> None:
+        self._now = start
+        self._mono = 1000.0
+
+    def time(self) -> float:
+        return self._now
+
+    def monotonic(self) -> float:
+        return self._mono
+
+    def sleep(self, seconds: float) -> None:
+        self.advance(max(seconds, 0.0))
+
+    def advance(self, seconds: float) -> None:
+        self._now += seconds
+        self._mono += seconds

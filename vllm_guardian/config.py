@@ -1,0 +1,473 @@
+"""YAML configuration → frozen settings, with every error reported at once with its key and line.
+
+The schema *is* the dataclasses below: each field's type says what YAML value it takes, its
+default is the shipped default (the comment beside it says why), and ``metadata`` carries the
+bounds. :func:`load_config` walks the YAML node tree (so it knows line numbers), collects
+every unknown key, wrong type and bad value, and raises :class:`ConfigInvalid` listing all
+of them. Nothing here does I/O except reading the one file it is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import re
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+DEFAULT_CONFIG_PATH = "/etc/vllm-guardian/config.yaml"
+
+_MIB = 1024 * 1024
+
+
+def _bounds(
+    lo: float | None = None, hi: float | None = None, *, check: Callable[[Any], str | None] | None = None
+) -> dict[str, Any]:
+    return {"min": lo, "max": hi, "check": check}
+
+
+# --- checks for single values ----------------------------------------------------------------
+
+_SERVICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_UNIT_NAME = re.compile(r"^[A-Za-z0-9:_.@\\-]+\.(service|scope)$")
+
+
+def _check_service_name(v: str) -> str | None:
+    if not _SERVICE_NAME.match(v):
+        return "must be 1-63 characters of letters, digits, '_', '.', '-', starting alphanumeric"
+    return None
+
+
+def _check_url(v: str) -> str | None:
+    parts = urlsplit(v)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "must be an http:// or https:// base URL with a host, e.g. http://127.0.0.1:8000"
+    if parts.query or parts.fragment:
+        return "must be a base URL without query or fragment"
+    try:
+        _ = parts.port
+    except ValueError:
+        return "has an invalid port"
+    return None
+
+
+def _check_unit(v: str) -> str | None:
+    if not _UNIT_NAME.match(v):
+        return "must be a systemd unit name ending in .service, e.g. vllm.service"
+    return None
+
+
+def _check_gpu_backend(v: str) -> str | None:
+    return None if v in ("nvml", "file") else "must be 'nvml' or 'file'"
+
+
+def parse_listen(v: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` → (host, port). Raises ValueError with a readable reason."""
+    m = re.fullmatch(r"\[(?P<h6>[^\]]+)\]:(?P<p6>\d+)|(?P<h>[^:\[\]]+):(?P<p>\d+)", v)
+    if not m:
+        raise ValueError("must be HOST:PORT, e.g. 127.0.0.1:9469")
+    host = m.group("h6") or m.group("h")
+    port = int(m.group("p6") or m.group("p"))
+    if not 0 <= port <= 65535:
+        raise ValueError("port must be 0..65535")
+    if m.group("h6"):
+        ipaddress.IPv6Address(host)  # raises ValueError
+    return host, port
+
+
+def _check_listen(v: str) -> str | None:
+    try:
+        parse_listen(v)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+# --- the schema ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """One vLLM server on this host."""
+
+    name: str = field(metadata=_bounds(check=_check_service_name))
+    # Base URL; /metrics and /health live under it. vLLM's default port.
+    url: str = field(default="http://127.0.0.1:8000", metadata=_bounds(check=_check_url))
+    # The systemd unit running it. Without one the guardian finds the process by its port.
+    unit: str | None = field(default=None, metadata=_bounds(check=_check_unit))
+    # GPU indices the service uses; None ("auto") = the GPUs its processes hold memory on.
+    gpus: tuple[int, ...] | None = field(default=None, metadata=_bounds(0, 1023))
+    # A plain log file to follow instead of the unit's journal (vLLM run outside systemd).
+    log_file: str | None = None
+
+
+@dataclass(frozen=True)
+class VllmMetricsSourceConfig:
+    # vLLM renders /metrics in a few ms; 2 s means the server is in trouble, not slow.
+    timeout_seconds: float = field(default=2.0, metadata=_bounds(0.1, 60))
+    # A real 8-engine exposition is ~0.3 MiB; 16 MiB stops a runaway body, not a real one.
+    max_body_bytes: int = field(default=16 * _MIB, metadata=_bounds(64 * 1024, 1024 * _MIB))
+
+
+@dataclass(frozen=True)
+class HealthSourceConfig:
+    # /health is a trivial handler; 2 s without an answer is a hang worth reporting.
+    timeout_seconds: float = field(default=2.0, metadata=_bounds(0.1, 60))
+    # The deep probe spends a real (1-token) generation, so it is opt-in.
+    deep_probe: bool = False
+    # One generation a minute is noise next to real traffic and still catches a hung engine.
+    deep_probe_interval_seconds: float = field(default=60.0, metadata=_bounds(5, 86400))
+    # A 1-token completion queues behind real work; allow for a busy server.
+    deep_probe_timeout_seconds: float = field(default=10.0, metadata=_bounds(0.5, 600))
+
+
+@dataclass(frozen=True)
+class NvmlSourceConfig:
+    # Off only on hosts without NVIDIA GPUs (the source would report itself down every tick).
+    enabled: bool = True
+    # "nvml": the driver through nvidia-ml-py. "file": a JSON device-state file that the vLLM
+    # twin writes (demo, tests, benchmarks); everything above the backend is the same.
+    backend: str = field(default="nvml", metadata=_bounds(check=_check_gpu_backend))
+    # The JSON state file read by the "file" backend (docs/gpu-state-file.md).
+    state_file: str | None = None
+    # Where libnvidia-ml.so.1 is, if not on the loader path (None: let pynvml find it).
+    library_path: str | None = None
+    # NVML queries take milliseconds; seconds means a wedged driver.
+    timeout_seconds: float = field(default=3.0, metadata=_bounds(0.1, 60))
+    # After a failed nvmlInit, retry with doubling backoff up to this (the driver may reload).
+    init_retry_max_seconds: float = field(default=300.0, metadata=_bounds(1, 86400))
+
+
+@dataclass(frozen=True)
+class UnitSourceConfig:
+    enabled: bool = True
+    # systemctl is called with an argument list, never through a shell.
+    systemctl: str = "systemctl"
+    # `systemctl show` answers in milliseconds unless PID 1 is busy.
+    timeout_seconds: float = field(default=3.0, metadata=_bounds(0.1, 60))
+
+
+@dataclass(frozen=True)
+class LogsSourceConfig:
+    enabled: bool = True
+    journalctl: str = "journalctl"
+    # vLLM dumps whole configs on fatal errors; cap one line so a dump cannot eat memory.
+    max_line_bytes: int = field(default=64 * 1024, metadata=_bounds(1024, 16 * _MIB))
+    # Keep this many recent matched events per service for status and diagnose.
+    recent_events: int = field(default=50, metadata=_bounds(1, 10000))
+
+
+@dataclass(frozen=True)
+class SourcesConfig:
+    vllm_metrics: VllmMetricsSourceConfig = field(default_factory=VllmMetricsSourceConfig)
+    health: HealthSourceConfig = field(default_factory=HealthSourceConfig)
+    nvml: NvmlSourceConfig = field(default_factory=NvmlSourceConfig)
+    unit: UnitSourceConfig = field(default_factory=UnitSourceConfig)
+    logs: LogsSourceConfig = field(default_factory=LogsSourceConfig)
+
+
+@dataclass(frozen=True)
+class SignalsConfig:
+    # Rates over 30 s: several vLLM stat updates and 15 ticks, short enough to react.
+    rate_window_seconds: float = field(default=30.0, metadata=_bounds(2, 3600))
+    # Latency quantiles need enough finished requests to mean something.
+    quantile_window_seconds: float = field(default=60.0, metadata=_bounds(2, 3600))
+    # Headroom slope over 2 min: long enough to ignore one burst, short enough to warn in time.
+    slope_window_seconds: float = field(default=120.0, metadata=_bounds(4, 3600))
+    # Requests waiting and not one token generated for this long is a stalled engine.
+    stall_seconds: float = field(default=30.0, metadata=_bounds(2, 3600))
+
+
+@dataclass(frozen=True)
+class RecorderConfig:
+    # One JSON line per tick; None disables the flight recorder.
+    path: str | None = "/var/lib/vllm-guardian/flight.jsonl"
+    # 64 MiB holds hours of ticks at 2 s for one service; old files rotate out.
+    max_bytes: int = field(default=64 * _MIB, metadata=_bounds(64 * 1024, 64 * 1024 * _MIB))
+    # Rotated files kept beside the live one.
+    backups: int = field(default=3, metadata=_bounds(0, 100))
+
+
+@dataclass(frozen=True)
+class Config:
+    services: tuple[ServiceConfig, ...] = field(default=(), metadata=_bounds(1, 64))
+    # vLLM updates its stats every engine step; 2 s sees a burst build without adding load.
+    interval_seconds: float = field(default=2.0, metadata=_bounds(0.1, 3600))
+    # /metrics, /healthz, /ready/<service>. Loopback: the exporter is not a public endpoint.
+    listen: str = field(default="127.0.0.1:9469", metadata=_bounds(check=_check_listen))
+    # Where the control socket lives (systemd RuntimeDirectory=).
+    runtime_dir: str = "/run/vllm-guardian"
+    # Where persistent state lives (systemd StateDirectory=).
+    state_dir: str = "/var/lib/vllm-guardian"
+    sources: SourcesConfig = field(default_factory=SourcesConfig)
+    signals: SignalsConfig = field(default_factory=SignalsConfig)
+    recorder: RecorderConfig = field(default_factory=RecorderConfig)
+
+    @property
+    def listen_address(self) -> tuple[str, int]:
+        return parse_listen(self.listen)
+
+    def service(self, name: str) -> ServiceConfig | None:
+        for s in self.services:
+            if s.name == name:
+                return s
+        return None
+
+
+# --- loading ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConfigError:
+    path: str
+    line: int | None
+    message: str
+
+    def format(self, filename: str) -> str:
+        where = f"{filename}:{self.line}" if self.line is not None else filename
+        return f"{where}: {self.path or '(top level)'}: {self.message}"
+
+
+class ConfigInvalid(Exception):
+    """The config has errors; ``errors`` holds every one of them."""
+
+    def __init__(self, filename: str, errors: list[ConfigError]) -> None:
+        self.filename = filename
+        self.errors = errors
+        super().__init__("\n".join(e.format(filename) for e in errors))
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*$")
+_SIZE_FACTORS = {
+    None: 1, "B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4,
+    "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
+}  # fmt: skip
+
+
+def parse_bytes(text: str) -> int:
+    """'16MiB' → 16777216. Raises ValueError."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"{text!r} is not a size (e.g. 512MiB, 2GiB, 1048576)")
+    return int(float(m.group(1)) * _SIZE_FACTORS[m.group(2)])
+
+
+class _Loader:
+    def __init__(self) -> None:
+        self.errors: list[ConfigError] = []
+
+    def err(self, path: str, node: yaml.Node | None, message: str) -> None:
+        line = node.start_mark.line + 1 if node is not None else None
+        self.errors.append(ConfigError(path, line, message))
+
+    def build(self, cls: type[Any], node: yaml.Node | None, path: str) -> Any:
+        if node is None:
+            return cls()
+        if not isinstance(node, yaml.MappingNode):
+            self.err(path, node, f"expected a mapping, got {_describe(node)}")
+            return None
+        hints = typing.get_type_hints(cls)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        seen: set[str] = set()
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            sub = f"{path}.{key}" if path else str(key)
+            if key not in fields:
+                known = ", ".join(sorted(fields))
+                self.err(sub, key_node, f"unknown key (known keys here: {known})")
+                continue
+            if key in seen:
+                self.err(sub, key_node, "duplicate key")
+                continue
+            seen.add(key)
+            f = fields[key]
+            value = self.value(hints[key], value_node, sub, f)
+            if value is not _INVALID:
+                values[key] = value
+        for name, f in fields.items():
+            if (
+                name not in seen
+                and f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING
+            ):
+                self.err(f"{path}.{name}" if path else name, node, "required key is missing")
+        try:
+            return cls(**values)
+        except TypeError:
+            return None  # a required key was missing or invalid: already reported
+
+    def value(self, tp: Any, node: yaml.Node, path: str, f: dataclasses.Field[Any]) -> Any:
+        optional = False
+        origin = typing.get_origin(tp)
+        if origin in (types.UnionType, typing.Union):
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            optional = len(args) < len(typing.get_args(tp))
+            tp = args[0]
+            origin = typing.get_origin(tp)
+        if isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:null":
+            if optional:
+                return None
+            self.err(path, node, "must not be empty")
+            return _INVALID
+        if dataclasses.is_dataclass(tp):
+            built = self.build(tp, node, path)  # type: ignore[arg-type]
+            return built if built is not None else _INVALID
+        if origin is tuple:
+            return self.sequence(typing.get_args(tp)[0], node, path, f, optional)
+        return self.scalar(tp, node, path, f)
+
+    def sequence(
+        self, item_tp: Any, node: yaml.Node, path: str, f: dataclasses.Field[Any], optional: bool
+    ) -> Any:
+        if optional and isinstance(node, yaml.ScalarNode) and node.value == "auto":
+            return None
+        if not isinstance(node, yaml.SequenceNode):
+            expect = "a list" + (" or 'auto'" if optional else "")
+            self.err(path, node, f"expected {expect}, got {_describe(node)}")
+            return _INVALID
+        items = []
+        for i, item in enumerate(node.value):
+            sub = f"{path}[{i}]"
+            if dataclasses.is_dataclass(item_tp):
+                built = self.build(item_tp, item, sub)
+                if built is not None:
+                    items.append(built)
+            else:
+                v = self.scalar(item_tp, item, sub, f)
+                if v is not _INVALID:
+                    items.append(v)
+        lo, hi = f.metadata.get("min"), f.metadata.get("max")
+        if dataclasses.is_dataclass(item_tp):  # bounds are on the count
+            if lo is not None and len(node.value) < lo:
+                self.err(path, node, f"needs at least {lo:g} entr{'y' if lo == 1 else 'ies'}")
+            if hi is not None and len(node.value) > hi:
+                self.err(path, node, f"takes at most {hi:g} entries")
+        elif len(set(items)) != len(items):
+            self.err(path, node, "has duplicate entries")
+        return tuple(items)
+
+    def scalar(self, tp: Any, node: yaml.Node, path: str, f: dataclasses.Field[Any]) -> Any:
+        if not isinstance(node, yaml.ScalarNode):
+            self.err(path, node, f"expected {_type_name(tp)}, got {_describe(node)}")
+            return _INVALID
+        raw: Any = yaml.constructor.SafeConstructor().construct_object(node)
+        value: Any
+        if tp is bool:
+            if not isinstance(raw, bool):
+                self.err(path, node, f"expected true or false, got {node.value!r}")
+                return _INVALID
+            value = raw
+        elif tp is int and path.endswith("_bytes") and isinstance(raw, str):
+            try:
+                value = parse_bytes(raw)
+            except ValueError as e:
+                self.err(path, node, str(e))
+                return _INVALID
+        elif tp is int:
+            if isinstance(raw, bool) or not isinstance(raw, int):
+                self.err(path, node, f"expected an integer, got {node.value!r}")
+                return _INVALID
+            value = raw
+        elif tp is float:
+            if isinstance(raw, bool) or not isinstance(raw, int | float) or raw != raw:
+                self.err(path, node, f"expected a number, got {node.value!r}")
+                return _INVALID
+            value = float(raw)
+        elif tp is str:
+            if not isinstance(raw, str):
+                self.err(path, node, f"expected a string, got {node.value!r} (quote it)")
+                return _INVALID
+            value = raw
+        else:  # pragma: no cover - a schema bug, not a user error
+            raise TypeError(f"unsupported config type {tp!r} at {path}")
+        lo, hi, check = f.metadata.get("min"), f.metadata.get("max"), f.metadata.get("check")
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            if lo is not None and value < lo:
+                self.err(path, node, f"must be >= {lo:g}, got {value:g}")
+                return _INVALID
+            if hi is not None and value > hi:
+                self.err(path, node, f"must be <= {hi:g}, got {value:g}")
+                return _INVALID
+        if check is not None:
+            problem = check(value)
+            if problem:
+                self.err(path, node, f"{problem} (got {node.value!r})")
+                return _INVALID
+        return value
+
+
+_INVALID = object()
+
+
+def _describe(node: yaml.Node) -> str:
+    if isinstance(node, yaml.MappingNode):
+        return "a mapping"
+    if isinstance(node, yaml.SequenceNode):
+        return "a list"
+    return repr(node.value)
+
+
+def _type_name(tp: Any) -> str:
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+        tp, str(tp)
+    )
+
+
+def _cross_checks(cfg: Config, root: yaml.Node, loader: _Loader) -> None:
+    names = [s.name for s in cfg.services]
+    for i, s in enumerate(cfg.services):
+        if names.count(s.name) > 1 and names.index(s.name) != i:
+            loader.err(f"services[{i}].name", _find(root, "services", i), f"duplicate service name {s.name!r}")
+    urls = [s.url.rstrip("/") for s in cfg.services]
+    for i, u in enumerate(urls):
+        if urls.count(u) > 1 and urls.index(u) != i:
+            loader.err(f"services[{i}].url", _find(root, "services", i), f"URL {u} is used by two services")
+
+
+def _find(root: yaml.Node, key: str, index: int) -> yaml.Node | None:
+    if isinstance(root, yaml.MappingNode):
+        for k, v in root.value:
+            if k.value == key and isinstance(v, yaml.SequenceNode) and index < len(v.value):
+                return typing.cast(yaml.Node, v.value[index])
+    return None
+
+
+def parse_config(text: str, filename: str = "<config>") -> Config:
+    """Validate YAML text into a Config, or raise ConfigInvalid with every problem found."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        raise ConfigInvalid(filename, [ConfigError("", line, f"not valid YAML: {e}")]) from None
+    loader = _Loader()
+    if root is None:
+        loader.errors.append(ConfigError("services", None, "the config is empty; it needs at least one service"))
+        raise ConfigInvalid(filename, loader.errors)
+    cfg = loader.build(Config, root, "")
+    if "services" not in {k.value for k, _ in getattr(root, "value", []) if isinstance(root, yaml.MappingNode)}:
+        loader.err("services", root, "required key is missing: list at least one vLLM service")
+    if isinstance(cfg, Config):
+        _cross_checks(cfg, root, loader)
+    if loader.errors or not isinstance(cfg, Config):
+        raise ConfigInvalid(filename, sorted(loader.errors, key=lambda e: (e.line or 0, e.path)))
+    return cfg
+
+
+def load_config(path: str | Path) -> Config:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigInvalid(str(p), [ConfigError("", None, f"cannot read: {e.strerror}")]) from None
+    except UnicodeDecodeError:
+        raise ConfigInvalid(str(p), [ConfigError("", None, "not UTF-8 text")]) from None
+    return parse_config(text, str(p))

@@ -1,0 +1,283 @@
+"""The guardian's vocabulary: what one tick observes, as frozen dataclasses.
+
+Every source returns one of the payload types below inside a :class:`Reading`; the daemon
+assembles them into a :class:`Snapshot`, which is the only input the pure core sees.
+Missing values are ``None``, never NaN or a sentinel. Units are in the field names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class SourceKind(StrEnum):
+    """The sources a tick collects. One module each under ``vllm_guardian/sources``."""
+
+    VLLM_METRICS = "vllm_metrics"
+    HEALTH = "health"
+    NVML = "nvml"
+    UNIT = "unit"
+    LOGS = "logs"
+
+
+@dataclass(frozen=True)
+class SourceStatus:
+    """How one collector fared this tick: a source that is down is an observation."""
+
+    source: SourceKind
+    service: str | None
+    up: bool
+    duration_seconds: float
+    error: str | None = None
+    hint: str | None = None
+
+
+# --- vLLM /metrics ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """A Prometheus histogram: cumulative bucket counts by upper bound (``+Inf`` last)."""
+
+    buckets: tuple[tuple[float, float], ...]
+    sum: float | None
+    count: float | None
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The parts of ``vllm:cache_config_info`` the guardian uses; its labels change per version."""
+
+    num_gpu_blocks: int | None
+    block_size: int | None
+    gpu_memory_utilization_ratio: float | None
+    kv_cache_memory_bytes: int | None
+    kv_cache_size_tokens: int | None
+    enable_prefix_caching: bool | None
+    labels: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def capacity_tokens(self) -> int | None:
+        if self.kv_cache_size_tokens is not None:
+            return self.kv_cache_size_tokens
+        if self.num_gpu_blocks is not None and self.block_size is not None:
+            return self.num_gpu_blocks * self.block_size
+        return None
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """One vLLM engine's series (V1: one per data-parallel ``engine`` label; V0: ``engine=""``)."""
+
+    model_name: str
+    engine: str
+    requests_running: float | None = None
+    requests_waiting: float | None = None
+    requests_swapped: float | None = None
+    kv_cache_usage_ratio: float | None = None
+    preemptions_total: float | None = None
+    prompt_tokens_total: float | None = None
+    generation_tokens_total: float | None = None
+    prefix_cache_queries_total: float | None = None
+    prefix_cache_hits_total: float | None = None
+    prefix_cache_hit_ratio: float | None = None  # V0 gauge only; V1 derives it from counters
+    requests_finished_total: float | None = None
+    requests_failed_total: float | None = None  # finished_reason abort|error
+    time_to_first_token: Histogram | None = None
+    e2e_request_latency: Histogram | None = None
+    request_queue_time: Histogram | None = None
+    cache_config: CacheConfig | None = None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.model_name, self.engine)
+
+
+@dataclass(frozen=True)
+class VllmScrape:
+    """What one GET /metrics gave, reduced to the series the guardian uses."""
+
+    engines: tuple[EngineMetrics, ...]
+    stats_enabled: bool  # False: no vllm:* series at all (--disable-log-stats)
+    process_start_time_seconds: float | None
+    body_bytes: int
+    malformed_lines: int = 0
+    rejected_values: int = 0  # NaN/Inf where a finite value is required
+    duplicate_series: int = 0
+
+
+# --- /health ---------------------------------------------------------------------------------
+
+
+class HealthState(StrEnum):
+    UP = "up"
+    ENGINE_DEAD = "engine_dead"  # 503 (>= 0.11) or 500 (older)
+    ERROR = "error"  # another status code
+    REFUSED = "refused"  # nothing listening: starting up or gone
+    TIMEOUT = "timeout"
+
+
+@dataclass(frozen=True)
+class DeepProbe:
+    """A real 1-token completion: proves the engine generates, not only that HTTP answers."""
+
+    ok: bool
+    latency_seconds: float | None
+    status_code: int | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class HealthProbe:
+    state: HealthState
+    status_code: int | None
+    latency_seconds: float | None
+    error: str | None = None
+    deep: DeepProbe | None = None
+
+
+# --- GPUs (NVML) -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """A process holding memory on a GPU; ``cgroup`` and ``ancestors`` let the core attribute it."""
+
+    pid: int
+    used_memory_bytes: int | None
+    name: str | None = None
+    cgroup: str | None = None
+    ancestors: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class XidEvent:
+    gpu_index: int
+    xid: int
+    time_seconds: float
+
+
+@dataclass(frozen=True)
+class GpuDevice:
+    index: int
+    uuid: str | None
+    name: str | None
+    memory_total_bytes: int | None
+    memory_used_bytes: int | None
+    memory_free_bytes: int | None
+    utilization_ratio: float | None = None
+    temperature_celsius: float | None = None
+    power_watts: float | None = None
+    processes: tuple[GpuProcess, ...] | None = None  # None: the driver would not say
+    remapped_rows_pending: bool | None = None
+    remapped_rows_failed: bool | None = None
+    retired_pages_pending: bool | None = None
+    error: str | None = None  # e.g. "GPU is lost": the device is listed but unreadable
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    devices: tuple[GpuDevice, ...]
+    driver_version: str | None = None
+    xid_events: tuple[XidEvent, ...] = ()  # new since the previous reading
+
+
+# --- the systemd unit and its process -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UnitState:
+    """The service's process as systemd (or, without a unit, the listening socket) shows it."""
+
+    unit: str | None
+    active_state: str | None
+    sub_state: str | None
+    result: str | None
+    main_pid: int | None
+    n_restarts: int | None
+    exec_main_status: int | None
+    active_enter_monotonic_seconds: float | None
+    control_group: str | None
+    cmdline: tuple[str, ...] | None  # secrets redacted
+    pids: tuple[int, ...] = ()  # main pid and its descendants
+
+
+# --- logs ------------------------------------------------------------------------------------
+
+
+class LogEventKind(StrEnum):
+    """vLLM log signatures the guardian counts (reference: vllm-surface.md §6)."""
+
+    CUDA_OOM = "cuda_oom"
+    NON_TORCH_OOM = "non_torch_oom"
+    NO_KV_CACHE_MEMORY = "no_kv_cache_memory"
+    MAX_SEQ_LEN_EXCEEDS_KV = "max_seq_len_exceeds_kv"
+    FREE_MEMORY_BELOW_UTILIZATION = "free_memory_below_utilization"
+    MEMORY_PROFILING_ERROR = "memory_profiling_error"
+    STARTUP_FAILED = "startup_failed"
+    ENGINE_FATAL = "engine_fatal"
+    ENGINE_DEAD = "engine_dead"
+    WORKER_DIED = "worker_died"
+    EXECUTE_TIMEOUT = "execute_timeout"
+    PREEMPTION = "preemption"
+
+
+@dataclass(frozen=True)
+class LogEvent:
+    kind: LogEventKind
+    time_seconds: float
+    message: str  # the matched line, truncated and redacted
+    details: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class LogReading:
+    counts: tuple[tuple[LogEventKind, int], ...]  # cumulative since the guardian started
+    recent: tuple[LogEvent, ...]  # new since the previous reading
+    lines_total: int
+
+    def count(self, kind: LogEventKind) -> int:
+        return dict(self.counts).get(kind, 0)
+
+
+# --- one tick --------------------------------------------------------------------------------
+
+
+Payload = VllmScrape | HealthProbe | GpuReading | UnitState | LogReading
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What a collector returns: a payload when it could observe, else why not."""
+
+    source: SourceKind
+    service: str | None
+    payload: Payload | None
+    error: str | None = None
+    hint: str | None = None
+
+
+@dataclass(frozen=True)
+class ServiceSnapshot:
+    name: str
+    vllm: VllmScrape | None = None
+    health: HealthProbe | None = None
+    unit: UnitState | None = None
+    logs: LogReading | None = None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything one tick observed. ``time_seconds`` is Unix time from the guardian's clock."""
+
+    time_seconds: float
+    services: tuple[ServiceSnapshot, ...]
+    gpus: GpuReading | None
+    sources: tuple[SourceStatus, ...] = field(default=())
+
+    def service(self, name: str) -> ServiceSnapshot | None:
+        for s in self.services:
+            if s.name == name:
+                return s
+        return None
