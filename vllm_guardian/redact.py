@@ -1,0 +1,191 @@
+"""Secret redaction for everything the guardian shows or records (pure, no I/O).
+
+The unit source reads vLLM's command line from /proc and the logs source keeps matched log
+lines; both end up in snapshots, the flight recorder, ``status`` output and alerts, so any
+secret in them must be gone before they leave the source. :func:`redact_argv` handles an
+argument vector (``--api-key VALUE`` spans two items), :func:`redact_text` free text (a log
+line, one argv item). Every secret is replaced by :data:`REDACTED`; the shape of the text
+around it is kept so a human can still read what was configured.
+
+What counts as a secret, and why:
+
+* flags (``--flag value`` and ``--flag=value``) and ``NAME=value`` assignments whose name has
+  a part that *is* a secret word (key, token, secret, password, passwd, credential). Whole
+  parts, not substrings, because vLLM is full of names like ``--max-num-batched-tokens``,
+  ``--tokenizer`` and ``--kv-cache-dtype`` that are not secrets; parts that merely *describe*
+  a secret (``--ssl-keyfile``, ``--api-key-file``, ``--eos-token-id``) are paths or numbers and
+  are kept, because the guardian needs them to explain a configuration;
+* quoted dict/JSON keys with such names (vLLM logs ``non-default args: {'api_key': ...}``);
+* the password in URL userinfo, ``Authorization:`` header values, ``Bearer`` tokens, and
+  tokens recognisable by their prefix (Hugging Face ``hf_…``, OpenAI-style ``sk-…``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+REDACTED = "***"
+
+_SECRET_WORDS = ("password", "passwd", "credential", "secret", "token", "key")
+
+# Name parts that contain a secret word but name something else.
+_BENIGN_PARTS = frozenset(
+    {
+        "tokens",  # --max-num-batched-tokens, --max-tokens: counts
+        "tokenizer", "tokenizers", "tokenize", "tokenized", "tokenization",
+        "detokenize", "detokenizer", "detokenization",
+        "keyfile", "keystore", "keyring",  # --ssl-keyfile: a path
+        "keyword", "keywords", "monkey", "hotkey",
+    }
+)  # fmt: skip
+
+# A secret word followed by one of these names a property of the secret, not the secret:
+# --api-key-file (a path), --eos-token-id (a number), --token-budget, --secret-name.
+_QUALIFIERS_AFTER = frozenset(
+    {
+        "id", "ids", "file", "path", "dir", "len", "length", "size", "limit", "limits",
+        "threshold", "budget", "count", "type", "dtype", "mode", "format", "name", "env",
+        "header", "prefix", "rate",
+    }
+)  # fmt: skip
+
+# ...and one preceded by these is a switch or a count: --allow-credentials (CORS, a boolean
+# that could be followed by the positional model name), --max-token, --num-key.
+_QUALIFIERS_BEFORE = frozenset(
+    {"max", "min", "num", "allow", "use", "no", "skip", "enable", "disable", "is", "has"}
+)
+
+# vLLM's --api-key takes several keys (nargs="+"): every value up to the next flag is a key,
+# exactly as argparse would read it.
+_MULTI_VALUE_FLAGS = frozenset({"api-key"})
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether a flag or variable name (``--hf-token``, ``VLLM_API_KEY``) carries a secret."""
+    parts = [p for p in re.split(r"[-_.]+", name.strip("-").lower()) if p]
+    for i, part in enumerate(parts):
+        if part in _BENIGN_PARTS or not any(w in part for w in _SECRET_WORDS):
+            continue
+        if i + 1 < len(parts) and parts[i + 1] in _QUALIFIERS_AFTER:
+            continue
+        if i > 0 and parts[i - 1] in _QUALIFIERS_BEFORE:
+            continue
+        return True
+    return False
+
+
+# --- patterns --------------------------------------------------------------------------------
+
+_QUOTED = r"\"(?:[^\"\\]|\\.)*\"|'(?:[^'\\]|\\.)*'"
+# A bare value ends at whitespace, a quote or punctuation that closes the surrounding syntax.
+_BARE = r"[^\s'\",;)}\]]+"
+
+# --flag=value or --flag value (a value after a space never starts with '-').
+_FLAG = re.compile(
+    rf"(?P<flag>--[A-Za-z][\w.-]*)"
+    rf"(?:(?P<eq>=)(?P<v1>{_QUOTED}|{_BARE})|(?P<sp>[ \t]+)(?P<v2>{_QUOTED}|(?!-){_BARE}))"
+)
+# NAME=value (shell, env files, Python reprs like ``api_key=...``).
+_ASSIGN = re.compile(rf"(?<![\w.-])(?P<name>[A-Za-z_][A-Za-z0-9_.]*)=(?P<value>{_QUOTED}|{_BARE})")
+# 'api_key': 'x' / "hf_token": "x" / 'api_key': ['a', 'b'] (dict reprs and JSON).
+_DICT_ITEM = re.compile(
+    rf"(?P<q>['\"])(?P<name>[A-Za-z_][\w.-]*)(?P=q)(?P<sep>\s*:\s*)"
+    rf"(?P<value>{_QUOTED}|\[[^\]]*\]|[^\s,}}\]]+)"
+)
+# scheme://user:password@host; the password may itself contain '@' or ':' (greedy to the
+# last '@' before the path).
+_USERINFO = re.compile(r"(?P<pre>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s:/?#@]*):(?P<pw>[^\s/?#]*)@")
+# Authorization: <scheme> <credentials>, as a header or in a dict repr.
+_AUTH_HEADER = re.compile(
+    r"(?P<pre>\b(?:proxy-)?authorization['\"]?\s*[:=]\s*['\"]?"
+    r"(?:(?:bearer|basic|token|digest|apikey)\s+)?)(?P<cred>[^\s'\",;]+)",
+    re.IGNORECASE,
+)
+_BEARER = re.compile(r"(?P<pre>\bbearer\s+)(?P<cred>[^\s'\",;]+)", re.IGNORECASE)
+_KNOWN_TOKENS = re.compile(r"\bhf_[A-Za-z0-9]{20,}|\bsk-[A-Za-z0-9_-]{20,}")
+
+
+# Values that say "no secret configured"; keeping them tells a reader that none was set.
+_NOT_SET = frozenset({"None", "null", "[]", "''", '""'})
+
+
+def _quote_like(value: str) -> str:
+    """The replacement for ``value``, keeping its quotes so a dict repr stays readable."""
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        return f"{value[0]}{REDACTED}{value[0]}"
+    if value.startswith("["):
+        return f"[{REDACTED}]"
+    return REDACTED
+
+
+def _inside(value: str) -> str:
+    """A value that is not a secret itself, with any secrets inside its quotes redacted.
+
+    ``re.sub`` never rescans what a match consumed, so ``CMD="HF_TOKEN=x vllm serve"`` or
+    ``--cmd 'vllm --api-key x'`` would otherwise hide the inner secret from its own pattern.
+    """
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        return f"{value[0]}{redact_text(value[1:-1])}{value[0]}"
+    return value
+
+
+def _sub_flag(m: re.Match[str]) -> str:
+    secret = is_secret_name(m.group("flag"))
+    fix = _quote_like if secret else _inside
+    if m.group("eq"):
+        return f"{m.group('flag')}={fix(m.group('v1'))}"
+    return f"{m.group('flag')}{m.group('sp')}{fix(m.group('v2'))}"
+
+
+def _sub_assign(m: re.Match[str]) -> str:
+    value = m.group("value")
+    if not is_secret_name(m.group("name")) or value in _NOT_SET:
+        return f"{m.group('name')}={_inside(value)}"
+    return f"{m.group('name')}={_quote_like(value)}"
+
+
+def _sub_dict_item(m: re.Match[str]) -> str:
+    value = m.group("value")
+    secret = is_secret_name(m.group("name")) and value not in _NOT_SET
+    q = m.group("q")
+    fixed = _quote_like(value) if secret else _inside(value)
+    return f"{q}{m.group('name')}{q}{m.group('sep')}{fixed}"
+
+
+def redact_text(text: str) -> str:
+    """Replace every secret in ``text`` by ``***``; everything else is left as it was."""
+    if not text:
+        return text
+    text = _USERINFO.sub(lambda m: f"{m.group('pre')}:{REDACTED}@", text)
+    text = _AUTH_HEADER.sub(lambda m: f"{m.group('pre')}{REDACTED}", text)
+    text = _BEARER.sub(lambda m: f"{m.group('pre')}{REDACTED}", text)
+    text = _DICT_ITEM.sub(_sub_dict_item, text)
+    text = _FLAG.sub(_sub_flag, text)
+    text = _ASSIGN.sub(_sub_assign, text)
+    return _KNOWN_TOKENS.sub(REDACTED, text)
+
+
+def _looks_like_flag(item: str) -> bool:
+    """An argv item argparse would read as an option rather than as a value."""
+    return item.startswith("-") and len(item) > 1 and not re.fullmatch(r"-\d[\d.e+-]*", item)
+
+
+def redact_argv(argv: Sequence[str]) -> tuple[str, ...]:
+    """Redact an argument vector: ``--api-key VALUE`` spans two items, so text rules alone
+    would miss it. Each item is then passed through :func:`redact_text` as well (for
+    ``--flag=value``, ``HF_TOKEN=…`` after ``env``, URLs with passwords, JSON configs)."""
+    out: list[str] = []
+    secret_values_left = 0  # how many following items are values of a secret flag
+    for item in argv:
+        if secret_values_left and not _looks_like_flag(item):
+            out.append(REDACTED)
+            if secret_values_left > 0:
+                secret_values_left -= 1
+            continue
+        secret_values_left = 0
+        if item.startswith("--") and "=" not in item and is_secret_name(item):
+            name = item[2:].lower().replace("_", "-")
+            secret_values_left = -1 if name in _MULTI_VALUE_FLAGS else 1
+        out.append(redact_text(item))
+    return tuple(out)
