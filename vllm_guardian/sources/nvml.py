@@ -1,0 +1,928 @@
+"""The GPU source: what the host's NVIDIA GPUs hold and which processes hold it, once per tick.
+
+Where it sits: in the observe step of a tick the daemon calls :meth:`NvmlCollector.collect`
+from a worker thread; the :class:`~vllm_guardian.model.GpuReading` it returns becomes
+``Snapshot.gpus``, which the pure core reads for device-memory pressure, hardware faults
+(XID, remapped rows, retired pages) and "is the memory actually free" after a restart.
+
+Two backends sit behind one small interface (:class:`_Backend`), chosen by
+``sources.nvml.backend``:
+
+- ``nvml``: the driver through pynvml (nvidia-ml-py). This is the only module that imports
+  pynvml (an import-linter contract enforces it).
+- ``file``: the JSON state file the vLLM twin writes (docs/gpu-state-file.md), so the demo,
+  tests and benchmarks run everything above the backend without a GPU.
+
+Both return the same reading; the collector then fills each GPU process's ``name``,
+``cgroup`` and ``ancestors`` from ``/proc`` so the core can attribute it to a service.
+
+Nothing here raises into the tick: every failure becomes a ``failed(...)`` Reading with an
+error and a hint a person can act on, and a GPU that cannot be read is listed with its
+``error`` set while the other GPUs keep reporting.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import pynvml
+
+from vllm_guardian.clock import Clock
+from vllm_guardian.config import NvmlSourceConfig
+from vllm_guardian.model import (
+    GpuDevice,
+    GpuProcess,
+    GpuReading,
+    Reading,
+    SourceKind,
+    XidEvent,
+)
+from vllm_guardian.sources.base import failed
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+# The daemon passes Config.interval_seconds; this is that setting's default, for callers
+# (tests, tools) that build a collector without a full config.
+DEFAULT_INTERVAL_SECONDS = 2.0
+# The twin rewrites its file every interval; three missed rewrites means it has stopped.
+STALE_AFTER_INTERVALS = 3
+# A real state file is a few KiB; this only stops a runaway or wrong file from eating memory.
+MAX_STATE_FILE_BYTES = 4 * 1024 * 1024
+# An XID storm can queue many events; drain a bounded number per tick so one collect
+# cannot spin, and leave the rest for the next tick.
+MAX_EVENTS_PER_COLLECT = 256
+# Deeper process trees than this do not occur in practice; the bound guards against a
+# /proc that changes under us into a loop.
+MAX_ANCESTORS = 64
+
+
+# --- pure helpers (unit-tested without I/O) ---------------------------------------------------
+
+
+def parse_proc_stat_ppid(text: str) -> int | None:
+    """The parent pid from the text of ``/proc/<pid>/stat``, or None if it is malformed.
+
+    The second field (``comm``) is in parentheses and may itself contain spaces and ``)``,
+    so the fields after it are found from the *last* ``)``.
+    """
+    end = text.rfind(")")
+    if end < 0:
+        return None
+    fields = text[end + 1 :].split()
+    if len(fields) < 2:
+        return None
+    try:
+        ppid = int(fields[1])
+    except ValueError:
+        return None
+    return ppid if ppid >= 0 else None
+
+
+def parse_cgroup(text: str) -> str | None:
+    """The cgroup v2 path from the text of ``/proc/<pid>/cgroup`` (its ``0::/path`` line).
+
+    None when there is no unified line (a pure cgroup v1 host), which the core treats as
+    "cannot attribute by cgroup" rather than guessing from v1 controller paths.
+    """
+    for line in text.splitlines():
+        if line.startswith("0::"):
+            path = line[3:].strip()
+            return path or None
+    return None
+
+
+@dataclass(frozen=True)
+class StateFileError:
+    """Why a GPU state file cannot be used, and what a person can do about it."""
+
+    error: str
+    hint: str
+
+
+@dataclass(frozen=True)
+class ParsedStateFile:
+    """A usable state file: the reading, and the XID high-water mark per device to remember."""
+
+    reading: GpuReading
+    xid_seq: tuple[tuple[str, int], ...]
+
+
+class _Invalid(Exception):
+    """A field of the state file is wrong; never leaves :func:`parse_state_file`."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+
+
+_FORMAT_HINT = (
+    "the file does not follow docs/gpu-state-file.md (format 1): "
+    "check the writer (the vLLM twin) and sources.nvml.state_file"
+)
+
+
+def parse_state_file(
+    text: str,
+    now: float,
+    *,
+    max_age_seconds: float = STALE_AFTER_INTERVALS * DEFAULT_INTERVAL_SECONDS,
+    last_xid_seq: Mapping[str, int] | None = None,
+) -> ParsedStateFile | StateFileError:
+    """Parse and validate a GPU state file (docs/gpu-state-file.md) read at Unix time ``now``.
+
+    A file whose ``time_seconds`` is more than ``max_age_seconds`` old (or that far in the
+    future: a writer on another clock) is refused as a whole: stale values must not look
+    current. ``last_xid_seq`` maps a device key (its uuid, else ``index:N``) to the highest
+    XID ``seq`` already reported; only events above it are returned. A device whose highest
+    seq fell below that mark has had its writer restart, so its count starts again from 0.
+    """
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        return StateFileError(
+            f"not valid JSON ({e})",
+            "the writer must write PATH.tmp and rename it over PATH; "
+            "is something else writing this file?",
+        )
+    try:
+        return _parse_doc(doc, now, max_age_seconds, last_xid_seq or {})
+    except _Invalid as e:
+        return StateFileError(str(e), _FORMAT_HINT)
+
+
+def _parse_doc(
+    doc: Any, now: float, max_age_seconds: float, last_xid_seq: Mapping[str, int]
+) -> ParsedStateFile | StateFileError:
+    if not isinstance(doc, dict):
+        raise _Invalid("(top level)", "expected a JSON object")
+    fmt = doc.get("format")
+    if fmt != 1:
+        return StateFileError(
+            f"unsupported format {fmt!r} (this guardian reads format 1)",
+            "upgrade vllm-guardian or the vLLM twin so they write and read the same format",
+        )
+    written = _required(_number(doc, "time_seconds", "time_seconds"), "time_seconds")
+    age = now - written
+    if age > max_age_seconds:
+        return StateFileError(
+            f"stale: written {age:.1f} s ago, more than {max_age_seconds:g} s",
+            "the writer (the vLLM twin) has stopped updating it: is it still running?",
+        )
+    if -age > max_age_seconds:
+        return StateFileError(
+            f"time_seconds is {-age:.1f} s in the future",
+            "the writer and the guardian disagree about the time: check both clocks",
+        )
+    driver = _string(doc, "driver_version", "driver_version")
+    raw_devices = doc.get("devices")
+    if not isinstance(raw_devices, list):
+        raise _Invalid("devices", "expected a list")
+    devices: list[GpuDevice] = []
+    events: list[XidEvent] = []
+    high_water: dict[str, int] = {}
+    seen_index: set[int] = set()
+    for i, raw in enumerate(raw_devices):
+        where = f"devices[{i}]"
+        device, key, xids = _parse_device(raw, where)
+        if device.index in seen_index:
+            raise _Invalid(f"{where}.index", f"index {device.index} appears twice")
+        seen_index.add(device.index)
+        if key in high_water:
+            raise _Invalid(f"{where}.uuid", f"uuid {device.uuid!r} appears twice")
+        top = max((seq for seq, _ in xids), default=0)
+        seen = last_xid_seq.get(key, 0)
+        if top < seen:  # the writer restarted and numbers its events from 1 again
+            seen = 0
+        events.extend(e for seq, e in sorted(xids, key=lambda p: p[0]) if seq > seen)
+        high_water[key] = top
+        devices.append(device)
+    devices.sort(key=lambda d: d.index)
+    reading = GpuReading(devices=tuple(devices), driver_version=driver, xid_events=tuple(events))
+    return ParsedStateFile(reading=reading, xid_seq=tuple(sorted(high_water.items())))
+
+
+def _parse_device(raw: Any, where: str) -> tuple[GpuDevice, str, list[tuple[int, XidEvent]]]:
+    if not isinstance(raw, dict):
+        raise _Invalid(where, "expected an object")
+    index = _required(_integer(raw, "index", f"{where}.index"), f"{where}.index")
+    uuid = _string(raw, "uuid", f"{where}.uuid")
+    name = _string(raw, "name", f"{where}.name")
+    key = uuid if uuid is not None else f"index:{index}"
+    xids: list[tuple[int, XidEvent]] = []
+    raw_xids = raw.get("xid_events")
+    if raw_xids is not None:
+        if not isinstance(raw_xids, list):
+            raise _Invalid(f"{where}.xid_events", "expected a list")
+        for j, x in enumerate(raw_xids):
+            xw = f"{where}.xid_events[{j}]"
+            if not isinstance(x, dict):
+                raise _Invalid(xw, "expected an object")
+            seq = _required(_integer(x, "seq", f"{xw}.seq"), f"{xw}.seq")
+            xid = _required(_integer(x, "xid", f"{xw}.xid"), f"{xw}.xid")
+            at = _required(_number(x, "time_seconds", f"{xw}.time_seconds"), f"{xw}.time_seconds")
+            xids.append((seq, XidEvent(gpu_index=index, xid=xid, time_seconds=at)))
+    lost = raw.get("lost", False)
+    if not isinstance(lost, bool):
+        raise _Invalid(f"{where}.lost", "expected true or false")
+    if lost:
+        # Like NVML's "GPU is lost": identity is known, nothing measured can be trusted.
+        device = GpuDevice(
+            index=index,
+            uuid=uuid,
+            name=name,
+            memory_total_bytes=None,
+            memory_used_bytes=None,
+            memory_free_bytes=None,
+            error="GPU is lost",
+        )
+        return device, key, xids
+    total = _integer(raw, "memory_total_bytes", f"{where}.memory_total_bytes")
+    used = _integer(raw, "memory_used_bytes", f"{where}.memory_used_bytes")
+    free = _integer(raw, "memory_free_bytes", f"{where}.memory_free_bytes")
+    if total is not None and used is not None:
+        if used > total:
+            raise _Invalid(f"{where}.memory_used_bytes", "is larger than memory_total_bytes")
+        if free is None:
+            free = total - used  # the documented derivation, not an invented value
+    util = _number(raw, "utilization_ratio", f"{where}.utilization_ratio")
+    if util is not None and not 0.0 <= util <= 1.0:
+        raise _Invalid(f"{where}.utilization_ratio", "must be between 0 and 1")
+    device = GpuDevice(
+        index=index,
+        uuid=uuid,
+        name=name,
+        memory_total_bytes=total,
+        memory_used_bytes=used,
+        memory_free_bytes=free,
+        utilization_ratio=util,
+        temperature_celsius=_number(raw, "temperature_celsius", f"{where}.temperature_celsius"),
+        power_watts=_number(raw, "power_watts", f"{where}.power_watts"),
+        processes=_parse_processes(raw.get("processes"), f"{where}.processes"),
+        remapped_rows_pending=_boolean(raw, "remapped_rows_pending", where),
+        remapped_rows_failed=_boolean(raw, "remapped_rows_failed", where),
+        retired_pages_pending=_boolean(raw, "retired_pages_pending", where),
+    )
+    return device, key, xids
+
+
+def _parse_processes(raw: Any, where: str) -> tuple[GpuProcess, ...] | None:
+    if raw is None:
+        return None  # the writer would not say, like a driver that does not report processes
+    if not isinstance(raw, list):
+        raise _Invalid(where, "expected a list")
+    by_pid: dict[int, GpuProcess] = {}
+    for k, p in enumerate(raw):
+        pw = f"{where}[{k}]"
+        if not isinstance(p, dict):
+            raise _Invalid(pw, "expected an object")
+        pid = _required(_integer(p, "pid", f"{pw}.pid"), f"{pw}.pid")
+        if pid <= 0:
+            raise _Invalid(f"{pw}.pid", "must be a positive process id")
+        used = _integer(p, "used_memory_bytes", f"{pw}.used_memory_bytes")
+        by_pid[pid] = _merge_process(by_pid.get(pid), GpuProcess(pid=pid, used_memory_bytes=used))
+    return tuple(by_pid[pid] for pid in sorted(by_pid))
+
+
+def _required(value: _T | None, path: str) -> _T:
+    if value is None:
+        raise _Invalid(path, "is required")
+    return value
+
+
+def _integer(obj: dict[str, Any], key: str, path: str) -> int | None:
+    v = obj.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _Invalid(path, f"expected an integer, got {v!r}")
+    if v < 0:
+        raise _Invalid(path, f"must not be negative, got {v}")
+    return v
+
+
+def _number(obj: dict[str, Any], key: str, path: str) -> float | None:
+    v = obj.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise _Invalid(path, f"expected a finite number, got {v!r}")
+    return float(v)
+
+
+def _string(obj: dict[str, Any], key: str, path: str) -> str | None:
+    v = obj.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise _Invalid(path, f"expected a string, got {v!r}")
+    return v
+
+
+def _boolean(obj: dict[str, Any], key: str, where: str) -> bool | None:
+    v = obj.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise _Invalid(f"{where}.{key}", f"expected true or false, got {v!r}")
+    return v
+
+
+def _merge_process(old: GpuProcess | None, new: GpuProcess) -> GpuProcess:
+    """One process listed twice (compute and graphics): keep the larger known usage."""
+    if old is None:
+        return new
+    known = [u for u in (old.used_memory_bytes, new.used_memory_bytes) if u is not None]
+    return GpuProcess(pid=new.pid, used_memory_bytes=max(known) if known else None)
+
+
+# --- process attribution from /proc ----------------------------------------------------------
+
+
+def _read_small(path: Path) -> str | None:
+    try:
+        with path.open("rb") as f:
+            data = f.read(64 * 1024)  # stat/comm/cgroup are tiny; never read a huge file
+    except OSError:
+        return None  # gone, another PID namespace, or no permission: not an error
+    return data.decode("utf-8", errors="replace")
+
+
+class _ProcReader:
+    """Fills name, cgroup and ancestors of GPU processes from a /proc tree.
+
+    NVML reports host pids; when the guardian runs in another PID namespace, or a process
+    exits between the NVML call and this read, the fields stay None/() silently.
+    """
+
+    def __init__(self, proc_root: Path) -> None:
+        self._root = proc_root
+
+    def attribute(self, reading: GpuReading) -> GpuReading:
+        cache: dict[int, GpuProcess] = {}
+        devices = []
+        for d in reading.devices:
+            if d.processes is None:
+                devices.append(d)
+                continue
+            procs = tuple(self._describe(p, cache) for p in d.processes)
+            devices.append(_replace_processes(d, procs))
+        return GpuReading(
+            devices=tuple(devices),
+            driver_version=reading.driver_version,
+            xid_events=reading.xid_events,
+        )
+
+    def _describe(self, p: GpuProcess, cache: dict[int, GpuProcess]) -> GpuProcess:
+        known = cache.get(p.pid)
+        if known is None:
+            known = GpuProcess(
+                pid=p.pid,
+                used_memory_bytes=None,
+                name=self.name(p.pid),
+                cgroup=self.cgroup(p.pid),
+                ancestors=self.ancestors(p.pid),
+            )
+            cache[p.pid] = known
+        return GpuProcess(
+            pid=p.pid,
+            used_memory_bytes=p.used_memory_bytes,
+            name=known.name,
+            cgroup=known.cgroup,
+            ancestors=known.ancestors,
+        )
+
+    def name(self, pid: int) -> str | None:
+        text = _read_small(self._root / str(pid) / "comm")
+        if text is None:
+            return None
+        return text.rstrip("\n") or None
+
+    def cgroup(self, pid: int) -> str | None:
+        text = _read_small(self._root / str(pid) / "cgroup")
+        return parse_cgroup(text) if text is not None else None
+
+    def ancestors(self, pid: int) -> tuple[int, ...]:
+        """The ppid chain, nearest first. It ends with 1 when it reaches init, so a process
+        reparented to init (an orphaned worker still holding VRAM) shows as ``(1,)``."""
+        chain: list[int] = []
+        seen = {pid}
+        current = pid
+        for _ in range(MAX_ANCESTORS):
+            text = _read_small(self._root / str(current) / "stat")
+            ppid = parse_proc_stat_ppid(text) if text is not None else None
+            if ppid is None or ppid == 0 or ppid in seen:
+                break
+            chain.append(ppid)
+            if ppid == 1:
+                break
+            seen.add(ppid)
+            current = ppid
+        return tuple(chain)
+
+
+def _replace_processes(d: GpuDevice, procs: tuple[GpuProcess, ...]) -> GpuDevice:
+    return GpuDevice(
+        index=d.index,
+        uuid=d.uuid,
+        name=d.name,
+        memory_total_bytes=d.memory_total_bytes,
+        memory_used_bytes=d.memory_used_bytes,
+        memory_free_bytes=d.memory_free_bytes,
+        utilization_ratio=d.utilization_ratio,
+        temperature_celsius=d.temperature_celsius,
+        power_watts=d.power_watts,
+        processes=procs,
+        remapped_rows_pending=d.remapped_rows_pending,
+        remapped_rows_failed=d.remapped_rows_failed,
+        retired_pages_pending=d.retired_pages_pending,
+        error=d.error,
+    )
+
+
+# --- backends --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Failure:
+    error: str
+    hint: str | None
+
+
+class _Backend(Protocol):
+    def read(self) -> GpuReading | _Failure: ...
+
+    def close(self) -> None: ...
+
+
+class _FileBackend:
+    """Reads the twin's JSON state file; remembers the XID seq per device between reads."""
+
+    def __init__(self, cfg: NvmlSourceConfig, clock: Clock, interval_seconds: float) -> None:
+        self._path = Path(cfg.state_file) if cfg.state_file else None
+        self._clock = clock
+        self._max_age_seconds = STALE_AFTER_INTERVALS * interval_seconds
+        self._xid_seq: dict[str, int] = {}
+
+    def read(self) -> GpuReading | _Failure:
+        if self._path is None:
+            return _Failure(
+                "sources.nvml.backend is 'file' but no state file is configured",
+                "set sources.nvml.state_file to the path the vLLM twin writes",
+            )
+        try:
+            with self._path.open("rb") as f:
+                data = f.read(MAX_STATE_FILE_BYTES + 1)
+        except FileNotFoundError:
+            return _Failure(
+                f"GPU state file {self._path} does not exist",
+                "start the vLLM twin (it writes this file) or fix sources.nvml.state_file",
+            )
+        except OSError as e:
+            return _Failure(
+                f"cannot read GPU state file {self._path}: {e.strerror or e}",
+                "check that the guardian's user may read the file and its directory",
+            )
+        if len(data) > MAX_STATE_FILE_BYTES:
+            return _Failure(
+                f"GPU state file {self._path} is larger than {MAX_STATE_FILE_BYTES} bytes",
+                "sources.nvml.state_file points at the wrong file",
+            )
+        result = parse_state_file(
+            data.decode("utf-8", errors="replace"),
+            self._clock.time(),
+            max_age_seconds=self._max_age_seconds,
+            last_xid_seq=self._xid_seq,
+        )
+        if isinstance(result, StateFileError):
+            return _Failure(f"GPU state file {self._path}: {result.error}", result.hint)
+        self._xid_seq = dict(result.xid_seq)
+        return result.reading
+
+    def close(self) -> None:
+        pass
+
+
+class _LibraryMissing(Exception):
+    pass
+
+
+# NVML answers these when a query does not apply to this GPU or driver: the value is absent.
+_ABSENT = frozenset(
+    {
+        pynvml.NVML_ERROR_NOT_SUPPORTED,
+        pynvml.NVML_ERROR_NO_PERMISSION,
+        pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
+        pynvml.NVML_ERROR_NOT_FOUND,
+        pynvml.NVML_ERROR_NO_DATA,
+    }
+)
+# These mean the whole device is unreadable: nothing from it this tick can be trusted.
+_DEVICE_FATAL = frozenset(
+    {
+        pynvml.NVML_ERROR_GPU_IS_LOST,
+        pynvml.NVML_ERROR_RESET_REQUIRED,
+        pynvml.NVML_ERROR_UNINITIALIZED,
+        pynvml.NVML_ERROR_DRIVER_NOT_LOADED,
+    }
+)
+
+_INIT_HINTS: dict[int, str] = {
+    pynvml.NVML_ERROR_LIBRARY_NOT_FOUND: (
+        "NVML library not found: install the NVIDIA driver or set sources.nvml.library_path"
+    ),
+    pynvml.NVML_ERROR_DRIVER_NOT_LOADED: (
+        "the NVIDIA kernel driver is not loaded: check `nvidia-smi`, `lsmod | grep nvidia` "
+        "and the kernel log"
+    ),
+    pynvml.NVML_ERROR_NO_PERMISSION: (
+        "the guardian's user may not open /dev/nvidia*: check the device permissions "
+        "(or the unit's DeviceAllow=)"
+    ),
+    pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH: (
+        "the NVML library and the loaded kernel driver are different versions "
+        "(driver upgraded without a reboot?): reboot or reload the nvidia module"
+    ),
+    pynvml.NVML_ERROR_FUNCTION_NOT_FOUND: (
+        "the NVML library is older than nvidia-ml-py expects: update the NVIDIA driver"
+    ),
+}
+_DEFAULT_HINT = "check that `nvidia-smi` works on this host"
+
+
+def _nvml_hint(e: pynvml.NVMLError) -> str:
+    return _INIT_HINTS.get(int(e.value), _DEFAULT_HINT)
+
+
+def _text(v: Any) -> str:
+    return v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v)
+
+
+def _address(handle: Any) -> int | None:
+    """A device handle's pointer value, which identifies the GPU for the process lifetime."""
+    value = ctypes.cast(handle, ctypes.c_void_p).value
+    return int(value) if value is not None else None
+
+
+class _DeviceFault(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class _NvmlBackend:
+    """The driver through pynvml, with init retried under exponential backoff.
+
+    pynvml keeps the loaded library and a function-pointer cache in module globals; one
+    guardian process holds one collector, so this backend owns them.
+    """
+
+    def __init__(self, cfg: NvmlSourceConfig, clock: Clock, interval_seconds: float) -> None:
+        self._library_path = cfg.library_path
+        self._clock = clock
+        self._interval_seconds = interval_seconds
+        self._retry_max_seconds = cfg.init_retry_max_seconds
+        self._initialized = False
+        self._event_set: Any = None
+        self._registered: set[int] = set()  # handle addresses already offered to the event set
+        self._init_failures = 0
+        self._next_init_monotonic: float | None = None
+        self._last_init_failure: _Failure | None = None
+
+    # -- session ---------------------------------------------------------------------------
+
+    def read(self) -> GpuReading | _Failure:
+        if not self._initialized:
+            failure = self._init()
+            if failure is not None:
+                return failure
+        return self._read_devices()
+
+    def _init(self) -> _Failure | None:
+        now = self._clock.monotonic()
+        if (
+            self._next_init_monotonic is not None
+            and self._last_init_failure is not None
+            and now < self._next_init_monotonic
+        ):
+            return self._backing_off(self._last_init_failure, self._next_init_monotonic - now)
+        try:
+            self._load_library()
+            pynvml.nvmlInit()
+        except _LibraryMissing as e:
+            return self._init_failed(
+                now, _Failure(str(e), _INIT_HINTS[pynvml.NVML_ERROR_LIBRARY_NOT_FOUND])
+            )
+        except OSError as e:
+            path = self._library_path
+            return self._init_failed(
+                now,
+                _Failure(
+                    f"cannot load NVML library {path}: {e}",
+                    "sources.nvml.library_path must point at the driver's libnvidia-ml.so.1 "
+                    "for this architecture",
+                ),
+            )
+        except pynvml.NVMLError as e:
+            return self._init_failed(now, _Failure(f"NVML init failed: {e}", _nvml_hint(e)))
+        self._initialized = True
+        self._init_failures = 0
+        self._next_init_monotonic = None
+        self._last_init_failure = None
+        self._registered.clear()
+        try:
+            self._event_set = pynvml.nvmlEventSetCreate()
+        except pynvml.NVMLError as e:
+            # Without an event set XIDs cannot be seen; the rest still works.
+            log.warning("NVML event set unavailable, XID events will not be reported: %s", e)
+            self._event_set = None
+        return None
+
+    def _load_library(self) -> None:
+        if self._library_path is None:
+            return  # pynvml loads libnvidia-ml.so.1 from the loader path (and retries if absent)
+        path = self._library_path
+        if "/" in path and not Path(path).exists():
+            raise _LibraryMissing(f"NVML library not found at {path} (sources.nvml.library_path)")
+        with pynvml.libLoadLock:
+            current = pynvml.nvmlLib
+            if current is None or getattr(current, "_name", None) != path:
+                pynvml.nvmlLib = ctypes.CDLL(path)
+                # pynvml caches function pointers of the library it loaded first; they
+                # would call into the old one.
+                pynvml._nvmlGetFunctionPointer_cache.clear()
+
+    def _init_failed(self, now: float, failure: _Failure) -> _Failure:
+        self._init_failures += 1
+        # Doubling from the tick interval: the first retry is on the next tick, then ever
+        # less often, so a host without a driver does not pay for a failing init each tick.
+        delay = min(
+            self._interval_seconds * 2 ** (self._init_failures - 1), self._retry_max_seconds
+        )
+        self._next_init_monotonic = now + delay
+        self._last_init_failure = failure
+        return self._backing_off(failure, delay)
+
+    def _backing_off(self, failure: _Failure, remaining_seconds: float) -> _Failure:
+        at = time.strftime(
+            "%Y-%m-%dT%H:%M:%SZ", time.gmtime(self._clock.time() + remaining_seconds)
+        )
+        return _Failure(f"{failure.error}; next init retry at {at}", failure.hint)
+
+    def _end_session(self) -> None:
+        if self._event_set is not None:
+            try:
+                pynvml.nvmlEventSetFree(self._event_set)
+            except pynvml.NVMLError as e:
+                log.debug("nvmlEventSetFree: %s", e)
+            self._event_set = None
+        if self._initialized:
+            try:
+                pynvml.nvmlShutdown()
+            except pynvml.NVMLError as e:
+                log.debug("nvmlShutdown: %s", e)
+        self._initialized = False
+        self._registered.clear()
+
+    def close(self) -> None:
+        self._end_session()
+
+    # -- one reading -----------------------------------------------------------------------
+
+    def _read_devices(self) -> GpuReading | _Failure:
+        try:
+            count = int(pynvml.nvmlDeviceGetCount())
+        except pynvml.NVMLError as e:
+            # The session is unusable (driver unloaded, version mismatch): start over; the
+            # next collect re-initialises and backs off if that fails.
+            self._end_session()
+            return _Failure(f"NVML device count failed: {e}", _nvml_hint(e))
+        driver: str | None
+        try:
+            driver = _text(pynvml.nvmlSystemGetDriverVersion())
+        except pynvml.NVMLError:
+            driver = None
+        devices: list[GpuDevice] = []
+        by_address: dict[int, int] = {}
+        for index in range(count):
+            device, handle = self._read_device(index)
+            devices.append(device)
+            if handle is not None:
+                addr = _address(handle)
+                if addr is not None:
+                    by_address[addr] = index
+                if device.error is None:
+                    self._register(handle, addr)
+        return GpuReading(
+            devices=tuple(devices), driver_version=driver, xid_events=self._drain(by_address)
+        )
+
+    def _read_device(self, index: int) -> tuple[GpuDevice, Any]:
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        except pynvml.NVMLError as e:
+            return _unreadable(index, None, None, str(e)), None
+        uuid: str | None = None
+        name: str | None = None
+        try:
+            uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+            name = _text(pynvml.nvmlDeviceGetName(handle))
+            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            util = self._optional(pynvml.nvmlDeviceGetUtilizationRates, handle)
+            temp = self._optional(
+                pynvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU
+            )
+            power_mw = self._optional(pynvml.nvmlDeviceGetPowerUsage, handle)
+            remap = self._optional(pynvml.nvmlDeviceGetRemappedRows, handle)
+            retired = self._optional(pynvml.nvmlDeviceGetRetiredPagesPendingStatus, handle)
+            processes = self._processes(handle)
+        except pynvml.NVMLError as e:
+            return _unreadable(index, uuid, name, str(e)), handle
+        except _DeviceFault as e:
+            return _unreadable(index, uuid, name, e.message), handle
+        device = GpuDevice(
+            index=index,
+            uuid=uuid,
+            name=name,
+            memory_total_bytes=int(mem.total),
+            memory_used_bytes=int(mem.used),
+            memory_free_bytes=int(mem.free),
+            utilization_ratio=int(util.gpu) / 100.0 if util is not None else None,
+            temperature_celsius=float(temp) if temp is not None else None,
+            power_watts=int(power_mw) / 1000.0 if power_mw is not None else None,
+            processes=processes,
+            remapped_rows_pending=bool(remap[2]) if remap is not None else None,
+            remapped_rows_failed=bool(remap[3]) if remap is not None else None,
+            retired_pages_pending=(
+                int(retired) == pynvml.NVML_FEATURE_ENABLED if retired is not None else None
+            ),
+        )
+        return device, handle
+
+    @staticmethod
+    def _optional(fn: Callable[..., Any], *args: Any) -> Any:
+        """A value this GPU may not have: None when NVML says it does not apply.
+
+        A device-fatal error (GPU lost, reset required) makes the whole device unreadable;
+        any other error leaves just this value absent, so one odd sensor does not hide the
+        memory numbers the policy depends on.
+        """
+        try:
+            return fn(*args)
+        except pynvml.NVMLError as e:
+            if int(e.value) in _DEVICE_FATAL:
+                raise _DeviceFault(str(e)) from None
+            if int(e.value) not in _ABSENT:
+                log.debug("%s failed: %s", getattr(fn, "__name__", fn), e)
+            return None
+
+    def _processes(self, handle: Any) -> tuple[GpuProcess, ...] | None:
+        lists = [
+            self._optional(pynvml.nvmlDeviceGetComputeRunningProcesses, handle),
+            self._optional(pynvml.nvmlDeviceGetGraphicsRunningProcesses, handle),
+        ]
+        if all(entries is None for entries in lists):
+            return None  # the driver would not say (e.g. no permission, vGPU)
+        by_pid: dict[int, GpuProcess] = {}
+        for entries in lists:
+            for p in entries or ():
+                pid = int(p.pid)
+                used = int(p.usedGpuMemory) if p.usedGpuMemory is not None else None
+                by_pid[pid] = _merge_process(by_pid.get(pid), GpuProcess(pid, used))
+        return tuple(by_pid[pid] for pid in sorted(by_pid))
+
+    # -- XID events ------------------------------------------------------------------------
+
+    def _register(self, handle: Any, addr: int | None) -> None:
+        if self._event_set is None or addr is None or addr in self._registered:
+            return
+        try:
+            pynvml.nvmlDeviceRegisterEvents(
+                handle, pynvml.nvmlEventTypeXidCriticalError, self._event_set
+            )
+        except pynvml.NVMLError as e:
+            if int(e.value) not in _ABSENT:
+                return  # e.g. the GPU is lost right now: try again on a later tick
+            log.info("GPU %s does not report XID events: %s", addr, e)
+        self._registered.add(addr)
+
+    def _drain(self, by_address: Mapping[int, int]) -> tuple[XidEvent, ...]:
+        if self._event_set is None:
+            return ()
+        events: list[XidEvent] = []
+        for _ in range(MAX_EVENTS_PER_COLLECT):
+            try:
+                # Timeout 0: never block the tick; whatever is queued is taken now.
+                data = pynvml.nvmlEventSetWait_v2(self._event_set, 0)
+            except pynvml.NVMLError as e:
+                if int(e.value) != pynvml.NVML_ERROR_TIMEOUT:
+                    log.warning("NVML event wait failed: %s", e)
+                break
+            if int(data.eventType) != pynvml.nvmlEventTypeXidCriticalError:
+                continue
+            index = self._event_gpu_index(data.device, by_address)
+            if index is None:
+                log.warning("XID %d on a GPU NVML cannot name; dropped", int(data.eventData))
+                continue
+            # The v2 event carries no timestamp: the time is when the guardian saw it.
+            events.append(XidEvent(index, int(data.eventData), self._clock.time()))
+        return tuple(events)
+
+    @staticmethod
+    def _event_gpu_index(handle: Any, by_address: Mapping[int, int]) -> int | None:
+        addr = _address(handle)
+        if addr is not None and addr in by_address:
+            return by_address[addr]
+        try:
+            return int(pynvml.nvmlDeviceGetIndex(handle))
+        except pynvml.NVMLError:
+            return None
+
+
+def _unreadable(index: int, uuid: str | None, name: str | None, error: str) -> GpuDevice:
+    return GpuDevice(
+        index=index,
+        uuid=uuid,
+        name=name,
+        memory_total_bytes=None,
+        memory_used_bytes=None,
+        memory_free_bytes=None,
+        error=error,
+    )
+
+
+# --- the collector ---------------------------------------------------------------------------
+
+
+class NvmlCollector:
+    """The host's GPU source (``service=None``): one per guardian, whatever the backend.
+
+    ``interval_seconds`` is the daemon's tick interval: the NVML backend's init backoff
+    starts from it, and the file backend calls a file older than three intervals stale.
+    """
+
+    kind: SourceKind = SourceKind.NVML
+
+    def __init__(
+        self,
+        cfg: NvmlSourceConfig,
+        clock: Clock,
+        proc_root: Path = Path("/proc"),
+        *,
+        interval_seconds: float = DEFAULT_INTERVAL_SECONDS,
+    ) -> None:
+        self.service: str | None = None
+        self.timeout_seconds: float = cfg.timeout_seconds
+        self._enabled = cfg.enabled
+        self._procs = _ProcReader(proc_root)
+        self._backend: _Backend = (
+            _FileBackend(cfg, clock, interval_seconds)
+            if cfg.backend == "file"
+            else _NvmlBackend(cfg, clock, interval_seconds)
+        )
+        # collect() runs on a worker thread and close() on the main one at shutdown.
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def collect(self) -> Reading:
+        if not self._enabled:
+            return failed(self.kind, None, "the GPU source is disabled (sources.nvml.enabled)")
+        with self._lock:
+            if self._closed:
+                return failed(self.kind, None, "the GPU source is closed")
+            try:
+                result = self._backend.read()
+                if isinstance(result, _Failure):
+                    return failed(self.kind, None, result.error, result.hint)
+                return Reading(
+                    source=self.kind, service=None, payload=self._procs.attribute(result)
+                )
+            except Exception as e:
+                # A bug here must cost one observation, never the tick.
+                log.exception("GPU source failed")
+                return failed(
+                    self.kind,
+                    None,
+                    f"GPU source failed unexpectedly: {type(e).__name__}: {e}",
+                    "this is a bug in vllm-guardian: please report it with the log",
+                )
+
+    def close(self) -> None:
+        # A collect stuck in the driver must not hang shutdown: give up on a clean release.
+        if not self._lock.acquire(timeout=self.timeout_seconds):
+            return
+        try:
+            if not self._closed:
+                self._closed = True
+                self._backend.close()
+        finally:
+            self._lock.release()
