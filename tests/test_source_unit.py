@@ -1,0 +1,490 @@
+"""The unit source: systemctl parsing, /proc parsing, and real processes found by unit or port.
+
+Real subprocesses throughout: a fake ``systemctl`` written as a shell script, real children
+that listen on 127.0.0.1. Every process a test starts is killed by the test (process groups).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from vllm_guardian.config import ServiceConfig, UnitSourceConfig
+from vllm_guardian.model import SourceKind, UnitState
+from vllm_guardian.sources.unit import (
+    SHOW_PROPERTIES,
+    UnitCollector,
+    descendants,
+    parse_cmdline,
+    parse_proc_net_tcp,
+    parse_proc_stat,
+    parse_systemctl_show,
+    port_of,
+    topmost,
+    unit_state_from_show,
+)
+
+# What `systemctl show vllm.service --property=...` prints for a running unit (systemd 252
+# prints properties in its own order, not the order asked for).
+SHOW_RUNNING = """\
+MainPID={pid}
+ExecMainStatus=0
+Result=success
+NRestarts=3
+ControlGroup=/system.slice/vllm.service
+LoadState=loaded
+ActiveState=active
+SubState=running
+ActiveEnterTimestampMonotonic=52889123456
+"""
+
+SHOW_FAILED = """\
+MainPID=0
+ExecMainStatus=1
+Result=exit-code
+NRestarts=5
+ControlGroup=
+LoadState=loaded
+ActiveState=failed
+SubState=failed
+ActiveEnterTimestampMonotonic=0
+"""
+
+SHOW_NOT_FOUND = """\
+MainPID=0
+ExecMainStatus=0
+Result=success
+NRestarts=0
+ControlGroup=
+LoadState=not-found
+ActiveState=inactive
+SubState=dead
+ActiveEnterTimestampMonotonic=0
+"""
+
+PROC_NET_TCP = """\
+  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:1F40 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 12345 1 0000000000000000 100 0 0 10 0
+   1: 00000000:1F41 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 12346 1 0000000000000000 100 0 0 10 0
+   2: 0100007F:1F40 0100007F:D3C2 01 00000000:00000000 00:00000000 00000000  1000        0 12399 1 0000000000000000 20 4 30 10 -1
+   3: garbage
+"""
+PROC_NET_TCP6 = """\
+  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000000000000000000001000000:1F40 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4242 1 0000000000000000 100 0 0 10 0
+"""
+
+
+def test_parse_systemctl_show() -> None:
+    props = parse_systemctl_show(SHOW_RUNNING.format(pid=4321) + "Environment=A=B C=D\n\nnoise\n")
+    assert props["MainPID"] == "4321"
+    assert props["ControlGroup"] == "/system.slice/vllm.service"
+    assert props["Environment"] == "A=B C=D"  # values keep their '='
+    assert "noise" not in props
+    assert parse_systemctl_show("") == {}
+
+
+def test_unit_state_from_running_show() -> None:
+    state = unit_state_from_show(
+        "vllm.service", parse_systemctl_show(SHOW_RUNNING.format(pid=4321))
+    )
+    assert state == UnitState(
+        unit="vllm.service",
+        active_state="active",
+        sub_state="running",
+        result="success",
+        main_pid=4321,
+        n_restarts=3,
+        exec_main_status=0,
+        active_enter_monotonic_seconds=52889.123456,
+        control_group="/system.slice/vllm.service",
+        cmdline=None,
+    )
+
+
+def test_unit_state_from_failed_show() -> None:
+    state = unit_state_from_show("vllm.service", parse_systemctl_show(SHOW_FAILED))
+    assert state.main_pid is None  # MainPID=0: no process
+    assert state.active_enter_monotonic_seconds is None  # 0: never entered active
+    assert state.control_group is None
+    assert (state.active_state, state.sub_state, state.result) == ("failed", "failed", "exit-code")
+    assert (state.n_restarts, state.exec_main_status) == (5, 1)
+
+
+def test_unit_state_tolerates_missing_and_odd_values() -> None:
+    state = unit_state_from_show("u.service", {"ActiveState": "active", "NRestarts": "[not set]"})
+    assert state.n_restarts is None
+    assert state.main_pid is None
+    assert state.exec_main_status is None
+
+
+def test_parse_proc_net_tcp() -> None:
+    socks = parse_proc_net_tcp(PROC_NET_TCP)
+    assert [(s.local_address, s.local_port, s.listening, s.inode) for s in socks] == [
+        ("127.0.0.1", 8000, True, 12345),
+        ("0.0.0.0", 8001, True, 12346),
+        ("127.0.0.1", 8000, False, 12399),  # an established connection, not the listener
+    ]
+    (v6,) = parse_proc_net_tcp(PROC_NET_TCP6)
+    assert (v6.local_address, v6.local_port, v6.listening, v6.inode) == ("::1", 8000, True, 4242)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("5708 (cat) R 5704 5704 2217 0 -1", (5708, 5704)),
+        ("42 (VLLM::Worker) S 41 41 1 0", (42, 41)),
+        ("43 (a) b (c) S 7 7 1", (43, 7)),  # ')' and spaces inside the name
+        ("44 (x", None),
+        ("", None),
+        ("nope (x) S y", None),
+    ],
+)
+def test_parse_proc_stat(text: str, expected: tuple[int, int] | None) -> None:
+    assert parse_proc_stat(text) == expected
+
+
+def test_parse_cmdline() -> None:
+    assert parse_cmdline(b"vllm\0serve\0m\0") == ("vllm", "serve", "m")
+    assert parse_cmdline(b"") is None
+    assert parse_cmdline(b"a\0b\xff\0") == ("a", "b\ufffd")
+
+
+def test_descendants_and_topmost() -> None:
+    parents = {1: 0, 10: 1, 11: 10, 12: 11, 13: 10, 20: 1, 21: 20}
+    assert descendants(10, parents) == (10, 11, 12, 13)
+    assert descendants(99, parents) == (99,)
+    assert topmost({11, 12, 13}, parents) == 11
+    assert topmost({21, 13}, parents) == 13  # unrelated: lowest pid
+
+
+@pytest.mark.parametrize(
+    ("url", "port"),
+    [
+        ("http://127.0.0.1:8000", 8000),
+        ("http://h", 80),
+        ("https://h/", 443),
+        ("http://[::1]:9/", 9),
+    ],
+)
+def test_port_of(url: str, port: int) -> None:
+    assert port_of(url) == port
+
+
+# --- a fake /proc tree: unreadable entries are skipped -----------------------------------------
+
+
+def _fake_proc(root: Path) -> Path:
+    proc = root / "proc"
+    (proc / "net").mkdir(parents=True)
+    (proc / "net" / "tcp").write_text(PROC_NET_TCP)
+    for pid, ppid, name in [(100, 1, "vllm"), (101, 100, "VLLM::EngineCore"), (102, 101, "w x)")]:
+        d = proc / str(pid)
+        (d / "fd").mkdir(parents=True)
+        (d / "stat").write_text(f"{pid} ({name}) S {ppid} {pid} 1 0\n")
+        (d / "cmdline").write_bytes(f"{name}\0--api-key\0sekret\0".encode())
+    os.symlink("socket:[12345]", proc / "100" / "fd" / "7")
+    os.symlink("/dev/null", proc / "100" / "fd" / "0")
+    os.symlink("socket:[12345]", proc / "101" / "fd" / "7")  # inherited by the child
+    # A process that exited mid-scan (dangling), one whose stat is unreadable, one whose fd
+    # dir is not a directory: all must be skipped.
+    os.symlink(root / "gone", proc / "200")
+    (proc / "201" / "stat").mkdir(parents=True)
+    (proc / "202").mkdir()
+    (proc / "202" / "fd").write_text("")
+    (proc / "self").mkdir()
+    return proc
+
+
+def test_by_port_on_fake_proc(tmp_path: Path) -> None:
+    proc = _fake_proc(tmp_path)
+    svc = ServiceConfig(name="a", url="http://127.0.0.1:8000")
+    reading = UnitCollector(svc, UnitSourceConfig(), proc_root=proc).collect()
+    assert reading.error is None
+    state = reading.payload
+    assert isinstance(state, UnitState)
+    assert state.unit is None
+    assert state.active_state is None
+    assert state.main_pid == 100  # the parent, not the child that inherited the socket
+    assert state.pids == (100, 101, 102)
+    assert state.cmdline == ("vllm", "--api-key", "***")
+
+
+def test_by_port_nothing_listening_is_an_observation(tmp_path: Path) -> None:
+    proc = _fake_proc(tmp_path)
+    svc = ServiceConfig(name="a", url="http://127.0.0.1:9999")
+    reading = UnitCollector(svc, UnitSourceConfig(), proc_root=proc).collect()
+    assert reading.error is None
+    assert isinstance(reading.payload, UnitState)
+    assert reading.payload.main_pid is None
+    assert reading.payload.pids == ()
+
+
+def test_by_port_listener_not_visible(tmp_path: Path) -> None:
+    proc = _fake_proc(tmp_path)
+    svc = ServiceConfig(name="a", url="http://127.0.0.1:8001")  # inode 12346: nobody holds it
+    reading = UnitCollector(svc, UnitSourceConfig(), proc_root=proc).collect()
+    assert reading.payload is None
+    assert reading.error is not None
+    assert "8001" in reading.error
+    assert reading.hint is not None
+    assert "root" in reading.hint
+
+
+def test_by_port_without_proc(tmp_path: Path) -> None:
+    reading = UnitCollector(
+        ServiceConfig(name="a"), UnitSourceConfig(), proc_root=tmp_path / "none"
+    ).collect()
+    assert reading.payload is None
+    assert reading.source is SourceKind.UNIT
+    assert reading.service == "a"
+    assert reading.hint is not None
+
+
+# --- real processes ---------------------------------------------------------------------------
+
+CHILD = r"""
+import socket, subprocess, sys, time
+listen = sys.argv[1] == "listen"
+s = None
+port = 0
+if listen:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    port = s.getsockname()[1]
+g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print(port, g.pid, flush=True)
+time.sleep(120)
+"""
+
+
+@dataclass
+class Child:
+    pid: int
+    port: int
+    grandchild: int
+
+
+def _start_child(mode: str) -> tuple[subprocess.Popen[str], Child]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, mode, "--api-key", "sekret", "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    port, grandchild = proc.stdout.readline().split()
+    return proc, Child(proc.pid, int(port), int(grandchild))
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+@pytest.fixture
+def listening_child() -> Iterator[Child]:
+    proc, child = _start_child("listen")
+    try:
+        yield child
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture
+def plain_child() -> Iterator[Child]:
+    proc, child = _start_child("plain")
+    try:
+        yield child
+    finally:
+        _stop(proc)
+
+
+def test_real_child_found_by_port(listening_child: Child) -> None:
+    svc = ServiceConfig(name="a", url=f"http://127.0.0.1:{listening_child.port}")
+    collector = UnitCollector(svc, UnitSourceConfig())
+    reading = collector.collect()
+    assert reading.error is None
+    state = reading.payload
+    assert isinstance(state, UnitState)
+    assert state.main_pid == listening_child.pid
+    assert state.pids[0] == listening_child.pid
+    assert listening_child.grandchild in state.pids
+    assert state.cmdline is not None
+    assert "sekret" not in " ".join(state.cmdline)
+    assert state.cmdline[-4:] == ("--api-key", "***", "--port", "0")
+    # The second tick takes the cached-pid fast path and finds the same answer.
+    again = collector.collect().payload
+    assert isinstance(again, UnitState)
+    assert again.main_pid == listening_child.pid
+    collector.close()
+    collector.close()
+
+
+def test_real_port_closed_after_child_exits() -> None:
+    proc, child = _start_child("listen")
+    svc = ServiceConfig(name="a", url=f"http://127.0.0.1:{child.port}")
+    collector = UnitCollector(svc, UnitSourceConfig())
+    first = collector.collect().payload
+    assert isinstance(first, UnitState)
+    assert first.main_pid == child.pid
+    _stop(proc)
+    after = collector.collect().payload
+    assert isinstance(after, UnitState)
+    assert after.main_pid is None
+
+
+def _fake_systemctl(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "systemctl"
+    path.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > "{tmp_path}/args"\n{body}\n')
+    path.chmod(0o755)
+    return path
+
+
+def test_fake_systemctl_with_real_main_pid(tmp_path: Path, plain_child: Child) -> None:
+    out = tmp_path / "show.txt"
+    out.write_text(SHOW_RUNNING.format(pid=plain_child.pid))
+    systemctl = _fake_systemctl(tmp_path, f'cat "{out}"')
+    svc = ServiceConfig(name="a", unit="vllm.service")
+    reading = UnitCollector(svc, UnitSourceConfig(systemctl=str(systemctl))).collect()
+    assert reading.error is None, reading
+    state = reading.payload
+    assert isinstance(state, UnitState)
+    assert (state.unit, state.active_state, state.sub_state) == (
+        "vllm.service",
+        "active",
+        "running",
+    )
+    assert state.n_restarts == 3
+    assert state.main_pid == plain_child.pid
+    assert state.pids == (plain_child.pid, plain_child.grandchild)
+    assert state.cmdline is not None
+    assert "sekret" not in state.cmdline
+    assert "***" in state.cmdline
+    args = (tmp_path / "args").read_text().splitlines()
+    assert args == ["show", "vllm.service", "--property=" + ",".join(SHOW_PROPERTIES), "--no-pager"]
+
+
+def test_fake_systemctl_failed_unit(tmp_path: Path) -> None:
+    out = tmp_path / "show.txt"
+    out.write_text(SHOW_FAILED)
+    systemctl = _fake_systemctl(tmp_path, f'cat "{out}"')
+    reading = UnitCollector(
+        ServiceConfig(name="a", unit="vllm.service"), UnitSourceConfig(systemctl=str(systemctl))
+    ).collect()
+    assert isinstance(reading.payload, UnitState)
+    assert reading.payload.main_pid is None
+    assert reading.payload.cmdline is None
+    assert reading.payload.pids == ()
+    assert reading.payload.result == "exit-code"
+
+
+def test_fake_systemctl_unit_not_found(tmp_path: Path) -> None:
+    out = tmp_path / "show.txt"
+    out.write_text(SHOW_NOT_FOUND)
+    systemctl = _fake_systemctl(tmp_path, f'cat "{out}"')
+    reading = UnitCollector(
+        ServiceConfig(name="a", unit="nope.service"), UnitSourceConfig(systemctl=str(systemctl))
+    ).collect()
+    assert reading.payload is None
+    assert reading.hint == "unit nope.service not found: check services[].unit"
+
+
+def test_systemctl_exits_nonzero(tmp_path: Path) -> None:
+    systemctl = _fake_systemctl(
+        tmp_path,
+        'echo "System has not been booted with systemd as init system (PID 1). Can\'t operate." >&2\n'
+        'echo "Failed to connect to bus: Host is down" >&2\nexit 1',
+    )
+    reading = UnitCollector(
+        ServiceConfig(name="a", unit="vllm.service"), UnitSourceConfig(systemctl=str(systemctl))
+    ).collect()
+    assert reading.payload is None
+    assert reading.error is not None
+    assert "status 1" in reading.error
+    assert "not been booted with systemd" in reading.error
+    assert reading.hint is not None
+
+
+def test_systemctl_missing(tmp_path: Path) -> None:
+    cfg = UnitSourceConfig(systemctl=str(tmp_path / "no-such-systemctl"))
+    reading = UnitCollector(ServiceConfig(name="a", unit="vllm.service"), cfg).collect()
+    assert reading.payload is None
+    assert reading.error is not None
+    assert "not found" in reading.error
+    assert reading.hint is not None
+    assert "sources.unit.systemctl" in reading.hint
+
+
+def test_systemctl_not_executable(tmp_path: Path) -> None:
+    path = tmp_path / "systemctl"
+    path.write_text("not a program")
+    path.chmod(0o644)
+    reading = UnitCollector(
+        ServiceConfig(name="a", unit="vllm.service"), UnitSourceConfig(systemctl=str(path))
+    ).collect()
+    assert reading.payload is None
+    assert reading.hint is not None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return parse_proc_stat(stat) is not None and stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def test_hung_systemctl_times_out_and_is_killed_with_its_children(tmp_path: Path) -> None:
+    # Not `exec sleep`: the shell keeps a child that holds the pipes, which is what makes a
+    # plain subprocess.run(timeout=...) hang after killing only the shell.
+    systemctl = _fake_systemctl(tmp_path, f'sleep 30 &\necho $! > "{tmp_path}/sleeper"\nwait')
+    cfg = UnitSourceConfig(systemctl=str(systemctl), timeout_seconds=0.5)
+    collector = UnitCollector(ServiceConfig(name="a", unit="vllm.service"), cfg)
+    assert collector.timeout_seconds > cfg.timeout_seconds
+    t0 = time.monotonic()
+    reading = collector.collect()
+    elapsed = time.monotonic() - t0
+    assert reading.payload is None
+    assert reading.error is not None
+    assert "timed out" in reading.error
+    assert elapsed < cfg.timeout_seconds + 1.5
+    sleeper = int((tmp_path / "sleeper").read_text())
+    deadline = time.monotonic() + 5
+    while _alive(sleeper) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(sleeper)
+
+
+def test_collect_never_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm_guardian.sources.unit as unit_mod
+
+    def boom(*_: object, **__: object) -> None:
+        raise RuntimeError("surprise")
+
+    monkeypatch.setattr(unit_mod, "listening_inodes", boom)
+    proc = _fake_proc(tmp_path)
+    reading = UnitCollector(ServiceConfig(name="a"), UnitSourceConfig(), proc_root=proc).collect()
+    assert reading.payload is None
+    assert reading.error is not None
+    assert "surprise" in reading.error
+
+
+def test_socket_is_really_listening_on_loopback(listening_child: Child) -> None:
+    # Sanity check of the fixture itself: the child accepts connections on 127.0.0.1.
+    with socket.create_connection(("127.0.0.1", listening_child.port), timeout=2):
+        pass

@@ -1,0 +1,473 @@
+"""The unit source: the vLLM service's process as systemd and /proc show it.
+
+Collected once per tick per service, in parallel with the other sources. It answers "is the
+service's process there, which one is it, how was it started and what else belongs to it":
+
+* with ``services[].unit`` set, ``systemctl show`` gives the unit's states, result, restart
+  count and main PID;
+* without a unit (vLLM started by hand, or by the guardian's own process manager in the
+  demo), the main PID is the process that listens on the service URL's port, found through
+  ``/proc/net/tcp{,6}`` and the ``socket:[inode]`` links under ``/proc/<pid>/fd``.
+
+Either way the main process's command line (secrets redacted) and its descendants come from
+/proc. The policy uses them to attribute GPU memory to the service and to see the flags the
+running vLLM was really started with. Parsers are pure functions over text so tests can feed
+them captured output; an unreadable /proc entry (a process that exits mid-scan, another
+user's process) is skipped, never fatal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import ipaddress
+import os
+import signal
+import subprocess
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+from vllm_guardian.config import ServiceConfig, UnitSourceConfig
+from vllm_guardian.model import Reading, SourceKind, UnitState
+from vllm_guardian.redact import redact_argv
+from vllm_guardian.sources.base import failed
+
+if TYPE_CHECKING:
+    from vllm_guardian.sources.base import Collector
+
+SHOW_PROPERTIES = (
+    "LoadState",
+    "ActiveState",
+    "SubState",
+    "Result",
+    "MainPID",
+    "NRestarts",
+    "ExecMainStatus",
+    "ActiveEnterTimestampMonotonic",
+    "ControlGroup",
+)
+
+# Scanning /proc takes milliseconds; this margin lets systemctl use its whole timeout and
+# still have collect() return its own, specific error before the daemon calls it hung.
+_PROC_SCAN_MARGIN_SECONDS = 1.0
+_TCP_LISTEN = 0x0A
+_STDERR_KEEP_CHARS = 300
+
+
+# --- pure parsers ----------------------------------------------------------------------------
+
+
+def parse_systemctl_show(text: str) -> dict[str, str]:
+    """``Key=Value`` lines → dict. Values may contain '='; lines without one are ignored."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key and not key.startswith(" "):
+            out[key.strip()] = value.strip()
+    return out
+
+
+def _int_or_none(value: str | None) -> int | None:
+    if value is None or value == "" or value.startswith("["):  # "[not set]"
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return None
+
+
+def unit_state_from_show(unit: str, props: Mapping[str, str]) -> UnitState:
+    """The systemd part of a :class:`UnitState` (no cmdline, no pids yet)."""
+    main_pid = _int_or_none(props.get("MainPID"))
+    enter_us = _int_or_none(props.get("ActiveEnterTimestampMonotonic"))
+    return UnitState(
+        unit=unit,
+        active_state=props.get("ActiveState") or None,
+        sub_state=props.get("SubState") or None,
+        result=props.get("Result") or None,
+        main_pid=main_pid if main_pid else None,  # 0: no main process
+        n_restarts=_int_or_none(props.get("NRestarts")),
+        exec_main_status=_int_or_none(props.get("ExecMainStatus")),
+        # 0 means "never entered active"; systemd reports microseconds of CLOCK_MONOTONIC.
+        active_enter_monotonic_seconds=enter_us / 1e6 if enter_us else None,
+        control_group=props.get("ControlGroup") or None,
+        cmdline=None,
+    )
+
+
+@dataclass(frozen=True)
+class TcpSocket:
+    """One row of /proc/net/tcp or tcp6."""
+
+    local_address: str
+    local_port: int
+    state: int
+    inode: int
+
+    @property
+    def listening(self) -> bool:
+        return self.state == _TCP_LISTEN
+
+
+def _decode_proc_address(hex_addr: str) -> str:
+    """The kernel prints each 32-bit word of the address in host (little-endian) order."""
+    raw = bytes.fromhex(hex_addr)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return str(ipaddress.ip_address(words))
+
+
+def parse_proc_net_tcp(text: str) -> tuple[TcpSocket, ...]:
+    """Parse /proc/net/tcp or /proc/net/tcp6; malformed rows are skipped."""
+    out: list[TcpSocket] = []
+    for line in text.splitlines()[1:]:  # the first line is the header
+        fields = line.split()
+        if len(fields) < 10:
+            continue
+        try:
+            addr_hex, port_hex = fields[1].split(":")
+            out.append(
+                TcpSocket(
+                    local_address=_decode_proc_address(addr_hex),
+                    local_port=int(port_hex, 16),
+                    state=int(fields[3], 16),
+                    inode=int(fields[9]),
+                )
+            )
+        except ValueError:
+            continue
+    return tuple(out)
+
+
+def parse_proc_stat(text: str) -> tuple[int, int] | None:
+    """``/proc/<pid>/stat`` → (pid, ppid). The command name may hold spaces and ')'."""
+    head, sep, tail = text.rpartition(")")
+    if not sep:
+        return None
+    pid_text = head.split("(", 1)[0].strip()
+    fields = tail.split()
+    if len(fields) < 2:
+        return None
+    try:
+        return int(pid_text), int(fields[1])
+    except ValueError:
+        return None
+
+
+def parse_cmdline(raw: bytes) -> tuple[str, ...] | None:
+    """NUL-separated argv → tuple; None for an empty one (kernel thread, zombie)."""
+    if not raw:
+        return None
+    parts = raw.split(b"\0")
+    if parts and parts[-1] == b"":
+        parts.pop()
+    return tuple(p.decode("utf-8", errors="replace") for p in parts) or None
+
+
+def descendants(root: int, parents: Mapping[int, int]) -> tuple[int, ...]:
+    """``root`` followed by all its descendants (sorted), from a pid → ppid map."""
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    seen = {root}
+    stack = [root]
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            if child not in seen:
+                seen.add(child)
+                stack.append(child)
+    return (root, *sorted(seen - {root}))
+
+
+def port_of(url: str) -> int:
+    parts = urlsplit(url)
+    if parts.port is not None:
+        return parts.port
+    return 443 if parts.scheme == "https" else 80
+
+
+# --- /proc readers (skip what cannot be read) ------------------------------------------------
+
+
+def _pid_dirs(proc_root: Path) -> Iterable[int]:
+    try:
+        names = os.listdir(proc_root)
+    except OSError:
+        return ()
+    return (int(n) for n in names if n.isdigit())
+
+
+def read_parents(proc_root: Path) -> dict[int, int]:
+    parents: dict[int, int] = {}
+    for pid in _pid_dirs(proc_root):
+        try:
+            text = (proc_root / str(pid) / "stat").read_text(encoding="utf-8", errors="replace")
+        except OSError:  # exited since listdir, or not ours to read
+            continue
+        parsed = parse_proc_stat(text)
+        if parsed is not None:
+            parents[parsed[0]] = parsed[1]
+    return parents
+
+
+def read_cmdline(proc_root: Path, pid: int) -> tuple[str, ...] | None:
+    try:
+        raw = (proc_root / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return None
+    argv = parse_cmdline(raw)
+    return redact_argv(argv) if argv is not None else None
+
+
+def listening_inodes(proc_root: Path, port: int) -> set[int]:
+    inodes: set[int] = set()
+    for name in ("tcp", "tcp6"):
+        try:
+            text = (proc_root / "net" / name).read_text(encoding="utf-8", errors="replace")
+        except OSError:  # tcp6 is absent where IPv6 is disabled
+            continue
+        inodes.update(
+            s.inode for s in parse_proc_net_tcp(text) if s.listening and s.local_port == port
+        )
+    inodes.discard(0)
+    return inodes
+
+
+def _holds_socket(proc_root: Path, pid: int, inodes: set[int]) -> bool:
+    fd_dir = proc_root / str(pid) / "fd"
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return False
+    targets = {f"socket:[{i}]" for i in inodes}
+    for fd in fds:
+        try:
+            if os.readlink(fd_dir / fd) in targets:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def socket_owners(proc_root: Path, inodes: set[int], hint_pid: int | None = None) -> set[int]:
+    """Pids holding one of the socket inodes. ``hint_pid`` (last tick's answer) is tried first
+    so the steady state costs one process's fds instead of a walk over every process."""
+    if not inodes:
+        return set()
+    if hint_pid is not None and _holds_socket(proc_root, hint_pid, inodes):
+        return {hint_pid}
+    return {pid for pid in _pid_dirs(proc_root) if _holds_socket(proc_root, pid, inodes)}
+
+
+def topmost(pids: set[int], parents: Mapping[int, int]) -> int:
+    """The pid none of whose ancestors is also in ``pids``: with several API server processes
+    sharing one inherited socket, the parent is the service's main process."""
+
+    def has_ancestor_in_set(pid: int) -> bool:
+        seen: set[int] = set()
+        cur = parents.get(pid)
+        while cur is not None and cur not in seen and cur > 0:
+            if cur in pids:
+                return True
+            seen.add(cur)
+            cur = parents.get(cur)
+        return False
+
+    tops = [p for p in pids if not has_ancestor_in_set(p)]
+    return min(tops or pids)
+
+
+# --- the collector ---------------------------------------------------------------------------
+
+
+class UnitCollector:
+    """Collector for one service's unit (or, without a unit, its listening process)."""
+
+    kind = SourceKind.UNIT
+
+    def __init__(
+        self, service: ServiceConfig, cfg: UnitSourceConfig, proc_root: Path = Path("/proc")
+    ) -> None:
+        self.service: str | None = service.name
+        self._unit = service.unit
+        self._url = service.url
+        self._cfg = cfg
+        self._proc_root = proc_root
+        self.timeout_seconds = cfg.timeout_seconds + _PROC_SCAN_MARGIN_SECONDS
+        self._last_listener: int | None = None
+
+    def collect(self) -> Reading:
+        try:
+            if self._unit is not None:
+                return self._collect_unit(self._unit)
+            return self._collect_by_port()
+        except Exception as e:  # a source that is down is an observation, never an exception
+            return failed(self.kind, self.service, f"unit source failed: {type(e).__name__}: {e}")
+
+    def close(self) -> None:
+        """Nothing to release: every systemctl call is waited for inside collect()."""
+
+    # -- with a unit
+
+    def _collect_unit(self, unit: str) -> Reading:
+        argv = [
+            self._cfg.systemctl,
+            "show",
+            unit,
+            "--property=" + ",".join(SHOW_PROPERTIES),
+            "--no-pager",
+        ]
+        result = _run(argv, self._cfg.timeout_seconds)
+        if isinstance(result, _RunFailure):
+            return failed(self.kind, self.service, result.error, result.hint)
+        rc, stdout, stderr = result
+        if rc != 0:
+            detail = stderr.strip().splitlines()[0][:_STDERR_KEEP_CHARS] if stderr.strip() else ""
+            return failed(
+                self.kind,
+                self.service,
+                f"systemctl show {unit} exited with status {rc}: {detail}".rstrip(": "),
+                hint="the guardian reads unit state from the system manager; it must run on "
+                "the host (or in the container) where the vLLM unit runs, with systemd as PID 1",
+            )
+        props = parse_systemctl_show(stdout)
+        if props.get("LoadState") == "not-found":
+            return failed(
+                self.kind,
+                self.service,
+                f"unit {unit} not found",
+                hint=f"unit {unit} not found: check services[].unit",
+            )
+        if "ActiveState" not in props:
+            return failed(self.kind, self.service, f"systemctl show {unit} printed no ActiveState")
+        state = unit_state_from_show(unit, props)
+        return self._reading(self._with_processes(state))
+
+    # -- without a unit
+
+    def _collect_by_port(self) -> Reading:
+        port = port_of(self._url)
+        if not (self._proc_root / "net" / "tcp").exists():
+            return failed(
+                self.kind,
+                self.service,
+                f"cannot read {self._proc_root / 'net' / 'tcp'}",
+                hint="without services[].unit the guardian finds vLLM by its listening port in "
+                "/proc; set services[].unit where /proc is not available",
+            )
+        inodes = listening_inodes(self._proc_root, port)
+        empty = UnitState(
+            unit=None,
+            active_state=None,
+            sub_state=None,
+            result=None,
+            main_pid=None,
+            n_restarts=None,
+            exec_main_status=None,
+            active_enter_monotonic_seconds=None,
+            control_group=None,
+            cmdline=None,
+        )
+        if not inodes:
+            # Nothing listens: vLLM is down, or still starting (it listens only once ready).
+            self._last_listener = None
+            return self._reading(empty)
+        owners = socket_owners(self._proc_root, inodes, self._last_listener)
+        if not owners:
+            return failed(
+                self.kind,
+                self.service,
+                f"port {port} is listening but no visible process owns the socket",
+                hint="the guardian cannot see other users' file descriptors: run it as root or "
+                "as vLLM's user, or set services[].unit",
+            )
+        parents = read_parents(self._proc_root)
+        main_pid = topmost(owners, parents)
+        self._last_listener = main_pid
+        state = dataclasses.replace(empty, main_pid=main_pid)
+        return self._reading(self._with_processes(state, parents))
+
+    # -- shared
+
+    def _with_processes(
+        self, state: UnitState, parents: Mapping[int, int] | None = None
+    ) -> UnitState:
+        if state.main_pid is None:
+            return state
+        if parents is None:
+            parents = read_parents(self._proc_root)
+        cmdline = read_cmdline(self._proc_root, state.main_pid)
+        pids = (
+            descendants(state.main_pid, parents) if state.main_pid in parents else (state.main_pid,)
+        )
+        return dataclasses.replace(state, cmdline=cmdline, pids=pids)
+
+    def _reading(self, state: UnitState) -> Reading:
+        return Reading(source=self.kind, service=self.service, payload=state)
+
+
+@dataclass(frozen=True)
+class _RunFailure:
+    error: str
+    hint: str
+
+
+def _run(argv: list[str], timeout_seconds: float) -> tuple[int, str, str] | _RunFailure:
+    """Run a command (never through a shell) with a hard deadline.
+
+    It gets its own process group so a timeout kills whatever it started too; ``subprocess.run``
+    would kill only the direct child and could then block on a grandchild holding the pipes.
+    """
+    tool = argv[0]
+    try:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            env={**os.environ, "LC_ALL": "C", "SYSTEMD_PAGER": "", "SYSTEMD_COLORS": "0"},
+        )
+    except FileNotFoundError:
+        return _RunFailure(
+            f"{tool} not found",
+            f"{tool!r} is not installed or not on PATH: set sources.unit.systemctl to its "
+            "full path, or remove services[].unit to find vLLM by its port",
+        )
+    except OSError as e:
+        return _RunFailure(
+            f"cannot run {tool}: {e.strerror or e}",
+            f"check that {tool!r} is executable by the guardian's user",
+        )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_seconds)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        return _RunFailure(
+            f"{tool} show timed out after {timeout_seconds:g}s",
+            "systemd (PID 1) is busy or hung; raise sources.unit.timeout_seconds if this "
+            "host is slow but healthy",
+        )
+    return (
+        proc.returncode,
+        stdout.decode("utf-8", errors="replace"),
+        stderr.decode("utf-8", errors="replace"),
+    )
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(OSError):  # already gone
+        os.killpg(proc.pid, signal.SIGKILL)
+    try:
+        proc.communicate(timeout=1.0)
+    except (subprocess.TimeoutExpired, OSError):
+        proc.kill()
+        proc.wait()
+
+
+if TYPE_CHECKING:
+
+    def _is_collector(c: UnitCollector) -> Collector:
+        return c
