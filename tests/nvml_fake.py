@@ -7,6 +7,7 @@ GPUs, memory, processes, lost GPUs, XID events and init return codes.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,14 +15,28 @@ from pathlib import Path
 FAKE_NVML_SOURCE = Path(__file__).parent / "fake_nvml" / "fake_nvml.c"
 
 
-def build_fake_nvml(out_dir: Path) -> Path:
-    """Compile the fake into ``out_dir/libnvidia-ml.so.1``; raises if gcc fails."""
+def build_fake_nvml(out_dir: Path, variant: str = "") -> Path:
+    """Compile the fake into ``out_dir/libnvidia-ml.so.1``; raises if gcc fails.
+
+    ``variant`` is appended to the driver version it reports, to tell two builds apart.
+    """
     gcc = shutil.which("gcc")
     if gcc is None:
         raise FileNotFoundError("gcc")
     lib = out_dir / "libnvidia-ml.so.1"
     subprocess.run(
-        [gcc, "-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-o", str(lib), str(FAKE_NVML_SOURCE)],
+        [
+            gcc,
+            "-shared",
+            "-fPIC",
+            "-O2",
+            "-Wall",
+            "-Werror",
+            f"-DFAKE_NVML_VARIANT={json.dumps(variant)}",
+            "-o",
+            str(lib),
+            str(FAKE_NVML_SOURCE),
+        ],
         check=True,
         capture_output=True,
         text=True,

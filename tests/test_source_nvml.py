@@ -524,9 +524,43 @@ def test_nvml_lost_gpu_is_listed_and_others_keep_reporting(
     assert [d.error for d in reading.devices] == [None, "GPU is lost", None]
     lost = reading.devices[1]
     assert (lost.index, lost.uuid, lost.memory_free_bytes, lost.processes) == (1, None, None, None)
-    # The GPU comes back (after a reset): it reports again without a new session.
-    nvml_state.write(f"gpu 0 used={GIB}", f"gpu 1 used={3 * GIB}", f"gpu 2 used={2 * GIB}")
+    # The GPU comes back (after a reset): it reports again without a new session, and its
+    # XID events, which it could not be registered for while lost, now arrive.
+    back = (f"gpu 0 used={GIB}", f"gpu 1 used={3 * GIB}", f"gpu 2 used={2 * GIB}")
+    nvml_state.write(*back)
     assert [d.memory_used_bytes for d in gpus(c.collect()).devices] == [GIB, 3 * GIB, 2 * GIB]
+    nvml_state.write(*back, "xid 1 79 1")
+    assert gpus(c.collect()).xid_events == (XidEvent(1, 79, clock.time()),)
+
+
+@pytest.mark.parametrize(
+    ("util_rc", "error", "utilization"),
+    [
+        (15, "GPU is lost", None),  # fell off the bus between two queries: nothing is kept
+        (16, "GPU requires restart", None),
+        (999, None, None),  # an odd sensor error: only that value is absent
+        (0, None, 0.07),
+    ],
+)
+def test_nvml_error_midway_through_a_device(
+    fake_lib: Path,
+    nvml_state: FakeNvmlState,
+    clock: FakeClock,
+    collectors: list[NvmlCollector],
+    util_rc: int,
+    error: str | None,
+    utilization: float | None,
+) -> None:
+    nvml_state.write(f"gpu 0 used={GIB} util=7 util_rc={util_rc}", f"gpu 1 used={GIB}")
+    c = nvml_collector(fake_lib, clock)
+    collectors.append(c)
+    d0, d1 = gpus(c.collect()).devices
+    assert d0.error == error
+    assert d0.utilization_ratio == utilization
+    assert d0.uuid == "GPU-fake-0"
+    assert d0.memory_used_bytes == (None if error else GIB)
+    assert d0.temperature_celsius == (None if error else 40.0)
+    assert (d1.error, d1.memory_used_bytes) == (None, GIB)
 
 
 class Children:
@@ -588,8 +622,9 @@ def test_nvml_processes_attributed_from_real_proc(
     nvml_state.write(
         "gpu 0",
         "gpu 1",
-        f"proc 0 compute {child} {5 * GIB}",
-        f"proc 0 graphics {child} {5 * GIB}",  # the same process in both lists: listed once
+        # The same process in both lists is listed once, with the usage the driver knows.
+        f"proc 0 compute {child} na",
+        f"proc 0 graphics {child} {5 * GIB}",
         f"proc 0 compute {grandchild} na",
         f"proc 1 compute {grandchild} {GIB}",
     )
@@ -670,22 +705,30 @@ def test_nvml_library_missing_then_appears_after_backoff(
     collectors: list[NvmlCollector],
     tmp_path: Path,
 ) -> None:
-    nvml_state.write("gpu 0")
+    nvml_state.write("driver 550", "gpu 0")
+    # Another library was in use before (pynvml keeps it and its function pointers in
+    # module globals): the one that appears at library_path must be the one called.
+    before = nvml_collector(fake_lib, clock)
+    assert gpus(before.collect()).driver_version == "550"
+    before.close()
     lib = tmp_path / "driver" / "libnvidia-ml.so.1"
     c = nvml_collector(lib, clock)
     collectors.append(c)
     error, hint = down(c.collect())
     assert f"NVML library not found at {lib}" in error
     assert "next init retry at 2027-01-15T08:00:02Z" in error  # FakeClock start + one interval
-    assert (
-        hint == "NVML library not found: install the NVIDIA driver or set sources.nvml.library_path"
+    assert hint == (
+        "NVML library not found: install the NVIDIA driver or set sources.nvml.library_path"
     )
+    build_fake_nvml(tmp_path, variant="-b")
     lib.parent.mkdir()
-    shutil.copy(fake_lib, lib)
+    (tmp_path / "libnvidia-ml.so.1").rename(lib)
     clock.advance(INTERVAL - 0.1)
-    assert "next init retry at 2027-01-15T08:00:02Z" in down(c.collect())[0]  # still backing off
+    assert "next init retry at 2027-01-15T08:00:02Z" in down(c.collect())[0]  # backing off
     clock.advance(0.1)
-    assert [d.uuid for d in gpus(c.collect()).devices] == ["GPU-fake-0"]
+    reading = gpus(c.collect())
+    assert [d.uuid for d in reading.devices] == ["GPU-fake-0"]
+    assert reading.driver_version == "550-b"
 
 
 def test_nvml_init_backoff_doubles_and_is_capped(

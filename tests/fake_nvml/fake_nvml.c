@@ -13,6 +13,8 @@
  *   driver 550.54.15           nvmlSystemGetDriverVersion (absent: NOT_SUPPORTED)
  *   gpu INDEX key=value ...    one GPU; keys: uuid name total used free util temp power_mw
  *                              remap=PENDING,FAILURE retired=0|1 lost=0|1 procs=na
+ *                              util_rc=N: utilization returns code N (an error that
+ *                              arrives mid-device, after uuid and memory were read)
  *                              A value "na" makes that query return NOT_SUPPORTED.
  *                              '_' in name becomes a space. lost=1: every per-device query
  *                              but GetHandleByIndex/GetIndex returns GPU_IS_LOST.
@@ -26,6 +28,8 @@
  * count how often the guardian called nvmlInitWithFlags.
  *
  * Build: gcc -shared -fPIC -O2 -o libnvidia-ml.so.1 fake_nvml.c
+ * -DFAKE_NVML_VARIANT='"-b"' appends "-b" to the driver version, so a test can tell which
+ * of two loaded copies of the library answered.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -44,6 +48,9 @@
 #define MAX_PROCS 64
 #define MAX_XIDS 256
 #define NA (-1LL)
+#ifndef FAKE_NVML_VARIANT
+#define FAKE_NVML_VARIANT ""
+#endif
 
 typedef void *nvmlDevice_t;
 typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
@@ -67,7 +74,7 @@ typedef struct {
     char uuid[96];
     char name[96];
     long long total, used, free, util, temp, power_mw, remap_pending, remap_failure, retired;
-    int lost, procs_na;
+    int lost, procs_na, util_rc;
 } gpu_t;
 typedef struct { int gpu; int graphics; unsigned pid; long long used; } proc_t;
 typedef struct { int gpu; unsigned long long xid; long long seq; } xid_t;
@@ -162,6 +169,7 @@ static int load(state_t *s) {
                 else if (strcmp(k, "power_mw") == 0) g->power_mw = num(val);
                 else if (strcmp(k, "retired") == 0) g->retired = num(val);
                 else if (strcmp(k, "lost") == 0) g->lost = atoi(val);
+                else if (strcmp(k, "util_rc") == 0) g->util_rc = atoi(val);
                 else if (strcmp(k, "procs") == 0) g->procs_na = strcmp(val, "na") == 0;
                 else if (strcmp(k, "remap") == 0) {
                     if (strcmp(val, "na") == 0) {
@@ -248,8 +256,8 @@ int nvmlSystemGetDriverVersion(char *buf, unsigned int len) {
     if (!g_initialized) return E_UNINITIALIZED;
     if (load(&s) != 0) return E_DRIVER_NOT_LOADED;
     if (!s.have_driver) return E_NOT_SUPPORTED;
-    if (len < strlen(s.driver) + 1) return E_INSUFFICIENT_SIZE;
-    snprintf(buf, len, "%s", s.driver);
+    if (len < strlen(s.driver) + strlen(FAKE_NVML_VARIANT) + 1) return E_INSUFFICIENT_SIZE;
+    snprintf(buf, len, "%s%s", s.driver, FAKE_NVML_VARIANT);
     return OK;
 }
 
@@ -318,6 +326,7 @@ int nvmlDeviceGetUtilizationRates(nvmlDevice_t h, nvmlUtilization_t *u) {
     gpu_t *g;
     int rc = device(h, &s, &g, 0);
     if (rc) return rc;
+    if (g->util_rc) return g->util_rc;
     if (g->util == NA) return E_NOT_SUPPORTED;
     u->gpu = (unsigned)g->util;
     u->memory = 0;
