@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import re
 import types
 import typing
@@ -28,7 +29,10 @@ _MIB = 1024 * 1024
 
 
 def _bounds(
-    lo: float | None = None, hi: float | None = None, *, check: Callable[[Any], str | None] | None = None
+    lo: float | None = None,
+    hi: float | None = None,
+    *,
+    check: Callable[[Any], str | None] | None = None,
 ) -> dict[str, Any]:
     return {"min": lo, "max": hi, "check": check}
 
@@ -318,7 +322,7 @@ class _Loader:
             self.err(path, node, "must not be empty")
             return _INVALID
         if dataclasses.is_dataclass(tp):
-            built = self.build(tp, node, path)  # type: ignore[arg-type]
+            built = self.build(typing.cast("type[Any]", tp), node, path)
             return built if built is not None else _INVALID
         if origin is tuple:
             return self.sequence(typing.get_args(tp)[0], node, path, f, optional)
@@ -337,7 +341,7 @@ class _Loader:
         for i, item in enumerate(node.value):
             sub = f"{path}[{i}]"
             if dataclasses.is_dataclass(item_tp):
-                built = self.build(item_tp, item, sub)
+                built = self.build(typing.cast("type[Any]", item_tp), item, sub)
                 if built is not None:
                     items.append(built)
             else:
@@ -377,7 +381,7 @@ class _Loader:
                 return _INVALID
             value = raw
         elif tp is float:
-            if isinstance(raw, bool) or not isinstance(raw, int | float) or raw != raw:
+            if isinstance(raw, bool) or not isinstance(raw, int | float) or math.isnan(raw):
                 self.err(path, node, f"expected a number, got {node.value!r}")
                 return _INVALID
             value = float(raw)
@@ -425,11 +429,17 @@ def _cross_checks(cfg: Config, root: yaml.Node, loader: _Loader) -> None:
     names = [s.name for s in cfg.services]
     for i, s in enumerate(cfg.services):
         if names.count(s.name) > 1 and names.index(s.name) != i:
-            loader.err(f"services[{i}].name", _find(root, "services", i), f"duplicate service name {s.name!r}")
+            loader.err(
+                f"services[{i}].name",
+                _find(root, "services", i),
+                f"duplicate service name {s.name!r}",
+            )
     urls = [s.url.rstrip("/") for s in cfg.services]
     for i, u in enumerate(urls):
         if urls.count(u) > 1 and urls.index(u) != i:
-            loader.err(f"services[{i}].url", _find(root, "services", i), f"URL {u} is used by two services")
+            loader.err(
+                f"services[{i}].url", _find(root, "services", i), f"URL {u} is used by two services"
+            )
 
 
 def _find(root: yaml.Node, key: str, index: int) -> yaml.Node | None:
@@ -450,10 +460,14 @@ def parse_config(text: str, filename: str = "<config>") -> Config:
         raise ConfigInvalid(filename, [ConfigError("", line, f"not valid YAML: {e}")]) from None
     loader = _Loader()
     if root is None:
-        loader.errors.append(ConfigError("services", None, "the config is empty; it needs at least one service"))
+        loader.errors.append(
+            ConfigError("services", None, "the config is empty; it needs at least one service")
+        )
         raise ConfigInvalid(filename, loader.errors)
     cfg = loader.build(Config, root, "")
-    if "services" not in {k.value for k, _ in getattr(root, "value", []) if isinstance(root, yaml.MappingNode)}:
+    if "services" not in {
+        k.value for k, _ in getattr(root, "value", []) if isinstance(root, yaml.MappingNode)
+    }:
         loader.err("services", root, "required key is missing: list at least one vLLM service")
     if isinstance(cfg, Config):
         _cross_checks(cfg, root, loader)

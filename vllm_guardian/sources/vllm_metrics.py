@@ -1,0 +1,388 @@
+"""Source: vLLM's ``/metrics``, across vLLM versions, reduced to what the guardian uses.
+
+Where it sits: first stage of the tick (collect). The collector GETs ``<url>/metrics`` with a
+timeout and a body-size cap; :func:`parse_vllm_metrics` (pure) turns the body into a
+:class:`VllmScrape` with one :class:`EngineMetrics` per ``(model_name, engine)``. Rates and
+quantiles are *not* computed here: they need history, which the pure core keeps
+(``core/signals.py``).
+
+Version tolerance (reference: vllm-surface.md §1.5): KV usage is ``vllm:kv_cache_usage_perc``
+(V1 ≥ 0.9.2) or ``vllm:gpu_cache_usage_perc`` (V0, V1 ≤ 0.11); prefix-cache counters exist in
+three generations; ``vllm:num_requests_swapped`` only in V0; V0 has no ``engine`` label;
+``vllm:cache_config_info`` changes its label set every release and is parsed dynamically.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+
+import requests
+
+from vllm_guardian import promtext
+from vllm_guardian.config import ServiceConfig, VllmMetricsSourceConfig
+from vllm_guardian.model import (
+    CacheConfig,
+    EngineMetrics,
+    Histogram,
+    Reading,
+    SourceKind,
+    VllmScrape,
+)
+from vllm_guardian.sources.base import failed
+
+# Gauges and counters: exposed sample name → EngineMetrics field, in fallback order (the
+# first name present wins for a field).
+_SCALARS: dict[str, str] = {
+    "vllm:num_requests_running": "requests_running",
+    "vllm:num_requests_waiting": "requests_waiting",
+    "vllm:num_requests_swapped": "requests_swapped",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage_ratio",
+    "vllm:gpu_cache_usage_perc": "kv_cache_usage_ratio",
+    "vllm:num_preemptions_total": "preemptions_total",
+    "vllm:prompt_tokens_total": "prompt_tokens_total",
+    "vllm:generation_tokens_total": "generation_tokens_total",
+    "vllm:prefix_cache_queries_total": "prefix_cache_queries_total",
+    "vllm:gpu_prefix_cache_queries_total": "prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total": "prefix_cache_hits_total",
+    "vllm:gpu_prefix_cache_hits_total": "prefix_cache_hits_total",
+    "vllm:gpu_prefix_cache_hit_rate": "prefix_cache_hit_ratio",
+}
+_PRIORITY = {name: i for i, name in enumerate(_SCALARS)}
+_HISTOGRAMS: dict[str, str] = {
+    "vllm:time_to_first_token_seconds": "time_to_first_token",
+    "vllm:e2e_request_latency_seconds": "e2e_request_latency",
+    "vllm:request_queue_time_seconds": "request_queue_time",
+}
+_SUCCESS = "vllm:request_success_total"
+_CACHE_INFO = "vllm:cache_config_info"
+_START_TIME = "process_start_time_seconds"
+# Must lie in [0, 1]. (V0 exports the hit-rate gauge as -1 with prefix caching off: that is
+# rejected by the negative check, which reads as "unknown", as it should.)
+_RATIOS = {"kv_cache_usage_ratio", "prefix_cache_hit_ratio"}
+
+WANTED: frozenset[str] = frozenset(
+    [*_SCALARS, _SUCCESS, _CACHE_INFO, _START_TIME]
+    + [f"{h}{suffix}" for h in _HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")]
+)
+
+
+@dataclass
+class _EngineAcc:
+    model_name: str
+    engine: str
+    scalars: dict[str, tuple[int, float]] = field(default_factory=dict)  # field → (priority, v)
+    finished: float = 0.0
+    failed: float = 0.0
+    saw_success: bool = False
+    buckets: dict[str, dict[float, float]] = field(default_factory=dict)
+    sums: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, float] = field(default_factory=dict)
+    cache: CacheConfig | None = None
+
+
+def _int_label(labels: dict[str, str], key: str) -> int | None:
+    raw = labels.get(key)
+    if raw is None or raw in ("None", ""):
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    if not math.isfinite(value) or value < 0 or value != int(value):
+        return None
+    return int(value)
+
+
+def _float_label(labels: dict[str, str], key: str) -> float | None:
+    raw = labels.get(key)
+    if raw is None or raw in ("None", ""):
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def parse_cache_config(labels: dict[str, str]) -> CacheConfig:
+    """``vllm:cache_config_info`` labels (all CacheConfig fields, stringified) → CacheConfig."""
+    prefix = labels.get("enable_prefix_caching")
+    return CacheConfig(
+        num_gpu_blocks=_int_label(labels, "num_gpu_blocks"),
+        block_size=_int_label(labels, "block_size"),
+        gpu_memory_utilization_ratio=_float_label(labels, "gpu_memory_utilization"),
+        kv_cache_memory_bytes=_int_label(labels, "kv_cache_memory_bytes"),
+        kv_cache_size_tokens=_int_label(labels, "kv_cache_size_tokens"),
+        enable_prefix_caching=None if prefix not in ("True", "False") else prefix == "True",
+        labels=tuple(sorted((k, v) for k, v in labels.items() if k != "engine")),
+    )
+
+
+_KIND: dict[str, tuple[str, str]] = {
+    **{name: ("scalar", target) for name, target in _SCALARS.items()},
+    **{f"{base}_bucket": ("bucket", h) for base, h in _HISTOGRAMS.items()},
+    **{f"{base}_sum": ("sum", h) for base, h in _HISTOGRAMS.items()},
+    **{f"{base}_count": ("count", h) for base, h in _HISTOGRAMS.items()},
+    _SUCCESS: ("success", ""),
+    _CACHE_INFO: ("cache", ""),
+    _START_TIME: ("start", ""),
+}
+
+
+_LabelInfo = tuple[str, str, float | None, str | None]  # model_name, engine, le, finished_reason
+
+
+class VllmParser:
+    """Parses vLLM expositions; keep one per server: it caches label sets between scrapes."""
+
+    MAX_CACHED = 20_000
+
+    def __init__(self) -> None:
+        self.text_parser = promtext.Parser(WANTED, ("vllm:",))
+        self._info: dict[promtext.Labels, _LabelInfo] = {}
+
+    def label_info(self, labels: promtext.Labels) -> _LabelInfo:
+        info = self._info.get(labels)
+        if info is None:
+            if len(self._info) >= self.MAX_CACHED:
+                self._info.clear()
+            d = dict(labels)
+            info = self._info[labels] = (
+                d.get("model_name", ""),
+                d.get("engine", ""),
+                _parse_le(d.get("le")),
+                d.get("finished_reason"),
+            )
+        return info
+
+
+def make_parser() -> VllmParser:
+    return VllmParser()
+
+
+def parse_vllm_metrics(
+    text: str, body_bytes: int | None = None, parser: VllmParser | None = None
+) -> VllmScrape:
+    """Reduce a /metrics body to a VllmScrape. Pure: bad lines and values are counted."""
+    parser = parser or VllmParser()
+    result = parser.text_parser.parse(text)
+    engines: dict[tuple[str, str], _EngineAcc] = {}
+    seen: set[tuple[str, promtext.Labels]] = set()
+    duplicates = 0
+    rejected = 0
+    start_time: float | None = None
+    cache_by_engine: dict[str, CacheConfig] = {}
+    isfinite = math.isfinite
+    for s in result.samples:
+        ident = (s.name, s.labels)
+        if ident in seen:
+            duplicates += 1
+            continue
+        seen.add(ident)
+        kind, arg = _KIND[s.name]
+        value = s.value
+        if kind == "start":
+            if isfinite(value) and value > 0:
+                start_time = value
+            else:
+                rejected += 1
+            continue
+        if kind == "cache":
+            # It carries every CacheConfig field and `engine`, but no model_name.
+            labels = dict(s.labels)
+            cache_by_engine[labels.get("engine", "")] = parse_cache_config(labels)
+            continue
+        if not isfinite(value) or value < 0:
+            rejected += 1
+            continue
+        model_name, engine, le, reason = parser.label_info(s.labels)
+        key = (model_name, engine)
+        acc = engines.get(key)
+        if acc is None:
+            acc = engines[key] = _EngineAcc(model_name, engine)
+        if kind == "bucket":
+            if le is None:
+                rejected += 1
+            else:
+                acc.buckets.setdefault(arg, {})[le] = value
+        elif kind == "scalar":
+            if arg in _RATIOS and value > 1.0:
+                rejected += 1
+                continue
+            prio = _PRIORITY[s.name]
+            held = acc.scalars.get(arg)
+            if held is None or prio < held[0]:
+                acc.scalars[arg] = (prio, value)
+        elif kind == "sum":
+            acc.sums[arg] = value
+        elif kind == "count":
+            acc.counts[arg] = value
+        else:  # success
+            acc.saw_success = True
+            acc.finished += value
+            if reason in ("abort", "error"):
+                acc.failed += value
+    for acc in engines.values():
+        acc.cache = cache_by_engine.get(acc.engine)
+    out = tuple(_finish(acc) for acc in engines.values())
+    return VllmScrape(
+        engines=tuple(sorted(out, key=lambda e: (e.model_name, _engine_order(e.engine)))),
+        stats_enabled="vllm:" in result.prefixes_seen,
+        process_start_time_seconds=start_time,
+        body_bytes=len(text.encode()) if body_bytes is None else body_bytes,
+        malformed_lines=result.malformed_lines,
+        rejected_values=rejected,
+        duplicate_series=duplicates,
+    )
+
+
+def _parse_le(raw: str | None) -> float | None:
+    if raw is None:
+        return None
+    try:
+        le = float(raw)
+    except ValueError:
+        return None
+    return None if math.isnan(le) else le
+
+
+def _engine_order(engine: str) -> tuple[int, str]:
+    return (int(engine), "") if engine.isdigit() else (1 << 30, engine)
+
+
+def _histogram(acc: _EngineAcc, name: str) -> Histogram | None:
+    buckets = acc.buckets.get(name)
+    if not buckets or math.inf not in buckets:
+        return None
+    ordered = tuple(sorted(buckets.items()))
+    # Cumulative counts must not decrease with le; a body that says otherwise is corrupt.
+    if any(b[1] < a[1] for a, b in itertools.pairwise(ordered)):
+        return None
+    return Histogram(ordered, acc.sums.get(name), acc.counts.get(name))
+
+
+def _finish(acc: _EngineAcc) -> EngineMetrics:
+    values = {k: v for k, (_, v) in acc.scalars.items()}
+    em = EngineMetrics(model_name=acc.model_name, engine=acc.engine, cache_config=acc.cache)
+    return replace(
+        em,
+        **values,  # type: ignore[arg-type]  # keys are EngineMetrics float fields (_SCALARS)
+        requests_finished_total=acc.finished if acc.saw_success else None,
+        requests_failed_total=acc.failed if acc.saw_success else None,
+        time_to_first_token=_histogram(acc, "time_to_first_token"),
+        e2e_request_latency=_histogram(acc, "e2e_request_latency"),
+        request_queue_time=_histogram(acc, "request_queue_time"),
+    )
+
+
+class VllmMetricsCollector:
+    """GET <url>/metrics → Reading(VllmScrape). Never raises."""
+
+    kind = SourceKind.VLLM_METRICS
+
+    def __init__(self, service: ServiceConfig, cfg: VllmMetricsSourceConfig) -> None:
+        self.service: str | None = service.name
+        self.timeout_seconds = cfg.timeout_seconds
+        self._url = service.url.rstrip("/") + "/metrics"
+        self._max_body_bytes = cfg.max_body_bytes
+        self._parser = make_parser()
+        self._session = requests.Session()
+        self._session.trust_env = False  # a proxy from the environment must not sit on loopback
+
+    def collect(self) -> Reading:
+        try:
+            body = self._fetch()
+        except _FetchError as e:
+            return failed(self.kind, self.service, e.error, e.hint)
+        text = body.decode("utf-8", errors="replace")
+        scrape = parse_vllm_metrics(text, len(body), self._parser)
+        if not scrape.engines and not scrape.stats_enabled:
+            if scrape.malformed_lines and _looks_like_html(text):
+                return failed(
+                    self.kind,
+                    self.service,
+                    f"{self._url} returned HTML, not a Prometheus exposition",
+                    "is services[].url pointing at vLLM itself (not a proxy or UI)?",
+                )
+            # Not a failure to scrape: the server answered, it just exports no engine stats.
+            return Reading(
+                self.kind,
+                self.service,
+                scrape,
+                error="no vllm:* series in /metrics",
+                hint="vLLM was started with --disable-log-stats, or this is not a vLLM server; "
+                "the guardian cannot see KV usage or queues without them",
+            )
+        return Reading(self.kind, self.service, scrape)
+
+    def _fetch(self) -> bytes:
+        try:
+            with self._session.get(
+                self._url,
+                timeout=(self.timeout_seconds, self.timeout_seconds),
+                stream=True,
+                headers={"Accept": "text/plain;version=0.0.4"},
+            ) as resp:
+                if resp.status_code != 200:
+                    raise _FetchError(f"GET {self._url}: HTTP {resp.status_code}", None)
+                chunks: list[bytes] = []
+                size = 0
+                for chunk in resp.iter_content(chunk_size=65536):
+                    size += len(chunk)
+                    if size > self._max_body_bytes:
+                        raise _FetchError(
+                            f"GET {self._url}: body exceeds {self._max_body_bytes} bytes",
+                            "raise sources.vllm_metrics.max_body_bytes if this server "
+                            "is legitimately that large",
+                        )
+                    chunks.append(chunk)
+                return b"".join(chunks)
+        except requests.exceptions.ConnectionError as e:
+            if _is_refused(e):
+                raise _FetchError(
+                    f"GET {self._url}: connection refused",
+                    "vLLM is not listening: still loading the model, or not running",
+                ) from None
+            raise _FetchError(f"GET {self._url}: {_short(e)}", None) from None
+        except requests.exceptions.Timeout:
+            raise _FetchError(
+                f"GET {self._url}: no answer within {self.timeout_seconds:g}s",
+                "the API server is hung or overloaded",
+            ) from None
+        except requests.exceptions.RequestException as e:
+            raise _FetchError(f"GET {self._url}: {_short(e)}", None) from None
+
+    def close(self) -> None:
+        self._session.close()
+
+
+class _FetchError(Exception):
+    def __init__(self, error: str, hint: str | None) -> None:
+        super().__init__(error)
+        self.error = error
+        self.hint = hint
+
+
+def _is_refused(e: BaseException) -> bool:
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, ConnectionRefusedError) or "Connection refused" in str(cur):
+            return True
+        cur = cur.__cause__ or cur.__context__
+        if cur is None and e.args and isinstance(e.args[0], BaseException):
+            cur = e.args[0]
+    return False
+
+
+def _short(e: BaseException) -> str:
+    text = str(e)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _looks_like_html(text: str) -> bool:
+    head = text.lstrip()[:200].lower()
+    return head.startswith(("<!doctype html", "<html")) or "<html" in head
