@@ -1,0 +1,295 @@
+"""Derived signals, table-driven over snapshot series with explicit times (no clock)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from vllm_guardian.config import ServiceConfig, SignalsConfig
+from vllm_guardian.core import signals as sig
+from vllm_guardian.model import (
+    CacheConfig,
+    EngineMetrics,
+    GpuDevice,
+    GpuProcess,
+    GpuReading,
+    HealthProbe,
+    HealthState,
+    Histogram,
+    ServiceSnapshot,
+    Snapshot,
+    UnitState,
+    VllmScrape,
+)
+
+GIB = 1024**3
+SVC = ServiceConfig(name="vllm")
+CFG = SignalsConfig(
+    rate_window_seconds=10, quantile_window_seconds=10, slope_window_seconds=20, stall_seconds=6
+)
+
+
+def engine(engine: str = "0", **kw: object) -> EngineMetrics:
+    return EngineMetrics(model_name="m", engine=engine, **kw)  # type: ignore[arg-type]
+
+
+def snap(
+    t: float,
+    *engines: EngineMetrics,
+    start: float | None = 1.0,
+    gpus: GpuReading | None = None,
+    unit: UnitState | None = None,
+    health: HealthState | None = HealthState.UP,
+) -> Snapshot:
+    scrape = (
+        VllmScrape(
+            engines=engines, stats_enabled=True, process_start_time_seconds=start, body_bytes=1
+        )
+        if engines
+        else None
+    )
+    probe = HealthProbe(health, 200, 0.01) if health else None
+    return Snapshot(t, (ServiceSnapshot("vllm", vllm=scrape, health=probe, unit=unit),), gpus)
+
+
+def derive(*history: Snapshot, svc: ServiceConfig = SVC) -> sig.ServiceSignals:
+    return sig.derive(list(history), [svc], CFG).services[0]
+
+
+# --- rates -----------------------------------------------------------------------------------
+
+RATES = [
+    # name, points (t, value, process start), expected rate
+    ("steady", [(0, 0, 1), (2, 10, 1), (4, 20, 1)], 5.0),
+    ("reset to lower value counts from zero", [(0, 100, 1), (2, 110, 1), (4, 4, 1)], (10 + 4) / 4),
+    ("restart seen through start time", [(0, 5, 1), (2, 9, 2)], 9 / 2),
+    ("one point has no rate", [(0, 5, 1)], None),
+    ("no time passed", [(3, 5, 1), (3, 6, 1)], None),
+]
+
+
+@pytest.mark.parametrize(("name", "points", "expected"), RATES, ids=[r[0] for r in RATES])
+def test_rate(name, points, expected):
+    got = sig.rate([(float(t), float(v), float(s)) for t, v, s in points])
+    assert got == (pytest.approx(expected) if expected is not None else None)
+
+
+QUANTILES = [
+    # q, cumulative buckets, expected (Prometheus histogram_quantile)
+    (0.5, [(1.0, 0), (2.0, 10), (math.inf, 10)], 1.5),
+    (0.99, [(0.1, 50), (1.0, 100), (math.inf, 100)], 0.1 + 0.9 * (99 - 50) / 50),
+    (0.5, [(1.0, 0), (math.inf, 10)], 1.0),  # lands in +Inf: the last finite bound
+    (0.5, [(1.0, 0), (math.inf, 0)], None),  # no observations
+    (0.5, [(1.0, 4)], None),  # no +Inf bucket: not a histogram
+]
+
+
+@pytest.mark.parametrize(("q", "buckets", "expected"), QUANTILES)
+def test_histogram_quantile(q, buckets, expected):
+    got = sig.histogram_quantile(q, buckets)
+    assert got == (pytest.approx(expected) if expected is not None else None)
+
+
+def test_preemption_and_token_rates_over_the_window():
+    h = [
+        snap(t, engine(preemptions_total=p, generation_tokens_total=g, requests_waiting=1.0))
+        for t, p, g in [(0, 0, 0), (2, 4, 100), (4, 8, 200), (12, 20, 500), (14, 24, 600)]
+    ]
+    s = derive(*h)
+    # window is 10 s: points at t=4, 12, 14
+    assert s.preemptions_per_second == pytest.approx((24 - 8) / 10)
+    assert s.generation_tokens_per_second == pytest.approx((600 - 200) / 10)
+    assert s.counter_reset is False
+
+
+def test_counter_reset_on_vllm_restart_is_flagged_not_negative():
+    h = [
+        snap(0, engine(preemptions_total=50.0), start=1.0),
+        snap(2, engine(preemptions_total=3.0), start=2.0),
+    ]
+    s = derive(*h)
+    assert s.preemptions_per_second == pytest.approx(1.5)
+    assert s.counter_reset is True
+
+
+def test_prefix_hit_ratio_from_counter_rates_across_engines():
+    h = [
+        snap(
+            0,
+            engine("0", prefix_cache_queries_total=0.0, prefix_cache_hits_total=0.0),
+            engine("1", prefix_cache_queries_total=0.0, prefix_cache_hits_total=0.0),
+        ),
+        snap(
+            2,
+            engine("0", prefix_cache_queries_total=100.0, prefix_cache_hits_total=50.0),
+            engine("1", prefix_cache_queries_total=300.0, prefix_cache_hits_total=30.0),
+        ),
+    ]
+    assert derive(*h).prefix_cache_hit_ratio == pytest.approx(80 / 400)
+
+
+def test_latency_quantiles_from_bucket_deltas():
+    def hist(c1: float, c2: float) -> Histogram:
+        return Histogram(((0.5, c1), (1.0, c2), (math.inf, c2)), None, c2)
+
+    h = [
+        snap(0, engine(time_to_first_token=hist(100, 100))),
+        snap(2, engine(time_to_first_token=hist(100, 110))),
+    ]
+    lat = {(x.metric, x.quantile): x.seconds for x in derive(*h).latency}
+    # Only the 10 new observations count, all between 0.5 and 1.0 s.
+    assert lat[("ttft", 0.5)] == pytest.approx(0.75)
+
+
+# --- aggregation and stall -------------------------------------------------------------------
+
+
+def cc(blocks: int) -> CacheConfig:
+    return CacheConfig(blocks, 16, 0.9, None, None, True)
+
+
+def test_kv_usage_is_capacity_weighted_when_capacities_are_known():
+    s = derive(
+        snap(
+            0,
+            engine("0", kv_cache_usage_ratio=0.25, cache_config=cc(1000)),
+            engine("1", kv_cache_usage_ratio=0.75, cache_config=cc(3000)),
+        )
+    )
+    assert s.kv_cache_usage_ratio == pytest.approx((0.25 * 1000 + 0.75 * 3000) / 4000)
+    assert s.kv_cache_capacity_tokens == 4000 * 16
+
+
+def test_kv_usage_is_the_max_when_a_capacity_is_unknown():
+    s = derive(
+        snap(0, engine("0", kv_cache_usage_ratio=0.25), engine("1", kv_cache_usage_ratio=0.75))
+    )
+    assert s.kv_cache_usage_ratio == 0.75
+    assert s.kv_cache_capacity_tokens is None
+
+
+STALLS = [
+    # name, series of (t, waiting, generated), expected stall seconds, stalled?
+    ("progressing", [(0, 5, 10), (2, 5, 20), (4, 5, 30)], 0.0, False),
+    ("waiting but frozen", [(0, 5, 10), (2, 5, 10), (4, 5, 10), (6, 5, 10)], 6.0, True),
+    ("froze recently", [(0, 5, 10), (2, 5, 20), (4, 5, 20)], 2.0, False),
+    ("idle is not stalled", [(0, 0, 10), (2, 0, 10), (4, 0, 10)], 0.0, False),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "series", "seconds", "stalled"), STALLS, ids=[s[0] for s in STALLS]
+)
+def test_stall_signature(name, series, seconds, stalled):
+    h = [
+        snap(t, engine(requests_waiting=float(w), generation_tokens_total=float(g)))
+        for t, w, g in series
+    ]
+    s = derive(*h)
+    assert (s.stall_seconds, s.stalled) == (seconds, stalled)
+
+
+def test_a_gap_in_observation_does_not_extend_a_stall():
+    h = [
+        snap(0, engine(requests_waiting=5.0, generation_tokens_total=1.0)),
+        snap(2),
+        snap(4, engine(requests_waiting=5.0, generation_tokens_total=1.0)),
+    ]
+    assert derive(*h).stall_seconds == 0.0
+
+
+def test_missing_scrape_is_unknown_not_zero():
+    s = derive(snap(0, health=HealthState.REFUSED))
+    assert s.metrics_up is False and s.vllm_up is False
+    assert s.kv_cache_usage_ratio is None and s.requests_waiting is None and s.stall_seconds is None
+
+
+# --- GPU attribution -------------------------------------------------------------------------
+
+UNIT = UnitState(
+    "vllm.service",
+    "active",
+    "running",
+    "success",
+    100,
+    0,
+    None,
+    None,
+    "/system.slice/vllm.service",
+    None,
+    pids=(100, 101),
+)
+
+
+def gpu(index: int, free_gib: float, *procs: GpuProcess, total_gib: float = 80) -> GpuDevice:
+    used = total_gib - free_gib
+    return GpuDevice(
+        index,
+        f"GPU-{index}",
+        "H100",
+        int(total_gib * GIB),
+        int(used * GIB),
+        int(free_gib * GIB),
+        processes=procs,
+    )
+
+
+def p(
+    pid: int, gib: float, cgroup: str | None = None, ancestors: tuple[int, ...] = ()
+) -> GpuProcess:
+    return GpuProcess(pid, int(gib * GIB), cgroup=cgroup, ancestors=ancestors)
+
+
+ATTRIBUTION = [
+    # name, process, belongs to the service?
+    ("main pid", p(100, 1), True),
+    ("descendant listed by the unit source", p(101, 1), True),
+    ("child found through its ancestors", p(555, 1, ancestors=(101, 100, 1)), True),
+    ("same cgroup", p(777, 1, cgroup="/system.slice/vllm.service"), True),
+    ("sub-cgroup", p(778, 1, cgroup="/system.slice/vllm.service/worker"), True),
+    (
+        "a sibling unit whose name extends ours",
+        p(779, 1, cgroup="/system.slice/vllm.service2"),
+        False,
+    ),
+    ("another tenant", p(900, 1, cgroup="/user.slice", ancestors=(1,)), False),
+]
+
+
+@pytest.mark.parametrize(("name", "proc", "mine"), ATTRIBUTION, ids=[a[0] for a in ATTRIBUTION])
+def test_process_attribution(name, proc, mine):
+    assert sig.belongs_to(proc, UNIT) is mine
+
+
+def test_budget_over_budget_and_other_tenants():
+    gpus = GpuReading((gpu(0, 4, p(100, 70), p(900, 5)), gpu(1, 79, p(900, 1))))
+    s = derive(snap(0, engine(cache_config=cc(100)), gpus=gpus, unit=UNIT))
+    assert [g.gpu for g in s.gpus] == [0]  # auto: where the service's processes are
+    assert s.memory_budget_bytes == int(0.9 * 80 * GIB)
+    assert s.service_memory_bytes == 70 * GIB
+    assert s.memory_over_budget_bytes == 0
+    assert s.other_processes_memory_bytes == 5 * GIB
+    assert s.headroom_bytes == 4 * GIB
+
+
+def test_memory_beyond_budget():
+    gpus = GpuReading((gpu(0, 1, p(100, 75)),))
+    s = derive(snap(0, engine(cache_config=cc(100)), gpus=gpus, unit=UNIT))
+    assert s.memory_over_budget_bytes == 75 * GIB - int(0.9 * 80 * GIB)
+
+
+def test_explicit_gpu_list_and_headroom_slope():
+    svc = ServiceConfig(name="vllm", gpus=(0, 1))
+    h = [
+        snap(t, engine(), gpus=GpuReading((gpu(0, 10 - t * 0.5), gpu(1, 40))), unit=UNIT)
+        for t in (0, 2, 4, 6)
+    ]
+    s = derive(*h, svc=svc)
+    assert s.headroom_bytes == int(7 * GIB)
+    assert s.headroom_slope_bytes_per_second == pytest.approx(-0.5 * GIB, rel=1e-6)
+
+
+def test_no_gpu_source_means_no_memory_signals():
+    s = derive(snap(0, engine()))
+    assert s.gpus == () and s.headroom_bytes is None and s.memory_budget_bytes is None

@@ -1,0 +1,512 @@
+"""Derived signals: what the alert rules and the policy read, computed from snapshot history.
+
+Where it sits: the first pure stage of the tick, right after collection. Input: the recent
+snapshots (oldest first, the current one last), the service settings and the signal windows.
+Output: one :class:`ServiceSignals` per service. No I/O, no clock: time comes from the
+snapshots themselves.
+
+Semantics worth knowing:
+
+* Counter rates follow Prometheus ``rate()``: increases summed pairwise over the window, a
+  decrease (or a changed ``process_start_time_seconds``) is a restart and counts from zero.
+* Histogram quantiles follow ``histogram_quantile()`` over bucket deltas in the window.
+* Across data-parallel engines, counts and rates add up; KV usage is the capacity-weighted
+  mean when every engine's capacity is known, else the maximum (the conservative reading).
+* GPU processes belong to a service when their pid is the unit's main pid or a descendant,
+  or when they run in the unit's cgroup; everything else on the service's GPUs is "other".
+* Missing data is ``None`` all the way through: a signal never turns blindness into zero.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from vllm_guardian.config import ServiceConfig, SignalsConfig
+from vllm_guardian.model import (
+    EngineMetrics,
+    GpuDevice,
+    GpuProcess,
+    HealthState,
+    Histogram,
+    LogEventKind,
+    ServiceSnapshot,
+    Snapshot,
+    UnitState,
+    VllmScrape,
+)
+
+QUANTILES = (0.5, 0.99)
+LATENCY_HISTOGRAMS = {
+    "ttft": "time_to_first_token",
+    "e2e": "e2e_request_latency",
+    "queue": "request_queue_time",
+}
+
+
+@dataclass(frozen=True)
+class EngineSignals:
+    model_name: str
+    engine: str
+    kv_cache_usage_ratio: float | None
+    requests_running: float | None
+    requests_waiting: float | None
+    preemptions_per_second: float | None
+    generation_tokens_per_second: float | None
+
+
+@dataclass(frozen=True)
+class ServiceGpuSignals:
+    gpu: int
+    service_memory_bytes: int | None
+    other_memory_bytes: int | None
+    budget_bytes: int | None  # gpu_memory_utilization × total: what vLLM planned to use
+    free_bytes: int | None
+    total_bytes: int | None
+
+
+@dataclass(frozen=True)
+class LatencyQuantile:
+    metric: str  # ttft | e2e | queue
+    quantile: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ServiceSignals:
+    service: str
+    health_state: HealthState | None
+    vllm_up: bool | None  # /health answered 200
+    metrics_up: bool  # /metrics was scraped this tick
+    stats_enabled: bool | None  # False: --disable-log-stats, no vllm:* series
+    kv_cache_usage_ratio: float | None = None
+    requests_running: float | None = None
+    requests_waiting: float | None = None
+    requests_swapped: float | None = None
+    preemptions_per_second: float | None = None
+    prompt_tokens_per_second: float | None = None
+    generation_tokens_per_second: float | None = None
+    request_failures_per_second: float | None = None
+    prefix_cache_hit_ratio: float | None = None
+    stall_seconds: float | None = None  # waiting > 0 and no token generated, for this long
+    stalled: bool | None = None
+    counter_reset: bool = False  # vLLM restarted within the rate window
+    kv_cache_capacity_tokens: int | None = None
+    gpu_memory_utilization_ratio: float | None = None
+    latency: tuple[LatencyQuantile, ...] = ()
+    engines: tuple[EngineSignals, ...] = ()
+    gpus: tuple[ServiceGpuSignals, ...] = ()
+    memory_budget_bytes: int | None = None
+    service_memory_bytes: int | None = None
+    memory_over_budget_bytes: int | None = None
+    other_processes_memory_bytes: int | None = None
+    headroom_bytes: int | None = None  # least free memory among the service's GPUs
+    headroom_slope_bytes_per_second: float | None = None
+    log_events: tuple[tuple[LogEventKind, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Signals:
+    time_seconds: float
+    services: tuple[ServiceSignals, ...]
+
+    def service(self, name: str) -> ServiceSignals | None:
+        for s in self.services:
+            if s.service == name:
+                return s
+        return None
+
+
+# --- generic series math ---------------------------------------------------------------------
+
+
+Point = tuple[float, float, float | None]  # (time, value, process start time)
+
+
+def rate(points: Sequence[Point]) -> float | None:
+    """Per-second increase of a counter, Prometheus-style (resets count from zero)."""
+    if len(points) < 2:
+        return None
+    span = points[-1][0] - points[0][0]
+    if span <= 0:
+        return None
+    return increase(points) / span
+
+
+def increase(points: Sequence[Point]) -> float:
+    total = 0.0
+    for (_, prev, prev_start), (_, cur, cur_start) in itertools.pairwise(points):
+        restarted = prev_start is not None and cur_start is not None and cur_start != prev_start
+        total += cur if (cur < prev or restarted) else cur - prev
+    return total
+
+
+def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
+    """Prometheus's histogram_quantile over cumulative (le, count) buckets, +Inf last."""
+    if not buckets or not math.isinf(buckets[-1][0]):
+        return None
+    total = buckets[-1][1]
+    if total <= 0:
+        return None
+    rank = q * total
+    prev_le, prev_count = 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if math.isinf(le):
+                return prev_le if len(buckets) > 1 else None
+            if le <= 0:
+                return le
+            span = count - prev_count
+            if span <= 0:
+                return le
+            return prev_le + (le - prev_le) * (rank - prev_count) / span
+        prev_le, prev_count = le, count
+    return None
+
+
+def slope(points: Sequence[tuple[float, float]]) -> float | None:
+    """Least-squares slope (value per second), like PromQL deriv(). Needs 3 points."""
+    if len(points) < 3:
+        return None
+    n = len(points)
+    mt = sum(t for t, _ in points) / n
+    mv = sum(v for _, v in points) / n
+    den = sum((t - mt) ** 2 for t, _ in points)
+    if den <= 0:
+        return None
+    return sum((t - mt) * (v - mv) for t, v in points) / den
+
+
+# --- per-service derivation ------------------------------------------------------------------
+
+
+def _window(history: Sequence[Snapshot], seconds: float) -> Sequence[Snapshot]:
+    now = history[-1].time_seconds
+    start = 0
+    for i, snap in enumerate(history):
+        if snap.time_seconds >= now - seconds - 1e-9:
+            start = i
+            break
+    return history[start:]
+
+
+def _scrape(snap: Snapshot, name: str) -> VllmScrape | None:
+    svc = snap.service(name)
+    return svc.vllm if svc is not None else None
+
+
+def _engine(scrape: VllmScrape | None, key: tuple[str, str]) -> EngineMetrics | None:
+    if scrape is None:
+        return None
+    for e in scrape.engines:
+        if e.key == key:
+            return e
+    return None
+
+
+_Indexed = tuple[float, float | None, dict[tuple[str, str], EngineMetrics]]  # (t, start, engines)
+
+
+def _index(window: Sequence[Snapshot], service: str) -> list[_Indexed]:
+    """The service's scrapes in the window, each with its engines keyed once (not per lookup)."""
+    out: list[_Indexed] = []
+    for snap in window:
+        scrape = _scrape(snap, service)
+        if scrape is not None:
+            out.append(
+                (
+                    snap.time_seconds,
+                    scrape.process_start_time_seconds,
+                    {e.key: e for e in scrape.engines},
+                )
+            )
+    return out
+
+
+def _engine_rate(indexed: Sequence[_Indexed], key: tuple[str, str], attr: str) -> float | None:
+    points: list[Point] = []
+    for t, start, engines in indexed:
+        e = engines.get(key)
+        if e is not None:
+            v = getattr(e, attr)
+            if v is not None:
+                points.append((t, v, start))
+    return rate(points)
+
+
+def _sum_opt(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) if present else None
+
+
+def _histogram_delta(
+    first: Histogram | None, last: Histogram | None, restarted: bool
+) -> dict[float, float]:
+    if last is None:
+        return {}
+    cur = dict(last.buckets)
+    if first is None or restarted or (first.count or 0) > (last.count or 0):
+        return cur
+    prev = dict(first.buckets)
+    return {le: max(0.0, c - prev.get(le, 0.0)) for le, c in cur.items()}
+
+
+def _latency(
+    window: Sequence[Snapshot], service: str, keys: Sequence[tuple[str, str]]
+) -> tuple[LatencyQuantile, ...]:
+    first_scrape = next((s for snap in window if (s := _scrape(snap, service)) is not None), None)
+    last_scrape = _scrape(window[-1], service)
+    if first_scrape is None or last_scrape is None or first_scrape is last_scrape:
+        return ()
+    restarted = (
+        first_scrape.process_start_time_seconds is not None
+        and last_scrape.process_start_time_seconds is not None
+        and first_scrape.process_start_time_seconds != last_scrape.process_start_time_seconds
+    )
+    out: list[LatencyQuantile] = []
+    for metric, attr in LATENCY_HISTOGRAMS.items():
+        summed: dict[float, float] = {}
+        for key in keys:
+            f, last = _engine(first_scrape, key), _engine(last_scrape, key)
+            delta = _histogram_delta(
+                getattr(f, attr) if f else None, getattr(last, attr) if last else None, restarted
+            )
+            for le, c in delta.items():
+                summed[le] = summed.get(le, 0.0) + c
+        buckets = sorted(summed.items())
+        for q in QUANTILES:
+            v = histogram_quantile(q, buckets)
+            if v is not None:
+                out.append(LatencyQuantile(metric, q, v))
+    return tuple(out)
+
+
+def _stall_seconds(history: Sequence[Snapshot], service: str) -> float | None:
+    """How long requests have waited while not one token was generated (0 if not stalled)."""
+    cur = _scrape(history[-1], service)
+    if cur is None or not cur.engines:
+        return None
+    waiting = _sum_opt([e.requests_waiting for e in cur.engines])
+    generated = _sum_opt([e.generation_tokens_total for e in cur.engines])
+    if waiting is None or generated is None:
+        return None
+    if waiting <= 0:
+        return 0.0
+    since = history[-1].time_seconds
+    for snap in reversed(history[:-1]):
+        s = _scrape(snap, service)
+        if s is None:
+            break  # a gap in observation ends what we can vouch for
+        w = _sum_opt([e.requests_waiting for e in s.engines])
+        g = _sum_opt([e.generation_tokens_total for e in s.engines])
+        if w is None or g is None or w <= 0 or g != generated:
+            break
+        since = snap.time_seconds
+    return history[-1].time_seconds - since
+
+
+def belongs_to(proc: GpuProcess, unit: UnitState | None) -> bool:
+    if unit is None:
+        return False
+    pids = set(unit.pids)
+    if unit.main_pid is not None:
+        pids.add(unit.main_pid)
+    if proc.pid in pids or any(a in pids for a in proc.ancestors):
+        return True
+    cg = unit.control_group
+    if cg and cg != "/" and proc.cgroup:
+        return proc.cgroup == cg or proc.cgroup.startswith(cg.rstrip("/") + "/")
+    return False
+
+
+def _service_gpus(
+    devices: Sequence[GpuDevice], svc: ServiceConfig, unit: UnitState | None
+) -> list[GpuDevice]:
+    if svc.gpus is not None:
+        wanted = set(svc.gpus)
+        return [d for d in devices if d.index in wanted]
+    return [d for d in devices if d.processes and any(belongs_to(p, unit) for p in d.processes)]
+
+
+def _gpu_signals(
+    devices: Sequence[GpuDevice], unit: UnitState | None, utilization: float | None
+) -> tuple[ServiceGpuSignals, ...]:
+    out = []
+    for d in devices:
+        mine: int | None = None
+        other: int | None = None
+        if d.processes is not None:
+            mine_sum = other_sum = 0
+            unknown = False
+            for p in d.processes:
+                if p.used_memory_bytes is None:
+                    unknown = True
+                    continue
+                if belongs_to(p, unit):
+                    mine_sum += p.used_memory_bytes
+                else:
+                    other_sum += p.used_memory_bytes
+            mine = None if unknown and mine_sum == 0 else mine_sum
+            other = other_sum
+        budget = (
+            int(utilization * d.memory_total_bytes)
+            if utilization is not None and d.memory_total_bytes is not None
+            else None
+        )
+        out.append(
+            ServiceGpuSignals(
+                d.index, mine, other, budget, d.memory_free_bytes, d.memory_total_bytes
+            )
+        )
+    return tuple(out)
+
+
+def _sum_int(values: Sequence[int | None]) -> int | None:
+    if not values or any(v is None for v in values):
+        return None
+    return sum(v for v in values if v is not None)
+
+
+def _headroom(snap: Snapshot, indices: set[int]) -> int | None:
+    if snap.gpus is None or not indices:
+        return None
+    free = [d.memory_free_bytes for d in snap.gpus.devices if d.index in indices]
+    if not free or any(f is None for f in free):
+        return None
+    return min(f for f in free if f is not None)
+
+
+def _kv_usage(engines: Sequence[EngineMetrics]) -> float | None:
+    usages = [
+        (e.kv_cache_usage_ratio, e.cache_config.num_gpu_blocks if e.cache_config else None)
+        for e in engines
+    ]
+    present = [(u, b) for u, b in usages if u is not None]
+    if not present:
+        return None
+    if all(b for _, b in present):
+        total = sum(b for _, b in present if b)
+        return sum(u * b for u, b in present if b) / total
+    return max(u for u, _ in present)
+
+
+def derive_service(
+    history: Sequence[Snapshot], svc: ServiceConfig, cfg: SignalsConfig
+) -> ServiceSignals:
+    now_snap = history[-1]
+    cur: ServiceSnapshot = now_snap.service(svc.name) or ServiceSnapshot(svc.name)
+    health = cur.health.state if cur.health is not None else None
+    scrape = cur.vllm
+    base = ServiceSignals(
+        service=svc.name,
+        health_state=health,
+        vllm_up=None if health is None else health is HealthState.UP,
+        metrics_up=scrape is not None,
+        stats_enabled=None if scrape is None else scrape.stats_enabled,
+        log_events=cur.logs.counts if cur.logs is not None else (),
+    )
+    fields: dict[str, object] = {}
+    rate_win = _window(history, cfg.rate_window_seconds)
+    indexed = _index(rate_win, svc.name)
+    utilization: float | None = None
+    if scrape is not None and scrape.engines:
+        engines = scrape.engines
+        keys = [e.key for e in engines]
+        per_engine = []
+        for e in engines:
+            per_engine.append(
+                EngineSignals(
+                    e.model_name,
+                    e.engine,
+                    e.kv_cache_usage_ratio,
+                    e.requests_running,
+                    e.requests_waiting,
+                    _engine_rate(indexed, e.key, "preemptions_total"),
+                    _engine_rate(indexed, e.key, "generation_tokens_total"),
+                )
+            )
+        hits = _sum_opt([_engine_rate(indexed, k, "prefix_cache_hits_total") for k in keys])
+        queries = _sum_opt([_engine_rate(indexed, k, "prefix_cache_queries_total") for k in keys])
+        if queries:
+            prefix_ratio: float | None = (hits or 0.0) / queries
+        else:
+            v0 = [e.prefix_cache_hit_ratio for e in engines if e.prefix_cache_hit_ratio is not None]
+            prefix_ratio = sum(v0) / len(v0) if v0 else None
+        caps = [e.cache_config.capacity_tokens if e.cache_config else None for e in engines]
+        utils = [
+            e.cache_config.gpu_memory_utilization_ratio
+            for e in engines
+            if e.cache_config and e.cache_config.gpu_memory_utilization_ratio is not None
+        ]
+        utilization = max(utils) if utils else None
+        starts = {
+            s.process_start_time_seconds
+            for snap in rate_win
+            if (s := _scrape(snap, svc.name)) is not None
+            and s.process_start_time_seconds is not None
+        }
+        stall = _stall_seconds(history, svc.name)
+        fields.update(
+            kv_cache_usage_ratio=_kv_usage(engines),
+            requests_running=_sum_opt([e.requests_running for e in engines]),
+            requests_waiting=_sum_opt([e.requests_waiting for e in engines]),
+            requests_swapped=_sum_opt([e.requests_swapped for e in engines]),
+            preemptions_per_second=_sum_opt([p.preemptions_per_second for p in per_engine]),
+            generation_tokens_per_second=_sum_opt(
+                [p.generation_tokens_per_second for p in per_engine]
+            ),
+            prompt_tokens_per_second=_sum_opt(
+                [_engine_rate(indexed, k, "prompt_tokens_total") for k in keys]
+            ),
+            request_failures_per_second=_sum_opt(
+                [_engine_rate(indexed, k, "requests_failed_total") for k in keys]
+            ),
+            prefix_cache_hit_ratio=prefix_ratio,
+            stall_seconds=stall,
+            stalled=None if stall is None else stall >= cfg.stall_seconds,
+            counter_reset=len(starts) > 1,
+            kv_cache_capacity_tokens=_sum_int(caps),
+            gpu_memory_utilization_ratio=utilization,
+            latency=_latency(_window(history, cfg.quantile_window_seconds), svc.name, keys),
+            engines=tuple(per_engine),
+        )
+    if now_snap.gpus is not None:
+        devices = _service_gpus(now_snap.gpus.devices, svc, cur.unit)
+        gpus = _gpu_signals(devices, cur.unit, utilization)
+        indices = {d.index for d in devices}
+        service_mem = _sum_int([g.service_memory_bytes for g in gpus]) if gpus else None
+        budget = _sum_int([g.budget_bytes for g in gpus]) if gpus else None
+        slope_points = [
+            (snap.time_seconds, float(h))
+            for snap in _window(history, cfg.slope_window_seconds)
+            if (h := _headroom(snap, indices)) is not None
+        ]
+        fields.update(
+            gpus=gpus,
+            memory_budget_bytes=budget,
+            service_memory_bytes=service_mem,
+            memory_over_budget_bytes=(
+                max(0, service_mem - budget)
+                if service_mem is not None and budget is not None
+                else None
+            ),
+            other_processes_memory_bytes=_sum_int([g.other_memory_bytes for g in gpus])
+            if gpus
+            else None,
+            headroom_bytes=_headroom(now_snap, indices),
+            headroom_slope_bytes_per_second=slope(slope_points),
+        )
+    return replace(base, **fields)  # type: ignore[arg-type]
+
+
+def derive(
+    history: Sequence[Snapshot], services: Sequence[ServiceConfig], cfg: SignalsConfig
+) -> Signals:
+    """All services' signals for the newest snapshot in ``history`` (oldest first)."""
+    if not history:
+        raise ValueError("derive() needs at least the current snapshot")
+    return Signals(
+        history[-1].time_seconds, tuple(derive_service(history, s, cfg) for s in services)
+    )
