@@ -15,10 +15,14 @@ from vllm_guardian import promtext
 from vllm_guardian.sources.vllm_metrics import WANTED
 
 CAPTURES = sorted(VLLM_FIXTURES.glob("metrics-*.prom"))  # real vLLM 0.32 scrapes
-FIXTURE_FILES = sorted(VLLM_FIXTURES.glob("*.prom"))  # plus V0/V1-0.10 files built from the reference
+FIXTURE_FILES = sorted(
+    VLLM_FIXTURES.glob("*.prom")
+)  # plus V0/V1-0.10 files built from the reference
 
 
-def reference(text: str, wanted: frozenset[str]) -> list[tuple[str, tuple[tuple[str, str], ...], float]]:
+def reference(
+    text: str, wanted: frozenset[str]
+) -> list[tuple[str, tuple[tuple[str, str], ...], float]]:
     return [
         (s.name, tuple(sorted(s.labels.items())), s.value)
         for fam in text_string_to_metric_families(text)
@@ -80,7 +84,12 @@ EDGE_CASES = [
     ("m -Inf\n", {"m"}, [("m", (), -math.inf)], 0),
     ('m{a="1",} 6\n', {"m"}, [("m", (("a", "1"),), 6.0)], 0),
     ('m{a = "1", b="2"} 7\n', {"m"}, [("m", (("a", "1"), ("b", "2")), 7.0)], 0),
-    ('m_bucket{le="1"} 8 # {trace_id="abc"} 0.5 1712345678\n', {"m_bucket"}, [("m_bucket", (("le", "1"),), 8.0)], 0),
+    (
+        'm_bucket{le="1"} 8 # {trace_id="abc"} 0.5 1712345678\n',
+        {"m_bucket"},
+        [("m_bucket", (("le", "1"),), 8.0)],
+        0,
+    ),
     ("m 1_000\n", {"m"}, [], 1),
     ("m abc\n", {"m"}, [], 1),
     ('m{a="1" 9\n', {"m"}, [], 1),
@@ -111,7 +120,9 @@ def test_prefix_presence_is_reported():
 label_value = st.text(
     alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=12
 )
-label_name = st.from_regex(r"[a-z_][a-z0-9_]{0,6}", fullmatch=True).filter(lambda s: not s.startswith("__"))
+label_name = st.from_regex(r"[a-z_][a-z0-9_]{0,6}", fullmatch=True).filter(
+    lambda s: not s.startswith("__")
+)
 metric_name = st.from_regex(r"[a-z_:][a-z0-9_:]{0,10}", fullmatch=True)
 value = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True, width=64),
@@ -147,8 +158,14 @@ def exposition(draw):  # type: ignore[no-untyped-def]
                 continue
             seen_sets.add(key)
             body = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
-            ts = f" {draw(st.integers(min_value=0, max_value=2**40))}" if draw(st.booleans()) else ""
-            lines.append(f"{name}{{{body}}} {_fmt(draw(value))}{ts}" if labels else f"{name} {_fmt(draw(value))}{ts}")
+            ts = (
+                f" {draw(st.integers(min_value=0, max_value=2**40))}" if draw(st.booleans()) else ""
+            )
+            lines.append(
+                f"{name}{{{body}}} {_fmt(draw(value))}{ts}"
+                if labels
+                else f"{name} {_fmt(draw(value))}{ts}"
+            )
     return "\n".join(lines) + "\n", names
 
 

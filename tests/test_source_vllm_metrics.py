@@ -27,7 +27,11 @@ def test_reads_the_values_vllm_0_32_reported(name, running, waiting, kv, preempt
     assert scrape.malformed_lines == scrape.rejected_values == scrape.duplicate_series == 0
     (e,) = scrape.engines
     assert (e.model_name, e.engine) == ("tiny-llama", "0")
-    assert (e.requests_running, e.requests_waiting, e.kv_cache_usage_ratio) == (running, waiting, kv)
+    assert (e.requests_running, e.requests_waiting, e.kv_cache_usage_ratio) == (
+        running,
+        waiting,
+        kv,
+    )
     assert (e.preemptions_total, e.generation_tokens_total) == (preempt, gen)
     assert e.requests_swapped is None  # V1 has no swapping: unknown, not zero
     assert scrape.process_start_time_seconds == pytest.approx(1.79530599248e9)
@@ -109,7 +113,9 @@ def test_bad_values_never_become_values(line, outcome):
     (e,) = scrape.engines
     assert e.requests_running == 1.0
     assert e.kv_cache_usage_ratio is None and e.requests_waiting is None
-    assert (scrape.rejected_values, scrape.malformed_lines) == ((1, 0) if outcome == "rejected" else (0, 1))
+    assert (scrape.rejected_values, scrape.malformed_lines) == (
+        (1, 0) if outcome == "rejected" else (0, 1)
+    )
 
 
 def test_duplicate_series_keep_the_first_and_are_counted():
@@ -146,13 +152,21 @@ FAILURES = [
     # route settings, expected error fragment, expected hint fragment
     ({"status": 500, "body": b"Internal Server Error"}, "HTTP 500", None),
     ({"delay_seconds": 2.5, "body": b"vllm:x 1\n"}, "no answer within 1s", "hung"),
-    ({"body": b"<!DOCTYPE html><html><body>login</body></html>", "content_type": "text/html"}, "HTML", "services[].url"),
+    (
+        {"body": b"<!DOCTYPE html><html><body>login</body></html>", "content_type": "text/html"},
+        "HTML",
+        "services[].url",
+    ),
     ({"body": read_fixture("metrics-idle.prom").encode(), "truncate_to": 1000}, "GET", None),
 ]
 
 
-@pytest.mark.parametrize(("route", "error", "hint"), FAILURES, ids=["500", "slow", "html", "truncated"])
-def test_a_misbehaving_server_is_an_observation(script: Script, http_server: str, route, error, hint):
+@pytest.mark.parametrize(
+    ("route", "error", "hint"), FAILURES, ids=["500", "slow", "html", "truncated"]
+)
+def test_a_misbehaving_server_is_an_observation(
+    script: Script, http_server: str, route, error, hint
+):
     script.set("/metrics", **route)
     r = collector(http_server).collect()
     assert r.payload is None
