@@ -1,0 +1,785 @@
+"""The logs source: the §6 matcher on exact vLLM lines, dedup, framing, file following with
+rotation and truncation, and a fake journalctl run as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from vllm_guardian.clock import FakeClock
+from vllm_guardian.config import LogsSourceConfig, ServiceConfig
+from vllm_guardian.model import LogEventKind, LogReading, Reading
+from vllm_guardian.sources.logs import (
+    DEDUP_WINDOW_SECONDS,
+    EventCounter,
+    LineSplitter,
+    LogsCollector,
+    match_line,
+    parse_journal_line,
+    parse_size_bytes,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures" / "logs"
+K = LogEventKind
+GiB = 2**30
+MiB = 2**20
+
+OOM_21 = (
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.25 GiB. GPU 1 has a total "
+    "capacity of 93.02 GiB of which 1.18 GiB is free. Process 2752205 has 91.82 GiB memory in "
+    "use. Of the allocated memory 90.63 GiB is allocated by PyTorch, and 120.54 MiB is reserved "
+    "by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation "
+    "for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+)
+OOM_20 = (
+    "torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 15.78 "
+    "GiB total capacity; 14.24 GiB already allocated; 3.75 MiB free; 14.72 GiB reserved in total "
+    "by PyTorch) If reserved memory is >> allocated memory try setting max_split_size_mb to avoid "
+    "fragmentation.  See documentation for Memory Management and PYTORCH_CUDA_ALLOC_CONF"
+)
+
+
+def _b(x: float, unit: int) -> str:
+    return str(int(x * unit))
+
+
+MATCH_CASES: list[tuple[str, tuple[LogEventKind, dict[str, str]] | None]] = [
+    # 6b runtime CUDA OOM, torch >= 2.1 (with the worker's process prefix)
+    (
+        "(VllmWorker-0 pid=2752205) " + OOM_21,
+        (
+            K.CUDA_OOM,
+            {
+                "tried_bytes": _b(1.25, GiB),
+                "gpu": "1",
+                "total_bytes": _b(93.02, GiB),
+                "free_bytes": _b(1.18, GiB),
+                "allocated_bytes": _b(90.63, GiB),
+                "reserved_unallocated_bytes": _b(120.54, MiB),
+            },
+        ),
+    ),
+    # torch 2.1's "capacty" typo, the older class path and "0 bytes" free
+    (
+        "torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 512.00 MiB. GPU 0 has "
+        "a total capacty of 79.15 GiB of which 0 bytes is free. Including non-PyTorch memory, this "
+        "process has 79.14 GiB memory in use. Of the allocated memory 77.10 GiB is allocated by "
+        "PyTorch, and 1.02 GiB is reserved by PyTorch but unallocated.",
+        (
+            K.CUDA_OOM,
+            {
+                "tried_bytes": _b(512, MiB),
+                "gpu": "0",
+                "total_bytes": _b(79.15, GiB),
+                "free_bytes": "0",
+                "allocated_bytes": _b(77.10, GiB),
+                "reserved_unallocated_bytes": _b(1.02, GiB),
+            },
+        ),
+    ),
+    # torch <= 2.0: reserved in total - allocated = reserved but unallocated
+    (
+        OOM_20,
+        (
+            K.CUDA_OOM,
+            {
+                "tried_bytes": _b(20, MiB),
+                "gpu": "0",
+                "total_bytes": _b(15.78, GiB),
+                "free_bytes": _b(3.75, MiB),
+                "allocated_bytes": _b(14.24, GiB),
+                "reserved_bytes": _b(14.72, GiB),
+                "reserved_unallocated_bytes": str(int(14.72 * GiB) - int(14.24 * GiB)),
+            },
+        ),
+    ),
+    # the same OOM as EngineCore re-raises it from the worker's reply
+    (
+        "RuntimeError: Worker failed with error 'CUDA out of memory. Tried to allocate 1.25 GiB. "
+        "GPU 1 has a total capacity of 93.02 GiB of which 1.18 GiB is free.', please check the "
+        "stack trace above for the root cause",
+        (
+            K.CUDA_OOM,
+            {
+                "tried_bytes": _b(1.25, GiB),
+                "gpu": "1",
+                "total_bytes": _b(93.02, GiB),
+                "free_bytes": _b(1.18, GiB),
+            },
+        ),
+    ),
+    # non-caching-allocator OOMs
+    ("RuntimeError: CUDA error: out of memory", (K.NON_TORCH_OOM, {"source": "cuda"})),
+    (
+        "RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+        (K.NON_TORCH_OOM, {"source": "cublas"}),
+    ),
+    (
+        "host:123:456 [0] NCCL INFO include/alloc.h:48 NCCL WARN Cuda failure 'out of memory'",
+        (K.NON_TORCH_OOM, {"source": "nccl"}),
+    ),
+    (
+        "enqueue.cc:1000 NCCL WARN Cuda failure 2 'out of memory'",
+        (K.NON_TORCH_OOM, {"source": "nccl"}),
+    ),
+    # 6a start-up sizing
+    (
+        "ValueError: No available memory for the cache blocks. Try increasing "
+        "`gpu_memory_utilization` when initializing the engine (this flag also controls CPU memory "
+        "reservation on the CPU backend, despite its name). See "
+        "https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details.",
+        (K.NO_KV_CACHE_MEMORY, {}),
+    ),
+    (
+        "ValueError: To serve at least one request with the models's max seq len (131072), (16.00 "
+        "GiB KV cache is needed, which is larger than the available KV cache memory (9.34 GiB). "
+        "Based on the available memory, the estimated maximum model length is 76480. Try "
+        "increasing `gpu_memory_utilization` or decreasing `max_model_len` when initializing the "
+        "engine.",
+        (
+            K.MAX_SEQ_LEN_EXCEEDS_KV,
+            {
+                "max_model_len": "131072",
+                "estimated_max_model_len": "76480",
+                "needed_kv_cache_bytes": _b(16.0, GiB),
+                "available_kv_cache_bytes": _b(9.34, GiB),
+            },
+        ),
+    ),
+    (
+        "ValueError: To serve at least one request with the model's max seq len (32768), (4 GiB KV "
+        "cache is needed, which is larger than the available KV cache memory (2.5 GiB). Based on "
+        "the available memory, the estimated maximum model length is 20480. Try increasing …",
+        (
+            K.MAX_SEQ_LEN_EXCEEDS_KV,
+            {
+                "max_model_len": "32768",
+                "estimated_max_model_len": "20480",
+                "needed_kv_cache_bytes": _b(4, GiB),
+                "available_kv_cache_bytes": _b(2.5, GiB),
+            },
+        ),
+    ),
+    (
+        "ValueError: The model's max seq len (32768) is larger than the maximum number of tokens "
+        "that can be stored in KV cache (20000). Try increasing `gpu_memory_utilization` or "
+        "decreasing `max_model_len` when initializing the engine.",
+        (K.MAX_SEQ_LEN_EXCEEDS_KV, {"max_model_len": "32768", "estimated_max_model_len": "20000"}),
+    ),
+    (
+        "ValueError: Free memory on device cuda:0 (16.9/79.18 GiB) on startup is less than desired "
+        "GPU memory utilization (0.9, 71.26 GiB). Decrease GPU memory utilization or reduce GPU "
+        "memory used by other processes.",
+        (
+            K.FREE_MEMORY_BELOW_UTILIZATION,
+            {
+                "device": "cuda:0",
+                "free_bytes": _b(16.9, GiB),
+                "total_bytes": _b(79.18, GiB),
+                "gpu_memory_utilization": "0.9",
+                "requested_bytes": _b(71.26, GiB),
+            },
+        ),
+    ),
+    (
+        "ValueError: Free memory on device (16.9/79.18 GiB) on startup is less than the engine's "
+        "budget after excluding external process's weights",
+        (
+            K.FREE_MEMORY_BELOW_UTILIZATION,
+            {"free_bytes": _b(16.9, GiB), "total_bytes": _b(79.18, GiB)},
+        ),
+    ),
+    (
+        "AssertionError: Error in memory profiling. Initial free memory 70.5 GiB, current free "
+        "memory 72.1 GiB. This happens when other processes sharing the same container release GPU "
+        "memory while vLLM is profiling during initialization.",
+        (
+            K.MEMORY_PROFILING_ERROR,
+            {"initial_free_bytes": _b(70.5, GiB), "current_free_bytes": _b(72.1, GiB)},
+        ),
+    ),
+    (
+        "(EngineCore_DP0 pid=4120) ERROR 05-19 10:00:00 [core.py:708] EngineCore failed to start.",
+        (K.STARTUP_FAILED, {}),
+    ),
+    (
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core "
+        "proc(s): {'EngineCore_DP0': 1}",
+        (K.STARTUP_FAILED, {}),
+    ),
+    (
+        "ERROR 05-19 10:00:00 [multiproc_executor.py:1] WorkerProc failed to start.",
+        (K.STARTUP_FAILED, {}),
+    ),
+    # 6b/6c engine death
+    (
+        "(EngineCore_DP0 pid=4120) ERROR 11-22 00:09:18 [core.py:1050] EngineCore encountered a "
+        "fatal error.",
+        (K.ENGINE_FATAL, {}),
+    ),
+    (
+        "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack "
+        "trace (above) for the root cause.",
+        (K.ENGINE_DEAD, {"signature": "EngineDeadError"}),
+    ),
+    (
+        "vllm.engine.async_llm_engine.AsyncEngineDeadError: Background loop is not running. If it "
+        "was running, inspect the output to find the stacktrace of the error that caused the "
+        "background loop to stop (AsyncEngineDeadError).",
+        (K.ENGINE_DEAD, {"signature": "AsyncEngineDeadError"}),
+    ),
+    (
+        "vllm.engine.multiprocessing.MQEngineDeadError: Engine loop is not running. Inspect the "
+        "stacktrace to find the original error: RuntimeError('x').",
+        (K.ENGINE_DEAD, {"signature": "MQEngineDeadError"}),
+    ),
+    (
+        "(APIServer pid=11273) WARNING 11-22 00:09:23 [core_client.py:812] [shutdown] MPClient: "
+        "engine core exited unexpectedly; starting cleanup",
+        (K.ENGINE_DEAD, {"signature": "engine core exited unexpectedly"}),
+    ),
+    (
+        "ERROR 04-20 10:00:00 [core_client.py:500] Engine core proc EngineCore_0 died "
+        "unexpectedly, shutting down client.",
+        (K.ENGINE_DEAD, {"signature": "Engine core proc EngineCore_0 died unexpectedly"}),
+    ),
+    (
+        "CRITICAL 12-27 10:00:00 launcher.py:99] MQLLMEngine is already dead, terminating server process",
+        (K.ENGINE_DEAD, {"signature": "MQLLMEngine is already dead, terminating"}),
+    ),
+    (
+        "(EngineCore_DP0 pid=4120) ERROR 11-22 00:09:18 [multiproc_executor.py:200] Worker proc "
+        "VllmWorker-0 died unexpectedly (exit code: -9), shutting down executor.",
+        (K.WORKER_DIED, {"worker": "VllmWorker-0", "exit_code": "-9"}),
+    ),
+    (
+        "ERROR 05-19 10:00:00 [multiproc_executor.py:1] Worker proc VllmWorker-1 died "
+        "unexpectedly, shutting down executor.",
+        (K.WORKER_DIED, {"worker": "VllmWorker-1"}),
+    ),
+    (
+        "RayWorkerProc rank=3 died unexpectedly, shutting down executor.",
+        (K.WORKER_DIED, {"worker": "3"}),
+    ),
+    (
+        "TimeoutError: RPC call to execute_model timed out.",
+        (K.EXECUTE_TIMEOUT, {"method": "execute_model"}),
+    ),
+    # 6d V0 preemption warning
+    (
+        "WARNING 12-27 10:00:00 scheduler.py:1560] Sequence group cmpl-5f1a-0 is preempted by "
+        "PreemptionMode.RECOMPUTE mode because there is not enough KV cache space. This can affect "
+        "the end-to-end performance. Increase gpu_memory_utilization or tensor_parallel_size to "
+        "provide more KV cache memory. total_num_cumulative_preemption=51",
+        (K.PREEMPTION, {"mode": "recompute", "total_cumulative": "51"}),
+    ),
+    # not events
+    (
+        "(APIServer pid=1) INFO 11-22 00:01:43 [loggers.py:335] Engine 000: Avg prompt throughput: "
+        "828.3 tokens/s, Avg generation throughput: 1717.4 tokens/s, Running: 32 reqs, Waiting: 0 "
+        "reqs, Preemptions: 12, GPU KV cache usage: 99.5%, Prefix cache hit rate: 0.0%",
+        None,
+    ),
+    # user text in an INFO line must not fake an OOM
+    (
+        "(APIServer pid=1) INFO 11-22 00:01:43 [logger.py:40] Received request cmpl-1: prompt: "
+        "'torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1 GiB. EngineDeadError'",
+        None,
+    ),
+    (
+        "(EngineCore pid=1) INFO 05-19 10:00:00 [gpu_worker.py:1] Free memory on device (70.1/79.2 "
+        "GiB) on startup. Desired GPU memory utilization is (0.9, 71.3 GiB). Actual usage is ...",
+        None,
+    ),
+    (
+        "(APIServer pid=11273) WARNING 11-22 00:09:23 [utils.py:653] [shutdown] Process manager: "
+        "force killing remaining process EngineCore pid 11972",
+        None,
+    ),
+    ("", None),
+]
+
+
+@pytest.mark.parametrize(("line", "expected"), MATCH_CASES)
+def test_match_line(line: str, expected: tuple[LogEventKind, dict[str, str]] | None) -> None:
+    got = match_line(line)
+    if expected is None:
+        assert got is None
+    else:
+        assert got is not None
+        assert got[0] is expected[0]
+        assert dict(got[1]) == expected[1]
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("1.25 GiB", int(1.25 * GiB)),
+        ("0 bytes", 0),
+        ("120.54 MiB", int(120.54 * MiB)),
+        ("3 KiB", 3072),
+        ("x", None),
+    ],
+)
+def test_parse_size_bytes(text: str, value: int | None) -> None:
+    assert parse_size_bytes(text) == value
+
+
+@pytest.mark.parametrize("name", ["server-startup-run1-cold.log", "shutdown-log-lines.txt"])
+def test_real_vllm_logs_have_no_events(name: str) -> None:
+    """A healthy start-up and orderly shutdowns (incl. force-killing a worker at the end of a
+    drain) are not failures."""
+    counter = EventCounter(recent_events=50)
+    lines = (FIXTURES / name).read_text(encoding="utf-8").splitlines()
+    for i, line in enumerate(lines):
+        counter.feed(line, float(i))
+    reading = counter.take()
+    assert reading.recent == ()
+    assert all(n == 0 for _, n in reading.counts)
+    assert reading.lines_total == len(lines)
+
+
+def test_one_oom_traceback_counts_once() -> None:
+    """Worker traceback, EngineCore's re-raise and fatal error, an EngineDeadError per request."""
+    lines = [
+        "(VllmWorker-0 pid=7) ERROR 05-19 10:00:00 [multiproc_executor.py:1] WorkerProc hit an exception.",
+        "(VllmWorker-0 pid=7) Traceback (most recent call last):",
+        '(VllmWorker-0 pid=7)   File "/x/gpu_model_runner.py", line 1, in execute_model',
+        "(VllmWorker-0 pid=7) " + OOM_21,
+        "(EngineCore_DP0 pid=6) ERROR 05-19 10:00:00 [core.py:1] EngineCore encountered a fatal error.",
+        "(EngineCore_DP0 pid=6) RuntimeError: Worker failed with error 'CUDA out of memory. Tried to "
+        "allocate 1.25 GiB. GPU 1 has a total capacity of 93.02 GiB of which 1.18 GiB is free.'",
+        "(APIServer pid=5) ERROR 05-19 10:00:00 [async_llm.py:1] AsyncLLM output_handler failed.",
+    ] + [
+        "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack "
+        "trace (above) for the root cause."
+    ] * 5
+    counter = EventCounter(recent_events=50)
+    for i, line in enumerate(lines):
+        counter.feed(line, 1000.0 + i * 0.1)
+    reading = counter.take()
+    assert reading.count(K.CUDA_OOM) == 1
+    assert reading.count(K.ENGINE_FATAL) == 1
+    assert reading.count(K.ENGINE_DEAD) == 1
+    assert [e.kind for e in reading.recent] == [K.CUDA_OOM, K.ENGINE_FATAL, K.ENGINE_DEAD]
+    assert dict(reading.recent[0].details)["gpu"] == "1"
+    assert reading.lines_total == len(lines)
+
+    # The same OOM after the window (the restarted engine died again) is a new incident; so is
+    # one on another GPU inside the window.
+    counter.feed(OOM_21, 1000.0 + DEDUP_WINDOW_SECONDS + 5)
+    counter.feed(OOM_21.replace("GPU 1 has", "GPU 2 has"), 1000.0 + DEDUP_WINDOW_SECONDS + 5.1)
+    again = counter.take()
+    assert again.count(K.CUDA_OOM) == 3
+    assert len(again.recent) == 2
+
+
+def test_each_preemption_warning_counts() -> None:
+    counter = EventCounter(recent_events=50)
+    for i, total in enumerate((1, 51, 101)):
+        counter.feed(
+            f"WARNING 12-27 10:00:0{i} scheduler.py:1560] Sequence group {i} is preempted by "
+            f"PreemptionMode.SWAP mode because there is not enough KV cache space. "
+            f"total_num_cumulative_preemption={total}",
+            float(i),
+        )
+    assert counter.take().count(K.PREEMPTION) == 3
+
+
+def test_recent_is_capped_redacted_and_truncated() -> None:
+    counter = EventCounter(recent_events=3)
+    for i in range(5):
+        counter.feed(f"TimeoutError: RPC call to m{i} timed out.", i * 100.0)
+    long_line = (
+        "ERROR 05-19 10:00:00 [core.py:1] EngineCore failed to start. cmd: vllm serve m "
+        "--api-key sekret " + "x" * 2000
+    )
+    counter.feed(long_line, 1000.0)
+    reading = counter.take()
+    assert reading.count(K.EXECUTE_TIMEOUT) == 5
+    assert len(reading.recent) == 3  # the newest three
+    assert [dict(e.details).get("method") for e in reading.recent] == ["m3", "m4", None]
+    msg = reading.recent[-1].message
+    assert "sekret" not in msg
+    assert "--api-key ***" in msg
+    assert len(msg) <= 500
+    assert counter.take().recent == ()  # handed out once
+    assert set(dict(reading.counts)) == set(LogEventKind)  # every kind, zeros included
+
+
+def test_line_splitter() -> None:
+    s = LineSplitter(max_line_bytes=10)
+    assert s.feed(b"ab") == []
+    assert s.feed(b"c\r\nde") == ["abc"]
+    assert s.feed(b"f\n") == ["def"]
+    # a long line is cut at 10 bytes, once, and its rest dropped
+    assert s.feed(b"0123456789ABC") == ["0123456789"]
+    assert s.feed(b"DEF\nok\n") == ["ok"]
+    assert s.feed(b"\xff\n") == ["\ufffd"]
+    assert s.feed(b"tail") == []
+    assert s.flush() == ["tail"]
+    assert s.flush() == []
+
+
+def test_parse_journal_line() -> None:
+    e = parse_journal_line(
+        json.dumps({"MESSAGE": "hello", "__REALTIME_TIMESTAMP": "1700000000123456"})
+    )
+    assert e is not None
+    assert e.message == "hello"
+    assert e.time_seconds == pytest.approx(1700000000.123456)
+    raw = list(b"\x1b[31mERROR\x1b[0m caf\xc3\xa9 \xff")
+    e = parse_journal_line(json.dumps({"MESSAGE": raw}))
+    assert e is not None
+    assert e.message == "\x1b[31mERROR\x1b[0m café \ufffd"
+    assert e.time_seconds is None
+    e = parse_journal_line(json.dumps({"MESSAGE": None, "__REALTIME_TIMESTAMP": "x"}))
+    assert e is not None
+    assert e.message is None
+    assert e.time_seconds is None
+    assert parse_journal_line(b"not json") is None
+    assert parse_journal_line(b"[1, 2]") is None
+
+
+# --- the collector, following a file ----------------------------------------------------------
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.05)
+
+
+class Gathered:
+    """Sums what successive collect() calls hand out, as the daemon would see it."""
+
+    def __init__(self, collector: LogsCollector) -> None:
+        self.collector = collector
+        self.events: list[tuple[LogEventKind, str]] = []
+        self.last: Reading | None = None
+        self.reading: LogReading | None = None
+
+    def poll(self) -> Reading:
+        self.last = self.collector.collect()
+        if isinstance(self.last.payload, LogReading):
+            self.reading = self.last.payload
+            self.events += [(e.kind, e.message) for e in self.last.payload.recent]
+        return self.last
+
+    def has(self, n: int) -> Callable[[], bool]:
+        return lambda: self.poll() is not None and len(self.events) >= n
+
+
+OOM_LINE = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {n} MiB. GPU 0 has a total capacity of 80 GiB of which 0 bytes is free.\n"
+
+
+@pytest.fixture
+def file_collector(tmp_path: Path) -> Iterator[tuple[Path, LogsCollector, FakeClock]]:
+    log = tmp_path / "vllm.log"
+    log.write_text(OOM_LINE.format(n=1) + "an old line\n")
+    clock = FakeClock()
+    svc = ServiceConfig(name="a", log_file=str(log), unit="vllm.service")  # the file wins
+    collector = LogsCollector(svc, LogsSourceConfig(max_line_bytes=1024), clock)
+    yield log, collector, clock
+    collector.close()
+
+
+def test_file_starts_at_end_and_reads_complete_lines(
+    file_collector: tuple[Path, LogsCollector, FakeClock],
+) -> None:
+    log, collector, clock = file_collector
+    g = Gathered(collector)
+    with log.open("a") as f:
+        f.write(OOM_LINE.format(n=2))
+        f.write("TimeoutError: RPC call to execute_model timed ")  # incomplete: not yet
+        f.flush()
+        wait_for(g.has(1))
+        time.sleep(0.4)
+        assert g.poll().payload is not None
+        assert len(g.events) == 1  # the old OOM was before the guardian started
+        f.write("out.\n")
+    wait_for(g.has(2))
+    assert [k for k, _ in g.events] == [K.CUDA_OOM, K.EXECUTE_TIMEOUT]
+    assert g.reading is not None
+    assert g.reading.lines_total == 2
+    assert g.reading.recent[-1].time_seconds == clock.time()
+
+
+def test_file_rotation_by_rename_and_truncation(
+    file_collector: tuple[Path, LogsCollector, FakeClock],
+) -> None:
+    log, collector, _ = file_collector
+    g = Gathered(collector)
+    with log.open("a") as f:
+        f.write(OOM_LINE.format(n=3))
+    wait_for(g.has(1))
+    # rename rotation: the writer still has the old file open and finishes a line there first
+    old = log.with_suffix(".log.1")
+    with log.open("a") as writer:
+        os.rename(log, old)
+        writer.write(OOM_LINE.format(n=4))
+    log.write_text(OOM_LINE.format(n=5))
+    wait_for(g.has(3))
+    # truncation (copytruncate): start over at the beginning
+    log.write_text("")
+    time.sleep(0.4)
+    log.write_text(OOM_LINE.format(n=6))
+    wait_for(g.has(4))
+    tried = [m.split("allocate ")[1].split(" MiB")[0] for _, m in g.events]
+    assert tried == ["3", "4", "5", "6"]
+
+
+def test_file_missing_then_appears(tmp_path: Path) -> None:
+    log = tmp_path / "later.log"
+    collector = LogsCollector(
+        ServiceConfig(name="a", log_file=str(log)), LogsSourceConfig(), FakeClock()
+    )
+    try:
+        g = Gathered(collector)
+        wait_for(lambda: g.poll().error is not None)
+        assert g.last is not None
+        assert "does not exist" in (g.last.error or "")
+        assert "log_file" in (g.last.hint or "")
+        log.write_text("TimeoutError: RPC call to x timed out.\n")  # read from its start
+        wait_for(g.has(1))
+    finally:
+        collector.close()
+        collector.close()  # idempotent
+
+
+def test_long_lines_are_truncated(tmp_path: Path) -> None:
+    log = tmp_path / "vllm.log"
+    log.write_text("")
+    collector = LogsCollector(
+        ServiceConfig(name="a", log_file=str(log)),
+        LogsSourceConfig(max_line_bytes=1024),
+        FakeClock(),
+    )
+    try:
+        g = Gathered(collector)
+        with log.open("a") as f:
+            f.write("EngineCore encountered a fatal error. " + "y" * 5000 + " EngineDeadError\n")
+            f.write("TimeoutError: RPC call to execute_model timed out.\n")
+        wait_for(g.has(2))
+        # the tail beyond 1024 bytes (with "EngineDeadError") was never seen
+        assert [k for k, _ in g.events] == [K.ENGINE_FATAL, K.EXECUTE_TIMEOUT]
+    finally:
+        collector.close()
+
+
+def test_no_unit_and_no_file(tmp_path: Path) -> None:
+    collector = LogsCollector(ServiceConfig(name="a"), LogsSourceConfig(), FakeClock())
+    reading = collector.collect()
+    assert reading.payload is None
+    assert "services[].unit" in (reading.hint or "")
+    collector.close()
+
+
+def test_collect_never_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = tmp_path / "vllm.log"
+    log.write_text("")
+    collector = LogsCollector(
+        ServiceConfig(name="a", log_file=str(log)), LogsSourceConfig(), FakeClock()
+    )
+    try:
+        wait_for(lambda: collector.collect().payload is not None)
+
+        def boom() -> LogReading:
+            raise RuntimeError("surprise")
+
+        monkeypatch.setattr(collector._counter, "take", boom)
+        reading = collector.collect()
+        assert reading.payload is None
+        assert "surprise" in (reading.error or "")
+    finally:
+        collector.close()
+
+
+# --- the collector, following the journal through a fake journalctl ---------------------------
+
+
+def _entry(message: str | list[int], ts_us: int) -> str:
+    return json.dumps({"MESSAGE": message, "__REALTIME_TIMESTAMP": str(ts_us), "_PID": "7"})
+
+
+def _fake_journalctl(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "journalctl"
+    path.write_text(
+        "#!/bin/sh\n"
+        f'printf "%s\\n" "$@" > "{tmp_path}/args"\n'
+        f'echo "${{GUARD_PREFIX:-none}}" > "{tmp_path}/prefix"\n'
+        f'echo $$ >> "{tmp_path}/spawns"\n'
+        f"{body}\n"
+    )
+    path.chmod(0o755)
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def test_journal_follow_with_fake_journalctl(tmp_path: Path) -> None:
+    entries = tmp_path / "entries.jsonl"
+    oom = OOM_LINE.format(n=7).strip()
+    entries.write_text(
+        "\n".join(
+            [
+                _entry(
+                    "(APIServer pid=5) INFO 05-19 10:00:00 [api_server.py:1] Starting vLLM",
+                    1_700_000_000_000_000,
+                ),
+                _entry(list(oom.encode()), 1_700_000_001_500_000),  # MESSAGE as bytes
+                _entry(
+                    "EngineCore encountered a fatal error.\nEngineDeadError: x",
+                    1_700_000_002_000_000,
+                ),
+                "not json",
+            ]
+        )
+        + "\n"
+    )
+    journalctl = _fake_journalctl(tmp_path, f'cat "{entries}"\nexec sleep 60')
+    svc = ServiceConfig(name="a", unit="vllm.service")
+    collector = LogsCollector(
+        svc,
+        LogsSourceConfig(journalctl=str(journalctl)),
+        FakeClock(),
+        journal_argv_prefix=["env", "GUARD_PREFIX=yes"],
+    )
+    try:
+        g = Gathered(collector)
+        wait_for(g.has(3))
+        assert [k for k, _ in g.events] == [K.CUDA_OOM, K.ENGINE_FATAL, K.ENGINE_DEAD]
+        assert (tmp_path / "args").read_text().splitlines() == [
+            "-f",
+            "-o",
+            "json",
+            "-n",
+            "0",
+            "-u",
+            "vllm.service",
+        ]
+        assert (tmp_path / "prefix").read_text().strip() == "yes"
+        pid = int((tmp_path / "spawns").read_text().split()[0])
+        assert _alive(pid)
+    finally:
+        collector.close()
+    assert not _alive(pid)
+    collector.close()
+
+
+def test_journal_event_time_comes_from_the_journal(tmp_path: Path) -> None:
+    entries = tmp_path / "entries.jsonl"
+    entries.write_text(
+        _entry("TimeoutError: RPC call to execute_model timed out.", 1_700_000_001_500_000) + "\n"
+    )
+    journalctl = _fake_journalctl(tmp_path, f'cat "{entries}"\nexec sleep 60')
+    collector = LogsCollector(
+        ServiceConfig(name="a", unit="vllm.service"),
+        LogsSourceConfig(journalctl=str(journalctl)),
+        FakeClock(),
+    )
+    try:
+        got: list[float] = []
+
+        def seen() -> bool:
+            payload = collector.collect().payload
+            if isinstance(payload, LogReading):
+                got.extend(e.time_seconds for e in payload.recent)
+            return bool(got)
+
+        wait_for(seen)
+        assert got == [pytest.approx(1_700_000_001.5)]
+    finally:
+        collector.close()
+
+
+def test_journalctl_missing(tmp_path: Path) -> None:
+    collector = LogsCollector(
+        ServiceConfig(name="a", unit="vllm.service"),
+        LogsSourceConfig(journalctl=str(tmp_path / "no-journalctl")),
+        FakeClock(),
+    )
+    try:
+        wait_for(lambda: collector.collect().error is not None)
+        reading = collector.collect()
+        assert reading.payload is None
+        assert "not found" in (reading.error or "")
+        assert "sources.logs.journalctl" in (reading.hint or "")
+    finally:
+        collector.close()
+
+
+def test_journalctl_exits_and_is_restarted(tmp_path: Path) -> None:
+    journalctl = _fake_journalctl(
+        tmp_path,
+        "echo 'Failed to add filter for units: No data available' >&2\nexit 1",
+    )
+    collector = LogsCollector(
+        ServiceConfig(name="a", unit="vllm.service"),
+        LogsSourceConfig(journalctl=str(journalctl)),
+        FakeClock(),
+    )
+    try:
+        wait_for(lambda: collector.collect().error is not None)
+        reading = collector.collect()
+        assert reading.payload is None
+        assert "exited with status 1" in (reading.error or "")
+        assert "No data available" in (reading.error or "")
+        assert "systemd-journal" in (reading.hint or "")
+        # restarted with backoff (1 s, then 2 s)
+        wait_for(lambda: len((tmp_path / "spawns").read_text().split()) >= 2, timeout=5)
+    finally:
+        collector.close()
+
+
+def test_journalctl_that_cannot_read_the_journal(tmp_path: Path) -> None:
+    journalctl = _fake_journalctl(
+        tmp_path,
+        "echo 'Hint: You are currently not seeing messages from other users and the system.' >&2\n"
+        "echo \"      Users in groups 'adm', 'systemd-journal' can see all messages.\" >&2\n"
+        "exec sleep 60",
+    )
+    collector = LogsCollector(
+        ServiceConfig(name="a", unit="vllm.service"),
+        LogsSourceConfig(journalctl=str(journalctl)),
+        FakeClock(),
+    )
+    try:
+        wait_for(lambda: collector.collect().error is not None)
+        reading = collector.collect()
+        assert "cannot read the system journal" in (reading.error or "")
+        assert "systemd-journal" in (reading.hint or "")
+    finally:
+        collector.close()
+
+
+def test_close_stops_journalctl_children(tmp_path: Path) -> None:
+    # Not exec: the shell's child holds stdout; close() must stop the whole group.
+    journalctl = _fake_journalctl(tmp_path, f'sleep 60 &\necho $! > "{tmp_path}/child"\nwait')
+    collector = LogsCollector(
+        ServiceConfig(name="a", unit="vllm.service"),
+        LogsSourceConfig(journalctl=str(journalctl)),
+        FakeClock(),
+    )
+    wait_for(
+        lambda: (tmp_path / "child").exists() and (tmp_path / "child").read_text().strip() != ""
+    )
+    child = int((tmp_path / "child").read_text())
+    t0 = time.monotonic()
+    collector.close()
+    assert time.monotonic() - t0 < 3
+    wait_for(lambda: not _alive(child), timeout=3)

@@ -1,0 +1,747 @@
+"""The logs source: vLLM's own account of what went wrong, counted per signature.
+
+A reader thread per service follows either the unit's journal (``journalctl -f -o json``) or
+a plain log file (like ``tail -F``) and feeds every line to :func:`match_line`, which knows
+the vLLM log signatures of reference/vllm-surface.md §6: CUDA OOMs, start-up sizing failures,
+engine death, hung workers, V0 preemption warnings. Once per tick :meth:`LogsCollector.collect`
+hands out cumulative counts per kind and the events that are new since the previous tick;
+it only copies state under a lock, so it never waits on the journal. Messages kept in events
+are redacted and truncated: they end up in alerts, ``status`` and the flight recorder.
+
+Counting rules (why a count is a number of *incidents*, not of lines):
+
+* Lines logged at INFO or DEBUG are never matched. Every signature is logged at WARNING or
+  above or printed as a traceback line, and INFO lines can carry user text (request logging),
+  which must not be able to fake an OOM.
+* vLLM reports one failure several times: the worker prints the OOM traceback, EngineCore
+  re-raises it as ``Worker failed with error 'CUDA out of memory…'``, the API server logs
+  ``EngineDeadError`` once per in-flight request. A match whose *dedup key* equals that of the
+  previous counted event of its kind less than :data:`DEDUP_WINDOW_SECONDS` ago is the same
+  incident and is dropped (the window slides while repeats keep coming). The key is the kind
+  plus, for OOMs, the GPU and the requested size (two GPUs running out are two incidents),
+  and for V0 preemption warnings the cumulative preemption number vLLM prints (every warning
+  is a new 50 preemptions). Repeats never take less than 10 s apart in practice: after an
+  engine death vLLM exits, and a restart takes longer than that to reach the next failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+from vllm_guardian.clock import Clock
+from vllm_guardian.config import LogsSourceConfig, ServiceConfig
+from vllm_guardian.model import LogEvent, LogEventKind, LogReading, Reading, SourceKind
+from vllm_guardian.redact import redact_text
+from vllm_guardian.sources.base import failed
+
+if TYPE_CHECKING:
+    from vllm_guardian.sources.base import Collector
+
+Details = tuple[tuple[str, str], ...]
+
+DEDUP_WINDOW_SECONDS = 10.0
+MESSAGE_MAX_CHARS = 500
+# collect() copies counters under a lock; a second means the lock holder is stuck.
+COLLECT_TIMEOUT_SECONDS = 1.0
+# Restart a dead journalctl after 1 s, doubling to at most 30 s; a run that lasted a minute
+# resets the backoff (it was a one-off exit, not a crash loop).
+_BACKOFF_MIN_SECONDS = 1.0
+_BACKOFF_MAX_SECONDS = 30.0
+_BACKOFF_RESET_AFTER_SECONDS = 60.0
+# A file is polled like tail -F does (tail's default is 1 s); 0.25 s keeps events within a tick.
+_FILE_POLL_SECONDS = 0.25
+_READ_CHUNK_BYTES = 64 * 1024
+_STDERR_KEEP_BYTES = 4096
+
+_JOURNAL_GROUP_HINT = (
+    "the guardian's user cannot read the system journal: add it to the systemd-journal group "
+    "(SupplementaryGroups=systemd-journal in its unit), or follow a file with services[].log_file"
+)
+
+# --- the matcher (pure) ----------------------------------------------------------------------
+
+# reference §6: "(proc pid=N) LEVEL MM-DD HH:MM:SS [file.py:N] msg"; V0 has no brackets.
+LOG_PREFIX = re.compile(
+    r"^(?:\((?P<proc>\S+) pid=(?P<pid>\d+)\) )?(?P<lvl>DEBUG|INFO|WARNING|ERROR|CRITICAL) "
+    r"(?P<ts>\d\d-\d\d \d\d:\d\d:\d\d)(?:\.\d+)? \[?(?P<src>[^\]\s]+:\d+)\]? (?P<msg>.*)$"
+)
+_QUIET_LEVELS = frozenset({"DEBUG", "INFO"})
+
+_SIZE = r"[\d.]+ ?(?:bytes|[KMGTP]i?B|B)"
+_SIZE_PARTS = re.compile(r"([\d.]+) ?(bytes|B|KiB|MiB|GiB|TiB|PiB|KB|MB|GB|TB|PB)")
+_SIZE_FACTORS = {
+    "bytes": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "PiB": 2**50,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15,
+}  # fmt: skip
+
+
+def parse_size_bytes(text: str) -> int | None:
+    """torch's ``format_size`` output ('1.25 GiB', '0 bytes') → bytes."""
+    m = _SIZE_PARTS.fullmatch(text.strip())
+    if not m:
+        return None
+    try:
+        return int(float(m.group(1)) * _SIZE_FACTORS[m.group(2)])
+    except ValueError:
+        return None
+
+
+def _gib(text: str) -> str:
+    return str(int(float(text) * 2**30))
+
+
+# CUDA caching-allocator OOM, torch >= 2.1 and <= 2.0 (details are picked one by one below, so
+# a variant with an extra clause or a typo like "total capacty" still yields what it has).
+_CUDA_OOM = re.compile(r"OutOfMemoryError|CUDA out of memory\. Tried to allocate")
+_CUDA_OOM_TEXT = re.compile(r"CUDA out of memory")
+_OOM_TRIED = re.compile(rf"Tried to allocate ({_SIZE})")
+_OOM_GPU = re.compile(r"GPU (\d+) has a total capac|\(GPU (\d+);")
+_OOM_TOTAL = re.compile(rf"total capac\w* of ({_SIZE})|({_SIZE}) total capacity")
+_OOM_FREE = re.compile(rf"of which ({_SIZE}) is free|({_SIZE}) free;")
+_OOM_ALLOCATED = re.compile(rf"({_SIZE}) is allocated by PyTorch|({_SIZE}) already allocated")
+_OOM_RESERVED_UNALLOC = re.compile(rf"({_SIZE}) is reserved by PyTorch but unallocated")
+_OOM_RESERVED_TOTAL = re.compile(rf"({_SIZE}) reserved in total by PyTorch")
+
+_NON_TORCH_OOM = (
+    (re.compile(r"CUDA error: out of memory"), "cuda"),
+    (re.compile(r"CUBLAS_STATUS_ALLOC_FAILED"), "cublas"),
+    (re.compile(r"CUDNN_STATUS_ALLOC_FAILED"), "cudnn"),
+    (re.compile(r"Cuda failure \d*\s*'out of memory'"), "nccl"),
+)
+
+_NO_KV = re.compile(r"No available memory for the cache blocks")
+_MAX_SEQ_NEW = re.compile(
+    r"To serve at least one request with the models?'s? max seq len \((?P<mml>\d+)\)"
+)
+_MAX_SEQ_OLD = re.compile(
+    r"The models?'s? max seq len \((?P<mml>\d+)\) is larger than the maximum number of tokens "
+    r"that can be stored in KV cache \((?P<est>\d+)\)"
+)
+_MAX_SEQ_EST = re.compile(r"estimated maximum model length is (\d+)")
+_MAX_SEQ_NEEDED = re.compile(r"\(([\d.]+) GiB KV cache is needed")
+_MAX_SEQ_AVAIL = re.compile(r"available KV cache memory \(([\d.]+) GiB\)")
+_FREE_BELOW = re.compile(
+    r"Free memory on device\s*(?P<dev>[^\s(]*)\s*\((?P<free>[\d.]+)/(?P<total>[\d.]+) GiB\) "
+    r"on startup is less than"
+)
+_FREE_BELOW_UTIL = re.compile(r"utilization \((?P<util>[\d.]+), (?P<req>[\d.]+) GiB\)")
+_PROFILING = re.compile(r"Error in memory profiling\.")
+_PROFILING_FREE = re.compile(
+    r"Initial free memory (?P<init>[\d.]+) GiB, current free memory (?P<cur>[\d.]+) GiB"
+)
+_STARTUP_FAILED = re.compile(
+    r"EngineCore failed to start|Engine core initialization failed|WorkerProc failed to start"
+    r"|Engine process failed to start"
+)
+_ENGINE_FATAL = re.compile(
+    r"EngineCore encountered a fatal error|Engine background task failed|\bExecutor failed\."
+)
+_ENGINE_DEAD = re.compile(
+    r"\b(?P<err>(?:Async|MQ)?EngineDeadError)\b"
+    r"|(?P<exited>engine core exited unexpectedly)"
+    r"|(?P<proc>Engine core proc(?:ess)? \S+ died unexpectedly)"
+    r"|(?P<v0proc>Engine process \(pid \d+\) died)"
+    r"|(?P<v0server>(?:AsyncLLMEngine|MQLLMEngine) (?:has failed|is already dead), terminating)"
+    r"|(?P<launcher>Process \S+ \(PID: \d+\) died with exit code)"
+)
+_WORKER_DIED = re.compile(
+    r"(?:RayWorkerProc rank=|Worker proc )(?P<worker>\S+) died unexpectedly"
+    r"(?: \(exit code: (?P<code>-?\d+)\))?"
+)
+_EXECUTE_TIMEOUT = re.compile(r"RPC call to (?P<method>\S+?) timed out")
+_PREEMPTION = re.compile(
+    r"Sequence group (?P<group>\S+) is preempted by PreemptionMode\.(?P<mode>\w+) mode"
+)
+_PREEMPTION_TOTAL = re.compile(r"total_num_cumulative_preemption=(\d+)")
+
+
+def _first_group(m: re.Match[str] | None) -> str | None:
+    if m is None:
+        return None
+    return next((g for g in m.groups() if g is not None), None)
+
+
+def _cuda_oom_details(line: str) -> Details:
+    d: list[tuple[str, str]] = []
+
+    def size(key: str, pattern: re.Pattern[str]) -> int | None:
+        text = _first_group(pattern.search(line))
+        value = parse_size_bytes(text) if text else None
+        if value is not None:
+            d.append((key, str(value)))
+        return value
+
+    size("tried_bytes", _OOM_TRIED)
+    gpu = _first_group(_OOM_GPU.search(line))
+    if gpu is not None:
+        d.append(("gpu", gpu))
+    size("total_bytes", _OOM_TOTAL)
+    size("free_bytes", _OOM_FREE)
+    allocated = size("allocated_bytes", _OOM_ALLOCATED)
+    if size("reserved_unallocated_bytes", _OOM_RESERVED_UNALLOC) is None:
+        # torch <= 2.0 prints the reserved total; what the allocator holds unused is the rest.
+        text = _first_group(_OOM_RESERVED_TOTAL.search(line))
+        reserved = parse_size_bytes(text) if text else None
+        if reserved is not None:
+            d.append(("reserved_bytes", str(reserved)))
+            if allocated is not None and reserved >= allocated:
+                d.append(("reserved_unallocated_bytes", str(reserved - allocated)))
+    return tuple(d)
+
+
+def _match_body(line: str) -> tuple[LogEventKind, Details] | None:
+    # Memory causes first: a line that names one is about memory even if it also says
+    # "failed to start" or "engine dead".
+    if _CUDA_OOM.search(line) and _CUDA_OOM_TEXT.search(line):
+        return LogEventKind.CUDA_OOM, _cuda_oom_details(line)
+    for pattern, which in _NON_TORCH_OOM:
+        if pattern.search(line):
+            return LogEventKind.NON_TORCH_OOM, (("source", which),)
+    if _NO_KV.search(line):
+        return LogEventKind.NO_KV_CACHE_MEMORY, ()
+    m = _MAX_SEQ_NEW.search(line)
+    if m:
+        d = [("max_model_len", m.group("mml"))]
+        est = _MAX_SEQ_EST.search(line)
+        if est:
+            d.append(("estimated_max_model_len", est.group(1)))
+        needed = _MAX_SEQ_NEEDED.search(line)
+        if needed:
+            d.append(("needed_kv_cache_bytes", _gib(needed.group(1))))
+        avail = _MAX_SEQ_AVAIL.search(line)
+        if avail:
+            d.append(("available_kv_cache_bytes", _gib(avail.group(1))))
+        return LogEventKind.MAX_SEQ_LEN_EXCEEDS_KV, tuple(d)
+    m = _MAX_SEQ_OLD.search(line)
+    if m:
+        return LogEventKind.MAX_SEQ_LEN_EXCEEDS_KV, (
+            ("max_model_len", m.group("mml")),
+            ("estimated_max_model_len", m.group("est")),
+        )
+    m = _FREE_BELOW.search(line)
+    if m:
+        d = [("free_bytes", _gib(m.group("free"))), ("total_bytes", _gib(m.group("total")))]
+        if m.group("dev"):
+            d.insert(0, ("device", m.group("dev")))
+        util = _FREE_BELOW_UTIL.search(line)
+        if util:
+            d += [
+                ("gpu_memory_utilization", util.group("util")),
+                ("requested_bytes", _gib(util.group("req"))),
+            ]
+        return LogEventKind.FREE_MEMORY_BELOW_UTILIZATION, tuple(d)
+    if _PROFILING.search(line):
+        free = _PROFILING_FREE.search(line)
+        details: Details = ()
+        if free:
+            details = (
+                ("initial_free_bytes", _gib(free.group("init"))),
+                ("current_free_bytes", _gib(free.group("cur"))),
+            )
+        return LogEventKind.MEMORY_PROFILING_ERROR, details
+    if _STARTUP_FAILED.search(line):
+        return LogEventKind.STARTUP_FAILED, ()
+    if _ENGINE_FATAL.search(line):
+        return LogEventKind.ENGINE_FATAL, ()
+    m = _ENGINE_DEAD.search(line)
+    if m:
+        return LogEventKind.ENGINE_DEAD, (("signature", m.group("err") or m.group(0)),)
+    m = _WORKER_DIED.search(line)
+    if m:
+        d = [("worker", m.group("worker").rstrip(","))]
+        if m.group("code") is not None:
+            d.append(("exit_code", m.group("code")))
+        return LogEventKind.WORKER_DIED, tuple(d)
+    m = _EXECUTE_TIMEOUT.search(line)
+    if m:
+        return LogEventKind.EXECUTE_TIMEOUT, (("method", m.group("method")),)
+    m = _PREEMPTION.search(line)
+    if m:
+        d = [("mode", m.group("mode").lower())]
+        total = _PREEMPTION_TOTAL.search(line)
+        if total:
+            d.append(("total_cumulative", total.group(1)))
+        return LogEventKind.PREEMPTION, tuple(d)
+    return None
+
+
+def match_line(line: str) -> tuple[LogEventKind, Details] | None:
+    """The vLLM signature on one log line (kind and details), or None.
+
+    ``line`` may be a full vLLM log line, a traceback line, or a journal MESSAGE. INFO and
+    DEBUG lines never match (see the module docstring).
+    """
+    prefix = LOG_PREFIX.match(line)
+    if prefix is not None and prefix.group("lvl") in _QUIET_LEVELS:
+        return None
+    return _match_body(line)
+
+
+# Which details identify an incident (see the module docstring); other kinds: the kind alone.
+_DEDUP_FIELDS: dict[LogEventKind, tuple[str, ...]] = {
+    LogEventKind.CUDA_OOM: ("gpu", "tried_bytes"),
+    LogEventKind.PREEMPTION: ("total_cumulative",),
+}
+
+
+def _clean_message(line: str) -> str:
+    """Redact first, then truncate: truncation could cut a secret below what redaction knows."""
+    text = redact_text(line)
+    if len(text) > MESSAGE_MAX_CHARS:
+        text = text[: MESSAGE_MAX_CHARS - 1] + "…"
+    return text
+
+
+class EventCounter:
+    """Lines in, deduplicated events and counts out. Not thread-safe: the collector locks."""
+
+    def __init__(self, recent_events: int) -> None:
+        self._counts = dict.fromkeys(LogEventKind, 0)
+        self._pending: deque[LogEvent] = deque(maxlen=recent_events)
+        self._last_seen: dict[tuple[LogEventKind, Details], float] = {}
+        self.lines_total = 0
+
+    def feed(self, line: str, time_seconds: float) -> LogEvent | None:
+        self.lines_total += 1
+        matched = match_line(line)
+        if matched is None:
+            return None
+        kind, details = matched
+        fields = _DEDUP_FIELDS.get(kind, ())
+        key = (kind, tuple((k, v) for k, v in details if k in fields))
+        last = self._last_seen.get(key)
+        self._last_seen[key] = time_seconds
+        if last is not None and abs(time_seconds - last) < DEDUP_WINDOW_SECONDS:
+            return None
+        if len(self._last_seen) > 1024:  # OOM keys vary; forget the stale ones
+            cutoff = time_seconds - DEDUP_WINDOW_SECONDS
+            self._last_seen = {k: t for k, t in self._last_seen.items() if t >= cutoff}
+        event = LogEvent(kind, time_seconds, _clean_message(line), details)
+        self._counts[kind] += 1
+        self._pending.append(event)
+        return event
+
+    def take(self) -> LogReading:
+        """Cumulative counts (every kind, zeros included) and the events since the last take."""
+        reading = LogReading(
+            counts=tuple(self._counts.items()),
+            recent=tuple(self._pending),
+            lines_total=self.lines_total,
+        )
+        self._pending.clear()
+        return reading
+
+
+# --- input framing (pure) --------------------------------------------------------------------
+
+
+def truncate_utf8(text: str, max_bytes: int) -> str:
+    raw = text.encode("utf-8", errors="replace")
+    if len(raw) <= max_bytes:
+        return text
+    return raw[:max_bytes].decode("utf-8", errors="ignore")
+
+
+def _decode_line(raw: bytes) -> str:
+    return raw.decode("utf-8", errors="replace").rstrip("\r")
+
+
+class LineSplitter:
+    """Bytes → complete lines. An incomplete last line waits for its newline; a line longer
+    than ``max_line_bytes`` is cut there (emitted at once) and the rest of it dropped."""
+
+    def __init__(self, max_line_bytes: int) -> None:
+        self._max = max_line_bytes
+        self._buf = bytearray()
+        self._discarding = False
+
+    def feed(self, data: bytes) -> list[str]:
+        out: list[str] = []
+        start = 0
+        while (nl := data.find(b"\n", start)) >= 0:
+            if self._discarding:
+                self._discarding = False
+            else:
+                self._buf += data[start:nl]
+                out.append(_decode_line(bytes(self._buf[: self._max])))
+            self._buf.clear()
+            start = nl + 1
+        if not self._discarding:
+            self._buf += data[start:]
+            if len(self._buf) > self._max:
+                out.append(_decode_line(bytes(self._buf[: self._max])))
+                self._buf.clear()
+                self._discarding = True
+        return out
+
+    def flush(self) -> list[str]:
+        """The unterminated last line of a file that will not grow any more (rotated away)."""
+        out = [] if self._discarding or not self._buf else [_decode_line(bytes(self._buf))]
+        self.reset()
+        return out
+
+    def reset(self) -> None:
+        self._buf.clear()
+        self._discarding = False
+
+
+@dataclass(frozen=True)
+class JournalEntry:
+    message: str | None  # None: journalctl printed null (a field over 4096 bytes)
+    time_seconds: float | None
+
+
+def parse_journal_line(raw: bytes | str) -> JournalEntry | None:
+    """One line of ``journalctl -o json``. MESSAGE is a string, or a list of byte values when
+    it is not valid UTF-8 or holds control characters (colour codes)."""
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    msg = obj.get("MESSAGE")
+    text: str | None = None
+    if isinstance(msg, str):
+        text = msg
+    elif isinstance(msg, list) and all(isinstance(b, int) and 0 <= b < 256 for b in msg):
+        text = bytes(msg).decode("utf-8", errors="replace")
+    ts: float | None = None
+    raw_ts = obj.get("__REALTIME_TIMESTAMP")
+    if isinstance(raw_ts, str | int) and str(raw_ts).isdigit():
+        ts = int(raw_ts) / 1e6
+    return JournalEntry(text, ts)
+
+
+# --- following a file like tail -F ----------------------------------------------------------
+
+
+class FileFollower:
+    """Follows one path across rotation by rename and truncation.
+
+    Opened at construction and positioned at the end, so only lines written after the guardian
+    started count. A file that appears later (or replaces a rotated one) is read from its start.
+    """
+
+    def __init__(self, path: Path, max_line_bytes: int) -> None:
+        self._path = path
+        self._splitter = LineSplitter(max_line_bytes)
+        self._fh: IO[bytes] | None = None
+        self._ident: tuple[int, int] | None = None
+        with contextlib.suppress(OSError):  # missing or unreadable: poll() reports it
+            self._open(at_end=True)
+
+    def _open(self, at_end: bool) -> None:
+        fh = self._path.open("rb")
+        st = os.fstat(fh.fileno())
+        if at_end:
+            fh.seek(0, os.SEEK_END)
+        self._fh, self._ident = fh, (st.st_dev, st.st_ino)
+
+    def _drain(self) -> list[str]:
+        assert self._fh is not None
+        out: list[str] = []
+        while chunk := self._fh.read(_READ_CHUNK_BYTES):
+            out += self._splitter.feed(chunk)
+        return out
+
+    def poll(self) -> list[str]:
+        """Every complete line written since the last poll. Raises OSError while the file
+        cannot be opened (missing, no permission)."""
+        if self._fh is None:
+            self._open(at_end=False)
+        lines = self._drain()
+        try:
+            st = os.stat(self._path)
+        except FileNotFoundError:
+            return lines  # rotated away and not recreated yet: keep the old file open
+        assert self._fh is not None
+        if (st.st_dev, st.st_ino) != self._ident:
+            lines += self._drain() + self._splitter.flush()  # the writer has moved on
+            self.close()
+            self._open(at_end=False)
+            lines += self._drain()
+        elif st.st_size < self._fh.tell():  # truncated (copytruncate): start over
+            self._fh.seek(0)
+            self._splitter.reset()
+            lines += self._drain()
+        return lines
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+# --- the collector ---------------------------------------------------------------------------
+
+
+class LogsCollector:
+    """Follows one service's journal or log file in a thread; collect() reports what it saw.
+
+    ``journal_argv_prefix`` is put in front of the journalctl command, e.g.
+    ``("nsenter", "-t", PID, "-a")`` to read the journal of a container's systemd.
+    """
+
+    kind = SourceKind.LOGS
+
+    def __init__(
+        self,
+        service: ServiceConfig,
+        cfg: LogsSourceConfig,
+        clock: Clock,
+        journal_argv_prefix: Sequence[str] | None = None,
+    ) -> None:
+        self.service: str | None = service.name
+        self.timeout_seconds = COLLECT_TIMEOUT_SECONDS
+        self._cfg = cfg
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._counter = EventCounter(cfg.recent_events)
+        self._down: tuple[str, str | None] | None = None  # (error, hint) while not following
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._stderr: IO[bytes] | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._follower: FileFollower | None = None
+        self._log_path = service.log_file
+        target: Callable[[], None]
+        if service.log_file:
+            self._follower = FileFollower(Path(service.log_file), cfg.max_line_bytes)
+            target = self._run_file
+        elif service.unit:
+            self._argv = [
+                *(journal_argv_prefix or ()),
+                cfg.journalctl,
+                "-f",
+                "-o",
+                "json",
+                "-n",
+                "0",
+                "-u",
+                service.unit,
+            ]
+            target = self._run_journal
+        else:
+            self._down = (
+                "no log to follow: the service has neither a unit nor a log file",
+                "set services[].unit (its journal is followed) or services[].log_file",
+            )
+            return
+        self._thread = threading.Thread(target=target, name=f"logs-{service.name}", daemon=True)
+        self._thread.start()
+
+    # -- the tick side
+
+    def collect(self) -> Reading:
+        try:
+            with self._lock:
+                if self._down is not None:
+                    return failed(self.kind, self.service, self._down[0], self._down[1])
+                blind = self._journal_blind()
+                if blind is not None:
+                    return failed(self.kind, self.service, blind, _JOURNAL_GROUP_HINT)
+                return Reading(source=self.kind, service=self.service, payload=self._counter.take())
+        except Exception as e:  # a source that is down is an observation, never an exception
+            return failed(self.kind, self.service, f"logs source failed: {type(e).__name__}: {e}")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._stop.set()
+            proc = self._proc
+        if proc is not None:
+            # Only signal here: the reader thread owns the pipe; it sees EOF, reaps and closes.
+            _signal_group(proc, signal.SIGTERM)
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+            if self._thread.is_alive() and proc is not None:
+                _signal_group(proc, signal.SIGKILL)
+                self._thread.join(timeout=5.0)
+        if self._follower is not None and (self._thread is None or not self._thread.is_alive()):
+            self._follower.close()
+
+    def _journal_blind(self) -> str | None:
+        """journalctl keeps running when it may not read the system journal; it only says so
+        once on stderr. Called with the lock held."""
+        if self._stderr is None:
+            return None
+        with contextlib.suppress(OSError):
+            head = os.pread(self._stderr.fileno(), _STDERR_KEEP_BYTES, 0)
+            if (
+                b"not seeing messages from other users" in head
+                or b"insufficient permissions" in head
+            ):
+                return "journalctl runs but cannot read the system journal"
+        return None
+
+    # -- the reader thread
+
+    def _feed(self, lines: Iterable[str], time_seconds: float | None = None) -> None:
+        with self._lock:
+            for line in lines:
+                t = time_seconds if time_seconds is not None else self._clock.time()
+                self._counter.feed(line, t)
+
+    def _set_down(self, error: str | None, hint: str | None = None) -> None:
+        with self._lock:
+            self._down = None if error is None else (error, hint)
+
+    def _run_file(self) -> None:
+        assert self._follower is not None
+        path = self._log_path
+        while not self._stop.is_set():
+            try:
+                lines = self._follower.poll()
+            except FileNotFoundError:
+                self._set_down(
+                    f"log file {path} does not exist",
+                    "check services[].log_file; it appears once vLLM's output is written there",
+                )
+            except PermissionError:
+                self._set_down(
+                    f"log file {path} is not readable",
+                    "give the guardian's user read access to the file (e.g. group adm)",
+                )
+            except OSError as e:
+                self._set_down(f"cannot read log file {path}: {e.strerror or e}")
+            else:
+                self._feed(lines)
+                self._set_down(None)
+            self._stop.wait(_FILE_POLL_SECONDS)
+
+    def _run_journal(self) -> None:
+        backoff = _BACKOFF_MIN_SECONDS
+        while not self._stop.is_set():
+            started = time.monotonic()  # real time: backoff is about this process, not the clock
+            self._follow_journal_once()
+            if time.monotonic() - started >= _BACKOFF_RESET_AFTER_SECONDS:
+                backoff = _BACKOFF_MIN_SECONDS
+            if self._stop.wait(backoff):
+                break
+            backoff = min(backoff * 2, _BACKOFF_MAX_SECONDS)
+
+    def _follow_journal_once(self) -> None:
+        # stderr goes to a file, not a pipe: nobody has to drain it, and collect() can look
+        # at it for journalctl's "not seeing messages" notice.
+        with tempfile.TemporaryFile() as stderr:
+            proc = self._spawn_journal(stderr)
+            if proc is None:
+                return
+            with self._lock:
+                self._proc, self._stderr, self._down = proc, stderr, None
+                stopping = self._stop.is_set()
+            try:
+                if not stopping:
+                    self._read_journal(proc)
+            finally:
+                _terminate(proc)
+                tail = _tail(stderr)
+                with self._lock:
+                    self._proc, self._stderr = None, None
+                    if not self._stop.is_set():
+                        self._down = (
+                            f"journalctl exited with status {proc.returncode}"
+                            + (f": {tail}" if tail else ""),
+                            f"restarting it with backoff; if it cannot read the journal, "
+                            f"{_JOURNAL_GROUP_HINT}",
+                        )
+
+    def _spawn_journal(self, stderr: IO[bytes]) -> subprocess.Popen[bytes] | None:
+        tool = self._cfg.journalctl
+        try:
+            return subprocess.Popen(
+                self._argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                start_new_session=True,  # so close() can stop whatever it started, too
+            )
+        except FileNotFoundError:
+            self._set_down(
+                f"{self._argv[0]} not found",
+                f"install journalctl or set sources.logs.journalctl to its path (now {tool!r}), "
+                "or follow a file with services[].log_file",
+            )
+        except OSError as e:
+            self._set_down(f"cannot run {tool}: {e.strerror or e}", _JOURNAL_GROUP_HINT)
+        return None
+
+    def _read_journal(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        # JSON escaping can make a line several times longer than its MESSAGE.
+        limit = 8 * self._cfg.max_line_bytes + 64 * 1024
+        oversized = False
+        while raw := proc.stdout.readline(limit):
+            complete = raw.endswith(b"\n")
+            if oversized or not complete:
+                # The tail of a line too long to parse: count it once, then skip to its end.
+                if not oversized:
+                    self._feed([""])
+                oversized = not complete
+                continue
+            entry = parse_journal_line(raw)
+            if entry is None or entry.message is None:
+                self._feed([""])  # a line was logged; its text cannot be matched
+                continue
+            lines = [
+                truncate_utf8(line, self._cfg.max_line_bytes)
+                for line in entry.message.splitlines() or [""]
+            ]
+            self._feed(lines, entry.time_seconds)
+
+
+def _tail(f: IO[bytes]) -> str:
+    with contextlib.suppress(OSError):
+        size = os.fstat(f.fileno()).st_size
+        data = os.pread(f.fileno(), _STDERR_KEEP_BYTES, max(0, size - _STDERR_KEEP_BYTES))
+        lines = [
+            ln.strip() for ln in data.decode("utf-8", errors="replace").splitlines() if ln.strip()
+        ]
+        return redact_text(" / ".join(lines[-3:]))[:_STDERR_KEEP_BYTES]
+    return ""
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, sig)
+
+
+def _terminate(proc: subprocess.Popen[bytes]) -> None:
+    """Stop journalctl and anything it started: SIGTERM to its group, SIGKILL after 1 s."""
+    if proc.poll() is None:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    else:
+        with contextlib.suppress(OSError):  # the leader exited; its children may not have
+            os.killpg(proc.pid, signal.SIGKILL)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+if TYPE_CHECKING:
+
+    def _is_collector(c: LogsCollector) -> Collector:
+        return c
