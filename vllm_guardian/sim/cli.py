@@ -1,0 +1,84 @@
+"""The twin's command line: ``serve`` (a simulated ``vllm serve``) and ``load``.
+
+``main(argv)`` is what ``python -m vllm_guardian.sim`` and ``vllm-guardian sim`` call.
+The environment is read here, once (PYTORCH_CUDA_ALLOC_CONF), and passed down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from vllm_guardian.sim.engine import Proc
+from vllm_guardian.sim.flags import FlagError, parse_serve_args
+from vllm_guardian.sim.load import plan_requests, run_load
+from vllm_guardian.sim.scenarios import SCENARIOS
+from vllm_guardian.sim.server import Twin
+from vllm_guardian.sim.vllm_log import LogWriter
+
+USAGE = "usage: python -m vllm_guardian.sim {serve,load} ..."
+
+
+def serve(argv: Sequence[str]) -> int:
+    log = LogWriter(os.getpid())
+    try:
+        opts = parse_serve_args(argv, os.environ)
+    except (FlagError, ValueError) as exc:
+        # vLLM fails the same way: a ValueError traceback from config validation, status 1.
+        log.raw("Traceback (most recent call last):")
+        log.raw(f"ValueError: {exc}")
+        return 1
+    return Twin(opts, log).run()
+
+
+def load(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m vllm_guardian.sim load")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", required=True, help="the served model name")
+    p.add_argument("--scenario", choices=sorted(SCENARIOS), default="steady")
+    p.add_argument("--speed", type=float, default=1.0, help="the twin's --sim-speed")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-requests", type=int, default=200)
+    p.add_argument("--max-duration-seconds", type=float, default=60.0)
+    p.add_argument("--no-stream", action="store_true")
+    p.add_argument("--outcomes", default=None, help="write one JSON line per request here")
+    ns = p.parse_args(list(argv))
+    profile = SCENARIOS[ns.scenario].load
+    plan = plan_requests(profile, ns.seed, ns.max_requests, ns.max_duration_seconds * ns.speed)
+    try:
+        result = run_load(
+            ns.url.rstrip("/"),
+            plan,
+            model=ns.model,
+            speed=ns.speed,
+            stream=not ns.no_stream,
+            max_duration_seconds=ns.max_duration_seconds,
+        )
+    except ValueError as exc:
+        print(f"load: {exc}", file=sys.stderr)
+        return 2
+    if ns.outcomes:
+        with open(ns.outcomes, "w", encoding="utf-8") as fh:
+            fh.writelines(o.to_json() + "\n" for o in result.outcomes)
+    print(json.dumps(result.summary(), sort_keys=True))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "serve":
+        return serve(rest)
+    if command == "load":
+        return load(rest)
+    print(f"{USAGE}\nunknown command: {command}", file=sys.stderr)
+    return 2
+
+
+__all__ = ["Proc", "main"]

@@ -1,0 +1,483 @@
+"""vLLM 0.32's ``/metrics`` text, rendered by the twin itself.
+
+Same families, types, HELP texts, label names, ``_created`` samples (emitted, as
+prometheus_client does, as separate ``*_created`` gauge families after each counter or
+histogram), ``vllm:cache_config_info`` labels and histogram buckets as the real captures in
+``tests/fixtures/vllm/``. ``python_*``/``process_*`` come from prometheus_client's collectors
+on a private registry; ``http_*`` from the server's own ``HttpStats``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
+
+from vllm_guardian.sim.profiling import EngineConfig, StartupPlan
+from vllm_guardian.sim.scheduler import FinishReason
+from vllm_guardian.sim.stats import Histogram
+
+Labels = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    labels: Labels
+    value: float
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # as exposed in HELP/TYPE (counters end in _total)
+    type: str
+    help: str
+    samples: tuple[Sample, ...]
+    created: tuple[Sample, ...] = ()
+    created_help_name: str = ""  # the family name whose _created gauge follows
+
+
+def float_to_go(value: float) -> str:
+    """prometheus_client's ``floatToGoString``: Go-style exponents for large numbers."""
+    if value == math.inf:
+        return "+Inf"
+    if value == -math.inf:
+        return "-Inf"
+    if math.isnan(value):
+        return "NaN"
+    s = repr(float(value))
+    dot = s.find(".")
+    if value > 0 and dot > 6:
+        mantissa = f"{s[0]}.{s[1:dot]}{s[dot + 1 :]}".rstrip("0.")
+        return f"{mantissa}e+0{dot - 1}"
+    return s
+
+
+def _escape(v: str) -> str:
+    return v.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+def _line(s: Sample) -> str:
+    if s.labels:
+        lab = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(s.labels))
+        return f"{s.name}{{{lab}}} {float_to_go(s.value)}\n"
+    return f"{s.name} {float_to_go(s.value)}\n"
+
+
+def render(families: Iterable[Family]) -> str:
+    out: list[str] = []
+    for fam in families:
+        doc = fam.help.replace("\\", r"\\").replace("\n", r"\n")
+        out.append(f"# HELP {fam.name} {doc}\n# TYPE {fam.name} {fam.type}\n")
+        out.extend(_line(s) for s in fam.samples)
+        if fam.created:
+            base = fam.created_help_name
+            out.append(f"# HELP {base}_created {doc}\n# TYPE {base}_created gauge\n")
+            out.extend(_line(s) for s in fam.created)
+    return "".join(out)
+
+
+def counter(
+    name: str, help_text: str, rows: Iterable[tuple[Labels, float]], created: float
+) -> Family:
+    rows = list(rows)
+    return Family(
+        f"{name}_total",
+        "counter",
+        help_text,
+        tuple(Sample(f"{name}_total", lab, v) for lab, v in rows),
+        tuple(Sample(f"{name}_created", lab, created) for lab, _ in rows),
+        name,
+    )
+
+
+def gauge(name: str, help_text: str, rows: Iterable[tuple[Labels, float]]) -> Family:
+    return Family(name, "gauge", help_text, tuple(Sample(name, lab, v) for lab, v in rows))
+
+
+def histogram(
+    name: str, help_text: str, rows: Iterable[tuple[Labels, Histogram]], created: float
+) -> Family:
+    samples: list[Sample] = []
+    made: list[Sample] = []
+    for lab, h in rows:
+        for bound, count in h.cumulative():
+            samples.append(Sample(f"{name}_bucket", (*lab, ("le", float_to_go(bound))), count))
+        samples.append(Sample(f"{name}_count", lab, h.count))
+        samples.append(Sample(f"{name}_sum", lab, h.sum))
+        made.append(Sample(f"{name}_created", lab, created))
+    return Family(name, "histogram", help_text, tuple(samples), tuple(made), name)
+
+
+def summary(
+    name: str, help_text: str, rows: Iterable[tuple[Labels, int, float]], created: float
+) -> Family:
+    samples: list[Sample] = []
+    made: list[Sample] = []
+    for lab, count, total in rows:
+        samples.append(Sample(f"{name}_count", lab, count))
+        samples.append(Sample(f"{name}_sum", lab, total))
+        made.append(Sample(f"{name}_created", lab, created))
+    return Family(name, "summary", help_text, tuple(samples), tuple(made), name)
+
+
+# ---------------------------------------------------------------------- vllm:*
+
+_HELP = {
+    "estimated_flops_per_gpu": "Estimated number of floating point operations per GPU (for Model Flops Utilization calculations).",
+    "estimated_read_bytes_per_gpu": "Estimated number of bytes read from memory per GPU (for Model Flops Utilization calculations).",
+    "estimated_write_bytes_per_gpu": "Estimated number of bytes written to memory per GPU (for Model Flops Utilization calculations).",
+    "num_requests_running": "Number of requests in model execution batches.",
+    "num_requests_waiting": "Number of requests waiting to be processed.",
+    "num_requests_waiting_by_reason": "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
+    "engine_sleep_state": "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+    "kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
+    "prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens.",
+    "prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
+    "external_prefix_cache_queries": "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.",
+    "external_prefix_cache_hits": "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.",
+    "mm_cache_queries": "Multi-modal cache queries, in terms of number of queried items.",
+    "mm_cache_hits": "Multi-modal cache hits, in terms of number of cached items.",
+    "num_preemptions": "Cumulative number of preemption from the engine.",
+    "prompt_tokens": "Number of prefill tokens processed.",
+    "prompt_tokens_by_source": "Number of prompt tokens by source.",
+    "prompt_tokens_cached": "Number of cached prompt tokens (local + external).",
+    "prompt_tokens_cached_by_source": "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), host (offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or external_unspecified. Counted at admission; sums to vllm:prefix_cache_hits + vllm:external_prefix_cache_hits.",
+    "generation_tokens": "Number of generation tokens processed.",
+    "request_success": "Count of successfully processed requests.",
+    "admission_rejections": "Number of admission attempts rejected by a queue limit, by reason.",
+    "request_prompt_tokens": "Number of prefill tokens processed.",
+    "request_generation_tokens": "Number of generation tokens processed.",
+    "iteration_tokens_total": "Histogram of number of tokens per engine_step.",
+    "request_max_num_generation_tokens": "Histogram of maximum number of requested generation tokens.",
+    "request_params_n": "Histogram of the n request parameter.",
+    "request_params_max_tokens": "Histogram of the max_tokens request parameter.",
+    "time_to_first_token_seconds": "Histogram of time to first token in seconds.",
+    "inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
+    "request_time_per_output_token_seconds": "Histogram of time_per_output_token_seconds per request.",
+    "e2e_request_latency_seconds": "Histogram of e2e request latency in seconds.",
+    "request_queue_time_seconds": "Histogram of time spent in WAITING phase for request.",
+    "request_inference_time_seconds": "Histogram of time spent in RUNNING phase for request.",
+    "request_prefill_time_seconds": "Histogram of time spent in PREFILL phase for request.",
+    "request_decode_time_seconds": "Histogram of time spent in DECODE phase for request.",
+    "request_num_preemptions": "Histogram of the number of times a request was preempted.",
+    "request_prefill_kv_computed_tokens": "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+}  # fmt: skip
+
+# Histograms in registration order (loggers.py), all labelled {engine, model_name}.
+_HISTOGRAMS = (
+    "request_prompt_tokens",
+    "request_generation_tokens",
+    "iteration_tokens_total",
+    "request_max_num_generation_tokens",
+    "request_params_n",
+    "request_params_max_tokens",
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "request_time_per_output_token_seconds",
+    "e2e_request_latency_seconds",
+    "request_queue_time_seconds",
+    "request_inference_time_seconds",
+    "request_prefill_time_seconds",
+    "request_decode_time_seconds",
+    "request_num_preemptions",
+    "request_prefill_kv_computed_tokens",
+)
+
+
+def cache_config_labels(cfg: EngineConfig, plan: StartupPlan, user_block_size: bool) -> Labels:
+    """``CacheConfig.metrics_info()`` of vLLM 0.32: every field, stringified with str()."""
+    values = {
+        "_block_size_resolved": "True",
+        "block_size": str(cfg.block_size),
+        "cache_dtype": "auto",
+        "cache_hit_alignment_tokens": "None",
+        "effective_attention_block_size": str(cfg.block_size),
+        "enable_mamba_shared_prefix_checkpoint": "False",
+        "enable_prefix_caching": str(cfg.enable_prefix_caching),
+        "engine": "0",
+        "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
+        "hash_block_size": "None",
+        "is_attention_free": "False",
+        "kv_cache_dtype_skip_layers": "[]",
+        "kv_cache_layout": "None",
+        "kv_cache_max_concurrency": str(plan.max_concurrency),
+        "kv_cache_memory_bytes": str(cfg.kv_cache_memory_bytes),
+        "kv_cache_size_tokens": str(plan.kv_cache_size_tokens),
+        "kv_offloading_backend": "native",
+        "kv_offloading_size": "None",
+        "kv_sharing_fast_prefill": "False",
+        "mamba_block_size": "None",
+        "mamba_cache_dtype": "auto",
+        "mamba_cache_mode": "none",
+        "mamba_page_size_padded": "None",
+        "mamba_ssm_cache_dtype": "auto",
+        "num_cpu_blocks": "None",
+        "num_gpu_blocks": str(plan.num_gpu_blocks),
+        "num_gpu_blocks_override": "None",
+        "prefix_cache_retention_interval": "0",
+        "prefix_caching_hash_algo": "sha256",
+        "prefix_match_unit": "None",
+        "replayssm_buffer_len": "16",
+        "skip_page_size_padded": "None",
+        "sliding_window": "None",
+        "swa_bounded_replay": "True",
+        "use_kda_recoverssm": "False",
+        "use_replayssm": "False",
+        "user_specified_block_size": str(user_block_size),
+    }
+    return tuple(sorted(values.items()))
+
+
+@dataclass(frozen=True)
+class VllmView:
+    """What the API server's PrometheusStatLogger knows about the engine."""
+
+    model_name: str
+    running: int
+    waiting: int
+    kv_cache_usage_ratio: float
+    counters: dict[str, float]
+    request_success: dict[FinishReason, int]
+    histograms: dict[str, Histogram]
+    cache_labels: Labels
+    created_unix_seconds: float
+
+
+def vllm_families(v: VllmView) -> list[Family]:
+    lab: Labels = (("engine", "0"), ("model_name", v.model_name))
+    c = v.counters
+    t0 = v.created_unix_seconds
+
+    def ctr(name: str, value: float) -> Family:
+        return counter(f"vllm:{name}", _HELP[name], [(lab, value)], t0)
+
+    def g(name: str, value: float) -> Family:
+        return gauge(f"vllm:{name}", _HELP[name], [(lab, value)])
+
+    fams = [
+        ctr("estimated_flops_per_gpu", 0.0),
+        ctr("estimated_read_bytes_per_gpu", 0.0),
+        ctr("estimated_write_bytes_per_gpu", 0.0),
+        g("num_requests_running", v.running),
+        g("num_requests_waiting", v.waiting),
+        gauge(
+            "vllm:num_requests_waiting_by_reason",
+            _HELP["num_requests_waiting_by_reason"],
+            [((*lab, ("reason", "capacity")), v.waiting), ((*lab, ("reason", "deferred")), 0.0)],
+        ),
+        gauge(
+            "vllm:engine_sleep_state",
+            _HELP["engine_sleep_state"],
+            [
+                ((*lab, ("sleep_state", state)), 1.0 if state == "awake" else 0.0)
+                for state in ("awake", "weights_offloaded", "discard_all")
+            ],
+        ),
+        g("kv_cache_usage_perc", v.kv_cache_usage_ratio),
+        ctr("prefix_cache_queries", c["prefix_cache_queries"]),
+        ctr("prefix_cache_hits", c["prefix_cache_hits"]),
+        ctr("external_prefix_cache_queries", 0.0),
+        ctr("external_prefix_cache_hits", 0.0),
+        ctr("mm_cache_queries", 0.0),
+        ctr("mm_cache_hits", 0.0),
+        ctr("num_preemptions", c["num_preemptions"]),
+        ctr("prompt_tokens", c["prompt_tokens"]),
+        counter(
+            "vllm:prompt_tokens_by_source",
+            _HELP["prompt_tokens_by_source"],
+            [
+                ((*lab, ("source", "local_compute")), c["prompt_tokens_local_compute"]),
+                ((*lab, ("source", "local_cache_hit")), c["prompt_tokens_local_cache_hit"]),
+                ((*lab, ("source", "external_kv_transfer")), 0.0),
+            ],
+            t0,
+        ),
+        ctr("prompt_tokens_cached", c["prompt_tokens_local_cache_hit"]),
+        counter(
+            "vllm:prompt_tokens_cached_by_source",
+            _HELP["prompt_tokens_cached_by_source"],
+            [
+                (
+                    (*lab, ("source", src)),
+                    c["prompt_tokens_local_cache_hit"] if src == "device" else 0.0,
+                )
+                for src in ("device", "host", "p2p", "disk", "external_unspecified")
+            ],
+            t0,
+        ),
+        ctr("generation_tokens", c["generation_tokens"]),
+        counter(
+            "vllm:request_success",
+            _HELP["request_success"],
+            [((*lab, ("finished_reason", r.value)), v.request_success[r]) for r in FinishReason],
+            t0,
+        ),
+        counter(
+            "vllm:admission_rejections",
+            _HELP["admission_rejections"],
+            [
+                ((("model_name", v.model_name), ("reason", r)), 0.0)
+                for r in ("max_num_queued_reqs", "max_num_queued_tokens")
+            ],
+            t0,
+        ),
+    ]
+    fams.extend(
+        histogram(f"vllm:{name}", _HELP[name], [(lab, v.histograms[name])], t0)
+        for name in _HISTOGRAMS
+    )
+    fams.append(
+        gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            [(v.cache_labels, 1.0)],
+        )
+    )
+    return fams
+
+
+# ---------------------------------------------------------------------- http_* and runtime
+
+# prometheus_fastapi_instrumentator's defaults.
+HTTP_DURATION_BUCKETS_SECONDS = (0.1, 0.5, 1.0)
+HTTP_HIGHR_BUCKETS_SECONDS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5,
+    5.0, 7.5, 10.0, 30.0, 60.0,
+)  # fmt: skip
+# The instrumentator does not count these handlers (vllm-surface.md §1.1).
+HTTP_EXCLUDED_HANDLERS = frozenset(
+    {"/metrics", "/health", "/load", "/ping", "/version", "/server_info"}
+)
+
+
+@dataclass
+class _HandlerStats:
+    created: float
+    req_count: int = 0
+    req_bytes: float = 0.0
+    resp_count: int = 0
+    resp_bytes: float = 0.0
+
+
+@dataclass
+class HttpStats:
+    """The instrumentator's counters; the server calls ``observe`` under its own lock."""
+
+    created_unix_seconds: float
+    requests: dict[tuple[str, str, str], tuple[int, float]] = field(default_factory=dict)
+    handlers: dict[str, _HandlerStats] = field(default_factory=dict)
+    durations: dict[tuple[str, str], tuple[Histogram, float]] = field(default_factory=dict)
+    highr: Histogram = field(default_factory=lambda: Histogram(HTTP_HIGHR_BUCKETS_SECONDS))
+
+    def observe(
+        self,
+        handler: str,
+        method: str,
+        status: int,
+        request_bytes: int,
+        response_bytes: int,
+        duration_seconds: float,
+        now_unix_seconds: float,
+    ) -> None:
+        if handler in HTTP_EXCLUDED_HANDLERS:
+            return
+        key = (handler, method, f"{status // 100}xx")
+        count, created = self.requests.get(key, (0, now_unix_seconds))
+        self.requests[key] = (count + 1, created)
+        hs = self.handlers.setdefault(handler, _HandlerStats(now_unix_seconds))
+        hs.req_count += 1
+        hs.req_bytes += request_bytes
+        hs.resp_count += 1
+        hs.resp_bytes += response_bytes
+        hist, hcreated = self.durations.get(
+            (handler, method), (Histogram(HTTP_DURATION_BUCKETS_SECONDS), now_unix_seconds)
+        )
+        hist.observe(duration_seconds)
+        self.durations[(handler, method)] = (hist, hcreated)
+        self.highr.observe(duration_seconds)
+
+    def families(self) -> list[Family]:
+        req_rows = [
+            (Sample("http_requests_total", (("handler", h), ("method", m), ("status", s)), n),
+             Sample("http_requests_created", (("handler", h), ("method", m), ("status", s)), t))
+            for (h, m, s), (n, t) in self.requests.items()
+        ]  # fmt: skip
+        size_help = "Content length of incoming requests by handler. Only value of header is respected. Otherwise ignored. No percentile calculated. "
+        resp_help = "Content length of outgoing responses by handler. Only value of header is respected. Otherwise ignored. No percentile calculated. "
+        fams = [
+            Family(
+                "http_requests_total",
+                "counter",
+                "Total number of requests by method, status and handler.",
+                tuple(r[0] for r in req_rows),
+                tuple(r[1] for r in req_rows),
+                "http_requests",
+            ),
+            _summary_family("http_request_size_bytes", size_help,
+                            [(h, s.req_count, s.req_bytes, s.created) for h, s in self.handlers.items()]),
+            _summary_family("http_response_size_bytes", resp_help,
+                            [(h, s.resp_count, s.resp_bytes, s.created) for h, s in self.handlers.items()]),
+            histogram(
+                "http_request_duration_highr_seconds",
+                "Latency with many buckets but no API specific labels. Made for more accurate percentile calculations. ",
+                [((), self.highr)],
+                self.created_unix_seconds,
+            ),
+        ]  # fmt: skip
+        dur_samples: list[Sample] = []
+        dur_created: list[Sample] = []
+        for (h, m), (hist, t) in self.durations.items():
+            fam = histogram(
+                "http_request_duration_seconds", "", [((("handler", h), ("method", m)), hist)], t
+            )
+            dur_samples.extend(fam.samples)
+            dur_created.extend(fam.created)
+        fams.append(
+            Family(
+                "http_request_duration_seconds",
+                "histogram",
+                "Latency with only few buckets by handler. Made to be only used if aggregation by handler is important. ",
+                tuple(dur_samples),
+                tuple(dur_created),
+                "http_request_duration_seconds",
+            )
+        )  # fmt: skip
+        return fams
+
+
+def _summary_family(name: str, help_text: str, rows: list[tuple[str, int, float, float]]) -> Family:
+    samples: list[Sample] = []
+    made: list[Sample] = []
+    for handler, count, total, created in rows:
+        lab: Labels = (("handler", handler),)
+        samples += [Sample(f"{name}_count", lab, count), Sample(f"{name}_sum", lab, total)]
+        made.append(Sample(f"{name}_created", lab, created))
+    return Family(name, "summary", help_text, tuple(samples), tuple(made), name)
+
+
+def make_runtime_registry() -> CollectorRegistry:
+    """A private registry with the gc, platform and process collectors (never the global one)."""
+    registry = CollectorRegistry()
+    GCCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    ProcessCollector(registry=registry)
+    return registry
+
+
+def runtime_families(registry: CollectorRegistry) -> list[Family]:
+    fams = []
+    for metric in registry.collect():
+        name = f"{metric.name}_total" if metric.type == "counter" else metric.name
+        mtype = "gauge" if metric.type == "info" else metric.type
+        samples = tuple(Sample(s.name, tuple(s.labels.items()), s.value) for s in metric.samples)
+        fams.append(Family(name, mtype, metric.documentation, samples))
+    return fams
+
+
+def render_metrics(runtime: list[Family], vllm: VllmView | None, http: HttpStats) -> str:
+    """The whole page: runtime, then vllm:* (absent with --disable-log-stats), then http_*."""
+    fams = [*runtime, *(vllm_families(vllm) if vllm is not None else []), *http.families()]
+    return render(fams)

@@ -1,0 +1,251 @@
+"""An open-loop load generator for the twin (or a real vLLM), loopback only.
+
+``plan_requests`` turns a ``LoadProfile`` into a seeded, bounded list of arrivals (Poisson,
+plus bursts) with prompt/output lengths and shared prefixes; it is pure, so the simulation
+tests feed the same plan straight into the engine. ``run_load`` sends that plan over HTTP on
+its schedule, whether or not earlier requests have finished (open loop), and records every
+request's outcome: ok, HTTP error, error event in the stream, connection error, latency,
+tokens. It refuses any host that is not a loopback address.
+
+Prompts are made of whitespace-separated words and the twin counts one token per word, so a
+planned prompt of N tokens is N tokens on the twin.
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+import json
+import random
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from urllib.parse import urlsplit
+
+import requests
+
+from vllm_guardian.sim.scenarios import LoadProfile
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    index: int
+    at_seconds: float  # simulated seconds after the load starts
+    prompt: str
+    prompt_tokens: int
+    max_tokens: int
+    burst: bool = False
+
+
+class OutcomeKind(enum.Enum):
+    OK = "ok"
+    HTTP_ERROR = "http_error"
+    STREAM_ERROR = "stream_error"  # HTTP 200, then an error event (engine death)
+    INCOMPLETE = "incomplete"  # the stream ended without [DONE]
+    CONNECTION_ERROR = "connection_error"
+    NOT_SENT = "not_sent"  # the time bound ran out before its arrival
+
+
+@dataclass(frozen=True)
+class RequestOutcome:
+    index: int
+    kind: OutcomeKind
+    scheduled_seconds: float  # real seconds after the start
+    latency_seconds: float | None
+    ttft_seconds: float | None
+    http_status: int | None
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None
+    error: str | None
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["kind"] = self.kind.value
+        return json.dumps(d, sort_keys=True)
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    outcomes: tuple[RequestOutcome, ...]
+    duration_seconds: float
+
+    def count(self, kind: OutcomeKind) -> int:
+        return sum(1 for o in self.outcomes if o.kind is kind)
+
+    def summary(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {k.value: self.count(k) for k in OutcomeKind}
+        out["completion_tokens"] = sum(o.completion_tokens for o in self.outcomes)
+        out["duration_seconds"] = round(self.duration_seconds, 3)
+        return out
+
+
+def _prompt(rng: random.Random, index: int, n_tokens: int, profile: LoadProfile) -> str:
+    shared = int(n_tokens * profile.shared_prefix_ratio)
+    words: list[str] = []
+    if shared:
+        k = rng.randrange(max(1, profile.num_shared_prefixes))
+        words.extend(f"p{k}w{i}" for i in range(shared))
+    words.extend(f"r{index}w{i}" for i in range(n_tokens - shared))
+    return " ".join(words)
+
+
+def plan_requests(
+    profile: LoadProfile, seed: int, max_requests: int, duration_seconds: float
+) -> list[PlannedRequest]:
+    """Seeded arrivals within ``duration_seconds`` (simulated), at most ``max_requests``."""
+    rng = random.Random(seed)  # noqa: S311 (reproducible traffic, not security)
+    arrivals: list[tuple[float, bool]] = []
+    t = 0.0
+    if profile.rate_per_second > 0:
+        while len(arrivals) < max_requests:
+            t += rng.expovariate(profile.rate_per_second)
+            if t >= duration_seconds:
+                break
+            arrivals.append((t, False))
+    if profile.burst_size > 0:
+        b = profile.burst_start_seconds
+        while b < duration_seconds:
+            arrivals.extend((b, True) for _ in range(profile.burst_size))
+            if profile.burst_interval_seconds <= 0:
+                break
+            b += profile.burst_interval_seconds
+    arrivals.sort(key=lambda a: a[0])
+    out = []
+    for index, (at, burst) in enumerate(arrivals[:max_requests]):
+        lo, hi = (
+            (profile.burst_prompt_tokens_min, profile.burst_prompt_tokens_max)
+            if burst
+            else (profile.prompt_tokens_min, profile.prompt_tokens_max)
+        )
+        n = rng.randint(lo, hi)
+        max_tokens = rng.randint(profile.output_tokens_min, profile.output_tokens_max)
+        out.append(PlannedRequest(index, at, _prompt(rng, index, n, profile), n, max_tokens, burst))
+    return out
+
+
+def require_loopback(base_url: str) -> None:
+    """Raise ValueError unless the URL's host resolves to a loopback address."""
+    host = urlsplit(base_url).hostname
+    if not host:
+        raise ValueError(f"{base_url!r}: no host")
+    try:
+        addr = ipaddress.ip_address(socket.gethostbyname(host))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{base_url!r}: cannot resolve {host!r}") from exc
+    if not addr.is_loopback:
+        raise ValueError(f"{base_url!r}: the load generator only talks to loopback addresses")
+
+
+def _sse_events(resp: requests.Response) -> Iterator[str]:
+    for raw in resp.iter_lines():
+        line = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+        if line.startswith("data: "):
+            yield line[6:]
+
+
+def send_one(
+    base_url: str,
+    planned: PlannedRequest,
+    model: str,
+    stream: bool,
+    timeout_seconds: float,
+    scheduled_seconds: float,
+) -> RequestOutcome:
+    body = {
+        "model": model,
+        "prompt": planned.prompt,
+        "max_tokens": planned.max_tokens,
+        "stream": stream,
+        "ignore_eos": True,
+    }
+    start = time.monotonic()
+    ttft: float | None = None
+    tokens = 0
+    finish: str | None = None
+
+    def outcome(kind: OutcomeKind, status: int | None, error: str | None) -> RequestOutcome:
+        return RequestOutcome(
+            planned.index, kind, scheduled_seconds, time.monotonic() - start, ttft, status,
+            planned.prompt_tokens, tokens, finish, error,
+        )  # fmt: skip
+
+    try:
+        with requests.post(
+            f"{base_url}/v1/completions", json=body, stream=stream, timeout=timeout_seconds
+        ) as resp:
+            if resp.status_code != 200:
+                return outcome(OutcomeKind.HTTP_ERROR, resp.status_code, resp.text[:500])
+            if not stream:
+                data = resp.json()
+                tokens = int(data["usage"]["completion_tokens"])
+                finish = data["choices"][0]["finish_reason"]
+                return outcome(OutcomeKind.OK, 200, None)
+            done = False
+            for event in _sse_events(resp):
+                if event == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(event)
+                if "error" in chunk:
+                    return outcome(
+                        OutcomeKind.STREAM_ERROR, 200, str(chunk["error"].get("message"))
+                    )
+                choice = chunk["choices"][0]
+                if choice.get("text"):
+                    tokens += 1
+                    if ttft is None:
+                        ttft = time.monotonic() - start
+                finish = choice.get("finish_reason") or finish
+            kind = OutcomeKind.OK if done else OutcomeKind.INCOMPLETE
+            return outcome(kind, 200, None)
+    except (
+        requests.ConnectionError,
+        requests.Timeout,
+        requests.exceptions.ChunkedEncodingError,
+    ) as exc:
+        return outcome(OutcomeKind.CONNECTION_ERROR, None, type(exc).__name__)
+
+
+def run_load(
+    base_url: str,
+    plan: list[PlannedRequest],
+    *,
+    model: str,
+    speed: float = 1.0,
+    stream: bool = True,
+    max_duration_seconds: float = 60.0,
+    max_in_flight: int = 64,
+    request_timeout_seconds: float = 30.0,
+    stop: threading.Event | None = None,
+) -> LoadResult:
+    """Send ``plan`` open-loop (arrival times divided by ``speed``), bounded in time."""
+    require_loopback(base_url)
+    stop = stop or threading.Event()
+    start = time.monotonic()
+    deadline = start + max_duration_seconds
+    futures: list[Future[RequestOutcome]] = []
+    skipped: list[RequestOutcome] = []
+    with ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="load") as pool:
+        for p in plan:
+            due = start + p.at_seconds / speed
+            if due >= deadline or stop.is_set():
+                skipped.append(
+                    RequestOutcome(p.index, OutcomeKind.NOT_SENT, due - start, None, None, None,
+                                   p.prompt_tokens, 0, None, None)
+                )  # fmt: skip
+                continue
+            if stop.wait(max(0.0, due - time.monotonic())):
+                skipped.append(
+                    RequestOutcome(p.index, OutcomeKind.NOT_SENT, due - start, None, None, None,
+                                   p.prompt_tokens, 0, None, None)
+                )  # fmt: skip
+                continue
+            timeout = max(0.1, min(request_timeout_seconds, deadline - time.monotonic()))
+            futures.append(pool.submit(send_one, base_url, p, model, stream, timeout, due - start))
+        outcomes = [f.result() for f in futures]
+    all_outcomes = sorted([*outcomes, *skipped], key=lambda o: o.index)
+    return LoadResult(tuple(all_outcomes), time.monotonic() - start)

@@ -1,0 +1,174 @@
+"""The twin's failure scenarios, each with the cause id the guardian should name.
+
+A scenario is data: vLLM flags it starts with (prepended to the command line, so later flags,
+such as the guardian's, win as in argparse), the traffic that provokes it (a ``LoadProfile``
+for ``load``), and what happens to the device (another tenant, a hang, a death, an XID).
+Times are simulated seconds after the server became ready.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class LoadProfile:
+    """Open-loop traffic: Poisson arrivals plus optional bursts, in simulated time."""
+
+    rate_per_second: float
+    prompt_tokens_min: int
+    prompt_tokens_max: int
+    output_tokens_min: int
+    output_tokens_max: int
+    shared_prefix_ratio: float = 0.0
+    num_shared_prefixes: int = 4
+    burst_size: int = 0
+    burst_interval_seconds: float = 0.0
+    burst_start_seconds: float = 5.0
+    burst_prompt_tokens_min: int = 0
+    burst_prompt_tokens_max: int = 0
+
+
+STEADY_LOAD = LoadProfile(
+    rate_per_second=4.0,
+    prompt_tokens_min=200,
+    prompt_tokens_max=800,
+    output_tokens_min=64,
+    output_tokens_max=256,
+    shared_prefix_ratio=0.3,
+)
+
+
+@dataclass(frozen=True)
+class Neighbour:
+    """Another process on the GPU: present from the start, or arriving and growing."""
+
+    start_seconds: float | None  # None: already there when the twin starts
+    initial_bytes: int
+    growth_bytes_per_second: float = 0.0
+    max_bytes: int = 0
+    pid: int = 4_194_301  # above the usual pid range, so it never names a real process
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    expected_cause: str
+    summary: str
+    vllm_args: tuple[str, ...] = ()
+    load: LoadProfile = STEADY_LOAD
+    fragmentation_creep_factor: float = 1.0
+    neighbour: Neighbour | None = None
+    hang_at_seconds: float | None = None
+    death_at_seconds: float | None = None
+    xid_at_seconds: float | None = None
+    xid: int = 48
+    # exit_zero_death exits 0 whatever --sim-exit-code says (that is the scenario).
+    forced_exit_code: int | None = None
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario("steady", "healthy", "moderate traffic that the defaults serve without pressure"),
+        Scenario(
+            "prefill_burst",
+            "prefill_burst",
+            "bursts of long prompts batched into 16k-token prefill steps at 0.95 utilization: "
+            "the unprofiled attention workspace overflows the card",
+            vllm_args=("--gpu-memory-utilization", "0.95", "--max-num-batched-tokens", "16384"),
+            load=LoadProfile(
+                rate_per_second=1.0,
+                prompt_tokens_min=100,
+                prompt_tokens_max=400,
+                output_tokens_min=32,
+                output_tokens_max=128,
+                burst_size=4,
+                burst_interval_seconds=30.0,
+                burst_start_seconds=5.0,
+                burst_prompt_tokens_min=6500,
+                burst_prompt_tokens_max=7800,
+            ),
+        ),
+        Scenario(
+            "kv_thrash",
+            "concurrency_overcommit",
+            "max_num_seqs 1024 over a 4 GiB KV pool: preemptions climb, the queue grows, no crash",
+            vllm_args=("--kv-cache-memory-bytes", str(4 * GIB)),
+            load=LoadProfile(
+                rate_per_second=16.0,
+                prompt_tokens_min=800,
+                prompt_tokens_max=1200,
+                output_tokens_min=600,
+                output_tokens_max=1000,
+            ),
+        ),
+        Scenario(
+            "fragmentation_creep",
+            "allocator_fragmentation",
+            "request churn strands allocator blocks (days compressed into minutes) until a "
+            "step's activations no longer fit",
+            load=LoadProfile(
+                rate_per_second=8.0,
+                prompt_tokens_min=300,
+                prompt_tokens_max=700,
+                output_tokens_min=16,
+                output_tokens_max=64,
+            ),
+            fragmentation_creep_factor=100.0,
+        ),
+        Scenario(
+            "noisy_neighbour",
+            "gpu_memory_overcommit",
+            "another process appears on the GPU and grows until vLLM's next allocation fails",
+            neighbour=Neighbour(
+                start_seconds=20.0,
+                initial_bytes=1 * GIB,
+                growth_bytes_per_second=0.25 * GIB,
+                max_bytes=12 * GIB,
+            ),
+        ),
+        Scenario(
+            "engine_hang",
+            "engine_dead",
+            "the engine stops stepping: /health stays 200, tokens stop, requests wait",
+            hang_at_seconds=30.0,
+        ),
+        Scenario(
+            "exit_zero_death",
+            "engine_dead",
+            "the engine core dies; the server reports 503 and exits with status 0",
+            death_at_seconds=30.0,
+            forced_exit_code=0,
+        ),
+        Scenario(
+            "prefix_cache_waste",
+            "healthy",
+            "negative control: prefix caching on, prompts share nothing, hit rate near 0, "
+            "nothing is wrong (DESIGN.md §2 'Measured')",
+            load=LoadProfile(
+                rate_per_second=4.0,
+                prompt_tokens_min=200,
+                prompt_tokens_max=800,
+                output_tokens_min=64,
+                output_tokens_max=256,
+                shared_prefix_ratio=0.0,
+            ),
+        ),
+        Scenario(
+            "startup_overcommit",
+            "gpu_memory_overcommit",
+            "10 GiB held by another process at start-up: free memory is below the request",
+            neighbour=Neighbour(start_seconds=None, initial_bytes=10 * GIB),
+        ),
+        Scenario(
+            "xid_fault",
+            "gpu_hardware_fault",
+            "an uncorrectable ECC error (XID 48) kills the engine; the XID is in the GPU state",
+            xid_at_seconds=30.0,
+            xid=48,
+        ),
+    )
+}

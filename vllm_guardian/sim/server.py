@@ -1,0 +1,790 @@
+"""The twin's HTTP server and lifecycle: vLLM's OpenAI API on top of ``SimEngine``.
+
+The main thread owns the lifecycle: it advances the engine to ``(now − start) × speed``
+simulated seconds every few milliseconds, hands token deltas to the request threads, writes
+logs and the GPU state file, and handles SIGTERM/SIGINT. Like vLLM 0.32 (vllm-cpu.md §7-8):
+the port is bound but not listening during start-up (connection refused); ``/health`` is 200,
+and 503 once the engine is dead, after which the watchdog exits the process within 5 simulated
+seconds (status ``--sim-exit-code``, 0 by default as in vLLM); on SIGTERM with
+``--shutdown-timeout N`` in-flight requests run for up to N simulated seconds while new ones
+get HTTP 500 and ``/health`` stays 200; with 0 they end at once with ``finish_reason: abort``.
+Requests still running when a drain times out are cut without ``[DONE]`` (vLLM leaves them
+hanging until the client gives up; the twin closes them so it can exit).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import json
+import os
+import queue
+import signal
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import FrameType
+from typing import Any
+
+from vllm_guardian.sim.engine import (
+    ENGINE_DEAD_MESSAGE,
+    VLLM_VERSION,
+    EnginePhase,
+    Proc,
+    RequestDelta,
+    SimEngine,
+)
+from vllm_guardian.sim.exposition import (
+    HttpStats,
+    VllmView,
+    cache_config_labels,
+    make_runtime_registry,
+    render_metrics,
+    runtime_families,
+)
+from vllm_guardian.sim.flags import ServeOptions
+from vllm_guardian.sim.gpu_state import (
+    GpuProcess,
+    GpuReading,
+    Xid,
+    build_state,
+    read_previous_xids,
+    write_state_atomically,
+)
+from vllm_guardian.sim.scheduler import FinishReason
+from vllm_guardian.sim.vllm_log import LogWriter
+
+TICK_SECONDS = 0.005
+SHUTDOWN_MESSAGE = "cannot schedule new futures after shutdown"
+# Tokens the chat template adds: per message, and once for the assistant turn.
+CHAT_TOKENS_PER_MESSAGE = 4
+CHAT_TOKENS_PER_PROMPT = 2
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+# Deltas that end a stream without [DONE] (a drain that timed out).
+_CUT = RequestDelta("", 0, None, "cut")
+ROUTES = (
+    ("/health", "GET"),
+    ("/load", "GET"),
+    ("/metrics", "GET"),
+    ("/ping", "GET"),
+    ("/ping", "POST"),
+    ("/version", "GET"),
+    ("/v1/models", "GET"),
+    ("/v1/completions", "POST"),
+    ("/v1/chat/completions", "POST"),
+)
+
+
+class Lifecycle(enum.Enum):
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+    STOPPING = "stopping"
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, err_type: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = {
+            "error": {"message": message, "type": err_type, "param": param, "code": status}
+        }
+
+
+def too_long_error(max_model_len: int, prompt_tokens: int) -> ApiError:
+    value = min(prompt_tokens, max_model_len + 1)
+    return ApiError(
+        400,
+        f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+        f"contains at least {value} input tokens, which exceeds this limit even without any "
+        "output tokens. Please reduce the length of the input prompt. "
+        f"(parameter=input_tokens, value={value})",
+        "BadRequestError",
+        "input_tokens",
+    )
+
+
+def count_prompt(body: dict[str, Any], chat: bool) -> list[str]:
+    """The twin's tokenizer: one token per whitespace-separated word."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "messages must be a non-empty list", "BadRequestError", "messages")
+        words: list[str] = []
+        for m in messages:
+            content = m.get("content", "") if isinstance(m, dict) else ""
+            if isinstance(content, list):
+                content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+            words.extend(["<|msg|>"] * CHAT_TOKENS_PER_MESSAGE)
+            words.extend(str(content).split())
+        words.extend(["<|assistant|>"] * CHAT_TOKENS_PER_PROMPT)
+        return words
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt.split()
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return [f"t{t}" for t in prompt]
+    raise ApiError(
+        400, "prompt must be a string or a list of token ids", "BadRequestError", "prompt"
+    )
+
+
+class Twin:
+    """One simulated ``vllm serve`` process."""
+
+    def __init__(self, opts: ServeOptions, log: LogWriter) -> None:
+        self.opts = opts
+        self.log = log
+        self.pid = os.getpid()
+        self.engine = SimEngine(
+            opts.model, opts.engine, opts.scenario, opts.gpu_memory_bytes, opts.seed
+        )
+        self.lock = threading.Lock()
+        self.t0 = time.monotonic()
+        self.wall0 = time.time()
+        self.lifecycle = Lifecycle.STARTING
+        self.streams: dict[str, queue.SimpleQueue[RequestDelta]] = {}
+        self.http_stats = HttpStats(self.wall0)
+        self.runtime_registry = make_runtime_registry()
+        self.server_load = 0
+        self.ids = itertools.count()
+        self.signal_received: int | None = None
+        self.drain_deadline_sim: float | None = None
+        self.ready_wall: float | None = None
+        self.previous_xids: tuple[Xid, ...] = ()
+        if opts.gpu_state_file is not None:
+            self.previous_xids = read_previous_xids(opts.gpu_state_file)
+        self._last_gpu_write = -1e9
+        self._last_busy = (0.0, 0.0)
+        self._xids_written = 0
+
+    # ---------------------------------------------------------------- time and ticking
+
+    def sim_now(self) -> float:
+        return (time.monotonic() - self.t0) * self.opts.speed
+
+    def wall_of(self, sim_seconds: float) -> float:
+        return self.wall0 + sim_seconds / self.opts.speed
+
+    def tick(self) -> None:
+        with self.lock:
+            deltas = self.engine.advance(self.sim_now())
+            logs = self.engine.take_logs()
+            self._dispatch(deltas)
+        self.log.write(logs, time.time())
+
+    def _dispatch(self, deltas: list[RequestDelta]) -> None:
+        for d in deltas:
+            q = self.streams.get(d.request_id)
+            if q is None:
+                continue
+            q.put(d)
+            if d.finish_reason is not None or d.error is not None:
+                del self.streams[d.request_id]
+
+    # ---------------------------------------------------------------- requests
+
+    def submit(
+        self, body: dict[str, Any], chat: bool
+    ) -> tuple[str, int, queue.SimpleQueue[RequestDelta]]:
+        """Validate and queue a request; returns (id, prompt tokens, its delta queue)."""
+        cfg = self.opts.engine
+        if self.lifecycle in (Lifecycle.DRAINING, Lifecycle.STOPPING):
+            raise ApiError(500, SHUTDOWN_MESSAGE, "InternalServerError")
+        if self.engine.death is not None:
+            raise ApiError(500, ENGINE_DEAD_MESSAGE, "InternalServerError")
+        model = body.get("model")
+        if model is not None and model != cfg.served_model_name:
+            raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        words = count_prompt(body, chat)
+        max_tokens_raw = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens_raw is not None and (
+            not isinstance(max_tokens_raw, int) or max_tokens_raw < 1
+        ):
+            raise ApiError(400, "max_tokens must be at least 1", "BadRequestError", "max_tokens")
+        if max_tokens_raw is not None and max_tokens_raw > cfg.max_model_len:
+            raise ApiError(
+                400,
+                f"max_tokens={max_tokens_raw} cannot be greater than max_model_len="
+                f"{cfg.max_model_len}. Please request fewer output tokens. "
+                f"(parameter=max_tokens, value={max_tokens_raw})",
+                "BadRequestError",
+                "max_tokens",
+            )
+        if len(words) >= cfg.max_model_len:
+            raise too_long_error(cfg.max_model_len, len(words))
+        room = cfg.max_model_len - len(words)
+        if max_tokens_raw is None:
+            max_tokens = room if chat else DEFAULT_COMPLETION_MAX_TOKENS
+        else:
+            max_tokens = max_tokens_raw
+        max_tokens = min(max_tokens, room)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        q: queue.SimpleQueue[RequestDelta] = queue.SimpleQueue()
+        with self.lock:
+            self.engine.advance(self.sim_now())
+            if self.engine.death is not None:
+                raise ApiError(500, ENGINE_DEAD_MESSAGE, "InternalServerError")
+            self.streams[rid] = q
+            self.engine.add_request(rid, words, max_tokens, bool(body.get("ignore_eos", False)))
+        return rid, len(words), q
+
+    def abort(self, rid: str) -> None:
+        with self.lock:
+            self.streams.pop(rid, None)
+            self.engine.abort_request(rid)
+
+    # ---------------------------------------------------------------- GPU state
+
+    def gpu_reading(self) -> GpuReading:
+        e = self.engine
+        mem = e.memory_breakdown()
+        processes = []
+        if e.phase in (EnginePhase.READY, EnginePhase.HUNG, EnginePhase.DEAD) and mem is not None:
+            own = mem.process_bytes if e.phase is not EnginePhase.DEAD else 0
+            others = mem.other_processes_bytes
+        else:
+            own = e.startup_process_bytes() if e.phase is EnginePhase.STARTING else 0
+            others = e.other_bytes(e.now)
+        if own:
+            processes.append(GpuProcess(self.pid, own))
+        nb = self.opts.scenario.neighbour
+        if nb is not None and others:
+            processes.append(GpuProcess(nb.pid, others))
+        busy, at = self._last_busy
+        elapsed = e.now - at
+        util = (e.busy_seconds - busy) / elapsed if elapsed > 0 else 0.0
+        self._last_busy = (e.busy_seconds, e.now)
+        if e.phase is EnginePhase.HUNG:
+            util = 1.0  # a hung kernel keeps the SMs busy
+        xids = (
+            *self.previous_xids,
+            *(
+                Xid(len(self.previous_xids) + x.seq, x.xid, self.wall_of(x.sim_seconds))
+                for x in e.xid_events
+            ),
+        )
+        return GpuReading(e.gpu_total_bytes, tuple(processes), util, xids)
+
+    def write_gpu_state(self, force: bool = False, process_gone: bool = False) -> None:
+        path = self.opts.gpu_state_file
+        if path is None:
+            return
+        now = time.monotonic()
+        new_xid = len(self.engine.xid_events) != self._xids_written
+        if (
+            not force
+            and not new_xid
+            and now - self._last_gpu_write < self.opts.gpu_state_interval_seconds
+        ):
+            return
+        with self.lock:
+            reading = self.gpu_reading()
+            self._xids_written = len(self.engine.xid_events)
+        if process_gone:
+            reading = GpuReading(
+                reading.total_bytes,
+                tuple(p for p in reading.processes if p.pid != self.pid),
+                0.0,
+                reading.xid_events,
+            )
+        write_state_atomically(path, build_state(reading, time.time()))
+        self._last_gpu_write = now
+
+    # ---------------------------------------------------------------- metrics
+
+    def metrics_text(self) -> str:
+        with self.lock:
+            view = None
+            e = self.engine
+            if not self.opts.disable_log_stats and e.plan is not None:
+                st = e.stats
+                view = VllmView(
+                    model_name=self.opts.engine.served_model_name,
+                    running=st.num_requests_running,
+                    waiting=st.num_requests_waiting,
+                    kv_cache_usage_ratio=st.kv_cache_usage_ratio,
+                    counters={
+                        "prefix_cache_queries": st.prefix_cache_queries,
+                        "prefix_cache_hits": st.prefix_cache_hits,
+                        "num_preemptions": st.num_preemptions,
+                        "prompt_tokens": st.prompt_tokens,
+                        "prompt_tokens_local_compute": st.prompt_tokens_local_compute,
+                        "prompt_tokens_local_cache_hit": st.prompt_tokens_local_cache_hit,
+                        "generation_tokens": st.generation_tokens,
+                    },
+                    request_success=dict(st.request_success),
+                    histograms=st.histograms,
+                    cache_labels=cache_config_labels(
+                        self.opts.engine,
+                        e.plan,
+                        any(k == "block_size" for k, _ in self.opts.non_default_args),
+                    ),
+                    created_unix_seconds=self.ready_wall or self.wall0,
+                )
+            return render_metrics(runtime_families(self.runtime_registry), view, self.http_stats)
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.signal_received = signum
+
+    def run(self) -> int:
+        opts = self.opts
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        host = opts.host if opts.host is not None else "0.0.0.0"  # noqa: S104 (vLLM's default)
+        server = ThreadingHTTPServer((host, opts.port), make_handler(self), bind_and_activate=False)
+        server.daemon_threads = True
+        serve_thread: threading.Thread | None = None
+        self.log.info(
+            Proc.API_SERVER,
+            "api_utils.py:286",
+            f"non-default args: {dict(opts.non_default_args)}",
+            time.time(),
+        )
+        try:
+            # Bound but not listening: connections are refused until the engine is ready.
+            server.server_bind()
+            while True:
+                self.tick()
+                e = self.engine
+                if e.phase is EnginePhase.FAILED_STARTUP:
+                    self.write_gpu_state(force=True, process_gone=True)
+                    return 1
+                if self.lifecycle is Lifecycle.STARTING and e.phase is not EnginePhase.STARTING:
+                    serve_thread = self._start_serving(server)
+                if self.signal_received is not None:
+                    code = self._shutdown()
+                    if code is not None:
+                        return code
+                if e.exit_due():
+                    self._watchdog_exit()
+                    forced = opts.scenario.forced_exit_code
+                    return forced if forced is not None else opts.exit_code
+                self.write_gpu_state()
+                time.sleep(TICK_SECONDS)
+        finally:
+            self.lifecycle = Lifecycle.STOPPING
+            if serve_thread is not None:
+                server.shutdown()
+            server.server_close()
+            if (
+                opts.gpu_state_file is not None
+                and self.engine.phase is not EnginePhase.FAILED_STARTUP
+            ):
+                self.write_gpu_state(force=True, process_gone=True)
+
+    def _start_serving(self, server: ThreadingHTTPServer) -> threading.Thread:
+        now = time.time()
+        host, port = server.server_address[:2]
+        self.log.info(
+            Proc.API_SERVER, "entry.py:140", f"Starting vLLM server on http://{host!s}:{port}", now
+        )
+        self.log.info(Proc.API_SERVER, "launcher.py:186", "Available routes are:", now)
+        for path, method in ROUTES:
+            self.log.info(
+                Proc.API_SERVER, "launcher.py:195", f"Route: {path}, Methods: {method}", now
+            )
+        server.server_activate()
+        thread = threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        thread.start()
+        self.log.raw(f"INFO:     Started server process [{self.pid}]")
+        self.log.raw("INFO:     Waiting for application startup.")
+        self.log.raw("INFO:     Application startup complete.")
+        self.lifecycle = Lifecycle.SERVING
+        self.ready_wall = now
+        self.write_gpu_state(force=True)
+        return thread
+
+    def _shutdown(self) -> int | None:
+        """Handle SIGTERM/SIGINT; returns the exit status once the drain is over."""
+        now = time.time()
+        timeout = self.opts.shutdown_timeout_seconds
+        mode = "drain" if timeout > 0 else "abort"
+        if self.lifecycle is Lifecycle.STARTING:
+            return 0
+        if self.lifecycle is Lifecycle.SERVING:
+            self.lifecycle = Lifecycle.DRAINING
+            self.log.info(
+                Proc.API_SERVER, "launcher.py:254", "[shutdown] API server: shutdown triggered", now
+            )
+            self.log.info(
+                Proc.API_SERVER,
+                "launcher.py:270",
+                f"[shutdown] API server: stopping engine client mode={mode} timeout={timeout}s",
+                now,
+            )
+            self.log.info(
+                Proc.ENGINE_CORE,
+                "core.py:1454",
+                "[shutdown] EngineCore: trigger received signal=SIGTERM",
+                now,
+            )
+            self.log.info(
+                Proc.ENGINE_CORE,
+                "core.py:1635",
+                f"[shutdown] EngineCore: start mode={mode} timeout={timeout}s",
+                now,
+            )
+            with self.lock:
+                n = self.engine.num_unfinished
+                self.drain_deadline_sim = self.engine.now + timeout
+                if timeout == 0:
+                    self.log.info(
+                        Proc.ENGINE_CORE,
+                        "core.py:1644",
+                        f"[shutdown] EngineCore: aborting in-flight requests count={n}",
+                        now,
+                    )
+                    self._dispatch(self.engine.abort_all())
+                else:
+                    self.log.info(
+                        Proc.ENGINE_CORE,
+                        "core.py:1655",
+                        f"[shutdown] EngineCore: draining in-flight requests count={n} timeout={timeout}s",
+                        now,
+                    )
+        with self.lock:
+            unfinished = self.engine.num_unfinished
+            timed_out = (
+                self.drain_deadline_sim is not None and self.engine.now >= self.drain_deadline_sim
+            )
+            if unfinished and timed_out:
+                for rid in list(self.streams):
+                    self.streams.pop(rid).put(_CUT)
+                self.log.warning(
+                    Proc.API_SERVER,
+                    "utils.py:648",
+                    "[shutdown] Process manager: force killing remaining processes count=1",
+                    now,
+                )
+            elif unfinished and self.engine.death is None:
+                return None
+        self._wait_for_streams()
+        self.log.info(
+            Proc.ENGINE_CORE,
+            "core.py:1666",
+            "[shutdown] EngineCore: request processing complete; starting resource teardown",
+            now,
+        )
+        self.log.info(
+            Proc.API_SERVER,
+            "launcher.py:304",
+            "[shutdown] API server: shutting down FastAPI HTTP server",
+            now,
+        )
+        self.log.raw("INFO:     Shutting down")
+        self.log.raw("INFO:     Waiting for application shutdown.")
+        self.log.raw("INFO:     Application shutdown complete.")
+        self.log.raw(f"INFO:     Finished server process [{self.pid}]")
+        return 0
+
+    def _wait_for_streams(self, limit_seconds: float = 2.0) -> None:
+        """Give request threads a moment to write their last chunk before the process ends."""
+        deadline = time.monotonic() + limit_seconds
+        while time.monotonic() < deadline:
+            with self.lock:
+                if self.server_load == 0:
+                    return
+            time.sleep(0.01)
+
+    def _watchdog_exit(self) -> None:
+        now = time.time()
+        self.log.info(
+            Proc.API_SERVER, "launcher.py:254", "[shutdown] API server: shutdown triggered", now
+        )
+        self._wait_for_streams()
+        self.log.raw("INFO:     Shutting down")
+        self.log.raw("INFO:     Waiting for application shutdown.")
+        self.log.raw("INFO:     Application shutdown complete.")
+        self.log.raw(f"INFO:     Finished server process [{self.pid}]")
+
+
+# -------------------------------------------------------------------- the request handler
+
+
+def make_handler(twin: Twin) -> type[BaseHTTPRequestHandler]:
+    class Handler(_Handler):
+        pass
+
+    Handler.twin = twin
+    return Handler
+
+
+class _Handler(BaseHTTPRequestHandler):
+    twin: Twin
+    protocol_version = "HTTP/1.1"
+    server_version = "uvicorn"
+    sys_version = ""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # access lines are written by _access() in uvicorn's format
+
+    def _access(self, status: int) -> None:
+        phrase = self.responses.get(status, ("",))[0]
+        host, port = self.client_address[:2]
+        self.twin.log.raw(
+            f'INFO:     {host}:{port} - "{self.command} {self.path} HTTP/1.1" {status} {phrase}'
+        )
+
+    def _observe(self, status: int, req_bytes: int, resp_bytes: int, start: float) -> None:
+        path = self.path.split("?")[0]
+        with self.twin.lock:
+            self.twin.http_stats.observe(
+                path,
+                self.command,
+                status,
+                req_bytes,
+                resp_bytes,
+                time.monotonic() - start,
+                time.time(),
+            )
+        self._access(status)
+
+    def _send(self, status: int, body: bytes, content_type: str = "application/json") -> int:
+        self.send_response(status)
+        self.send_header("content-type", content_type)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        return len(body)
+
+    def _json(self, status: int, obj: object) -> int:
+        return self._send(status, json.dumps(obj).encode())
+
+    def do_GET(self) -> None:
+        start = time.monotonic()
+        path = self.path.split("?")[0]
+        twin = self.twin
+        if path in ("/health", "/ping"):
+            status = 503 if twin.engine.death is not None else 200
+            n = self._send(status, b"")
+        elif path in ("/metrics", "/metrics/"):
+            n = self._send(
+                200, twin.metrics_text().encode(), "text/plain; version=0.0.4; charset=utf-8"
+            )
+            status = 200
+        elif path == "/version":
+            status, n = 200, self._json(200, {"version": VLLM_VERSION})
+        elif path == "/load":
+            status, n = (
+                200,
+                self._json(
+                    200,
+                    {
+                        "server_load": twin.server_load
+                        if twin.opts.enable_server_load_tracking
+                        else 0
+                    },
+                ),
+            )
+        elif path == "/v1/models":
+            cfg = twin.opts.engine
+            card = {
+                "id": cfg.served_model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "vllm", "root": cfg.model_path, "parent": None,
+                "max_model_len": cfg.max_model_len,
+                "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
+                                "created": int(time.time()), "allow_create_engine": False,
+                                "allow_sampling": True, "allow_logprobs": True,
+                                "allow_search_indices": False, "allow_view": True,
+                                "allow_fine_tuning": False, "organization": "*", "group": None,
+                                "is_blocking": False}],
+            }  # fmt: skip
+            status, n = 200, self._json(200, {"object": "list", "data": [card]})
+        elif path in ("/v1/completions", "/v1/chat/completions"):
+            status, n = 405, self._json(405, {"detail": "Method Not Allowed"})
+        else:
+            status, n = 404, self._json(404, {"detail": "Not Found"})
+        self._observe(status, 0, n, start)
+
+    def do_POST(self) -> None:
+        start = time.monotonic()
+        path = self.path.split("?")[0]
+        length = int(self.headers.get("content-length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        if path == "/ping":
+            status = 503 if self.twin.engine.death is not None else 200
+            self._observe(status, length, self._send(status, b""), start)
+            return
+        if path not in ("/v1/completions", "/v1/chat/completions"):
+            status = (
+                405 if path in ("/health", "/metrics", "/version", "/load", "/v1/models") else 404
+            )
+            detail = "Method Not Allowed" if status == 405 else "Not Found"
+            self._observe(status, length, self._json(status, {"detail": detail}), start)
+            return
+        chat = path == "/v1/chat/completions"
+        try:
+            body = json.loads(raw or b"{}")
+            if not isinstance(body, dict):
+                raise ApiError(400, "request body must be a JSON object", "BadRequestError")
+            rid, prompt_tokens, q = self.twin.submit(body, chat)
+        except json.JSONDecodeError as exc:
+            err = ApiError(400, f"invalid JSON: {exc}", "BadRequestError")
+            self._observe(400, length, self._json(400, err.body), start)
+            return
+        except ApiError as err:
+            self._observe(err.status, length, self._json(err.status, err.body), start)
+            return
+        with self.twin.lock:
+            self.twin.server_load += 1
+        try:
+            if body.get("stream"):
+                n = self._stream(rid, prompt_tokens, q, chat, body)
+            else:
+                n = self._unary(rid, prompt_tokens, q, chat)
+            self._observe(200 if n >= 0 else 500, length, abs(n), start)
+        except (BrokenPipeError, ConnectionResetError):
+            self.twin.abort(rid)
+            self.close_connection = True
+        finally:
+            with self.twin.lock:
+                self.twin.server_load -= 1
+
+    # ------------------------------------------------------------ generation
+
+    def _next(self, q: queue.SimpleQueue[RequestDelta]) -> RequestDelta:
+        while True:
+            try:
+                return q.get(timeout=0.5)
+            except queue.Empty:
+                if self.twin.lifecycle is Lifecycle.STOPPING:
+                    return _CUT
+
+    def _unary(
+        self, rid: str, prompt_tokens: int, q: queue.SimpleQueue[RequestDelta], chat: bool
+    ) -> int:
+        tokens = 0
+        while True:
+            d = self._next(q)
+            if d is _CUT:
+                self.close_connection = True
+                return 0
+            if d.error is not None:
+                err = ApiError(500, d.error, "InternalServerError")
+                return -self._json(500, err.body)
+            tokens += d.new_tokens
+            if d.finish_reason is not None:
+                break
+        text = _text(tokens)
+        finish = d.finish_reason.value
+        usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + tokens,
+                 "completion_tokens": tokens, "prompt_tokens_details": None}  # fmt: skip
+        model = self.twin.opts.engine.served_model_name
+        if chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": None,
+                            "annotations": None, "audio": None, "function_call": None,
+                            "tool_calls": [], "reasoning_content": None},
+                "logprobs": None, "finish_reason": finish, "stop_reason": None,
+            }  # fmt: skip
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+                      "stop_reason": None, "prompt_logprobs": None}  # fmt: skip
+            obj = "text_completion"
+        return self._json(200, {"id": rid, "object": obj, "created": int(time.time()), "model": model,
+                                "choices": [choice], "usage": usage, "system_fingerprint": None,
+                                "kv_transfer_params": None})  # fmt: skip
+
+    def _stream(
+        self,
+        rid: str,
+        prompt_tokens: int,
+        q: queue.SimpleQueue[RequestDelta],
+        chat: bool,
+        body: dict[str, Any],
+    ) -> int:
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream; charset=utf-8")
+        self.send_header("transfer-encoding", "chunked")
+        self.end_headers()
+        model = self.twin.opts.engine.served_model_name
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        sent = 0
+        tokens = 0
+
+        def event(payload: object) -> None:
+            nonlocal sent
+            data = f"data: {json.dumps(payload)}\n\n".encode()
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            sent += len(data)
+
+        def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
+            if chat:
+                delta: dict[str, Any] = (
+                    {"content": text} if text is not None else {"role": "assistant", "content": ""}
+                )
+                c: dict[str, Any] = {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
+            else:
+                c = {
+                    "index": 0,
+                    "text": text or "",
+                    "logprobs": None,
+                    "finish_reason": finish,
+                    "stop_reason": None,
+                }
+            return {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
+
+        if chat:
+            event(chunk(None, None))
+        while True:
+            d = self._next(q)
+            if d is _CUT:
+                # A drain that timed out: no error event, no [DONE], the connection just ends.
+                self.close_connection = True
+                return sent
+            if d.error is not None:
+                event(
+                    {
+                        "error": {
+                            "message": d.error,
+                            "type": "InternalServerError",
+                            "param": None,
+                            "code": 500,
+                        }
+                    }
+                )
+                break
+            for i in range(d.new_tokens):
+                last = i == d.new_tokens - 1
+                finish = d.finish_reason.value if (last and d.finish_reason is not None) else None
+                event(chunk(_TOKEN_TEXT, finish))
+            tokens += d.new_tokens
+            if d.finish_reason is not None:
+                if d.new_tokens == 0:
+                    event(chunk("", d.finish_reason.value))
+                break
+        opts = body.get("stream_options")
+        if isinstance(opts, dict) and opts.get("include_usage"):
+            event({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+                   "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + tokens,
+                             "completion_tokens": tokens}})  # fmt: skip
+        data = b"data: [DONE]\n\n"
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n0\r\n\r\n")
+        self.wfile.flush()
+        return sent + len(data)
+
+
+_TOKEN_TEXT = " tok"  # noqa: S105 (generated text, not a secret)
+
+
+def _text(tokens: int) -> str:
+    return _TOKEN_TEXT * tokens
+
+
+__all__ = ["FinishReason", "Twin"]
