@@ -394,11 +394,12 @@ class _Loader:
             raise TypeError(f"unsupported config type {tp!r} at {path}")
         lo, hi, check = f.metadata.get("min"), f.metadata.get("max"), f.metadata.get("check")
         if isinstance(value, int | float) and not isinstance(value, bool):
+            show = _show_bytes if path.endswith("_bytes") else _show_number
             if lo is not None and value < lo:
-                self.err(path, node, f"must be >= {lo:g}, got {value:g}")
+                self.err(path, node, f"must be >= {show(lo)}, got {show(value)}")
                 return _INVALID
             if hi is not None and value > hi:
-                self.err(path, node, f"must be <= {hi:g}, got {value:g}")
+                self.err(path, node, f"must be <= {show(hi)}, got {show(value)}")
                 return _INVALID
         if check is not None:
             problem = check(value)
@@ -409,6 +410,17 @@ class _Loader:
 
 
 _INVALID = object()
+
+
+def _show_number(v: float) -> str:
+    return f"{v:g}"
+
+
+def _show_bytes(v: float) -> str:
+    for unit, factor in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if v >= factor and v % factor == 0:
+            return f"{int(v // factor)}{unit}"
+    return f"{int(v)}"
 
 
 def _describe(node: yaml.Node) -> str:
@@ -465,9 +477,7 @@ def parse_config(text: str, filename: str = "<config>") -> Config:
         )
         raise ConfigInvalid(filename, loader.errors)
     cfg = loader.build(Config, root, "")
-    if "services" not in {
-        k.value for k, _ in getattr(root, "value", []) if isinstance(root, yaml.MappingNode)
-    }:
+    if isinstance(root, yaml.MappingNode) and "services" not in {k.value for k, _ in root.value}:
         loader.err("services", root, "required key is missing: list at least one vLLM service")
     if isinstance(cfg, Config):
         _cross_checks(cfg, root, loader)
