@@ -667,6 +667,7 @@ def test_journal_follow_with_fake_journalctl(tmp_path: Path) -> None:
             "-f",
             "-o",
             "json",
+            "--all",
             "-n",
             "0",
             "-u",

@@ -530,6 +530,9 @@ class LogsCollector:
                 "-f",
                 "-o",
                 "json",
+                # Without --all, journalctl prints messages over 4 KiB as null, and vLLM's fatal
+                # errors (with their config dumps) are exactly those.
+                "--all",
                 "-n",
                 "0",
                 "-u",
