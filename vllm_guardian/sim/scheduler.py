@@ -109,15 +109,18 @@ class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        # Block 0 is vLLM's null block: never handed out, never free.
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
-        self._ref = [0] * num_blocks
-        self._hash_of: list[int | None] = [None] * num_blocks
+        # vLLM's free queue starts as every block in order, then takes freed blocks at its
+        # tail. Never-used blocks are kept as a counter (a small model on a big card has
+        # millions of blocks); freed ones in an LRU dict. Block 0 is the null block.
+        self._next_fresh = 1
+        self._free: OrderedDict[int, None] = OrderedDict()
+        self._ref: dict[int, int] = {}
+        self._hash_of: dict[int, int] = {}
         self._cached: dict[int, int] = {}
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self.num_blocks - self._next_fresh + len(self._free)
 
     def usage_ratio(self) -> float:
         return 1.0 - self.num_free / max(1, self.num_blocks - 1)
@@ -127,21 +130,24 @@ class BlockPool:
 
     def take_cached(self, block: int) -> None:
         """A prefix hit: the cached block gains a user (and leaves the free queue if idle)."""
-        if self._ref[block] == 0:
+        if self._ref.get(block, 0) == 0:
             del self._free[block]
-        self._ref[block] += 1
+        self._ref[block] = self._ref.get(block, 0) + 1
 
     def allocate(self, n: int) -> list[int] | None:
-        if n > len(self._free):
+        if n > self.num_free:
             return None
         out = []
         for _ in range(n):
-            block, _ = self._free.popitem(last=False)
-            old = self._hash_of[block]
-            if old is not None:
-                # Evicting a cached block on demand: this is why cached blocks count as free.
-                del self._cached[old]
-                self._hash_of[block] = None
+            if self._next_fresh < self.num_blocks:
+                block = self._next_fresh
+                self._next_fresh += 1
+            else:
+                block, _ = self._free.popitem(last=False)
+                old = self._hash_of.pop(block, None)
+                if old is not None:
+                    # Evicting a cached block on demand: why cached blocks count as free.
+                    del self._cached[old]
             self._ref[block] = 1
             out.append(block)
         return out
@@ -151,10 +157,11 @@ class BlockPool:
         for block in reversed(blocks):
             self._ref[block] -= 1
             if self._ref[block] == 0:
+                del self._ref[block]
                 self._free[block] = None
 
     def register(self, block: int, block_hash: int) -> None:
-        if self.enable_caching and block_hash not in self._cached and self._hash_of[block] is None:
+        if self.enable_caching and block_hash not in self._cached and block not in self._hash_of:
             self._cached[block_hash] = block
             self._hash_of[block] = block_hash
 
