@@ -1,0 +1,259 @@
+"""The tick and the daemon shell: parallel collection under timeouts, sd_notify, reload, control."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import threading
+from pathlib import Path
+
+from tests.conftest import read_fixture
+from vllm_guardian.clock import FakeClock
+from vllm_guardian.config import parse_config
+from vllm_guardian.control import request
+from vllm_guardian.daemon import Guardian, SdNotifier, assemble, history_span_seconds
+from vllm_guardian.model import HealthProbe, HealthState, Reading, SourceKind
+from vllm_guardian.recorder import read_records, snapshot_from_record
+from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
+
+CONFIG = """
+services:
+  - name: vllm
+    url: http://127.0.0.1:9
+recorder:
+  path: {recorder}
+"""
+
+
+class Recorded:
+    """Records notify() calls like a systemd notify socket would."""
+
+    watchdog = True
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    def notify(self, state: str) -> None:
+        self.messages.append(state)
+
+
+class Source:
+    """A collector at the boundary: returns what the test says, or blocks, or raises."""
+
+    def __init__(
+        self,
+        kind: SourceKind,
+        service: str | None,
+        reading=None,
+        *,
+        block: threading.Event | None = None,
+        raises: bool = False,
+        timeout: float = 0.2,
+    ) -> None:
+        self.kind = kind
+        self.service = service
+        self.timeout_seconds = timeout
+        self.reading = reading
+        self.block = block
+        self.raises = raises
+        self.calls = 0
+        self.closed = False
+
+    def collect(self) -> Reading:
+        self.calls += 1
+        if self.block is not None:
+            self.block.wait(10)
+        if self.raises:
+            raise RuntimeError("boom")
+        return self.reading or Reading(self.kind, self.service, None, "nothing scripted")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def make(
+    tmp_path: Path, *sources: Source, clock: FakeClock | None = None
+) -> tuple[Guardian, Recorded]:
+    cfg = parse_config(CONFIG.format(recorder=tmp_path / "flight.jsonl"))
+    note = Recorded()
+    g = Guardian(cfg, clock=clock or FakeClock(), collectors=list(sources), notifier=note)
+    return g, note
+
+
+def metrics_reading(name: str = "metrics-pressure-07.prom") -> Reading:
+    return Reading(SourceKind.VLLM_METRICS, "vllm", parse_vllm_metrics(read_fixture(name)))
+
+
+def test_tick_assembles_the_snapshot_and_derives_signals(tmp_path):
+    health = Reading(SourceKind.HEALTH, "vllm", HealthProbe(HealthState.UP, 200, 0.01))
+    g, note = make(
+        tmp_path,
+        Source(SourceKind.VLLM_METRICS, "vllm", metrics_reading()),
+        Source(SourceKind.HEALTH, "vllm", health),
+    )
+    r = g.tick()
+    svc = r.snapshot.service("vllm")
+    assert svc is not None and svc.vllm is not None and svc.health is not None
+    sig = r.signals.services[0]
+    assert (sig.requests_waiting, sig.requests_running, sig.vllm_up) == (27.0, 5.0, True)
+    assert all(s.up for s in r.snapshot.sources)
+    assert note.messages[0].startswith("READY=1\nSTATUS=vllm: up kv=90% run=5 wait=27")
+    assert note.messages[0].endswith("WATCHDOG=1")
+    g.tick()
+    assert not note.messages[1].startswith("READY=1")  # READY once, after the first full tick
+    g.close()
+
+
+def test_a_failing_or_raising_source_is_down_not_fatal(tmp_path):
+    g, _ = make(
+        tmp_path,
+        Source(SourceKind.VLLM_METRICS, "vllm", raises=True),
+        Source(SourceKind.NVML, None),
+    )
+    r = g.tick()
+    down = {s.source: s for s in r.snapshot.sources}
+    assert not down[SourceKind.VLLM_METRICS].up and "internal error" in (
+        down[SourceKind.VLLM_METRICS].error or ""
+    )
+    assert not down[SourceKind.NVML].up
+    assert r.signals.services[0].kv_cache_usage_ratio is None  # blind is unknown, not zero
+    g.close()
+
+
+def test_a_hung_source_times_out_and_is_not_called_again_while_hung(tmp_path):
+    release = threading.Event()
+    hung = Source(SourceKind.UNIT, "vllm", block=release, timeout=0.1)
+    g, _ = make(tmp_path, hung, Source(SourceKind.HEALTH, "vllm"))
+    first = {s.source: s for s in g.tick().snapshot.sources}
+    assert "no result within 0.1s" in (first[SourceKind.UNIT].error or "")
+    second = {s.source: s for s in g.tick().snapshot.sources}
+    assert "still busy" in (second[SourceKind.UNIT].error or "")
+    assert hung.calls == 1
+    release.set()
+    g.close()
+
+
+def test_history_is_bounded_by_the_longest_window(tmp_path):
+    clock = FakeClock()
+    g, _ = make(tmp_path, Source(SourceKind.VLLM_METRICS, "vllm", metrics_reading()), clock=clock)
+    for _ in range(400):
+        g.tick()
+        clock.advance(2)
+    span = history_span_seconds(g.cfg)
+    assert g.history[-1].time_seconds - g.history[0].time_seconds <= span
+    assert len(g.history) <= span / 2 + 1
+    g.close()
+
+
+def test_flight_recorder_round_trips_the_snapshot(tmp_path):
+    g, _ = make(tmp_path, Source(SourceKind.VLLM_METRICS, "vllm", metrics_reading()))
+    r = g.tick()
+    recs = list(read_records(tmp_path / "flight.jsonl"))
+    assert len(recs) == 1 and isinstance(recs[0], dict)
+    assert snapshot_from_record(recs[0]) == r.snapshot
+    assert recs[0]["signals"]["services"][0]["requests_waiting"] == 27.0
+    g.close()
+
+
+def test_unwritable_recorder_does_not_stop_the_tick(tmp_path):
+    (tmp_path / "file").write_text("a file where a directory should be")  # fails even for root
+    cfg = parse_config(CONFIG.format(recorder=tmp_path / "file" / "sub" / "f.jsonl"))
+    g = Guardian(
+        cfg,
+        clock=FakeClock(),
+        collectors=[Source(SourceKind.VLLM_METRICS, "vllm", metrics_reading())],
+        notifier=Recorded(),
+    )
+    r = g.tick()
+    assert r.signals.services[0].requests_waiting == 27.0
+    assert g.recorder is not None and "cannot write flight record" in (g.recorder.error or "")
+    g.close()
+
+
+def test_reload_keeps_the_old_config_when_the_new_one_is_bad(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(CONFIG.format(recorder=tmp_path / "f.jsonl"))
+    built: list[str] = []
+
+    def factory(cfg, clock):
+        built.extend(s.name for s in cfg.services)
+        return []
+
+    g = Guardian(
+        parse_config(path.read_text()),
+        clock=FakeClock(),
+        config_path=str(path),
+        notifier=Recorded(),
+        collector_factory=factory,
+    )
+    path.write_text("services: []\ninterval_seconds: -1\n")
+    assert g.reload() is False
+    assert [s.name for s in g.cfg.services] == ["vllm"]
+    path.write_text("services:\n  - name: a\n  - name: b\n    url: http://127.0.0.1:8001\n")
+    assert g.reload() is True
+    assert [s.name for s in g.cfg.services] == ["a", "b"]
+    assert built[-2:] == ["a", "b"]
+    g.close()
+
+
+def test_sd_notify_through_a_real_datagram_socket(tmp_path, monkeypatch):
+    path = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as srv:
+        srv.bind(path)
+        srv.settimeout(2)
+        monkeypatch.setenv("NOTIFY_SOCKET", path)
+        monkeypatch.setenv("WATCHDOG_USEC", "10000000")
+        monkeypatch.delenv("WATCHDOG_PID", raising=False)
+        notifier = SdNotifier()
+        assert notifier.watchdog
+        cfg = parse_config(CONFIG.format(recorder=tmp_path / "f.jsonl"))
+        g = Guardian(
+            cfg,
+            clock=FakeClock(),
+            collectors=[Source(SourceKind.VLLM_METRICS, "vllm", metrics_reading())],
+            notifier=notifier,
+        )
+        g.tick()
+        g.tick()
+        first, second = srv.recv(4096).decode(), srv.recv(4096).decode()
+        g.close()
+    assert first.startswith("READY=1\nSTATUS=vllm:") and first.endswith("WATCHDOG=1")
+    assert second.startswith("STATUS=") and "READY=1" not in second
+
+
+def test_watchdog_pings_only_for_our_pid(monkeypatch):
+    monkeypatch.setenv("WATCHDOG_USEC", "1000000")
+    monkeypatch.setenv("WATCHDOG_PID", "1")
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    assert SdNotifier().watchdog is False
+
+
+def test_control_socket_status_and_permissions(tmp_path):
+    from vllm_guardian.control import ControlServer
+
+    g, _ = make(tmp_path, Source(SourceKind.VLLM_METRICS, "vllm", metrics_reading()))
+    g.tick()
+    server = ControlServer(tmp_path / "run" / "control.sock", g.handle_control)
+    server.start()
+    try:
+        mode = stat.S_IMODE(os.stat(tmp_path / "run" / "control.sock").st_mode)
+        assert mode == 0o600
+        st = request(tmp_path / "run" / "control.sock", {"cmd": "status"})
+        assert st["ok"] and st["signals"]["services"][0]["requests_waiting"] == 27.0
+        bad = request(tmp_path / "run" / "control.sock", {"cmd": "format-disk"})
+        assert not bad["ok"] and "unknown command" in bad["error"]
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(str(tmp_path / "run" / "control.sock"))
+            s.sendall(b"not json\n")
+            assert "bad request" in json.loads(s.recv(4096))["error"]
+    finally:
+        server.stop()
+        g.close()
+
+
+def test_assemble_ignores_readings_for_unknown_services():
+    r = Reading(SourceKind.HEALTH, "ghost", HealthProbe(HealthState.UP, 200, 0.0))
+    snap = assemble(1.0, ["vllm"], [r], [])
+    assert snap.service("vllm") is not None and snap.service("vllm").health is None  # type: ignore[union-attr]

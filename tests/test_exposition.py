@@ -1,0 +1,133 @@
+"""The guardian's /metrics: a golden exposition from real captures, promtool's lint, the endpoints."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.scenario import signals_for, snapshots
+from vllm_guardian.exposition import (
+    ExpositionServer,
+    GateState,
+    GuardianCollector,
+    Published,
+    make_registry,
+)
+
+GOLDEN = Path(__file__).parent / "golden" / "exposition.prom"
+REQUIRED = {
+    # name: labels every sample must carry
+    "vllm_guardian_kv_cache_usage_ratio": {"service"},
+    "vllm_guardian_requests_waiting": {"service"},
+    "vllm_guardian_requests_running": {"service"},
+    "vllm_guardian_preemptions_per_second": {"service"},
+    "vllm_guardian_gpu_memory_used_bytes": {"gpu"},
+    "vllm_guardian_gpu_memory_total_bytes": {"gpu"},
+    "vllm_guardian_service_gpu_memory_bytes": {"service", "gpu"},
+    "vllm_guardian_vllm_health": {"service"},
+    "vllm_guardian_source_up": {"service", "source"},
+    "vllm_guardian_source_duration_seconds": {"service", "source"},
+    "vllm_guardian_tick_duration_seconds": set(),
+    "vllm_guardian_build_info": {"version", "python_version"},
+}
+
+
+def render() -> str:
+    history = snapshots()
+    c = GuardianCollector(["vllm"])
+    for i in range(len(history)):
+        c.publish(
+            Published(history[i], signals_for(history[: i + 1]), 0.0125), monotonic_now=100.0 + i
+        )
+    return generate_latest(make_registry(c, process_metrics=False)).decode()
+
+
+def without_build_info(text: str) -> str:
+    return "".join(
+        line + "\n"
+        for line in text.splitlines()
+        if not line.startswith("vllm_guardian_build_info{")
+    )
+
+
+def test_golden_exposition():
+    text = without_build_info(render())
+    if os.environ.get("UPDATE_GOLDEN"):
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text(), (
+        "exposition changed; rerun with UPDATE_GOLDEN=1 and review the diff"
+    )
+
+
+def test_required_names_and_labels_and_values():
+    fams = {f.name: f for f in text_string_to_metric_families(render())}
+    samples = {s.name: s for f in fams.values() for s in f.samples}
+    for name, labels in REQUIRED.items():
+        assert name in samples, name
+        assert set(samples[name].labels) == labels, name
+    # The values the real capture holds (metrics-pressure-07.prom).
+    assert samples["vllm_guardian_requests_waiting"].value == 27.0
+    assert samples["vllm_guardian_requests_running"].value == 5.0
+    assert samples["vllm_guardian_kv_cache_usage_ratio"].value == pytest.approx(0.9032258064516129)
+    # vLLM counted 15 then 89 preemptions in the two captures, 3 s apart.
+    assert samples["vllm_guardian_preemptions_per_second"].value == pytest.approx((89 - 15) / 3)
+
+
+def test_missing_values_are_absent_not_zero():
+    text = render()
+    # GPU 1 is lost: it is listed as down, and its memory series are absent.
+    assert 'vllm_guardian_gpu_up{gpu="1"} 0.0' in text
+    assert 'vllm_guardian_gpu_memory_used_bytes{gpu="1"}' not in text
+    assert not [line for line in text.splitlines() if line.endswith(("NaN", "Inf"))]
+
+
+def promtool() -> str | None:
+    path = shutil.which("promtool")
+    if path is None and os.environ.get("VLLM_GUARDIAN_REQUIRE_TOOLS"):
+        pytest.fail("promtool is required here (apt-get install prometheus)")
+    return path
+
+
+def test_promtool_check_metrics():
+    tool = promtool()
+    if tool is None:
+        pytest.skip("promtool not installed (CI installs Debian's prometheus package)")
+    proc = subprocess.run(
+        [tool, "check", "metrics"], input=render(), capture_output=True, text=True, timeout=30
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == "" and proc.stderr.strip() == ""
+
+
+def test_http_endpoints():
+    c = GuardianCollector(["vllm"])
+    now = [100.0]
+    server = ExpositionServer(c, "127.0.0.1", 0, stale_after_seconds=10, monotonic=lambda: now[0])
+    server.start()
+    try:
+        base = "http://{}:{}".format(*server.address)
+        assert requests.get(base + "/healthz", timeout=5).status_code == 503  # no tick yet
+        history = snapshots()
+        c.publish(Published(history[-1], signals_for(history), 0.01), monotonic_now=100.0)
+        r = requests.get(base + "/metrics", timeout=5)
+        assert r.status_code == 200 and "vllm_guardian_requests_waiting" in r.text
+        assert "process_resident_memory_bytes" in r.text
+        assert requests.get(base + "/healthz", timeout=5).status_code == 200
+        assert requests.get(base + "/ready/vllm", timeout=5).json()["ready"] is True
+        c.set_gate("vllm", GateState(False, "kv_cache_usage 0.95 above 0.90"))
+        gated = requests.get(base + "/ready/vllm", timeout=5)
+        assert gated.status_code == 503 and "0.95" in gated.json()["reason"]
+        assert requests.get(base + "/ready/nope", timeout=5).status_code == 404
+        now[0] = 200.0  # no tick for 100 s
+        assert requests.get(base + "/healthz", timeout=5).status_code == 503
+    finally:
+        server.stop()
+    assert time.monotonic() > 0

@@ -1,0 +1,150 @@
+"""`vllm-guardian run` as a real process against a real loopback server replaying vLLM captures.
+
+It must export the values the captures hold, and keep running when the server dies, comes
+back, or serves garbage; SIGHUP with a bad config keeps the old one; SIGTERM stops it cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import read_fixture
+from tests.httpfixture import Script, serve
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("condition not met in time")
+
+
+def samples(base: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = requests.get(base + "/metrics", timeout=5).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+
+
+def value(base: str, name: str, **labels: str) -> float | None:
+    return samples(base).get((name, tuple(sorted(labels.items()))))
+
+
+@pytest.fixture
+def guardian(
+    tmp_path: Path, free_port: int
+) -> Iterator[tuple[subprocess.Popen[str], str, Script, Path]]:
+    script = Script()
+    script.set("/metrics", body=read_fixture("metrics-pressure-04.prom").encode())
+    script.set("/health")
+    with serve(script) as url:
+        cfg = tmp_path / "config.yaml"
+        cfg.write_text(
+            f"interval_seconds: 0.3\nlisten: 127.0.0.1:{free_port}\nruntime_dir: {tmp_path / 'run'}\n"
+            f"state_dir: {tmp_path}\nrecorder:\n  path: {tmp_path / 'flight.jsonl'}\n"
+            "sources:\n  nvml:\n    enabled: false\n  unit:\n    enabled: false\n"
+            f"services:\n  - name: vllm\n    url: {url}\n"
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm_guardian", "run", "-c", str(cfg)],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            yield proc, f"http://127.0.0.1:{free_port}", script, cfg
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_exports_what_vllm_said_and_survives_its_failures(guardian):
+    proc, base, script, cfg = guardian
+    wait_for(
+        lambda: value(base, "vllm_guardian_kv_cache_usage_ratio", service="vllm") == 1.0
+    )  # capture 04
+    assert requests.get(base + "/healthz", timeout=5).status_code == 200
+    script.set("/metrics", body=read_fixture("metrics-pressure-07.prom").encode())
+    wait_for(
+        lambda: (
+            value(base, "vllm_guardian_kv_cache_usage_ratio", service="vllm") == 0.9032258064516129
+        )
+    )
+    assert value(base, "vllm_guardian_requests_waiting", service="vllm") == 27.0
+    assert value(base, "vllm_guardian_requests_running", service="vllm") == 5.0
+    wait_for(lambda: (value(base, "vllm_guardian_preemptions_per_second", service="vllm") or 0) > 0)
+
+    # Garbage: the source goes down, the guardian keeps serving and does not invent values.
+    script.set("/metrics", body=b"<html>502 Bad Gateway</html>", content_type="text/html")
+    wait_for(
+        lambda: value(base, "vllm_guardian_source_up", service="vllm", source="vllm_metrics") == 0.0
+    )
+    assert value(base, "vllm_guardian_requests_waiting", service="vllm") is None
+    # The engine dies.
+    script.set("/health", status=503)
+    wait_for(lambda: value(base, "vllm_guardian_vllm_health", service="vllm") == 0.0)
+    # It comes back.
+    script.set("/health")
+    script.set("/metrics", body=read_fixture("metrics-idle.prom").encode())
+    wait_for(lambda: value(base, "vllm_guardian_requests_waiting", service="vllm") == 0.0)
+    assert value(base, "vllm_guardian_vllm_health", service="vllm") == 1.0
+
+    # SIGHUP with a broken config: refused, still running with the old one.
+    good = cfg.read_text()
+    cfg.write_text("services: oops\n")
+    proc.send_signal(signal.SIGHUP)
+    time.sleep(1.0)
+    assert proc.poll() is None
+    assert value(base, "vllm_guardian_requests_waiting", service="vllm") == 0.0
+    cfg.write_text(good)
+
+    # status over the control socket
+    out = subprocess.run(
+        [sys.executable, "-m", "vllm_guardian", "status", "-c", str(cfg)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "service vllm: health=up" in out.stdout
+
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 0
+    log = proc.stdout.read() if proc.stdout else ""
+    assert "reload refused, keeping the running config" in log
+    assert "source vllm_metrics [vllm] down" in log and "returned HTML" in log
+
+
+def test_the_server_disappearing_entirely(guardian):
+    proc, base, script, _ = guardian
+    wait_for(lambda: value(base, "vllm_guardian_requests_waiting", service="vllm") is not None)
+    script.routes.clear()  # 404 everywhere
+    wait_for(
+        lambda: value(base, "vllm_guardian_source_up", service="vllm", source="vllm_metrics") == 0.0
+    )
+    assert proc.poll() is None
+    assert requests.get(base + "/healthz", timeout=5).status_code == 200

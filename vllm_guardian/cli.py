@@ -1,0 +1,182 @@
+"""The ``vllm-guardian`` command: run | check-config | status | sim.
+
+Exit codes: 0 success, 1 runtime failure, 2 invalid config or usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from vllm_guardian import __version__
+from vllm_guardian.config import DEFAULT_CONFIG_PATH, Config, ConfigInvalid, load_config
+
+EXIT_OK, EXIT_FAIL, EXIT_CONFIG = 0, 1, 2
+
+
+def _setup_logging(verbose: bool) -> None:
+    # Under systemd the journal adds the time; elsewhere a person reading a terminal wants it.
+    fmt = (
+        "%(levelname)s %(message)s"
+        if os.environ.get("JOURNAL_STREAM")
+        else "%(asctime)s %(levelname)s %(message)s"
+    )
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO, format=fmt, stream=sys.stderr
+    )
+
+
+def _load(path: str) -> Config | None:
+    try:
+        return load_config(path)
+    except ConfigInvalid as e:
+        n = len(e.errors)
+        print(f"{path}: {n} error{'s' if n != 1 else ''}:", file=sys.stderr)
+        for err in e.errors:
+            print("  " + err.format(e.filename), file=sys.stderr)
+        return None
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    cfg = _load(args.config)
+    if cfg is None:
+        return EXIT_CONFIG
+    names = ", ".join(s.name for s in cfg.services)
+    print(f"{args.config}: OK ({len(cfg.services)} service(s): {names}; listen {cfg.listen})")
+    return EXIT_OK
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    _setup_logging(args.verbose)
+    cfg = _load(args.config)
+    if cfg is None:
+        return EXIT_CONFIG
+    from vllm_guardian.daemon import Guardian  # noqa: PLC0415  # keeps check-config light
+
+    guardian = Guardian(cfg, config_path=args.config)
+    try:
+        return guardian.run()
+    except OSError as e:
+        logging.getLogger("vllm_guardian").error("cannot start: %s", e)
+        return EXIT_FAIL
+
+
+def _socket_path(args: argparse.Namespace) -> Path:
+    if args.socket:
+        return Path(args.socket)
+    if Path(args.config).exists():
+        cfg = _load(args.config)
+        if cfg is not None:
+            return Path(cfg.runtime_dir) / "control.sock"
+    return Path("/run/vllm-guardian/control.sock")
+
+
+def _fmt_bytes(v: Any) -> str:
+    return "?" if v is None else f"{v / 1024**3:.1f} GiB"
+
+
+def _fmt(v: Any, pattern: str = "{:.0f}") -> str:
+    return "?" if v is None else pattern.format(v)
+
+
+def render_status(st: dict[str, Any]) -> str:
+    lines = [f"vllm-guardian {st.get('version', '?')}"]
+    if not st.get("signals"):
+        lines.append("no tick completed yet")
+        return "\n".join(lines)
+    for svc in st["signals"]["services"]:
+        lines.append(f"service {svc['service']}: health={svc.get('health_state') or '?'}")
+        kv = svc.get("kv_cache_usage_ratio")
+        lines.append(
+            f"  KV {('?' if kv is None else f'{100 * kv:.0f}%')}  running {_fmt(svc.get('requests_running'))}"
+            f"  waiting {_fmt(svc.get('requests_waiting'))}"
+            f"  preemptions/s {_fmt(svc.get('preemptions_per_second'), '{:.2f}')}"
+            f"  tokens/s {_fmt(svc.get('generation_tokens_per_second'), '{:.1f}')}"
+        )
+        lines.append(
+            f"  GPU memory: service {_fmt_bytes(svc.get('service_memory_bytes'))}"
+            f"  budget {_fmt_bytes(svc.get('memory_budget_bytes'))}"
+            f"  others {_fmt_bytes(svc.get('other_processes_memory_bytes'))}"
+            f"  free {_fmt_bytes(svc.get('headroom_bytes'))}"
+        )
+        if svc.get("stalled"):
+            lines.append(f"  STALLED: requests waiting, no tokens for {svc['stall_seconds']:.0f}s")
+    for gpu in st.get("gpus") or []:
+        lines.append(
+            f"gpu {gpu['index']} {gpu.get('name') or ''}: used {_fmt_bytes(gpu.get('memory_used_bytes'))}"
+            f" of {_fmt_bytes(gpu.get('memory_total_bytes'))}"
+            + (f"  ERROR {gpu['error']}" if gpu.get("error") else "")
+        )
+    down = [s for s in st.get("sources", []) if not s["up"]]
+    for s in down:
+        where = s["source"] + (f" [{s['service']}]" if s.get("service") else "")
+        hint = f" — {s['hint']}" if s.get("hint") else ""
+        lines.append(f"source {where} DOWN: {s.get('error')}{hint}")
+    if not down:
+        lines.append("all sources up")
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from vllm_guardian.control import ControlError, request  # noqa: PLC0415
+
+    try:
+        st = request(_socket_path(args), {"cmd": "status"})
+    except ControlError as e:
+        print(f"vllm-guardian status: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    print(json.dumps(st, indent=2) if args.json else render_status(st))
+    return EXIT_OK
+
+
+def cmd_sim(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    from vllm_guardian.sim.cli import main as sim_main  # noqa: PLC0415  # the twin, on demand
+
+    return sim_main(list(rest))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vllm-guardian", description="Keeps vLLM inference servers alive."
+    )
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def with_config(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument(
+            "-c",
+            "--config",
+            default=DEFAULT_CONFIG_PATH,
+            help=f"config file (default {DEFAULT_CONFIG_PATH})",
+        )
+
+    r = sub.add_parser("run", help="run the daemon")
+    with_config(r)
+    r.add_argument("-v", "--verbose", action="store_true")
+    c = sub.add_parser("check-config", help="validate a config file and report every error")
+    with_config(c)
+    s = sub.add_parser("status", help="show what the running daemon sees")
+    with_config(s)
+    s.add_argument("--socket", help="control socket path (default: <runtime_dir>/control.sock)")
+    s.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    sub.add_parser("sim", help="the vLLM twin: `vllm-guardian sim serve --help`", add_help=False)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "sim":
+        return cmd_sim(argparse.Namespace(), argv[1:])
+    args = build_parser().parse_args(argv)
+    handlers = {"run": cmd_run, "check-config": cmd_check_config, "status": cmd_status}
+    return handlers[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

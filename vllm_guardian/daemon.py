@@ -1,0 +1,478 @@
+"""The shell around the pure core: the tick, the loop, threads, signals, sd_notify.
+
+One tick (DESIGN.md §3):
+
+1. **collect** every source in parallel, each under its own timeout; a source that fails or
+   hangs becomes a down :class:`SourceStatus`, never an exception;
+2. assemble the :class:`Snapshot` and append it to the bounded history;
+3. **derive** signals (pure, ``core/signals.py``);
+4. **decide** and **act**: the stages in ``Guardian.stages`` (the policy plugs in here; the
+   foundation has none) return records of what they decided;
+5. **publish** to ``/metrics`` and ``/ready``;
+6. **record** one flight-recorder line;
+7. ``sd_notify`` ``WATCHDOG=1`` and a readable ``STATUS=`` line.
+
+``READY=1`` is sent after the first full tick, ``STOPPING=1`` on SIGTERM; SIGHUP reloads the
+config and a bad new config keeps the old one, saying why.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, Protocol
+
+from vllm_guardian import __version__
+from vllm_guardian.clock import Clock, SystemClock
+from vllm_guardian.config import Config, ConfigInvalid, load_config
+from vllm_guardian.control import ControlServer
+from vllm_guardian.core.signals import ServiceSignals, Signals, derive
+from vllm_guardian.exposition import ExpositionServer, GuardianCollector, Published
+from vllm_guardian.model import (
+    GpuReading,
+    HealthProbe,
+    LogReading,
+    Reading,
+    ServiceSnapshot,
+    Snapshot,
+    SourceStatus,
+    UnitState,
+    VllmScrape,
+)
+from vllm_guardian.recorder import FlightRecorder, to_jsonable
+from vllm_guardian.sources.base import Collector
+from vllm_guardian.sources.registry import build_collectors
+
+log = logging.getLogger("vllm_guardian")
+
+GIB = 1024**3
+
+
+class Stage(Protocol):
+    """A decide/act stage run after signals are derived (the policy of a later issue)."""
+
+    def run(
+        self, snapshot: Snapshot, signals: Signals, now: float
+    ) -> Sequence[Mapping[str, Any]]: ...
+
+
+class Notifier(Protocol):
+    def notify(self, state: str) -> None: ...
+
+
+class SdNotifier:
+    """sd_notify through the sdnotify library; silent without NOTIFY_SOCKET."""
+
+    def __init__(self) -> None:
+        self.enabled = bool(os.environ.get("NOTIFY_SOCKET"))
+        self._impl: Any = None
+        if self.enabled:
+            import sdnotify  # noqa: PLC0415  # only under systemd
+
+            self._impl = sdnotify.SystemdNotifier()
+        usec = os.environ.get("WATCHDOG_USEC")
+        wpid = os.environ.get("WATCHDOG_PID")
+        self.watchdog = bool(usec and usec.isdigit() and int(usec) > 0) and (
+            not wpid or wpid == str(os.getpid())
+        )
+
+    def notify(self, state: str) -> None:
+        if self._impl is not None:
+            self._impl.notify(state)
+
+
+@dataclass
+class _SourceSlot:
+    collector: Collector
+    future: Future[Reading] | None = None
+    started_monotonic: float = 0.0
+
+
+@dataclass
+class TickResult:
+    snapshot: Snapshot
+    signals: Signals
+    decisions: list[Mapping[str, Any]] = field(default_factory=list)
+    duration_seconds: float = 0.0
+
+
+def history_span_seconds(cfg: Config) -> float:
+    s = cfg.signals
+    return max(
+        s.rate_window_seconds,
+        s.quantile_window_seconds,
+        s.slope_window_seconds,
+        2 * s.stall_seconds,
+    ) + (2 * cfg.interval_seconds)
+
+
+class Guardian:
+    def __init__(
+        self,
+        cfg: Config,
+        clock: Clock | None = None,
+        collectors: Sequence[Collector] | None = None,
+        notifier: Notifier | None = None,
+        config_path: str | None = None,
+        collector_factory: Callable[[Config, Clock], Sequence[Collector]] = build_collectors,
+    ) -> None:
+        self.cfg = cfg
+        self.clock = clock or SystemClock()
+        self.config_path = config_path
+        self._factory = collector_factory
+        self._slots = [
+            _SourceSlot(c)
+            for c in (collectors if collectors is not None else collector_factory(cfg, self.clock))
+        ]
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(4, 2 * len(self._slots)), thread_name_prefix="collect"
+        )
+        self.history: collections.deque[Snapshot] = collections.deque()
+        self.exposition = GuardianCollector([s.name for s in cfg.services])
+        self.notifier: Notifier = notifier or SdNotifier()
+        self.stages: list[Stage] = []
+        self.recorder = (
+            FlightRecorder(cfg.recorder.path, cfg.recorder.max_bytes, cfg.recorder.backups)
+            if cfg.recorder.path
+            else None
+        )
+        self._source_up: dict[tuple[str, str | None], bool] = {}
+        self._recorder_error: str | None = None
+        self.last: TickResult | None = None
+        self._stop = threading.Event()
+        self._reload = threading.Event()
+        self._lock = threading.Lock()
+        self.ready_sent = False
+
+    # --- the tick -----------------------------------------------------------------------------
+
+    def tick(self) -> TickResult:
+        start = self.clock.monotonic()
+        now = self.clock.time()
+        readings, statuses = self._collect()
+        snapshot = assemble(now, [s.name for s in self.cfg.services], readings, statuses)
+        self.history.append(snapshot)
+        span = history_span_seconds(self.cfg)
+        while len(self.history) > 1 and self.history[0].time_seconds < now - span:
+            self.history.popleft()
+        signals = derive(list(self.history), self.cfg.services, self.cfg.signals)
+        decisions: list[Mapping[str, Any]] = []
+        for stage in self.stages:
+            try:
+                decisions.extend(stage.run(snapshot, signals, now))
+            except Exception:  # a stage bug must not stop observation
+                log.exception("stage %s failed; observation continues", type(stage).__name__)
+        duration = self.clock.monotonic() - start
+        self.exposition.publish(Published(snapshot, signals, duration), self.clock.monotonic())
+        result = TickResult(snapshot, signals, decisions, duration)
+        with self._lock:
+            self.last = result
+        self._record(result)
+        self._log_transitions(statuses)
+        if self.notifier is not None:
+            msgs = [f"STATUS={status_line(signals, snapshot)}"]
+            if getattr(self.notifier, "watchdog", False):
+                msgs.append("WATCHDOG=1")
+            if not self.ready_sent:
+                msgs.insert(0, "READY=1")
+                self.ready_sent = True
+            self.notifier.notify("\n".join(msgs))
+        return result
+
+    def _collect(self) -> tuple[list[Reading], list[SourceStatus]]:
+        fresh: set[int] = set()
+        for i, slot in enumerate(self._slots):
+            if slot.future is None or slot.future.done():
+                slot.started_monotonic = self.clock.monotonic()
+                slot.future = self._pool.submit(_safe_collect, slot.collector)
+                fresh.add(i)
+        readings: list[Reading] = []
+        statuses: list[SourceStatus] = []
+        for i, slot in enumerate(self._slots):
+            c = slot.collector
+            assert slot.future is not None
+            remaining = c.timeout_seconds - (self.clock.monotonic() - slot.started_monotonic)
+            try:
+                reading = slot.future.result(timeout=max(0.0, remaining)) if i in fresh else None
+            except FutureTimeout:
+                reading = None
+            duration = self.clock.monotonic() - slot.started_monotonic
+            if reading is None:
+                # A collector still running from an earlier tick is not started again: one hung
+                # NVML call must not pile up a thread per tick.
+                why = (
+                    f"no result within {c.timeout_seconds:g}s"
+                    if i in fresh
+                    else f"still busy from an earlier tick ({duration:.0f}s): hung"
+                )
+                reading = Reading(
+                    c.kind, c.service, None, why, "the source is slow or hung; values are missing"
+                )
+                duration = min(duration, c.timeout_seconds) if i in fresh else duration
+            readings.append(reading)
+            statuses.append(
+                SourceStatus(
+                    source=c.kind,
+                    service=c.service,
+                    up=reading.payload is not None and reading.error is None,
+                    duration_seconds=round(duration, 6),
+                    error=reading.error,
+                    hint=reading.hint,
+                )
+            )
+        return readings, statuses
+
+    def _record(self, result: TickResult) -> None:
+        if self.recorder is None:
+            return
+        ok = self.recorder.write(
+            {
+                "time": result.snapshot.time_seconds,
+                "version": __version__,
+                "snapshot": result.snapshot,
+                "signals": result.signals,
+                "decisions": list(result.decisions),
+                "tick_duration_seconds": result.duration_seconds,
+            }
+        )
+        if not ok and self.recorder.error != self._recorder_error:
+            log.error(
+                "flight recorder: %s (recording paused, guarding continues)", self.recorder.error
+            )
+        elif ok and self._recorder_error:
+            log.info("flight recorder: writing again to %s", self.recorder.path)
+        self._recorder_error = self.recorder.error
+
+    def _log_transitions(self, statuses: Sequence[SourceStatus]) -> None:
+        for st in statuses:
+            key = (st.source.value, st.service)
+            before = self._source_up.get(key)
+            self._source_up[key] = st.up
+            where = f"{st.source.value}" + (f" [{st.service}]" if st.service else "")
+            if not st.up and before is not False:
+                log.warning(
+                    "source %s down: %s%s",
+                    where,
+                    st.error,
+                    f" (hint: {st.hint})" if st.hint else "",
+                )
+            elif st.up and before is False:
+                log.info("source %s up again", where)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def request_reload(self) -> None:
+        self._reload.set()
+
+    def reload(self) -> bool:
+        """Re-read the config file; keep the old config if the new one is invalid."""
+        if not self.config_path:
+            return False
+        try:
+            new = load_config(self.config_path)
+        except ConfigInvalid as e:
+            log.error("reload refused, keeping the running config:\n%s", e)
+            return False
+        old_slots = self._slots
+        self.cfg = new
+        self._slots = [_SourceSlot(c) for c in self._factory(new, self.clock)]
+        self._pool._max_workers = max(self._pool._max_workers, 2 * len(self._slots))
+        for slot in old_slots:
+            _safe_close(slot.collector)
+        self.exposition.set_services([s.name for s in new.services])
+        if new.recorder.path:
+            self.recorder = FlightRecorder(
+                new.recorder.path, new.recorder.max_bytes, new.recorder.backups
+            )
+        else:
+            self.recorder = None
+        log.info("config reloaded from %s: %d service(s)", self.config_path, len(new.services))
+        return True
+
+    def close(self) -> None:
+        for slot in self._slots:
+            _safe_close(slot.collector)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            last = self.last
+        if last is None:
+            return {"ok": True, "version": __version__, "ticks": 0, "services": []}
+        body: dict[str, Any] = to_jsonable(
+            {
+                "time": last.snapshot.time_seconds,
+                "signals": last.signals,
+                "sources": last.snapshot.sources,
+            }
+        )
+        body.update(ok=True, version=__version__, tick_duration_seconds=last.duration_seconds)
+        if last.snapshot.gpus is not None:
+            body["gpus"] = to_jsonable(last.snapshot.gpus.devices)
+        return body
+
+    def handle_control(self, req: Mapping[str, Any]) -> dict[str, Any]:
+        cmd = req.get("cmd")
+        if cmd == "status":
+            return self.status()
+        return {"ok": False, "error": f"unknown command {cmd!r}"}
+
+    def run(self) -> int:
+        """The main loop; returns the process exit code."""
+        host, port = self.cfg.listen_address
+        server = ExpositionServer(
+            self.exposition,
+            host,
+            port,
+            stale_after_seconds=3 * self.cfg.interval_seconds + 10,
+            monotonic=self.clock.monotonic,
+        )
+        server.start()
+        log.info("vllm-guardian %s: serving /metrics on http://%s:%d", __version__, *server.address)
+        control = ControlServer(Path(self.cfg.runtime_dir) / "control.sock", self.handle_control)
+        try:
+            control.start()
+        except OSError as e:
+            log.error(
+                "control socket %s unavailable: %s (status/pause will not work)", control.path, e
+            )
+            control = None  # type: ignore[assignment]
+        _install_signals(self)
+        try:
+            next_at = self.clock.monotonic()
+            while not self._stop.is_set():
+                if self._reload.is_set():
+                    self._reload.clear()
+                    self.notifier.notify("RELOADING=1")
+                    self.reload()
+                    self.notifier.notify("READY=1")
+                self.tick()
+                next_at += self.cfg.interval_seconds
+                now = self.clock.monotonic()
+                if next_at < now:  # a slow tick: skip missed slots rather than burst
+                    next_at = now + self.cfg.interval_seconds
+                self._stop.wait(max(0.0, next_at - now))
+        finally:
+            self.notifier.notify("STOPPING=1")
+            log.info("stopping")
+            server.stop()
+            if control is not None:
+                control.stop()
+            self.close()
+        return 0
+
+
+def _install_signals(g: Guardian) -> None:
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        g.request_stop()
+
+    def on_hup(signum: int, frame: FrameType | None) -> None:
+        g.request_reload()
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    signal.signal(signal.SIGHUP, on_hup)
+
+
+def _safe_collect(c: Collector) -> Reading:
+    try:
+        return c.collect()
+    except Exception as e:  # the contract says collectors do not raise; this keeps it true
+        log.exception("collector %s raised", c.kind.value)
+        return Reading(
+            c.kind,
+            c.service,
+            None,
+            f"internal error: {type(e).__name__}: {e}",
+            "a guardian bug: please report it",
+        )
+
+
+def _safe_close(c: Collector) -> None:
+    try:
+        c.close()
+    except Exception:
+        log.exception("closing collector %s failed", c.kind.value)
+
+
+def assemble(
+    now: float,
+    services: Sequence[str],
+    readings: Sequence[Reading],
+    statuses: Sequence[SourceStatus],
+) -> Snapshot:
+    """Put each reading's payload where it belongs in the Snapshot."""
+    parts: dict[str, dict[str, Any]] = {name: {} for name in services}
+    gpus: GpuReading | None = None
+    for r in readings:
+        p = r.payload
+        if p is None:
+            continue
+        if isinstance(p, GpuReading):
+            gpus = p
+            continue
+        if r.service not in parts:
+            continue
+        slot = parts[r.service]
+        if isinstance(p, VllmScrape):
+            slot["vllm"] = p
+        elif isinstance(p, HealthProbe):
+            slot["health"] = p
+        elif isinstance(p, UnitState):
+            slot["unit"] = p
+        elif isinstance(p, LogReading):
+            slot["logs"] = p
+    return Snapshot(
+        time_seconds=now,
+        services=tuple(ServiceSnapshot(name, **parts[name]) for name in services),
+        gpus=gpus,
+        sources=tuple(statuses),
+    )
+
+
+def _pct(v: float | None) -> str:
+    return "?" if v is None else f"{100 * v:.0f}%"
+
+
+def _num(v: float | None, fmt: str = "{:.0f}") -> str:
+    return "?" if v is None else fmt.format(v)
+
+
+def service_line(sig: ServiceSignals) -> str:
+    health = sig.health_state.value if sig.health_state is not None else "?"
+    parts = [
+        f"{sig.service}: {health}",
+        f"kv={_pct(sig.kv_cache_usage_ratio)}",
+        f"run={_num(sig.requests_running)}",
+        f"wait={_num(sig.requests_waiting)}",
+        f"preempt/s={_num(sig.preemptions_per_second, '{:.1f}')}",
+    ]
+    if sig.headroom_bytes is not None:
+        parts.append(f"free={sig.headroom_bytes / GIB:.1f}GiB")
+    if sig.stalled:
+        parts.append(f"STALLED {sig.stall_seconds:.0f}s")
+    return " ".join(parts)
+
+
+def status_line(signals: Signals, snapshot: Snapshot) -> str:
+    down = [
+        f"{s.source.value}" + (f"[{s.service}]" if s.service else "")
+        for s in snapshot.sources
+        if not s.up
+    ]
+    text = "; ".join(service_line(s) for s in signals.services)
+    if down:
+        text += " | down: " + ",".join(down)
+    return text[:400]

@@ -1,0 +1,594 @@
+"""The guardian's own HTTP endpoint: ``/metrics``, ``/healthz`` and ``/ready/<service>``.
+
+Where it sits: after collect and derive, the tick *publishes* the snapshot and its signals
+here; scrapes read the last published state and never wait on a tick. The registry is a
+private ``CollectorRegistry`` (no global state), with :class:`GuardianCollector` rendering
+families on demand from the published data. Binds to loopback unless configured otherwise.
+
+``/ready/<service>`` is the admission gate a load balancer polls: 200 while the service takes
+new work, 503 while the guardian holds it back (the policy sets it; the foundation leaves it
+open). ``/healthz`` is the guardian's own liveness: 200 while ticks are recent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from vllm_guardian import __version__
+from vllm_guardian.core.signals import ServiceSignals, Signals
+from vllm_guardian.model import HealthState, Snapshot
+
+NS = "vllm_guardian"
+
+
+@dataclass(frozen=True)
+class GateState:
+    ready: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class Published:
+    snapshot: Snapshot
+    signals: Signals
+    tick_duration_seconds: float
+
+
+class GuardianCollector:
+    """A prometheus_client custom collector over the last published tick."""
+
+    def __init__(self, services: Sequence[str]) -> None:
+        self._lock = threading.Lock()
+        self._published: Published | None = None
+        self._services = tuple(services)
+        self._ticks = 0
+        self._xid_counts: dict[tuple[int, int], int] = {}
+        self._gates: dict[str, GateState] = {s: GateState(True, "open") for s in services}
+        self._last_tick_monotonic: float | None = None
+
+    # --- written by the tick ------------------------------------------------------------------
+
+    def publish(self, published: Published, monotonic_now: float) -> None:
+        with self._lock:
+            self._published = published
+            self._ticks += 1
+            self._last_tick_monotonic = monotonic_now
+            gpus = published.snapshot.gpus
+            for ev in gpus.xid_events if gpus is not None else ():
+                key = (ev.gpu_index, ev.xid)
+                self._xid_counts[key] = self._xid_counts.get(key, 0) + 1
+
+    def set_services(self, services: Sequence[str]) -> None:
+        with self._lock:
+            self._services = tuple(services)
+            self._gates = {s: self._gates.get(s, GateState(True, "open")) for s in services}
+
+    def set_gate(self, service: str, gate: GateState) -> None:
+        with self._lock:
+            self._gates[service] = gate
+
+    # --- read by HTTP handlers ----------------------------------------------------------------
+
+    def gate(self, service: str) -> GateState | None:
+        with self._lock:
+            return self._gates.get(service)
+
+    def last_tick_monotonic(self) -> float | None:
+        with self._lock:
+            return self._last_tick_monotonic
+
+    def published(self) -> Published | None:
+        with self._lock:
+            return self._published
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # families depend on what was observed; skip describe-time collection
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            pub = self._published
+            ticks = self._ticks
+            xids = dict(self._xid_counts)
+            gates = dict(self._gates)
+        yield from _build_info()
+        ticks_total = CounterMetricFamily(
+            f"{NS}_ticks", "Ticks completed since the guardian started."
+        )
+        ticks_total.add_metric([], ticks)
+        yield ticks_total
+        ready = GaugeMetricFamily(
+            f"{NS}_ready",
+            "1 when /ready/<service> answers 200 (admits new work), 0 when gated.",
+            labels=["service"],
+        )
+        for svc, g in sorted(gates.items()):
+            ready.add_metric([svc], 1.0 if g.ready else 0.0)
+        yield ready
+        if pub is None:
+            return
+        yield from _tick_families(pub)
+        yield from _source_families(pub.snapshot)
+        yield from _service_families(pub.snapshot, pub.signals)
+        yield from _gpu_families(pub.snapshot, xids)
+
+
+def _build_info() -> Iterator[Metric]:
+    info = GaugeMetricFamily(
+        f"{NS}_build_info",
+        "The guardian's version and Python, always 1.",
+        labels=["version", "python_version"],
+    )
+    info.add_metric([__version__, platform.python_version()], 1.0)
+    yield info
+
+
+def _tick_families(pub: Published) -> Iterator[Metric]:
+    dur = GaugeMetricFamily(
+        f"{NS}_tick_duration_seconds", "Wall time of the last tick (collect to publish)."
+    )
+    dur.add_metric([], pub.tick_duration_seconds)
+    yield dur
+    ts = GaugeMetricFamily(
+        f"{NS}_last_tick_timestamp_seconds", "Unix time of the last completed tick."
+    )
+    ts.add_metric([], pub.snapshot.time_seconds)
+    yield ts
+
+
+def _source_families(snap: Snapshot) -> Iterator[Metric]:
+    up = GaugeMetricFamily(
+        f"{NS}_source_up",
+        "1 when the source observed this tick, 0 when it could not (see the guardian's log for why).",
+        labels=["service", "source"],
+    )
+    dur = GaugeMetricFamily(
+        f"{NS}_source_duration_seconds",
+        "How long the source took this tick.",
+        labels=["service", "source"],
+    )
+    for st in snap.sources:
+        labels = [st.service or "", st.source.value]
+        up.add_metric(labels, 1.0 if st.up else 0.0)
+        dur.add_metric(labels, st.duration_seconds)
+    yield up
+    yield dur
+
+
+class _Families:
+    """Gauge families keyed by name, created on first use, yielded in creation order."""
+
+    def __init__(self) -> None:
+        self._fams: dict[str, GaugeMetricFamily] = {}
+
+    def add(
+        self, name: str, doc: str, labels: Sequence[str], values: Sequence[str], value: float | None
+    ) -> None:
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return  # missing stays absent: never a zero that means "unknown"
+        fam = self._fams.get(name)
+        if fam is None:
+            fam = self._fams[name] = GaugeMetricFamily(f"{NS}_{name}", doc, labels=list(labels))
+        fam.add_metric(list(values), float(value))
+
+    def __iter__(self) -> Iterator[Metric]:
+        return iter(list(self._fams.values()))
+
+
+_SERVICE_GAUGES: tuple[tuple[str, str, str], ...] = (
+    (
+        "kv_cache_usage_ratio",
+        "kv_cache_usage_ratio",
+        "Share of vLLM's KV block pool in use (0..1), all engines.",
+    ),
+    ("requests_waiting", "requests_waiting", "Requests queued in vLLM, not yet scheduled."),
+    ("requests_running", "requests_running", "Requests in vLLM's running batch."),
+    ("requests_swapped", "requests_swapped", "Requests swapped to CPU (vLLM V0 only)."),
+    (
+        "preemptions_per_second",
+        "preemptions_per_second",
+        "vLLM preemptions per second (KV pool ran out).",
+    ),
+    (
+        "prompt_tokens_per_second",
+        "prompt_tokens_per_second",
+        "Prefill tokens processed per second.",
+    ),
+    (
+        "generation_tokens_per_second",
+        "generation_tokens_per_second",
+        "Tokens generated per second.",
+    ),
+    (
+        "request_failures_per_second",
+        "request_failures_per_second",
+        "Requests finished with reason abort or error, per second.",
+    ),
+    (
+        "prefix_cache_hit_ratio",
+        "prefix_cache_hit_ratio",
+        "Prefix-cache hit ratio over the rate window (tokens).",
+    ),
+    (
+        "engine_stall_seconds",
+        "stall_seconds",
+        "How long requests have waited with no token generated.",
+    ),
+    (
+        "kv_cache_capacity_tokens",
+        "kv_cache_capacity_tokens",
+        "Tokens vLLM's KV block pool holds, all engines.",
+    ),
+    (
+        "vllm_gpu_memory_utilization_ratio",
+        "gpu_memory_utilization_ratio",
+        "vLLM's --gpu-memory-utilization as it reports it.",
+    ),
+    (
+        "memory_budget_bytes",
+        "memory_budget_bytes",
+        "GPU memory vLLM planned to use: gpu_memory_utilization × total, over its GPUs.",
+    ),
+    (
+        "service_memory_bytes",
+        "service_memory_bytes",
+        "GPU memory held by the service's processes, all its GPUs.",
+    ),
+    (
+        "memory_over_budget_bytes",
+        "memory_over_budget_bytes",
+        "GPU memory the service holds beyond its budget.",
+    ),
+    (
+        "other_processes_memory_bytes",
+        "other_processes_memory_bytes",
+        "GPU memory held by other processes on the service's GPUs.",
+    ),
+    ("gpu_headroom_bytes", "headroom_bytes", "Least free memory among the service's GPUs."),
+    (
+        "gpu_headroom_slope_bytes_per_second",
+        "headroom_slope_bytes_per_second",
+        "Trend of the free-memory headroom (negative: falling).",
+    ),
+)
+
+
+def _bool(v: bool | None) -> float | None:
+    return None if v is None else (1.0 if v else 0.0)
+
+
+def _service_families(snap: Snapshot, signals: Signals) -> Iterator[Metric]:
+    f = _Families()
+    for sig in signals.services:
+        svc = sig.service
+        ss = snap.service(svc)
+        f.add(
+            "vllm_health",
+            "1 when vLLM's /health answers 200, else 0.",
+            ["service"],
+            [svc],
+            _bool(sig.vllm_up),
+        )
+        if ss is not None and ss.health is not None:
+            f.add(
+                "vllm_health_latency_seconds",
+                "Latency of the last /health probe.",
+                ["service"],
+                [svc],
+                ss.health.latency_seconds,
+            )
+            for state in HealthState:
+                f.add(
+                    "vllm_health_state",
+                    "The last /health outcome (1 for the current state).",
+                    ["service", "state"],
+                    [svc, state.value],
+                    1.0 if ss.health.state is state else 0.0,
+                )
+            if ss.health.deep is not None:
+                f.add(
+                    "vllm_deep_probe_ok",
+                    "1 when the last 1-token completion succeeded.",
+                    ["service"],
+                    [svc],
+                    _bool(ss.health.deep.ok),
+                )
+        f.add(
+            "vllm_stats_enabled",
+            "1 when /metrics carries vllm:* series, 0 when vLLM runs with --disable-log-stats.",
+            ["service"],
+            [svc],
+            _bool(sig.stats_enabled),
+        )
+        _service_gauges(f, sig)
+        if ss is not None and ss.vllm is not None:
+            f.add(
+                "vllm_scrape_bytes",
+                "Size of the last vLLM /metrics body.",
+                ["service"],
+                [svc],
+                ss.vllm.body_bytes,
+            )
+            f.add(
+                "vllm_scrape_malformed_lines",
+                "Lines of the last vLLM /metrics body the parser skipped as malformed.",
+                ["service"],
+                [svc],
+                ss.vllm.malformed_lines,
+            )
+            f.add(
+                "vllm_scrape_rejected_values",
+                "Values of the last scrape rejected as impossible (NaN, negative, ratio > 1).",
+                ["service"],
+                [svc],
+                ss.vllm.rejected_values,
+            )
+        if ss is not None and ss.unit is not None:
+            u = ss.unit
+            f.add(
+                "unit_info",
+                "The service's systemd unit and its state, always 1.",
+                ["service", "unit", "active_state", "sub_state"],
+                [svc, u.unit or "", u.active_state or "", u.sub_state or ""],
+                1.0,
+            )
+            f.add(
+                "unit_restarts",
+                "systemd's NRestarts for the unit.",
+                ["service"],
+                [svc],
+                u.n_restarts,
+            )
+            f.add("unit_main_pid", "The service's main process id.", ["service"], [svc], u.main_pid)
+    yield from f
+    if any(s.log_events for s in signals.services):
+        logs = CounterMetricFamily(
+            f"{NS}_log_events",
+            "vLLM log lines matching a memory-failure or engine-death signature, by kind.",
+            labels=["service", "kind"],
+        )
+        for sig in signals.services:
+            for kind, count in sig.log_events:
+                logs.add_metric([sig.service, kind.value], count)
+        yield logs
+
+
+def _service_gauges(f: _Families, sig: ServiceSignals) -> None:
+    svc = sig.service
+    for name, attr, doc in _SERVICE_GAUGES:
+        f.add(name, doc, ["service"], [svc], getattr(sig, attr))
+    for lq in sig.latency:
+        f.add(
+            "request_latency_seconds",
+            # Not a summary, so the label is `percentile` ("50", "99"): promtool reserves `quantile`.
+            "Latency percentiles from vLLM's histograms over the quantile window (ttft, e2e, queue).",
+            ["service", "metric", "percentile"],
+            [svc, lq.metric, f"{100 * lq.quantile:g}"],
+            lq.seconds,
+        )
+    for e in sig.engines:
+        labels = ["service", "model_name", "engine"]
+        values = [svc, e.model_name, e.engine]
+        f.add(
+            "engine_kv_cache_usage_ratio",
+            "KV pool usage per engine.",
+            labels,
+            values,
+            e.kv_cache_usage_ratio,
+        )
+        f.add(
+            "engine_requests_waiting",
+            "Waiting requests per engine.",
+            labels,
+            values,
+            e.requests_waiting,
+        )
+        f.add(
+            "engine_requests_running",
+            "Running requests per engine.",
+            labels,
+            values,
+            e.requests_running,
+        )
+        f.add(
+            "engine_preemptions_per_second",
+            "Preemptions per second per engine.",
+            labels,
+            values,
+            e.preemptions_per_second,
+        )
+    for g in sig.gpus:
+        f.add(
+            "service_gpu_memory_bytes",
+            "GPU memory held by the service's processes on this GPU.",
+            ["service", "gpu"],
+            [svc, str(g.gpu)],
+            g.service_memory_bytes,
+        )
+        f.add(
+            "other_gpu_memory_bytes",
+            "GPU memory held by processes that are not the service's, on the service's GPU.",
+            ["service", "gpu"],
+            [svc, str(g.gpu)],
+            g.other_memory_bytes,
+        )
+
+
+def _gpu_families(snap: Snapshot, xids: dict[tuple[int, int], int]) -> Iterator[Metric]:
+    f = _Families()
+    if snap.gpus is not None:
+        for d in snap.gpus.devices:
+            g = [str(d.index)]
+            f.add(
+                "gpu_info",
+                "The GPU's identity, always 1.",
+                ["gpu", "uuid", "name"],
+                [str(d.index), d.uuid or "", d.name or ""],
+                1.0,
+            )
+            f.add(
+                "gpu_up",
+                "1 when the GPU answered NVML queries, 0 when not (e.g. lost).",
+                ["gpu"],
+                g,
+                _bool(d.error is None),
+            )
+            f.add("gpu_memory_total_bytes", "Total GPU memory.", ["gpu"], g, d.memory_total_bytes)
+            f.add(
+                "gpu_memory_used_bytes",
+                "Used GPU memory, all processes.",
+                ["gpu"],
+                g,
+                d.memory_used_bytes,
+            )
+            f.add("gpu_memory_free_bytes", "Free GPU memory.", ["gpu"], g, d.memory_free_bytes)
+            f.add(
+                "gpu_utilization_ratio",
+                "GPU compute utilization (0..1).",
+                ["gpu"],
+                g,
+                d.utilization_ratio,
+            )
+            f.add("gpu_temperature_celsius", "GPU temperature.", ["gpu"], g, d.temperature_celsius)
+            f.add("gpu_power_watts", "GPU power draw.", ["gpu"], g, d.power_watts)
+            f.add(
+                "gpu_processes",
+                "Processes holding memory on the GPU.",
+                ["gpu"],
+                g,
+                None if d.processes is None else len(d.processes),
+            )
+            f.add(
+                "gpu_remapped_rows_pending",
+                "1 when row remapping is pending (needs a GPU reset).",
+                ["gpu"],
+                g,
+                _bool(d.remapped_rows_pending),
+            )
+            f.add(
+                "gpu_remapped_rows_failed",
+                "1 when a row remapping failed (hardware fault).",
+                ["gpu"],
+                g,
+                _bool(d.remapped_rows_failed),
+            )
+            f.add(
+                "gpu_retired_pages_pending",
+                "1 when retired pages await a reset.",
+                ["gpu"],
+                g,
+                _bool(d.retired_pages_pending),
+            )
+    yield from f
+    xid = CounterMetricFamily(
+        f"{NS}_gpu_xid_events",
+        "XID errors reported by the driver since the guardian started.",
+        labels=["gpu", "xid"],
+    )
+    for (gpu, code), n in sorted(xids.items()):
+        xid.add_metric([str(gpu), str(code)], n)
+    yield xid
+
+
+def make_registry(collector: GuardianCollector, process_metrics: bool = True) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    if process_metrics:
+        ProcessCollector(registry=registry)
+    return registry
+
+
+class ExpositionServer:
+    """A threaded HTTP server for /metrics, /healthz and /ready/<service>."""
+
+    def __init__(
+        self,
+        collector: GuardianCollector,
+        host: str,
+        port: int,
+        stale_after_seconds: float,
+        monotonic: Any,
+    ) -> None:
+        self.collector = collector
+        self.registry = make_registry(collector)
+        self._stale_after = stale_after_seconds
+        self._monotonic = monotonic
+        handler = _make_handler(self)
+        self._httpd = ThreadingHTTPServer((host, port), handler)
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, name="exposition", daemon=True
+        )
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self._httpd.server_address[:2]
+        return str(host), int(port)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+    def healthz(self) -> tuple[int, str]:
+        last = self.collector.last_tick_monotonic()
+        if last is None:
+            return 503, "starting: no tick completed yet\n"
+        age = self._monotonic() - last
+        if age > self._stale_after:
+            return 503, f"stale: last tick {age:.1f}s ago\n"
+        return 200, f"ok: last tick {age:.1f}s ago\n"
+
+
+def _make_handler(server: ExpositionServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = f"vllm-guardian/{__version__}"
+
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path in ("/metrics", "/metrics/"):
+                self._send(200, generate_latest(server.registry), CONTENT_TYPE_LATEST)
+            elif path == "/healthz":
+                code, text = server.healthz()
+                self._send(code, text.encode(), "text/plain; charset=utf-8")
+            elif path.startswith("/ready/"):
+                name = path[len("/ready/") :]
+                gate = server.collector.gate(name)
+                if gate is None:
+                    body = json.dumps({"error": f"unknown service {name!r}"}).encode()
+                    self._send(404, body, "application/json")
+                else:
+                    body = json.dumps(
+                        {"service": name, "ready": gate.ready, "reason": gate.reason}
+                    ).encode()
+                    self._send(200 if gate.ready else 503, body, "application/json")
+            elif path == "/":
+                links = b"<html><body><a href='/metrics'>/metrics</a> <a href='/healthz'>/healthz</a></body></html>"
+                self._send(200, links, "text/html")
+            else:
+                self._send(404, b"not found\n", "text/plain")
+
+        def _send(self, code: int, body: bytes, ctype: str) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # scrapes every few seconds would flood the journal
+
+    return Handler

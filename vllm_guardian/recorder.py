@@ -1,0 +1,189 @@
+"""The flight recorder: one JSON line per tick, size-bounded with rotation, and its reader.
+
+Where it sits: the last stage of the tick. Each line holds the tick's snapshot, its derived
+signals and (once the policy lands) its decisions, so an incident can be replayed through the
+same pure core (``vllm-guardian replay``). The codec below turns the frozen dataclasses of
+:mod:`vllm_guardian.model` into JSON and back using their type hints; ``+Inf`` (histogram
+bounds) travels as the string ``"+Inf"`` because JSON has no infinity.
+
+Writes never raise into the loop: a full disk or a read-only path disables recording with one
+error on record, and the guardian keeps guarding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+import os
+import threading
+import types
+import typing
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from vllm_guardian.model import Snapshot
+
+T = TypeVar("T")
+
+
+def to_jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, tuple | list):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "NaN" if math.isnan(obj) else ("+Inf" if obj > 0 else "-Inf")
+    return obj
+
+
+def from_jsonable(tp: Any, data: Any) -> Any:
+    """Rebuild a value of type ``tp`` (dataclass, enum, tuple, union, scalar) from JSON data."""
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        args = typing.get_args(tp)
+        if data is None and type(None) in args:
+            return None
+        last_error: Exception | None = None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return from_jsonable(arg, data)
+            except (TypeError, ValueError, KeyError) as e:
+                last_error = e
+        raise ValueError(f"no member of {tp} fits {data!r}: {last_error}")
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        if not isinstance(data, dict):
+            raise TypeError(f"expected an object for {tp.__name__}, got {type(data).__name__}")
+        hints = typing.get_type_hints(tp)
+        kwargs = {
+            f.name: from_jsonable(hints[f.name], data[f.name])
+            for f in dataclasses.fields(tp)
+            if f.name in data and f.init
+        }
+        return tp(**kwargs)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return tp(data)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(data, list):
+            raise TypeError(f"expected a list for {tp}, got {type(data).__name__}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(from_jsonable(args[0], v) for v in data)
+        return tuple(from_jsonable(a, v) for a, v in zip(args, data, strict=True))
+    if tp is float:
+        if isinstance(data, str) and data in ("+Inf", "-Inf", "NaN"):
+            return float(data.replace("+", ""))
+        if isinstance(data, bool) or not isinstance(data, int | float):
+            raise TypeError(f"expected a number, got {data!r}")
+        return float(data)
+    if tp is int:
+        if isinstance(data, bool) or not isinstance(data, int):
+            raise TypeError(f"expected an integer, got {data!r}")
+        return data
+    if tp is bool:
+        if not isinstance(data, bool):
+            raise TypeError(f"expected a boolean, got {data!r}")
+        return data
+    if tp is str:
+        if not isinstance(data, str):
+            raise TypeError(f"expected a string, got {data!r}")
+        return data
+    if tp is Any or tp is object:
+        return data
+    raise TypeError(f"cannot decode {tp}")
+
+
+class FlightRecorder:
+    """Appends JSON lines to ``path``; at ``max_bytes`` rotates path → path.1 → … path.N."""
+
+    def __init__(self, path: str | Path, max_bytes: int, backups: int) -> None:
+        self.path = Path(path)
+        self.max_bytes = max_bytes
+        self.backups = backups
+        self._lock = threading.Lock()
+        self.error: str | None = None
+        self.records_written = 0
+
+    def write(self, record: dict[str, Any]) -> bool:
+        line = (
+            json.dumps(to_jsonable(record), separators=(",", ":"), allow_nan=False) + "\n"
+        ).encode()
+        with self._lock:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                size = self.path.stat().st_size if self.path.exists() else 0
+                if size and size + len(line) > self.max_bytes:
+                    self._rotate()
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+                try:
+                    os.write(fd, line)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                self.error = f"cannot write flight record to {self.path}: {e.strerror or e}"
+                return False
+            self.error = None
+            self.records_written += 1
+            return True
+
+    def _rotate(self) -> None:
+        if self.backups <= 0:
+            self.path.unlink(missing_ok=True)
+            return
+        for i in range(self.backups - 1, 0, -1):
+            src = self.path.with_name(f"{self.path.name}.{i}")
+            if src.exists():
+                src.replace(self.path.with_name(f"{self.path.name}.{i + 1}"))
+        self.path.replace(self.path.with_name(f"{self.path.name}.1"))
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordError:
+    file: str
+    line: int
+    message: str
+
+
+def read_records(
+    path: str | Path, include_rotated: bool = True
+) -> Iterator[dict[str, Any] | RecordError]:
+    """Yield each record, oldest file first; a bad line yields a RecordError and reading goes on."""
+    p = Path(path)
+    files: list[Path] = []
+    if include_rotated:
+        rotated = sorted(
+            (f for f in p.parent.glob(p.name + ".*") if f.suffix[1:].isdigit()),
+            key=lambda f: -int(f.suffix[1:]),
+        )
+        files.extend(rotated)
+    files.append(p)
+    for f in files:
+        if not f.exists():
+            continue
+        with f.open("r", encoding="utf-8", errors="replace") as fh:
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    yield RecordError(str(f), n, f"not JSON: {e.msg}")
+                    continue
+                if not isinstance(rec, dict):
+                    yield RecordError(str(f), n, "not a JSON object")
+                    continue
+                yield rec
+
+
+def snapshot_from_record(rec: dict[str, Any]) -> Snapshot:
+    """The Snapshot of a flight record (raises ValueError/TypeError/KeyError when malformed)."""
+    result: Snapshot = from_jsonable(Snapshot, rec["snapshot"])
+    return result

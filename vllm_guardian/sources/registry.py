@@ -1,0 +1,29 @@
+"""The list of sources: one line each. Adding a source means its module, a line here, its
+config section under ``sources:`` and its tests."""
+
+from __future__ import annotations
+
+from vllm_guardian.clock import Clock
+from vllm_guardian.config import Config
+from vllm_guardian.sources.base import Collector
+from vllm_guardian.sources.health import HealthCollector
+from vllm_guardian.sources.logs import LogsCollector
+from vllm_guardian.sources.nvml import NvmlCollector
+from vllm_guardian.sources.unit import UnitCollector
+from vllm_guardian.sources.vllm_metrics import VllmMetricsCollector
+
+
+def build_collectors(cfg: Config, clock: Clock) -> list[Collector]:
+    """Every collector the config asks for: per service first, then host-wide ones."""
+    src = cfg.sources
+    out: list[Collector] = []
+    for svc in cfg.services:
+        out.append(VllmMetricsCollector(svc, src.vllm_metrics))
+        out.append(HealthCollector(svc, src.health, clock))
+        if src.unit.enabled:
+            out.append(UnitCollector(svc, src.unit))
+        if src.logs.enabled and (svc.unit or svc.log_file):
+            out.append(LogsCollector(svc, src.logs, clock))
+    if src.nvml.enabled:
+        out.append(NvmlCollector(src.nvml, clock, interval_seconds=cfg.interval_seconds))
+    return out
