@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from vllm_guardian.sim.modelspec import ModelSpec, resolve_model
@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--sim-gpu-state-file", type=Path, default=None)
     sim.add_argument("--sim-gpu-state-interval-seconds", type=float, default=1.0)
+    sim.add_argument(
+        "--sim-fragmentation-creep-factor",
+        type=float,
+        default=None,
+        help="override the scenario's fragmentation creep multiplier",
+    )
     return p
 
 
@@ -108,6 +114,8 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> ServeOp
     parser = build_parser()
     ns = parser.parse_args([*scenario.vllm_args, *argv])
     defaults = parser.parse_args([])
+    if ns.sim_fragmentation_creep_factor is not None:
+        scenario = replace(scenario, fragmentation_creep_factor=ns.sim_fragmentation_creep_factor)
     gpu_bytes = int(ns.sim_gpu_memory_gib * GIB)
     model = resolve_model(ns.sim_model, ns.tensor_parallel_size)
     model_path = ns.model or ns.model_tag or model.name

@@ -1,0 +1,275 @@
+"""End to end: the twin as a real process on 127.0.0.1, time-accelerated, always stopped."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.conftest import read_fixture
+from tests.sim.test_exposition import shape
+from tests.sim.twinproc import TwinProc, sse, start, stop
+from vllm_guardian.sim.load import LoadResult, OutcomeKind, plan_requests, run_load
+from vllm_guardian.sim.scenarios import SCENARIOS, LoadProfile
+
+pytestmark = pytest.mark.slow
+MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
+Starter = Callable[..., TwinProc]
+
+
+@pytest.fixture
+def twin(tmp_path: Path, free_port: int) -> Iterator[Starter]:
+    started: list[TwinProc] = []
+
+    def _start(*args: str) -> TwinProc:
+        t = start(tmp_path, free_port, *args)
+        started.append(t)
+        return t
+
+    yield _start
+    for t in started:
+        stop(t)
+
+
+def refused(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def watch_health(
+    t: TwinProc, seen: set[int | None], stop_event: threading.Event
+) -> threading.Thread:
+    def loop() -> None:
+        while not stop_event.is_set() and t.proc.poll() is None:
+            seen.add(t.health())
+            time.sleep(0.02)
+
+    th = threading.Thread(target=loop, daemon=True)
+    th.start()
+    return th
+
+
+def test_startup_refuses_then_serves_the_openai_api(twin: Starter) -> None:
+    t = twin("--sim-model", "tiny", "--served-model-name", "tiny-llama", "--max-model-len", "4096",
+             "--sim-speed", "10")  # fmt: skip
+    time.sleep(0.3)
+    assert refused(t.port)  # bound, not listening: like vLLM during start-up
+    t.wait_ready()
+    models = requests.get(f"{t.url}/v1/models", timeout=5).json()
+    assert models["data"][0]["id"] == "tiny-llama"
+    assert models["data"][0]["max_model_len"] == 4096
+    assert requests.get(f"{t.url}/version", timeout=5).json() == {"version": "0.32.0"}
+
+    too_long = t.post("/v1/completions", {"model": "tiny-llama", "prompt": "w " * 5000})
+    assert too_long.status_code == 400
+    assert too_long.json() == json.loads(
+        read_fixture_line("too-long.txt", "prompt>max_model_len               /v1/completions")
+    )
+    big = t.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                          "max_tokens": 100000})  # fmt: skip
+    assert big.status_code == 400
+    assert big.json()["error"]["message"].startswith("max_tokens=100000 cannot be greater than")
+
+    ok = t.post("/v1/completions", {"model": "tiny-llama", "prompt": "a b c", "max_tokens": 7})
+    assert ok.status_code == 200
+    assert ok.json()["usage"] == {"prompt_tokens": 3, "total_tokens": 10, "completion_tokens": 7,
+                                  "prompt_tokens_details": None}  # fmt: skip
+    with t.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                         "max_tokens": 5, "stream": True}, stream=True) as resp:  # fmt: skip
+        events = list(sse(resp))
+    assert events[-1] == "[DONE]"
+    last = events[-2]
+    assert isinstance(last, dict)
+    assert last["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
+
+    text = requests.get(f"{t.url}/metrics", timeout=5).text
+    assert shape(text) == shape(read_fixture("metrics-under-load-05.prom"))
+    t.sigterm()
+    assert t.wait_exit() == 0
+
+
+def read_fixture_line(name: str, prefix: str) -> str:
+    path = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "vllm" / "logs" / name
+    shared = Path("/work/shared/fixtures/vllm/logs") / name
+    text = (path if path.exists() else shared).read_text()
+    line = next(ln for ln in text.splitlines() if ln.startswith(prefix))
+    return line.split("HTTP 400 ", 1)[1]
+
+
+def run_load_in_thread(
+    t: TwinProc, profile: LoadProfile, speed: float, n: int, stop: threading.Event
+) -> tuple[threading.Thread, list[LoadResult]]:
+    plan = plan_requests(profile, 0, n, 120.0)
+    out: list[LoadResult] = []
+
+    def go() -> None:
+        out.append(run_load(t.url, plan, model=MODEL, speed=speed, max_duration_seconds=8.0,
+                            request_timeout_seconds=8.0, stop=stop))  # fmt: skip
+
+    th = threading.Thread(target=go, daemon=True)
+    th.start()
+    return th, out
+
+
+LIGHT = LoadProfile(rate_per_second=0.4, prompt_tokens_min=200, prompt_tokens_max=400,
+                    output_tokens_min=600, output_tokens_max=900)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("scenario", "extra", "profile", "speed"),
+    [
+        ("prefill_burst", (), SCENARIOS["prefill_burst"].load, 20.0),
+        ("noisy_neighbour", (), LIGHT, 25.0),
+        ("fragmentation_creep", ("--sim-fragmentation-creep-factor", "3000"),
+         LoadProfile(4.0, 300, 700, 8, 16), 10.0),
+    ],
+)  # fmt: skip
+def test_runtime_oom_end_to_end(
+    twin: Starter,
+    tmp_path: Path,
+    scenario: str,
+    extra: tuple[str, ...],
+    profile: LoadProfile,
+    speed: float,
+) -> None:
+    state = tmp_path / "gpu.json"
+    t = twin("--sim-scenario", scenario, "--sim-speed", str(speed), "--sim-exit-code", "3",
+             "--sim-gpu-state-file", str(state), "--sim-gpu-state-interval-seconds", "0.1", *extra)  # fmt: skip
+    t.wait_ready()
+    seen: set[int | None] = set()
+    stop_event = threading.Event()
+    watcher = watch_health(t, seen, stop_event)
+    load_thread, results = run_load_in_thread(t, profile, speed, 60, stop_event)
+    try:
+        assert t.wait_exit(timeout_seconds=15) == 3
+    finally:
+        stop_event.set()
+    watcher.join(5)
+    load_thread.join(15)
+    log = t.stderr()
+    assert "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate" in log
+    assert "EngineCore encountered a fatal error." in log
+    assert "EngineDeadError" in log
+    assert 503 in seen
+    kinds = {o.kind for o in results[0].outcomes}
+    assert OutcomeKind.STREAM_ERROR in kinds or OutcomeKind.HTTP_ERROR in kinds
+    doc = json.loads(state.read_text())
+    assert all(p["pid"] != t.proc.pid for p in doc["devices"][0]["processes"])  # memory freed
+
+
+def test_sigterm_with_shutdown_timeout_drains(twin: Starter) -> None:
+    t = twin("--enforce-eager", "--shutdown-timeout", "30", "--sim-speed", "10")
+    t.wait_ready()
+    streams = [t.post("/v1/completions", {"prompt": f"p{i} x y", "max_tokens": 1000, "stream": True,
+                                          "ignore_eos": True}, stream=True) for i in range(3)]  # fmt: skip
+    iters = [sse(r) for r in streams]
+    for it in iters:
+        next(it)  # the first token arrived: in flight
+    t.sigterm()
+    time.sleep(0.1)
+    new = t.post("/v1/completions", {"prompt": "late", "max_tokens": 5})
+    assert new.status_code == 500
+    assert new.json()["error"]["message"] == "cannot schedule new futures after shutdown"
+    assert t.health() == 200
+    for it in iters:
+        rest = list(it)
+        assert rest[-1] == "[DONE]"
+        assert rest[-2]["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
+    assert t.wait_exit() == 0
+    assert "mode=drain timeout=30s" in t.stderr()
+
+
+def test_sigterm_without_timeout_aborts(twin: Starter) -> None:
+    t = twin("--enforce-eager", "--sim-speed", "10")
+    t.wait_ready()
+    resp = t.post(
+        "/v1/completions",
+        {"prompt": "x", "max_tokens": 4000, "stream": True, "ignore_eos": True},
+        stream=True,
+    )
+    it = sse(resp)
+    next(it)
+    t.sigterm()
+    rest = list(it)
+    assert rest[-1] == "[DONE]"
+    assert rest[-2]["choices"][0]["finish_reason"] == "abort"  # type: ignore[index]
+    assert t.wait_exit() == 0
+
+
+def test_engine_death_streams_error_then_exit_zero(twin: Starter) -> None:
+    t = twin("--sim-scenario", "exit_zero_death", "--enforce-eager", "--sim-speed", "20",
+             "--sim-exit-code", "7")  # fmt: skip
+    t.wait_ready()
+    resp = t.post(
+        "/v1/completions",
+        {"prompt": "x", "max_tokens": 8000, "stream": True, "ignore_eos": True},
+        stream=True,
+    )
+    events = list(sse(resp))  # death at 30 s simulated, 3 s real
+    assert events[-1] == "[DONE]"
+    err = events[-2]
+    assert isinstance(err, dict)
+    assert err["error"] == {"message": "EngineCore encountered an issue. See stack trace (above) "
+                            "for the root cause.", "type": "InternalServerError", "param": None,
+                            "code": 500}  # fmt: skip
+    died = time.monotonic()
+    status = t.health()
+    late = t.post("/v1/completions", {"prompt": "x", "max_tokens": 5}) if status == 503 else None
+    code = t.wait_exit()
+    assert code == 0  # exit_zero_death exits 0 whatever --sim-exit-code says
+    assert status == 503
+    assert late is not None and late.status_code == 500
+    assert time.monotonic() - died < 3.0  # ≤ 5 s simulated watchdog = 0.25 s real, plus slack
+
+
+def test_engine_hang_keeps_health_200(twin: Starter) -> None:
+    t = twin("--sim-scenario", "engine_hang", "--enforce-eager", "--sim-speed", "30")
+    t.wait_ready()
+    time.sleep(1.2)  # hang at 30 s simulated
+    with requests.post(
+        f"{t.url}/v1/completions",
+        json={"prompt": "x", "max_tokens": 5, "stream": True},
+        stream=True,
+        timeout=(2.0, 1.0),  # 1 s real = 30 simulated seconds without a token
+    ) as resp:
+        assert resp.status_code == 200
+        with pytest.raises(requests.RequestException):
+            next(sse(resp))
+    assert t.health() == 200
+    t.sigterm()
+    assert t.wait_exit() == 0
+
+
+def test_startup_overcommit_fails_with_vllms_message(twin: Starter) -> None:
+    t = twin("--sim-scenario", "startup_overcommit", "--sim-speed", "20")
+    assert t.wait_exit() == 1
+    log = t.stderr()
+    assert "ValueError: Free memory on device cuda:0 (70.00/80.00 GiB) on startup is less than " \
+        "desired GPU memory utilization (0.92, 73.60 GiB)" in log  # fmt: skip
+    assert "Engine core initialization failed" in log
+    assert refused(t.port)
+
+
+def test_xid_fault_is_published_in_the_gpu_state_file(twin: Starter, tmp_path: Path) -> None:
+    state = tmp_path / "gpu.json"
+    t = twin("--sim-scenario", "xid_fault", "--enforce-eager", "--sim-speed", "20",
+             "--sim-gpu-state-file", str(state), "--sim-exit-code", "5")  # fmt: skip
+    t.wait_ready()
+    doc = json.loads(state.read_text())
+    dev = doc["devices"][0]
+    assert doc["format"] == 1
+    assert dev["memory_total_bytes"] == 80 << 30
+    assert [p["pid"] for p in dev["processes"]] == [t.proc.pid]
+    assert dev["xid_events"] == []
+    assert t.wait_exit() == 5
+    dev = json.loads(state.read_text())["devices"][0]
+    assert [(x["seq"], x["xid"]) for x in dev["xid_events"]] == [(1, 48)]
+    assert "uncorrectable ECC error encountered" in t.stderr()
+    assert not Path(f"{state}.tmp").exists()
