@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -41,6 +41,7 @@ class Sample(NamedTuple):
     name: str
     labels: Labels  # sorted by label name
     value: float
+    note: object = None  # what the parser's `annotate` hook said about these labels
 
 
 @dataclass(frozen=True)
@@ -166,26 +167,37 @@ class Parser:
 
     MAX_CACHED_LABEL_SETS = 20_000
 
-    def __init__(self, wanted: Iterable[str], watch_prefixes: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        wanted: Iterable[str],
+        watch_prefixes: Iterable[str] = (),
+        annotate: Callable[[Labels], object] | None = None,
+    ) -> None:
+        """``annotate`` (optional) derives a note from a label set once, cached with it:
+        callers use it to avoid re-reading the same labels on every scrape."""
         self.wanted = frozenset(wanted)
         self.prefixes = tuple(watch_prefixes)
-        self._labels: dict[str, Labels | None] = {}
+        self._annotate = annotate
+        self._labels: dict[str, tuple[Labels, object] | None] = {}
         self._skippable: dict[str, bool] = {}
 
-    def _label_set(self, body: str) -> Labels | None:
+    def _label_set(self, body: str) -> tuple[Labels, object] | None:
         cache = self._labels
-        labels = cache.get(body, _MISS)
-        if labels is _MISS:
-            if len(cache) >= self.MAX_CACHED_LABEL_SETS:
-                cache.clear()  # label churn (e.g. per-request labels): start over, stay bounded
-            labels = cache[body] = _parse_labels(body)
-        return labels  # type: ignore[return-value]
+        if len(cache) >= self.MAX_CACHED_LABEL_SETS:
+            cache.clear()  # label churn (e.g. per-request labels): start over, stay bounded
+        labels = _parse_labels(body)
+        entry = (
+            None if labels is None else (labels, self._annotate(labels) if self._annotate else None)
+        )
+        cache[body] = entry
+        return entry
 
     def _general(self, line: str, samples: list[Sample]) -> bool:
         parsed = _split_sample(line)
         if parsed is None:
             return False
-        samples.append(Sample(parsed[0], parsed[1], parsed[2]))
+        note = self._annotate(parsed[1]) if self._annotate else None
+        samples.append(Sample(parsed[0], parsed[1], parsed[2], note))
         return True
 
     def parse(self, text: str) -> ParseResult:
@@ -245,10 +257,10 @@ class Parser:
                         if not _NAME.match(name):
                             malformed += 1
                         continue
-                    labels = label_cache.get(body, _MISS)
-                    if labels is _MISS:
-                        labels = self._label_set(body)
-                    if labels is None or "_" in raw_value:
+                    entry = label_cache.get(body, _MISS)
+                    if entry is _MISS:
+                        entry = self._label_set(body)
+                    if entry is None or "_" in raw_value:
                         malformed += 1
                         continue
                     try:
@@ -258,7 +270,7 @@ class Parser:
                     except ValueError:
                         malformed += 1
                         continue
-                    samples.append(Sample(name, labels, value))  # type: ignore[arg-type]
+                    samples.append(Sample(name, entry[0], value, entry[1]))  # type: ignore[index]
                 continue
             for line in block.split("\n"):
                 if not line:
@@ -271,11 +283,11 @@ class Parser:
                             # Common case, inlined: name{simple labels} value [timestamp]
                             close = line.rfind("}")
                             body = line[brace + 1 : close]
-                            labels = label_cache.get(body, _MISS)
-                            if labels is _MISS:
-                                labels = self._label_set(body)
+                            entry = label_cache.get(body, _MISS)
+                            if entry is _MISS:
+                                entry = self._label_set(body)
                             fields = line[close + 1 :].split()
-                            if labels is not None and close > brace and 1 <= len(fields) <= 2:
+                            if entry is not None and close > brace and 1 <= len(fields) <= 2:
                                 try:
                                     value = float(fields[0])
                                     if len(fields) == 2:
@@ -284,7 +296,7 @@ class Parser:
                                     malformed += 1
                                     continue
                                 if "_" not in fields[0]:
-                                    samples.append(Sample(name, labels, value))  # type: ignore[arg-type]
+                                    samples.append(Sample(name, entry[0], value, entry[1]))  # type: ignore[index]
                                     continue
                         if not self._general(line, samples):
                             malformed += 1

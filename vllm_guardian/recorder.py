@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import math
 import os
@@ -29,17 +30,39 @@ from vllm_guardian.model import Snapshot
 T = TypeVar("T")
 
 
+@functools.lru_cache(maxsize=256)
+def _field_names(tp: type) -> tuple[str, ...] | None:
+    if dataclasses.is_dataclass(tp):
+        return tuple(f.name for f in dataclasses.fields(tp))
+    return None
+
+
 def to_jsonable(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    """Dataclasses → dicts, enums → values, tuples → lists, ±Inf/NaN → strings.
+
+    Runs on every tick for the flight recorder, so the common types are checked first and a
+    dataclass's field names are looked up once per type.
+    """
+    tp = type(obj)
+    if tp is str or tp is int or tp is bool or obj is None:
+        return obj
+    if tp is float:
+        if math.isfinite(obj):
+            return obj
+        return "NaN" if math.isnan(obj) else ("+Inf" if obj > 0 else "-Inf")
+    if tp is tuple or tp is list:
+        return [to_jsonable(v) for v in obj]
     if isinstance(obj, enum.Enum):
         return obj.value
+    names = _field_names(tp)  # type: ignore[arg-type]  # types are hashable
+    if names is not None:
+        return {n: to_jsonable(getattr(obj, n)) for n in names}
     if isinstance(obj, tuple | list):
         return [to_jsonable(v) for v in obj]
     if isinstance(obj, dict):
         return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return "NaN" if math.isnan(obj) else ("+Inf" if obj > 0 else "-Inf")
+    if isinstance(obj, float):
+        return to_jsonable(float(obj))
     return obj
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import typing
 from dataclasses import dataclass, field, replace
 
 import requests
@@ -76,6 +77,7 @@ class _EngineAcc:
     finished: float = 0.0
     failed: float = 0.0
     saw_success: bool = False
+    reasons: set[str | None] = field(default_factory=set)
     buckets: dict[str, dict[float, float]] = field(default_factory=dict)
     sums: dict[str, float] = field(default_factory=dict)
     counts: dict[str, float] = field(default_factory=dict)
@@ -137,25 +139,18 @@ _LabelInfo = tuple[str, str, float | None, str | None]  # model_name, engine, le
 class VllmParser:
     """Parses vLLM expositions; keep one per server: it caches label sets between scrapes."""
 
-    MAX_CACHED = 20_000
-
     def __init__(self) -> None:
-        self.text_parser = promtext.Parser(WANTED, ("vllm:",))
-        self._info: dict[promtext.Labels, _LabelInfo] = {}
+        self.text_parser = promtext.Parser(WANTED, ("vllm:",), annotate=_label_info)
 
-    def label_info(self, labels: promtext.Labels) -> _LabelInfo:
-        info = self._info.get(labels)
-        if info is None:
-            if len(self._info) >= self.MAX_CACHED:
-                self._info.clear()
-            d = dict(labels)
-            info = self._info[labels] = (
-                d.get("model_name", ""),
-                d.get("engine", ""),
-                _parse_le(d.get("le")),
-                d.get("finished_reason"),
-            )
-        return info
+
+def _label_info(labels: promtext.Labels) -> _LabelInfo:
+    d = dict(labels)
+    return (
+        d.get("model_name", ""),
+        d.get("engine", ""),
+        _parse_le(d.get("le")),
+        d.get("finished_reason"),
+    )
 
 
 def make_parser() -> VllmParser:
@@ -166,25 +161,20 @@ def parse_vllm_metrics(
     text: str, body_bytes: int | None = None, parser: VllmParser | None = None
 ) -> VllmScrape:
     """Reduce a /metrics body to a VllmScrape. Pure: bad lines and values are counted."""
-    parser = parser or VllmParser()
-    result = parser.text_parser.parse(text)
+    result = (parser or VllmParser()).text_parser.parse(text)
     engines: dict[tuple[str, str], _EngineAcc] = {}
-    seen: set[tuple[str, promtext.Labels]] = set()
     duplicates = 0
     rejected = 0
     start_time: float | None = None
     cache_by_engine: dict[str, CacheConfig] = {}
     isfinite = math.isfinite
     for s in result.samples:
-        ident = (s.name, s.labels)
-        if ident in seen:
-            duplicates += 1
-            continue
-        seen.add(ident)
         kind, arg = _KIND[s.name]
         value = s.value
         if kind == "start":
-            if isfinite(value) and value > 0:
+            if start_time is not None:
+                duplicates += 1
+            elif isfinite(value) and value > 0:
                 start_time = value
             else:
                 rejected += 1
@@ -192,34 +182,51 @@ def parse_vllm_metrics(
         if kind == "cache":
             # It carries every CacheConfig field and `engine`, but no model_name.
             labels = dict(s.labels)
-            cache_by_engine[labels.get("engine", "")] = parse_cache_config(labels)
+            engine_label = labels.get("engine", "")
+            if engine_label in cache_by_engine:
+                duplicates += 1
+            else:
+                cache_by_engine[engine_label] = parse_cache_config(labels)
             continue
         if not isfinite(value) or value < 0:
             rejected += 1
             continue
-        model_name, engine, le, reason = parser.label_info(s.labels)
+        model_name, engine, le, reason = typing.cast(_LabelInfo, s.note)
         key = (model_name, engine)
         acc = engines.get(key)
         if acc is None:
             acc = engines[key] = _EngineAcc(model_name, engine)
+        # Duplicate series (same name and labels twice) keep the first value and are counted.
         if kind == "bucket":
             if le is None:
                 rejected += 1
+                continue
+            buckets = acc.buckets.setdefault(arg, {})
+            if le in buckets:
+                duplicates += 1
             else:
-                acc.buckets.setdefault(arg, {})[le] = value
+                buckets[le] = value
         elif kind == "scalar":
             if arg in _RATIOS and value > 1.0:
                 rejected += 1
                 continue
             prio = _PRIORITY[s.name]
             held = acc.scalars.get(arg)
-            if held is None or prio < held[0]:
+            if held is not None and held[0] == prio:
+                duplicates += 1
+            elif held is None or prio < held[0]:
                 acc.scalars[arg] = (prio, value)
-        elif kind == "sum":
-            acc.sums[arg] = value
-        elif kind == "count":
-            acc.counts[arg] = value
+        elif kind in ("sum", "count"):
+            target = acc.sums if kind == "sum" else acc.counts
+            if arg in target:
+                duplicates += 1
+            else:
+                target[arg] = value
         else:  # success
+            if reason in acc.reasons:
+                duplicates += 1
+                continue
+            acc.reasons.add(reason)
             acc.saw_success = True
             acc.finished += value
             if reason in ("abort", "error"):
