@@ -46,6 +46,7 @@ class OutcomeKind(enum.Enum):
     STREAM_ERROR = "stream_error"  # HTTP 200, then an error event (engine death)
     INCOMPLETE = "incomplete"  # the stream ended without [DONE]
     CONNECTION_ERROR = "connection_error"
+    TIMEOUT = "timeout"  # no answer within the request's time bound
     NOT_SENT = "not_sent"  # the time bound ran out before its arrival
 
 
@@ -202,12 +203,13 @@ def send_one(
                 finish = choice.get("finish_reason") or finish
             kind = OutcomeKind.OK if done else OutcomeKind.INCOMPLETE
             return outcome(kind, 200, None)
-    except (
-        requests.ConnectionError,
-        requests.Timeout,
-        requests.exceptions.ChunkedEncodingError,
-    ) as exc:
-        return outcome(OutcomeKind.CONNECTION_ERROR, None, type(exc).__name__)
+    except requests.exceptions.ChunkedEncodingError as exc:
+        return outcome(OutcomeKind.INCOMPLETE, 200, type(exc).__name__)
+    except (requests.Timeout, requests.ConnectionError) as exc:
+        # A read timeout inside a stream surfaces as a ConnectionError wrapping ReadTimeoutError.
+        timed_out = isinstance(exc, requests.Timeout) or "timed out" in str(exc)
+        kind = OutcomeKind.TIMEOUT if timed_out else OutcomeKind.CONNECTION_ERROR
+        return outcome(kind, None, type(exc).__name__)
 
 
 def run_load(
