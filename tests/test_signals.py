@@ -293,3 +293,46 @@ def test_explicit_gpu_list_and_headroom_slope():
 def test_no_gpu_source_means_no_memory_signals():
     s = derive(snap(0, engine()))
     assert s.gpus == () and s.headroom_bytes is None and s.memory_budget_bytes is None
+
+
+# --- recent events ---------------------------------------------------------------------------
+
+
+def logs_snap(t: float, oom: int) -> Snapshot:
+    from vllm_guardian.model import LogEventKind, LogReading
+
+    reading = LogReading(((LogEventKind.CUDA_OOM, oom),), (), 0)
+    return Snapshot(t, (ServiceSnapshot("vllm", logs=reading),), None)
+
+
+RECENT = [
+    # name, series of (t, cumulative oom count), expected recent count (window 10 s)
+    ("first reading counts: the journal is followed from the guardian's start", [(0, 1)], 1),
+    ("an old event falls out of the window", [(0, 1), (5, 1), (20, 1)], 0),
+    ("new events in the window", [(0, 1), (15, 1), (18, 3)], 2),
+    ("counter restart (guardian restarted) counts the new value", [(0, 5), (15, 1)], 1),
+]
+
+
+@pytest.mark.parametrize(("name", "series", "expected"), RECENT, ids=[r[0] for r in RECENT])
+def test_recent_log_events(name, series, expected):
+    from vllm_guardian.model import LogEventKind
+
+    s = derive(*[logs_snap(t, n) for t, n in series])
+    assert s.recent_log_count(LogEventKind.CUDA_OOM) == expected
+
+
+def test_recent_xids_on_the_service_gpus_and_time_to_exhaustion():
+    from vllm_guardian.model import XidEvent
+
+    def g(free: float, xids: tuple[XidEvent, ...] = ()) -> GpuReading:
+        return GpuReading((gpu(0, free, p(100, 60)), gpu(1, 70)), None, xids)
+
+    h = [
+        snap(0, engine(), gpus=g(10, (XidEvent(1, 79, 0),)), unit=UNIT),
+        snap(2, engine(), gpus=g(9, (XidEvent(0, 79, 2),)), unit=UNIT),
+        snap(4, engine(), gpus=g(8), unit=UNIT),
+    ]
+    s = derive(*h)
+    assert s.recent_xid_events == ((0, 79, 1),)  # GPU 1 is not the service's
+    assert s.seconds_to_headroom_exhaustion == pytest.approx(8 / 0.5, rel=1e-6)

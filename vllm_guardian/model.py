@@ -281,3 +281,60 @@ class Snapshot:
             if s.name == name:
                 return s
         return None
+
+
+# --- alerts and causes -----------------------------------------------------------------------
+
+
+class Cause(StrEnum):
+    """What broke: the vocabulary shared by alerts, the policy and diagnose (DESIGN.md §2)."""
+
+    GPU_MEMORY_OVERCOMMIT = "gpu_memory_overcommit"
+    KV_CACHE_BLOWOUT = "kv_cache_blowout"
+    CONCURRENCY_OVERCOMMIT = "concurrency_overcommit"
+    PREFILL_BURST = "prefill_burst"
+    ALLOCATOR_FRAGMENTATION = "allocator_fragmentation"
+    PREFIX_CACHE_WASTE = "prefix_cache_waste"  # only so the guardian can say "no" (DESIGN.md §2)
+    MODEL_DOES_NOT_FIT = "model_does_not_fit"
+    ENGINE_DEAD = "engine_dead"
+    GPU_HARDWARE_FAULT = "gpu_hardware_fault"
+    HEALTHY = "healthy"
+
+
+class Severity(StrEnum):
+    INFO = "info"
+    WARNING = "warning"
+    CRITICAL = "critical"
+
+
+class AlertState(StrEnum):
+    """Prometheus semantics: inactive → pending (condition true, `for` not yet met) → firing."""
+
+    INACTIVE = "inactive"
+    PENDING = "pending"
+    FIRING = "firing"
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One rule's state for one service (or GPU). Kept while pending or firing."""
+
+    name: str
+    service: str | None
+    labels: tuple[tuple[str, str], ...]  # extra identity, e.g. (("gpu", "0"),)
+    state: AlertState
+    severity: Severity
+    cause: Cause | None
+    value: float | None  # the last value the condition saw
+    active_since_seconds: float  # when the condition became true (pending began)
+    firing_since_seconds: float | None
+    last_true_seconds: (
+        float  # last evaluation where the condition held (keep_firing_for counts from here)
+    )
+    stale: bool = False  # the signal is missing: state held, not resolved
+    summary: str = ""
+    runbook: str = ""
+
+    @property
+    def key(self) -> tuple[str, str | None, tuple[tuple[str, str], ...]]:
+        return (self.name, self.service, self.labels)

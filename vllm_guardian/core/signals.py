@@ -104,7 +104,16 @@ class ServiceSignals:
     other_processes_memory_bytes: int | None = None
     headroom_bytes: int | None = None  # least free memory among the service's GPUs
     headroom_slope_bytes_per_second: float | None = None
-    log_events: tuple[tuple[LogEventKind, int], ...] = ()
+    log_events: tuple[tuple[LogEventKind, int], ...] = ()  # cumulative since the guardian started
+    # Matched log events within the rate window, by kind (counter increase, restarts handled).
+    recent_log_events: tuple[tuple[LogEventKind, int], ...] = ()
+    # XID events on the service's GPUs within the rate window: (gpu, xid, count).
+    recent_xid_events: tuple[tuple[int, int, int], ...] = ()
+    # At the current slope, seconds until the headroom reaches zero (None: not falling).
+    seconds_to_headroom_exhaustion: float | None = None
+
+    def recent_log_count(self, kind: LogEventKind) -> int:
+        return dict(self.recent_log_events).get(kind, 0)
 
 
 @dataclass(frozen=True)
@@ -472,6 +481,7 @@ def derive_service(
             latency=_latency(_window(history, cfg.quantile_window_seconds), svc.name, keys),
             engines=tuple(per_engine),
         )
+    fields["recent_log_events"] = _recent_log_events(history, cfg.rate_window_seconds, svc.name)
     if now_snap.gpus is not None:
         devices = _service_gpus(now_snap.gpus.devices, svc, cur.unit)
         gpus = _gpu_signals(devices, cur.unit, utilization)
@@ -497,8 +507,49 @@ def derive_service(
             else None,
             headroom_bytes=_headroom(now_snap, indices),
             headroom_slope_bytes_per_second=slope(slope_points),
+            recent_xid_events=_recent_xids(rate_win, indices),
         )
+        headroom = fields["headroom_bytes"]
+        trend = fields["headroom_slope_bytes_per_second"]
+        if isinstance(headroom, int) and isinstance(trend, float) and trend < 0:
+            fields["seconds_to_headroom_exhaustion"] = headroom / -trend
     return replace(base, **fields)  # type: ignore[arg-type]
+
+
+def _recent_log_events(
+    history: Sequence[Snapshot], window_seconds: float, service: str
+) -> tuple[tuple[LogEventKind, int], ...]:
+    """Log events counted within the window, by kind.
+
+    Each snapshot's new events are its cumulative count minus the previous snapshot's (a drop
+    means the guardian restarted its counting). Before the first snapshot there were none: the
+    guardian follows the journal from its own start.
+    """
+    now = history[-1].time_seconds
+    out: dict[LogEventKind, int] = {}
+    prev: dict[LogEventKind, int] = {}
+    for snap in history:
+        svc = snap.service(service)
+        if svc is None or svc.logs is None:
+            continue
+        counts = dict(svc.logs.counts)
+        if snap.time_seconds >= now - window_seconds - 1e-9:
+            for kind, count in counts.items():
+                before = prev.get(kind, 0)
+                new = count - before if count >= before else count
+                if new > 0:
+                    out[kind] = out.get(kind, 0) + new
+        prev = counts
+    return tuple(sorted(out.items()))
+
+
+def _recent_xids(window: Sequence[Snapshot], gpus: set[int]) -> tuple[tuple[int, int, int], ...]:
+    counts: dict[tuple[int, int], int] = {}
+    for snap in window:
+        for ev in snap.gpus.xid_events if snap.gpus is not None else ():
+            if not gpus or ev.gpu_index in gpus:
+                counts[(ev.gpu_index, ev.xid)] = counts.get((ev.gpu_index, ev.xid), 0) + 1
+    return tuple(sorted((g, x, n) for (g, x), n in counts.items()))
 
 
 def derive(
