@@ -199,6 +199,29 @@ class RecorderConfig:
     backups: int = field(default=3, metadata=_bounds(0, 100))
 
 
+def _check_http_url(v: str) -> str | None:
+    parts = urlsplit(v)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "must be an http:// or https:// URL"
+    return None
+
+
+@dataclass(frozen=True)
+class AlertingConfig:
+    # The shipped rules (vllm_guardian/defaults/rules.yaml) are evaluated unless turned off.
+    default_rules: bool = True
+    # A YAML file of extra rules (same format); a rule with a shipped rule's name replaces it.
+    rules_file: str | None = None
+    # Generic JSON webhooks: one POST per alert transition.
+    webhooks: tuple[str, ...] = field(default=(), metadata=_bounds(check=_check_http_url))
+    # Alertmanager base URL (POST /api/v2/alerts). None: not used.
+    alertmanager_url: str | None = field(default=None, metadata=_bounds(check=_check_http_url))
+    # Firing alerts are re-sent this often, as Prometheus does, so Alertmanager keeps them.
+    resend_seconds: float = field(default=60.0, metadata=_bounds(5, 3600))
+    # A sink that does not answer within this is skipped for the tick, never waited on.
+    timeout_seconds: float = field(default=5.0, metadata=_bounds(0.1, 60))
+
+
 @dataclass(frozen=True)
 class Config:
     services: tuple[ServiceConfig, ...] = field(default=(), metadata=_bounds(1, 64))
@@ -213,6 +236,7 @@ class Config:
     sources: SourcesConfig = field(default_factory=SourcesConfig)
     signals: SignalsConfig = field(default_factory=SignalsConfig)
     recorder: RecorderConfig = field(default_factory=RecorderConfig)
+    alerting: AlertingConfig = field(default_factory=AlertingConfig)
 
     @property
     def listen_address(self) -> tuple[str, int]:
