@@ -110,6 +110,9 @@ class ServiceConfig:
     gpus: tuple[int, ...] | None = field(default=None, metadata=_bounds(0, 1023))
     # A plain log file to follow instead of the unit's journal (vLLM run outside systemd).
     log_file: str | None = None
+    # The vLLM command (argument list, no shell) for policy.backend "process": the guardian
+    # starts it with the flags file applied and restarts it, as systemd's Restart=always would.
+    command: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -222,6 +225,61 @@ class AlertingConfig:
     timeout_seconds: float = field(default=5.0, metadata=_bounds(0.1, 60))
 
 
+def _check_backend(v: str) -> str | None:
+    return None if v in ("systemd", "process") else "must be 'systemd' or 'process'"
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    # First-install safety: everything is decided, recorded and exported, nothing executed.
+    # Set to false once the audit log shows decisions you agree with.
+    dry_run: bool = True
+    # How the guardian restarts vLLM: "systemd" (systemctl restart UNIT) or "process" (the
+    # guardian runs services[].command itself, as the demo does; hosts without systemd).
+    backend: str = field(default="systemd", metadata=_bounds(check=_check_backend))
+    # Admission gate: /ready/<service> answers 503 above the high watermark and 200 again below
+    # the low one; the band keeps it from flapping (Envoy's overload manager, DESIGN.md §3).
+    kv_high_watermark_ratio: float = field(default=0.90, metadata=_bounds(0.05, 1.0))
+    kv_low_watermark_ratio: float = field(default=0.80, metadata=_bounds(0.0, 1.0))
+    # After any action nothing else is done for this long: model load plus warm-up, so lagging
+    # counters cannot trigger a second action (both oomds use a cooldown for the same reason).
+    cooldown_seconds: float = field(default=600.0, metadata=_bounds(0, 86400))
+    # At most this many guardian restarts per window; one more latches the breaker.
+    restart_budget: int = field(default=3, metadata=_bounds(1, 100))
+    restart_budget_window_seconds: float = field(default=3600.0, metadata=_bounds(60, 7 * 86400))
+    # A failure this soon after the service became ready again counts as an early failure; this
+    # many early failures in a row mean restarting does not help: latch and escalate.
+    early_failure_seconds: float = field(default=300.0, metadata=_bounds(0, 86400))
+    early_failure_limit: int = field(default=2, metadata=_bounds(1, 100))
+    # A failed action waits this long before the next try, doubling up to the maximum.
+    backoff_initial_seconds: float = field(default=60.0, metadata=_bounds(1, 86400))
+    backoff_max_seconds: float = field(default=1800.0, metadata=_bounds(1, 86400))
+    # This many pressure episodes of one cause within the window step its lever down one rung.
+    pressure_events_to_relaunch: int = field(default=3, metadata=_bounds(1, 100))
+    pressure_window_seconds: float = field(default=3600.0, metadata=_bounds(60, 7 * 86400))
+    # After this long with no pressure alert, undo one rung (additive increase)...
+    stable_for_seconds: float = field(default=6 * 3600.0, metadata=_bounds(60, 30 * 86400))
+    # ...unless the same cause came back within this long of the last step up: then the rung
+    # stays pinned for this long.
+    pin_seconds: float = field(default=24 * 3600.0, metadata=_bounds(0, 30 * 86400))
+    # vLLM refuses connections while it loads the model: not a death for this long after a start.
+    startup_grace_seconds: float = field(default=600.0, metadata=_bounds(0, 7200))
+    # Drain: stop admitting, wait for running requests to finish, at most this long.
+    drain_timeout_seconds: float = field(default=120.0, metadata=_bounds(0, 3600))
+    # After a restart: wait for the old instance's GPU memory to be freed, then for /health.
+    vram_release_timeout_seconds: float = field(default=120.0, metadata=_bounds(0, 3600))
+    ready_timeout_seconds: float = field(default=900.0, metadata=_bounds(10, 7200))
+    # Levers (multiplicative decrease, with floors; DESIGN.md §3 and the table).
+    max_num_seqs_factor_ratio: float = field(default=0.75, metadata=_bounds(0.1, 0.99))
+    max_num_seqs_floor: int = field(default=8, metadata=_bounds(1, 100000))
+    max_num_batched_tokens_factor_ratio: float = field(default=0.5, metadata=_bounds(0.1, 0.99))
+    max_num_batched_tokens_floor: int = field(default=2048, metadata=_bounds(16, 10**7))
+    gpu_memory_utilization_step_ratio: float = field(default=0.05, metadata=_bounds(0.01, 0.5))
+    gpu_memory_utilization_floor_ratio: float = field(default=0.70, metadata=_bounds(0.1, 0.99))
+    # The incident bundle captured before a disruptive action must not delay it for longer.
+    bundle_timeout_seconds: float = field(default=20.0, metadata=_bounds(1, 600))
+
+
 @dataclass(frozen=True)
 class Config:
     services: tuple[ServiceConfig, ...] = field(default=(), metadata=_bounds(1, 64))
@@ -237,6 +295,7 @@ class Config:
     signals: SignalsConfig = field(default_factory=SignalsConfig)
     recorder: RecorderConfig = field(default_factory=RecorderConfig)
     alerting: AlertingConfig = field(default_factory=AlertingConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
 
     @property
     def listen_address(self) -> tuple[str, int]:
@@ -462,6 +521,27 @@ def _type_name(tp: Any) -> str:
 
 
 def _cross_checks(cfg: Config, root: yaml.Node, loader: _Loader) -> None:
+    p = cfg.policy
+    if p.kv_low_watermark_ratio >= p.kv_high_watermark_ratio:
+        loader.err(
+            "policy.kv_low_watermark_ratio",
+            _find_key(root, "policy"),
+            "must be below policy.kv_high_watermark_ratio",
+        )
+    if p.backoff_initial_seconds > p.backoff_max_seconds:
+        loader.err(
+            "policy.backoff_initial_seconds",
+            _find_key(root, "policy"),
+            "must not exceed policy.backoff_max_seconds",
+        )
+    if p.backend == "process":
+        for i, s in enumerate(cfg.services):
+            if not s.command:
+                loader.err(
+                    f"services[{i}].command",
+                    _find(root, "services", i),
+                    "required with policy.backend: process",
+                )
     names = [s.name for s in cfg.services]
     for i, s in enumerate(cfg.services):
         if names.count(s.name) > 1 and names.index(s.name) != i:
@@ -476,6 +556,14 @@ def _cross_checks(cfg: Config, root: yaml.Node, loader: _Loader) -> None:
             loader.err(
                 f"services[{i}].url", _find(root, "services", i), f"URL {u} is used by two services"
             )
+
+
+def _find_key(root: yaml.Node, key: str) -> yaml.Node | None:
+    if isinstance(root, yaml.MappingNode):
+        for k, v in root.value:
+            if k.value == key:
+                return typing.cast(yaml.Node, v)
+    return None
 
 
 def _find(root: yaml.Node, key: str, index: int) -> yaml.Node | None:

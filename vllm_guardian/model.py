@@ -275,6 +275,8 @@ class Snapshot:
     services: tuple[ServiceSnapshot, ...]
     gpus: GpuReading | None
     sources: tuple[SourceStatus, ...] = field(default=())
+    # Actions that finished since the previous tick (filled by the daemon from its executor).
+    action_results: tuple[ActionResult, ...] = field(default=())
 
     def service(self, name: str) -> ServiceSnapshot | None:
         for s in self.services:
@@ -338,3 +340,41 @@ class Alert:
     @property
     def key(self) -> tuple[str, str | None, tuple[tuple[str, str], ...]]:
         return (self.name, self.service, self.labels)
+
+
+# --- actions ---------------------------------------------------------------------------------
+
+
+class ActionKind(StrEnum):
+    """What the policy can ask the actuators to do (DESIGN.md §3, the ladder)."""
+
+    RESTART = "restart"  # drain (gate, wait) + restart with the current flags + wait ready + ungate
+    RELAUNCH = "relaunch"  # write new flags, then as RESTART
+    ESCALATE = "escalate"  # latch the breaker and page a person; nothing executed on the host
+
+
+@dataclass(frozen=True)
+class Action:
+    id: int
+    service: str
+    kind: ActionKind
+    cause: Cause | None
+    reason: str  # one sentence a person can read in the audit log
+    evidence: tuple[str, ...]  # the firing alerts / log events it rests on
+    dry_run: bool
+    flags: tuple[tuple[str, str], ...] = ()  # the complete guardian-owned flags after the action
+    env: tuple[tuple[str, str], ...] = ()  # the complete guardian-owned environment after it
+
+
+@dataclass(frozen=True)
+class ActionResult:
+    """How an action ended, observed by the next tick. The policy never assumes success."""
+
+    action_id: int
+    service: str
+    kind: ActionKind
+    ok: bool
+    terminal: bool  # a failure retrying cannot fix (unknown unit, bad flags)
+    detail: str
+    finished_seconds: float
+    dry_run: bool = False
