@@ -1,0 +1,451 @@
+"""The policy, as a specification: one row per tick of signals and alerts → decisions and actions.
+
+Time is an argument; an action's result arrives on the next tick (as the executor would
+report it), unless a row says otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_guardian.config import PolicyConfig
+from vllm_guardian.core.policy import (
+    Lever,
+    PolicySettings,
+    PolicyState,
+    decide,
+    initial_state,
+    resume,
+)
+from vllm_guardian.core.signals import ServiceGpuSignals, ServiceSignals, Signals
+from vllm_guardian.model import (
+    ActionKind,
+    ActionResult,
+    Alert,
+    AlertState,
+    Cause,
+    HealthState,
+    LogEvent,
+    LogEventKind,
+    LogReading,
+    ServiceSnapshot,
+    Severity,
+    Snapshot,
+    UnitState,
+)
+
+GIB = 1024**3
+RULE_SIGNALS = {
+    "EngineDead": "vllm_up",
+    "EngineStalled": "stalled",
+    "GpuResetClassXid": "xid_reset_class",
+    "KvSaturated": "kv_cache_usage_ratio",
+    "PreemptionsHigh": "preemptions_per_second",
+    "QueueGrowing": "requests_waiting",
+    "PrefixCacheLowHitRate": "prefix_cache_hit_ratio",
+    "OtherProcesses": "other_processes_memory_bytes",
+    "OverBudget": "memory_over_budget_bytes",
+}
+CAUSES = {
+    "EngineDead": Cause.ENGINE_DEAD,
+    "EngineStalled": Cause.ENGINE_DEAD,
+    "GpuResetClassXid": Cause.GPU_HARDWARE_FAULT,
+    "KvSaturated": Cause.CONCURRENCY_OVERCOMMIT,
+    "PreemptionsHigh": Cause.CONCURRENCY_OVERCOMMIT,
+    "QueueGrowing": Cause.CONCURRENCY_OVERCOMMIT,
+    "PrefixCacheLowHitRate": Cause.PREFIX_CACHE_WASTE,
+    "OtherProcesses": Cause.GPU_MEMORY_OVERCOMMIT,
+    "OverBudget": Cause.GPU_MEMORY_OVERCOMMIT,
+}
+BASE = PolicyConfig(
+    dry_run=False,
+    cooldown_seconds=100,
+    restart_budget=3,
+    restart_budget_window_seconds=3600,
+    early_failure_seconds=50,
+    early_failure_limit=2,
+    backoff_initial_seconds=30,
+    pressure_events_to_relaunch=3,
+    stable_for_seconds=1000,
+    pin_seconds=5000,
+    startup_grace_seconds=60,
+)
+
+
+def alert(name: str, t: float = 0.0) -> Alert:
+    return Alert(
+        name,
+        "vllm",
+        (),
+        AlertState.FIRING,
+        Severity.CRITICAL,
+        CAUSES[name],
+        1.0,
+        t,
+        t,
+        t,
+        summary=f"{name} fired",
+    )
+
+
+def oom(tried_gib: float, unalloc_gib: float = 0.0) -> LogEvent:
+    return LogEvent(
+        LogEventKind.CUDA_OOM,
+        0.0,
+        "torch.OutOfMemoryError: CUDA out of memory.",
+        (
+            ("tried_bytes", str(int(tried_gib * GIB))),
+            ("reserved_unallocated_bytes", str(int(unalloc_gib * GIB))),
+        ),
+    )
+
+
+@dataclass
+class Row:
+    t: float
+    kv: float | None = 0.3
+    alerts: tuple[str, ...] = ()
+    logs: tuple[LogEvent, ...] = ()
+    health: HealthState = HealthState.UP
+    pid: int = 100
+    fail: bool = False  # the in-flight action's result (delivered this row) is a failure
+    terminal: bool = False
+
+
+@dataclass
+class Run:
+    cfg: PolicyConfig = BASE
+    state: PolicyState = field(default_factory=lambda: initial_state(["vllm"]))
+    pending: list = field(default_factory=list)  # actions awaiting their result
+    actions: list = field(default_factory=list)
+    decisions: list = field(default_factory=list)
+
+    def tick(self, row: Row):  # type: ignore[no-untyped-def]
+        results = tuple(
+            ActionResult(
+                a.id,
+                a.service,
+                a.kind,
+                ok=not row.fail,
+                terminal=row.terminal,
+                detail="done",
+                finished_seconds=row.t,
+                dry_run=a.dry_run,
+            )
+            for a in self.pending
+            if a.kind is not ActionKind.ESCALATE
+        )
+        self.pending = []
+        unit = UnitState(
+            "vllm.service",
+            "active",
+            "running",
+            "success",
+            row.pid,
+            0,
+            0,
+            None,
+            None,
+            None,
+            (row.pid,),
+        )
+        logs = LogReading((), row.logs, 0)
+        snap = Snapshot(row.t, (ServiceSnapshot("vllm", unit=unit, logs=logs),), None, (), results)
+        sig = ServiceSignals(
+            "vllm",
+            row.health,
+            row.health is HealthState.UP,
+            True,
+            True,
+            kv_cache_usage_ratio=row.kv,
+            gpu_memory_utilization_ratio=0.9,
+            gpus=(ServiceGpuSignals(0, 70 * GIB, 0, int(72 * GIB), 8 * GIB, 80 * GIB),),
+        )
+        out = decide(
+            self.state,
+            [alert(a, row.t) for a in row.alerts],
+            snap,
+            Signals(row.t, (sig,)),
+            row.t,
+            PolicySettings(self.cfg, ("vllm",), RULE_SIGNALS),
+        )
+        self.state = out.state
+        self.pending = list(out.actions)
+        self.actions += out.actions
+        self.decisions += out.decisions
+        return out
+
+    def run(self, *rows: Row) -> Run:
+        for r in rows:
+            self.tick(r)
+        return self
+
+    @property
+    def svc(self):  # type: ignore[no-untyped-def]
+        return self.state.service("vllm")
+
+    def kinds(self) -> list[tuple[float, str]]:
+        return [(d.time_seconds, d.what) for d in self.decisions]
+
+
+# --- the gate --------------------------------------------------------------------------------
+
+
+def test_gate_hysteresis():
+    r = Run().run(
+        Row(0, kv=0.85),
+        Row(2, kv=0.91),
+        Row(4, kv=0.95),
+        Row(6, kv=0.85),
+        Row(8, kv=None),
+        Row(10, kv=0.79),
+        Row(12, kv=0.91),
+    )
+    assert r.kinds() == [(2, "gate"), (10, "ungate"), (12, "gate")]
+    assert r.actions == []  # KV pressure alone never restarts anything
+
+
+# --- the ladder, one scenario per row set ---------------------------------------------------
+
+
+def test_dead_engine_is_restarted_once_then_cooldown_then_budget_latches():
+    r = Run()
+    r.tick(Row(0, alerts=("EngineDead",), health=HealthState.ENGINE_DEAD))
+    assert [(a.kind, a.cause) for a in r.actions] == [(ActionKind.RESTART, Cause.ENGINE_DEAD)]
+    assert r.actions[0].evidence == ("EngineDead",)
+    r.tick(Row(2, alerts=("EngineDead",)))  # result arrives: ok
+    assert r.svc.in_flight is None and r.svc.cooldown_until == 102
+    r.tick(Row(60, alerts=("EngineDead",), health=HealthState.ENGINE_DEAD))  # within cooldown
+    assert len(r.actions) == 1 and r.decisions[-1].what == "suppressed"
+    for t in (200, 400):  # restarts 2 and 3, outside cooldown and not early failures
+        r.tick(Row(t, alerts=("EngineDead",), health=HealthState.ENGINE_DEAD))
+        r.tick(Row(t + 2))
+    assert [a.kind for a in r.actions] == [ActionKind.RESTART] * 3
+    r.tick(Row(600, alerts=("EngineDead",), health=HealthState.ENGINE_DEAD))
+    assert r.actions[-1].kind is ActionKind.ESCALATE and r.svc.breaker_latched
+    assert "budget" in (r.svc.breaker_reason or "")
+    r.run(
+        *(
+            Row(t, alerts=("EngineDead",), health=HealthState.ENGINE_DEAD)
+            for t in range(700, 20000, 500)
+        )
+    )
+    assert (
+        r.svc.breaker_latched and r.actions[-1].kind is ActionKind.ESCALATE
+    )  # never unlatches by itself
+    state, _ = resume(r.state, "vllm", 20001)
+    assert not state.service("vllm").breaker_latched
+
+
+def test_startup_grace_refused_is_not_dead():
+    r = Run().run(
+        Row(0, pid=1),
+        Row(2, pid=2, alerts=("EngineDead",), health=HealthState.REFUSED),
+        Row(40, pid=2, alerts=("EngineDead",), health=HealthState.REFUSED),
+    )
+    assert r.actions == []
+    r.tick(Row(70, pid=2, alerts=("EngineDead",), health=HealthState.REFUSED))
+    assert [a.kind for a in r.actions] == [ActionKind.RESTART]
+
+
+def test_early_failures_latch():
+    r = Run()
+    r.tick(Row(0, alerts=("EngineDead",), health=HealthState.ENGINE_DEAD))
+    r.tick(Row(2))
+    # dies again 10 s after becoming ready, but in cooldown: nothing; after cooldown it counts
+    r.tick(Row(110, alerts=("EngineDead",), health=HealthState.ENGINE_DEAD))
+    assert r.actions[-1].kind is ActionKind.RESTART  # 108 s after ready: not early
+    r.tick(Row(112))
+    cfg = replace(BASE, cooldown_seconds=0)
+    r2 = Run(cfg=cfg)
+    r2.run(
+        Row(0, logs=(oom(2.0),)),
+        Row(2),
+        Row(10, logs=(oom(2.0),)),
+        Row(12),
+        Row(20, logs=(oom(2.0),)),
+    )
+    assert r2.svc.breaker_latched and "restarting does not help" in (r2.svc.breaker_reason or "")
+
+
+LADDER = [
+    # name, rows, expected (kind, cause, flags, env) of the first action
+    (
+        "prefill OOM: fewer batched tokens, chunked prefill",
+        [Row(0, logs=(oom(6.0),))],
+        (
+            ActionKind.RELAUNCH,
+            Cause.PREFILL_BURST,
+            (("--max-num-batched-tokens", "4096"), ("--enable-chunked-prefill", "")),
+            (),
+        ),
+    ),
+    (
+        "small OOM with no other evidence: lower gpu_memory_utilization",
+        [Row(0, logs=(oom(0.2),))],
+        (
+            ActionKind.RELAUNCH,
+            Cause.GPU_MEMORY_OVERCOMMIT,
+            (("--gpu-memory-utilization", "0.85"),),
+            (),
+        ),
+    ),
+    (
+        "fragmentation OOM, first time: drain and restart, same flags",
+        [Row(0, logs=(oom(0.5, unalloc_gib=4),))],
+        (ActionKind.RESTART, Cause.ALLOCATOR_FRAGMENTATION, (), ()),
+    ),
+    (
+        "engine hang (stalled): restart",
+        [Row(0, alerts=("EngineStalled",))],
+        (ActionKind.RESTART, Cause.ENGINE_DEAD, (), ()),
+    ),
+    (
+        "reset-class XID: no restart, escalate",
+        [Row(0, alerts=("GpuResetClassXid", "EngineDead"), health=HealthState.ENGINE_DEAD)],
+        (ActionKind.ESCALATE, Cause.GPU_HARDWARE_FAULT, (), ()),
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "rows", "expected"), LADDER, ids=[x[0] for x in LADDER])
+def test_the_lever_matches_the_cause(name, rows, expected):
+    r = Run().run(*rows)
+    a = r.actions[0]
+    assert (a.kind, a.cause, a.flags, a.env) == expected
+
+
+def test_fragmentation_repeat_earns_expandable_segments():
+    cfg = replace(BASE, cooldown_seconds=10, early_failure_seconds=0)
+    r = Run(cfg=cfg).run(Row(0, logs=(oom(0.5, 4),)), Row(2), Row(100, logs=(oom(0.5, 4),)))
+    assert [a.kind for a in r.actions] == [ActionKind.RESTART, ActionKind.RELAUNCH]
+    assert r.actions[1].env == (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),)
+
+
+def test_kv_thrash_gates_then_relaunches_with_fewer_sequences_after_repeated_episodes():
+    rows = []
+    for i in range(3):
+        t = i * 100
+        rows += [Row(t, kv=0.95, alerts=("KvSaturated", "PreemptionsHigh")), Row(t + 50, kv=0.5)]
+    r = Run().run(*rows)
+    assert [a.kind for a in r.actions] == [ActionKind.RELAUNCH]
+    assert r.actions[0].flags == (("--max-num-seqs", "768"),)  # 1024 × 0.75 on an 80 GiB GPU
+    assert r.actions[0].evidence == ("KvSaturated", "PreemptionsHigh")
+    assert "gate" in [d.what for d in r.decisions]
+
+
+def test_one_ambiguous_signal_is_not_enough():
+    r = Run().run(
+        Row(0, alerts=("OverBudget",)),
+        Row(100, alerts=()),
+        Row(200, alerts=("OverBudget",)),
+        Row(300),
+        Row(400, alerts=("OverBudget",)),
+    )
+    assert r.actions == []
+    assert any("not yet enough" in d.reason for d in r.decisions)
+
+
+def test_low_prefix_cache_hit_rate_is_never_acted_on():
+    r = Run().run(*(Row(t, alerts=("PrefixCacheLowHitRate",)) for t in range(0, 5000, 100)))
+    assert r.actions == [] and r.decisions == []
+
+
+def test_step_down_then_back_up_after_a_stable_period_and_pinning():
+    r = Run().run(Row(0, logs=(oom(6.0),)), Row(2))
+    assert r.svc.rung(Lever.MAX_NUM_BATCHED_TOKENS) == 1
+    r.run(Row(500), Row(1002))  # stable for 1000 s since ready at 2
+    assert r.actions[-1].kind is ActionKind.RELAUNCH and r.actions[-1].flags == ()
+    assert r.svc.rung(Lever.MAX_NUM_BATCHED_TOKENS) == 0
+    r.run(Row(1004), Row(1200, logs=(oom(6.0),)), Row(1202))  # the cause returns soon after: pinned
+    assert r.svc.rung(Lever.MAX_NUM_BATCHED_TOKENS) == 1
+    r.run(Row(2300), Row(3000))  # stable again, but pinned until 1200 + 5000
+    assert r.svc.rung(Lever.MAX_NUM_BATCHED_TOKENS) == 1
+    r.run(Row(6300))
+    assert r.svc.rung(Lever.MAX_NUM_BATCHED_TOKENS) == 0
+
+
+def test_failed_action_backs_off_and_terminal_failure_latches():
+    r = Run().run(Row(0, alerts=("EngineStalled",)), Row(2, alerts=("EngineStalled",), fail=True))
+    assert r.svc.backoff_until == 32
+    r.tick(Row(20, alerts=("EngineStalled",)))
+    assert len(r.actions) == 1
+    r.run(Row(40, alerts=("EngineStalled",)), Row(42, fail=True, terminal=True))
+    assert r.svc.breaker_latched and "failed for good" in (r.svc.breaker_reason or "")
+
+
+def test_dry_run_decides_the_same_and_marks_actions():
+    r = Run(cfg=replace(BASE, dry_run=True)).run(Row(0, logs=(oom(6.0),)))
+    assert r.actions[0].dry_run and r.decisions[-1].dry_run
+
+
+def test_pause_holds_everything():
+    from vllm_guardian.core.policy import pause
+
+    r = Run()
+    r.state, _ = pause(r.state, None, 0)
+    r.run(Row(1, kv=0.99, alerts=("EngineDead",), health=HealthState.ENGINE_DEAD))
+    assert r.actions == [] and r.svc.gate_open
+
+
+# --- invariants under random series ----------------------------------------------------------
+
+EVENTS = st.sampled_from(
+    ["none", "dead", "stall", "oom_big", "oom_small", "oom_frag", "xid", "kv", "fail"]
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(min_value=1, max_value=400), EVENTS), min_size=1, max_size=60)
+)
+def test_invariants(steps):
+    cfg = replace(BASE, cooldown_seconds=100, restart_budget=3, restart_budget_window_seconds=3600)
+    r = Run(cfg=cfg)
+    t = 0.0
+    latched_at = None
+    last_ok_result = None
+    for dt, ev in steps:
+        t += dt
+        row = Row(
+            t,
+            kv=0.95 if ev == "kv" else 0.3,
+            fail=ev == "fail",
+            alerts={
+                "dead": ("EngineDead",),
+                "stall": ("EngineStalled",),
+                "xid": ("GpuResetClassXid",),
+                "kv": ("KvSaturated", "PreemptionsHigh"),
+            }.get(ev, ()),
+            logs={"oom_big": (oom(6),), "oom_small": (oom(0.2),), "oom_frag": (oom(0.5, 4),)}.get(
+                ev, ()
+            ),
+            health=HealthState.ENGINE_DEAD if ev == "dead" else HealthState.UP,
+        )
+        had_pending = bool(r.pending)
+        out = r.tick(row)
+        if had_pending and not row.fail:
+            last_ok_result = t
+        if latched_at is not None:
+            assert r.svc.breaker_latched, "the breaker never unlatches by itself"
+            assert all(a.kind is ActionKind.ESCALATE for a in out.actions)
+        if r.svc.breaker_latched and latched_at is None:
+            latched_at = t
+        for a in out.actions:
+            if a.kind is ActionKind.ESCALATE:
+                continue
+            assert a.evidence or "stable" in a.reason, "every action names its evidence"
+            if last_ok_result is not None:
+                assert t - last_ok_result >= cfg.cooldown_seconds, "nothing within the cooldown"
+    disruptive = [
+        d.time_seconds for d in r.decisions if d.what == "action" and "escalate" not in d.reason
+    ]
+    for i, t0 in enumerate(disruptive):
+        window = [x for x in disruptive[i:] if x - t0 < cfg.restart_budget_window_seconds]
+        assert len(window) <= cfg.restart_budget, (
+            "never more restarts than the budget in any window"
+        )

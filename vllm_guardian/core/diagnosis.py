@@ -1,0 +1,196 @@
+"""Cause classification, shared by the policy and ``vllm-guardian diagnose``. Pure.
+
+Where it sits: after alert evaluation. Every firing alert is evidence for the cause its rule
+names; OOM log lines are classified from their own numbers (how much was asked for, how much
+PyTorch held reserved but unallocated) together with the signals at that moment. Evidence is
+then grouped by cause and ranked.
+
+Two rules from DESIGN.md §2 are enforced here rather than left to callers:
+
+* ``prefix_cache_waste`` is never a verdict (a low hit rate is measured to be harmless); it is
+  dropped from the ranking.
+* A destructive action needs either one unambiguous piece of evidence (an OOM line, a dead
+  engine, a reset-class XID) or two independent ones (:func:`actionable`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from vllm_guardian.core.signals import ServiceSignals
+from vllm_guardian.model import Alert, AlertState, Cause, LogEvent, LogEventKind
+
+GIB = 1024**3
+
+# Signals whose firing alone is proof, not a hint (DESIGN.md §3: "one unambiguous one").
+UNAMBIGUOUS_SIGNALS = frozenset(
+    {"vllm_up", "stalled", "xid_reset_class", "log_events.cuda_oom", "log_events.engine_dead",
+     "log_events.engine_fatal", "log_events.worker_died", "log_events.non_torch_oom",
+     "log_events.no_kv_cache_memory", "log_events.max_seq_len_exceeds_kv",
+     "log_events.free_memory_below_utilization", "policy.unit_exited"}
+)  # fmt: skip
+
+# When two causes have equal weight, the more specific one names the lever.
+_SPECIFICITY = {
+    Cause.GPU_HARDWARE_FAULT: 0,
+    Cause.MODEL_DOES_NOT_FIT: 1,
+    Cause.ALLOCATOR_FRAGMENTATION: 2,
+    Cause.PREFILL_BURST: 3,
+    Cause.KV_CACHE_BLOWOUT: 4,
+    Cause.CONCURRENCY_OVERCOMMIT: 5,
+    Cause.ENGINE_DEAD: 6,
+    Cause.GPU_MEMORY_OVERCOMMIT: 7,
+    Cause.PREFIX_CACHE_WASTE: 8,
+    Cause.HEALTHY: 9,
+}
+
+
+@dataclass(frozen=True)
+class Evidence:
+    cause: Cause
+    name: str  # the alert or log signature it comes from
+    sentence: str  # quotes the numbers
+    unambiguous: bool = False
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class Finding:
+    cause: Cause
+    confidence: float  # 0..1
+    evidence: tuple[Evidence, ...]
+
+    @property
+    def independent(self) -> int:
+        return len({e.name for e in self.evidence})
+
+
+def evidence_from_alerts(
+    alerts: Iterable[Alert], rule_signals: Mapping[str, str]
+) -> list[Evidence]:
+    """Firing alerts (not pending, not stale-only) as evidence for their rule's cause."""
+    out = []
+    for a in alerts:
+        if a.state is not AlertState.FIRING or a.cause is None:
+            continue
+        signal = rule_signals.get(a.name, "")
+        out.append(
+            Evidence(
+                cause=a.cause,
+                name=a.name,
+                sentence=a.summary or a.name,
+                unambiguous=signal in UNAMBIGUOUS_SIGNALS and not a.stale,
+            )
+        )
+    return out
+
+
+def _detail(event: LogEvent, key: str) -> int | None:
+    raw = dict(event.details).get(key)
+    try:
+        return int(float(raw)) if raw is not None else None
+    except ValueError:
+        return None
+
+
+def classify_oom(event: LogEvent, signals: ServiceSignals | None) -> Evidence:
+    """Name the cause of one CUDA OOM line from its numbers and the signals at the time.
+
+    * "reserved by PyTorch but unallocated" at least as large as the failed request (and at
+      least 1 GiB): the memory exists but is fragmented → allocator_fragmentation;
+    * another process holds ≥ 1 GiB on the service's GPUs → gpu_memory_overcommit;
+    * a single request of ≥ 1 GiB: a large batched prefill's activations → prefill_burst;
+    * otherwise a runtime OOM with no other evidence → gpu_memory_overcommit.
+    """
+    tried = _detail(event, "tried_bytes")
+    unalloc = _detail(event, "reserved_unallocated_bytes")
+    others = signals.other_processes_memory_bytes if signals is not None else None
+
+    def gib(v: int | None) -> str:
+        return "?" if v is None else f"{v / GIB:.2f} GiB"
+
+    if unalloc is not None and unalloc >= GIB and (tried is None or unalloc >= tried):
+        return Evidence(
+            Cause.ALLOCATOR_FRAGMENTATION,
+            "log:cuda_oom",
+            f"CUDA OOM asking for {gib(tried)} while {gib(unalloc)} sat reserved but unallocated: fragmentation",
+            unambiguous=True,
+        )
+    if others is not None and others >= GIB:
+        return Evidence(
+            Cause.GPU_MEMORY_OVERCOMMIT,
+            "log:cuda_oom",
+            f"CUDA OOM asking for {gib(tried)} while other processes held {gib(others)} on the service's GPUs",
+            unambiguous=True,
+        )
+    if tried is not None and tried >= GIB:
+        return Evidence(
+            Cause.PREFILL_BURST,
+            "log:cuda_oom",
+            f"CUDA OOM asking for {gib(tried)} in one allocation: a large batched prefill's activations",
+            unambiguous=True,
+        )
+    return Evidence(
+        Cause.GPU_MEMORY_OVERCOMMIT,
+        "log:cuda_oom",
+        f"CUDA OOM asking for {gib(tried)} with no other evidence: the reservation leaves too little headroom",
+        unambiguous=True,
+    )
+
+
+def evidence_from_logs(
+    events: Iterable[LogEvent], signals: ServiceSignals | None
+) -> list[Evidence]:
+    out = []
+    for ev in events:
+        if ev.kind is LogEventKind.CUDA_OOM:
+            out.append(classify_oom(ev, signals))
+        elif (
+            ev.kind is LogEventKind.NO_KV_CACHE_MEMORY
+            or ev.kind is LogEventKind.FREE_MEMORY_BELOW_UTILIZATION
+        ):
+            out.append(
+                Evidence(
+                    Cause.GPU_MEMORY_OVERCOMMIT,
+                    f"log:{ev.kind.value}",
+                    ev.message[:200],
+                    unambiguous=True,
+                )
+            )
+        elif ev.kind is LogEventKind.MAX_SEQ_LEN_EXCEEDS_KV:
+            out.append(
+                Evidence(
+                    Cause.KV_CACHE_BLOWOUT,
+                    f"log:{ev.kind.value}",
+                    ev.message[:200],
+                    unambiguous=True,
+                )
+            )
+    return out
+
+
+def rank(evidence: Sequence[Evidence]) -> tuple[Finding, ...]:
+    """Group evidence by cause, most convincing first. ``prefix_cache_waste`` never ranks."""
+    by_cause: dict[Cause, list[Evidence]] = {}
+    for e in evidence:
+        if e.cause in (Cause.PREFIX_CACHE_WASTE, Cause.HEALTHY):
+            continue
+        by_cause.setdefault(e.cause, []).append(e)
+    findings = []
+    for cause, items in by_cause.items():
+        miss = 1.0
+        for e in items:
+            miss *= 1.0 - (0.9 if e.unambiguous else 0.5) * min(e.weight, 1.0)
+        findings.append(Finding(cause, round(1.0 - miss, 4), tuple(items)))
+    findings.sort(key=lambda f: (-f.confidence, _SPECIFICITY[f.cause]))
+    return tuple(findings)
+
+
+def verdict(findings: Sequence[Finding]) -> Cause:
+    return findings[0].cause if findings else Cause.HEALTHY
+
+
+def actionable(finding: Finding) -> bool:
+    """Enough to justify a destructive action: one unambiguous item or two independent ones."""
+    return any(e.unambiguous for e in finding.evidence) or finding.independent >= 2

@@ -1,0 +1,728 @@
+"""The self-healing policy: ``decide(state, alerts, snapshot, signals, now, settings)``. Pure.
+
+Where it sits: after alert evaluation, before the actuators. It returns the next state, the
+actions to execute and a decision record for every choice it made (the audit log). Action
+results come back as observations (``Snapshot.action_results``) on a later tick; the policy
+never assumes success.
+
+The ladder per service (DESIGN.md §3):
+
+1. alert (done by alerting);
+2. gate ``/ready/<service>`` above the KV high watermark, open below the low one;
+3. drain + restart for a dead or hung engine, and for fragmentation;
+4. relaunch with one rung more conservative on the lever that matches the cause, after
+   ``pressure_events_to_relaunch`` episodes of that cause in the window, or at once after an
+   OOM crash;
+5. step back up one rung after ``stable_for_seconds`` without pressure, never above the
+   operator's baseline; a cause that returns soon after a step up pins the rung;
+6. stop and escalate: restart budget spent, repeated early failures, a hardware fault or a
+   model that does not fit latch a breaker that only ``vllm-guardian resume`` clears.
+
+Guard rails: a destructive action needs an actionable finding (``core/diagnosis.py``),
+nothing happens within the cooldown of the last action or the backoff of a failed one, at
+most one action per service is in flight, and in dry-run everything is decided and recorded
+but the actions are marked ``dry_run`` for the executor to skip.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+from vllm_guardian.config import PolicyConfig
+from vllm_guardian.core.diagnosis import (
+    Evidence,
+    Finding,
+    actionable,
+    evidence_from_alerts,
+    evidence_from_logs,
+    rank,
+)
+from vllm_guardian.core.signals import ServiceSignals, Signals
+from vllm_guardian.model import (
+    Action,
+    ActionKind,
+    ActionResult,
+    Alert,
+    Cause,
+    HealthState,
+    Snapshot,
+)
+
+GIB = 1024**3
+
+
+class Lever(StrEnum):
+    MAX_NUM_SEQS = "max_num_seqs"
+    MAX_NUM_BATCHED_TOKENS = "max_num_batched_tokens"
+    GPU_MEMORY_UTILIZATION = "gpu_memory_utilization"
+    EXPANDABLE_SEGMENTS = "expandable_segments"
+
+
+# The lever each cause moves (the issue's table; prefix_cache_waste moves nothing: DESIGN §2).
+CAUSE_LEVER: Mapping[Cause, Lever] = {
+    Cause.CONCURRENCY_OVERCOMMIT: Lever.MAX_NUM_SEQS,
+    Cause.PREFILL_BURST: Lever.MAX_NUM_BATCHED_TOKENS,
+    Cause.GPU_MEMORY_OVERCOMMIT: Lever.GPU_MEMORY_UTILIZATION,
+    Cause.ALLOCATOR_FRAGMENTATION: Lever.EXPANDABLE_SEGMENTS,
+}
+# Restarting cannot fix these: latch and tell a person.
+ESCALATE_CAUSES = frozenset(
+    {Cause.GPU_HARDWARE_FAULT, Cause.MODEL_DOES_NOT_FIT, Cause.KV_CACHE_BLOWOUT}
+)
+# These crash the engine: act on the first unambiguous event, without waiting for repeats.
+CRASH_CAUSES = frozenset(
+    {
+        Cause.ENGINE_DEAD,
+        Cause.PREFILL_BURST,
+        Cause.GPU_MEMORY_OVERCOMMIT,
+        Cause.ALLOCATOR_FRAGMENTATION,
+    }
+)
+LEVER_FLAG = {
+    Lever.MAX_NUM_SEQS: "--max-num-seqs",
+    Lever.MAX_NUM_BATCHED_TOKENS: "--max-num-batched-tokens",
+    Lever.GPU_MEMORY_UTILIZATION: "--gpu-memory-utilization",
+}
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The operator's own values, before the guardian changed anything."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    gpu_memory_utilization: float
+
+
+@dataclass(frozen=True)
+class ServiceState:
+    service: str
+    gate_open: bool = True
+    gate_reason: str = "open"
+    paused: bool = False
+    breaker_latched: bool = False
+    breaker_reason: str | None = None
+    in_flight: int | None = None  # id of the action whose result we wait for
+    in_flight_since: float | None = None
+    cooldown_until: float = 0.0
+    backoff_until: float = 0.0
+    backoff_seconds: float = 0.0
+    restarts: tuple[float, ...] = ()  # guardian restarts/relaunches, for the budget
+    early_failures: int = 0
+    ready_since: float | None = None  # when our last action left the service ready
+    started_seconds: float | None = None  # when the current vLLM process started (as seen)
+    main_pid: int | None = None
+    rungs: tuple[tuple[Lever, int], ...] = ()
+    last_step_up: tuple[tuple[Lever, float], ...] = ()
+    pinned_until: tuple[tuple[Lever, float], ...] = ()
+    episodes: tuple[tuple[Cause, float], ...] = ()  # pressure episodes: (cause, start)
+    active_causes: tuple[Cause, ...] = ()
+    last_pressure_seconds: float | None = None
+    baseline: Baseline | None = None
+    last_note: str = ""  # the last "nothing done because ..." decision, to log it once
+
+    def rung(self, lever: Lever) -> int:
+        return dict(self.rungs).get(lever, 0)
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    services: tuple[ServiceState, ...] = ()
+    next_action_id: int = 1
+
+    def service(self, name: str) -> ServiceState:
+        for s in self.services:
+            if s.service == name:
+                return s
+        return ServiceState(name)
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    policy: PolicyConfig
+    services: tuple[str, ...]
+    rule_signals: Mapping[str, str] = field(default_factory=dict)  # alertname → signal
+    # The longest an action may take before its missing result counts as a failure.
+    action_timeout_seconds: float = 3600.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One line of the audit log: what was decided, why, on what evidence."""
+
+    time_seconds: float
+    service: str
+    what: str  # gate | ungate | action | suppressed | latch | result | step_up | pause | resume
+    reason: str
+    cause: Cause | None = None
+    evidence: tuple[str, ...] = ()
+    action_id: int | None = None
+    dry_run: bool = False
+
+
+@dataclass(frozen=True)
+class PolicyOutput:
+    state: PolicyState
+    actions: tuple[Action, ...]
+    decisions: tuple[Decision, ...]
+
+
+# --- flags -----------------------------------------------------------------------------------
+
+
+def flag_value(cmdline: Sequence[str] | None, flag: str) -> str | None:
+    """The first value of ``flag`` in an argv (``--f v`` or ``--f=v``): the operator's own."""
+    if not cmdline:
+        return None
+    for i, arg in enumerate(cmdline):
+        if arg == flag and i + 1 < len(cmdline):
+            return cmdline[i + 1]
+        if arg.startswith(flag + "="):
+            return arg[len(flag) + 1 :]
+    return None
+
+
+def default_baseline(signals: ServiceSignals | None, cmdline: Sequence[str] | None) -> Baseline:
+    """The operator's values: from the command line when set there, else vLLM's defaults
+    (vllm-surface.md §5: they depend on the GPU's memory size)."""
+    total = max((g.total_bytes or 0 for g in signals.gpus), default=0) if signals else 0
+    seqs_default = 1024 if total >= 70 * GIB else 256
+    tokens_default = 16384 if total >= 160 * GIB else 8192 if total >= 70 * GIB else 2048
+    util_default = (signals.gpu_memory_utilization_ratio if signals else None) or 0.92
+
+    def parsed(flag: str, conv: type, default: float) -> float:
+        raw = flag_value(cmdline, flag)
+        try:
+            return float(conv(raw)) if raw is not None else default
+        except ValueError:
+            return default
+
+    return Baseline(
+        max_num_seqs=int(parsed("--max-num-seqs", int, seqs_default)),
+        max_num_batched_tokens=int(parsed("--max-num-batched-tokens", int, tokens_default)),
+        gpu_memory_utilization=float(parsed("--gpu-memory-utilization", float, util_default)),
+    )
+
+
+def lever_value(lever: Lever, rung: int, base: Baseline, p: PolicyConfig) -> str | None:
+    """The flag value at ``rung`` (0 = the operator's baseline: no guardian flag)."""
+    if rung <= 0:
+        return None
+    if lever is Lever.MAX_NUM_SEQS:
+        return str(
+            max(p.max_num_seqs_floor, int(base.max_num_seqs * p.max_num_seqs_factor_ratio**rung))
+        )
+    if lever is Lever.MAX_NUM_BATCHED_TOKENS:
+        tokens = int(base.max_num_batched_tokens * p.max_num_batched_tokens_factor_ratio**rung)
+        return str(max(p.max_num_batched_tokens_floor, tokens))
+    if lever is Lever.GPU_MEMORY_UTILIZATION:
+        util = base.gpu_memory_utilization - p.gpu_memory_utilization_step_ratio * rung
+        return f"{max(p.gpu_memory_utilization_floor_ratio, round(util, 4)):g}"
+    return "expandable_segments:True"
+
+
+def can_step_down(lever: Lever, rung: int, base: Baseline, p: PolicyConfig) -> bool:
+    """Whether one more rung changes anything (floors reached, or a switch already on)."""
+    if lever is Lever.EXPANDABLE_SEGMENTS:
+        return rung == 0
+    now = lever_value(lever, rung, base, p)
+    nxt = lever_value(lever, rung + 1, base, p)
+    if now is None:
+        baseline = {
+            Lever.MAX_NUM_SEQS: str(base.max_num_seqs),
+            Lever.MAX_NUM_BATCHED_TOKENS: str(base.max_num_batched_tokens),
+            Lever.GPU_MEMORY_UTILIZATION: f"{base.gpu_memory_utilization:g}",
+        }[lever]
+        return nxt is not None and float(nxt) < float(baseline)
+    return nxt is not None and float(nxt) < float(now)
+
+
+def flags_for(
+    rungs: Mapping[Lever, int], base: Baseline, p: PolicyConfig
+) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
+    """The complete guardian-owned flags and environment for these rungs."""
+    flags: list[tuple[str, str]] = []
+    env: list[tuple[str, str]] = []
+    for lever in Lever:
+        value = lever_value(lever, rungs.get(lever, 0), base, p)
+        if value is None:
+            continue
+        if lever is Lever.EXPANDABLE_SEGMENTS:
+            env.append(("PYTORCH_CUDA_ALLOC_CONF", value))
+            continue
+        flags.append((LEVER_FLAG[lever], value))
+        if lever is Lever.MAX_NUM_BATCHED_TOKENS:
+            flags.append(("--enable-chunked-prefill", ""))  # smaller chunks only help chunked
+    return tuple(flags), tuple(env)
+
+
+# --- decide ----------------------------------------------------------------------------------
+
+
+def _set(
+    pairs: tuple[tuple[Lever, float], ...], lever: Lever, value: float
+) -> tuple[tuple[Lever, float], ...]:
+    d = dict(pairs)
+    d[lever] = value
+    return tuple(sorted(d.items()))
+
+
+def _set_rung(s: ServiceState, lever: Lever, rung: int) -> ServiceState:
+    d = dict(s.rungs)
+    if rung > 0:
+        d[lever] = rung
+    else:
+        d.pop(lever, None)
+    return replace(s, rungs=tuple(sorted(d.items())))
+
+
+class _Ctx:
+    """Accumulates what one decide() call produces."""
+
+    def __init__(self, state: PolicyState, now: float, settings: PolicySettings) -> None:
+        self.next_id = state.next_action_id
+        self.now = now
+        self.settings = settings
+        self.actions: list[Action] = []
+        self.decisions: list[Decision] = []
+
+    def decide(self, s: ServiceState, what: str, reason: str, **kw: object) -> None:
+        self.decisions.append(Decision(self.now, s.service, what, reason, **kw))  # type: ignore[arg-type]
+
+    def act(
+        self,
+        s: ServiceState,
+        kind: ActionKind,
+        finding: Finding | None,
+        reason: str,
+        flags: tuple[tuple[str, str], ...] = (),
+        env: tuple[tuple[str, str], ...] = (),
+    ) -> ServiceState:
+        dry = self.settings.policy.dry_run
+        evidence = tuple(e.name for e in finding.evidence) if finding else ()
+        cause = finding.cause if finding else None
+        action = Action(self.next_id, s.service, kind, cause, reason, evidence, dry, flags, env)
+        self.actions.append(action)
+        self.decide(
+            s,
+            "action",
+            f"{kind.value}: {reason}",
+            cause=cause,
+            evidence=evidence,
+            action_id=self.next_id,
+            dry_run=dry,
+        )
+        self.next_id += 1
+        if kind is ActionKind.ESCALATE:
+            return s
+        return replace(
+            s,
+            in_flight=action.id,
+            in_flight_since=self.now,
+            gate_open=False,
+            gate_reason=f"{kind.value} in progress",
+        )
+
+    def note(self, s: ServiceState, reason: str, finding: Finding | None = None) -> ServiceState:
+        """A 'nothing done, because' decision, logged once until the reason changes."""
+        if reason == s.last_note:
+            return s
+        evidence = tuple(e.name for e in finding.evidence) if finding else ()
+        self.decide(
+            s, "suppressed", reason, cause=finding.cause if finding else None, evidence=evidence
+        )
+        return replace(s, last_note=reason)
+
+
+def decide(
+    state: PolicyState,
+    alerts: Sequence[Alert],
+    snapshot: Snapshot,
+    signals: Signals,
+    now: float,
+    settings: PolicySettings,
+) -> PolicyOutput:
+    ctx = _Ctx(state, now, settings)
+    out = []
+    for name in settings.services:
+        s = state.service(name)
+        sig = signals.service(name)
+        s = _fold_results(ctx, s, [r for r in snapshot.action_results if r.service == name])
+        s = _track_process(s, snapshot, name, now)
+        if s.paused:
+            out.append(
+                s
+                if s.gate_open
+                else replace(s, gate_open=True, gate_reason="paused: gate held open")
+            )
+            continue
+        s = _gate(ctx, s, sig)
+        mine = [a for a in alerts if a.service == name]
+        svc_snap = snapshot.service(name)
+        logs = svc_snap.logs.recent if svc_snap is not None and svc_snap.logs is not None else ()
+        evidence = _filter_startup(
+            s,
+            sig,
+            now,
+            settings.policy,
+            evidence_from_alerts(mine, settings.rule_signals) + evidence_from_logs(logs, sig),
+        )
+        findings = rank(evidence)
+        s = _track_episodes(s, findings, now, settings.policy)
+        s = _act(ctx, s, findings, sig)
+        out.append(s)
+    return PolicyOutput(
+        PolicyState(tuple(out), ctx.next_id), tuple(ctx.actions), tuple(ctx.decisions)
+    )
+
+
+def _fold_results(ctx: _Ctx, s: ServiceState, results: Sequence[ActionResult]) -> ServiceState:
+    p = ctx.settings.policy
+    for r in results:
+        if r.action_id != s.in_flight:
+            continue
+        s = replace(s, in_flight=None, in_flight_since=None)
+        if r.ok:
+            s = replace(
+                s,
+                ready_since=ctx.now,
+                cooldown_until=ctx.now + p.cooldown_seconds,
+                backoff_seconds=0.0,
+                backoff_until=0.0,
+                gate_open=True,
+                gate_reason="open",
+            )
+            ctx.decide(
+                s,
+                "result",
+                f"{r.kind.value} succeeded: {r.detail}",
+                action_id=r.action_id,
+                dry_run=r.dry_run,
+            )
+        elif r.terminal:
+            s = replace(
+                s,
+                breaker_latched=True,
+                breaker_reason=f"{r.kind.value} failed for good: {r.detail}",
+            )
+            ctx.decide(s, "latch", s.breaker_reason or "", action_id=r.action_id)
+        else:
+            backoff = min(
+                p.backoff_max_seconds, max(p.backoff_initial_seconds, 2 * s.backoff_seconds)
+            )
+            s = replace(
+                s,
+                backoff_seconds=backoff,
+                backoff_until=ctx.now + backoff,
+                gate_open=True,
+                gate_reason="open",
+            )
+            ctx.decide(
+                s,
+                "result",
+                f"{r.kind.value} failed ({r.detail}); next try in {backoff:.0f}s",
+                action_id=r.action_id,
+            )
+    if (
+        s.in_flight is not None
+        and s.in_flight_since is not None
+        and ctx.now - s.in_flight_since > ctx.settings.action_timeout_seconds
+    ):
+        backoff = min(p.backoff_max_seconds, max(p.backoff_initial_seconds, 2 * s.backoff_seconds))
+        ctx.decide(
+            s,
+            "result",
+            f"no result for action {s.in_flight} in time: counted as failed",
+            action_id=s.in_flight,
+        )
+        s = replace(
+            s,
+            in_flight=None,
+            in_flight_since=None,
+            backoff_seconds=backoff,
+            backoff_until=ctx.now + backoff,
+            gate_open=True,
+            gate_reason="open",
+        )
+    return s
+
+
+def _track_process(s: ServiceState, snapshot: Snapshot, name: str, now: float) -> ServiceState:
+    svc = snapshot.service(name)
+    pid = svc.unit.main_pid if svc is not None and svc.unit is not None else None
+    if pid is not None and pid != s.main_pid:
+        return replace(s, main_pid=pid, started_seconds=now)
+    return s
+
+
+def _gate(ctx: _Ctx, s: ServiceState, sig: ServiceSignals | None) -> ServiceState:
+    if s.in_flight is not None:
+        return s  # the executor gates during drain and restart
+    p = ctx.settings.policy
+    kv = sig.kv_cache_usage_ratio if sig is not None else None
+    if kv is None:
+        return s  # missing data holds the gate where it is
+    if s.gate_open and kv >= p.kv_high_watermark_ratio:
+        reason = f"KV cache usage {kv:.0%} at or above the high watermark {p.kv_high_watermark_ratio:.0%}"
+        s = replace(s, gate_open=False, gate_reason=reason)
+        ctx.decide(
+            s,
+            "gate",
+            reason,
+            cause=Cause.CONCURRENCY_OVERCOMMIT,
+            evidence=("kv_cache_usage_ratio",),
+            dry_run=p.dry_run,
+        )
+    elif not s.gate_open and kv < p.kv_low_watermark_ratio:
+        reason = f"KV cache usage {kv:.0%} below the low watermark {p.kv_low_watermark_ratio:.0%}"
+        s = replace(s, gate_open=True, gate_reason="open")
+        ctx.decide(s, "ungate", reason, evidence=("kv_cache_usage_ratio",), dry_run=p.dry_run)
+    return s
+
+
+def _filter_startup(
+    s: ServiceState,
+    sig: ServiceSignals | None,
+    now: float,
+    p: PolicyConfig,
+    evidence: list[Evidence],
+) -> list[Evidence]:
+    """vLLM refuses connections for minutes while it loads: that is starting, not dead."""
+    starting = s.started_seconds is not None and now - s.started_seconds < p.startup_grace_seconds
+    refused = sig is not None and sig.health_state in (HealthState.REFUSED, None)
+    if not (starting and refused):
+        return evidence
+    return [e for e in evidence if not (e.cause is Cause.ENGINE_DEAD and "log:" not in e.name)]
+
+
+def _track_episodes(
+    s: ServiceState, findings: Sequence[Finding], now: float, p: PolicyConfig
+) -> ServiceState:
+    causes = tuple(sorted({f.cause for f in findings}))
+    new = [c for c in causes if c not in s.active_causes]
+    episodes = tuple((c, t) for c, t in s.episodes if now - t <= p.pressure_window_seconds)
+    episodes += tuple((c, now) for c in new)
+    return replace(
+        s,
+        active_causes=causes,
+        episodes=episodes,
+        last_pressure_seconds=now if causes else s.last_pressure_seconds,
+    )
+
+
+def _episodes(s: ServiceState, cause: Cause) -> int:
+    return sum(1 for c, _ in s.episodes if c is cause)
+
+
+def _act(
+    ctx: _Ctx, s: ServiceState, findings: Sequence[Finding], sig: ServiceSignals | None
+) -> ServiceState:
+    p = ctx.settings.policy
+    now = ctx.now
+    if s.breaker_latched:
+        return ctx.note(
+            s, f"breaker latched ({s.breaker_reason}): waiting for `vllm-guardian resume`"
+        )
+    if s.in_flight is not None:
+        return s
+    top = next((f for f in findings if actionable(f)), None)
+    if top is None:
+        if findings:
+            return ctx.note(
+                s, f"{findings[0].cause.value}: evidence not yet enough to act", findings[0]
+            )
+        return _maybe_step_up(ctx, s, sig)
+    if top.cause in ESCALATE_CAUSES:
+        reason = {
+            Cause.GPU_HARDWARE_FAULT: "GPU hardware fault: the GPU needs a reset; restarting vLLM would crash-loop",
+            Cause.MODEL_DOES_NOT_FIT: "the model does not fit this GPU at these settings; no flag saves it",
+            Cause.KV_CACHE_BLOWOUT: "max_model_len exceeds what the KV pool holds; lowering it changes what users can send",
+        }[top.cause]
+        s = replace(s, breaker_latched=True, breaker_reason=reason)
+        ctx.decide(
+            s, "latch", reason, cause=top.cause, evidence=tuple(e.name for e in top.evidence)
+        )
+        return ctx.act(s, ActionKind.ESCALATE, top, reason)
+    if now < s.cooldown_until:
+        return ctx.note(
+            s,
+            f"{top.cause.value}: in cooldown until {s.cooldown_until:.0f} after the last action",
+            top,
+        )
+    if now < s.backoff_until:
+        return ctx.note(
+            s,
+            f"{top.cause.value}: backing off after a failed action until {s.backoff_until:.0f}",
+            top,
+        )
+
+    crash = top.cause in CRASH_CAUSES and any(e.unambiguous for e in top.evidence)
+    lever = CAUSE_LEVER.get(top.cause)
+    base = s.baseline or default_baseline(sig, None)
+    if s.baseline is None:
+        s = replace(s, baseline=base)
+    step = lever is not None and can_step_down(lever, s.rung(lever), base, p)
+    if top.cause is Cause.ALLOCATOR_FRAGMENTATION:
+        # Drain + restart clears fragmentation; only a repeat earns expandable segments.
+        step = step and _episodes(s, top.cause) >= 2
+    elif top.cause is Cause.CONCURRENCY_OVERCOMMIT:
+        # KV pressure never crashes: the gate handles it; repeated episodes lower the batch.
+        if not (step and _episodes(s, top.cause) >= p.pressure_events_to_relaunch):
+            return ctx.note(
+                s,
+                f"concurrency_overcommit: gated; {_episodes(s, top.cause)} episode(s) of "
+                f"{p.pressure_events_to_relaunch} before a relaunch",
+                top,
+            )
+    elif top.cause is Cause.ENGINE_DEAD:
+        step = False
+    elif not crash and not (step and _episodes(s, top.cause) >= p.pressure_events_to_relaunch):
+        return ctx.note(
+            s,
+            f"{top.cause.value}: {_episodes(s, top.cause)} episode(s) of "
+            f"{p.pressure_events_to_relaunch} before a relaunch",
+            top,
+        )
+
+    # Guard rails before anything disruptive: the budget and repeated early failures.
+    restarts = tuple(t for t in s.restarts if now - t < p.restart_budget_window_seconds)
+    early = s.early_failures
+    if s.ready_since is not None and crash:
+        early = early + 1 if now - s.ready_since <= p.early_failure_seconds else 0
+    s = replace(s, restarts=restarts, early_failures=early)
+    if len(restarts) >= p.restart_budget:
+        reason = f"restart budget spent: {len(restarts)} restarts in {p.restart_budget_window_seconds:.0f}s"
+        s = replace(s, breaker_latched=True, breaker_reason=reason)
+        ctx.decide(
+            s, "latch", reason, cause=top.cause, evidence=tuple(e.name for e in top.evidence)
+        )
+        return ctx.act(s, ActionKind.ESCALATE, top, reason)
+    if early >= p.early_failure_limit:
+        reason = f"{early} failures within {p.early_failure_seconds:.0f}s of becoming ready: restarting does not help"
+        s = replace(s, breaker_latched=True, breaker_reason=reason)
+        ctx.decide(
+            s, "latch", reason, cause=top.cause, evidence=tuple(e.name for e in top.evidence)
+        )
+        return ctx.act(s, ActionKind.ESCALATE, top, reason)
+
+    s = replace(s, restarts=(*restarts, now), last_note="")
+    if lever is not None and step:
+        rung = s.rung(lever) + 1
+        s = _set_rung(s, lever, rung)
+        last_up = dict(s.last_step_up).get(lever)
+        if last_up is not None and now - last_up <= p.pin_seconds:
+            s = replace(s, pinned_until=_set(s.pinned_until, lever, now + p.pin_seconds))
+        flags, env = flags_for(dict(s.rungs), base, p)
+        value = lever_value(lever, rung, base, p)
+        reason = (
+            f"{top.cause.value}: {lever.value} one rung down to {value} (rung {rung}); "
+            + top.evidence[0].sentence
+        )
+        return ctx.act(s, ActionKind.RELAUNCH, top, reason, flags, env)
+    flags, env = flags_for(dict(s.rungs), base, p)
+    reason = (
+        f"{top.cause.value}: drain and restart with the same flags; " + top.evidence[0].sentence
+    )
+    return ctx.act(s, ActionKind.RESTART, top, reason, flags, env)
+
+
+def _maybe_step_up(ctx: _Ctx, s: ServiceState, sig: ServiceSignals | None) -> ServiceState:
+    p = ctx.settings.policy
+    now = ctx.now
+    base = s.baseline
+    if not s.rungs or base is None:
+        return s
+    quiet_since = max(t for t in (s.last_pressure_seconds, s.ready_since, 0.0) if t is not None)
+    if now - quiet_since < p.stable_for_seconds or now < s.cooldown_until:
+        return s
+    pinned = dict(s.pinned_until)
+    candidates = [lv for lv, r in s.rungs if r > 0 and pinned.get(lv, -math.inf) <= now]
+    if not candidates:
+        return ctx.note(s, "stable, but every lowered lever is pinned")
+    restarts = tuple(t for t in s.restarts if now - t < p.restart_budget_window_seconds)
+    if len(restarts) >= p.restart_budget:
+        return ctx.note(s, "stable, but stepping up needs a restart and the budget is spent")
+    lever = candidates[0]
+    rung = s.rung(lever) - 1
+    s = _set_rung(s, lever, rung)
+    s = replace(
+        s, last_step_up=_set(s.last_step_up, lever, now), restarts=(*restarts, now), last_note=""
+    )
+    flags, env = flags_for(dict(s.rungs), base, p)
+    value = lever_value(lever, rung, base, p) or "the operator's baseline"
+    reason = f"stable for {now - quiet_since:.0f}s: {lever.value} one rung up to {value}"
+    ctx.decide(s, "step_up", reason)
+    return ctx.act(s, ActionKind.RELAUNCH, None, reason, flags, env)
+
+
+# --- operator control (the control socket) ---------------------------------------------------
+
+
+def pause(
+    state: PolicyState, service: str | None, now: float
+) -> tuple[PolicyState, tuple[Decision, ...]]:
+    return _set_paused(state, service, True, now)
+
+
+def resume(
+    state: PolicyState, service: str | None, now: float
+) -> tuple[PolicyState, tuple[Decision, ...]]:
+    """Unpause and clear a latched breaker: the one way a person says 'go on'."""
+    new, decisions = _set_paused(state, service, False, now)
+    out = []
+    for s in new.services:
+        if service in (None, s.service) and s.breaker_latched:
+            decisions += (
+                Decision(
+                    now,
+                    s.service,
+                    "resume",
+                    f"breaker cleared by an operator (was: {s.breaker_reason})",
+                ),
+            )
+            s = replace(
+                s,
+                breaker_latched=False,
+                breaker_reason=None,
+                early_failures=0,
+                restarts=(),
+                last_note="",
+            )
+        out.append(s)
+    return replace(new, services=tuple(out)), decisions
+
+
+def _set_paused(
+    state: PolicyState, service: str | None, paused: bool, now: float
+) -> tuple[PolicyState, tuple[Decision, ...]]:
+    out = []
+    decisions: list[Decision] = []
+    for s in state.services:
+        if service in (None, s.service) and s.paused != paused:
+            s = replace(s, paused=paused, last_note="")
+            decisions.append(
+                Decision(
+                    now,
+                    s.service,
+                    "pause" if paused else "resume",
+                    "maintenance: observe and alert only" if paused else "acting again",
+                )
+            )
+        out.append(s)
+    return replace(state, services=tuple(out)), tuple(decisions)
+
+
+def initial_state(services: Sequence[str], previous: PolicyState | None = None) -> PolicyState:
+    """State for these services, keeping what a previous run knew; in-flight actions are
+    forgotten (their executor died with the previous process)."""
+    prev = previous or PolicyState()
+    out = []
+    for name in services:
+        s = prev.service(name)
+        if s.in_flight is not None:
+            s = replace(s, in_flight=None, in_flight_since=None, gate_open=True, gate_reason="open")
+        out.append(s)
+    return PolicyState(tuple(out), prev.next_action_id)
