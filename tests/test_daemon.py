@@ -19,6 +19,8 @@ from vllm_guardian.recorder import read_records, snapshot_from_record
 from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
 
 CONFIG = """
+state_dir: {recorder}.state
+runtime_dir: {recorder}.run
 services:
   - name: vllm
     url: http://127.0.0.1:9

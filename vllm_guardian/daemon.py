@@ -37,7 +37,9 @@ from vllm_guardian.config import Config, ConfigInvalid, load_config
 from vllm_guardian.control import ControlServer
 from vllm_guardian.core.signals import ServiceSignals, Signals, derive
 from vllm_guardian.exposition import ExpositionServer, GuardianCollector, Published
+from vllm_guardian.healing import Healing
 from vllm_guardian.model import (
+    ActionResult,
     GpuReading,
     HealthProbe,
     LogReading,
@@ -124,6 +126,7 @@ class Guardian:
         notifier: Notifier | None = None,
         config_path: str | None = None,
         collector_factory: Callable[[Config, Clock], Sequence[Collector]] = build_collectors,
+        healing: Healing | bool | None = True,
     ) -> None:
         self.cfg = cfg
         self.clock = clock or SystemClock()
@@ -152,6 +155,10 @@ class Guardian:
         self._reload = threading.Event()
         self._lock = threading.Lock()
         self.ready_sent = False
+        # The decide-and-act half; False leaves the guardian observing only (tests, `replay`).
+        self.healing: Healing | None = (
+            Healing(cfg, self.clock, self.history) if healing is True else healing or None
+        )
 
     # --- the tick -----------------------------------------------------------------------------
 
@@ -159,20 +166,31 @@ class Guardian:
         start = self.clock.monotonic()
         now = self.clock.time()
         readings, statuses = self._collect()
-        snapshot = assemble(now, [s.name for s in self.cfg.services], readings, statuses)
+        results = self.healing.take_results() if self.healing is not None else ()
+        snapshot = assemble(now, [s.name for s in self.cfg.services], readings, statuses, results)
         self.history.append(snapshot)
         span = history_span_seconds(self.cfg)
         while len(self.history) > 1 and self.history[0].time_seconds < now - span:
             self.history.popleft()
         signals = derive(list(self.history), self.cfg.services, self.cfg.signals)
         decisions: list[Mapping[str, Any]] = []
+        if self.healing is not None:
+            try:
+                decisions.extend(self.healing.run(snapshot, signals, now))
+                for name, gate in self.healing.gates(signals).items():
+                    self.exposition.set_gate(name, gate)
+            except Exception:  # a policy bug must not stop observation
+                log.exception("the decide-and-act stage failed; observation continues")
         for stage in self.stages:
             try:
                 decisions.extend(stage.run(snapshot, signals, now))
             except Exception:  # a stage bug must not stop observation
                 log.exception("stage %s failed; observation continues", type(stage).__name__)
         duration = self.clock.monotonic() - start
-        self.exposition.publish(Published(snapshot, signals, duration), self.clock.monotonic())
+        view = self.healing.view() if self.healing is not None else None
+        self.exposition.publish(
+            Published(snapshot, signals, duration, view), self.clock.monotonic()
+        )
         result = TickResult(snapshot, signals, decisions, duration)
         with self._lock:
             self.last = result
@@ -285,6 +303,12 @@ class Guardian:
         except ConfigInvalid as e:
             log.error("reload refused, keeping the running config:\n%s", e)
             return False
+        if self.healing is not None:
+            try:
+                self.healing.reload(new)
+            except ConfigInvalid as e:
+                log.error("reload refused, keeping the running config:\n%s", e)
+                return False
         old_slots = self._slots
         self.cfg = new
         self._slots = [_SourceSlot(c) for c in self._factory(new, self.clock)]
@@ -302,6 +326,8 @@ class Guardian:
         return True
 
     def close(self) -> None:
+        if self.healing is not None:
+            self.healing.close()
         for slot in self._slots:
             _safe_close(slot.collector)
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -319,6 +345,15 @@ class Guardian:
             }
         )
         body.update(ok=True, version=__version__, tick_duration_seconds=last.duration_seconds)
+        if self.healing is not None:
+            view = self.healing.view()
+            body["policy"] = to_jsonable(view.state)
+            body["alerts"] = to_jsonable(view.alerts)
+            body["dry_run"] = view.dry_run
+            body["restart_budget"] = view.budget
+            body["gates"] = {
+                name: to_jsonable(g) for name, g in self.healing.gates(last.signals).items()
+            }
         if last.snapshot.gpus is not None:
             body["gpus"] = to_jsonable(last.snapshot.gpus.devices)
         return body
@@ -327,6 +362,11 @@ class Guardian:
         cmd = req.get("cmd")
         if cmd == "status":
             return self.status()
+        if cmd in ("pause", "resume"):
+            if self.healing is None:
+                return {"ok": False, "error": "this guardian only observes"}
+            service = req.get("service")
+            return self.healing.control(str(cmd), str(service) if service else None)
         return {"ok": False, "error": f"unknown command {cmd!r}"}
 
     def run(self) -> int:
@@ -350,6 +390,8 @@ class Guardian:
             )
             control = None  # type: ignore[assignment]
         _install_signals(self)
+        if self.healing is not None:
+            self.healing.start()
         try:
             next_at = self.clock.monotonic()
             while not self._stop.is_set():
@@ -412,6 +454,7 @@ def assemble(
     services: Sequence[str],
     readings: Sequence[Reading],
     statuses: Sequence[SourceStatus],
+    action_results: Sequence[ActionResult] = (),
 ) -> Snapshot:
     """Put each reading's payload where it belongs in the Snapshot."""
     parts: dict[str, dict[str, Any]] = {name: {} for name in services}
@@ -439,6 +482,7 @@ def assemble(
         services=tuple(ServiceSnapshot(name, **parts[name]) for name in services),
         gpus=gpus,
         sources=tuple(statuses),
+        action_results=tuple(action_results),
     )
 
 

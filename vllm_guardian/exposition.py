@@ -27,15 +27,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from vllm_guardian import __version__
 from vllm_guardian.core.signals import ServiceSignals, Signals
-from vllm_guardian.model import HealthState, Snapshot
+from vllm_guardian.healing import HealingView
+from vllm_guardian.model import AlertState, GateState, HealthState, Snapshot
 
 NS = "vllm_guardian"
-
-
-@dataclass(frozen=True)
-class GateState:
-    ready: bool
-    reason: str
 
 
 @dataclass(frozen=True)
@@ -43,6 +38,7 @@ class Published:
     snapshot: Snapshot
     signals: Signals
     tick_duration_seconds: float
+    healing: HealingView | None = None
 
 
 class GuardianCollector:
@@ -121,6 +117,8 @@ class GuardianCollector:
         yield from _source_families(pub.snapshot)
         yield from _service_families(pub.snapshot, pub.signals)
         yield from _gpu_families(pub.snapshot, xids)
+        if pub.healing is not None:
+            yield from _healing_families(pub.healing, pub.snapshot.time_seconds)
 
 
 def _build_info() -> Iterator[Metric]:
@@ -498,6 +496,92 @@ def _gpu_families(snap: Snapshot, xids: dict[tuple[int, int], int]) -> Iterator[
     for (gpu, code), n in sorted(xids.items()):
         xid.add_metric([str(gpu), str(code)], n)
     yield xid
+
+
+def _healing_families(view: HealingView, now: float) -> Iterator[Metric]:
+    alert = GaugeMetricFamily(
+        f"{NS}_alert",
+        "1 for each pending or firing guardian alert, like Prometheus's ALERTS.",
+        labels=["service", "alertname", "severity", "alertstate"],
+    )
+    stale = GaugeMetricFamily(
+        f"{NS}_alert_stale",
+        "1 when an alert's signal is missing and its state is held.",
+        labels=["service", "alertname"],
+    )
+    for a in view.alerts:
+        if a.state is AlertState.INACTIVE:
+            continue
+        alert.add_metric([a.service or "", a.name, a.severity.value, a.state.value], 1.0)
+        if a.stale:
+            stale.add_metric([a.service or "", a.name], 1.0)
+    yield alert
+    yield stale
+    f = _Families()
+    p = view.state
+    for s in p.services:
+        svc = [s.service]
+        f.add(
+            "breaker_latched",
+            "1 when the circuit breaker is latched (needs `vllm-guardian resume`).",
+            ["service"],
+            svc,
+            _bool(s.breaker_latched),
+        )
+        f.add(
+            "paused",
+            "1 while an operator has paused the guardian for this service.",
+            ["service"],
+            svc,
+            _bool(s.paused),
+        )
+        f.add(
+            "action_in_flight",
+            "1 while a restart or relaunch is running.",
+            ["service"],
+            svc,
+            _bool(s.in_flight is not None),
+        )
+        recent = [t for t in s.restarts if now - t < view.budget_window_seconds]
+        f.add(
+            "restart_budget_remaining",
+            "Guardian restarts left in the budget window.",
+            ["service"],
+            svc,
+            max(0, view.budget - len(recent)),
+        )
+        f.add(
+            "dry_run",
+            "1 when the guardian decides but does not act (policy.dry_run).",
+            ["service"],
+            svc,
+            _bool(view.dry_run),
+        )
+        for lever, rung in s.rungs:
+            f.add(
+                "policy_rung",
+                "How many rungs below the operator's baseline a lever is.",
+                ["service", "lever"],
+                [s.service, lever.value],
+                rung,
+            )
+        cooldown = max(0.0, s.cooldown_until - now)
+        f.add(
+            "cooldown_remaining_seconds",
+            "Seconds until the guardian may act again.",
+            ["service"],
+            svc,
+            cooldown,
+        )
+    yield from f
+    actions = CounterMetricFamily(
+        f"{NS}_actions",
+        "Actions finished, by kind and result (dry-run ones included, marked).",
+        labels=["service", "action", "result", "dry_run"],
+    )
+    for (service, action, result, dry), n in view.actions_total:
+        actions.add_metric([service, action, result, "true" if dry else "false"], n)
+    yield actions
 
 
 def make_registry(collector: GuardianCollector, process_metrics: bool = True) -> CollectorRegistry:

@@ -378,3 +378,11 @@ class ActionResult:
     detail: str
     finished_seconds: float
     dry_run: bool = False
+
+
+@dataclass(frozen=True)
+class GateState:
+    """What /ready/<service> answers: 200 when ready, 503 with the reason when not."""
+
+    ready: bool
+    reason: str

@@ -1,0 +1,42 @@
+"""Actuator: the audit log, one JSON line per policy decision (time, service, what, why, evidence).
+
+Where it sits: the end of the act stage. Every gate change, action, suppressed action, result,
+latch and operator command is written here with its reason, so "why did it restart at 03:12?"
+has an answer. Never raises: a write error is returned and logged once by the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+from vllm_guardian.core.policy import Decision
+from vllm_guardian.recorder import to_jsonable
+
+
+class AuditLog:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self.error: str | None = None
+
+    def write(self, decisions: Iterable[Decision]) -> bool:
+        lines = "".join(json.dumps(to_jsonable(d), separators=(",", ":")) + "\n" for d in decisions)
+        if not lines:
+            return True
+        with self._lock:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+                try:
+                    os.write(fd, lines.encode())
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                self.error = f"cannot write the audit log {self.path}: {e.strerror or e}"
+                return False
+        self.error = None
+        return True

@@ -1,0 +1,165 @@
+"""Actuator: the guardian-owned flags file that the vLLM unit reads.
+
+Where it sits: the act stage, before a relaunch. DESIGN.md "How flags reach vLLM": the
+operator's unit keeps its ``ExecStart`` and appends ``$VLLM_GUARDIAN_ARGS`` from
+``EnvironmentFile=-/var/lib/vllm-guardian/<service>.env``; argparse takes the last occurrence
+of a flag, so the guardian's values override the operator's.
+
+Only whitelisted flags and environment variables with range-checked values are ever written,
+and values never contain whitespace or quotes: systemd splits ``$VLLM_GUARDIAN_ARGS`` on
+whitespace and nothing here goes through a shell. The write is atomic (temp file + rename).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ARGS_VARIABLE = "VLLM_GUARDIAN_ARGS"
+
+
+def _int_range(lo: int, hi: int) -> Callable[[str], str | None]:
+    def check(v: str) -> str | None:
+        if not re.fullmatch(r"\d+", v) or not lo <= int(v) <= hi:
+            return f"must be an integer in [{lo}, {hi}]"
+        return None
+
+    return check
+
+
+def _float_range(lo: float, hi: float) -> Callable[[str], str | None]:
+    def check(v: str) -> str | None:
+        if not re.fullmatch(r"\d+(\.\d+)?", v) or not lo <= float(v) <= hi:
+            return f"must be a number in [{lo}, {hi}]"
+        return None
+
+    return check
+
+
+def _switch(v: str) -> str | None:
+    return None if v == "" else "takes no value"
+
+
+# The only flags the guardian may ever set, with what each value must be (vllm-surface.md §5).
+FLAGS: dict[str, Callable[[str], str | None]] = {
+    "--max-num-seqs": _int_range(1, 100_000),
+    "--max-num-batched-tokens": _int_range(16, 10_000_000),
+    "--gpu-memory-utilization": _float_range(0.05, 0.99),
+    "--kv-cache-memory-bytes": _int_range(1 << 20, 1 << 44),
+    "--enable-chunked-prefill": _switch,
+    "--enforce-eager": _switch,
+}
+ENV: dict[str, Callable[[str], str | None]] = {
+    "PYTORCH_CUDA_ALLOC_CONF": lambda v: (
+        None
+        if v in ("expandable_segments:True", "expandable_segments:False")
+        else "must be expandable_segments:True or expandable_segments:False"
+    ),
+}
+
+
+class FlagsRejected(ValueError):
+    """A flag or value outside the whitelist: nothing was written."""
+
+
+@dataclass(frozen=True)
+class FlagsContent:
+    flags: tuple[tuple[str, str], ...]
+    env: tuple[tuple[str, str], ...]
+
+    @property
+    def argv(self) -> tuple[str, ...]:
+        out: list[str] = []
+        for flag, value in self.flags:
+            out.append(flag)
+            if value:
+                out.append(value)
+        return tuple(out)
+
+
+def validate(flags: Sequence[tuple[str, str]], env: Sequence[tuple[str, str]]) -> FlagsContent:
+    problems = []
+    for flag, value in flags:
+        check = FLAGS.get(flag)
+        if check is None:
+            problems.append(f"{flag}: not a flag the guardian may set")
+        elif (why := check(value)) is not None:
+            problems.append(f"{flag} {value!r}: {why}")
+    for name, value in env:
+        check = ENV.get(name)
+        if check is None:
+            problems.append(f"{name}: not a variable the guardian may set")
+        elif (why := check(value)) is not None:
+            problems.append(f"{name}={value!r}: {why}")
+    if problems:
+        raise FlagsRejected("; ".join(problems))
+    return FlagsContent(tuple(flags), tuple(env))
+
+
+def render(content: FlagsContent) -> str:
+    lines = [
+        "# Written by vllm-guardian: the flags it currently asks vLLM to run with.",
+        "# Do not edit; `vllm-guardian status` shows why each is here.",
+        f"{ARGS_VARIABLE}={' '.join(content.argv)}",
+    ]
+    lines += [f"{name}={value}" for name, value in content.env]
+    return "\n".join(lines) + "\n"
+
+
+def parse(text: str) -> FlagsContent:
+    """Read a flags file back (validated: a tampered file is rejected, not obeyed)."""
+    flags: list[tuple[str, str]] = []
+    env: list[tuple[str, str]] = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, value = line.partition("=")
+        if not sep:
+            raise FlagsRejected(f"not NAME=value: {line!r}")
+        if name == ARGS_VARIABLE:
+            argv = value.split()
+            i = 0
+            while i < len(argv):
+                flag = argv[i]
+                takes_value = flag in FLAGS and FLAGS[flag]("") is not None
+                if takes_value and i + 1 < len(argv):
+                    flags.append((flag, argv[i + 1]))
+                    i += 2
+                else:
+                    flags.append((flag, ""))
+                    i += 1
+        else:
+            env.append((name, value))
+    return validate(flags, env)
+
+
+def path_for(state_dir: str | Path, service: str) -> Path:
+    return Path(state_dir) / f"{service}.env"
+
+
+def write(path: Path, content: FlagsContent) -> None:
+    """Atomically replace the flags file (0644: the vLLM unit's user must read it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(render(content))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read(path: Path) -> FlagsContent | None:
+    try:
+        return parse(path.read_text())
+    except FileNotFoundError:
+        return None

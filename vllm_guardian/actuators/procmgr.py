@@ -1,0 +1,182 @@
+"""Actuator: a small process manager, the restart backend for hosts without systemd (and the demo).
+
+Where it sits: the act stage's restart backend when ``policy.backend: process``. It runs
+``services[].command`` with the guardian's flags file applied the way the systemd drop-in
+applies it (``$VLLM_GUARDIAN_ARGS`` appended to the argument list, the file's other variables in
+the environment), restarts it when it exits for any reason — vLLM sometimes exits 0 after its
+engine dies, so this is ``Restart=always`` — and restarts it on request: SIGTERM to the process
+group (vLLM drains for ``--shutdown-timeout``), SIGKILL after the stop timeout, start again.
+
+The command is an argument list, never a shell. Output goes to a log file that the logs source
+follows (``services[].log_file``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from vllm_guardian.actuators import flags as flagsfile
+
+log = logging.getLogger("vllm_guardian.procmgr")
+
+
+class Supervisor:
+    """Runs one command, keeps it running, restarts it on demand. Thread-safe."""
+
+    def __init__(
+        self,
+        name: str,
+        command: Sequence[str],
+        flags_path: Path,
+        log_path: Path | None = None,
+        restart_delay_seconds: float = 1.0,
+        stop_timeout_seconds: float = 60.0,
+        extra_env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self.command = tuple(command)
+        self.flags_path = flags_path
+        self.log_path = log_path
+        self.restart_delay_seconds = restart_delay_seconds
+        self.stop_timeout_seconds = stop_timeout_seconds
+        self.extra_env = dict(extra_env or {})
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._want_running = False
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+        self.starts = 0
+        self.exits: list[int] = []  # exit codes seen, oldest first
+
+    # --- what a restart reads ----------------------------------------------------------------
+
+    def argv_and_env(self) -> tuple[list[str], dict[str, str]]:
+        env = {**os.environ, **self.extra_env}
+        argv = list(self.command)
+        try:
+            content = flagsfile.read(self.flags_path)
+        except flagsfile.FlagsRejected as e:
+            log.error(
+                "%s: flags file %s rejected, starting without it: %s", self.name, self.flags_path, e
+            )
+            content = None
+        if content is not None:
+            argv += content.argv
+            env.update(dict(content.env))
+        return argv, env
+
+    @property
+    def pid(self) -> int | None:
+        with self._lock:
+            return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        with self._lock:
+            self._want_running = True
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name=f"supervise-{self.name}", daemon=True
+                )
+                self._thread.start()
+        self._wake.set()
+
+    def _spawn(self) -> None:
+        argv, env = self.argv_and_env()
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            proc = subprocess.Popen(
+                argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        finally:
+            if out is not subprocess.DEVNULL:
+                out.close()  # type: ignore[union-attr]
+        with self._lock:
+            self._proc = proc
+            self.starts += 1
+        log.info("%s: started pid %d: %s", self.name, proc.pid, " ".join(argv))
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                want = self._want_running
+                proc = self._proc
+            if not want:
+                return
+            if proc is None:
+                try:
+                    self._spawn()
+                except OSError as e:
+                    log.error("%s: cannot start %s: %s", self.name, self.command[0], e)
+                    self._wake.wait(max(self.restart_delay_seconds, 5.0))
+                    self._wake.clear()
+                continue
+            code = proc.wait()
+            with self._lock:
+                if self._proc is proc:
+                    self._proc = None
+                    self.exits.append(code)
+                want = self._want_running
+            if want:
+                log.warning(
+                    "%s: exited with status %d; restarting in %.1fs",
+                    self.name,
+                    code,
+                    self.restart_delay_seconds,
+                )
+                time.sleep(self.restart_delay_seconds)
+
+    def _terminate(self, proc: subprocess.Popen[bytes], timeout: float) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("%s: still running %.0fs after SIGTERM; SIGKILL", self.name, timeout)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        # Workers in the group that outlived the leader hold GPU memory: end them too.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    def restart(self, timeout_seconds: float | None = None) -> tuple[bool, bool, str]:
+        """Stop (drain via SIGTERM) and start again. Returns (ok, terminal, detail)."""
+        with self._lock:
+            proc = self._proc
+            self._want_running = False
+        if proc is not None and proc.poll() is None:
+            self._terminate(
+                proc, self.stop_timeout_seconds if timeout_seconds is None else timeout_seconds
+            )
+        if self._thread is not None:
+            self._thread.join(timeout=self.restart_delay_seconds + 15)
+            self._thread = None
+        with self._lock:
+            self._proc = None
+        try:
+            self._spawn()
+        except OSError as e:
+            return False, True, f"cannot start {self.command[0]}: {e}"
+        self.start()
+        return True, False, f"restarted as pid {self.pid}"
+
+    def stop(self, timeout_seconds: float = 30.0) -> None:
+        with self._lock:
+            self._want_running = False
+            proc = self._proc
+        self._wake.set()
+        if proc is not None and proc.poll() is None:
+            self._terminate(proc, timeout_seconds)
+        if self._thread is not None:
+            self._thread.join(timeout=self.restart_delay_seconds + 15)
+            self._thread = None
