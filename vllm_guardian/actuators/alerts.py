@@ -131,6 +131,16 @@ class AlertDispatcher:
                 continue
             if slot.future is not None and not slot.future.done():
                 self._queue(slot, batch)
+                queued = sum(len(b.transitions) for b in slot.backlog)
+                results.append(
+                    SinkResult(
+                        slot.sink.name,
+                        slot.target,
+                        False,
+                        0,
+                        error=f"still sending from an earlier tick; {queued} transition(s) queued",
+                    )
+                )
                 continue
             if slot.future is not None:  # finished after an earlier tick stopped waiting
                 results.extend(slot.future.result())
