@@ -1,0 +1,353 @@
+"""Actuators against real things: files, real child processes, a fake systemctl binary."""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm_guardian.actuators import flags as flagsfile
+from vllm_guardian.actuators.executor import ActionExecutor, Observation
+from vllm_guardian.actuators.procmgr import Supervisor
+from vllm_guardian.actuators.systemd import SystemdBackend
+from vllm_guardian.clock import SystemClock
+from vllm_guardian.config import PolicyConfig
+from vllm_guardian.core.policy import Lever, PolicyState, ServiceState
+from vllm_guardian.healing import load_state, save_state
+from vllm_guardian.model import Action, ActionKind, Cause
+
+# --- the flags file --------------------------------------------------------------------------
+
+VALID = [
+    ([("--max-num-seqs", "192")], [], "VLLM_GUARDIAN_ARGS=--max-num-seqs 192"),
+    (
+        [("--max-num-batched-tokens", "4096"), ("--enable-chunked-prefill", "")],
+        [],
+        "VLLM_GUARDIAN_ARGS=--max-num-batched-tokens 4096 --enable-chunked-prefill",
+    ),
+    (
+        [("--gpu-memory-utilization", "0.85")],
+        [("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")],
+        "VLLM_GUARDIAN_ARGS=--gpu-memory-utilization 0.85\nPYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+    ),
+    ([], [], "VLLM_GUARDIAN_ARGS="),
+]
+
+
+@pytest.mark.parametrize(("flags", "env", "expected"), VALID)
+def test_flags_file_round_trip(tmp_path: Path, flags, env, expected):
+    content = flagsfile.validate(flags, env)
+    path = flagsfile.path_for(tmp_path, "vllm")
+    flagsfile.write(path, content)
+    text = path.read_text()
+    assert expected in text
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert flagsfile.read(path) == content
+    assert [p.name for p in tmp_path.iterdir()] == ["vllm.env"]  # no temp file left behind
+
+
+REJECTED = [
+    ([("--api-key", "x")], [], "not a flag the guardian may set"),
+    ([("--max-num-seqs", "0")], [], "integer in [1"),
+    ([("--max-num-seqs", "8; rm -rf /")], [], "integer"),
+    ([("--gpu-memory-utilization", "1.5")], [], "number in [0.05"),
+    ([("--gpu-memory-utilization", "0.9 --api-key x")], [], "number"),
+    ([("--enforce-eager", "yes")], [], "takes no value"),
+    ([], [("LD_PRELOAD", "/tmp/x.so")], "not a variable"),
+    ([], [("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6")], "expandable_segments"),
+]
+
+
+@pytest.mark.parametrize(("flags", "env", "why"), REJECTED)
+def test_only_whitelisted_validated_flags(tmp_path: Path, flags, env, why):
+    with pytest.raises(flagsfile.FlagsRejected, match=None) as exc:
+        flagsfile.validate(flags, env)
+    assert why in str(exc.value)
+
+
+def test_a_tampered_flags_file_is_rejected_not_obeyed(tmp_path: Path):
+    path = tmp_path / "vllm.env"
+    path.write_text("VLLM_GUARDIAN_ARGS=--max-num-seqs 8 --trust-remote-code\n")
+    with pytest.raises(flagsfile.FlagsRejected):
+        flagsfile.read(path)
+
+
+# --- the process manager ---------------------------------------------------------------------
+
+CHILD = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    print("argv", sys.argv[1:], "alloc", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), flush=True)
+    signal.signal(signal.SIGTERM, lambda *a: (print("draining", flush=True), sys.exit(0)))
+    mode = sys.argv[1] if len(sys.argv) > 1 else "run"
+    if mode == "exit0":
+        time.sleep(0.3)
+        sys.exit(0)
+    while True:
+        time.sleep(0.1)
+    """
+)
+
+
+def wait_until(check, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if check():
+            return
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+@pytest.fixture
+def child(tmp_path: Path) -> Path:
+    path = tmp_path / "child.py"
+    path.write_text(CHILD)
+    return path
+
+
+def test_supervisor_applies_the_flags_file_and_restarts_on_demand(tmp_path: Path, child: Path):
+    flags_path = tmp_path / "svc.env"
+    log = tmp_path / "svc.log"
+    sup = Supervisor(
+        "svc",
+        [sys.executable, str(child), "run"],
+        flags_path,
+        log,
+        restart_delay_seconds=0.1,
+        stop_timeout_seconds=5,
+    )
+    try:
+        sup.start()
+        wait_until(lambda: sup.pid is not None and "argv" in log.read_text())
+        first = sup.pid
+        flagsfile.write(
+            flags_path,
+            flagsfile.validate(
+                [("--max-num-seqs", "96")],
+                [("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")],
+            ),
+        )
+        ok, terminal, detail = sup.restart()
+        assert ok and not terminal, detail
+        wait_until(lambda: "--max-num-seqs', '96'" in log.read_text())
+        assert sup.pid != first
+        text = log.read_text()
+        assert "draining" in text  # SIGTERM first: vLLM drains on it
+        assert "alloc expandable_segments:True" in text
+    finally:
+        sup.stop()
+    assert sup.pid is None
+
+
+def test_supervisor_restarts_a_process_that_exits_zero(tmp_path: Path, child: Path):
+    sup = Supervisor(
+        "svc",
+        [sys.executable, str(child), "exit0"],
+        tmp_path / "none.env",
+        tmp_path / "log",
+        restart_delay_seconds=0.1,
+    )
+    try:
+        sup.start()
+        wait_until(lambda: sup.starts >= 3)
+        assert sup.exits[:2] == [0, 0]  # Restart=always: exit 0 after engine death is not "done"
+    finally:
+        sup.stop()
+
+
+# --- systemd ---------------------------------------------------------------------------------
+
+
+def fake_systemctl(tmp_path: Path, body: str) -> str:
+    path = tmp_path / "systemctl"
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+SYSTEMCTL = [
+    # script body, ok, terminal, detail fragment
+    ('echo "$@" > "$(dirname "$0")/args"\nexit 0\n', True, False, "systemctl restart vllm.service"),
+    (
+        'echo "Failed to restart vllm.service: Unit vllm.service not found." >&2\nexit 5\n',
+        False,
+        True,
+        "not found",
+    ),
+    ('echo "Failed to restart vllm.service: Access denied" >&2\nexit 1\n', False, True, "polkit"),
+    (
+        'echo "Job for vllm.service failed because the control process exited with error code." >&2\nexit 1\n',
+        False,
+        False,
+        "control process exited",
+    ),
+    ("sleep 5\n", False, False, "did not return within 1s"),
+]
+
+
+@pytest.mark.parametrize(("body", "ok", "terminal", "detail"), SYSTEMCTL)
+def test_systemd_backend(tmp_path: Path, body, ok, terminal, detail):
+    b = SystemdBackend("vllm.service", fake_systemctl(tmp_path, body))
+    got = b.restart(timeout_seconds=1)
+    assert got[:2] == (ok, terminal) and detail in got[2]
+    if ok:
+        assert (tmp_path / "args").read_text().split() == [
+            "restart",
+            "--no-ask-password",
+            "vllm.service",
+        ]
+
+
+def test_systemd_backend_without_systemctl():
+    ok, terminal, detail = SystemdBackend("vllm.service", "/nonexistent/systemctl").restart(1)
+    assert (ok, terminal) == (False, True) and "not found" in detail
+
+
+# --- the executor ----------------------------------------------------------------------------
+
+
+class Backend:
+    def __init__(self, result=(True, False, "restarted")):  # type: ignore[no-untyped-def]
+        self.calls = 0
+        self.result = result
+
+    def restart(self, timeout_seconds: float):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        return self.result
+
+
+def action(kind: ActionKind = ActionKind.RESTART, dry: bool = False, flags=(), env=()) -> Action:  # type: ignore[no-untyped-def]
+    return Action(
+        1, "vllm", kind, Cause.ENGINE_DEAD, "test", ("EngineDead",), dry, tuple(flags), tuple(env)
+    )
+
+
+def executor(tmp_path: Path, backend, observe) -> ActionExecutor:  # type: ignore[no-untyped-def]
+    policy = PolicyConfig(
+        drain_timeout_seconds=1, vram_release_timeout_seconds=1, ready_timeout_seconds=2
+    )
+    return ActionExecutor(
+        SystemClock(), policy, tmp_path, {"vllm": backend}, observe, poll_seconds=0.02
+    )
+
+
+def take(ex: ActionExecutor, timeout: float = 10.0):  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = ex.take_results()
+        if got:
+            return got
+        time.sleep(0.02)
+    raise AssertionError("no result")
+
+
+def test_executor_drains_restarts_waits_for_vram_and_ready(tmp_path: Path):
+    state = {"running": 3.0, "pid": 10, "up": True}
+    backend = Backend()
+
+    def observe(service: str) -> Observation:
+        return Observation(
+            time.time(),
+            state["running"],
+            0.0,
+            state["up"],
+            state["pid"],
+            frozenset({state["pid"]}),
+            True,
+        )
+
+    ex = executor(tmp_path, backend, observe)
+    ex.submit(action(ActionKind.RELAUNCH, flags=[("--max-num-seqs", "48")]))
+    time.sleep(0.2)
+    assert backend.calls == 0  # still draining: 3 requests running
+    state["running"] = 0.0
+    time.sleep(0.2)
+    state["pid"] = 11  # new instance; old pid gone from the GPU
+    (result,) = take(ex)
+    assert result.ok and "drained" in result.detail and backend.calls == 1
+    assert "--max-num-seqs 48" in flagsfile.path_for(tmp_path, "vllm").read_text()
+
+
+def test_executor_reports_rejected_flags_as_terminal_and_restarts_nothing(tmp_path: Path):
+    backend = Backend()
+    ex = executor(tmp_path, backend, lambda s: None)
+    ex.submit(action(ActionKind.RELAUNCH, flags=[("--trust-remote-code", "")]))
+    (result,) = take(ex)
+    assert not result.ok and result.terminal and backend.calls == 0
+
+
+def test_executor_dry_run_does_nothing(tmp_path: Path):
+    backend = Backend()
+    ex = executor(tmp_path, backend, lambda s: None)
+    ex.submit(action(dry=True))
+    (result,) = take(ex)
+    assert (
+        result.ok
+        and result.dry_run
+        and "dry-run: would restart" in result.detail
+        and backend.calls == 0
+    )
+
+
+def test_executor_not_ready_in_time_is_a_failure(tmp_path: Path):
+    def observe(service: str) -> Observation:
+        return Observation(time.time(), 0.0, 0.0, False, 10, frozenset(), False)
+
+    ex = executor(tmp_path, Backend(), observe)
+    ex.submit(action())
+    (result,) = take(ex)
+    assert not result.ok and not result.terminal and "not ready within 2s" in result.detail
+
+
+def test_executor_old_instance_holding_vram_is_a_failure(tmp_path: Path):
+    def observe(service: str) -> Observation:
+        return Observation(time.time(), 0.0, 0.0, True, 10, frozenset({10}), True)
+
+    ex = executor(tmp_path, Backend(), observe)
+    ex.submit(action())
+    (result,) = take(ex)
+    assert not result.ok and "still holds GPU memory" in result.detail
+
+
+# --- persisted policy state ------------------------------------------------------------------
+
+
+def test_policy_state_round_trip_and_corrupt_file_set_aside(tmp_path: Path):
+    path = tmp_path / "policy-state.json"
+    state = PolicyState(
+        (
+            ServiceState(
+                "vllm",
+                rungs=((Lever.MAX_NUM_SEQS, 2),),
+                breaker_latched=True,
+                breaker_reason="budget",
+                restarts=(1.0, 2.0),
+            ),
+        ),
+        7,
+    )
+    save_state(path, state)
+    assert load_state(path) == state
+    path.write_text("{not json")
+    assert load_state(path) is None
+    assert (tmp_path / "policy-state.json.corrupt").read_text() == "{not json"
+    assert not path.exists()
+
+
+def test_concurrent_saves_leave_a_readable_file(tmp_path: Path):
+    path = tmp_path / "s.json"
+    states = [PolicyState((ServiceState("vllm", restarts=(float(i),)),), i) for i in range(50)]
+    threads = [threading.Thread(target=save_state, args=(path, s)) for s in states]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert load_state(path) in states
+    assert [p.name for p in tmp_path.iterdir()] == ["s.json"]
+    assert os.path.getsize(path) > 0
