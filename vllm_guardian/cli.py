@@ -173,6 +173,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "sim":
         return cmd_sim(argparse.Namespace(), argv[1:])
+    if argv and argv[0] in ("install", "uninstall"):
+        from vllm_guardian.install import main as install_main  # noqa: PLC0415
+
+        return install_main(argv)
     args = build_parser().parse_args(argv)
     handlers = {"run": cmd_run, "check-config": cmd_check_config, "status": cmd_status}
     return handlers[args.command](args)

@@ -1,0 +1,181 @@
+"""``vllm-guardian install | uninstall`` into a temporary prefix, with fake systemctl/sysusers on PATH."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_guardian import cli, install
+from vllm_guardian.config import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def fake_tools(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """systemctl and systemd-sysusers that log their argv; exit status from FAKE_RC."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls.log"
+    for name in ("systemctl", "systemd-sysusers"):
+        tool = bin_dir / name
+        tool.write_text(
+            f'#!/bin/sh\necho "{name} $*" >> {log}\n'
+            'if [ -n "$FAKE_RC" ]; then echo "boom" >&2; exit "$FAKE_RC"; fi\n'
+        )
+        tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return log
+
+
+def calls(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_install_writes_everything_and_names_the_one_command(tmp_path, fake_tools, capsys):
+    prefix = tmp_path / "root"
+    prefix.mkdir()
+    assert cli.main(["install", "--prefix", str(prefix)]) == 0
+    out = capsys.readouterr().out
+    for f in install.render(["vllm.service"]):
+        assert (prefix / f.path.lstrip("/")).read_text() == f.text
+    cfg = load_config(str(prefix / "etc/vllm-guardian/config.yaml"))  # valid as written
+    assert [(s.name, s.unit) for s in cfg.services] == [("vllm", "vllm.service")]
+    assert "systemctl enable --now vllm-guardian.service" in out
+    assert "not reloading systemd" in out  # an offline root has no manager to reload
+    assert calls(fake_tools) == [
+        f"systemd-sysusers --root={prefix} /etc/sysusers.d/vllm-guardian.conf"
+    ]
+
+
+def test_install_keeps_an_existing_config_and_handles_several_units(tmp_path, fake_tools, capsys):
+    prefix = tmp_path / "root"
+    conf = prefix / "etc/vllm-guardian/config.yaml"
+    conf.parent.mkdir(parents=True)
+    conf.write_text("# mine\n")
+    argv = ["install", "--prefix", str(prefix), "--unit", "vllm-a.service", "--unit", "b.service"]
+    assert install.main(argv) == 0
+    assert conf.read_text() == "# mine\n"
+    assert "kept" in capsys.readouterr().out
+    rule = (prefix / "etc/polkit-1/rules.d/50-vllm-guardian.rules").read_text()
+    assert 'var units = ["vllm-a.service", "b.service"];' in rule
+    dropin = prefix / "etc/systemd/system/b.service.d/vllm-guardian.conf"
+    assert "EnvironmentFile=-/var/lib/vllm-guardian/b.env" in dropin.read_text()
+    unit = (prefix / "etc/systemd/system/vllm-guardian.service").read_text()
+    assert "After=network-online.target vllm-a.service b.service" in unit
+
+
+def test_dry_run_prints_and_changes_nothing(tmp_path, fake_tools, capsys):
+    prefix = tmp_path / "root"
+    prefix.mkdir()
+    assert install.main(["install", "--dry-run", "--prefix", str(prefix)]) == 0
+    out = capsys.readouterr().out
+    assert "Type=notify" in out and "polkit.addRule" in out and "KillMode=mixed" in out
+    assert "+ systemd-sysusers" in out
+    assert list(prefix.iterdir()) == [] and calls(fake_tools) == []
+
+
+def test_warns_when_the_vllm_unit_does_not_append_the_guardian_args(tmp_path, fake_tools, capsys):
+    prefix = tmp_path / "root"
+    unit = prefix / "etc/systemd/system/vllm.service"
+    unit.parent.mkdir(parents=True)
+    unit.write_text("[Service]\nExecStart=/opt/vllm/bin/vllm serve m\n")
+    assert install.main(["install", "--prefix", str(prefix)]) == 0
+    assert "does not end with $VLLM_GUARDIAN_ARGS" in capsys.readouterr().err
+    unit.write_text(install.VLLM_EXAMPLE)
+    assert install.main(["install", "--prefix", str(prefix)]) == 0
+    assert "VLLM_GUARDIAN_ARGS" not in capsys.readouterr().err
+
+
+def test_live_root_reloads_systemd_and_reports_a_failure(tmp_path, fake_tools, monkeypatch, capsys):
+    prefix = tmp_path / "root"
+    prefix.mkdir()
+    monkeypatch.setattr(install, "_live", lambda _p: True)
+    monkeypatch.setattr(install.os, "geteuid", lambda: 0)
+    assert install.main(["install", "--prefix", str(prefix)]) == 0
+    assert calls(fake_tools) == [
+        "systemd-sysusers /etc/sysusers.d/vllm-guardian.conf",
+        "systemctl daemon-reload",
+    ]
+    # ExecStart points at the vllm-guardian beside this Python when there is one.
+    exe = Path(sys.executable).with_name("vllm-guardian")
+    unit = (prefix / "etc/systemd/system/vllm-guardian.service").read_text()
+    expected = str(exe) if exe.is_file() else install.DEFAULT_EXEC
+    assert f"ExecStart={expected} run -c /etc/vllm-guardian/config.yaml" in unit
+    capsys.readouterr()
+    monkeypatch.setenv("FAKE_RC", "1")
+    assert install.main(["install", "--prefix", str(prefix)]) == 1
+    captured = capsys.readouterr()
+    assert "systemctl exited 1: boom" in captured.err
+    assert "One command left" not in captured.out
+
+
+def test_uninstall_removes_what_install_wrote_and_keeps_config_and_state(
+    tmp_path, fake_tools, monkeypatch, capsys
+):
+    prefix = tmp_path / "root"
+    prefix.mkdir()
+    assert install.main(["install", "--prefix", str(prefix), "--unit", "a.service"]) == 0
+    assert install.main(["install", "--prefix", str(prefix)]) == 0
+    state = prefix / "var/lib/vllm-guardian"
+    state.mkdir(parents=True)
+    (state / "vllm.env").write_text("VLLM_GUARDIAN_ARGS=--max-num-seqs 64\n")
+    other = prefix / "etc/systemd/system/vllm.service.d/local.conf"
+    other.write_text("[Service]\n")
+    monkeypatch.setattr(install, "_live", lambda _p: True)
+    monkeypatch.setattr(install.os, "geteuid", lambda: 0)
+    fake_tools.unlink()
+    assert install.main(["uninstall", "--prefix", str(prefix)]) == 0
+    out = capsys.readouterr().out
+    assert calls(fake_tools) == [
+        "systemctl disable --now vllm-guardian.service",
+        "systemctl daemon-reload",
+    ]
+    left = sorted(str(p.relative_to(prefix)) for p in prefix.rglob("*") if p.is_file())
+    assert left == [
+        "etc/systemd/system/vllm.service.d/local.conf",  # not ours: kept
+        "etc/vllm-guardian/config.yaml",
+        "var/lib/vllm-guardian/vllm.env",
+    ]
+    assert not (prefix / "etc/systemd/system/a.service.d").exists()  # ours, and now empty
+    assert "systemctl restart vllm.service" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "message"),
+    [
+        (["install", "--unit", "vllm"], 2, "is not a systemd service name"),
+        (["install", "--unit", "x.service; rm -rf /"], 2, "is not a systemd service name"),
+        (["install", "--unit", 'a"]);polkit.service'], 2, "is not a systemd service name"),
+        (["install", "--prefix", "/nonexistent/prefix"], 2, "is not a directory"),
+    ],
+)
+def test_bad_arguments_are_refused(argv, code, message, capsys):
+    assert install.main(argv) == code
+    assert message in capsys.readouterr().err
+
+
+def test_live_install_needs_root(monkeypatch, capsys):
+    monkeypatch.setattr(install.os, "geteuid", lambda: 1000)
+    assert install.main(["install"]) == 1
+    assert "needs root" in capsys.readouterr().err
+
+
+def test_the_command_line_entry_point(tmp_path, fake_tools):
+    prefix = tmp_path / "root"
+    prefix.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_guardian", "install", "--dry-run", "--prefix", str(prefix)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "systemctl enable --now vllm-guardian.service" in proc.stdout

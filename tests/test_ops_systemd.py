@@ -1,0 +1,193 @@
+"""The shipped systemd files, checked by systemd itself (``systemd-analyze``) and against the code.
+
+``systemd-analyze verify`` exits 0 on unknown keys and bad values, so stderr must be empty.
+The committed files under ``systemd/`` must equal what ``vllm-guardian install`` renders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from vllm_guardian import install
+from vllm_guardian.config import PolicyConfig, SignalsConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+SYSTEMD = ROOT / "systemd"
+# Overall exposure ×10 (systemd-analyze's scale): 2.0 "OK". The unit scores 1.8 with systemd 252.
+SECURITY_THRESHOLD = 20
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        if os.environ.get("VLLM_GUARDIAN_REQUIRE_TOOLS"):
+            pytest.fail(f"{name} is required here (Debian's systemd package)")
+        pytest.skip(f"{name} not installed")
+    return path
+
+
+def keys(text: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for line in text.replace("\\\n", " ").splitlines():
+        m = re.match(r"^([A-Za-z]+)=(.*)$", line)
+        if m:
+            out.setdefault(m.group(1), []).append(m.group(2))
+    return out
+
+
+def seconds(v: str) -> float:
+    total = 0.0
+    for n, unit in re.findall(r"(\d+(?:\.\d+)?)\s*(min|ms|s|h)?", v):
+        total += float(n) * {"min": 60, "ms": 0.001, "s": 1, "h": 3600, "": 1}[unit]
+    return total
+
+
+def test_committed_files_are_what_install_writes():
+    rendered = {f.path: f.text for f in install.render([install.DEFAULT_UNIT])}
+    committed = {
+        "/etc/systemd/system/vllm-guardian.service": SYSTEMD / "vllm-guardian.service",
+        "/etc/systemd/system/vllm.service.d/vllm-guardian.conf": SYSTEMD
+        / "vllm.service.d/vllm-guardian.conf",
+        "/etc/polkit-1/rules.d/50-vllm-guardian.rules": SYSTEMD / "50-vllm-guardian.rules",
+        "/etc/sysusers.d/vllm-guardian.conf": SYSTEMD / "sysusers.d/vllm-guardian.conf",
+    }
+    assert set(rendered) == set(committed)
+    for dest, path in committed.items():
+        assert path.read_text() == rendered[dest], f"{path} differs from install.render()"
+    assert (SYSTEMD / "vllm.service").read_text() == install.VLLM_EXAMPLE
+
+
+def _verify(tmp_path: Path, name: str, extra: dict[str, str] | None = None) -> None:
+    """Copy systemd/ to tmp, point Exec lines at binaries that exist, verify ``name``."""
+    work = tmp_path / "units"
+    shutil.copytree(SYSTEMD, work)
+    for path in work.rglob("*"):
+        if path.suffix in (".service", ".conf") and path.is_file():
+            text = re.sub(r"^ExecStart=\S+", "ExecStart=/bin/true", path.read_text(), flags=re.M)
+            for old, new in (extra or {}).items():
+                text = text.replace(old, new)
+            path.write_text(text)
+    proc = subprocess.run(
+        [tool("systemd-analyze"), "verify", str(work / name)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=work,
+    )
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+def test_guardian_unit_verifies_clean(tmp_path):
+    _verify(tmp_path, "vllm-guardian.service")
+
+
+def test_vllm_example_and_dropin_verify_clean(tmp_path):
+    _verify(tmp_path, "vllm.service")
+
+
+def test_verify_would_catch_a_typo(tmp_path):
+    """The check above can fail: a misspelt key in the drop-in is reported on stderr."""
+    with pytest.raises(AssertionError, match="Unknown key"):
+        _verify(tmp_path, "vllm.service", {"KillMode=mixed": "KilMode=mixed"})
+
+
+def test_guardian_unit_security_exposure(tmp_path):
+    unit = tmp_path / "vllm-guardian.service"
+    unit.write_text((SYSTEMD / "vllm-guardian.service").read_text())
+    sa = tool("systemd-analyze")
+    proc = subprocess.run(
+        [sa, "security", "--offline=yes", f"--threshold={SECURITY_THRESHOLD}", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    assert "Overall exposure level for vllm-guardian.service" in proc.stdout
+    table = json.loads(
+        subprocess.run(
+            [sa, "security", "--offline=yes", "--json=short", str(unit)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+    )
+    failing = {row["name"] for row in table if row.get("set") is False}
+    # The settings the issue asks for are all in force.
+    for setting in (
+        "NoNewPrivileges=",
+        "ProtectSystem=",
+        "ProtectHome=",
+        "PrivateTmp=",
+        "SystemCallFilter=~@privileged",
+        "RestrictAddressFamilies=~AF_PACKET",
+        "CapabilityBoundingSet=~CAP_SYS_ADMIN",
+    ):
+        assert setting not in failing, f"{setting} not hardened: {sorted(failing)}"
+
+
+def test_units_carry_what_the_issue_asks():
+    g = keys((SYSTEMD / "vllm-guardian.service").read_text())
+    assert g["Type"] == ["notify"] and g["NotifyAccess"] == ["main"]
+    assert g["Restart"] == ["on-failure"]
+    assert g["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
+    assert g["User"] == ["vllm-guardian"] and "DynamicUser" not in g
+    for d in ("StateDirectory", "RuntimeDirectory", "ConfigurationDirectory"):
+        assert g[d] == ["vllm-guardian"]
+    assert g["CapabilityBoundingSet"] == [""] and g["ProtectSystem"] == ["strict"]
+    assert g["SystemCallFilter"][0] == "@system-service"
+    assert "systemd-journal" in g["SupplementaryGroups"][0]
+    d = keys((SYSTEMD / "vllm.service.d/vllm-guardian.conf").read_text())
+    assert d["EnvironmentFile"] == ["-/var/lib/vllm-guardian/vllm.env"]
+    assert d["KillMode"] == ["mixed"] and d["Restart"] == ["always"]
+    ex = keys((SYSTEMD / "vllm.service").read_text())
+    assert ex["ExecStart"][0].rstrip().endswith("$VLLM_GUARDIAN_ARGS")
+    sysusers = (SYSTEMD / "sysusers.d/vllm-guardian.conf").read_text()
+    assert re.search(r"^u vllm-guardian ", sysusers, re.M)
+    assert re.search(r"^m vllm-guardian systemd-journal$", sysusers, re.M)
+
+
+# (what, value in the shipped files, the guardian default it must agree with, relation)
+TIMING = [
+    (
+        "vLLM TimeoutStopSec exceeds the guardian's drain timeout",
+        lambda: seconds(
+            keys((SYSTEMD / "vllm.service.d/vllm-guardian.conf").read_text())["TimeoutStopSec"][0]
+        ),
+        PolicyConfig().drain_timeout_seconds,
+        "gt",
+    ),
+    (
+        "vLLM TimeoutStopSec exceeds the example's --shutdown-timeout",
+        lambda: seconds(
+            keys((SYSTEMD / "vllm.service.d/vllm-guardian.conf").read_text())["TimeoutStopSec"][0]
+        ),
+        float(re.findall(r"--shutdown-timeout (\d+)", install.VLLM_EXAMPLE)[0]),
+        "gt",
+    ),
+    (
+        "guardian WatchdogSec allows several ticks at the default interval",
+        lambda: seconds(keys((SYSTEMD / "vllm-guardian.service").read_text())["WatchdogSec"][0]),
+        5 * 2.0,
+        "gt",
+    ),
+    (
+        "guardian WatchdogSec is below the stall threshold's order (a wedged daemon is caught first)",
+        lambda: seconds(keys((SYSTEMD / "vllm-guardian.service").read_text())["WatchdogSec"][0]),
+        SignalsConfig().stall_seconds,
+        "le",
+    ),
+]
+
+
+@pytest.mark.parametrize(("what", "shipped", "default", "rel"), TIMING, ids=[t[0] for t in TIMING])
+def test_unit_timings_agree_with_guardian_defaults(what, shipped, default, rel):
+    value = shipped()
+    assert (value > default) if rel == "gt" else (value <= default), (what, value, default)
