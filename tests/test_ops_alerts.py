@@ -91,7 +91,8 @@ PROMQL_WORDS = {
     "predict_linear", "label_replace", "time", "histogram_quantile", "max_over_time",
     "min_over_time", "avg_over_time", "le", "instance", "job", "model_name", "service", "host",
     "gpu", "xid", "source", "action", "dry_run", "engine", "irate", "clamp_min", "topk",
-    "sort_desc", "absent", "vector", "scalar", "changes", "resets", "quantile",
+    "sort_desc", "absent", "vector", "scalar", "changes", "resets", "quantile", "lever",
+    "severity", "result", "alertstate",
 }  # fmt: skip
 
 
