@@ -449,3 +449,57 @@ def test_invariants(steps):
         assert len(window) <= cfg.restart_budget, (
             "never more restarts than the budget in any window"
         )
+
+
+def death() -> LogEvent:
+    return LogEvent(
+        LogEventKind.ENGINE_DEAD, 0.0, "EngineDeadError: EngineCore encountered an issue."
+    )
+
+
+def test_an_oom_names_the_cause_of_the_death_that_follows():
+    r = Run().run(
+        Row(0, logs=(oom(6.0), death()), alerts=("EngineDead",), health=HealthState.ENGINE_DEAD)
+    )
+    (a,) = r.actions
+    assert (a.kind, a.cause) == (ActionKind.RELAUNCH, Cause.PREFILL_BURST)
+    assert "log:engine_dead" in a.evidence and "EngineDead" in a.evidence
+
+
+def test_an_oom_seen_in_cooldown_is_acted_on_once_after_it():
+    r = Run().run(Row(0, logs=(oom(6.0),)), Row(2), Row(50, logs=(oom(6.0),)), Row(60))
+    assert len(r.actions) == 1  # in cooldown (until 102)
+    r.run(Row(110), Row(112), Row(400), Row(800))
+    assert [a.kind for a in r.actions] == [ActionKind.RELAUNCH, ActionKind.RELAUNCH]
+    assert r.actions[1].flags[0] == (
+        "--max-num-batched-tokens",
+        "2048",
+    )  # second rung, at the floor
+    assert not r.svc.pending  # consumed: it never triggers again
+
+
+def test_an_exited_unit_that_systemd_does_not_restart_is_restarted():
+    r = Run()
+    r.tick(Row(0))
+    unit_dead = UnitState(
+        "vllm.service", "inactive", "dead", "success", None, 0, 0, None, None, None, ()
+    )
+    snap = Snapshot(10, (ServiceSnapshot("vllm", unit=unit_dead),), None)
+    sig = ServiceSignals("vllm", HealthState.REFUSED, False, False, None)
+    out = decide(
+        r.state, [], snap, Signals(10, (sig,)), 10, PolicySettings(BASE, ("vllm",), RULE_SIGNALS)
+    )
+    assert [(a.kind, a.cause) for a in out.actions] == [(ActionKind.RESTART, Cause.ENGINE_DEAD)]
+    assert out.actions[0].evidence == ("unit:exited",)
+
+
+def test_refused_right_after_a_crash_is_a_restart_in_progress_not_a_death():
+    # up, then refused (Restart=always is bringing it back): no action within the grace
+    r = Run().run(
+        Row(0),
+        Row(10, alerts=("EngineDead",), health=HealthState.REFUSED, pid=100),
+        Row(50, alerts=("EngineDead",), health=HealthState.REFUSED, pid=100),
+    )
+    assert r.actions == []
+    r.tick(Row(80, alerts=("EngineDead",), health=HealthState.REFUSED, pid=100))
+    assert [a.kind for a in r.actions] == [ActionKind.RESTART]

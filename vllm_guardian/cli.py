@@ -166,6 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--socket", help="control socket path (default: <runtime_dir>/control.sock)")
     s.add_argument("--json", action="store_true", help="print the raw status as JSON")
     sub.add_parser("sim", help="the vLLM twin: `vllm-guardian sim serve --help`", add_help=False)
+    sub.add_parser(
+        "demo",
+        help="the guardian against the built-in vLLM twin: `vllm-guardian demo --help`",
+        add_help=False,
+    )
     return p
 
 
@@ -173,6 +178,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "sim":
         return cmd_sim(argparse.Namespace(), argv[1:])
+    if argv and argv[0] == "demo":
+        from vllm_guardian.demo import main as demo_main  # noqa: PLC0415
+
+        return demo_main(argv[1:])
     if argv and argv[0] in ("install", "uninstall"):
         from vllm_guardian.install import main as install_main  # noqa: PLC0415
 

@@ -369,8 +369,9 @@ class Guardian:
             return self.healing.control(str(cmd), str(service) if service else None)
         return {"ok": False, "error": f"unknown command {cmd!r}"}
 
-    def run(self) -> int:
-        """The main loop; returns the process exit code."""
+    def run(self, install_signals: bool = True) -> int:
+        """The main loop; returns the process exit code. ``install_signals=False`` when run
+        from a thread (the demo): only the main thread may own signal handlers."""
         host, port = self.cfg.listen_address
         server = ExpositionServer(
             self.exposition,
@@ -389,7 +390,8 @@ class Guardian:
                 "control socket %s unavailable: %s (status/pause will not work)", control.path, e
             )
             control = None  # type: ignore[assignment]
-        _install_signals(self)
+        if install_signals:
+            _install_signals(self)
         if self.healing is not None:
             self.healing.start()
         try:

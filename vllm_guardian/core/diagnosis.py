@@ -31,6 +31,16 @@ UNAMBIGUOUS_SIGNALS = frozenset(
      "log_events.free_memory_below_utilization", "policy.unit_exited"}
 )  # fmt: skip
 
+_OOM_NAMES = frozenset({"log:cuda_oom", "log:non_torch_oom"})
+_DEATH_KINDS = frozenset(
+    {
+        LogEventKind.ENGINE_DEAD,
+        LogEventKind.ENGINE_FATAL,
+        LogEventKind.WORKER_DIED,
+        LogEventKind.EXECUTE_TIMEOUT,
+    }
+)
+
 # When two causes have equal weight, the more specific one names the lever.
 _SPECIFICITY = {
     Cause.GPU_HARDWARE_FAULT: 0,
@@ -158,6 +168,21 @@ def evidence_from_logs(
                     unambiguous=True,
                 )
             )
+        elif ev.kind in _DEATH_KINDS:
+            out.append(
+                Evidence(
+                    Cause.ENGINE_DEAD, f"log:{ev.kind.value}", ev.message[:200], unambiguous=True
+                )
+            )
+        elif ev.kind is LogEventKind.NON_TORCH_OOM:
+            out.append(
+                Evidence(
+                    Cause.GPU_MEMORY_OVERCOMMIT,
+                    "log:non_torch_oom",
+                    "a CUDA allocation outside PyTorch failed (cuBLAS/NCCL workspace): too little headroom",
+                    unambiguous=True,
+                )
+            )
         elif ev.kind is LogEventKind.MAX_SEQ_LEN_EXCEEDS_KV:
             out.append(
                 Evidence(
@@ -171,18 +196,26 @@ def evidence_from_logs(
 
 
 def rank(evidence: Sequence[Evidence]) -> tuple[Finding, ...]:
-    """Group evidence by cause, most convincing first. ``prefix_cache_waste`` never ranks."""
+    """Group evidence by cause, most convincing first. ``prefix_cache_waste`` never ranks.
+
+    A dead engine is *what* happened; a memory failure logged alongside is *why*. When an OOM
+    line is among the evidence, the engine-death evidence joins the OOM's cause instead of
+    competing with it, so the lever that fixes the cause is the one chosen.
+    """
     by_cause: dict[Cause, list[Evidence]] = {}
+    oom = next((e.cause for e in evidence if e.name in _OOM_NAMES), None)
     for e in evidence:
         if e.cause in (Cause.PREFIX_CACHE_WASTE, Cause.HEALTHY):
             continue
-        by_cause.setdefault(e.cause, []).append(e)
+        cause = oom if (oom is not None and e.cause is Cause.ENGINE_DEAD) else e.cause
+        by_cause.setdefault(cause, []).append(e)
     findings = []
     for cause, items in by_cause.items():
         miss = 1.0
         for e in items:
             miss *= 1.0 - (0.9 if e.unambiguous else 0.5) * min(e.weight, 1.0)
-        findings.append(Finding(cause, round(1.0 - miss, 4), tuple(items)))
+        own_first = sorted(items, key=lambda e: (e.cause is not cause, not e.unambiguous))
+        findings.append(Finding(cause, round(1.0 - miss, 4), tuple(own_first)))
     findings.sort(key=lambda f: (-f.confidence, _SPECIFICITY[f.cause]))
     return tuple(findings)
 

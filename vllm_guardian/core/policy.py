@@ -49,6 +49,7 @@ from vllm_guardian.model import (
     Cause,
     HealthState,
     Snapshot,
+    UnitState,
 )
 
 GIB = 1024**3
@@ -123,6 +124,11 @@ class ServiceState:
     last_pressure_seconds: float | None = None
     baseline: Baseline | None = None
     last_note: str = ""  # the last "nothing done because ..." decision, to log it once
+    # Instant evidence (log lines) not yet acted on: (cause, name, sentence, time seen).
+    pending: tuple[tuple[Cause, str, str, float], ...] = ()
+    watch_since: float | None = None  # the guardian's first look at this service
+    seen_up: bool = False  # /health has answered 200 at least once since then
+    down_since: float | None = None  # when /health stopped answering 200
 
     def rung(self, lever: Lever) -> int:
         return dict(self.rungs).get(lever, 0)
@@ -185,10 +191,13 @@ def flag_value(cmdline: Sequence[str] | None, flag: str) -> str | None:
     return None
 
 
-def default_baseline(signals: ServiceSignals | None, cmdline: Sequence[str] | None) -> Baseline:
+def default_baseline(
+    signals: ServiceSignals | None, cmdline: Sequence[str] | None, gpu_total_bytes: int = 0
+) -> Baseline:
     """The operator's values: from the command line when set there, else vLLM's defaults
     (vllm-surface.md §5: they depend on the GPU's memory size)."""
     total = max((g.total_bytes or 0 for g in signals.gpus), default=0) if signals else 0
+    total = total or gpu_total_bytes
     seqs_default = 1024 if total >= 70 * GIB else 256
     tokens_default = 16384 if total >= 160 * GIB else 8192 if total >= 70 * GIB else 2048
     util_default = (signals.gpu_memory_utilization_ratio if signals else None) or 0.92
@@ -316,6 +325,7 @@ class _Ctx:
             dry_run=dry,
         )
         self.next_id += 1
+        s = replace(s, pending=())  # the evidence is acted upon: it must not trigger again
         if kind is ActionKind.ESCALATE:
             return s
         return replace(
@@ -360,19 +370,42 @@ def decide(
             )
             continue
         s = _gate(ctx, s, sig)
-        mine = [a for a in alerts if a.service == name]
         svc_snap = snapshot.service(name)
         logs = svc_snap.logs.recent if svc_snap is not None and svc_snap.logs is not None else ()
-        evidence = _filter_startup(
-            s,
-            sig,
-            now,
-            settings.policy,
-            evidence_from_alerts(mine, settings.rule_signals) + evidence_from_logs(logs, sig),
+        unit = svc_snap.unit if svc_snap is not None else None
+        # Instant evidence (log lines) is kept until an action consumes it or it ages out, so
+        # an OOM seen during a cooldown still counts once the cooldown ends.
+        s = _remember(s, evidence_from_logs(logs, sig), now, settings.policy)
+        continuous = evidence_from_alerts(
+            [
+                a
+                for a in alerts
+                if a.service == name and not _instant(settings.rule_signals.get(a.name, ""))
+            ],
+            settings.rule_signals,
         )
+        if (
+            unit is not None
+            and unit.unit is not None
+            and unit.active_state in ("inactive", "failed")
+        ):
+            continuous.append(
+                Evidence(Cause.ENGINE_DEAD, "unit:exited",
+                         f"{unit.unit} is {unit.active_state} (result {unit.result}, status {unit.exec_main_status}) "
+                         "and systemd is not restarting it", unambiguous=True)
+            )  # fmt: skip
+        pending = [Evidence(c, n, text, unambiguous=True) for c, n, text, _ in s.pending]
+        evidence = _filter_startup(s, sig, unit, now, settings.policy, continuous + pending)
         findings = rank(evidence)
         s = _track_episodes(s, findings, now, settings.policy)
-        s = _act(ctx, s, findings, sig)
+        cmdline = unit.cmdline if unit is not None else None
+        gpu_total = (
+            max((d.memory_total_bytes or 0 for d in snapshot.gpus.devices), default=0)
+            if snapshot.gpus
+            else 0
+        )
+        s = _capture_baseline(s, sig, cmdline, gpu_total)
+        s = _act(ctx, s, findings, sig, cmdline, gpu_total)
         out.append(s)
     return PolicyOutput(
         PolicyState(tuple(out), ctx.next_id), tuple(ctx.actions), tuple(ctx.decisions)
@@ -453,8 +486,16 @@ def _fold_results(ctx: _Ctx, s: ServiceState, results: Sequence[ActionResult]) -
 def _track_process(s: ServiceState, snapshot: Snapshot, name: str, now: float) -> ServiceState:
     svc = snapshot.service(name)
     pid = svc.unit.main_pid if svc is not None and svc.unit is not None else None
+    if s.watch_since is None:
+        s = replace(s, watch_since=now)
     if pid is not None and pid != s.main_pid:
-        return replace(s, main_pid=pid, started_seconds=now)
+        s = replace(s, main_pid=pid, started_seconds=now)
+    state = svc.health.state if svc is not None and svc.health is not None else None
+    if state is HealthState.UP:
+        if not s.seen_up or s.down_since is not None:
+            s = replace(s, seen_up=True, down_since=None)
+    elif state is not None and s.seen_up and s.down_since is None:
+        s = replace(s, down_since=now)
     return s
 
 
@@ -483,19 +524,64 @@ def _gate(ctx: _Ctx, s: ServiceState, sig: ServiceSignals | None) -> ServiceStat
     return s
 
 
+def _capture_baseline(
+    s: ServiceState, sig: ServiceSignals | None, cmdline: Sequence[str] | None, gpu_total: int
+) -> ServiceState:
+    """Record the operator's baseline once, while the guardian owns no flag and vLLM is up
+    (so its reported gpu_memory_utilization and the GPU's size are known, not guessed)."""
+    if s.baseline is not None or s.rungs or sig is None or not gpu_total:
+        return s
+    if (
+        sig.gpu_memory_utilization_ratio is None
+        and flag_value(cmdline, "--gpu-memory-utilization") is None
+    ):
+        return s
+    return replace(s, baseline=default_baseline(sig, cmdline, gpu_total))
+
+
+def _instant(signal: str) -> bool:
+    """Alerts on log events only make an event visible for a while; the policy reads the
+    events themselves (once), so those alerts are not evidence again and again."""
+    return signal.startswith("log_events.")
+
+
+def _remember(
+    s: ServiceState, new: Sequence[Evidence], now: float, p: PolicyConfig
+) -> ServiceState:
+    kept = tuple(x for x in s.pending if now - x[3] <= p.pressure_window_seconds)
+    added = tuple((e.cause, e.name, e.sentence, now) for e in new)
+    return replace(s, pending=kept + added) if (added or len(kept) != len(s.pending)) else s
+
+
 def _filter_startup(
     s: ServiceState,
     sig: ServiceSignals | None,
+    unit: UnitState | None,
     now: float,
     p: PolicyConfig,
     evidence: list[Evidence],
 ) -> list[Evidence]:
-    """vLLM refuses connections for minutes while it loads: that is starting, not dead."""
-    starting = s.started_seconds is not None and now - s.started_seconds < p.startup_grace_seconds
-    refused = sig is not None and sig.health_state in (HealthState.REFUSED, None)
-    if not (starting and refused):
+    """vLLM refuses connections for minutes while it loads: that is starting, not dead.
+
+    The grace runs from the latest of: the guardian's first look (if vLLM was never seen up),
+    a new main pid, and the moment vLLM went down (a supervisor with Restart=always brings it
+    back). Log lines and an exited unit are never filtered.
+    """
+    refused = sig is None or sig.health_state in (HealthState.REFUSED, None)
+    if not refused:
         return evidence
-    return [e for e in evidence if not (e.cause is Cause.ENGINE_DEAD and "log:" not in e.name)]
+    starts = [t for t in (s.started_seconds, s.down_since) if t is not None]
+    if not s.seen_up and s.watch_since is not None:
+        starts.append(s.watch_since)
+    activating = unit is not None and unit.active_state in ("activating", "reloading")
+    starting = activating or (bool(starts) and now - max(starts) < p.startup_grace_seconds)
+    if not starting:
+        return evidence
+    return [
+        e
+        for e in evidence
+        if not (e.cause is Cause.ENGINE_DEAD and not e.name.startswith(("log:", "unit:")))
+    ]
 
 
 def _track_episodes(
@@ -518,7 +604,12 @@ def _episodes(s: ServiceState, cause: Cause) -> int:
 
 
 def _act(
-    ctx: _Ctx, s: ServiceState, findings: Sequence[Finding], sig: ServiceSignals | None
+    ctx: _Ctx,
+    s: ServiceState,
+    findings: Sequence[Finding],
+    sig: ServiceSignals | None,
+    cmdline: Sequence[str] | None = None,
+    gpu_total_bytes: int = 0,
 ) -> ServiceState:
     p = ctx.settings.policy
     now = ctx.now
@@ -561,9 +652,9 @@ def _act(
 
     crash = top.cause in CRASH_CAUSES and any(e.unambiguous for e in top.evidence)
     lever = CAUSE_LEVER.get(top.cause)
-    base = s.baseline or default_baseline(sig, None)
+    base = s.baseline or default_baseline(sig, cmdline, gpu_total_bytes)
     if s.baseline is None:
-        s = replace(s, baseline=base)
+        s = replace(s, baseline=base)  # rungs are relative to it: stepping up must use the same
     step = lever is not None and can_step_down(lever, s.rung(lever), base, p)
     if top.cause is Cause.ALLOCATOR_FRAGMENTATION:
         # Drain + restart clears fragmentation; only a repeat earns expandable segments.

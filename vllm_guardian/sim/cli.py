@@ -7,14 +7,16 @@ The environment is read here, once (PYTORCH_CUDA_ALLOC_CONF), and passed down.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import threading
 from collections.abc import Sequence
 
 from vllm_guardian.sim.engine import Proc
 from vllm_guardian.sim.flags import FlagError, parse_serve_args
-from vllm_guardian.sim.load import plan_requests, run_load
+from vllm_guardian.sim.load import OutcomeKind, RequestOutcome, plan_requests, run_load
 from vllm_guardian.sim.scenarios import SCENARIOS
 from vllm_guardian.sim.server import Twin
 from vllm_guardian.sim.vllm_log import LogWriter
@@ -48,21 +50,34 @@ def load(argv: Sequence[str]) -> int:
     ns = p.parse_args(list(argv))
     profile = SCENARIOS[ns.scenario].load
     plan = plan_requests(profile, ns.seed, ns.max_requests, ns.max_duration_seconds * ns.speed)
-    try:
-        result = run_load(
-            ns.url.rstrip("/"),
-            plan,
-            model=ns.model,
-            speed=ns.speed,
-            stream=not ns.no_stream,
-            max_duration_seconds=ns.max_duration_seconds,
-        )
-    except ValueError as exc:
-        print(f"load: {exc}", file=sys.stderr)
-        return 2
-    if ns.outcomes:
-        with open(ns.outcomes, "w", encoding="utf-8") as fh:
-            fh.writelines(o.to_json() + "\n" for o in result.outcomes)
+    # Outcomes are written as requests finish (not at the end), so a watcher such as the demo
+    # can count them live and a run stopped early still leaves what it saw.
+    with contextlib.ExitStack() as stack:
+        fh = stack.enter_context(open(ns.outcomes, "w", encoding="utf-8")) if ns.outcomes else None
+        lock = threading.Lock()
+
+        def record(o: RequestOutcome) -> None:
+            if fh is not None:
+                with lock:
+                    fh.write(o.to_json() + "\n")
+                    fh.flush()
+
+        try:
+            result = run_load(
+                ns.url.rstrip("/"),
+                plan,
+                model=ns.model,
+                speed=ns.speed,
+                stream=not ns.no_stream,
+                max_duration_seconds=ns.max_duration_seconds,
+                on_outcome=record,
+            )
+        except ValueError as exc:
+            print(f"load: {exc}", file=sys.stderr)
+            return 2
+        for o in result.outcomes:
+            if o.kind is OutcomeKind.NOT_SENT:
+                record(o)
     print(json.dumps(result.summary(), sort_keys=True))
     return 0
 

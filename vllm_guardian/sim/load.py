@@ -20,7 +20,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from urllib.parse import urlsplit
@@ -212,6 +212,13 @@ def send_one(
         return outcome(kind, None, type(exc).__name__)
 
 
+def _reporter(cb: Callable[[RequestOutcome], None]) -> Callable[[Future[RequestOutcome]], None]:
+    def done(f: Future[RequestOutcome]) -> None:
+        cb(f.result())
+
+    return done
+
+
 def run_load(
     base_url: str,
     plan: list[PlannedRequest],
@@ -223,8 +230,10 @@ def run_load(
     max_in_flight: int = 64,
     request_timeout_seconds: float = 30.0,
     stop: threading.Event | None = None,
+    on_outcome: Callable[[RequestOutcome], None] | None = None,
 ) -> LoadResult:
-    """Send ``plan`` open-loop (arrival times divided by ``speed``), bounded in time."""
+    """Send ``plan`` open-loop (arrival times divided by ``speed``), bounded in time.
+    ``on_outcome`` is called with each sent request's outcome as soon as it is known."""
     require_loopback(base_url)
     stop = stop or threading.Event()
     start = time.monotonic()
@@ -247,7 +256,10 @@ def run_load(
                 )  # fmt: skip
                 continue
             timeout = max(0.1, min(request_timeout_seconds, deadline - time.monotonic()))
-            futures.append(pool.submit(send_one, base_url, p, model, stream, timeout, due - start))
+            fut = pool.submit(send_one, base_url, p, model, stream, timeout, due - start)
+            if on_outcome is not None:
+                fut.add_done_callback(_reporter(on_outcome))
+            futures.append(fut)
         outcomes = [f.result() for f in futures]
     all_outcomes = sorted([*outcomes, *skipped], key=lambda o: o.index)
     return LoadResult(tuple(all_outcomes), time.monotonic() - start)

@@ -1,0 +1,387 @@
+"""``vllm-guardian demo``: the guardian against the built-in vLLM twin, live, on a laptop.
+
+It starts, all on 127.0.0.1 and inside one temporary directory:
+
+* the vLLM twin (``vllm_guardian/sim``) under the guardian's own process manager, which applies
+  the same flags file the systemd set-up uses and restarts it like ``Restart=always``;
+* a bounded load for the chosen scenario (the twin's load generator);
+* the guardian itself (in this process), reading the twin's simulated GPU through its
+  ``file`` GPU backend, with the policy armed (``dry_run: false``) and cooldowns scaled for a
+  short demo.
+
+It refreshes a status table once a second and ends with a summary: incidents (alerts), the
+causes named, the actions taken and how they ended, requests served and failed. Ctrl-C stops
+everything; no process is left behind. ``run_demo`` is also what the end-to-end tests use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from vllm_guardian.config import Config, parse_config
+from vllm_guardian.daemon import Guardian
+from vllm_guardian.model import ActionKind, AlertState
+
+GIB = 1024**3
+SCENARIOS = (
+    "prefill_burst", "kv_thrash", "fragmentation_creep", "noisy_neighbour", "engine_hang",
+    "exit_zero_death", "xid_fault", "prefix_cache_waste", "steady",
+)  # fmt: skip
+# Shorter `for` times than production so a demo (or a test) sees a whole incident in minutes;
+# same rule names, signals and thresholds as the shipped rules.
+DEMO_RULES = """
+rules:
+  - name: VllmKvCacheSaturated
+    signal: kv_cache_usage_ratio
+    op: ">="
+    threshold: 0.90
+    unit: ratio
+    for_seconds: 3
+    keep_firing_for_seconds: 2
+    severity: warning
+    cause: concurrency_overcommit
+    summary: "{service}: KV cache {value} full (>= {threshold})"
+    runbook: "#kv-cache-saturated"
+  - name: VllmPreemptionRateHigh
+    signal: preemptions_per_second
+    op: ">"
+    threshold: 0.5
+    unit: per_second
+    for_seconds: 3
+    keep_firing_for_seconds: 2
+    severity: warning
+    cause: concurrency_overcommit
+    summary: "{service}: {value} preemptions (> {threshold})"
+    runbook: "#preemption-rate-high"
+  - name: VllmEngineDead
+    signal: vllm_up
+    op: "=="
+    threshold: 0
+    unit: bool
+    for_seconds: 5
+    keep_firing_for_seconds: 0
+    severity: critical
+    cause: engine_dead
+    summary: "{service}: /health does not answer 200"
+    runbook: "#engine-dead"
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class DemoOptions:
+    scenario: str = "prefill_burst"
+    speed: float = 4.0
+    duration_seconds: float = 120.0
+    workdir: Path | None = None
+    interval_seconds: float = 0.5
+    cooldown_seconds: float = 15.0
+    extra_twin_args: Sequence[str] = ()
+    quiet: bool = False
+    keep: bool = False
+
+
+@dataclass
+class DemoReport:
+    scenario: str
+    workdir: Path
+    alerts_fired: list[str] = field(default_factory=list)
+    causes: list[str] = field(default_factory=list)
+    actions: list[dict[str, Any]] = field(default_factory=list)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    requests: dict[str, int] = field(default_factory=dict)
+    twin_starts: int = 0
+    twin_exits: list[int] = field(default_factory=list)
+    gated: bool = False
+
+
+def demo_config(opts: DemoOptions, workdir: Path, vllm_port: int, guardian_port: int) -> Config:
+    gpu_state = workdir / "gpu-state.json"
+    twin = [
+        sys.executable, "-m", "vllm_guardian.sim", "serve",
+        "--host", "127.0.0.1", "--port", str(vllm_port), "--served-model-name", "demo",
+        "--shutdown-timeout", "10", "--sim-scenario", opts.scenario, "--sim-speed", f"{opts.speed:g}",
+        "--sim-gpu-state-file", str(gpu_state), "--sim-gpu-state-interval-seconds", "0.5",
+        *opts.extra_twin_args,
+    ]  # fmt: skip
+    (workdir / "demo-rules.yaml").write_text(DEMO_RULES)
+    text = json.dumps(
+        {
+            "interval_seconds": opts.interval_seconds,
+            "listen": f"127.0.0.1:{guardian_port}",
+            "runtime_dir": str(workdir / "run"),
+            "state_dir": str(workdir / "state"),
+            "recorder": {"path": str(workdir / "state" / "flight.jsonl")},
+            "services": [
+                {"name": "vllm", "url": f"http://127.0.0.1:{vllm_port}", "command": twin,
+                 "log_file": str(workdir / "vllm.log")}
+            ],
+            "sources": {
+                "nvml": {"backend": "file", "state_file": str(gpu_state)},
+                "unit": {"enabled": True},
+                "logs": {"enabled": True},
+            },
+            "signals": {"rate_window_seconds": 10, "quantile_window_seconds": 20, "slope_window_seconds": 20,
+                        "stall_seconds": 8},
+            "alerting": {"rules_file": str(workdir / "demo-rules.yaml")},
+            "policy": {
+                "dry_run": False, "backend": "process", "cooldown_seconds": opts.cooldown_seconds,
+                "startup_grace_seconds": 30, "drain_timeout_seconds": 10, "ready_timeout_seconds": 60,
+                "vram_release_timeout_seconds": 10, "backoff_initial_seconds": 5,
+                "pressure_events_to_relaunch": 2, "pressure_window_seconds": 600,
+                "early_failure_seconds": 5, "stable_for_seconds": 3600,
+            },
+        }
+    )  # fmt: skip
+    # JSON is YAML: the same validator as a hand-written config.
+    return parse_config(text, str(workdir / "config.yaml"))
+
+
+class _Screen:
+    def __init__(self, out: TextIO, quiet: bool) -> None:
+        self.out = out
+        self.quiet = quiet
+        self.tty = out.isatty()
+
+    def show(self, lines: list[str]) -> None:
+        if self.quiet:
+            return
+        if self.tty:
+            self.out.write("\x1b[H\x1b[2J")
+        self.out.write("\n".join(lines) + "\n")
+        self.out.flush()
+
+
+def _bar(done: float, width: int = 30) -> str:
+    n = int(max(0.0, min(1.0, done)) * width)
+    return "[" + "#" * n + "." * (width - n) + "]"
+
+
+def _fmt(v: float | None, pattern: str) -> str:
+    return "?" if v is None else pattern.format(v)
+
+
+def _count_outcomes(path: Path) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    with contextlib.suppress(OSError), path.open() as fh:
+        for line in fh:
+            try:
+                kind = str(json.loads(line).get("kind", "?"))
+            except json.JSONDecodeError:
+                continue
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+def _read_audit(path: Path) -> list[dict[str, Any]]:
+    out = []
+    with contextlib.suppress(OSError), path.open() as fh:
+        for line in fh:
+            with contextlib.suppress(json.JSONDecodeError):
+                out.append(json.loads(line))
+    return out
+
+
+def render(g: Guardian, opts: DemoOptions, elapsed: float, workdir: Path) -> list[str]:
+    lines = [
+        f"vllm-guardian demo — scenario {opts.scenario} (twin at {opts.speed:g}× speed)   "
+        f"{_bar(elapsed / opts.duration_seconds)} {elapsed:4.0f}/{opts.duration_seconds:.0f}s   Ctrl-C stops",
+        "",
+    ]
+    last = g.last
+    if last is None:
+        return [*lines, "starting the twin and the guardian…"]
+    sig = last.signals.services[0]
+    health = sig.health_state.value if sig.health_state else "?"
+    lines.append(
+        f"vLLM   health {health:<11} KV {_fmt(sig.kv_cache_usage_ratio and 100 * sig.kv_cache_usage_ratio, '{:3.0f}%')}"
+        f"  running {_fmt(sig.requests_running, '{:.0f}')}  waiting {_fmt(sig.requests_waiting, '{:.0f}')}"
+        f"  preempt/s {_fmt(sig.preemptions_per_second, '{:.1f}')}  tok/s {_fmt(sig.generation_tokens_per_second, '{:.0f}')}"
+    )
+    lines.append(
+        f"GPU    vLLM {_fmt(sig.service_memory_bytes and sig.service_memory_bytes / GIB, '{:.1f}')} GiB"
+        f"  budget {_fmt(sig.memory_budget_bytes and sig.memory_budget_bytes / GIB, '{:.1f}')} GiB"
+        f"  others {_fmt(sig.other_processes_memory_bytes and sig.other_processes_memory_bytes / GIB, '{:.1f}')} GiB"
+        f"  free {_fmt(sig.headroom_bytes and sig.headroom_bytes / GIB, '{:.1f}')} GiB"
+    )
+    if g.healing is not None:
+        view = g.healing.view()
+        s = view.state.service("vllm")
+        gate = g.exposition.gate("vllm")
+        flags = " ".join(f"{lv.value}-rung{r}" for lv, r in s.rungs) or "operator baseline"
+        lines.append(
+            f"Guard  /ready {'200' if gate and gate.ready else '503'} ({gate.reason if gate else '?'})"
+            f"  flags: {flags}  breaker: {'LATCHED' if s.breaker_latched else 'ok'}"
+            + ("  ACTION RUNNING" if s.in_flight is not None else "")
+        )
+        firing = [
+            f"{a.name}[{a.state.value}]" for a in view.alerts if a.state is not AlertState.INACTIVE
+        ]
+        lines += ["", "Alerts " + (", ".join(firing) if firing else "none")]
+    lines += ["", "Decisions (newest last):"]
+    for d in _read_audit(workdir / "state" / "audit.jsonl")[-8:]:
+        t = time.strftime("%H:%M:%S", time.localtime(d["time_seconds"]))
+        lines.append(f"  {t} {d['what']:<10} {d['reason'][:110]}")
+    counts = _count_outcomes(workdir / "outcomes.jsonl")
+    lines += [
+        "",
+        "Requests " + (", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none yet"),
+    ]
+    return lines
+
+
+def run_demo(
+    opts: DemoOptions, out: TextIO = sys.stdout, stop: threading.Event | None = None
+) -> DemoReport:
+    """Run one demo (or end-to-end test) to its end and report what happened."""
+    workdir = opts.workdir or Path(tempfile.mkdtemp(prefix="vllm-guardian-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    vllm_port, guardian_port = free_port(), free_port()
+    cfg = demo_config(opts, workdir, vllm_port, guardian_port)
+    guardian = Guardian(cfg)
+    stop = stop or threading.Event()
+    loop = threading.Thread(
+        target=guardian.run, kwargs={"install_signals": False}, name="guardian", daemon=True
+    )
+    screen = _Screen(out, opts.quiet)
+    load: subprocess.Popen[bytes] | None = None
+    start = time.monotonic()
+    load_log = (workdir / "load.log").open("wb")
+    try:
+        loop.start()
+        load = subprocess.Popen(
+            [sys.executable, "-m", "vllm_guardian.sim", "load", "--url", f"http://127.0.0.1:{vllm_port}",
+             "--model", "demo", "--scenario", opts.scenario, "--speed", f"{opts.speed:g}",
+             "--max-requests", "100000", "--max-duration-seconds", f"{opts.duration_seconds:g}",
+             "--outcomes", str(workdir / "outcomes.jsonl")],
+            stdout=subprocess.DEVNULL, stderr=load_log,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")]))},
+        )  # fmt: skip
+        while not stop.is_set():
+            elapsed = time.monotonic() - start
+            if elapsed >= opts.duration_seconds:
+                break
+            screen.show(render(guardian, opts, elapsed, workdir))
+            stop.wait(1.0)
+    finally:
+        if load is not None:
+            load.terminate()
+            try:
+                load.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                load.kill()
+                load.wait()
+        load_log.close()
+        guardian.request_stop()
+        loop.join(timeout=60)
+    return _report(guardian, opts, workdir)
+
+
+def _package_root() -> str:
+    return str(Path(__file__).resolve().parent.parent)
+
+
+def _report(g: Guardian, opts: DemoOptions, workdir: Path) -> DemoReport:
+    report = DemoReport(opts.scenario, workdir)
+    audit = _read_audit(workdir / "state" / "audit.jsonl")
+    report.decisions = audit
+    report.actions = [d for d in audit if d["what"] == "action"]
+    report.causes = sorted(
+        {d["cause"] for d in audit if d.get("cause") and d["what"] in ("action", "latch")}
+    )
+    report.gated = any(d["what"] == "gate" for d in audit)
+    fired: list[str] = []
+    for path in sorted((workdir / "state").glob("flight.jsonl*")):
+        with contextlib.suppress(OSError), path.open() as fh:
+            for line in fh:
+                with contextlib.suppress(json.JSONDecodeError, KeyError, TypeError):
+                    for d in json.loads(line).get("decisions", []):
+                        t = d.get("transition")
+                        if t and t["current"] == "firing" and t["alert"]["name"] not in fired:
+                            fired.append(t["alert"]["name"])
+    report.alerts_fired = fired
+    report.requests = _count_outcomes(workdir / "outcomes.jsonl")
+    if g.healing is not None and "vllm" in g.healing.supervisors:
+        sup = g.healing.supervisors["vllm"]
+        report.twin_starts, report.twin_exits = sup.starts, list(sup.exits)
+    return report
+
+
+def summary(report: DemoReport) -> list[str]:
+    lines = ["", f"Summary — scenario {report.scenario}", ""]
+    lines.append("Incidents (alerts that fired): " + (", ".join(report.alerts_fired) or "none"))
+    lines.append("Causes named: " + (", ".join(report.causes) or "none (nothing to act on)"))
+    lines.append(f"Admission gate used: {'yes' if report.gated else 'no'}")
+    lines.append("Actions:")
+    results = {d.get("action_id"): d for d in report.decisions if d["what"] == "result"}
+    for a in report.actions:
+        r = results.get(a.get("action_id"))
+        outcome = (
+            r["reason"][:100]
+            if r
+            else (
+                "escalated to a person"
+                if a["reason"].startswith(ActionKind.ESCALATE.value)
+                else "no result yet"
+            )
+        )
+        lines.append(f"  #{a.get('action_id')} {a['reason'][:100]}")
+        lines.append(f"      → {outcome}")
+    if not report.actions:
+        lines.append("  none")
+    served = report.requests.get("ok", 0)
+    failed = sum(v for k, v in report.requests.items() if k != "ok")
+    lines.append(
+        f"Requests: {served} served, {failed} failed ({', '.join(f'{k} {v}' for k, v in sorted(report.requests.items()))})"
+    )
+    lines.append(f"vLLM twin starts: {report.twin_starts}; exit codes seen: {report.twin_exits}")
+    lines.append(
+        f"Everything it wrote: {report.workdir} (audit.jsonl, flight.jsonl, bundles/, vllm.log)"
+    )
+    return lines
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout) -> int:
+    ap = argparse.ArgumentParser(prog="vllm-guardian demo", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scenario", choices=SCENARIOS, default="prefill_burst")
+    ap.add_argument(
+        "--speed", type=float, default=4.0, help="the twin's simulated seconds per real second"
+    )
+    ap.add_argument("--duration", type=float, default=120.0, help="seconds to run (default 120)")
+    ap.add_argument(
+        "--workdir", type=Path, help="keep everything here (default: a temporary directory)"
+    )
+    args = ap.parse_args(argv)
+    opts = DemoOptions(args.scenario, args.speed, args.duration, args.workdir)
+    stop = threading.Event()
+    result: list[DemoReport] = []
+    worker = threading.Thread(target=lambda: result.append(run_demo(opts, out, stop)), daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(timeout=0.5)
+    except KeyboardInterrupt:
+        out.write("\nstopping…\n")
+        stop.set()
+        worker.join(timeout=90)
+    if result:
+        out.write("\n".join(summary(result[0])) + "\n")
+    return 0
