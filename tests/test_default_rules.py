@@ -82,6 +82,7 @@ TRIGGERS: dict[str, dict[al.SeriesKey, dict[str, float | None]]] = {
     "VllmAllocatorRetries": {SVC: {"allocator_retries_per_second": 0.2}},
     "VllmCudaOomLogged": {SVC: {"log_events.cuda_oom": 1.0}},
     "VllmNonTorchOomLogged": {SVC: {"log_events.non_torch_oom": 1.0}},
+    "VllmGpuHardwareErrorLogged": {SVC: {"log_events.gpu_hardware_error": 1.0}},
     "VllmStartupMemoryShort": {SVC: {"log_events.free_memory_below_utilization": 1.0}},
     "VllmMaxModelLenExceedsKvCache": {SVC: {"log_events.max_seq_len_exceeds_kv": 1.0}},
     "VllmEngineDeathLogged": {SVC: {"log_events.engine_dead": 1.0}},

@@ -336,3 +336,32 @@ def test_recent_xids_on_the_service_gpus_and_time_to_exhaustion():
     s = derive(*h)
     assert s.recent_xid_events == ((0, 79, 1),)  # GPU 1 is not the service's
     assert s.seconds_to_headroom_exhaustion == pytest.approx(8 / 0.5, rel=1e-6)
+
+
+def test_running_requests_with_no_token_processed_is_a_stall_and_prefill_is_progress():
+    frozen = [
+        snap(
+            t,
+            engine(
+                requests_running=8.0,
+                requests_waiting=0.0,
+                generation_tokens_total=50.0,
+                prompt_tokens_total=900.0,
+            ),
+        )
+        for t in (0, 2, 4, 6)
+    ]
+    assert derive(*frozen).stalled is True
+    prefill = [
+        snap(
+            t,
+            engine(
+                requests_running=1.0,
+                requests_waiting=3.0,
+                generation_tokens_total=50.0,
+                prompt_tokens_total=900.0 + 4000 * t,
+            ),
+        )
+        for t in (0, 2, 4, 6)
+    ]
+    assert derive(*prefill).stall_seconds == 0.0

@@ -96,7 +96,8 @@ class DemoOptions:
     cooldown_seconds: float = 15.0
     extra_twin_args: Sequence[str] = ()
     quiet: bool = False
-    keep: bool = False
+    # Policy keys to override (tests use them to shorten stable periods, for instance).
+    policy: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -148,6 +149,7 @@ def demo_config(opts: DemoOptions, workdir: Path, vllm_port: int, guardian_port:
                 "vram_release_timeout_seconds": 10, "backoff_initial_seconds": 5,
                 "pressure_events_to_relaunch": 2, "pressure_window_seconds": 600,
                 "early_failure_seconds": 5, "stable_for_seconds": 3600,
+                **opts.policy,
             },
         }
     )  # fmt: skip

@@ -221,6 +221,9 @@ class LogEventKind(StrEnum):
     WORKER_DIED = "worker_died"
     EXECUTE_TIMEOUT = "execute_timeout"
     PREEMPTION = "preemption"
+    GPU_HARDWARE_ERROR = (
+        "gpu_hardware_error"  # uncorrectable ECC, fallen off the bus: needs a reset
+    )
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ UNAMBIGUOUS_SIGNALS = frozenset(
      "log_events.free_memory_below_utilization", "policy.unit_exited"}
 )  # fmt: skip
 
-_OOM_NAMES = frozenset({"log:cuda_oom", "log:non_torch_oom"})
+# Log lines that say *why* an engine died; the death then joins their cause.
+_OOM_NAMES = frozenset({"log:cuda_oom", "log:non_torch_oom", "log:gpu_hardware_error"})
 _DEATH_KINDS = frozenset(
     {
         LogEventKind.ENGINE_DEAD,
@@ -168,6 +169,15 @@ def evidence_from_logs(
                     unambiguous=True,
                 )
             )
+        elif ev.kind is LogEventKind.GPU_HARDWARE_ERROR:
+            out.append(
+                Evidence(
+                    Cause.GPU_HARDWARE_FAULT,
+                    "log:gpu_hardware_error",
+                    ev.message[:200],
+                    unambiguous=True,
+                )
+            )
         elif ev.kind in _DEATH_KINDS:
             out.append(
                 Evidence(
@@ -203,7 +213,8 @@ def rank(evidence: Sequence[Evidence]) -> tuple[Finding, ...]:
     competing with it, so the lever that fixes the cause is the one chosen.
     """
     by_cause: dict[Cause, list[Evidence]] = {}
-    oom = next((e.cause for e in evidence if e.name in _OOM_NAMES), None)
+    root = [e for e in evidence if e.name in _OOM_NAMES]
+    oom = min(root, key=lambda e: _SPECIFICITY[e.cause]).cause if root else None
     for e in evidence:
         if e.cause in (Cause.PREFIX_CACHE_WASTE, Cause.HEALTHY):
             continue

@@ -587,8 +587,16 @@ def _filter_startup(
 def _track_episodes(
     s: ServiceState, findings: Sequence[Finding], now: float, p: PolicyConfig
 ) -> ServiceState:
+    """An episode begins when a cause's evidence appears; pressure that persists for a whole
+    cooldown without relief (the gate did not help) counts as a further episode."""
     causes = tuple(sorted({f.cause for f in findings}))
-    new = [c for c in causes if c not in s.active_causes]
+    started = {c: max((t for cc, t in s.episodes if cc is c), default=None) for c in causes}
+    new = [
+        c
+        for c in causes
+        if c not in s.active_causes
+        or (started[c] is not None and now - started[c] >= max(p.cooldown_seconds, 1.0))  # type: ignore[operator]
+    ]
     episodes = tuple((c, t) for c, t in s.episodes if now - t <= p.pressure_window_seconds)
     episodes += tuple((c, now) for c in new)
     return replace(

@@ -292,25 +292,37 @@ def _latency(
     return tuple(out)
 
 
+def _progress(scrape: VllmScrape) -> tuple[float | None, float | None]:
+    """(requests in the engine, tokens processed so far): prompt and generated tokens both
+    count as progress, so a long prefill is not mistaken for a stall."""
+    engines = scrape.engines
+    waiting = _sum_opt([e.requests_waiting for e in engines])
+    running = _sum_opt([e.requests_running for e in engines])
+    load = None if waiting is None and running is None else (waiting or 0.0) + (running or 0.0)
+    generated = _sum_opt([e.generation_tokens_total for e in engines])
+    prompt = _sum_opt([e.prompt_tokens_total for e in engines])
+    tokens = None if generated is None else generated + (prompt or 0.0)
+    return load, tokens
+
+
 def _stall_seconds(history: Sequence[Snapshot], service: str) -> float | None:
-    """How long requests have waited while not one token was generated (0 if not stalled)."""
+    """How long requests have been in the engine (waiting or running) while not one token was
+    processed: the hang `/health` does not see (0 when not stalled, None when unknown)."""
     cur = _scrape(history[-1], service)
     if cur is None or not cur.engines:
         return None
-    waiting = _sum_opt([e.requests_waiting for e in cur.engines])
-    generated = _sum_opt([e.generation_tokens_total for e in cur.engines])
-    if waiting is None or generated is None:
+    load, tokens = _progress(cur)
+    if load is None or tokens is None:
         return None
-    if waiting <= 0:
+    if load <= 0:
         return 0.0
     since = history[-1].time_seconds
     for snap in reversed(history[:-1]):
         s = _scrape(snap, service)
         if s is None:
             break  # a gap in observation ends what we can vouch for
-        w = _sum_opt([e.requests_waiting for e in s.engines])
-        g = _sum_opt([e.generation_tokens_total for e in s.engines])
-        if w is None or g is None or w <= 0 or g != generated:
+        w, t = _progress(s)
+        if w is None or t is None or w <= 0 or t != tokens:
             break
         since = snap.time_seconds
     return history[-1].time_seconds - since

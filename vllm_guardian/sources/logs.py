@@ -122,6 +122,12 @@ _NON_TORCH_OOM = (
     (re.compile(r"Cuda failure \d*\s*'out of memory'"), "nccl"),
 )
 
+# CUDA errors that mean the GPU itself failed (XID 48/79/95 territory): a restart of vLLM
+# cannot help, a GPU reset can. Application faults (illegal address, launch failure) are not here.
+_GPU_HARDWARE = re.compile(
+    r"uncorrectable ECC error encountered|GPU has fallen off the bus|CUDA error: GPU is lost|"
+    r"NVRM: Xid \(PCI:[^)]*\): (?:48|79|95|119)\b"
+)
 _NO_KV = re.compile(r"No available memory for the cache blocks")
 _MAX_SEQ_NEW = re.compile(
     r"To serve at least one request with the models?'s? max seq len \((?P<mml>\d+)\)"
@@ -210,6 +216,8 @@ def _match_body(line: str) -> tuple[LogEventKind, Details] | None:
     for pattern, which in _NON_TORCH_OOM:
         if pattern.search(line):
             return LogEventKind.NON_TORCH_OOM, (("source", which),)
+    if _GPU_HARDWARE.search(line):
+        return LogEventKind.GPU_HARDWARE_ERROR, ()
     if _NO_KV.search(line):
         return LogEventKind.NO_KV_CACHE_MEMORY, ()
     m = _MAX_SEQ_NEW.search(line)
