@@ -80,14 +80,6 @@ def check_nothing(r: DemoReport) -> None:
     assert r.requests.get("ok", 0) > 0
 
 
-def check_step_up(r: DemoReport) -> None:
-    assert any(d["what"] == "step_up" for d in r.decisions)
-    assert [a["reason"].split(":")[0] for a in r.actions][:2] == [
-        "relaunch",
-        "stable for 12s",
-    ] or any(a["reason"].startswith("stable for") for a in r.actions)
-
-
 CASES: list[tuple[str, float, float, tuple[str, ...], dict, Callable[[DemoReport], None]]] = [  # type: ignore[type-arg]
     ("prefill_burst", 4, 45, (), {}, check_prefill),
     ("exit_zero_death", 6, 40, (), {}, check_exit_zero),

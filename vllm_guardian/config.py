@@ -172,12 +172,31 @@ class LogsSourceConfig:
 
 
 @dataclass(frozen=True)
+class AllocatorSourceConfig:
+    # On by default: without the in-vLLM plugin the directory is absent and the source costs
+    # one stat per tick (and reports "no plugin data", not an error).
+    enabled: bool = True
+    # Where the plugin writes: the vLLM drop-in sets VLLM_GUARDIAN_ALLOCATOR_DIR to
+    # <directory>/<service> (a RuntimeDirectory= of the vLLM unit, so vLLM's user can write it
+    # and it is emptied when vLLM stops). Files here and one directory level down are read.
+    directory: str = "/run/vllm-guardian-allocator"
+    # The plugin writes every 5 s; a file untouched for six intervals belongs to a process that
+    # stopped publishing (hung or gone), and its numbers no longer describe the allocator.
+    stale_seconds: float = field(default=30.0, metadata=_bounds(1, 3600))
+    # A host runs a few vLLM processes per GPU; beyond this the directory is not ours: stop.
+    max_files: int = field(default=256, metadata=_bounds(1, 100000))
+    # Reading a few small files on tmpfs takes milliseconds; longer means a hung filesystem.
+    timeout_seconds: float = field(default=2.0, metadata=_bounds(0.1, 60))
+
+
+@dataclass(frozen=True)
 class SourcesConfig:
     vllm_metrics: VllmMetricsSourceConfig = field(default_factory=VllmMetricsSourceConfig)
     health: HealthSourceConfig = field(default_factory=HealthSourceConfig)
     nvml: NvmlSourceConfig = field(default_factory=NvmlSourceConfig)
     unit: UnitSourceConfig = field(default_factory=UnitSourceConfig)
     logs: LogsSourceConfig = field(default_factory=LogsSourceConfig)
+    allocator: AllocatorSourceConfig = field(default_factory=AllocatorSourceConfig)
 
 
 @dataclass(frozen=True)
@@ -258,7 +277,7 @@ class PolicyConfig:
     pressure_events_to_relaunch: int = field(default=3, metadata=_bounds(1, 100))
     pressure_window_seconds: float = field(default=3600.0, metadata=_bounds(60, 7 * 86400))
     # After this long with no pressure alert, undo one rung (additive increase)...
-    stable_for_seconds: float = field(default=6 * 3600.0, metadata=_bounds(60, 30 * 86400))
+    stable_for_seconds: float = field(default=6 * 3600.0, metadata=_bounds(5, 30 * 86400))
     # ...unless the same cause came back within this long of the last step up: then the rung
     # stays pinned for this long.
     pin_seconds: float = field(default=24 * 3600.0, metadata=_bounds(0, 30 * 86400))
