@@ -131,6 +131,24 @@ def test_exports_what_vllm_said_and_survives_its_failures(guardian):
     )
     assert out.returncode == 0, out.stderr
     assert "service vllm: health=up" in out.stdout
+    assert "policy vllm: acting (dry-run)" in out.stdout
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "vllm_guardian", *args, "-c", str(cfg)],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+
+    paused = cli("pause", "vllm")
+    assert paused.returncode == 0 and "vllm: paused" in paused.stdout, paused.stderr
+    assert "policy vllm: PAUSED" in cli("status").stdout
+    assert cli("pause", "nope").returncode == 1
+    resumed = cli("resume")
+    assert resumed.returncode == 0 and "vllm: acting again" in resumed.stdout
 
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=10) == 0

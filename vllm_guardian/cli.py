@@ -47,8 +47,21 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     cfg = _load(args.config)
     if cfg is None:
         return EXIT_CONFIG
+    from vllm_guardian.actuators.alerts import load_rules  # noqa: PLC0415
+
+    try:
+        rules = load_rules(cfg.alerting)
+    except ConfigInvalid as e:
+        print(f"{e.filename}: {len(e.errors)} error(s) in alert rules:", file=sys.stderr)
+        for err in e.errors:
+            print("  " + err.format(e.filename), file=sys.stderr)
+        return EXIT_CONFIG
     names = ", ".join(s.name for s in cfg.services)
-    print(f"{args.config}: OK ({len(cfg.services)} service(s): {names}; listen {cfg.listen})")
+    mode = "dry-run (decides, does not act)" if cfg.policy.dry_run else "armed"
+    print(
+        f"{args.config}: OK ({len(cfg.services)} service(s): {names}; listen {cfg.listen}; "
+        f"{len(rules)} alert rules; policy {mode})"
+    )
     return EXIT_OK
 
 
@@ -113,6 +126,38 @@ def render_status(st: dict[str, Any]) -> str:
             f" of {_fmt_bytes(gpu.get('memory_total_bytes'))}"
             + (f"  ERROR {gpu['error']}" if gpu.get("error") else "")
         )
+    for svc in (st.get("policy") or {}).get("services", []):
+        name = svc["service"]
+        gate = (st.get("gates") or {}).get(name) or {}
+        rungs = ", ".join(f"{lv} rung {r}" for lv, r in svc.get("rungs", [])) or "operator baseline"
+        budget = st.get("restart_budget")
+        now = st.get("time") or 0
+        used = len([t for t in svc.get("restarts", []) if now - t < 3600])
+        state = (
+            "PAUSED"
+            if svc.get("paused")
+            else (
+                "BREAKER LATCHED: " + str(svc.get("breaker_reason"))
+                if svc.get("breaker_latched")
+                else "acting"
+            )
+        )
+        lines.append(f"policy {name}: {state}{' (dry-run)' if st.get('dry_run') else ''}")
+        lines.append(
+            f"  /ready: {'200' if gate.get('ready', True) else '503'} ({gate.get('reason', '?')})  flags: {rungs}"
+        )
+        lines.append(
+            f"  restarts in the last hour: {used} of {budget}"
+            + (
+                f"  cooldown {svc['cooldown_until'] - now:.0f}s"
+                if svc.get("cooldown_until", 0) > now
+                else ""
+            )
+        )
+    for a in st.get("alerts") or []:
+        lines.append(
+            f"alert {a['name']} [{a['service']}] {a['state']}{' (stale)' if a.get('stale') else ''}: {a.get('summary', '')}"
+        )
     down = [s for s in st.get("sources", []) if not s["up"]]
     for s in down:
         where = s["source"] + (f" [{s['service']}]" if s.get("service") else "")
@@ -132,6 +177,29 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"vllm-guardian status: {e}", file=sys.stderr)
         return EXIT_FAIL
     print(json.dumps(st, indent=2) if args.json else render_status(st))
+    return EXIT_OK
+
+
+def cmd_control(args: argparse.Namespace) -> int:
+    """pause | resume [SERVICE]: maintenance without the guardian acting, and the one way to
+    clear a latched breaker."""
+    from vllm_guardian.control import ControlError, request  # noqa: PLC0415
+
+    try:
+        reply = request(_socket_path(args), {"cmd": args.command, "service": args.service})
+    except ControlError as e:
+        print(f"vllm-guardian {args.command}: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    if not reply.get("ok"):
+        print(f"vllm-guardian {args.command}: {reply.get('error')}", file=sys.stderr)
+        return EXIT_FAIL
+    changed = reply.get("changed") or []
+    what = {"pause": "paused (observing and alerting only)", "resume": "acting again"}[args.command]
+    print(
+        f"{', '.join(changed)}: {what}"
+        if changed
+        else f"nothing to change: already {args.command}d"
+    )
     return EXIT_OK
 
 
@@ -165,6 +233,19 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(s)
     s.add_argument("--socket", help="control socket path (default: <runtime_dir>/control.sock)")
     s.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    for name, text in (
+        ("pause", "stop acting (maintenance): observe and alert only"),
+        ("resume", "act again, and clear a latched circuit breaker"),
+    ):
+        cp = sub.add_parser(name, help=text)
+        with_config(cp)
+        cp.add_argument("service", nargs="?", help="one service (default: all)")
+        cp.add_argument(
+            "--socket", help="control socket path (default: <runtime_dir>/control.sock)"
+        )
+    sub.add_parser(
+        "replay", help="a flight recording through a config's rules and policy", add_help=False
+    )
     sub.add_parser("sim", help="the vLLM twin: `vllm-guardian sim serve --help`", add_help=False)
     sub.add_parser(
         "demo",
@@ -178,6 +259,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "sim":
         return cmd_sim(argparse.Namespace(), argv[1:])
+    if argv and argv[0] == "replay":
+        from vllm_guardian.replay import main as replay_main  # noqa: PLC0415
+
+        return replay_main(argv[1:])
     if argv and argv[0] == "demo":
         from vllm_guardian.demo import main as demo_main  # noqa: PLC0415
 
@@ -187,7 +272,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return install_main(argv)
     args = build_parser().parse_args(argv)
-    handlers = {"run": cmd_run, "check-config": cmd_check_config, "status": cmd_status}
+    handlers = {
+        "run": cmd_run,
+        "check-config": cmd_check_config,
+        "status": cmd_status,
+        "pause": cmd_control,
+        "resume": cmd_control,
+    }
     return handlers[args.command](args)
 
 

@@ -223,23 +223,13 @@ class Healing:
 
     # --- one tick ------------------------------------------------------------------------------
 
-    def extra_signals(self) -> dict[tuple[str, str], float | None]:
-        p = self.cfg.policy
-        now = self.clock.time()
-        out: dict[tuple[str, str], float | None] = {}
-        for s in self.state.services:
-            recent = [t for t in s.restarts if now - t < p.restart_budget_window_seconds]
-            out[(s.service, "policy.restart_budget_remaining")] = float(
-                max(0, p.restart_budget - len(recent))
-            )
-            out[(s.service, "policy.breaker_latched")] = 1.0 if s.breaker_latched else 0.0
-            out[(s.service, "policy.paused")] = 1.0 if s.paused else 0.0
-        return out
+    def extra_signals(self, now: float) -> dict[tuple[str, str], float | None]:
+        return policy.published_signals(self.state, now, self.cfg.policy)
 
     def run(self, snapshot: Snapshot, signals: Signals, now: float) -> list[dict[str, Any]]:
         with self._lock:
             self._latest = (snapshot, signals)
-            values = alerting.signal_values(signals, snapshot, self.extra_signals())
+            values = alerting.signal_values(signals, snapshot, self.extra_signals(now))
             self.alerts, transitions = alerting.evaluate(self.rules, self.alerts, values, now)
             current = alerting.sort_alerts(self.alerts.values())
             try:

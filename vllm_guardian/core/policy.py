@@ -757,6 +757,21 @@ def _maybe_step_up(ctx: _Ctx, s: ServiceState, sig: ServiceSignals | None) -> Se
     return ctx.act(s, ActionKind.RELAUNCH, None, reason, flags, env)
 
 
+def published_signals(
+    state: PolicyState, now: float, p: PolicyConfig
+) -> dict[tuple[str, str], float | None]:
+    """The policy's own figures, as signals the next tick's alert rules can read."""
+    out: dict[tuple[str, str], float | None] = {}
+    for s in state.services:
+        recent = [t for t in s.restarts if now - t < p.restart_budget_window_seconds]
+        out[(s.service, "policy.restart_budget_remaining")] = float(
+            max(0, p.restart_budget - len(recent))
+        )
+        out[(s.service, "policy.breaker_latched")] = 1.0 if s.breaker_latched else 0.0
+        out[(s.service, "policy.paused")] = 1.0 if s.paused else 0.0
+    return out
+
+
 # --- operator control (the control socket) ---------------------------------------------------
 
 

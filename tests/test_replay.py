@@ -1,0 +1,148 @@
+"""`vllm-guardian replay`: a recorded incident through a config, against a golden decision log."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import read_fixture
+from vllm_guardian.model import (
+    GpuDevice,
+    GpuReading,
+    HealthProbe,
+    HealthState,
+    LogEvent,
+    LogEventKind,
+    LogReading,
+    ServiceSnapshot,
+    Snapshot,
+)
+from vllm_guardian.recorder import FlightRecorder
+from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = Path(__file__).parent / "golden" / "replay-kv-then-oom.jsonl"
+GIB = 1024**3
+
+
+def recording(path: Path) -> None:
+    """Idle, then KV pressure (the real captures), then relief, then a prefill OOM crash."""
+    rec = FlightRecorder(path, 64 * 1024 * 1024, 1)
+    t0 = 1_795_306_000.0
+    phases = ["metrics-idle.prom"] * 5 + [
+        "metrics-pressure-04.prom",
+        "metrics-pressure-07.prom",
+        "metrics-pressure-10.prom",
+    ] * 4
+    phases += ["metrics-idle.prom"] * 10
+    counts = 0
+    for i, name in enumerate([*phases, None, None, None]):
+        t = t0 + 2 * i
+        recent: tuple[LogEvent, ...] = ()
+        if name is None and counts == 0:
+            recent = (
+                LogEvent(
+                    LogEventKind.CUDA_OOM,
+                    t,
+                    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 6.00 GiB.",
+                    (("tried_bytes", str(6 * GIB)),),
+                ),
+                LogEvent(
+                    LogEventKind.ENGINE_DEAD, t, "EngineDeadError: EngineCore encountered an issue."
+                ),
+            )
+            counts = 1
+        health = (
+            HealthProbe(HealthState.UP, 200, 0.01)
+            if name
+            else HealthProbe(HealthState.ENGINE_DEAD, 503, 0.01)
+        )
+        logs = LogReading(
+            ((LogEventKind.CUDA_OOM, counts), (LogEventKind.ENGINE_DEAD, counts)), recent, 100 + i
+        )
+        scrape = parse_vllm_metrics(read_fixture(name)) if name else None
+        gpu = GpuReading((GpuDevice(0, "GPU-0", "H100", 80 * GIB, 70 * GIB, 10 * GIB, processes=()),))
+        snap = Snapshot(t, (ServiceSnapshot("vllm", vllm=scrape, health=health, logs=logs),), gpu)
+        rec.write({"time": t, "snapshot": snap, "signals": None, "decisions": []})
+
+
+def run_replay(recording_path: Path, config: Path) -> list[dict]:  # type: ignore[type-arg]
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm_guardian",
+            "replay",
+            str(recording_path),
+            "-c",
+            str(config),
+            "--json",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+def test_replay_matches_the_golden_decision_log(tmp_path: Path):
+    flight = tmp_path / "flight.jsonl"
+    recording(flight)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"state_dir: {tmp_path}\nservices:\n  - name: vllm\n")
+    lines = run_replay(flight, cfg)
+    text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines)
+    if os.environ.get("UPDATE_GOLDEN"):
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text(), (
+        "decisions changed; rerun with UPDATE_GOLDEN=1 and review the diff"
+    )
+    whats = [(line["what"], line.get("cause")) for line in lines]
+    assert ("gate", "concurrency_overcommit") in whats and ("ungate", None) in whats
+    relaunch = [line for line in lines if line["what"] == "action"]
+    assert (
+        len(relaunch) == 1
+        and relaunch[0]["cause"] == "prefill_burst"
+        and relaunch[0]["dry_run"] is True
+    )
+
+
+def test_a_new_config_changes_the_outcome(tmp_path: Path):
+    flight = tmp_path / "flight.jsonl"
+    recording(flight)
+    cfg = tmp_path / "c.yaml"
+    # With the batched-token floor at vLLM's default there is no rung to step down: the same
+    # incident gets a plain restart instead of a relaunch, and no admission gate at 100 % KV.
+    cfg.write_text(
+        f"state_dir: {tmp_path}\nservices:\n  - name: vllm\npolicy:\n  max_num_batched_tokens_floor: 8192\n"
+        "  kv_high_watermark_ratio: 1.0\n  kv_low_watermark_ratio: 0.5\n"
+    )
+    lines = run_replay(flight, cfg)
+    actions = [line["reason"].split(":")[0] for line in lines if line["what"] == "action"]
+    assert actions == ["restart"]
+    assert [line["what"] for line in lines].count("gate") == 4  # only at exactly 100 %, never at 90 %
+
+
+def test_garbage_lines_are_skipped_with_a_message(tmp_path: Path):
+    flight = tmp_path / "flight.jsonl"
+    recording(flight)
+    with flight.open("a") as fh:
+        fh.write("{not json\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"state_dir: {tmp_path}\nservices:\n  - name: vllm\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "vllm_guardian", "replay", str(flight), "-c", str(cfg)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0 and "skipped: not JSON" in out.stderr
+    assert "relaunch" in out.stdout
