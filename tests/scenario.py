@@ -5,7 +5,10 @@ from __future__ import annotations
 from tests.conftest import read_fixture
 from vllm_guardian.config import ServiceConfig, SignalsConfig
 from vllm_guardian.core.signals import Signals, derive
+from vllm_guardian.allocator_format import AllocatorStats
 from vllm_guardian.model import (
+    AllocatorProcess,
+    AllocatorReading,
     GpuDevice,
     GpuProcess,
     GpuReading,
@@ -71,6 +74,31 @@ def gpus(free_gib: float, xids: tuple[XidEvent, ...] = ()) -> GpuReading:
     )
 
 
+def allocator(t: float, retries: int) -> AllocatorReading:
+    """The EngineCore's allocator on GPU 0 as the in-vLLM plugin publishes it (a file 1 s old)."""
+    rec = AllocatorStats(
+        pid=4250,
+        device=0,
+        time_seconds=t - 1.0,
+        interval_seconds=5.0,
+        allocated_bytes=12 * GIB,
+        allocated_peak_bytes=14 * GIB,
+        reserved_bytes=20 * GIB,
+        reserved_peak_bytes=20 * GIB,
+        active_bytes=13 * GIB,
+        active_peak_bytes=15 * GIB,
+        inactive_split_bytes=7 * GIB,
+        inactive_split_peak_bytes=7 * GIB,
+        alloc_retries=retries,
+        ooms=0,
+        segments=180,
+        alloc_conf=None,
+        process_name="VLLM::EngineCore",
+    )
+    proc = AllocatorProcess(4250, (rec,), "/system.slice/vllm.service", (4242, 1))
+    return AllocatorReading((proc,))
+
+
 def snapshots() -> list[Snapshot]:
     out = []
     for i, (name, free) in enumerate(
@@ -84,9 +112,12 @@ def snapshots() -> list[Snapshot]:
             health=HealthProbe(HealthState.UP, 200, 0.004),
             unit=UNIT,
             logs=logs,
+            allocator=allocator(t, 10 + 3 * i),
         )
         sources = tuple(
-            SourceStatus(k, None if k is SourceKind.NVML else "vllm", True, 0.01)
+            SourceStatus(
+                k, None if k in (SourceKind.NVML, SourceKind.ALLOCATOR) else "vllm", True, 0.01
+            )
             for k in SourceKind
         )
         xids = (XidEvent(0, 79, t),) if i == 1 else ()

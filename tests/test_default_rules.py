@@ -148,13 +148,16 @@ def test_kv_high_but_below_the_watermark_does_not_fire():
     assert BY_NAME["VllmKvCacheSaturated"].threshold == 0.90
 
 
-def test_optional_allocator_rules_are_absent_without_the_plugin():
-    # The healthy rows carry no allocator_* values: no alert, nothing stale.
-    assert {r.name for r in RULES if r.optional} == {
-        "VllmAllocatorFragmented",
-        "VllmAllocatorRetries",
-    }
-    assert not any(al.known_signal(r.signal, r.scope) for r in RULES if r.optional)
+def test_allocator_rules_are_silent_without_the_plugin():
+    # The allocator signals exist now (no rule is optional), but a service without the
+    # in-vLLM plugin has no allocator values: no alert, nothing stale.
+    assert not [r.name for r in RULES if r.optional]
+    for name in ("VllmAllocatorFragmented", "VllmAllocatorRetries"):
+        assert al.known_signal(BY_NAME[name].signal, "service")
+        assert al.known_signal(BY_NAME[name].signal, "gpu")
+    rows = healthy_values()
+    assert rows[SVC]["allocator_fragmentation_ratio"] is None
+    assert run(rows, 900) == {}
 
 
 def test_engine_down_alerts_go_stale_not_resolved_when_blind():

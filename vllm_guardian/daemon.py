@@ -35,11 +35,13 @@ from vllm_guardian import __version__
 from vllm_guardian.clock import Clock, SystemClock
 from vllm_guardian.config import Config, ConfigInvalid, load_config
 from vllm_guardian.control import ControlServer
+from vllm_guardian.core.allocator import attribute as attribute_allocator
 from vllm_guardian.core.signals import ServiceSignals, Signals, derive
 from vllm_guardian.exposition import ExpositionServer, GuardianCollector, Published
 from vllm_guardian.healing import Healing
 from vllm_guardian.model import (
     ActionResult,
+    AllocatorReading,
     GpuReading,
     HealthProbe,
     LogReading,
@@ -367,6 +369,11 @@ class Guardian:
                 return {"ok": False, "error": "this guardian only observes"}
             service = req.get("service")
             return self.healing.control(str(cmd), str(service) if service else None)
+        if cmd == "recent_ticks":  # vllm-guardian diagnose: the flight recorder's recent past
+            from vllm_guardian.diagnose.gather import recent_ticks  # noqa: PLC0415
+
+            service = req.get("service")
+            return recent_ticks(list(self.history), str(service) if service else None)
         return {"ok": False, "error": f"unknown command {cmd!r}"}
 
     def run(self, install_signals: bool = True) -> int:
@@ -461,12 +468,16 @@ def assemble(
     """Put each reading's payload where it belongs in the Snapshot."""
     parts: dict[str, dict[str, Any]] = {name: {} for name in services}
     gpus: GpuReading | None = None
+    allocator: AllocatorReading | None = None
     for r in readings:
         p = r.payload
         if p is None:
             continue
         if isinstance(p, GpuReading):
             gpus = p
+            continue
+        if isinstance(p, AllocatorReading):  # host-wide: split by service below
+            allocator = p
             continue
         if r.service not in parts:
             continue
@@ -479,6 +490,9 @@ def assemble(
             slot["unit"] = p
         elif isinstance(p, LogReading):
             slot["logs"] = p
+    if allocator is not None:
+        for slot in parts.values():
+            slot["allocator"] = attribute_allocator(allocator, slot.get("unit"))
     return Snapshot(
         time_seconds=now,
         services=tuple(ServiceSnapshot(name, **parts[name]) for name in services),

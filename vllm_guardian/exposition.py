@@ -116,6 +116,7 @@ class GuardianCollector:
         yield from _tick_families(pub)
         yield from _source_families(pub.snapshot)
         yield from _service_families(pub.snapshot, pub.signals)
+        yield from _allocator_families(pub.signals)
         yield from _gpu_families(pub.snapshot, xids)
         if pub.healing is not None:
             yield from _healing_families(pub.healing, pub.snapshot.time_seconds)
@@ -420,6 +421,64 @@ def _service_gauges(f: _Families, sig: ServiceSignals) -> None:
             [svc, str(g.gpu)],
             g.other_memory_bytes,
         )
+
+
+_ALLOCATOR_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("allocator_reserved_bytes", "reserved_bytes", "Memory torch's caching allocator reserved."),
+    ("allocator_allocated_bytes", "allocated_bytes", "Memory torch handed out to tensors."),
+    (
+        "allocator_unallocated_bytes",
+        "unallocated_bytes",
+        "Reserved minus allocated: cached by torch, not in use.",
+    ),
+    (
+        "allocator_inactive_split_bytes",
+        "inactive_split_bytes",
+        "Free fragments of split blocks: reserved, unusable for larger blocks, not releasable.",
+    ),
+    (
+        "allocator_fragmentation_ratio",
+        "fragmentation_ratio",
+        "Inactive-split bytes over reserved bytes (0..1).",
+    ),
+    (
+        "allocator_retries_per_second",
+        "retries_per_second",
+        "cudaMalloc retries after flushing the cache, per second over the rate window.",
+    ),
+    (
+        "allocator_recent_ooms",
+        "recent_ooms",
+        "Allocator out-of-memory errors within the rate window.",
+    ),
+    ("allocator_processes", "processes", "vLLM processes publishing allocator stats."),
+)
+
+
+def _allocator_families(signals: Signals) -> Iterator[Metric]:
+    """torch's allocator per service and GPU, from the in-vLLM plugin (absent without it)."""
+    f = _Families()
+    retries = CounterMetricFamily(
+        f"{NS}_allocator_alloc_retries",
+        "cudaMalloc retries of the current processes (resets when vLLM restarts).",
+        labels=["service", "gpu"],
+    )
+    ooms = CounterMetricFamily(
+        f"{NS}_allocator_ooms",
+        "Allocator out-of-memory errors of the current processes (resets when vLLM restarts).",
+        labels=["service", "gpu"],
+    )
+    for sig in signals.services:
+        for a in sig.allocator:
+            values = [sig.service, str(a.gpu)]
+            for name, attr, doc in _ALLOCATOR_GAUGES:
+                f.add(name, doc, ["service", "gpu"], values, getattr(a, attr))
+            retries.add_metric(values, a.alloc_retries)
+            ooms.add_metric(values, a.ooms)
+    yield from f
+    if retries.samples:
+        yield retries
+        yield ooms
 
 
 def _gpu_families(snap: Snapshot, xids: dict[tuple[int, int], int]) -> Iterator[Metric]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from vllm_guardian.allocator_format import AllocatorStats
+
 
 class SourceKind(StrEnum):
     """The sources a tick collects. One module each under ``vllm_guardian/sources``."""
@@ -19,6 +21,7 @@ class SourceKind(StrEnum):
     NVML = "nvml"
     UNIT = "unit"
     LOGS = "logs"
+    ALLOCATOR = "allocator"
 
 
 @dataclass(frozen=True)
@@ -244,10 +247,34 @@ class LogReading:
         return dict(self.counts).get(kind, 0)
 
 
+# --- torch's allocator, from the in-vLLM plugin -----------------------------------------------
+
+
+@dataclass(frozen=True)
+class AllocatorProcess:
+    """One live vLLM process's allocator files (one record per device it allocates on), with
+    what ties it to a service: the same pid/ancestors/cgroup test as GPU processes."""
+
+    pid: int
+    devices: tuple[AllocatorStats, ...]
+    cgroup: str | None = None
+    ancestors: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class AllocatorReading:
+    """The plugin's directory: live processes (host-wide from the source, one service's after
+    the daemon attributes them), and the files left out this tick."""
+
+    processes: tuple[AllocatorProcess, ...]
+    stale_files: int = 0  # process gone or not updated within stale_seconds
+    unparsable_files: int = 0
+
+
 # --- one tick --------------------------------------------------------------------------------
 
 
-Payload = VllmScrape | HealthProbe | GpuReading | UnitState | LogReading
+Payload = VllmScrape | HealthProbe | GpuReading | UnitState | LogReading | AllocatorReading
 
 
 @dataclass(frozen=True)
@@ -268,6 +295,7 @@ class ServiceSnapshot:
     health: HealthProbe | None = None
     unit: UnitState | None = None
     logs: LogReading | None = None
+    allocator: AllocatorReading | None = None  # this service's processes; None: no plugin data
 
 
 @dataclass(frozen=True)

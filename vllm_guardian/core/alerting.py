@@ -17,8 +17,9 @@ Semantics worth knowing:
   alert's state and marks it ``stale``: a guardian that goes blind must not "recover", and a
   pending alert does not advance to firing on no data. A pending alert fires on the first
   evaluation that sees the condition true again after ``for_seconds``.
-* Rules marked ``optional`` may name a signal the guardian does not produce yet (the allocator
-  plugin's): while no values carry it, the rule is skipped and nothing is marked stale.
+* Rules marked ``optional`` may name a signal the guardian does not produce yet (an operator's
+  rule written ahead of a feature): while no values carry it, the rule is skipped and nothing
+  is marked stale.
 
 No I/O, no clock, no logging: ``now`` is an argument and the result is data.
 """
@@ -141,6 +142,13 @@ GPU_SIGNALS = (
     "headroom_bytes",
     "memory_total_bytes",
     "xid_reset_class",
+    # torch's allocator on this GPU, from the in-vLLM plugin (core/allocator.py).
+    "allocator_reserved_bytes",
+    "allocator_allocated_bytes",
+    "allocator_unallocated_bytes",
+    "allocator_fragmentation_ratio",
+    "allocator_retries_per_second",
+    "allocator_recent_ooms",
 )
 SERVICE_SIGNALS = frozenset(
     [name for name, _ in SERVICE_FIELDS]
@@ -242,6 +250,16 @@ def signal_values(
             out[(s.service, (("gpu", str(g.gpu)),))] = {
                 k: None if v is None else float(v) for k, v in per_gpu.items()
             }
+        for a in s.allocator:
+            row = out.setdefault((s.service, (("gpu", str(a.gpu)),)), {})
+            row.update(
+                allocator_reserved_bytes=float(a.reserved_bytes),
+                allocator_allocated_bytes=float(a.allocated_bytes),
+                allocator_unallocated_bytes=float(a.unallocated_bytes),
+                allocator_fragmentation_ratio=a.fragmentation_ratio,
+                allocator_retries_per_second=a.retries_per_second,
+                allocator_recent_ooms=None if a.recent_ooms is None else float(a.recent_ooms),
+            )
     return out
 
 

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from vllm_guardian.config import ServiceConfig, SignalsConfig
+from vllm_guardian.core.allocator import AllocatorGpuSignals, allocator_fields
 from vllm_guardian.model import (
     EngineMetrics,
     GpuDevice,
@@ -111,6 +112,14 @@ class ServiceSignals:
     recent_xid_events: tuple[tuple[int, int, int], ...] = ()
     # At the current slope, seconds until the headroom reaches zero (None: not falling).
     seconds_to_headroom_exhaustion: float | None = None
+    # torch's caching allocator, from the in-vLLM plugin (core/allocator.py); None: no plugin.
+    allocator: tuple[AllocatorGpuSignals, ...] = ()
+    allocator_reserved_bytes: int | None = None
+    allocator_allocated_bytes: int | None = None
+    allocator_unallocated_bytes: int | None = None  # reserved − allocated
+    allocator_fragmentation_ratio: float | None = None  # inactive-split / reserved, worst GPU
+    allocator_retries_per_second: float | None = None
+    allocator_recent_ooms: int | None = None  # num_ooms increase within the rate window
 
     def recent_log_count(self, kind: LogEventKind) -> int:
         return dict(self.recent_log_events).get(kind, 0)
@@ -494,6 +503,7 @@ def derive_service(
             engines=tuple(per_engine),
         )
     fields["recent_log_events"] = _recent_log_events(history, cfg.rate_window_seconds, svc.name)
+    fields.update(allocator_fields(history, svc.name, cfg.rate_window_seconds))
     if now_snap.gpus is not None:
         devices = _service_gpus(now_snap.gpus.devices, svc, cur.unit)
         gpus = _gpu_signals(devices, cur.unit, utilization)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from vllm_guardian.clock import Clock
 from vllm_guardian.config import Config
+from vllm_guardian.sources.allocator import AllocatorCollector
 from vllm_guardian.sources.base import Collector
 from vllm_guardian.sources.health import HealthCollector
 from vllm_guardian.sources.logs import LogsCollector
@@ -26,4 +27,6 @@ def build_collectors(cfg: Config, clock: Clock) -> list[Collector]:
             out.append(LogsCollector(svc, src.logs, clock))
     if src.nvml.enabled:
         out.append(NvmlCollector(src.nvml, clock, interval_seconds=cfg.interval_seconds))
+    if src.allocator.enabled:
+        out.append(AllocatorCollector(src.allocator, clock))
     return out
