@@ -143,6 +143,12 @@ TimeoutStartSec=20min
 # vLLM can exit 0 after its engine dies, so on-failure is not enough.
 Restart=always
 RestartSec=10s
+# The guardian's allocator plugin (loaded by vLLM when vllm-guardian is installed in vLLM's
+# Python environment; with VLLM_PLUGINS set, add vllm_guardian to it) writes torch's
+# allocator stats here. A runtime directory of this unit: vLLM's user can write it, it is
+# emptied when vLLM stops, and its default mode 0755 lets the guardian read it.
+RuntimeDirectory=vllm-guardian-allocator/{service}
+Environment=VLLM_GUARDIAN_ALLOCATOR_DIR=/run/vllm-guardian-allocator/{service}
 """
 
 VLLM_EXAMPLE = """\
