@@ -90,3 +90,30 @@ def test_actionable_needs_one_unambiguous_or_two_independent():
     )[0]
     same_twice = rank([Evidence(Cause.GPU_MEMORY_OVERCOMMIT, "OverBudget", "x")] * 2)[0]
     assert (actionable(one), actionable(two), actionable(same_twice)) == (False, True, False)
+
+
+STARTUP = [
+    # PyTorch held GiB, asked GiB, card GiB, other tenants GiB → cause
+    (131.4, 52.2, 80, 0.0, Cause.MODEL_DOES_NOT_FIT),  # Llama-3-70B at TP 1 on one 80 GiB card
+    (40.0, 2.0, 80, 30.0, Cause.GPU_MEMORY_OVERCOMMIT),  # another tenant holds 30 GiB
+    (60.0, 4.0, 80, 0.0, Cause.GPU_MEMORY_OVERCOMMIT),  # it fits; the profile run collided
+]
+
+
+@pytest.mark.parametrize(("held", "asked", "card", "others", "cause"), STARTUP)
+def test_an_oom_while_starting_asks_whether_the_model_fits(held, asked, card, others, cause):
+    ev = LogEvent(
+        LogEventKind.CUDA_OOM,
+        0.0,
+        "CUDA out of memory",
+        (
+            ("tried_bytes", str(int(asked * GIB))),
+            ("allocated_bytes", str(int(held * GIB))),
+            ("total_bytes", str(int(card * GIB))),
+        ),
+    )
+    failed = LogEvent(LogEventKind.STARTUP_FAILED, 0.0, "EngineCore failed to start.")
+    (found,) = [
+        e for e in evidence_from_logs([ev, failed], sig(others)) if e.name == "log:cuda_oom"
+    ]
+    assert found.cause is cause

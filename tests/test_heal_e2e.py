@@ -74,6 +74,12 @@ def check_neighbour(r: DemoReport) -> None:
     assert "gpu_memory_utilization one rung down" in relaunches[0]["reason"]
 
 
+def check_does_not_fit(r: DemoReport) -> None:
+    assert [a["reason"].split(":")[0] for a in r.actions] == ["escalate"]
+    assert r.actions[0]["cause"] == "model_does_not_fit"
+    assert any(d["what"] == "latch" for d in r.decisions)
+
+
 def check_nothing(r: DemoReport) -> None:
     assert r.actions == [], [a["reason"] for a in r.actions]
     assert not r.gated
@@ -96,11 +102,22 @@ CASES: list[tuple[str, float, float, tuple[str, ...], dict, Callable[[DemoReport
     ),
     ("noisy_neighbour", 8, 45, (), {}, check_neighbour),
     ("prefix_cache_waste", 8, 30, (), {}, check_nothing),
+    # Flags alone make the twin's model not fit: Llama-3-70B on one 80 GiB card.
+    (
+        "steady",
+        10,
+        25,
+        ("--sim-model", "llama-3-70b", "--tensor-parallel-size", "1"),
+        {},
+        check_does_not_fit,
+    ),
 ]
 
 
 @pytest.mark.parametrize(
-    ("scenario", "speed", "duration", "twin", "policy", "check"), CASES, ids=[c[0] for c in CASES]
+    ("scenario", "speed", "duration", "twin", "policy", "check"),
+    CASES,
+    ids=[c[0] if c[3] == () or c[0] != "steady" else "model_does_not_fit" for c in CASES],
 )
 def test_scenario(tmp_path: Path, scenario, speed, duration, twin, policy, check):
     report = run_demo(

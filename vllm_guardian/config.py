@@ -112,7 +112,7 @@ class ServiceConfig:
     log_file: str | None = None
     # The vLLM command (argument list, no shell) for policy.backend "process": the guardian
     # starts it with the flags file applied and restarts it, as systemd's Restart=always would.
-    command: tuple[str, ...] | None = None
+    command: tuple[str, ...] | None = field(default=None, metadata={"unique": False})
 
 
 @dataclass(frozen=True)
@@ -456,7 +456,7 @@ class _Loader:
                 self.err(path, node, f"needs at least {lo:g} entr{'y' if lo == 1 else 'ies'}")
             if hi is not None and len(node.value) > hi:
                 self.err(path, node, f"takes at most {hi:g} entries")
-        elif len(set(items)) != len(items):
+        elif f.metadata.get("unique", True) and len(set(items)) != len(items):
             self.err(path, node, "has duplicate entries")
         return tuple(items)
 
