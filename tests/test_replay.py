@@ -64,7 +64,9 @@ def recording(path: Path) -> None:
             ((LogEventKind.CUDA_OOM, counts), (LogEventKind.ENGINE_DEAD, counts)), recent, 100 + i
         )
         scrape = parse_vllm_metrics(read_fixture(name)) if name else None
-        gpu = GpuReading((GpuDevice(0, "GPU-0", "H100", 80 * GIB, 70 * GIB, 10 * GIB, processes=()),))
+        gpu = GpuReading(
+            (GpuDevice(0, "GPU-0", "H100", 80 * GIB, 70 * GIB, 10 * GIB, processes=()),)
+        )
         snap = Snapshot(t, (ServiceSnapshot("vllm", vllm=scrape, health=health, logs=logs),), gpu)
         rec.write({"time": t, "snapshot": snap, "signals": None, "decisions": []})
 
@@ -126,7 +128,9 @@ def test_a_new_config_changes_the_outcome(tmp_path: Path):
     lines = run_replay(flight, cfg)
     actions = [line["reason"].split(":")[0] for line in lines if line["what"] == "action"]
     assert actions == ["restart"]
-    assert [line["what"] for line in lines].count("gate") == 4  # only at exactly 100 %, never at 90 %
+    assert [line["what"] for line in lines].count(
+        "gate"
+    ) == 4  # only at exactly 100 %, never at 90 %
 
 
 def test_garbage_lines_are_skipped_with_a_message(tmp_path: Path):
