@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -153,6 +154,14 @@ def render_status(st: dict[str, Any]) -> str:
                 if svc.get("cooldown_until", 0) > now
                 else ""
             )
+        )
+    recent = st.get("recent_decisions") or []
+    if recent:
+        lines.append("last decisions:")
+    for d in recent[-5:]:
+        t = time.strftime("%H:%M:%S", time.localtime(d["time_seconds"]))
+        lines.append(
+            f"  {t} {d['service']} {d['what']}: {d['reason'][:100]}{' (dry-run)' if d.get('dry_run') else ''}"
         )
     for a in st.get("alerts") or []:
         lines.append(

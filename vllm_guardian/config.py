@@ -244,6 +244,10 @@ class AlertingConfig:
     timeout_seconds: float = field(default=5.0, metadata=_bounds(0.1, 60))
 
 
+def _check_action(v: str) -> str | None:
+    return None if v in ("gate", "restart", "relaunch") else "must be gate, restart or relaunch"
+
+
 def _check_backend(v: str) -> str | None:
     return None if v in ("systemd", "process") else "must be 'systemd' or 'process'"
 
@@ -253,6 +257,9 @@ class PolicyConfig:
     # First-install safety: everything is decided, recorded and exported, nothing executed.
     # Set to false once the audit log shows decisions you agree with.
     dry_run: bool = True
+    # With dry_run off, these actions are still only decided and recorded (gate, restart,
+    # relaunch): arm the ladder one rung at a time.
+    dry_run_actions: tuple[str, ...] = field(default=(), metadata=_bounds(check=_check_action))
     # How the guardian restarts vLLM: "systemd" (systemctl restart UNIT) or "process" (the
     # guardian runs services[].command itself, as the demo does; hosts without systemd).
     backend: str = field(default="systemd", metadata=_bounds(check=_check_backend))

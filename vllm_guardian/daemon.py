@@ -353,6 +353,7 @@ class Guardian:
             body["alerts"] = to_jsonable(view.alerts)
             body["dry_run"] = view.dry_run
             body["restart_budget"] = view.budget
+            body["recent_decisions"] = to_jsonable(list(self.healing.recent))
             body["gates"] = {
                 name: to_jsonable(g) for name, g in self.healing.gates(last.signals).items()
             }

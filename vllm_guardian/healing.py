@@ -19,6 +19,7 @@ with the tick.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -132,6 +133,7 @@ class Healing:
         self._latest: tuple[Snapshot, Signals] | None = None
         self._actions_total: dict[tuple[str, str, str, bool], int] = {}
         self._saved: policy.PolicyState | None = None
+        self.recent: collections.deque[policy.Decision] = collections.deque(maxlen=20)
         if backends is None:
             backends = self._build_backends()
         self.executor = ActionExecutor(
@@ -249,6 +251,7 @@ class Healing:
                 if a.kind is ActionKind.ESCALATE:
                     key = (a.service, a.kind.value, "ok", a.dry_run)
                     self._actions_total[key] = self._actions_total.get(key, 0) + 1
+            self.recent.extend(d for d in out.decisions if d.what != "suppressed")
             if not self.audit.write(out.decisions):
                 log.error("%s", self.audit.error)
             for d in out.decisions:
@@ -280,7 +283,7 @@ class Healing:
         """/ready/<service>: closed when the policy gates it (unless dry-run) or vLLM is not up."""
         out = {}
         with self._lock:
-            dry = self.cfg.policy.dry_run
+            dry = policy.gate_dry_run(self.cfg.policy)
             for s in self.state.services:
                 sig = signals.service(s.service)
                 if sig is not None and sig.vllm_up is False:

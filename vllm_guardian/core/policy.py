@@ -310,7 +310,8 @@ class _Ctx:
         flags: tuple[tuple[str, str], ...] = (),
         env: tuple[tuple[str, str], ...] = (),
     ) -> ServiceState:
-        dry = self.settings.policy.dry_run
+        p = self.settings.policy
+        dry = p.dry_run or kind.value in p.dry_run_actions
         evidence = tuple(e.name for e in finding.evidence) if finding else ()
         cause = finding.cause if finding else None
         action = Action(self.next_id, s.service, kind, cause, reason, evidence, dry, flags, env)
@@ -499,6 +500,10 @@ def _track_process(s: ServiceState, snapshot: Snapshot, name: str, now: float) -
     return s
 
 
+def gate_dry_run(p: PolicyConfig) -> bool:
+    return p.dry_run or "gate" in p.dry_run_actions
+
+
 def _gate(ctx: _Ctx, s: ServiceState, sig: ServiceSignals | None) -> ServiceState:
     if s.in_flight is not None:
         return s  # the executor gates during drain and restart
@@ -515,12 +520,12 @@ def _gate(ctx: _Ctx, s: ServiceState, sig: ServiceSignals | None) -> ServiceStat
             reason,
             cause=Cause.CONCURRENCY_OVERCOMMIT,
             evidence=("kv_cache_usage_ratio",),
-            dry_run=p.dry_run,
+            dry_run=gate_dry_run(p),
         )
     elif not s.gate_open and kv < p.kv_low_watermark_ratio:
         reason = f"KV cache usage {kv:.0%} below the low watermark {p.kv_low_watermark_ratio:.0%}"
         s = replace(s, gate_open=True, gate_reason="open")
-        ctx.decide(s, "ungate", reason, evidence=("kv_cache_usage_ratio",), dry_run=p.dry_run)
+        ctx.decide(s, "ungate", reason, evidence=("kv_cache_usage_ratio",), dry_run=gate_dry_run(p))
     return s
 
 
