@@ -125,8 +125,9 @@ def allocator_fields(
     for gpu, recs in sorted(by_gpu.items()):
         rates: list[float] = []
         ooms: list[int] = []
-        for rec in recs:
-            points = sorted(series.get((rec.pid, gpu), {}).items())
+        # Every process seen on this GPU within the window, ended ones too: sum(rate()).
+        for key in sorted(k for k in series if k[1] == gpu):
+            points = sorted(series[key].items())
             if len(points) < 2 or points[-1][0] <= points[0][0]:
                 continue
             span = points[-1][0] - points[0][0]
