@@ -151,17 +151,65 @@ def classify_oom(event: LogEvent, signals: ServiceSignals | None) -> Evidence:
     )
 
 
+def classify_startup_oom(event: LogEvent, signals: ServiceSignals | None) -> Evidence:
+    """An OOM while the engine started: does the model fit the card at all?
+
+    If what PyTorch already held plus what it asked for exceeds the whole card, no flag saves
+    it (model_does_not_fit). Otherwise the reservation collided with something (another tenant,
+    a too-high gpu_memory_utilization for the profile run): gpu_memory_overcommit.
+    """
+    tried = _detail(event, "tried_bytes")
+    held = _detail(event, "allocated_bytes")
+    total = _detail(event, "total_bytes")
+    others = signals.other_processes_memory_bytes if signals is not None else None
+    crowded = others is not None and others >= GIB
+    if (
+        tried is not None
+        and held is not None
+        and total is not None
+        and held + tried > total
+        and not crowded
+    ):
+        return Evidence(
+            Cause.MODEL_DOES_NOT_FIT,
+            "log:cuda_oom",
+            f"at start-up PyTorch held {held / GIB:.1f} GiB and asked for {tried / GIB:.1f} GiB more on a "
+            f"{total / GIB:.0f} GiB GPU: the model does not fit at this precision and parallelism",
+            unambiguous=True,
+        )
+    return Evidence(
+        Cause.GPU_MEMORY_OVERCOMMIT,
+        "log:cuda_oom",
+        "CUDA OOM while the engine started: the reservation collides with what is on the card",
+        unambiguous=True,
+    )
+
+
 def evidence_from_logs(
     events: Iterable[LogEvent], signals: ServiceSignals | None
 ) -> list[Evidence]:
     out = []
+    events = list(events)
+    # An OOM logged with "EngineCore failed to start" happened while loading weights or
+    # profiling, not under traffic: the batch and the allocator are not the suspects.
+    startup = any(ev.kind is LogEventKind.STARTUP_FAILED for ev in events)
     for ev in events:
-        if ev.kind is LogEventKind.CUDA_OOM:
+        if ev.kind is LogEventKind.CUDA_OOM and startup:
+            out.append(classify_startup_oom(ev, signals))
+        elif ev.kind is LogEventKind.CUDA_OOM:
             out.append(classify_oom(ev, signals))
-        elif (
-            ev.kind is LogEventKind.NO_KV_CACHE_MEMORY
-            or ev.kind is LogEventKind.FREE_MEMORY_BELOW_UTILIZATION
-        ):
+        elif ev.kind is LogEventKind.NO_KV_CACHE_MEMORY:
+            out.append(
+                Evidence(
+                    Cause.MODEL_DOES_NOT_FIT,
+                    "log:no_kv_cache_memory",
+                    "weights and activations leave no room for a KV cache at this gpu_memory_utilization "
+                    "(a lower one only makes it worse): raise it, lower max_num_batched_tokens, or use a "
+                    "smaller or quantized model",
+                    unambiguous=True,
+                )
+            )
+        elif ev.kind is LogEventKind.FREE_MEMORY_BELOW_UTILIZATION:
             out.append(
                 Evidence(
                     Cause.GPU_MEMORY_OVERCOMMIT,
