@@ -261,6 +261,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="the guardian against the built-in vLLM twin: `vllm-guardian demo --help`",
         add_help=False,
     )
+    sub.add_parser(
+        "gate",
+        help="the admission gate in front of one vLLM (extra `gate`): `vllm-guardian gate --help`",
+        add_help=False,
+    )
+    sub.add_parser(
+        "diagnose",
+        help="one-command incident report, live or from a bundle: `vllm-guardian diagnose --help`",
+        add_help=False,
+    )
+    sub.add_parser(
+        "plan",
+        help="the KV budget of a deployment before it exists: `vllm-guardian plan --help`",
+        add_help=False,
+    )
     return p
 
 
@@ -276,6 +291,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from vllm_guardian.demo import main as demo_main  # noqa: PLC0415
 
         return demo_main(argv[1:])
+    if argv and argv[0] == "gate":
+        from vllm_guardian.gate.cli import main as gate_main  # noqa: PLC0415
+
+        return gate_main(argv[1:])
+    if argv and argv[0] in ("diagnose", "plan"):
+        from vllm_guardian.diagnose.cli import main as diagnose_main  # noqa: PLC0415
+
+        return diagnose_main(argv)
     if argv and argv[0] in ("install", "uninstall"):
         from vllm_guardian.install import main as install_main  # noqa: PLC0415
 

@@ -1,0 +1,128 @@
+"""A bundle per cause (tests/fixtures/bundles, built by build.py from real captures and vLLM's
+log signatures): the right verdict, and the whole JSON report equal to its golden file.
+
+Regenerate the golden files after a deliberate change: UPDATE_GOLDEN=1 pytest this file, then
+read the diff.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from vllm_guardian.cli import main
+from vllm_guardian.diagnose.analyze import analyze
+from vllm_guardian.diagnose.bundle import read_bundle
+from vllm_guardian.diagnose.report import render_text, to_json
+
+BUNDLES = Path(__file__).parent / "fixtures" / "bundles"
+GOLDEN = BUNDLES / "golden"
+
+VERDICTS = {
+    "allocator_fragmentation": "allocator_fragmentation",  # OOM with 6.2 GiB reserved-unallocated
+    "concurrency_overcommit": "concurrency_overcommit",  # real capture: full pool, preemptions
+    "engine_dead_exit_zero": "engine_dead",
+    "engine_hang": "engine_dead",  # requests in the engine, counters frozen, /health 200
+    "gpu_hardware_fault_xid": "gpu_hardware_fault",  # XID 48: must not be restarted
+    "gpu_memory_overcommit_startup": "gpu_memory_overcommit",  # start-up failure, no metrics
+    "healthy_idle": "healthy",
+    "healthy_queueing": "healthy",  # KV full and a queue, no preemption: not an incident
+    "kv_cache_blowout": "kv_cache_blowout",
+    "model_does_not_fit": "model_does_not_fit",
+    "prefill_burst": "prefill_burst",
+    "prefix_cache_low_hit_rate": "healthy",  # DESIGN.md §2 "Measured": never prefix_cache_waste
+    "v0_concurrency_overcommit": "concurrency_overcommit",  # V0-era metric names
+}
+
+
+def report_json(name: str) -> dict[str, object]:
+    doc = to_json(analyze(read_bundle(BUNDLES / name)))
+    doc["origin"] = name  # the path differs per checkout
+    return doc
+
+
+def test_every_bundle_has_an_expected_verdict() -> None:
+    dirs = {p.name for p in BUNDLES.iterdir() if p.is_dir() and p.name != "golden"}
+    assert dirs == set(VERDICTS)
+
+
+@pytest.mark.parametrize("name", sorted(VERDICTS))
+def test_bundle_verdict_and_golden_report(name: str) -> None:
+    doc = report_json(name)
+    assert doc["verdict"] == VERDICTS[name]
+    assert doc["verdict"] != "prefix_cache_waste"
+    golden = GOLDEN / f"{name}.json"
+    text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert golden.exists(), f"no golden report for {name}: run with UPDATE_GOLDEN=1"
+    assert json.loads(golden.read_text()) == json.loads(text)
+
+
+@pytest.mark.parametrize("name", sorted(VERDICTS))
+def test_text_report_fits_80_columns_and_one_screen(name: str) -> None:
+    text = render_text(analyze(read_bundle(BUNDLES / name)))
+    lines = text.splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    assert len(lines) <= 50  # one screen, fix included
+    assert "VERDICT: " + VERDICTS[name] in text
+    assert "FIX" in text
+
+
+def test_findings_carry_their_numbers_and_the_fix() -> None:
+    doc = report_json("concurrency_overcommit")
+    top = doc["causes"][0]  # type: ignore[index]
+    assert "preemptions/s" in top["evidence"][0] and "% full" in top["evidence"][0]
+    assert top["actionable"]  # two independent readings
+    flags = doc["recommendation"]["flags"]  # type: ignore[index]
+    assert flags[0]["flag"] == "--max-num-seqs" and int(flags[0]["new"]) >= 8
+    overcommit = report_json("gpu_memory_overcommit_startup")["recommendation"]
+    assert overcommit["flags"][0] == {  # type: ignore[index]
+        "flag": "--gpu-memory-utilization",
+        "old": "0.92",
+        "new": "0.86",  # (70 GiB free − 0.5 GiB margin) / 80 GiB, rounded down
+        "reason": overcommit["flags"][0]["reason"],  # type: ignore[index]
+        "guardian_may_set": True,
+    }
+    assert "VLLM_GUARDIAN_ARGS=--gpu-memory-utilization 0.86" in overcommit["env_file"]  # type: ignore[index]
+    blowout = report_json("kv_cache_blowout")["recommendation"]
+    assert blowout["flags"][0]["new"] == "15008"  # vLLM's own estimate  # type: ignore[index]
+    assert not blowout["flags"][0]["guardian_may_set"]  # type: ignore[index]
+
+
+def test_hardware_fault_is_never_answered_with_a_restart() -> None:
+    rec = report_json("gpu_hardware_fault_xid")["recommendation"]
+    assert rec["flags"] == [] and rec["env_file"] is None  # type: ignore[index]
+    assert any("do NOT restart" in a for a in rec["actions"])  # type: ignore[index]
+
+
+def test_fragmentation_is_not_load() -> None:
+    doc = report_json("allocator_fragmentation")
+    assert [c["id"] for c in doc["causes"]] == ["allocator_fragmentation"]  # type: ignore[index]
+    env = doc["recommendation"]["env"]  # type: ignore[index]
+    assert env[0]["name"] == "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def test_does_not_fit_offers_what_would_make_it_fit() -> None:
+    actions = report_json("model_does_not_fit")["recommendation"]["actions"]  # type: ignore[index]
+    assert any("tensor parallelism over 2 GPUs" in a for a in actions)
+    assert any("fp8" in a for a in actions)
+
+
+@pytest.mark.parametrize(
+    ("name", "code"), [("healthy_idle", 0), ("prefill_burst", 1), ("engine_hang", 1)]
+)
+def test_cli_exit_codes(name: str, code: int, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["diagnose", "--bundle", str(BUNDLES / name), "--json"]) == code
+    assert json.loads(capsys.readouterr().out)["exit_code"] == code
+
+
+def test_cli_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["diagnose", "--bundle", str(tmp_path / "nope")]) == 2
+    assert main(["diagnose", "--no-such-flag"]) == 2
+    assert main(["diagnose", "--url", "ftp://x"]) == 2
+    assert main(["diagnose", "--bundle", str(BUNDLES / "healthy_idle"), "--url", "http://x"]) == 2
+    assert "error" in capsys.readouterr().err

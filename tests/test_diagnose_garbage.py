@@ -1,0 +1,198 @@
+"""Garbage bundles give a clear message and a partial report, never a traceback; a tar is never
+extracted outside a temporary directory (``..``, absolute paths, links, devices, oversized)."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from vllm_guardian.actuators.bundle import BundleWriter
+from vllm_guardian.cli import main
+from vllm_guardian.config import ServiceConfig
+from vllm_guardian.diagnose import bundle as bundle_mod
+from vllm_guardian.diagnose.analyze import analyze
+from vllm_guardian.diagnose.bundle import BundleError, read_bundle, write_bundle
+from vllm_guardian.diagnose.report import render_text, to_json
+from vllm_guardian.model import (
+    Action,
+    ActionKind,
+    Cause,
+    GpuDevice,
+    GpuProcess,
+    GpuReading,
+    HealthProbe,
+    HealthState,
+    LogEvent,
+    LogEventKind,
+    LogReading,
+    ServiceSnapshot,
+    Snapshot,
+    UnitState,
+)
+
+BUNDLES = Path(__file__).parent / "fixtures" / "bundles"
+
+
+def _report(path: Path) -> dict[str, object]:
+    r = analyze(read_bundle(path))
+    render_text(r)  # the text form must not fail either
+    return to_json(r)
+
+
+def test_missing_files_and_malformed_json(tmp_path: Path) -> None:
+    b = tmp_path / "b"
+    shutil.copytree(BUNDLES / "prefill_burst", b)
+    (b / "manifest.json").unlink()
+    (b / "gpus.json").write_text("[{not json")
+    (b / "health.json").write_text('"a string"')
+    (b / "model_config.json").write_text('{"hidden_size": "big"}')
+    (b / "metrics").mkdir()
+    (b / "metrics" / "garbage.prom").write_text("x")
+    (b / "metrics" / "1795306000.prom").write_text('vllm:kv_cache_usage_perc{engine="0" 1\n{{{{\n')
+    (b / "allocator").mkdir()
+    (b / "allocator" / "0.json").write_text('{"schema": "something else"}')
+    doc = _report(b)
+    problems = "\n".join(doc["problems"])  # type: ignore[arg-type]
+    for needle in ("manifest.json missing", "gpus.json: not valid JSON", "health.json: expected an object",
+                   "model_config.json", "garbage.prom", "malformed", "allocator/0.json"):  # fmt: skip
+        assert needle in problems, needle
+    assert doc["verdict"] == "prefill_burst"  # the journal still tells the story
+
+
+def test_an_empty_directory_is_a_partial_report(tmp_path: Path) -> None:
+    doc = _report(tmp_path)
+    assert doc["verdict"] == "healthy" and "manifest.json missing" in doc["problems"][0]  # type: ignore[index]
+
+
+def test_a_huge_log_keeps_its_tail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bundle_mod, "MAX_JOURNAL_BYTES", 64 * 1024)
+    b = tmp_path / "b"
+    shutil.copytree(BUNDLES / "engine_dead_exit_zero", b)
+    tail = (b / "journal.log").read_text()
+    (b / "journal.log").write_text("INFO noise " * 200_000 + "\n" + tail)
+    doc = _report(b)
+    assert doc["verdict"] == "engine_dead"
+    assert any("only the last" in p for p in doc["problems"])  # type: ignore[union-attr]
+
+
+def test_not_a_bundle_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    junk = tmp_path / "junk.tar.gz"
+    junk.write_bytes(b"\x00not a tar at all" * 10)
+    with pytest.raises(BundleError):
+        read_bundle(junk)
+    assert main(["diagnose", "--bundle", str(junk)]) == 2
+    assert "not a directory or a tar archive" in capsys.readouterr().err
+
+
+def _add(
+    tf: tarfile.TarFile,
+    name: str,
+    data: bytes = b"x",
+    kind: bytes = tarfile.REGTYPE,
+    link: str = "",
+) -> None:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.linkname = link
+    info.size = len(data) if kind == tarfile.REGTYPE else 0
+    tf.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+
+
+def test_hostile_tar_never_writes_outside_its_temporary_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bundle_mod, "MAX_MEMBER_BYTES", 1024)
+    victim = tmp_path / "outside"
+    archive = tmp_path / "evil.tar.gz"
+    manifest = json.dumps(
+        {"format": 1, "created": "2026-11-22T00:00:00Z", "service": "vllm"}
+    ).encode()
+    with tarfile.open(archive, "w:gz") as tf:
+        _add(tf, "b/manifest.json", manifest)
+        _add(tf, "b/../../outside", b"pwned")
+        _add(tf, "/tmp/absolute-evil", b"pwned")
+        _add(tf, "b/journal.log", kind=tarfile.SYMTYPE, link="/etc/passwd")
+        _add(tf, "b/health.json", kind=tarfile.LNKTYPE, link="b/manifest.json")
+        _add(tf, "b/dev", kind=tarfile.CHRTYPE)
+        _add(tf, "b/fifo", kind=tarfile.FIFOTYPE)
+        _add(tf, "b/big.log", b"y" * 4096)
+    b = read_bundle(archive)
+    problems = "\n".join(b.problems)
+    for why in (
+        "leaves the bundle",
+        "absolute path",
+        "a link",
+        "not a regular file",
+        "larger than",
+    ):
+        assert why in problems, why
+    assert not victim.exists() and not Path("/tmp/absolute-evil").exists()
+    assert b.service == "vllm" and b.journal == () and b.health is None
+    doc = to_json(analyze(b))
+    assert doc["verdict"] == "healthy" and doc["problems"]
+
+
+def test_tar_round_trip_through_save_bundle(tmp_path: Path) -> None:
+    original = read_bundle(BUNDLES / "concurrency_overcommit")
+    archive = write_bundle(original, tmp_path / "incident.tar.gz")
+    again = read_bundle(archive)
+    assert again.scrapes == original.scrapes and again.cmdline == original.cmdline
+    assert to_json(analyze(again))["verdict"] == "concurrency_overcommit"
+
+
+def test_the_policys_bundle_is_read(tmp_path: Path) -> None:
+    """The bundle actuators/bundle.py writes before each disruptive action (with flight.jsonl)."""
+    oom = (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 5.86 GiB. GPU 0 has a total "
+        "capacity of 79.19 GiB of which 1.62 GiB is free. Of the allocated memory 76.55 GiB is "
+        "allocated by PyTorch, and 120.54 MiB is reserved by PyTorch but unallocated."
+    )
+    unit = UnitState("vllm.service", "active", "running", "success", 4242, 1, 0, None, None,
+                     ("vllm", "serve", "m", "--max-num-batched-tokens", "16384"), (4242,))  # fmt: skip
+    snaps = [
+        Snapshot(
+            1795306000.0 + i,
+            (
+                ServiceSnapshot(
+                    "vllm",
+                    health=HealthProbe(HealthState.ENGINE_DEAD, 503, 0.01),
+                    unit=unit,
+                    logs=LogReading(
+                        (),
+                        (LogEvent(LogEventKind.CUDA_OOM, 1795306000.0, oom),) if i == 1 else (),
+                        3,
+                    ),
+                ),
+            ),
+            GpuReading(
+                (
+                    GpuDevice(
+                        0,
+                        "GPU-0",
+                        "H100",
+                        80 * 2**30,
+                        78 * 2**30,
+                        2 * 2**30,
+                        processes=(GpuProcess(4242, 78 * 2**30),),
+                    ),
+                )
+            ),
+        )
+        for i in range(3)
+    ]
+    svc = ServiceConfig(name="vllm", url="http://127.0.0.1:9")  # nothing listens: no scrape
+    writer = BundleWriter(tmp_path / "bundles", lambda name: (svc, snaps), timeout_seconds=1.0)
+    action = Action(
+        1, "vllm", ActionKind.RELAUNCH, Cause.PREFILL_BURST, "OOM", ("log:cuda_oom",), False
+    )
+    path = writer.capture(action)
+    b = read_bundle(path)
+    assert b.action is not None and len(b.flight) == 3 and b.unit is not None
+    doc = to_json(analyze(b))
+    assert doc["verdict"] == "prefill_burst"
+    assert doc["recommendation"]["flags"][0]["new"] == "8192"  # type: ignore[index]

@@ -1,0 +1,653 @@
+"""A bundle in, a report out: the bundle's files become snapshots, the pure core does the rest.
+
+Steps: scrapes → :class:`VllmScrape` (``sources/vllm_metrics.parse_vllm_metrics``);
+``health.json``, ``unit.json``, ``gpus.json`` → the last snapshot's health, unit and GPUs; the
+daemon's flight records (when present) become the earlier history; ``core/signals.derive``
+computes rates and percentiles from consecutive snapshots; journal lines → log events
+(``sources/logs.match_line``) and vLLM's sizing lines (``core/budget``); the model's
+``config.json`` and the flags → the KV budget; all of it → ``core/diagnosis.classify``; the
+verdict → ``recommend``. Bad inputs become ``problems``, never exceptions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from vllm_guardian import promtext
+from vllm_guardian.allocator_format import AllocatorStats, FormatError, decode
+from vllm_guardian.config import ServiceConfig, SignalsConfig
+from vllm_guardian.core import diagnosis
+from vllm_guardian.core.budget import (
+    Deployment,
+    KvBudget,
+    LaunchFlags,
+    ModelConfigError,
+    ModelShape,
+    StartupSizing,
+    compute_budget,
+    model_fits,
+    model_shape,
+    parse_launch_flags,
+    parse_startup_sizing,
+)
+from vllm_guardian.core.signals import ServiceSignals, derive_service, histogram_quantile
+from vllm_guardian.diagnose.bundle import Bundle
+from vllm_guardian.diagnose.recommend import Context, recommend
+from vllm_guardian.diagnose.report import CauseReport, GpuProcessReport, GpuReport, Report
+from vllm_guardian.model import (
+    CacheConfig,
+    Cause,
+    GpuDevice,
+    GpuProcess,
+    GpuReading,
+    HealthProbe,
+    HealthState,
+    LogEvent,
+    LogEventKind,
+    ServiceSnapshot,
+    Snapshot,
+    UnitState,
+    VllmScrape,
+    XidEvent,
+)
+from vllm_guardian.recorder import snapshot_from_record
+from vllm_guardian.sources.health import classify_status
+from vllm_guardian.sources.logs import MESSAGE_MAX_CHARS, match_line
+from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
+
+_REQUEST_HISTOGRAMS = ("vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket")
+# Without a scrape span the stall test needs at least this much observation.
+_MIN_STALL_SECONDS = 2.0
+
+
+def _int(v: object) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _float(v: object) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    return float(v) if math.isfinite(v) else None
+
+
+def _str(v: object) -> str | None:
+    return v if isinstance(v, str) else None
+
+
+def health_probe(doc: dict[str, Any] | None) -> HealthProbe | None:
+    if doc is None:
+        return None
+    code = _int(doc.get("status_code"))
+    err = _str(doc.get("error"))
+    latency = _float(doc.get("latency_seconds"))
+    if code is not None:
+        state = classify_status(code)
+    elif err and "timed out" in err.lower():
+        state = HealthState.TIMEOUT
+    else:
+        state = HealthState.REFUSED
+    return HealthProbe(state, code, latency, err)
+
+
+def _gpu_devices(
+    gpus: list[dict[str, Any]], problems: list[str]
+) -> tuple[list[GpuDevice], set[int], list[XidEvent]]:
+    devices: list[GpuDevice] = []
+    service_pids: set[int] = set()
+    xids: list[XidEvent] = []
+    for n, g in enumerate(gpus):
+        index = _int(g.get("index"))
+        if index is None:
+            problems.append(f"gpus.json[{n}]: no integer index, ignored")
+            continue
+        total = _int(g.get("memory_total_bytes"))
+        used = _int(g.get("memory_used_bytes"))
+        procs: list[GpuProcess] | None = None
+        raw_procs = g.get("processes")
+        if isinstance(raw_procs, list):
+            procs = []
+            for p in raw_procs:
+                pid = _int(p.get("pid")) if isinstance(p, dict) else None
+                if pid is None:
+                    problems.append(f"gpus.json[{n}].processes: an entry without a pid, ignored")
+                    continue
+                assert isinstance(p, dict)
+                procs.append(GpuProcess(pid, _int(p.get("used_memory_bytes")), _str(p.get("name"))))
+                if p.get("service") is True:
+                    service_pids.add(pid)
+        raw_xids = g.get("xid_events")
+        for x in raw_xids if isinstance(raw_xids, list) else ():
+            xid = _int(x.get("xid")) if isinstance(x, dict) else None
+            if xid is not None and isinstance(x, dict):
+                xids.append(XidEvent(index, xid, _float(x.get("unix_time")) or 0.0))
+        free = _int(g.get("memory_free_bytes"))
+        if free is None and total is not None and used is not None:
+            free = max(0, total - used)
+        devices.append(
+            GpuDevice(
+                index=index,
+                uuid=_str(g.get("uuid")),
+                name=_str(g.get("name")),
+                memory_total_bytes=total,
+                memory_used_bytes=used,
+                memory_free_bytes=free,
+                processes=tuple(procs) if procs is not None else None,
+            )
+        )
+    return devices, service_pids, xids
+
+
+def _unit_state(
+    doc: dict[str, Any] | None, cmdline: tuple[str, ...] | None, pids: set[int]
+) -> UnitState:
+    d = doc or {}
+    return UnitState(
+        unit=_str(d.get("Id")) or _str(d.get("unit")),
+        active_state=_str(d.get("ActiveState")),
+        sub_state=_str(d.get("SubState")),
+        result=_str(d.get("Result")),
+        main_pid=_int(d.get("MainPID")) or None,
+        n_restarts=_int(d.get("NRestarts")),
+        exec_main_status=_int(d.get("ExecMainStatus")),
+        active_enter_monotonic_seconds=None,
+        control_group=None,
+        cmdline=cmdline,
+        pids=tuple(sorted(pids)),
+    )
+
+
+def request_tokens_p95(scrapes: Sequence[tuple[float, str]]) -> float | None:
+    """p95 of prompt + generated tokens per finished request (the two histograms' p95s added:
+    an upper bound of the sum's p95), over the scrapes' span, else over the server's life."""
+
+    def buckets(body: str) -> dict[str, dict[float, float]]:
+        out: dict[str, dict[float, float]] = {}
+        for s in promtext.parse(body, _REQUEST_HISTOGRAMS).samples:
+            le_raw = dict(s.labels).get("le")
+            try:
+                le = float(le_raw) if le_raw is not None else None
+            except ValueError:
+                le = None
+            if le is None or not math.isfinite(s.value):
+                continue
+            fam = out.setdefault(s.name, {})
+            fam[le] = fam.get(le, 0.0) + s.value
+        return out
+
+    if not scrapes:
+        return None
+    last = buckets(scrapes[-1][1])
+    first = buckets(scrapes[0][1]) if len(scrapes) > 1 else {}
+    total = 0.0
+    for name in _REQUEST_HISTOGRAMS:
+        cur = last.get(name)
+        if not cur:
+            return None
+        prev = first.get(name, {})
+        delta = {le: c - prev.get(le, 0.0) for le, c in cur.items()}
+        use = delta if delta.get(math.inf, 0.0) > 0 and all(v >= 0 for v in delta.values()) else cur
+        q = histogram_quantile(0.95, sorted(use.items()))
+        if q is None:
+            return None
+        total += q
+    return total
+
+
+def log_events(lines: Sequence[str], time_seconds: float) -> tuple[LogEvent, ...]:
+    out = []
+    for line in lines:
+        m = match_line(line)
+        if m is not None:
+            out.append(LogEvent(m[0], time_seconds, line[:MESSAGE_MAX_CHARS], m[1]))
+    return tuple(out)
+
+
+def _allocator(
+    docs: Sequence[tuple[str, dict[str, Any]]], problems: list[str]
+) -> tuple[AllocatorStats, ...]:
+    """The plugin's records (allocator_format), the newest per process and GPU."""
+    out: dict[tuple[int, int], AllocatorStats] = {}
+    for name, doc in docs:
+        try:
+            rec = decode(json.dumps(doc).encode())
+        except FormatError as e:
+            problems.append(f"allocator/{name}: {e}")
+            continue
+        out[(rec.pid, rec.device)] = rec
+    return tuple(out.values())
+
+
+def _allocator_evidence(records: Sequence[AllocatorStats]) -> tuple[diagnosis.Evidence, ...]:
+    # The allocator's classification belongs to core/diagnosis.evidence_from_allocator (the
+    # allocator-telemetry work); used when that function is present.
+    fn = getattr(diagnosis, "evidence_from_allocator", None)
+    if fn is None or not records:
+        return ()
+    return tuple(fn(records))
+
+
+def _service_gpus(devices: Sequence[GpuDevice], pids: set[int]) -> tuple[int, ...] | None:
+    mine = tuple(
+        d.index for d in devices if d.processes and any(p.pid in pids for p in d.processes)
+    )
+    # vLLM down: none of its processes hold memory; every GPU in the bundle is its card then.
+    return mine or (tuple(d.index for d in devices) if devices else None)
+
+
+def _flight_history(b: Bundle, problems: list[str]) -> list[Snapshot]:
+    out: list[Snapshot] = []
+    bad = 0
+    for rec in b.flight:
+        try:
+            out.append(snapshot_from_record(rec))
+        except (ValueError, TypeError, KeyError):
+            bad += 1
+    if bad:
+        problems.append(f"flight.jsonl: {bad} record(s) that are not snapshots, skipped")
+    return sorted(out, key=lambda s: s.time_seconds)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Budget:
+    budget: KvBudget | None
+    fits: bool | None
+    view: dict[str, Any] | None
+    model: ModelShape | None
+
+
+def _budget(
+    b: Bundle,
+    flags: LaunchFlags,
+    cache: CacheConfig | None,
+    sizing: StartupSizing,
+    total: int | None,
+    max_model_len: int | None,
+    p95: float | None,
+    problems: list[str],
+) -> _Budget:
+    model: ModelShape | None = None
+    if b.model_config is not None:
+        index_total = None
+        meta = (b.safetensors_index or {}).get("metadata")
+        if isinstance(meta, dict):
+            index_total = _int(meta.get("total_size"))
+        try:
+            model = model_shape(b.model_config, index_total, name=flags.model)
+        except ModelConfigError as e:
+            problems.append(f"model_config.json: {e}; no KV budget from the model")
+    view: dict[str, Any] = {}
+    budget: KvBudget | None = None
+    fits: bool | None = None
+    if model is not None and total is not None:
+        d = Deployment(
+            gpu_memory_total_bytes=total,
+            gpu_memory_utilization_ratio=flags.gpu_memory_utilization_ratio
+            or (cache.gpu_memory_utilization_ratio if cache else None),
+            tensor_parallel_size=flags.tensor_parallel_size,
+            max_model_len=max_model_len,
+            max_num_seqs=flags.max_num_seqs,
+            max_num_batched_tokens=flags.max_num_batched_tokens,
+            kv_cache_dtype=flags.kv_cache_dtype,
+            kv_cache_memory_bytes=flags.kv_cache_memory_bytes,
+            block_size=flags.block_size or (cache.block_size if cache else None),
+            enforce_eager=flags.enforce_eager,
+        )
+        estimate = compute_budget(model, d)
+        per_token = estimate.kv_bytes_per_token
+        reported_tokens = cache.capacity_tokens if cache else None
+        if reported_tokens is not None:
+            budget = compute_budget(
+                model,
+                d,
+                kv_pool_bytes=reported_tokens * per_token,
+                kv_pool_source="cache_config_info",
+            )
+        elif sizing.available_kv_cache_bytes is not None:
+            budget = compute_budget(
+                model, d, kv_pool_bytes=sizing.available_kv_cache_bytes, kv_pool_source="vLLM log"
+            )
+        else:
+            budget = estimate
+        fits = model_fits(model, total, estimate.tensor_parallel_size)
+        view = dataclasses.asdict(budget)
+        if budget is not estimate:
+            view["estimated_pool_tokens"] = estimate.pool_tokens
+            diff = (
+                (estimate.pool_tokens - budget.pool_tokens) / budget.pool_tokens
+                if budget.pool_tokens
+                else None
+            )
+            if diff is not None:
+                view["check"] = (
+                    f"estimate from config and flags: {estimate.pool_tokens:,} tokens, "
+                    f"{diff:+.0%} vs {budget.kv_pool_source}"
+                )
+        view["largest_max_model_len"] = {
+            "1 sequence": budget.largest_max_model_len(1),
+            f"{budget.max_num_seqs} sequences": budget.largest_max_model_len(budget.max_num_seqs),
+        }
+        view["p95_request_tokens"] = p95
+        view["max_concurrency_at_p95"] = budget.max_concurrency_at(p95) if p95 else None
+        view["model_fits"] = fits
+    elif cache is not None and cache.capacity_tokens is not None:
+        # No model config: what the server reports is the budget.
+        tokens = cache.capacity_tokens
+        view = {
+            "model": flags.model,
+            "kv_pool_source": "cache_config_info",
+            "kv_pool_bytes": cache.kv_cache_memory_bytes,
+            "pool_tokens": tokens,
+            "pool_blocks": cache.num_gpu_blocks,
+            "block_size": cache.block_size,
+            "gpu_memory_utilization_ratio": cache.gpu_memory_utilization_ratio,
+            "max_model_len": max_model_len,
+            "max_concurrency_at_max_model_len": round(tokens / max_model_len, 2)
+            if max_model_len
+            else None,
+            "p95_request_tokens": p95,
+            "max_concurrency_at_p95": round(tokens / p95, 2) if p95 else None,
+            "largest_max_model_len": {"1 sequence": tokens},
+        }
+        overridden = dict(cache.labels).get("num_gpu_blocks_override", "None") != "None"
+        if cache.kv_cache_memory_bytes and tokens and not overridden:
+            view["kv_bytes_per_token"] = cache.kv_cache_memory_bytes // tokens
+    return _Budget(budget, fits, view or None, model)
+
+
+def analyze(b: Bundle, mode: str = "bundle") -> Report:
+    problems = list(b.problems)
+    service = b.service
+    now = b.created_seconds
+    parsed: list[tuple[float, VllmScrape]] = []
+    for t, body in b.scrapes:
+        scrape = parse_vllm_metrics(body)
+        if scrape.malformed_lines:
+            problems.append(
+                f"metrics/{t:.0f}.prom: {scrape.malformed_lines} malformed line(s) skipped"
+            )
+        if not scrape.engines and not scrape.stats_enabled:
+            problems.append(
+                f"metrics/{t:.0f}.prom: no vllm:* series (--disable-log-stats? not vLLM?)"
+            )
+        parsed.append((t, scrape))
+    if now is None:
+        now = parsed[-1][0] if parsed else 0.0
+    devices, service_pids, xids = _gpu_devices(b.gpus or [], problems)
+    unit_doc = b.unit
+    main_pid = _int((unit_doc or {}).get("MainPID"))
+    if main_pid:
+        service_pids.add(main_pid)
+    unit = _unit_state(unit_doc, b.cmdline, service_pids)
+    health = health_probe(b.health)
+    history = _flight_history(b, problems)
+    first_own = parsed[0][0] if parsed else now
+    history = [s for s in history if s.time_seconds < first_own and s.service(service) is not None]
+    gpus = GpuReading(tuple(devices), xid_events=tuple(xids)) if b.gpus is not None else None
+    own: list[Snapshot] = [
+        Snapshot(t, (ServiceSnapshot(service, vllm=scrape),), None) for t, scrape in parsed
+    ]
+    if not own:
+        own = [Snapshot(now, (ServiceSnapshot(service),), None)]
+    last = own[-1]
+    last_svc = last.services[0]
+    own[-1] = dataclasses.replace(
+        last,
+        services=(dataclasses.replace(last_svc, health=health, unit=unit),),
+        gpus=gpus,
+    )
+    history += own
+    times = [
+        s.time_seconds
+        for s in history
+        if (x := s.service(service)) is not None and x.vllm is not None
+    ]
+    span = (times[-1] - times[0]) if len(times) > 1 else 0.0
+    window = max(span, 1.0) + 1.0
+    cfg = SignalsConfig(
+        rate_window_seconds=window,
+        quantile_window_seconds=window,
+        slope_window_seconds=window,
+        stall_seconds=max(_MIN_STALL_SECONDS, min(30.0, span)) if len(times) > 1 else 1e9,
+    )
+    svc_cfg = ServiceConfig(name=service, gpus=_service_gpus(devices, service_pids))
+    sig: ServiceSignals = derive_service(history, svc_cfg, cfg)
+    flags = parse_launch_flags(b.cmdline or ())
+    for bad in flags.unknown_values:
+        problems.append(f"cmdline.txt: cannot read {bad}")
+    sizing = parse_startup_sizing(b.journal)
+    events = log_events(b.journal, now)
+    scrape_last = parsed[-1][1] if parsed else None
+    cache = next(
+        (e.cache_config for e in (scrape_last.engines if scrape_last else ()) if e.cache_config),
+        None,
+    )
+    max_model_len = (
+        flags.max_model_len or _models_max_len(b.models) or sizing.max_concurrency_request_tokens
+    )
+    p95 = request_tokens_p95(b.scrapes)
+    svc_devices = [d for d in devices if svc_cfg.gpus is None or d.index in svc_cfg.gpus]
+    total = svc_devices[0].memory_total_bytes if svc_devices else None
+    if total is None:
+        total = _total_from_events(events)
+    bud = _budget(b, flags, cache, sizing, total, max_model_len, p95, problems)
+    allocator = _allocator(b.allocator, problems)
+    obs = diagnosis.Observations(
+        signals=sig,
+        scrapes=len(times),
+        observed_seconds=span,
+        log_events=events,
+        health_status_code=health.status_code if health else None,
+        unit_active_state=unit.active_state,
+        unit_result=unit.result,
+        exec_main_status=unit.exec_main_status,
+        n_restarts=unit.n_restarts,
+        xid_events=tuple((x.gpu_index, x.xid) for x in xids),
+        extra_evidence=_allocator_evidence(allocator),
+        budget=bud.budget,
+        model_fits=bud.fits,
+        p95_request_tokens=p95,
+    )
+    result = diagnosis.classify(obs)
+    verdict = result.verdict
+    causes = tuple(
+        CauseReport(
+            f.cause, f.confidence, diagnosis.actionable(f), tuple(e.sentence for e in f.evidence)
+        )
+        for f in result.findings
+    )
+    free_line = next(
+        (e for e in events if e.kind is LogEventKind.FREE_MEMORY_BELOW_UTILIZATION), None
+    )
+    free_bytes = _detail_int(free_line, "free_bytes") if free_line else None
+    ctx = Context(
+        verdict=verdict,
+        flags=flags,
+        cmdline=b.cmdline,
+        budget=bud.budget,
+        model=bud.model,
+        sizing=sizing,
+        gpu_total_bytes=total or (_detail_int(free_line, "total_bytes") if free_line else None),
+        gpu_free_bytes=free_bytes,
+        other_processes_bytes=sig.other_processes_memory_bytes,
+        reported_utilization=cache.gpu_memory_utilization_ratio if cache else None,
+        running_requests=sig.requests_running,
+        pool_tokens=cache.capacity_tokens if cache else None,
+        p95_request_tokens=p95,
+        hardware_gpus=tuple(
+            sorted({x.gpu_index for x in xids if x.xid in diagnosis.RESET_CLASS_XIDS})
+        ),
+    )
+    rec = recommend(ctx)
+    util = sig.gpu_memory_utilization_ratio or flags.gpu_memory_utilization_ratio
+    gpu_reports = tuple(
+        GpuReport(
+            index=d.index,
+            name=d.name,
+            memory_total_bytes=d.memory_total_bytes,
+            vllm_bytes=sum(
+                p.used_memory_bytes or 0 for p in d.processes or () if p.pid in service_pids
+            ),
+            others=tuple(
+                GpuProcessReport(p.pid, p.name, p.used_memory_bytes)
+                for p in d.processes or ()
+                if p.pid not in service_pids
+            ),
+            free_bytes=d.memory_free_bytes,
+            budget_bytes=int(util * d.memory_total_bytes)
+            if util and d.memory_total_bytes
+            else None,
+        )
+        for d in devices
+    )
+    return Report(
+        mode=mode,
+        origin=b.origin,
+        service=service,
+        created=b.created,
+        verdict=verdict,
+        causes=causes,
+        notes=result.notes,
+        signals=_signals_view(sig, len(times), span),
+        kv_budget=bud.view,
+        vllm_sizing=None if sizing.empty else dataclasses.asdict(sizing),
+        gpus=gpu_reports,
+        recommendation=rec,
+        problems=tuple(problems),
+    )
+
+
+def _models_max_len(models: dict[str, Any] | None) -> int | None:
+    data = (models or {}).get("data")
+    if isinstance(data, list):
+        for m in data:
+            if isinstance(m, dict) and _int(m.get("max_model_len")):
+                return _int(m.get("max_model_len"))
+    return None
+
+
+def _detail_int(ev: LogEvent | None, key: str) -> int | None:
+    if ev is None:
+        return None
+    raw = dict(ev.details).get(key)
+    try:
+        return int(float(raw)) if raw is not None else None
+    except ValueError:
+        return None
+
+
+def _total_from_events(events: Sequence[LogEvent]) -> int | None:
+    for ev in events:
+        v = _detail_int(ev, "total_bytes")
+        if v:
+            return v
+    return None
+
+
+def _signals_view(sig: ServiceSignals, scrapes: int, span: float) -> dict[str, Any]:
+    return {
+        "scrapes": scrapes,
+        "observed_seconds": span,
+        "health_state": sig.health_state.value if sig.health_state else None,
+        "metrics_up": sig.metrics_up,
+        "kv_cache_usage_ratio": sig.kv_cache_usage_ratio,
+        "requests_running": sig.requests_running,
+        "requests_waiting": sig.requests_waiting,
+        "preemptions_per_second": sig.preemptions_per_second,
+        "generation_tokens_per_second": sig.generation_tokens_per_second,
+        "prefix_cache_hit_ratio": sig.prefix_cache_hit_ratio,
+        "stall_seconds": sig.stall_seconds,
+        "service_memory_bytes": sig.service_memory_bytes,
+        "other_processes_memory_bytes": sig.other_processes_memory_bytes,
+        "headroom_bytes": sig.headroom_bytes,
+        "kv_cache_capacity_tokens": sig.kv_cache_capacity_tokens,
+        "gpu_memory_utilization_ratio": sig.gpu_memory_utilization_ratio,
+    }
+
+
+def plan_report(
+    model: ModelShape,
+    d: Deployment,
+    request_tokens: float | None = None,
+    concurrency: int | None = None,
+    origin: str = "",
+) -> Report:
+    """``vllm-guardian plan``: the budget of a deployment before it exists, and its verdict."""
+    budget = compute_budget(model, d)
+    fits = model_fits(model, d.gpu_memory_total_bytes, budget.tensor_parallel_size)
+    obs = diagnosis.Observations(
+        signals=None, budget=budget, model_fits=fits, p95_request_tokens=request_tokens
+    )
+    result = diagnosis.classify(obs)
+    notes = [n for n in result.notes if not n.startswith("no /metrics")]
+    findings = list(result.findings)
+    if request_tokens and fits and budget.fits_one_request:
+        hosts = budget.max_concurrency_at(request_tokens) or 0.0
+        if budget.max_num_seqs > 2 * hosts:
+            ev = diagnosis.Evidence(
+                Cause.CONCURRENCY_OVERCOMMIT,
+                "plan:max_num_seqs",
+                f"max_num_seqs {budget.max_num_seqs} but the pool hosts {hosts:.0f} sequences of "
+                f"{request_tokens:,.0f} tokens: under full load it preempts",
+                weight=0.5,
+            )
+            findings = list(diagnosis.rank([*(e for f in findings for e in f.evidence), ev]))
+    view = dataclasses.asdict(budget)
+    view["largest_max_model_len"] = {"1 sequence": budget.largest_max_model_len(1)}
+    if concurrency:
+        view["largest_max_model_len"][f"{concurrency} sequences"] = budget.largest_max_model_len(
+            concurrency
+        )
+    view["p95_request_tokens"] = request_tokens
+    view["max_concurrency_at_p95"] = (
+        budget.max_concurrency_at(request_tokens) if request_tokens else None
+    )
+    view["model_fits"] = fits
+    verdict = diagnosis.verdict(findings)
+    flags = LaunchFlags(
+        model=model.name,
+        gpu_memory_utilization_ratio=d.gpu_memory_utilization_ratio,
+        max_model_len=d.max_model_len,
+        max_num_seqs=d.max_num_seqs,
+        max_num_batched_tokens=d.max_num_batched_tokens,
+        tensor_parallel_size=d.tensor_parallel_size,
+        kv_cache_dtype=d.kv_cache_dtype,
+        enforce_eager=d.enforce_eager,
+    )
+    rec = recommend(
+        Context(
+            verdict=verdict,
+            flags=flags,
+            cmdline=None,
+            budget=budget,
+            model=model,
+            gpu_total_bytes=d.gpu_memory_total_bytes,
+            pool_tokens=budget.pool_tokens,
+            p95_request_tokens=request_tokens,
+        )
+    )
+    return Report(
+        mode="plan",
+        origin=origin,
+        service=model.name,
+        created=None,
+        verdict=verdict,
+        causes=tuple(
+            CauseReport(
+                f.cause,
+                f.confidence,
+                diagnosis.actionable(f),
+                tuple(e.sentence for e in f.evidence),
+            )
+            for f in findings
+        ),
+        notes=tuple(notes),
+        signals={},
+        kv_budget=view,
+        vllm_sizing=None,
+        gpus=(),
+        recommendation=rec,
+    )
