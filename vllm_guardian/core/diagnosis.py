@@ -19,6 +19,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from vllm_guardian.allocator_format import AllocatorStats
 from vllm_guardian.core.budget import MIN_DEPLOY_UTILIZATION, KvBudget
 from vllm_guardian.core.signals import ServiceSignals
 from vllm_guardian.model import Alert, AlertState, Cause, LogEvent, LogEventKind
@@ -252,6 +253,69 @@ def evidence_from_logs(
                     unambiguous=True,
                 )
             )
+    return out
+
+
+def evidence_from_allocator(
+    records: Iterable[AllocatorStats],
+    fragmented_ratio: float = 0.30,
+    min_reserved_bytes: int = GIB,
+) -> list[Evidence]:
+    """The in-vLLM plugin's records (live, or the ``allocator/*.json`` files of a bundle read
+    with ``allocator_format.decode``) as evidence for ``allocator_fragmentation``.
+
+    * inactive-split / reserved above ``fragmented_ratio`` (the VllmAllocatorFragmented
+      threshold) on a GPU where at least ``min_reserved_bytes`` is reserved;
+    * any cudaMalloc retries: the cache had to be flushed to satisfy an allocation;
+    * allocator OOMs while fragmented.
+
+    Each is one independent item, so fragmentation with retries is actionable; none of them
+    alone is unambiguous (a snapshot of counters says what the cache looks like, not that it
+    caused a failure).
+    """
+    recs = list(records)
+
+    def gib(v: int) -> str:
+        return f"{v / GIB:.2f} GiB"
+
+    out: list[Evidence] = []
+    fragmented = [
+        r
+        for r in recs
+        if r.reserved_bytes >= min_reserved_bytes
+        and (r.fragmentation_ratio or 0.0) > fragmented_ratio
+    ]
+    if fragmented:
+        w = max(fragmented, key=lambda r: r.fragmentation_ratio or 0.0)
+        out.append(
+            Evidence(
+                Cause.ALLOCATOR_FRAGMENTATION,
+                "allocator:fragmented",
+                f"pid {w.pid} GPU {w.device}: {w.fragmentation_ratio or 0.0:.0%} of the "
+                f"{gib(w.reserved_bytes)} torch reserved is stranded in split blocks "
+                f"({gib(w.unallocated_bytes)} reserved but unallocated, "
+                f"PYTORCH_CUDA_ALLOC_CONF={w.alloc_conf or 'unset'})",
+            )
+        )
+    retries = sum(r.alloc_retries for r in recs)
+    if retries > 0:
+        out.append(
+            Evidence(
+                Cause.ALLOCATOR_FRAGMENTATION,
+                "allocator:retries",
+                f"{retries} cudaMalloc retries in {len({r.pid for r in recs if r.alloc_retries})} "
+                "process(es): the cache was flushed to satisfy allocations",
+            )
+        )
+    ooms = sum(r.ooms for r in fragmented)
+    if ooms > 0:
+        out.append(
+            Evidence(
+                Cause.ALLOCATOR_FRAGMENTATION,
+                "allocator:ooms",
+                f"{ooms} allocator OOMs in process(es) whose cache is fragmented",
+            )
+        )
     return out
 
 

@@ -222,12 +222,7 @@ def _allocator(
 
 
 def _allocator_evidence(records: Sequence[AllocatorStats]) -> tuple[diagnosis.Evidence, ...]:
-    # The allocator's classification belongs to core/diagnosis.evidence_from_allocator (the
-    # allocator-telemetry work); used when that function is present.
-    fn = getattr(diagnosis, "evidence_from_allocator", None)
-    if fn is None or not records:
-        return ()
-    return tuple(fn(records))
+    return tuple(diagnosis.evidence_from_allocator(records)) if records else ()
 
 
 def _service_gpus(devices: Sequence[GpuDevice], pids: set[int]) -> tuple[int, ...] | None:
