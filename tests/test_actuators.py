@@ -351,3 +351,23 @@ def test_concurrent_saves_leave_a_readable_file(tmp_path: Path):
     assert load_state(path) in states
     assert [p.name for p in tmp_path.iterdir()] == ["s.json"]
     assert os.path.getsize(path) > 0
+
+
+def test_executor_does_not_restart_twice_what_its_supervisor_restarted(tmp_path: Path):
+    state = {"pid": 10, "up": False}
+    backend = Backend()
+
+    def observe(service: str) -> Observation:
+        return Observation(
+            time.time(), None, None, state["up"], state["pid"], frozenset(), state["up"]
+        )
+
+    ex = executor(tmp_path, backend, observe)
+    ex.submit(action(ActionKind.RELAUNCH, flags=[("--gpu-memory-utilization", "0.85")]))
+    time.sleep(0.2)
+    assert (
+        "0.85" in flagsfile.path_for(tmp_path, "vllm").read_text()
+    )  # written before anything else
+    state.update(pid=11, up=True)  # Restart=always brought it back, reading the new flags
+    (result,) = take(ex)
+    assert result.ok and backend.calls == 0 and "restarted on its own" in result.detail

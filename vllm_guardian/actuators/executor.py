@@ -157,9 +157,8 @@ class ActionExecutor:
             return self._result(
                 action, False, True, "no restart backend for this service (unit or command missing)"
             )
-        bundle = None
-        if self.capture_bundle is not None:
-            bundle = self.capture_bundle(action)
+        # The flags go first: when vLLM is already dying (an OOM), its supervisor's automatic
+        # restart (systemd Restart=always, or the process manager) then starts it with them.
         if action.kind is ActionKind.RELAUNCH:
             try:
                 content = flagsfile.validate(action.flags, action.env)
@@ -169,13 +168,22 @@ class ActionExecutor:
             except OSError as e:
                 return self._result(action, False, False, f"cannot write the flags file: {e}")
         before = self.observe(action.service)
-        drained = self._drain(action.service)
-        ok, terminal, detail = backend.restart(p.drain_timeout_seconds + p.ready_timeout_seconds)
-        if not ok:
-            return self._result(action, False, terminal, detail)
-        released = self._wait_vram(action.service, before)
-        if released is not None:
-            return self._result(action, False, False, released)
+        bundle = self.capture_bundle(action) if self.capture_bundle is not None else None
+        if self._restarted_on_its_own(action.service, before):
+            drained, detail = (
+                "no drain: vLLM had died",
+                "vLLM restarted on its own after dying (no second restart)",
+            )
+        else:
+            drained = self._drain(action.service)
+            ok, terminal, detail = backend.restart(
+                p.drain_timeout_seconds + p.ready_timeout_seconds
+            )
+            if not ok:
+                return self._result(action, False, terminal, detail)
+            released = self._wait_vram(action.service, before)
+            if released is not None:
+                return self._result(action, False, False, released)
         ready = self._wait_ready(action.service)
         if ready is not None:
             return self._result(action, False, False, ready)
@@ -185,6 +193,22 @@ class ActionExecutor:
         if action.kind is ActionKind.RELAUNCH:
             parts.insert(0, f"flags now: {_describe(action) or 'the operator baseline'}")
         return self._result(action, True, False, "; ".join(parts))
+
+    def _restarted_on_its_own(self, service: str, before: Observation | None) -> bool:
+        """A dead engine that its supervisor brings back (a new main pid within the VRAM-release
+        time) needs no second restart: that start already read the flags written above. A
+        unit that stays down (Restart=on-failure after exit 0) gets the restart."""
+        if before is None or before.health_up is not False or before.main_pid is None:
+            return False
+        old = before.main_pid
+
+        def new_pid() -> bool:
+            o = self.observe(service)
+            return o is not None and o.main_pid is not None and o.main_pid != old
+
+        return self._wait(
+            self.clock.monotonic() + self.policy.vram_release_timeout_seconds, new_pid
+        )
 
     def _wait(self, deadline: float, check: Callable[[], bool]) -> bool:
         while True:
