@@ -15,19 +15,61 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import requests
 
 from vllm_guardian.config import ServiceConfig
 from vllm_guardian.core.signals import belongs_to
-from vllm_guardian.model import Action, Snapshot
+from vllm_guardian.model import Action, GpuDevice, Snapshot, UnitState, XidEvent
 from vllm_guardian.recorder import to_jsonable
 
 log = logging.getLogger("vllm_guardian.bundle")
 
 Context = Callable[[str], tuple[ServiceConfig | None, Sequence[Snapshot]]]
+
+
+def unit_document(u: UnitState) -> dict[str, Any]:
+    """``unit.json`` of the bundle format (docs/bundle.md)."""
+    return {
+        "Id": u.unit,
+        "ActiveState": u.active_state,
+        "SubState": u.sub_state,
+        "Result": u.result,
+        "NRestarts": u.n_restarts,
+        "ExecMainStatus": u.exec_main_status,
+        "MainPID": u.main_pid,
+    }
+
+
+def gpus_document(
+    devices: Iterable[GpuDevice], unit: UnitState | None, xid_events: Iterable[XidEvent]
+) -> list[dict[str, Any]]:
+    """``gpus.json`` of the bundle format: each GPU, its processes (the service's marked), its XIDs."""
+    xids = list(xid_events)
+    return [
+        {
+            "index": d.index,
+            "name": d.name,
+            "memory_total_bytes": d.memory_total_bytes,
+            "memory_used_bytes": d.memory_used_bytes,
+            "processes": [
+                {
+                    "pid": p.pid,
+                    "name": p.name,
+                    "used_memory_bytes": p.used_memory_bytes,
+                    "service": belongs_to(p, unit),
+                }
+                for p in d.processes or ()
+            ],
+            "xid_events": [
+                {"xid": e.xid, "unix_time": e.time_seconds} for e in xids if e.gpu_index == d.index
+            ],
+        }
+        for d in devices
+    ]
 
 
 class BundleWriter:
@@ -81,45 +123,13 @@ class BundleWriter:
             }
             (path / "health.json").write_text(json.dumps(health) + "\n")
         if ss is not None and ss.unit is not None:
-            u = ss.unit
-            if u.cmdline:
-                (path / "cmdline.txt").write_text("\n".join(u.cmdline) + "\n")
-            unit = {
-                "ActiveState": u.active_state,
-                "SubState": u.sub_state,
-                "Result": u.result,
-                "NRestarts": u.n_restarts,
-                "ExecMainStatus": u.exec_main_status,
-                "MainPID": u.main_pid,
-            }
-            (path / "unit.json").write_text(json.dumps(unit) + "\n")
+            if ss.unit.cmdline:
+                (path / "cmdline.txt").write_text("\n".join(ss.unit.cmdline) + "\n")
+            (path / "unit.json").write_text(json.dumps(unit_document(ss.unit)) + "\n")
         if latest is not None and latest.gpus is not None:
-            unit_state = ss.unit if ss is not None else None
-            gpus = [
-                {
-                    "index": d.index,
-                    "name": d.name,
-                    "memory_total_bytes": d.memory_total_bytes,
-                    "memory_used_bytes": d.memory_used_bytes,
-                    "processes": [
-                        {
-                            "pid": p.pid,
-                            "used_memory_bytes": p.used_memory_bytes,
-                            "service": belongs_to(p, unit_state),
-                        }
-                        for p in d.processes or ()
-                    ],
-                    "xid_events": [
-                        {"xid": e.xid, "unix_time": e.time_seconds}
-                        for snap in history
-                        if snap.gpus is not None
-                        for e in snap.gpus.xid_events
-                        if e.gpu_index == d.index
-                    ],
-                }
-                for d in latest.gpus.devices
-            ]
-            (path / "gpus.json").write_text(json.dumps(gpus, indent=2) + "\n")
+            xids = [e for snap in history if snap.gpus is not None for e in snap.gpus.xid_events]
+            doc = gpus_document(latest.gpus.devices, ss.unit if ss is not None else None, xids)
+            (path / "gpus.json").write_text(json.dumps(doc, indent=2) + "\n")
         lines = [
             ev.message
             for snap in history

@@ -29,6 +29,7 @@ from typing import Any
 
 import requests
 
+from vllm_guardian.actuators.bundle import gpus_document, unit_document
 from vllm_guardian.clock import SystemClock
 from vllm_guardian.config import (
     NvmlSourceConfig,
@@ -37,7 +38,6 @@ from vllm_guardian.config import (
 )
 from vllm_guardian.control import ControlError, request
 from vllm_guardian.core.budget import parse_launch_flags
-from vllm_guardian.core.signals import belongs_to
 from vllm_guardian.diagnose.bundle import Bundle
 from vllm_guardian.model import GpuReading, UnitState
 from vllm_guardian.recorder import to_jsonable
@@ -329,42 +329,8 @@ def gather(svc: ServiceConfig, opts: GatherOptions, progress: Progress) -> Bundl
             safetensors = _read_json(index, g.problems)
     elif opts.model_config:
         g.problems.append(f"--model-config {opts.model_config}: not found")
-    unit_doc = None
-    if unit is not None:
-        unit_doc = {
-            "Id": unit.unit,
-            "ActiveState": unit.active_state,
-            "SubState": unit.sub_state,
-            "Result": unit.result,
-            "NRestarts": unit.n_restarts,
-            "ExecMainStatus": unit.exec_main_status,
-            "MainPID": unit.main_pid,
-        }
-    gpus_doc = None
-    if gpus is not None:
-        gpus_doc = [
-            {
-                "index": d.index,
-                "name": d.name,
-                "memory_total_bytes": d.memory_total_bytes,
-                "memory_used_bytes": d.memory_used_bytes,
-                "processes": [
-                    {
-                        "pid": p.pid,
-                        "name": p.name,
-                        "used_memory_bytes": p.used_memory_bytes,
-                        "service": belongs_to(p, unit),
-                    }
-                    for p in d.processes or ()
-                ],
-                "xid_events": [
-                    {"xid": e.xid, "unix_time": e.time_seconds}
-                    for e in gpus.xid_events
-                    if e.gpu_index == d.index
-                ],
-            }
-            for d in gpus.devices
-        ]
+    unit_doc = unit_document(unit) if unit is not None else None
+    gpus_doc = gpus_document(gpus.devices, unit, gpus.xid_events) if gpus is not None else None
     return Bundle(
         origin=svc.url,
         service=svc.name,
