@@ -84,20 +84,8 @@ class _EngineAcc:
     cache: CacheConfig | None = None
 
 
-def _int_label(labels: dict[str, str], key: str) -> int | None:
-    raw = labels.get(key)
-    if raw is None or raw in ("None", ""):
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        return None
-    if not math.isfinite(value) or value < 0 or value != int(value):
-        return None
-    return int(value)
-
-
 def _float_label(labels: dict[str, str], key: str) -> float | None:
+    """A label holding a Python str() of a number; "None", empty, garbage and ±inf are None."""
     raw = labels.get(key)
     if raw is None or raw in ("None", ""):
         return None
@@ -106,6 +94,13 @@ def _float_label(labels: dict[str, str], key: str) -> float | None:
     except ValueError:
         return None
     return value if math.isfinite(value) else None
+
+
+def _int_label(labels: dict[str, str], key: str) -> int | None:
+    value = _float_label(labels, key)
+    if value is None or value < 0 or value != int(value):
+        return None
+    return int(value)
 
 
 def parse_cache_config(labels: dict[str, str]) -> CacheConfig:
