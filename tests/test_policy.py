@@ -507,7 +507,11 @@ def test_refused_right_after_a_crash_is_a_restart_in_progress_not_a_death():
 
 def test_per_action_dry_run_arms_the_ladder_one_rung_at_a_time():
     r = Run(cfg=replace(BASE, dry_run=False, dry_run_actions=("relaunch",))).run(
-        Row(0, logs=(oom(6.0),)), Row(2), Row(200, alerts=("EngineStalled",)), Row(202), Row(400, kv=0.95)
+        Row(0, logs=(oom(6.0),)),
+        Row(2),
+        Row(200, alerts=("EngineStalled",)),
+        Row(202),
+        Row(400, kv=0.95),
     )
     assert [(a.kind, a.dry_run) for a in r.actions] == [
         (ActionKind.RELAUNCH, True),
