@@ -262,6 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     sub.add_parser(
+        "loadtest",
+        help="a synthetic peak, watched and stopped before harm: `vllm-guardian loadtest --help`",
+        add_help=False,
+    )
+    sub.add_parser(
         "gate",
         help="the admission gate in front of one vLLM (extra `gate`): `vllm-guardian gate --help`",
         add_help=False,
@@ -291,6 +296,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from vllm_guardian.demo import main as demo_main  # noqa: PLC0415
 
         return demo_main(argv[1:])
+    if argv and argv[0] == "loadtest":
+        from vllm_guardian.loadtest.cli import main as loadtest_main  # noqa: PLC0415
+
+        return loadtest_main(argv[1:])
     if argv and argv[0] == "gate":
         from vllm_guardian.gate.cli import main as gate_main  # noqa: PLC0415
 
