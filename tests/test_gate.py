@@ -1,0 +1,348 @@
+"""The admission gate against a scriptable upstream stub: pass-through, holds, overflow answers,
+retries, disconnects, hostile input. Each case has a defined answer, and after each one the
+gate holds nothing: no open exchange, no queued or in-flight request, no upstream handler left
+running; at the end no task and no file descriptor survives the gate."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+pytest.importorskip("aiohttp")
+
+from tests.test_gate_support import GateThread, Stub
+from vllm_guardian.gate.admission import Cost, estimate_cost
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture(scope="module")
+def stub() -> Iterator[Stub]:
+    s = Stub()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def gate_env(stub: Stub) -> Iterator[GateThread]:
+    """One gate for the module (the stub doubles as the guardian), checked for leaks at the end."""
+    before = fds()
+    g = GateThread(
+        stub.url, guardian=stub.url, max_queue_requests=4, max_wait_seconds=1.5,
+        release_rate_per_second=0, per_key_share_ratio=0.5, kv_admission=False,
+    )  # fmt: skip
+    baseline_tasks = {t.get_name() for t in g.lt.tasks()}
+    yield g
+
+    def leftover() -> set[str]:
+        return {repr(t.get_coro()) for t in g.lt.tasks() if t.get_name() not in baseline_tasks}
+
+    wait_for(lambda: not leftover())  # a client's connection may still be closing
+    left = leftover()
+    g.stop()
+    assert left == set(), left
+    assert wait_for(lambda: fds() <= before), (fds(), before)
+
+
+@pytest.fixture
+def gate(gate_env: GateThread, stub: Stub) -> Iterator[GateThread]:
+    stub.reset()
+    assert wait_for(lambda: gate_env.gate.admission is not None and gate_env.gate.admission.open)
+    yield gate_env
+    stub.set_release()
+    proxy, adm = gate_env.gate.proxy, gate_env.gate.admission
+    assert proxy is not None and adm is not None
+    assert wait_for(
+        lambda: proxy.open_exchanges == 0 and adm.in_flight == 0 and adm.queue_depth == 0
+    ), proxy.status()
+    assert wait_for(lambda: stub.active == 0), "an upstream request was left running"
+    stub.healthy = stub.ready = True
+    assert wait_for(lambda: adm.open)
+
+
+def close_gate(g: GateThread, stub: Stub) -> None:
+    stub.ready = False
+    assert g.gate.admission is not None
+    assert wait_for(lambda: not g.gate.admission.open)  # type: ignore[union-attr]
+
+
+def error_of(r: requests.Response) -> dict:  # type: ignore[type-arg]
+    body = r.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == r.status_code
+    return body["error"]  # type: ignore[no-any-return]
+
+
+# --- pass-through ------------------------------------------------------------------------------
+
+
+def test_sse_bytes_pass_through_chunk_by_chunk(gate: GateThread, stub: Stub):
+    direct = requests.post(f"{stub.url}/v1/sse?n=20", data=b"{}", timeout=5).content
+    through = requests.post(f"{gate.url}/v1/sse?n=20", data=b"{}", timeout=5).content
+    assert through == direct
+    # Not buffered: the first event arrives long before the upstream's last one is written.
+    start = time.monotonic()
+    with requests.post(
+        f"{gate.url}/v1/sse?n=10&delay=0.1", data=b"{}", stream=True, timeout=5
+    ) as r:
+        chunks = r.iter_content(chunk_size=None)
+        first = next(chunks)
+        t_first = time.monotonic() - start
+        rest = b"".join(chunks)
+    assert first.startswith(b'data: {"i": 0')
+    assert t_first < 0.5, t_first
+    assert rest.endswith(b"data: [DONE]\n\n")
+
+
+def test_headers_and_authorization_pass_hop_by_hop_do_not(gate: GateThread, stub: Stub):
+    r = requests.post(
+        f"{gate.url}/v1/echo?x=1&y=%20z",
+        data=b'{"prompt": "hi"}',
+        headers={
+            "Authorization": "Bearer sk-secret",
+            "Content-Type": "application/json",
+            "X-Custom": "kept",
+            # A client may not use Connection to strip Authorization on its way upstream.
+            "Connection": "keep-alive, Authorization, X-Custom",
+            "Keep-Alive": "timeout=5",
+            "Proxy-Authorization": "Basic eA==",
+            "TE": "trailers",
+        },
+        timeout=5,
+    )
+    assert r.status_code == 200
+    got = {k.lower(): v for k, v in r.json()["headers"]}
+    assert got["authorization"] == "Bearer sk-secret"
+    assert got["x-custom"] == "kept"
+    assert got["content-type"] == "application/json"
+    for hop in ("keep-alive", "proxy-authorization", "te"):
+        assert hop not in got
+    assert got["host"] == f"127.0.0.1:{stub.port}"
+    assert r.json()["path_qs"] == "/v1/echo?x=1&y=%20z"
+
+
+def test_upstream_errors_pass_untouched(gate: GateThread, stub: Stub):
+    direct = requests.post(f"{stub.url}/v1/error", data=b"{}", timeout=5)
+    through = requests.post(f"{gate.url}/v1/error", data=b"{}", timeout=5)
+    assert (through.status_code, through.content) == (400, direct.content)
+    assert through.headers["X-Vllm"] == "1"
+    missing = requests.get(f"{gate.url}/nope", timeout=5)
+    assert missing.status_code == 404 and missing.json() == {"detail": "Not Found"}
+
+
+def test_header_injection_attempts_get_400_and_reach_nothing(gate: GateThread, stub: Stub):
+    attempts = [
+        b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nX-A: a\rX-Injected: b\r\nContent-Length: 0\r\n\r\n",
+        b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nX-A: a\nb: c\x00\r\nContent-Length: 0\r\n\r\n",
+        b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1, 2\r\n\r\nab",
+        b"POST /v1/echo HTTP/1.1\r\nHost: x\r\n folded: header\r\nContent-Length: 0\r\n\r\n",
+    ]
+    for raw in attempts:
+        with socket.create_connection(("127.0.0.1", gate.gate.port), timeout=5) as s:
+            s.sendall(raw)
+            answer = s.recv(65536)
+        assert answer[:12] in (b"HTTP/1.1 400", b"HTTP/1.0 400"), (raw, answer[:200])
+    assert stub.calls.get("/v1/echo", 0) == 0
+
+
+def test_body_over_the_limit_gets_413_before_it_is_read(gate: GateThread, stub: Stub):
+    big = b"x" * (50 * 1024 * 1024)
+    r = requests.post(f"{gate.url}/v1/completions", data=big, timeout=30)
+    assert r.status_code == 413
+    assert error_of(r)["type"] == "BadRequestError"
+    assert stub.calls.get("/v1/completions", 0) == 0
+    # Chunked (no Content-Length): cut off while reading.
+    r = requests.post(f"{gate.url}/v1/completions", data=iter([big[: 1 << 20]] * 12), timeout=30)
+    assert r.status_code == 413
+    # Under the limit, the body arrives whole.
+    mid = os.urandom(5 * 1024 * 1024)
+    r = requests.post(f"{gate.url}/v1/echo", data=mid, timeout=30)
+    assert r.json()["body_bytes"] == len(mid)
+
+
+# --- holding and overflow ----------------------------------------------------------------------
+
+
+def test_held_while_closed_then_released_in_order(gate: GateThread, stub: Stub):
+    close_gate(gate, stub)
+    order: list[int] = []
+
+    def send(i: int) -> int:
+        r = requests.post(f"{gate.url}/v1/echo", data=json.dumps({"i": i}), timeout=10,
+                          headers={"Authorization": f"key-{i}"})  # fmt: skip
+        order.append(i)
+        return r.status_code
+
+    with ThreadPoolExecutor(4) as pool:
+        futs = []
+        for i in range(3):
+            futs.append(pool.submit(send, i))
+            assert wait_for(lambda i=i: gate.gate.admission.queue_depth == i + 1)  # type: ignore[union-attr]
+        assert stub.calls.get("/v1/echo", 0) == 0
+        stub.ready = True
+        assert [f.result() for f in futs] == [200, 200, 200]
+    assert stub.calls["/v1/echo"] == 3
+
+
+def test_queue_full_and_per_key_limit(gate: GateThread, stub: Stub):
+    close_gate(gate, stub)
+    with ThreadPoolExecutor(8) as pool:
+        same_key = [
+            pool.submit(requests.post, f"{gate.url}/v1/echo", data=b"{}", timeout=10,
+                        headers={"Authorization": "heavy"})
+            for _ in range(2)
+        ]  # fmt: skip
+        assert wait_for(lambda: gate.gate.admission.queue_depth == 2)  # type: ignore[union-attr]
+        # A third from the same key: over its share (half of a 4-deep queue) → 429.
+        r = requests.post(
+            f"{gate.url}/v1/echo", data=b"{}", headers={"Authorization": "heavy"}, timeout=5
+        )
+        assert r.status_code == 429 and error_of(r)["type"] == "RateLimitError"
+        assert r.headers["Retry-After"] == "2"
+        others = [
+            pool.submit(requests.post, f"{gate.url}/v1/echo", data=b"{}", timeout=10,
+                        headers={"Authorization": f"light-{i}"})
+            for i in range(2)
+        ]  # fmt: skip
+        assert wait_for(lambda: gate.gate.admission.queue_depth == 4)  # type: ignore[union-attr]
+        r = requests.post(f"{gate.url}/v1/echo", data=b"{}", timeout=5)
+        assert r.status_code == 503 and "queue is full" in error_of(r)["message"]
+        assert r.headers["Retry-After"] == "2"
+        stub.ready = True
+        assert [f.result().status_code for f in same_key + others] == [200] * 4
+
+
+def test_upstream_down_longer_than_the_wait_limit(gate: GateThread, stub: Stub):
+    stub.healthy = False
+    assert wait_for(lambda: not gate.gate.admission.open)  # type: ignore[union-attr]
+    start = time.monotonic()
+    r = requests.post(f"{gate.url}/v1/echo", data=b"{}", timeout=10)
+    waited = time.monotonic() - start
+    assert r.status_code == 503 and r.headers["Retry-After"] == "2"
+    assert error_of(r)["type"] == "ServiceUnavailableError"
+    assert "within 1.5 s" in error_of(r)["message"]
+    assert 1.4 <= waited < 3.0
+    assert stub.calls.get("/v1/echo", 0) == 0
+    # GETs are not held: they say what vLLM says.
+    assert requests.get(f"{gate.url}/health", timeout=5).status_code == 503
+
+
+# --- the upstream dies ---------------------------------------------------------------------------
+
+
+def test_no_byte_from_a_dying_upstream_is_retried_once(gate: GateThread, stub: Stub):
+    r = requests.post(f"{gate.url}/v1/dying_500", data=b"{}", timeout=10)
+    assert r.status_code == 200 and r.json() == {"ok": True, "call": 2}
+    # A connection cut before any byte: retried once, then the gate's own 502.
+    r = requests.post(f"{gate.url}/v1/die_before", data=b"{}", timeout=10)
+    assert stub.calls["/v1/die_before"] == 2
+    assert r.status_code == 502 and error_of(r)["type"] == "BadGatewayError"
+
+
+def test_a_started_stream_is_never_replayed(gate: GateThread, stub: Stub):
+    with requests.post(f"{gate.url}/v1/die_mid", data=b"{}", stream=True, timeout=10) as r:
+        assert r.status_code == 200
+        chunks = r.iter_content(chunk_size=None)
+        with pytest.raises(requests.exceptions.ChunkedEncodingError):
+            b"".join(chunks)
+    assert stub.calls["/v1/die_mid"] == 1
+
+
+# --- the client goes away --------------------------------------------------------------------------
+
+
+def test_client_disconnect_while_queued_leaves_the_queue(gate: GateThread, stub: Stub):
+    close_gate(gate, stub)
+    s = socket.create_connection(("127.0.0.1", gate.gate.port), timeout=5)
+    s.sendall(b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+    assert wait_for(lambda: gate.gate.admission.queue_depth == 1)  # type: ignore[union-attr]
+    s.close()
+    assert wait_for(lambda: gate.gate.admission.queue_depth == 0)  # type: ignore[union-attr]
+    stub.ready = True
+    time.sleep(0.1)
+    assert stub.calls.get("/v1/echo", 0) == 0  # never sent
+
+
+def test_client_disconnect_while_streaming_aborts_upstream(gate: GateThread, stub: Stub):
+    s = socket.create_connection(("127.0.0.1", gate.gate.port), timeout=5)
+    s.sendall(b"POST /v1/sse?n=200&delay=0.05 HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+    assert s.recv(4096).startswith(b"HTTP/1.1 200")
+    assert wait_for(lambda: stub.active == 1)
+    s.close()
+    assert wait_for(lambda: stub.disconnects == 1 and stub.active == 0), (
+        "vLLM would keep generating"
+    )
+
+
+def test_slow_client_gets_everything(gate: GateThread, stub: Stub):
+    direct = requests.post(f"{stub.url}/v1/sse?n=2000", data=b"{}", timeout=10).content
+    s = socket.create_connection(("127.0.0.1", gate.gate.port), timeout=10)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32768)
+    s.sendall(
+        b"POST /v1/sse?n=2000 HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
+    )
+    got = bytearray()
+    for i in range(100_000):
+        chunk = s.recv(16384)
+        if not chunk:
+            break
+        got += chunk
+        if i < 20:
+            time.sleep(0.02)  # slow at first: the gate must wait, not buffer or drop
+    s.close()
+    head, _, body = bytes(got).partition(b"\r\n\r\n")
+    assert b"Transfer-Encoding: chunked" in head
+    decoded = bytearray()
+    while body:
+        size_line, _, body = body.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        decoded += body[:size]
+        body = body[size + 2 :]
+    assert hashlib.sha256(decoded).digest() == hashlib.sha256(direct).digest()
+
+
+def test_metrics_count_what_happened(gate: GateThread, stub: Stub):
+    text = requests.get(f"{gate.url}/metrics", timeout=5).text
+    for name in ("open", "queue_depth", "queued_tokens", "in_flight", "wait_seconds_bucket",
+                 "overhead_seconds_bucket", "admitted_total", "held_total", "rejected_total",
+                 "retried_total", "kv_committed_tokens"):  # fmt: skip
+        assert f"vllm_guardian_gate_{name}" in text, name
+    assert 'vllm_guardian_gate_rejected_total{reason="queue_full",service="vllm"} 1.0' in text
+    assert 'vllm_guardian_gate_rejected_total{reason="per_key_limit",service="vllm"} 1.0' in text
+    assert 'vllm_guardian_gate_retried_total{service="vllm"} 2.0' in text
+
+
+# --- the estimate (pure) -----------------------------------------------------------------------------
+
+
+def test_cost_estimate():
+    assert estimate_cost(b'{"prompt": "a b c", "max_tokens": 10}', 256) == Cost(3, 10)
+    assert estimate_cost(b'{"prompt": [1, 2, 3, 4], "n": 2, "max_tokens": 5}', 256) == Cost(4, 10)
+    chat = {"messages": [{"role": "user", "content": "hello there"}], "max_completion_tokens": 7}
+    assert estimate_cost(json.dumps(chat).encode(), 256) == Cost(4 + 3 + 2, 7)
+    assert estimate_cost(b'{"prompt": "x"}', 256).output_tokens == 256
+    assert estimate_cost(b"not json at all", 256).output_tokens == 0
+    long_word = "y" * 400
+    assert estimate_cost(json.dumps({"prompt": long_word}).encode(), 0).prompt_tokens == 100

@@ -1,0 +1,187 @@
+"""Support for the gate's tests (no tests here): an event loop in a thread, an in-process gate
+on it, and a scriptable upstream stub (aiohttp) that counts what reaches it. 127.0.0.1 only."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Coroutine
+from dataclasses import replace
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from vllm_guardian.gate.admission import Limits
+from vllm_guardian.gate.proxy import ProxySettings
+from vllm_guardian.gate.server import Gate, GateSettings
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """An asyncio loop running in a daemon thread; ``run`` executes a coroutine on it."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def tasks(self) -> set[asyncio.Task[Any]]:
+        async def get() -> set[asyncio.Task[Any]]:
+            me = asyncio.current_task()
+            return {t for t in asyncio.all_tasks() if t is not me}
+
+        return self.run(get())
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()
+
+
+class GateThread:
+    """One gate on its own loop thread."""
+
+    def __init__(self, upstream: str, guardian: str | None = None, **limits: Any) -> None:
+        self.lt = LoopThread("gate")
+        self.settings = GateSettings(
+            proxy=ProxySettings(upstream=upstream, max_body_bytes=8 * 1024 * 1024),
+            listen_port=0,
+            guardian=guardian,
+            limits=replace(Limits(), **limits),
+            poll_interval_seconds=0.02,
+            kv_poll_interval_seconds=0.1,
+            suspect_seconds=0.2,
+            shutdown_timeout_seconds=1.0,
+        )
+        self.gate = Gate(self.settings)
+        self.lt.run(self.gate.start())
+        self.url = f"http://127.0.0.1:{self.gate.port}"
+
+    def stop(self) -> None:
+        self.lt.run(self.gate.stop())
+        self.lt.close()
+
+
+class Stub:
+    """A scriptable upstream: vLLM's shape where it matters, and ways to misbehave."""
+
+    def __init__(self) -> None:
+        self.lt = LoopThread("stub")
+        self.healthy = True
+        self.ready = True  # what /ready/vllm answers (the stub doubles as the guardian)
+        self.calls: dict[str, int] = {}
+        self.active = 0
+        self.disconnects = 0
+        self.last_headers: list[tuple[str, str]] = []
+        self.release = asyncio.Event()
+        self.port = 0
+        self.lt.run(self._start())
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    async def _start(self) -> None:
+        self.release = asyncio.Event()
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    def stop(self) -> None:
+        self.lt.run(self.runner.cleanup())
+        self.lt.close()
+
+    def set_release(self) -> None:
+        self.lt.loop.call_soon_threadsafe(self.release.set)
+
+    def reset(self) -> None:
+        async def fresh() -> None:
+            self.release = asyncio.Event()
+
+        self.lt.run(fresh())
+        self.healthy, self.ready = True, True
+        self.calls.clear()
+        self.disconnects = 0
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        path = request.path
+        self.calls[path] = self.calls.get(path, 0) + 1
+        if path == "/health":
+            return web.Response(status=200 if self.healthy else 503)
+        if path == "/ready/vllm":
+            body = {
+                "service": "vllm",
+                "ready": self.ready,
+                "reason": "open" if self.ready else "draining",
+            }
+            return web.json_response(body, status=200 if self.ready else 503)
+        self.active += 1
+        try:
+            return await self._work(request, path)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.disconnects += 1
+            raise
+        finally:
+            self.active -= 1
+
+    async def _work(self, request: web.Request, path: str) -> web.StreamResponse:
+        body = await request.read()
+        self.last_headers = list(request.headers.items())
+        if path == "/v1/echo":
+            return web.json_response(
+                {"headers": self.last_headers, "body_bytes": len(body), "path_qs": request.path_qs}
+            )
+        if path == "/v1/error":
+            err = {
+                "error": {"message": "bad", "type": "BadRequestError", "param": "x", "code": 400}
+            }
+            return web.Response(
+                status=400, body=json.dumps(err).encode(), headers={"X-Vllm": "1"},
+                content_type="application/json",
+            )  # fmt: skip
+        if path == "/v1/hold":
+            await self.release.wait()
+            return web.json_response({"ok": True})
+        if path == "/v1/sse":
+            n = int(request.query.get("n", "5"))
+            delay = float(request.query.get("delay", "0"))
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(n):
+                await resp.write(f'data: {{"i": {i}, "pad": "{"x" * 1000}"}}\n\n'.encode())
+                if delay:
+                    await asyncio.sleep(delay)
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        if path == "/v1/die_before":
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError("stub: dies before answering")
+        if path == "/v1/die_mid":
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b'data: {"i": 0}\n\n')
+            await asyncio.sleep(0.05)
+            if request.transport is not None:
+                request.transport.abort()
+            return resp
+        if path == "/v1/dying_500":
+            if self.calls[path] == 1:
+                err = {
+                    "error": {
+                        "message": "cannot schedule new futures after shutdown",
+                        "type": "InternalServerError",
+                        "param": None,
+                        "code": 500,
+                    }
+                }
+                return web.Response(status=500, body=json.dumps(err).encode(), content_type="application/json")  # fmt: skip
+            return web.json_response({"ok": True, "call": self.calls[path]})
+        return web.json_response({"detail": "Not Found"}, status=404)

@@ -1,0 +1,18 @@
+"""The admission gate: a memory-aware front door that holds requests instead of failing them.
+
+A reverse proxy on its own address in front of one vLLM server (``vllm-guardian gate``), run
+as a process of its own beside the guardian, whose decisions it follows by polling
+``/ready/<service>``. While the guardian holds the service back (KV above the high watermark,
+a drain or restart in flight, vLLM not up) new requests wait in a bounded FIFO queue instead of
+reaching vLLM, and are released in order, at a bounded rate, once it admits work again; across
+a restart they are sent to the new instance. See docs/gate.md.
+
+Needs the ``gate`` extra (aiohttp, uvloop); nothing outside this package imports aiohttp, so
+the daemon runs without it.
+
+* ``admission.py`` — the queue, its bounds, the KV-need estimate (asyncio only);
+* ``follower.py`` — opens and closes the gate from the guardian's and vLLM's answers;
+* ``proxy.py`` — the pass-through, holds, retries and the gate's own error answers;
+* ``metrics.py`` — the ``vllm_guardian_gate_*`` series;
+* ``server.py`` — one gate assembled; ``cli.py`` — ``vllm-guardian gate``.
+"""

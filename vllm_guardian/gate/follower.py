@@ -1,0 +1,164 @@
+"""The follower: opens and closes the gate from what the guardian and vLLM say, and reads the
+KV pool for the KV-need admission.
+
+Every ``poll_interval_seconds`` it asks, concurrently,
+
+* the guardian's ``/ready/<service>`` (when ``--guardian`` is given): 200 open, 503 closed with
+  the policy's reason (KV above the high watermark, a drain or restart in flight, vLLM not up);
+* vLLM's own ``/health``: the guardian ticks every half second or more, while a restarted vLLM
+  is refused or answers 503 at once, so the gate does not wait for the next tick to notice.
+
+The gate is open when vLLM answers 200 and the guardian (if any, and reachable) says ready,
+and no exchange saw the upstream die in the last ``suspect_seconds``. An unreachable guardian
+does not close the gate: the service keeps serving on vLLM's own health, as it would without
+the gate (a guardian restart must not take the service down with it).
+
+Every ``kv_poll_interval_seconds`` it reads vLLM's ``/metrics`` (the pool size from
+``vllm:cache_config_info``, the usage from ``vllm:kv_cache_usage_perc``) with the guardian's
+own parser, in a worker thread so a large exposition never stalls the proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+
+import aiohttp
+
+from vllm_guardian.gate.admission import Admission
+from vllm_guardian.sources.vllm_metrics import VllmParser, parse_vllm_metrics
+
+log = logging.getLogger("vllm_guardian.gate")
+
+
+class Follower:
+    def __init__(
+        self,
+        admission: Admission,
+        session: aiohttp.ClientSession,
+        *,
+        upstream: str,
+        guardian: str | None,
+        service: str,
+        poll_interval_seconds: float,
+        kv_poll_interval_seconds: float,
+        suspect_seconds: float,
+    ) -> None:
+        self.admission = admission
+        self.session = session
+        self.upstream = upstream.rstrip("/")
+        self.guardian = guardian.rstrip("/") if guardian else None
+        self.service = service
+        self.poll_interval_seconds = poll_interval_seconds
+        self.kv_poll_interval_seconds = kv_poll_interval_seconds
+        self.suspect_seconds = suspect_seconds
+        self._suspect_until: float | None = None
+        self._parser = VllmParser()
+        self._warned_unknown = False
+        self._timeout = aiohttp.ClientTimeout(total=max(1.0, 5 * poll_interval_seconds))
+        self._tasks: list[asyncio.Task[None]] = []
+        self.polls = 0
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._state_loop(), name="gate-follower")]
+        if self.admission.limits.kv_admission:
+            self._tasks.append(loop.create_task(self._kv_loop(), name="gate-kv"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def suspect(self) -> None:
+        """An exchange saw the upstream die: hold new requests until it answers /health again."""
+        self._suspect_until = time.monotonic() + self.suspect_seconds
+        if self.admission.open:
+            self.admission.set_state(False, "the upstream broke an exchange; waiting for /health")
+
+    # --- polling -----------------------------------------------------------------------------
+
+    async def poll_once(self) -> None:
+        (healthy, why), verdict = await asyncio.gather(self._health(), self._guardian_ready())
+        self.polls += 1
+        if self._suspect_until is not None:
+            if healthy and time.monotonic() >= self._suspect_until:
+                self._suspect_until = None
+            else:
+                healthy, why = False, "the upstream broke an exchange; waiting for /health"
+        if not healthy:
+            self.admission.set_state(False, why)
+        elif verdict is not None and not verdict[0]:
+            self.admission.set_state(False, f"guardian: {verdict[1]}")
+        else:
+            self.admission.set_state(True, "open")
+
+    async def _state_loop(self) -> None:
+        while True:
+            try:
+                await self.poll_once()
+            except Exception:  # never let one bad poll end the follower
+                log.exception("gate: poll failed")
+            await asyncio.sleep(self.poll_interval_seconds)
+
+    async def _health(self) -> tuple[bool, str]:
+        try:
+            async with self.session.get(f"{self.upstream}/health", timeout=self._timeout) as r:
+                await r.read()
+                if r.status == 200:
+                    return True, "open"
+                return False, f"vLLM /health answers {r.status}"
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return False, f"vLLM does not answer /health ({type(e).__name__})"
+
+    async def _guardian_ready(self) -> tuple[bool, str] | None:
+        """(ready, reason), or None when there is no guardian to ask or it does not answer."""
+        if self.guardian is None:
+            return None
+        try:
+            async with self.session.get(
+                f"{self.guardian}/ready/{self.service}", timeout=self._timeout
+            ) as r:
+                body = await r.read()
+                if r.status == 404:
+                    if not self._warned_unknown:
+                        log.warning("gate: the guardian knows no service %r", self.service)
+                        self._warned_unknown = True
+                    return None
+                reason = "closed"
+                with contextlib.suppress(ValueError, AttributeError, TypeError):
+                    reason = str(json.loads(body).get("reason", reason))
+                return r.status == 200, reason
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+
+    async def _kv_loop(self) -> None:
+        while True:
+            try:
+                await self.poll_kv()
+            except Exception:
+                log.exception("gate: reading vLLM's /metrics failed")
+            await asyncio.sleep(self.kv_poll_interval_seconds)
+
+    async def poll_kv(self) -> None:
+        try:
+            async with self.session.get(f"{self.upstream}/metrics", timeout=self._timeout) as r:
+                if r.status != 200:
+                    return
+                body = await r.read()
+        except (aiohttp.ClientError, TimeoutError):
+            return
+        text = body.decode("utf-8", "replace")
+        scrape = await asyncio.to_thread(parse_vllm_metrics, text, len(body), self._parser)
+        capacity = 0
+        used = 0.0
+        for e in scrape.engines:
+            cap = e.cache_config.capacity_tokens if e.cache_config is not None else None
+            if cap is None:
+                continue
+            capacity += cap
+            used += (e.kv_cache_usage_ratio or 0.0) * cap
+        self.admission.set_kv(capacity or None, used)

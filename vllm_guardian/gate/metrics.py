@@ -1,0 +1,136 @@
+"""The gate's own ``vllm_guardian_gate_*`` series, in a private registry (no global state).
+
+Served on the gate's ``/metrics`` (``--metrics-path`` moves it where vLLM's own ``/metrics``
+should pass through instead). Every series carries the ``service`` label the gate was started
+with, so one Prometheus job can scrape several gates beside the guardian's series.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+NS = "vllm_guardian_gate"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+# Queue waits span milliseconds (a release-rate slot) to minutes (a restart).
+WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# The gate's own time per request: tens of microseconds when all is well.
+OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
+
+
+class GateMetrics:
+    def __init__(self, service: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, s = self.registry, [service]
+        self._open = Gauge(
+            f"{NS}_open",
+            "1 while the gate admits new requests, 0 while it holds them.",
+            ["service"],
+            registry=r,
+        ).labels(*s)
+        self.queue_depth = Gauge(
+            f"{NS}_queue_depth", "Requests waiting in the gate's queue.", ["service"], registry=r
+        ).labels(*s)
+        self.queued_tokens = Gauge(
+            f"{NS}_queued_tokens",
+            "Estimated prompt tokens of the requests waiting in the queue.",
+            ["service"],
+            registry=r,
+        ).labels(*s)
+        self.in_flight = Gauge(
+            f"{NS}_in_flight",
+            "Admitted requests not finished yet (forwarded or being retried).",
+            ["service"],
+            registry=r,
+        ).labels(*s)
+        self.kv_committed_tokens = Gauge(
+            f"{NS}_kv_committed_tokens",
+            "Estimated KV need (prompt + max output tokens) of the admitted requests in flight.",
+            ["service"],
+            registry=r,
+        ).labels(*s)
+        self.kv_capacity_tokens = Gauge(
+            f"{NS}_kv_capacity_tokens",
+            "vLLM's KV pool size in tokens as the gate last read it (0: unknown).",
+            ["service"],
+            registry=r,
+        ).labels(*s)
+        self.wait_seconds = Histogram(
+            f"{NS}_wait_seconds",
+            "Time a held request spent in the queue (admitted or not).",
+            ["service"],
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        ).labels(*s)
+        self.overhead_seconds = Histogram(
+            f"{NS}_overhead_seconds",
+            "The gate's own time per request, queue wait and upstream time excluded.",
+            ["service"],
+            buckets=OVERHEAD_BUCKETS,
+            registry=r,
+        ).labels(*s)
+        self.admitted = Counter(
+            f"{NS}_admitted", "Requests admitted to the upstream.", ["service"], registry=r
+        ).labels(*s)
+        self.held = Counter(
+            f"{NS}_held",
+            "Requests that had to wait in the queue (the gate was closed or busy).",
+            ["service"],
+            registry=r,
+        ).labels(*s)
+        self._rejected = Counter(
+            f"{NS}_rejected",
+            "Requests answered by the gate itself (503 or 429), by reason.",
+            ["service", "reason"],
+            registry=r,
+        )
+        self.retried = Counter(
+            f"{NS}_retried",
+            "Requests sent again after the upstream failed before sending a byte.",
+            ["service"],
+            registry=r,
+        ).labels(*s)
+        self.upstream_errors = Counter(
+            f"{NS}_upstream_errors",
+            "Exchanges the upstream broke (refused, reset, cut mid-stream), by phase.",
+            ["service", "phase"],
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            f"{NS}_client_disconnects",
+            "Clients that went away before their answer was complete, by phase.",
+            ["service", "phase"],
+            registry=r,
+        )
+        self._service = service
+        # Every known label value from the start, so rate() sees a 0 before the first event.
+        for reason in ("queue_full", "queued_tokens_full", "per_key_limit", "wait_timeout",
+                       "too_large", "shutdown"):  # fmt: skip
+            self._rejected.labels(service, reason)
+        for phase in ("connect", "before_first_byte", "streaming"):
+            self.upstream_errors.labels(service, phase)
+        for phase in ("queued", "streaming"):
+            self.client_disconnects.labels(service, phase)
+
+    class _Bound:
+        def __init__(self, family: Counter, service: str) -> None:
+            self._family, self._service = family, service
+
+        def labels(self, value: str) -> Counter:
+            return self._family.labels(self._service, value)
+
+    @property
+    def rejected(self) -> GateMetrics._Bound:
+        return GateMetrics._Bound(self._rejected, self._service)
+
+    def upstream_error(self, phase: str) -> None:
+        self.upstream_errors.labels(self._service, phase).inc()
+
+    def client_disconnect(self, phase: str) -> None:
+        self.client_disconnects.labels(self._service, phase).inc()
+
+    def set_open(self, open_: bool) -> None:
+        self._open.set(1.0 if open_ else 0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,309 @@
+"""The reverse proxy: every path of vLLM's API, passed through, with admission for the work.
+
+One exchange, in order:
+
+1. the request body is read, at most ``max_body_bytes`` (413 past it, before reading it when
+   ``Content-Length`` says so). It is kept in memory on purpose: a held request must be sent
+   later, possibly twice, and its prompt is what the KV estimate reads;
+2. a POST (work for vLLM) goes through :class:`~vllm_guardian.gate.admission.Admission`: it
+   waits in the FIFO queue while the gate is closed or the KV pool is short, or gets an honest
+   503 (+ ``Retry-After``) / 429 in OpenAI's error shape. GETs (``/health``, ``/v1/models``,
+   ``/metrics`` …) pass straight through: they cost vLLM nothing and must tell the truth;
+3. the request goes upstream with the client's headers (``Authorization`` included) minus the
+   hop-by-hop ones; bodies are neither decoded nor re-encoded (``auto_decompress`` off);
+4. nothing is sent to the client until the upstream's first body bytes (or its end) arrive.
+   Until then a failed exchange — refused, reset, or vLLM's "going away" 500 (``cannot schedule
+   new futures after shutdown``, ``EngineDeadError``): the request never ran — is retried once,
+   at the head of the queue, so it waits for the new instance. After that the answer is
+   committed and streamed chunk by chunk as it arrives, at the client's pace (``write`` waits
+   for the socket, so a slow client slows the upstream read instead of filling memory). A
+   stream the upstream cuts is cut for the client too: never replayed;
+5. a client that goes away cancels the handler (``handler_cancellation``): a queued request
+   leaves the queue; a forwarded one has its upstream connection closed, which is how vLLM
+   learns to abort it and free its KV blocks.
+
+vLLM's own answers, errors included, go back untouched: status, reason, headers (less
+hop-by-hop) and bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from vllm_guardian.gate.admission import Admission, Cost, Rejected, Ticket, estimate_cost
+from vllm_guardian.gate.follower import Follower
+from vllm_guardian.gate.metrics import CONTENT_TYPE, GateMetrics
+
+log = logging.getLogger("vllm_guardian.gate")
+
+# RFC 9110 §7.6.1 hop-by-hop fields, plus what the proxy itself frames or negotiates. Names
+# listed in a request's own ``Connection`` header are deliberately NOT removed: that would let a
+# client strip ``Authorization`` (or anything else) on its way to vLLM.
+HOP_BY_HOP = frozenset(
+    {
+        "connection", "keep-alive", "proxy-connection", "proxy-authenticate",
+        "proxy-authorization", "te", "trailer", "trailers", "transfer-encoding", "upgrade",
+    }
+)  # fmt: skip
+REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}
+RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
+# What aiohttp's client would add on its own; the client's values (or none) are forwarded.
+SKIP_AUTO = frozenset({"User-Agent", "Accept", "Accept-Encoding", "Content-Type"})
+# vLLM's answers that mean "this server is going away, the request was never scheduled"
+# (reference vllm-cpu.md §8): safe to send once more to the next instance.
+DYING_MARKERS = (
+    b"cannot schedule new futures after shutdown",
+    b"EngineDeadError",
+    b"EngineCore encountered an issue",
+)
+DYING_BODY_MAX_BYTES = 64 * 1024
+STATUS_PATH = "/gate/status"
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    upstream: str
+    service: str = "vllm"
+    max_body_bytes: int = 32 * 1024 * 1024
+    default_output_tokens: int = 256
+    key_header: str = "Authorization"
+    metrics_path: str = "/metrics"
+    connect_timeout_seconds: float = 5.0
+
+
+def openai_error(
+    status: int, message: str, kind: str, *, retry_after_seconds: int | None = None
+) -> web.Response:
+    """An answer of the gate's own, in the shape vLLM and OpenAI use for errors."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    headers = {"Retry-After": str(retry_after_seconds)} if retry_after_seconds else None
+    return web.Response(
+        status=status,
+        body=json.dumps(body).encode(),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+class _UpstreamBroke(Exception):
+    """The upstream failed before the answer was committed (nothing sent to the client)."""
+
+    def __init__(self, phase: str, detail: str) -> None:
+        super().__init__(detail)
+        self.phase = phase
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def _forward_headers(headers: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict()
+    for k, v in headers.items():
+        if k.lower() not in drop:
+            out.add(k, v)
+    return out
+
+
+class GateProxy:
+    def __init__(
+        self,
+        settings: ProxySettings,
+        admission: Admission,
+        follower: Follower,
+        session: aiohttp.ClientSession,
+        metrics: GateMetrics,
+    ) -> None:
+        self.s = settings
+        self.admission = admission
+        self.follower = follower
+        self.session = session
+        self.metrics = metrics
+        self.upstream = settings.upstream.rstrip("/")
+        self.open_exchanges = 0
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        path = request.rel_url.path
+        if request.method == "GET" and path == self.s.metrics_path:
+            return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+        if request.method == "GET" and path == STATUS_PATH:
+            return web.json_response(self.status())
+        self.open_exchanges += 1
+        try:
+            return await self._exchange(request)
+        finally:
+            self.open_exchanges -= 1
+
+    def status(self) -> dict[str, object]:
+        a = self.admission
+        return {
+            "service": self.s.service,
+            "open": a.open,
+            "reason": a.reason,
+            "queue_depth": a.queue_depth,
+            "queued_tokens": a.queued_tokens,
+            "in_flight": a.in_flight,
+            "kv_committed_tokens": a.committed_tokens,
+            "kv_capacity_tokens": a.kv_capacity_tokens,
+            "open_exchanges": self.open_exchanges,
+        }
+
+    async def _exchange(self, request: web.BaseRequest) -> web.StreamResponse:
+        started = time.perf_counter()
+        try:
+            body = await self._read_body(request)
+        except _BodyTooLarge:
+            self.metrics.rejected.labels("too_large").inc()
+            resp = openai_error(
+                413,
+                f"request body larger than the gate's limit of {self.s.max_body_bytes} bytes",
+                "BadRequestError",
+            )
+            resp.force_close()  # the rest of the body is not read: the connection cannot be reused
+            return resp
+        ticket: Ticket | None = None
+        cost: Cost | None = None
+        key = request.headers.get(self.s.key_header, "")
+        overhead = 0.0
+        if request.method == "POST":
+            cost = estimate_cost(body, self.s.default_output_tokens)
+            overhead += time.perf_counter() - started
+            try:
+                ticket = await self.admission.acquire(key, cost)
+            except Rejected as r:
+                return openai_error(
+                    r.status,
+                    r.message,
+                    "RateLimitError" if r.status == 429 else "ServiceUnavailableError",
+                    retry_after_seconds=r.retry_after_seconds,
+                )
+            except asyncio.CancelledError:
+                self.metrics.client_disconnect("queued")
+                raise
+            started = time.perf_counter()
+        headers = _forward_headers(request.headers, REQUEST_DROP)
+        url = self.upstream + str(request.rel_url)
+        try:
+            retried = False
+            while True:
+                try:
+                    return await self._send(request, url, headers, body, started, overhead)
+                except _UpstreamBroke as e:
+                    self.metrics.upstream_error(e.phase)
+                    self.follower.suspect()
+                    if retried or ticket is None or cost is None:
+                        return openai_error(502, f"the upstream failed: {e}", "BadGatewayError")
+                    # Wait for the next instance like a new arrival, but first in line.
+                    retried = True
+                    self.metrics.retried.inc()
+                    self.admission.release(ticket)
+                    try:
+                        ticket = await self.admission.acquire(key, cost, front=True)
+                    except Rejected as r:
+                        return openai_error(
+                            r.status, r.message, "ServiceUnavailableError",
+                            retry_after_seconds=r.retry_after_seconds,
+                        )  # fmt: skip
+                    started, overhead = time.perf_counter(), 0.0
+        finally:
+            if ticket is not None:
+                self.admission.release(ticket)
+
+    async def _read_body(self, request: web.BaseRequest) -> bytes:
+        limit = self.s.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise _BodyTooLarge
+        if not request.body_exists:
+            return b""
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.content.iter_any():
+            size += len(chunk)
+            if size > limit:
+                raise _BodyTooLarge
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _send(
+        self,
+        request: web.BaseRequest,
+        url: str,
+        headers: CIMultiDict[str],
+        body: bytes,
+        started: float,
+        overhead: float,
+    ) -> web.StreamResponse:
+        pre_send = overhead + time.perf_counter() - started
+        try:
+            up = await self.session.request(
+                request.method,
+                url,
+                headers=headers,
+                data=body if body or request.body_exists else None,
+                allow_redirects=False,
+                skip_auto_headers=SKIP_AUTO,
+            )
+        except (aiohttp.ClientConnectionError, TimeoutError) as e:
+            raise _UpstreamBroke("connect", type(e).__name__) from None
+        try:
+            try:
+                if up.status == 500:
+                    first = await up.content.read(DYING_BODY_MAX_BYTES)
+                    if any(m in first for m in DYING_MARKERS):
+                        raise _UpstreamBroke(
+                            "before_first_byte", first.decode("utf-8", "replace")[:200]
+                        )
+                else:
+                    first = await up.content.readany()
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+                raise _UpstreamBroke("before_first_byte", type(e).__name__) from None
+            t_first = time.perf_counter()
+            resp = web.StreamResponse(
+                status=up.status,
+                reason=up.reason,
+                headers=_forward_headers(up.headers, RESPONSE_DROP),
+            )
+            if up.content_length is not None and "chunked" not in up.headers.get(
+                "Transfer-Encoding", ""
+            ):
+                resp.content_length = up.content_length
+            try:
+                await resp.prepare(request)
+                if first:
+                    await resp.write(first)
+                # The gate's own time: before the upstream call, and from the first bytes to
+                # their write (the wait for the upstream in between is not the gate's).
+                self.metrics.overhead_seconds.observe(pre_send + time.perf_counter() - t_first)
+                while True:
+                    try:
+                        chunk = await up.content.readany()
+                    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
+                        # Cut mid-answer: the client's answer is cut too (never replayed).
+                        self.metrics.upstream_error("streaming")
+                        if request.transport is not None:
+                            request.transport.close()
+                        return resp
+                    if not chunk:
+                        break
+                    await resp.write(chunk)
+                await resp.write_eof()
+            except (ConnectionResetError, asyncio.CancelledError):
+                self.metrics.client_disconnect("streaming")
+                raise
+            return resp
+        finally:
+            # Releasing a finished answer keeps the connection for reuse; closing one that is
+            # not finished (client gone, upstream cut) tells vLLM to abort the request.
+            if up.content.at_eof():
+                up.release()
+            else:
+                up.close()

@@ -1,0 +1,99 @@
+"""Assembling one gate: settings, the aiohttp server, the upstream client, the follower.
+
+:class:`Gate` is what ``vllm-guardian gate`` runs and what the tests start in-process (on a
+loop of their own): ``await gate.start()`` binds and begins following the guardian,
+``await gate.stop()`` stops accepting, lets nothing dangle (queued requests get 503, open
+upstream connections are closed) and returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from vllm_guardian.gate.admission import Admission, Limits
+from vllm_guardian.gate.follower import Follower
+from vllm_guardian.gate.metrics import GateMetrics
+from vllm_guardian.gate.proxy import GateProxy, ProxySettings
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    proxy: ProxySettings
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 8001  # 0: any free port (tests)
+    guardian: str | None = None
+    limits: Limits = field(default_factory=Limits)
+    poll_interval_seconds: float = 0.1
+    kv_poll_interval_seconds: float = 0.5
+    suspect_seconds: float = 1.0
+    shutdown_timeout_seconds: float = 5.0
+
+
+class Gate:
+    def __init__(self, settings: GateSettings) -> None:
+        self.settings = settings
+        self.metrics = GateMetrics(settings.proxy.service)
+        self._runner: web.ServerRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self.admission: Admission | None = None
+        self.follower: Follower | None = None
+        self.proxy: GateProxy | None = None
+        self.port = settings.listen_port
+
+    async def start(self) -> None:
+        s = self.settings
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, ttl_dns_cache=300)
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,  # bytes pass through as the upstream sent them
+            timeout=aiohttp.ClientTimeout(
+                total=None, connect=s.proxy.connect_timeout_seconds, sock_read=None
+            ),
+            cookie_jar=aiohttp.DummyCookieJar(),  # a proxy keeps no client's cookies
+        )
+        self.admission = Admission(s.limits, self.metrics)
+        self.follower = Follower(
+            self.admission,
+            self._session,
+            upstream=s.proxy.upstream,
+            guardian=s.guardian,
+            service=s.proxy.service,
+            poll_interval_seconds=s.poll_interval_seconds,
+            kv_poll_interval_seconds=s.kv_poll_interval_seconds,
+            suspect_seconds=s.suspect_seconds,
+        )
+        self.proxy = GateProxy(s.proxy, self.admission, self.follower, self._session, self.metrics)
+        self.admission.start()
+        await self.follower.poll_once()  # know the state before the first request
+        self.follower.start()
+        server = web.Server(self.proxy.handle, handler_cancellation=True, access_log=None)
+        self._runner = web.ServerRunner(server, shutdown_timeout=s.shutdown_timeout_seconds)
+        await self._runner.setup()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((s.listen_host, s.listen_port))
+        self.port = int(sock.getsockname()[1])
+        site = web.SockSite(self._runner, sock, backlog=1024)
+        await site.start()
+
+    async def stop(self) -> None:
+        if self.follower is not None:
+            await self.follower.stop()
+        if self.admission is not None:
+            await self.admission.stop()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    async def serve_forever(self, stop: asyncio.Event) -> None:
+        await self.start()
+        try:
+            await stop.wait()
+        finally:
+            await self.stop()
