@@ -339,6 +339,9 @@ class Twin:
         host = opts.host if opts.host is not None else "0.0.0.0"  # noqa: S104 (vLLM's default)
         server = ThreadingHTTPServer((host, opts.port), make_handler(self), bind_and_activate=False)
         server.daemon_threads = True
+        # uvicorn listens with a backlog of 2048; http.server's default of 5 refuses a burst of
+        # connections that vLLM would accept, which made load tests fail where vLLM would not.
+        server.request_queue_size = 2048
         serve_thread: threading.Thread | None = None
         self.log.info(
             Proc.API_SERVER,
