@@ -112,6 +112,7 @@ class Row:
     logs: tuple[LogEvent, ...] = ()
     health: HealthState = HealthState.UP
     pid: int = 100
+    running: float | None = None
     fail: bool = False  # the in-flight action's result (delivered this row) is a failure
     terminal: bool = False
 
@@ -162,6 +163,7 @@ class Run:
             True,
             True,
             kv_cache_usage_ratio=row.kv,
+            requests_running=row.running,
             gpu_memory_utilization_ratio=0.9,
             gpus=(ServiceGpuSignals(0, 70 * GIB, 0, int(72 * GIB), 8 * GIB, 80 * GIB),),
         )
@@ -518,3 +520,16 @@ def test_per_action_dry_run_arms_the_ladder_one_rung_at_a_time():
         (ActionKind.RESTART, False),
     ]
     assert [d.dry_run for d in r.decisions if d.what == "gate"] == [False]
+
+
+def test_kv_thrash_jumps_to_what_the_pool_hosts():
+    rows = []
+    for i in range(3):
+        rows += [
+            Row(i * 100, kv=0.97, running=16, alerts=("KvSaturated", "PreemptionsHigh")),
+            Row(i * 100 + 50, kv=0.5),
+        ]
+    r = Run().run(*rows)
+    (a,) = r.actions
+    assert a.flags == (("--max-num-seqs", "18"),)  # 1024 × 0.75^14: the first rung ≤ 1.25 × 16
+    assert "14 rungs down to 18" in a.reason and "hosts about 16 running requests" in a.reason

@@ -233,6 +233,18 @@ def lever_value(lever: Lever, rung: int, base: Baseline, p: PolicyConfig) -> str
     return "expandable_segments:True"
 
 
+def rungs_to_host(hosted: float, base: Baseline, p: PolicyConfig) -> int:
+    """The first max_num_seqs rung at or below 1.25 × the requests the KV pool hosts (so new
+    requests queue instead of preempting the ones that fit), never past the floor."""
+    target = max(float(p.max_num_seqs_floor), 1.25 * hosted)
+    if base.max_num_seqs <= target:
+        return 0
+    rung = math.ceil(math.log(target / base.max_num_seqs) / math.log(p.max_num_seqs_factor_ratio))
+    while rung > 1 and int(base.max_num_seqs * p.max_num_seqs_factor_ratio ** (rung - 1)) <= target:
+        rung -= 1
+    return rung
+
+
 def can_step_down(lever: Lever, rung: int, base: Baseline, p: PolicyConfig) -> bool:
     """Whether one more rung changes anything (floors reached, or a switch already on)."""
     if lever is Lever.EXPANDABLE_SEGMENTS:
@@ -714,15 +726,27 @@ def _act(
 
     s = replace(s, restarts=(*restarts, now), last_note="")
     if lever is not None and step:
-        rung = s.rung(lever) + 1
+        before = s.rung(lever)
+        rung = before + 1
+        hosted = sig.requests_running if sig is not None else None
+        if lever is Lever.MAX_NUM_SEQS and hosted:
+            # Multiplicative decrease one rung at a time would take a dozen restarts to get from
+            # 1024 to what a small pool hosts; jump to the rung that matches what it does host.
+            rung = max(rung, rungs_to_host(hosted, base, p))
         s = _set_rung(s, lever, rung)
         last_up = dict(s.last_step_up).get(lever)
         if last_up is not None and now - last_up <= p.pin_seconds:
             s = replace(s, pinned_until=_set(s.pinned_until, lever, now + p.pin_seconds))
         flags, env = flags_for(dict(s.rungs), base, p)
         value = lever_value(lever, rung, base, p)
+        how = "one rung" if rung == before + 1 else f"{rung - before} rungs"
+        why = (
+            f" (the KV pool hosts about {hosted:.0f} running requests)"
+            if lever is Lever.MAX_NUM_SEQS and hosted
+            else ""
+        )
         reason = (
-            f"{top.cause.value}: {lever.value} one rung down to {value} (rung {rung}); "
+            f"{top.cause.value}: {lever.value} {how} down to {value} (rung {rung}){why}; "
             + top.evidence[0].sentence
         )
         return ctx.act(s, ActionKind.RELAUNCH, top, reason, flags, env)
