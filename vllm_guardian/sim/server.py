@@ -225,7 +225,11 @@ class Twin:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         q: queue.SimpleQueue[RequestDelta] = queue.SimpleQueue()
         with self.lock:
-            self.engine.advance(self.sim_now())
+            # Catch the engine up before the new request joins, and hand what those steps
+            # produced to their streams: dropping these deltas lost tokens, and a finish among
+            # them left its stream waiting forever (seen as hung requests behind the gate,
+            # whose releases arrive just as other requests finish).
+            self._dispatch(self.engine.advance(self.sim_now()))
             if self.engine.death is not None:
                 raise ApiError(500, ENGINE_DEAD_MESSAGE, "InternalServerError")
             self.streams[rid] = q
@@ -524,6 +528,9 @@ class _Handler(BaseHTTPRequestHandler):
     twin: Twin
     protocol_version = "HTTP/1.1"
     server_version = "uvicorn"
+    # uvicorn runs on asyncio/uvloop, whose TCP transports set TCP_NODELAY; without it the
+    # headers and the body (two sends here) meet the client's delayed ACK: +40 ms per answer.
+    disable_nagle_algorithm = True
     sys_version = ""
 
     def log_message(self, format: str, *args: Any) -> None:
