@@ -21,8 +21,10 @@ import requests
 pytest.importorskip("aiohttp")
 
 from tests.test_gate_support import GateThread
+from vllm_guardian.core.policy import PolicyState
 from vllm_guardian.daemon import Guardian
 from vllm_guardian.demo import DemoOptions, demo_config, free_port
+from vllm_guardian.model import Action, ActionKind
 from vllm_guardian.sim.load import LoadResult, OutcomeKind, plan_requests, run_load
 from vllm_guardian.sim.scenarios import LoadProfile
 
@@ -67,7 +69,7 @@ def normalise(body: bytes) -> bytes:
     return re.sub(rb'"created": \d+', b'"created": 0', body)
 
 
-def test_byte_for_byte_through_the_gate():
+def test_byte_for_byte_through_the_gate() -> None:
     with twin("--sim-model", "tiny") as url:
         g = GateThread(url)
         try:
@@ -110,20 +112,17 @@ def p99(result: LoadResult) -> float:
     return lat[min(len(lat) - 1, int(0.99 * len(lat)))]
 
 
-@pytest.mark.skip(
-    reason="open bug: through the gate preemptions drop to 0 (direct: 17-20), but 1-3 of 30 "
-    "requests get no answer for 60 s (request timeout); not yet known whether they sit in the "
-    "queue or in a connection the twin never accepted"
-)
-def test_kv_burst_is_held_at_the_gate():
+def test_kv_burst_is_held_at_the_gate() -> None:
     """30 requests in 3 s into an 8k-token pool (~16k tokens of work): straight in, vLLM
-    preempts and recomputes; through the gate (KV-need admission) they wait their turn instead.
-    (Arrivals are spread over seconds: the twin's HTTP server has a 5-deep listen backlog.)"""
+    preempts and recomputes; through the gate (KV-need admission) they wait their turn instead:
+    fewer preemptions, no failure, every token delivered. Holding costs queueing time, so the
+    gate's p99 is higher than direct (both printed); it must stay far from the time bounds."""
     profile = LoadProfile(
         rate_per_second=10, prompt_tokens_min=100, prompt_tokens_max=200,
         output_tokens_min=300, output_tokens_max=500,
     )  # fmt: skip
     plan = plan_requests(profile, seed=7, max_requests=30, duration_seconds=10)
+    wanted = {p.index: p.max_tokens for p in plan}
     speed = 5.0
     kv = ("--kv-cache-memory-bytes", str(1024**3), "--no-enable-prefix-caching")
     figures = {}
@@ -137,78 +136,134 @@ def test_kv_burst_is_held_at_the_gate():
                     request_timeout_seconds=60,
                 )  # fmt: skip
                 failed = len(result.outcomes) - result.count(OutcomeKind.OK)
-                figures[name] = (preemptions(url) - before, p99(result), failed)
+                # ignore_eos and room in max_model_len: every request gets all its tokens (a
+                # twin that dropped the deltas of steps run inside submit() lost some).
+                short = [o.index for o in result.outcomes
+                         if o.kind is OutcomeKind.OK and o.completion_tokens != wanted[o.index]]  # fmt: skip
+                figures[name] = (preemptions(url) - before, round(p99(result), 2), failed, short)
         finally:
             g.stop()
-    print("preemptions, p99 s, failed:", figures)
+    print("preemptions, p99 s, failed, short answers:", figures)
     assert figures["direct"][0] >= 10, figures  # the burst really thrashes when sent straight
     assert figures["gate"][0] <= figures["direct"][0] / 4, figures
     assert figures["gate"][2] == 0 and figures["direct"][2] == 0, figures
+    assert figures["gate"][3] == [] and figures["direct"][3] == [], figures
+    # Measured on a 2-core box: direct ~2.0 s, gate ~3.0 s. The bound only catches requests
+    # that sit in the queue (the bug this test once had read as p99 ~ 61 s).
+    assert figures["gate"][1] <= 4 * figures["direct"][1] + 5, figures
 
 
-@pytest.mark.skip(
-    reason="unfinished: engine_hang hangs every new instance again 30 simulated s after it is "
-    "ready, so requests sent late in the window are caught by the second hang; needs a one-shot "
-    "restart trigger"
-)
-def test_restart_under_load_through_the_gate_loses_nothing(tmp_path: Path):
-    """The twin's engine hangs; the guardian drains and restarts it while a bounded load runs
-    through the gate. Requests in the hung engine got no byte: retried once on the new
-    instance; requests arriving meanwhile are held and sent to it. None fails."""
+def trigger_restart(guardian: Guardian, service: str = "vllm") -> int:
+    """One restart, exactly as the policy starts one (close /ready, mark the action in flight,
+    hand it to the executor), without a fault that would strike the new instance again."""
+    h = guardian.healing
+    assert h is not None
+    with h._lock:
+        state = h.state
+        aid = state.next_action_id
+        action = Action(aid, service, ActionKind.RESTART, None, "test: one controlled restart",
+                        (), dry_run=False)  # fmt: skip
+        now = guardian.clock.time()
+        services = tuple(
+            replace(s, in_flight=aid, in_flight_since=now, gate_open=False, gate_reason="restart")
+            if s.service == service
+            else s
+            for s in state.services
+        )
+        h.state = PolicyState(services, aid + 1)
+        h.executor.submit(action)
+    return aid
+
+
+def test_restart_under_load_through_the_gate_loses_nothing(tmp_path: Path) -> None:
+    """A guardian supervises the twin; a bounded streaming load runs through the gate, which
+    follows /ready/vllm; the guardian restarts the twin once (drain, SIGTERM, start, ready).
+    Requests that arrive meanwhile are held and sent to the new instance: none fails, each
+    answer is whole, and vLLM saw each request once plus the gate's retries, which happen only
+    before a first byte (so nothing that had started streaming was replayed)."""
+    speed = 8.0
     opts = DemoOptions(
-        "engine_hang", speed=4, workdir=tmp_path, quiet=True,
-        policy={"drain_timeout_seconds": 2, "startup_grace_seconds": 10},
+        "steady", speed=speed, workdir=tmp_path, quiet=True,
+        extra_twin_args=("--sim-model", "tiny", "--enforce-eager"),
+        policy={"drain_timeout_seconds": 5, "startup_grace_seconds": 10},
     )  # fmt: skip
     vllm_port, guardian_port = free_port(), free_port()
     cfg = demo_config(opts, tmp_path, vllm_port, guardian_port)
-    cfg = replace(cfg, signals=replace(cfg.signals, stall_seconds=3))
     guardian = Guardian(cfg)
     loop = threading.Thread(target=guardian.run, kwargs={"install_signals": False}, daemon=True)
     loop.start()
     g: GateThread | None = None
     try:
         wait_http(f"http://127.0.0.1:{vllm_port}/health", timeout=60)
+        wait_http(f"http://127.0.0.1:{guardian_port}/ready/vllm", timeout=30)
         g = GateThread(
             f"http://127.0.0.1:{vllm_port}", guardian=f"http://127.0.0.1:{guardian_port}",
             max_wait_seconds=60, kv_admission=False,
         )  # fmt: skip
         profile = LoadProfile(
-            rate_per_second=6.0, prompt_tokens_min=50, prompt_tokens_max=100,
+            rate_per_second=1.0, prompt_tokens_min=20, prompt_tokens_max=60,
             output_tokens_min=20, output_tokens_max=60,
         )  # fmt: skip
-        # The engine hangs 30 simulated s (7.5 s) after it is ready; the load runs until the
-        # restart has succeeded (the new instance would hang again 7.5 s after its start).
-        plan = plan_requests(profile, seed=3, max_requests=400, duration_seconds=900)
-        stop = threading.Event()
+        # ~14 s of arrivals (112 simulated s at speed 8); the restart takes ~3-6 s of them.
+        plan = plan_requests(profile, seed=3, max_requests=200, duration_seconds=112)
+        wanted = {p.index: p.max_tokens for p in plan}
         out: list[LoadResult] = []
         runner = threading.Thread(
             target=lambda: out.append(run_load(
-                g.url, plan, model="demo", speed=4, stream=False, max_duration_seconds=90,
-                request_timeout_seconds=75, stop=stop,
+                g.url, plan, model="demo", speed=speed, stream=True, max_duration_seconds=30,
+                request_timeout_seconds=60,
             )),
             daemon=True,
         )  # fmt: skip
         runner.start()
+        time.sleep(3)
+        sup = guardian.healing.supervisors["vllm"] if guardian.healing else None
+        assert sup is not None and sup.starts == 1
+        first_pid = sup.pid
+        trigger_restart(guardian)
         audit = tmp_path / "state" / "audit.jsonl"
-        deadline = time.monotonic() + 80
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline and "restart succeeded" not in (
             audit.read_text() if audit.exists() else ""
         ):
             time.sleep(0.2)
-        stop.set()
         runner.join(timeout=90)
         assert "restart succeeded" in audit.read_text(), audit.read_text()[-2000:]
+        assert sup.starts == 2 and sup.pid != first_pid  # exactly one restart happened
         result = out[0]
         sent = [o for o in result.outcomes if o.kind is not OutcomeKind.NOT_SENT]
         kinds = {k.value: result.count(k) for k in OutcomeKind if result.count(k)}
-        print("outcomes:", kinds, "gate:", g.gate.proxy.status() if g.gate.proxy else None)
-        assert len(sent) >= 20, kinds
-        assert all(o.kind is OutcomeKind.OK for o in sent), kinds
+        status = g.gate.proxy.status() if g.gate.proxy else None
         text = requests.get(f"{g.url}/metrics", timeout=5).text
-        held = float(re.search(r"vllm_guardian_gate_held_total\S* (\S+)", text).group(1))  # type: ignore[union-attr]
+
+        def metric(name: str) -> float:
+            return sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith(f"vllm_guardian_gate_{name}{{")
+            )
+
+        held, retried = metric("held_total"), metric("retried_total")
+        print("outcomes:", kinds, "held:", held, "retried:", retried, "gate:", status)
+        assert len(sent) >= 60, kinds
+        assert all(o.kind is OutcomeKind.OK for o in sent), kinds
+        assert [o.index for o in sent if o.completion_tokens != wanted[o.index]] == []
         assert held > 0  # some requests really waited for the new instance
+        # Never cut mid-stream, and each request reached vLLM once plus the gate's retries
+        # (uvicorn-style access lines of both instances, the 500s of the drain included).
+        streaming_errors = [
+            line for line in text.splitlines()
+            if line.startswith("vllm_guardian_gate_upstream_errors_total{")
+            and 'phase="streaming"' in line
+        ]  # fmt: skip
+        assert all(line.endswith(" 0.0") for line in streaming_errors), streaming_errors
+        log_text = (tmp_path / "vllm.log").read_text(errors="replace")
+        posts = log_text.count('"POST /v1/completions HTTP/1.1"')
+        assert posts == len(sent) + retried, (posts, len(sent), retried)
+        assert status is not None and status["in_flight"] == 0 and status["queue_depth"] == 0
     finally:
         if g is not None:
             g.stop()
         guardian.request_stop()
         loop.join(timeout=60)
+    assert not loop.is_alive()
