@@ -29,6 +29,7 @@ import yaml
 from tests.conftest import read_fixture
 from tests.httpfixture import Script, serve
 from vllm_guardian.config import PolicyConfig, SignalsConfig
+from vllm_guardian.gate.metrics import GateMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "alerts" / "vllm-guardian.rules.yml"
@@ -78,7 +79,18 @@ def known_metrics() -> set[str]:
                 names.add(name)
                 names.add(re.sub(r"_(bucket|sum|count)$", "", name))
     # build_info is rendered by exposition._build_info but left out of the golden file.
-    return names | PENDING_METRICS | {"up", "vllm_guardian_build_info"}
+    return names | PENDING_METRICS | gate_metrics() | {"up", "vllm_guardian_build_info"}
+
+
+def gate_metrics() -> set[str]:
+    """The admission gate's series, from its own registry (prometheus_client only: no aiohttp)."""
+    names = set()
+    for line in GateMetrics("x").render().decode().splitlines():
+        if line and not line.startswith("#"):
+            name = line.split("{")[0].split(" ")[0]
+            names.add(name)
+            names.add(re.sub(r"_(bucket|sum|count)$", "", name))
+    return names
 
 
 PROMQL_WORDS = {
@@ -88,7 +100,7 @@ PROMQL_WORDS = {
     "min_over_time", "avg_over_time", "le", "instance", "job", "model_name", "service", "host",
     "gpu", "xid", "source", "action", "dry_run", "engine", "irate", "clamp_min", "topk",
     "sort_desc", "absent", "vector", "scalar", "changes", "resets", "quantile", "lever",
-    "severity", "result", "alertstate",
+    "severity", "result", "alertstate", "reason",
 }  # fmt: skip
 
 

@@ -158,7 +158,9 @@ def test_structure():
     ids = [p["id"] for p in panels]
     assert len(ids) == len(set(ids))
     rows = [p["title"] for p in panels if p["type"] == "row"]
-    assert rows == ["Overview", "KV pool and queue", "GPU memory", "Latency and throughput"]
+    assert rows == [
+        "Overview", "KV pool and queue", "GPU memory", "Latency and throughput", "Admission gate",
+    ]  # fmt: skip
     cells: set[tuple[int, int]] = set()
     for p in panels:
         g = p["gridPos"]
@@ -176,7 +178,8 @@ def test_structure():
         assert p["description"], p["title"]
     titles = {p["title"] for p in panels}
     for needed in ("Policy rung", "Gate", "Breaker", "Firing alerts", "GPU memory by owner",
-                   "Allocator fragmentation", "Latency quantiles", "Throughput", "Preemptions"):  # fmt: skip
+                   "Allocator fragmentation", "Latency quantiles", "Throughput", "Preemptions",
+                   "Gate queue", "Gate decisions", "Gate queue wait", "Gate overhead"):  # fmt: skip
         assert needed in titles
     annotations = {a["name"]: a for a in dash["annotations"]["list"]}
     assert "vllm_guardian_actions_total" in annotations["Guardian actions"]["expr"]
