@@ -56,7 +56,9 @@ def check_kv(r: DemoReport) -> None:
     assert r.gated
     relaunches = actions(r, "relaunch")
     assert relaunches and relaunches[0]["cause"] == "concurrency_overcommit"
-    assert "max_num_seqs" in relaunches[0]["reason"] and "running requests" in relaunches[0]["reason"]
+    assert (
+        "max_num_seqs" in relaunches[0]["reason"] and "running requests" in relaunches[0]["reason"]
+    )
     assert not [a for a in r.actions if a["cause"] == "engine_dead"]
 
 
