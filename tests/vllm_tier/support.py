@@ -1,0 +1,392 @@
+"""Helpers for the `vllm` tier: where the real vLLM is, how to launch it, clients, clean-up.
+
+Everything here runs in the test process (the daemon's .venv); vLLM itself runs from the venv
+``scripts/vllm-setup`` builds outside the repository. Recipe: ../shared/reference/vllm-cpu.md.
+
+Process hygiene: every vLLM process a test starts carries ``VLLM_GUARDIAN_TIER_RUN=<run id>`` in
+its environment (the API server, its EngineCore and the Worker, which is reparented to PID 1
+when EngineCore dies), so :func:`sweep` finds and kills all of them by that marker, whichever
+supervisor started them, and :func:`leftovers` proves none is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import pytest
+import requests
+
+VERSION = "0.32.0"
+CACHE = Path(os.environ.get("VLLM_GUARDIAN_CI_CACHE", "/var/cache/vllm-guardian-ci"))
+VENV = Path(os.environ.get("VLLM_GUARDIAN_VLLM_VENV", str(CACHE / f"vllm-{VERSION}")))
+MODEL_NAME = "tiny-llama"
+MARKER = "VLLM_GUARDIAN_TIER_RUN"
+HERE = Path(__file__).parent
+
+
+def vllm_venv_or_skip() -> Path:
+    """The vLLM venv; a skip saying how to get it, or a failure where CI requires it."""
+    ok = (VENV / ".vllm-guardian-complete").is_file() and (VENV / "bin" / "vllm").is_file()
+    if not ok:
+        why = (
+            f"no vLLM {VERSION} venv at {VENV}: run scripts/vllm-setup (about 2-3 minutes, "
+            "2.5 GB) or set VLLM_GUARDIAN_VLLM_VENV"
+        )
+        if os.environ.get("VLLM_GUARDIAN_REQUIRE_VLLM"):
+            pytest.fail(f"{why} (VLLM_GUARDIAN_REQUIRE_VLLM is set)")
+        pytest.skip(why)
+    return VENV
+
+
+def build_model(venv: Path, out: Path) -> float:
+    """Build the tiny model with the vLLM venv's Python; returns the seconds it took."""
+    start = time.monotonic()
+    subprocess.run(
+        [str(venv / "bin" / "python"), str(HERE / "tinymodel.py"), str(out)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    return time.monotonic() - start
+
+
+def host_lock() -> IO[str]:
+    """An exclusive lock on this host's vLLM tier (released when the file is closed)."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    fh = (CACHE / "vllm-tier.lock").open("w")
+    fcntl.flock(fh, fcntl.LOCK_EX)
+    return fh
+
+
+def logging_config(path: Path) -> Path:
+    """vLLM's own logging set-up plus a route for the ``vllm_guardian`` logger.
+
+    vLLM configures only its ``vllm`` logger; the allocator plugin logs to ``vllm_guardian.plugin``,
+    which has no handler inside vLLM, so its INFO lines would be dropped (Python's last-resort
+    handler prints WARNING and above only). This file (``VLLM_LOGGING_CONFIG_PATH``) keeps vLLM's
+    format and sends both loggers to the same stream.
+    """
+    fmt = "(%(vllm_process_name)s pid=%(process)d) %(levelname)s %(asctime)s [%(fileinfo)s:%(lineno)d] %(message)s"
+    cfg = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {
+            "vllm": {
+                "()": "vllm.logging_utils.NewLineFormatter",
+                "datefmt": "%m-%d %H:%M:%S",
+                "format": fmt,
+            }
+        },
+        "handlers": {
+            "vllm": {
+                "class": "logging.StreamHandler",
+                "formatter": "vllm",
+                "level": "INFO",
+                "stream": "ext://sys.stdout",
+            }
+        },
+        "loggers": {
+            "vllm": {"handlers": ["vllm"], "level": "INFO", "propagate": False},
+            "vllm_guardian": {"handlers": ["vllm"], "level": "INFO", "propagate": False},
+        },
+    }
+    path.write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+def vllm_env(run_id: str, workdir: Path) -> dict[str, str]:
+    """The environment of every vLLM the tier starts (vllm-cpu.md §3)."""
+    return {
+        MARKER: run_id,
+        "VLLM_HOST_IP": "127.0.0.1",  # else the internal ZMQ queue binds the machine's address
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; --num-gpu-blocks-override shrinks it further
+        "VLLM_CPU_OMP_THREADS_BIND": "auto",  # 2 cores: inference on one, the API server on the other
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        # A warm cache saves ~10 s per start; it lives beside the venv, not in the repository.
+        "VLLM_CACHE_ROOT": str(CACHE / f"vllm-{VERSION}-cache"),
+        "PYTHONUNBUFFERED": "1",  # the guardian's log source must see lines as they happen
+        "VLLM_LOGGING_CONFIG_PATH": str(logging_config(workdir / "vllm-logging.json")),
+        "VLLM_GUARDIAN_ALLOCATOR_DIR": str(workdir / "allocator"),
+    }
+
+
+def serve_command(
+    venv: Path, model: Path, port: int, env: dict[str, str], extra: Sequence[str] = ()
+) -> list[str]:
+    """``env K=V ... vllm serve``: env(1) execs, so the pid the supervisor holds is vLLM's."""
+    return [
+        "/usr/bin/env",
+        *(f"{k}={v}" for k, v in sorted(env.items())),
+        str(venv / "bin" / "vllm"),
+        "serve",
+        str(model),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--served-model-name", MODEL_NAME,
+        "--dtype", "bfloat16",
+        "--enforce-eager",
+        *extra,
+    ]  # fmt: skip
+
+
+# --- processes -----------------------------------------------------------------------------
+
+
+def _environ_has(pid: str, needle: bytes) -> bool:
+    try:
+        return needle in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+
+
+def _state(pid: str) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "?"
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def marked(run_id: str) -> list[int]:
+    """Live (not zombie) processes carrying this run's marker."""
+    needle = f"{MARKER}={run_id}".encode()
+    return [
+        int(p)
+        for p in os.listdir("/proc")
+        if p.isdigit() and _environ_has(p, needle) and _state(p) not in ("Z", "X", "?")
+    ]
+
+
+def sweep(run_id: str) -> list[str]:
+    """SIGKILL every live process of this run (by its marker, never by name); says which."""
+    out = []
+    for pid in marked(run_id):
+        out.append(f"{pid} {' '.join(cmdline(pid))[:80]}")
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    return out
+
+
+def leftovers(run_id: str, wait_seconds: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        left = marked(run_id)
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.2)
+
+
+def children(pid: int) -> list[tuple[int, str]]:
+    """Direct children of ``pid`` with their command lines (vLLM renames its processes)."""
+    out = []
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid != pid:
+                continue
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except (OSError, ValueError, IndexError):
+            continue
+        out.append((int(p), cmd))
+    return out
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+    except OSError:
+        return []
+
+
+# --- HTTP ----------------------------------------------------------------------------------
+
+
+def session() -> requests.Session:
+    s = requests.Session()
+    s.trust_env = False  # a proxy from the environment must never sit on loopback
+    return s
+
+
+def wait_for(check: object, timeout: float, what: str, every: float = 0.5) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if check():  # type: ignore[operator]
+                return
+        except requests.RequestException:
+            pass
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(every)
+
+
+def healthy(url: str) -> bool:
+    try:
+        return session().get(url + "/health", timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    """A prompt as token ids: exactly ``n`` tokens on vLLM and on the twin alike."""
+    rnd = random.Random(seed)
+    return [rnd.randrange(16, 4000) for _ in range(n)]
+
+
+@dataclass
+class StreamResult:
+    status: int | None = None
+    chunks: int = 0
+    finish_reason: str | None = None
+    done: bool = False  # saw data: [DONE]
+    error: str | None = None
+    started: float = 0.0
+    ended: float = 0.0
+
+
+def stream_completion(
+    url: str,
+    prompt: list[int],
+    max_tokens: int,
+    model: str = MODEL_NAME,
+    timeout: float = 180,
+    stream: bool = True,
+) -> StreamResult:
+    """One completion; ``stream=False`` spares the API server (one core here) the per-token
+    events, so its /metrics stays responsive while the engine is under pressure."""
+    r = StreamResult(started=time.monotonic())
+    try:
+        with session().post(
+            url + "/v1/completions",
+            json={
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "ignore_eos": True,  # random weights: exact lengths only this way
+                "stream": stream,
+            },
+            stream=stream,
+            timeout=(5, timeout),
+        ) as resp:
+            r.status = resp.status_code
+            if not stream:
+                body = resp.json()
+                if resp.status_code == 200:
+                    r.done = True
+                    r.chunks = int(body["usage"]["completion_tokens"])
+                    r.finish_reason = body["choices"][0].get("finish_reason")
+                else:
+                    r.error = json.dumps(body)[:300]
+                r.ended = time.monotonic()
+                return r
+            for line in resp.iter_lines():
+                if not line.startswith(b"data: "):
+                    continue
+                if line == b"data: [DONE]":
+                    r.done = True
+                    break
+                event = json.loads(line[6:])
+                if "error" in event:
+                    r.error = json.dumps(event["error"])[:300]
+                    continue
+                r.chunks += 1
+                r.finish_reason = event["choices"][0].get("finish_reason") or r.finish_reason
+            if resp.status_code != 200:
+                r.error = resp.text[:300]
+    except (requests.RequestException, ValueError) as e:
+        r.error = f"{type(e).__name__}: {e}"[:300]
+    r.ended = time.monotonic()
+    return r
+
+
+def burst(
+    url: str,
+    n: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    model: str = MODEL_NAME,
+    seed: int = 0,
+    stream: bool = True,
+) -> list[StreamResult]:
+    """``n`` concurrent completions (bounded: one thread each, all joined)."""
+    results = [StreamResult() for _ in range(n)]
+
+    def one(i: int) -> None:
+        results[i] = stream_completion(
+            url, prompt_ids(prompt_tokens, seed + i), max_tokens, model, stream=stream
+        )
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return results
+
+
+@dataclass
+class Sampler:
+    """Polls a server's /metrics in a thread; keeps (time, {sample: value}) for chosen samples."""
+
+    url: str
+    names: tuple[str, ...] = (
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:num_preemptions_total",
+    )
+    every: float = 0.5
+    samples: list[tuple[float, dict[str, float]]] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        s = session()
+        while not self._stop.is_set():
+            with contextlib.suppress(requests.RequestException):
+                text = s.get(self.url + "/metrics", timeout=10).text
+                self.samples.append((time.monotonic(), scalar_samples(text, self.names)))
+            self._stop.wait(self.every)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Sampler]:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            self._thread.join(timeout=15)
+
+    def series(self, name: str) -> list[float]:
+        return [v[name] for _, v in self.samples if name in v]
+
+
+def scalar_samples(text: str, names: Sequence[str]) -> dict[str, float]:
+    """The first sample of each named family (unlabelled-or-any-labels), as floats."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names and name not in out:
+            out[name] = float(line.rsplit(" ", 1)[1])
+    return out
