@@ -198,7 +198,7 @@ class Run:
 
 
 def test_gate_hysteresis():
-    r = Run().run(
+    r = Run(cfg=replace(BASE, gate_min_closed_seconds=0)).run(
         Row(0, kv=0.85),
         Row(2, kv=0.91),
         Row(4, kv=0.95),
@@ -533,3 +533,16 @@ def test_kv_thrash_jumps_to_what_the_pool_hosts():
     (a,) = r.actions
     assert a.flags == (("--max-num-seqs", "18"),)  # 1024 × 0.75^14: the first rung ≤ 1.25 × 16
     assert "14 rungs down to 18" in a.reason and "hosts about 16 running requests" in a.reason
+
+
+def test_a_closed_gate_holds_for_its_minimum_time():
+    # vLLM's KV gauge swings 0.3..1.0 under pressure: the gate must not follow every swing.
+    r = Run(cfg=replace(BASE, gate_min_closed_seconds=10)).run(
+        Row(0, kv=0.95),
+        Row(2, kv=0.3),
+        Row(4, kv=1.0),
+        Row(6, kv=0.4),
+        Row(10, kv=0.5),
+        Row(12, kv=0.9),
+    )
+    assert r.kinds() == [(0, "gate"), (10, "ungate"), (12, "gate")]

@@ -267,6 +267,9 @@ class PolicyConfig:
     # the low one; the band keeps it from flapping (Envoy's overload manager, DESIGN.md §3).
     kv_high_watermark_ratio: float = field(default=0.90, metadata=_bounds(0.05, 1.0))
     kv_low_watermark_ratio: float = field(default=0.80, metadata=_bounds(0.0, 1.0))
+    # A closed gate stays closed at least this long: a real vLLM's KV gauge swings between
+    # 0.3 and 1.0 under pressure, and a gate that follows every swing flaps (measured, vLLM 0.32).
+    gate_min_closed_seconds: float = field(default=10.0, metadata=_bounds(0, 3600))
     # After any action nothing else is done for this long: model load plus warm-up, so lagging
     # counters cannot trigger a second action (both oomds use a cooldown for the same reason).
     cooldown_seconds: float = field(default=600.0, metadata=_bounds(0, 86400))

@@ -121,6 +121,10 @@ class Supervisor:
                     self._wake.clear()
                 continue
             code = proc.wait()
+            # The leader is gone; anything left in its group is an orphan still holding GPU
+            # memory that the next start needs (systemd does the same when a unit's main exits).
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
             with self._lock:
                 if self._proc is proc:
                     self._proc = None
@@ -136,8 +140,11 @@ class Supervisor:
                 time.sleep(self.restart_delay_seconds)
 
     def _terminate(self, proc: subprocess.Popen[bytes], timeout: float) -> None:
+        # SIGTERM to the leader only, like systemd's KillMode=mixed: vLLM's API server drains
+        # (--shutdown-timeout) and stops its own workers; a worker that got SIGTERM directly
+        # would die at once and abort the in-flight requests the drain is for.
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
+            proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -103,6 +103,7 @@ class ServiceState:
     service: str
     gate_open: bool = True
     gate_reason: str = "open"
+    gate_closed_at: float | None = None
     paused: bool = False
     breaker_latched: bool = False
     breaker_reason: str | None = None
@@ -388,7 +389,11 @@ def decide(
         unit = svc_snap.unit if svc_snap is not None else None
         # Instant evidence (log lines) is kept until an action consumes it or it ages out, so
         # an OOM seen during a cooldown still counts once the cooldown ends.
-        s = _remember(s, evidence_from_logs(logs, sig), now, settings.policy)
+        instant = evidence_from_logs(logs, sig)
+        if s.in_flight is not None:
+            # Our own restart makes vLLM log its engine's death: that is not a new incident.
+            instant = [e for e in instant if e.cause is not Cause.ENGINE_DEAD]
+        s = _remember(s, instant, now, settings.policy)
         continuous = evidence_from_alerts(
             [
                 a
@@ -525,7 +530,7 @@ def _gate(ctx: _Ctx, s: ServiceState, sig: ServiceSignals | None) -> ServiceStat
         return s  # missing data holds the gate where it is
     if s.gate_open and kv >= p.kv_high_watermark_ratio:
         reason = f"KV cache usage {kv:.0%} at or above the high watermark {p.kv_high_watermark_ratio:.0%}"
-        s = replace(s, gate_open=False, gate_reason=reason)
+        s = replace(s, gate_open=False, gate_reason=reason, gate_closed_at=ctx.now)
         ctx.decide(
             s,
             "gate",
@@ -534,7 +539,12 @@ def _gate(ctx: _Ctx, s: ServiceState, sig: ServiceSignals | None) -> ServiceStat
             evidence=("kv_cache_usage_ratio",),
             dry_run=gate_dry_run(p),
         )
-    elif not s.gate_open and kv < p.kv_low_watermark_ratio:
+    elif (
+        not s.gate_open
+        and kv < p.kv_low_watermark_ratio
+        and ctx.now - (s.gate_closed_at if s.gate_closed_at is not None else -math.inf)
+        >= p.gate_min_closed_seconds
+    ):
         reason = f"KV cache usage {kv:.0%} below the low watermark {p.kv_low_watermark_ratio:.0%}"
         s = replace(s, gate_open=True, gate_reason="open")
         ctx.decide(s, "ungate", reason, evidence=("kv_cache_usage_ratio",), dry_run=gate_dry_run(p))
