@@ -627,12 +627,16 @@ def parse_config(text: str, filename: str = "<config>") -> Config:
     return cfg
 
 
-def load_config(path: str | Path) -> Config:
+def read_text(path: str | Path) -> str:
+    """A config-like file's text; an unreadable or non-UTF-8 file is a ConfigInvalid naming it."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        return p.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigInvalid(str(p), [ConfigError("", None, f"cannot read: {e.strerror}")]) from None
     except UnicodeDecodeError:
         raise ConfigInvalid(str(p), [ConfigError("", None, "not UTF-8 text")]) from None
-    return parse_config(text, str(p))
+
+
+def load_config(path: str | Path) -> Config:
+    return parse_config(read_text(path), str(path))

@@ -18,14 +18,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from importlib.resources import files
-from pathlib import Path
 from typing import Protocol
 
 from vllm_guardian.actuators.alert_log import AlertLogSink
 from vllm_guardian.actuators.alertmanager import AlertmanagerSink
 from vllm_guardian.actuators.webhook import WebhookSink
 from vllm_guardian.clock import Clock
-from vllm_guardian.config import AlertingConfig, ConfigError, ConfigInvalid
+from vllm_guardian.config import AlertingConfig, read_text
 from vllm_guardian.core.alerting import (
     Rule,
     SinkResult,
@@ -225,13 +224,5 @@ def load_rules(cfg: AlertingConfig) -> tuple[Rule, ...]:
     base = base if cfg.default_rules else ()
     if cfg.rules_file is None:
         return base
-    path = Path(cfg.rules_file)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigInvalid(
-            str(path), [ConfigError("", None, f"cannot read: {e.strerror}")]
-        ) from None
-    except UnicodeDecodeError:
-        raise ConfigInvalid(str(path), [ConfigError("", None, "not UTF-8 text")]) from None
-    return merge_rules(base, parse_rules(text, str(path)))
+    text = read_text(cfg.rules_file)
+    return merge_rules(base, parse_rules(text, cfg.rules_file))

@@ -30,6 +30,7 @@ from vllm_guardian.config import (
     _bounds,
     _check_url,
     _Loader,
+    read_text,
 )
 
 GIB = 1024**3
@@ -208,14 +209,7 @@ def parse_profile(text: str, filename: str) -> Profile:
 
 
 def load_profile(path: str | Path) -> Profile:
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigInvalid(str(p), [ConfigError("", None, f"cannot read: {e.strerror}")]) from None
-    except UnicodeDecodeError:
-        raise ConfigInvalid(str(p), [ConfigError("", None, "not UTF-8 text")]) from None
-    return parse_profile(text, str(p))
+    return parse_profile(read_text(path), str(path))
 
 
 def with_overrides(profile: Profile, **overrides: object) -> Profile:
