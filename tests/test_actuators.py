@@ -200,6 +200,7 @@ def test_systemd_backend(tmp_path: Path, body, ok, terminal, detail):
         assert (tmp_path / "args").read_text().split() == [
             "restart",
             "--no-ask-password",
+            "--",
             "vllm.service",
         ]
 

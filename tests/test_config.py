@@ -153,3 +153,60 @@ def test_yaml_is_loaded_safely():
     with pytest.raises(ConfigInvalid):
         parse_config("services: !!python/object/apply:os.system ['true']\n")
     assert yaml.__name__ == "yaml"
+
+
+# Shapes from the adversarial pass (issue 17): each used to escape as a traceback (exit 1).
+# Every one must be a ConfigInvalid naming the key and its line.
+HOSTILE = [
+    ('services:\n  - name: a\n    url: "http://[::1:8000"\n', "services[0].url", 3, "not a URL"),
+    ("services:\n  - name: a\ninterval_seconds: !!int abc\n", "interval_seconds", 3, "valid int"),
+    ("services:\n  - name: a\ninterval_seconds: !!float x\n", "interval_seconds", 3, "valid float"),
+    ("services:\n  - name: a\ninterval_seconds: !!binary abc\n", "interval_seconds", 3, "binary"),
+    ("services:\n  - name: a\ninterval_seconds: !!timestamp x\n", "interval_seconds", 3, "timestamp"),
+    ("services:\n  - name: a\ninterval_seconds: !!python/name:os.system x\n", "interval_seconds", 3, "python/name"),
+    ("services:\n  - name: a\n    gpus: [!!int 0x]\n", "services[0].gpus[0]", 3, "valid int"),
+    ("services:\n  - name: a\nrecorder:\n  max_bytes: " + "9" * 400 + "TiB\n", "recorder.max_bytes", 4, "too large"),
+    ('services:\n  - name: a\nalerting:\n  webhooks: ["http://[x"]\n', "alerting.webhooks[0]", 4, "not a URL"),
+    ('services:\n  - name: a\nalerting:\n  alertmanager_url: "https://[::1"\n', "alerting.alertmanager_url", 4, "not a URL"),
+    ("services:\n  - name: a\n    unit: -x.service\n", "services[0].unit", 3, "must not start with '-'"),
+    ("services:\n  - name: a\n    unit: --help.service\n", "services[0].unit", 3, "must not start with '-'"),
+    ('services:\n  - name: a\nstate_dir: ""\n', "state_dir", 3, "must not be empty"),
+    ("services:\n  - name: a\nruntime_dir: '  '\n", "runtime_dir", 3, "must not be empty"),
+    ("services:\n  - name: a\nrecorder:\n  path: ''\n", "recorder.path", 4, "must not be empty"),
+    ("services:\n  - name: a\nsources:\n  allocator:\n    directory: ''\n", "sources.allocator.directory", 5, "must not be empty"),
+    ("a: " + "[" * 3000 + "]" * 3000 + "\n", "", None, "nested too deeply"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "path", "line", "fragment"), HOSTILE)
+def test_hostile_configs_are_reported_with_key_and_line(text, path, line, fragment):
+    got = errors(text)
+    assert any(p == path and ln == line and fragment in m for p, ln, m in got), got
+
+
+def test_check_config_never_prints_a_traceback(tmp_path):
+    """The real CLI, as a subprocess: every hostile shape is exit 2 with its key and line."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    root = Path(__file__).resolve().parent.parent
+    for i, (text, path, line, fragment) in enumerate(HOSTILE):
+        cfg = tmp_path / f"c{i}.yaml"
+        cfg.write_text(text)
+        p = subprocess.run(
+            [sys.executable, "-m", "vllm_guardian", "check-config", "-c", str(cfg)],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert p.returncode == 2, (text, p.stderr)
+        assert "Traceback" not in p.stderr, p.stderr
+        where = f"{cfg}:{line}: {path}" if line is not None else f"{cfg}: (top level)"
+        assert where in p.stderr and fragment in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("unit", ["vllm.service", "vllm@a.service", "a-b.service", "x.scope"])
+def test_unit_names_that_stay_valid(unit):
+    assert parse_config(f"services:\n  - name: a\n    unit: {unit}\n").services[0].unit == unit

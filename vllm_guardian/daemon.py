@@ -19,6 +19,7 @@ config and a bad new config keeps the old one, saying why.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import signal
@@ -297,7 +298,16 @@ class Guardian:
         self._reload.set()
 
     def reload(self) -> bool:
-        """Re-read the config file; keep the old config if the new one is invalid."""
+        """Re-read the config file; keep the old config if the new one is invalid.
+
+        Never raises: SIGHUP after any edit must not end the daemon."""
+        try:
+            return self._reload_from_file()
+        except Exception:
+            log.exception("reload failed; the guardian keeps running")
+            return False
+
+    def _reload_from_file(self) -> bool:
         if not self.config_path:
             return False
         try:
@@ -305,6 +315,15 @@ class Guardian:
         except ConfigInvalid as e:
             log.error("reload refused, keeping the running config:\n%s", e)
             return False
+        for key in ("listen", "runtime_dir"):  # bound once at start-up
+            if getattr(new, key) != getattr(self.cfg, key):
+                log.warning(
+                    "%s changes need a restart: still %r (the file now says %r)",
+                    key,
+                    getattr(self.cfg, key),
+                    getattr(new, key),
+                )
+                new = dataclasses.replace(new, **{key: getattr(self.cfg, key)})
         if self.healing is not None:
             try:
                 self.healing.reload(new)
