@@ -186,8 +186,8 @@ def test_hostile_configs_are_reported_with_key_and_line(text, path, line, fragme
 
 def test_check_config_never_prints_a_traceback(tmp_path):
     """The real CLI, as a subprocess: every hostile shape is exit 2 with its key and line."""
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
+    import subprocess
+    import sys
 
     root = Path(__file__).resolve().parent.parent
     for i, (text, path, line, fragment) in enumerate(HOSTILE):

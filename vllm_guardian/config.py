@@ -649,7 +649,7 @@ def parse_config(text: str, filename: str = "<config>") -> Config:
         raise ConfigInvalid(
             filename, [ConfigError("", None, "nested too deeply to be a guardian config")]
         ) from None
-    except Exception as e:  # noqa: BLE001  # reported with its reason; check-config exits 2
+    except Exception as e:  # reported with its reason; check-config exits 2
         raise ConfigInvalid(
             filename, [ConfigError("", None, f"cannot be validated: {type(e).__name__}: {e}")]
         ) from None
