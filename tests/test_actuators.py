@@ -78,6 +78,39 @@ def test_a_tampered_flags_file_is_rejected_not_obeyed(tmp_path: Path):
         flagsfile.read(path)
 
 
+# Issue 17: Unicode digits pass Python's int()/float() and \\d, but are no vLLM value.
+@pytest.mark.parametrize(
+    "value",
+    [
+        "\u0661\u0662",
+        "\uff19\uff16",
+        "9\u0666",
+        "1\u00b2",
+    ],  # Arabic-Indic, fullwidth, mixed, superscript
+)
+def test_flag_values_are_ascii_digits_only(value: str):
+    for flag in ("--max-num-seqs", "--gpu-memory-utilization"):
+        v = value if flag == "--max-num-seqs" else f"0.{value}"
+        with pytest.raises(flagsfile.FlagsRejected):
+            flagsfile.validate([(flag, v)], [])
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (lambda p: p.write_bytes(b"VLLM_GUARDIAN_ARGS=--max-num-seqs 8\n\xff\xfe\n"), "UTF-8"),
+        (lambda p: p.mkdir(), "not a regular file"),
+        (lambda p: p.write_bytes(b"# x\n" * 300_000), "larger than"),
+    ],
+    ids=["not-utf8", "directory", "huge"],
+)
+def test_an_unreadable_flags_file_is_rejected_with_its_reason(tmp_path: Path, make, why):
+    path = tmp_path / "vllm.env"
+    make(path)
+    with pytest.raises(flagsfile.FlagsRejected, match=why):
+        flagsfile.read(path)
+
+
 # --- the process manager ---------------------------------------------------------------------
 
 CHILD = textwrap.dedent(
@@ -159,6 +192,36 @@ def test_supervisor_restarts_a_process_that_exits_zero(tmp_path: Path, child: Pa
         assert sup.exits[:2] == [0, 0]  # Restart=always: exit 0 after engine death is not "done"
     finally:
         sup.stop()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda p: p.write_bytes(b"VLLM_GUARDIAN_ARGS=\xff\n"), lambda p: p.mkdir()],
+    ids=["not-utf8", "directory"],
+)
+def test_a_broken_flags_file_never_stops_supervision(tmp_path: Path, child: Path, make, caplog):
+    """Issue 17 item 9: a non-UTF-8 flags file killed the supervisor thread, a directory in its
+    place prevented every start. Now: rejected and reported, vLLM runs with the base flags and
+    is restarted when it exits."""
+    flags_path = tmp_path / "svc.env"
+    make(flags_path)
+    log = tmp_path / "svc.log"
+    sup = Supervisor(
+        "svc",
+        [sys.executable, str(child), "exit0"],
+        flags_path,
+        log,
+        restart_delay_seconds=0.1,
+    )
+    try:
+        sup.start()
+        wait_until(lambda: sup.starts >= 3, timeout=60)
+        assert log.read_text().count("argv ['exit0']") >= 2, log.read_text()
+        ok, terminal, detail = sup.restart(timeout_seconds=5)
+        assert ok and not terminal, detail
+    finally:
+        sup.stop()
+    assert "flags file" in caplog.text and "rejected" in caplog.text
 
 
 # --- systemd ---------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ class Supervisor:
         argv = list(self.command)
         try:
             content = flagsfile.read(self.flags_path)
-        except flagsfile.FlagsRejected as e:
+        except (flagsfile.FlagsRejected, OSError, ValueError) as e:  # never stops supervision
             log.error(
                 "%s: flags file %s rejected, starting without it: %s", self.name, self.flags_path, e
             )
