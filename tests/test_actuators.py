@@ -435,3 +435,28 @@ def test_executor_does_not_restart_twice_what_its_supervisor_restarted(tmp_path:
     state.update(pid=11, up=True)  # Restart=always brought it back, reading the new flags
     (result,) = take(ex)
     assert result.ok and backend.calls == 0 and "restarted on its own" in result.detail
+
+
+# Issue 17 item 8: shapes of a corrupt policy-state file; each is set aside, start-up goes on.
+CORRUPT_STATES = [
+    ("deep-list", lambda p: p.write_text("[" * 200_000 + "]" * 200_000)),
+    ("deep-state", lambda p: p.write_text('{"format": 1, "state": ' + '{"a":' * 100_000 + "1" + "}" * 100_001)),
+    ("not-utf8", lambda p: p.write_bytes(b'{"format": 1, "state": "\xff"}')),
+    ("a-list", lambda p: p.write_text("[1, 2]")),
+    ("wrong-format", lambda p: p.write_text('{"format": 99, "state": {}}')),
+    ("wrong-shape", lambda p: p.write_text('{"format": 1, "state": {"services": 5}}')),
+    ("huge", lambda p: p.write_bytes(b" " * (17 * 1024 * 1024) + b"{}")),
+    ("directory", lambda p: p.mkdir()),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("make", [m for _, m in CORRUPT_STATES], ids=[n for n, _ in CORRUPT_STATES])
+def test_a_corrupt_policy_state_is_set_aside_not_fatal(tmp_path: Path, make, caplog):
+    from vllm_guardian.statefile import load_state as load
+
+    path = tmp_path / "policy-state.json"
+    make(path)
+    assert load(path) is None
+    assert not path.exists()
+    assert (tmp_path / "policy-state.json.corrupt").exists()
+    assert "set aside" in caplog.text

@@ -20,10 +20,7 @@ with the tick.
 from __future__ import annotations
 
 import collections
-import json
 import logging
-import os
-import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -49,11 +46,10 @@ from vllm_guardian.model import (
     HealthState,
     Snapshot,
 )
-from vllm_guardian.recorder import from_jsonable, to_jsonable
+from vllm_guardian.recorder import to_jsonable
+from vllm_guardian.statefile import load_state, save_state
 
 log = logging.getLogger("vllm_guardian.healing")
-
-STATE_FORMAT = 1
 
 
 @dataclass(frozen=True)
@@ -68,44 +64,6 @@ class HealingView:
     ]  # (service, action, result, dry) → n
     budget: int
     budget_window_seconds: float
-
-
-def load_state(path: Path) -> policy.PolicyState | None:
-    """The saved policy state, or None. A corrupt file is renamed aside, never fatal."""
-    try:
-        raw = json.loads(path.read_text())
-        if raw.get("format") != STATE_FORMAT:
-            raise ValueError(f"unknown format {raw.get('format')!r}")
-        state: policy.PolicyState = from_jsonable(policy.PolicyState, raw["state"])
-        return state
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        aside = path.with_name(path.name + ".corrupt")
-        try:
-            os.replace(path, aside)
-        except OSError:
-            aside = path
-        log.warning(
-            "policy state %s is unreadable (%s): set aside as %s; starting fresh", path, e, aside
-        )
-        return None
-
-
-def save_state(path: Path, state: policy.PolicyState) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(
-                {"format": STATE_FORMAT, "state": to_jsonable(state)}, fh, separators=(",", ":")
-            )
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class Healing:
