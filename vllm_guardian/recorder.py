@@ -19,6 +19,7 @@ import json
 import math
 import os
 import threading
+import time
 import types
 import typing
 from collections.abc import Iterator
@@ -175,10 +176,62 @@ class RecordError:
     message: str
 
 
+# A record stamped further ahead of the reader's clock than this is not from this world (a
+# clock set years ahead, a tampered line); an hour allows for a skewed host.
+MAX_FUTURE_SECONDS = 3600.0
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"bare {name} is not JSON (the recorder writes it as a string)")
+
+
+def decode_line(line: str) -> dict[str, Any] | str:
+    """One flight-record line → its record, or why it is not one (never raises)."""
+    try:
+        rec = json.loads(line, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        return f"not JSON: {e.msg}"
+    except ValueError as e:
+        return f"not JSON: {e}"
+    except RecursionError:
+        return "nested too deeply to be a flight record"
+    if not isinstance(rec, dict):
+        return "not a JSON object"
+    return rec
+
+
+class TimeCheck:
+    """Rejects records whose snapshot time is not a finite number, lies in the future of
+    ``now_seconds``, or goes backwards from the last record accepted: one such record would
+    otherwise reorder or stretch the windows every rate and alert duration is computed over."""
+
+    def __init__(self, now_seconds: float) -> None:
+        self.now_seconds = now_seconds
+        self.last_seconds: float | None = None
+
+    def problem(self, rec: dict[str, Any]) -> str | None:
+        snap = rec.get("snapshot")
+        if not isinstance(snap, dict) or "time_seconds" not in snap:
+            return None  # not a snapshot record: the decoder says so
+        t = snap["time_seconds"]
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t):
+            return f"snapshot time {t!r} is not a finite number"
+        if t > self.now_seconds + MAX_FUTURE_SECONDS:
+            return f"snapshot time {t:.0f} is in the future (now {self.now_seconds:.0f})"
+        if self.last_seconds is not None and t < self.last_seconds:
+            return f"snapshot time {t:.3f} goes backwards (previous {self.last_seconds:.3f})"
+        self.last_seconds = float(t)
+        return None
+
+
 def read_records(
-    path: str | Path, include_rotated: bool = True
+    path: str | Path, include_rotated: bool = True, now_seconds: float | None = None
 ) -> Iterator[dict[str, Any] | RecordError]:
-    """Yield each record, oldest file first; a bad line yields a RecordError and reading goes on."""
+    """Yield each record, oldest file first; a bad line yields a RecordError and reading goes on.
+
+    Bad: not JSON (bare NaN/Infinity included), nested too deeply, not an object, or a snapshot
+    time that is not finite, is in the future of ``now_seconds`` (default: the clock) or goes
+    backwards."""
     p = Path(path)
     files: list[Path] = []
     if include_rotated:
@@ -188,6 +241,7 @@ def read_records(
         )
         files.extend(rotated)
     files.append(p)
+    check = TimeCheck(time.time() if now_seconds is None else now_seconds)
     for f in files:
         if not f.exists():
             continue
@@ -195,13 +249,13 @@ def read_records(
             for n, line in enumerate(fh, 1):
                 if not line.strip():
                     continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield RecordError(str(f), n, f"not JSON: {e.msg}")
+                rec = decode_line(line)
+                if isinstance(rec, str):
+                    yield RecordError(str(f), n, rec)
                     continue
-                if not isinstance(rec, dict):
-                    yield RecordError(str(f), n, "not a JSON object")
+                why = check.problem(rec)
+                if why is not None:
+                    yield RecordError(str(f), n, why)
                     continue
                 yield rec
 
