@@ -176,6 +176,7 @@ def test_hostile_lines_are_reported_and_do_not_change_the_result(tmp_path: Path)
         15: stamped(15, "4102444800.0"),  # 2100-01-01: the future
         18: stamped(18, "1795305000.0"),  # 1000 s before the recording began: backwards
         21: stamped(21, "true"),
+        24: stamped(24, "1795392000.0"),  # a day ahead of its neighbours: a jump forward
     }
     tampered = tmp_path / "flight.jsonl"
     out_lines = []

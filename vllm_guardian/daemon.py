@@ -54,6 +54,7 @@ from vllm_guardian.model import (
     VllmScrape,
 )
 from vllm_guardian.recorder import FlightRecorder, to_jsonable
+from vllm_guardian.redact import redact_text
 from vllm_guardian.sources.base import Collector
 from vllm_guardian.sources.registry import build_collectors
 
@@ -459,16 +460,25 @@ def _install_signals(g: Guardian) -> None:
 
 def _safe_collect(c: Collector) -> Reading:
     try:
-        return c.collect()
+        reading = c.collect()
     except Exception as e:  # the contract says collectors do not raise; this keeps it true
         log.exception("collector %s raised", c.kind.value)
-        return Reading(
+        reading = Reading(
             c.kind,
             c.service,
             None,
             f"internal error: {type(e).__name__}: {e}",
             "a guardian bug: please report it",
         )
+    # A source's error names what it fetched (GET http://user:password@…/metrics); it reaches
+    # the log, `status` and every flight record, so secrets go here, once for every source.
+    if reading.error or reading.hint:
+        reading = dataclasses.replace(
+            reading,
+            error=redact_text(reading.error) if reading.error else reading.error,
+            hint=redact_text(reading.hint) if reading.hint else reading.hint,
+        )
+    return reading
 
 
 def _safe_close(c: Collector) -> None:

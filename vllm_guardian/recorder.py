@@ -22,7 +22,7 @@ import threading
 import time
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -176,9 +176,10 @@ class RecordError:
     message: str
 
 
-# A record stamped further ahead of the reader's clock than this is not from this world (a
-# clock set years ahead, a tampered line); an hour allows for a skewed host.
-MAX_FUTURE_SECONDS = 3600.0
+# A record stamped this far ahead of the reader's clock is not from this world (a clock set
+# years ahead, a tampered line). Generous, so that recordings made under a test's fake clock
+# (a few months ahead) still read; a smaller jump is caught against the records around it.
+MAX_FUTURE_SECONDS = 366 * 86400.0
 
 
 def _no_constant(name: str) -> Any:
@@ -200,28 +201,50 @@ def decode_line(line: str) -> dict[str, Any] | str:
     return rec
 
 
-class TimeCheck:
-    """Rejects records whose snapshot time is not a finite number, lies in the future of
-    ``now_seconds``, or goes backwards from the last record accepted: one such record would
-    otherwise reorder or stretch the windows every rate and alert duration is computed over."""
+def _snapshot_time(rec: dict[str, Any], now_seconds: float) -> tuple[float | None, str | None]:
+    snap = rec.get("snapshot")
+    if not isinstance(snap, dict) or "time_seconds" not in snap:
+        return None, None  # not a snapshot record: decoding it says so
+    t = snap["time_seconds"]
+    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t):
+        return None, f"snapshot time {t!r} is not a finite number"
+    if t > now_seconds + MAX_FUTURE_SECONDS:
+        return None, f"snapshot time {t:.0f} is in the future (now {now_seconds:.0f})"
+    return float(t), None
 
-    def __init__(self, now_seconds: float) -> None:
-        self.now_seconds = now_seconds
-        self.last_seconds: float | None = None
 
-    def problem(self, rec: dict[str, Any]) -> str | None:
-        snap = rec.get("snapshot")
-        if not isinstance(snap, dict) or "time_seconds" not in snap:
-            return None  # not a snapshot record: the decoder says so
-        t = snap["time_seconds"]
-        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t):
-            return f"snapshot time {t!r} is not a finite number"
-        if t > self.now_seconds + MAX_FUTURE_SECONDS:
-            return f"snapshot time {t:.0f} is in the future (now {self.now_seconds:.0f})"
-        if self.last_seconds is not None and t < self.last_seconds:
-            return f"snapshot time {t:.3f} goes backwards (previous {self.last_seconds:.3f})"
-        self.last_seconds = float(t)
-        return None
+def checked_times(
+    records: Iterable[tuple[T, dict[str, Any]]], now_seconds: float
+) -> Iterator[tuple[T, dict[str, Any], str | None]]:
+    """Each (tag, record) with why its snapshot time is unusable, or None.
+
+    Unusable: not a finite number; over :data:`MAX_FUTURE_SECONDS` ahead of ``now_seconds``;
+    before the last accepted record (backwards); or ahead of the record after it while that one
+    follows the last accepted record (a jump forward). One bad stamp would otherwise reorder or
+    stretch the windows that every rate and alert duration is computed over — and a single jump
+    forward would make every later record look like it went backwards. A record is yielded once
+    its successor is seen, so tags may come out in a slightly different order.
+    """
+    last: float | None = None
+    pending: tuple[T, dict[str, Any], float] | None = None
+    for tag, rec in records:
+        t, why = _snapshot_time(rec, now_seconds)
+        if why is not None or t is None:
+            yield tag, rec, why
+            continue
+        if last is not None and t < last:
+            yield tag, rec, f"snapshot time {t:.3f} goes backwards (previous {last:.3f})"
+            continue
+        if pending is not None:
+            ptag, prec, pt = pending
+            if pt > t:
+                yield ptag, prec, f"snapshot time {pt:.3f} jumps ahead of the records after it"
+            else:
+                last = pt
+                yield ptag, prec, None
+        pending = (tag, rec, t)
+    if pending is not None:
+        yield pending[0], pending[1], None
 
 
 def read_records(
@@ -230,8 +253,7 @@ def read_records(
     """Yield each record, oldest file first; a bad line yields a RecordError and reading goes on.
 
     Bad: not JSON (bare NaN/Infinity included), nested too deeply, not an object, or a snapshot
-    time that is not finite, is in the future of ``now_seconds`` (default: the clock) or goes
-    backwards."""
+    time that :func:`checked_times` rejects (``now_seconds``: default the clock)."""
     p = Path(path)
     files: list[Path] = []
     if include_rotated:
@@ -241,23 +263,28 @@ def read_records(
         )
         files.extend(rotated)
     files.append(p)
-    check = TimeCheck(time.time() if now_seconds is None else now_seconds)
-    for f in files:
-        if not f.exists():
-            continue
-        with f.open("r", encoding="utf-8", errors="replace") as fh:
-            for n, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                rec = decode_line(line)
-                if isinstance(rec, str):
-                    yield RecordError(str(f), n, rec)
-                    continue
-                why = check.problem(rec)
-                if why is not None:
-                    yield RecordError(str(f), n, why)
-                    continue
-                yield rec
+    errors: list[RecordError] = []
+
+    def decoded() -> Iterator[tuple[tuple[str, int], dict[str, Any]]]:
+        for f in files:
+            if not f.exists():
+                continue
+            with f.open("r", encoding="utf-8", errors="replace") as fh:
+                for n, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue
+                    rec = decode_line(line)
+                    if isinstance(rec, str):
+                        errors.append(RecordError(str(f), n, rec))
+                    else:
+                        yield (str(f), n), rec
+
+    now = time.time() if now_seconds is None else now_seconds
+    for (file, n), rec, why in checked_times(decoded(), now):
+        while errors:
+            yield errors.pop(0)
+        yield RecordError(file, n, why) if why is not None else rec
+    yield from errors
 
 
 def snapshot_from_record(rec: dict[str, Any]) -> Snapshot:

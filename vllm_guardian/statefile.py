@@ -64,9 +64,10 @@ def load_state(path: Path) -> policy.PolicyState | None:
     except FileNotFoundError:
         return None
     except RecursionError:
-        return _set_aside(path, "nested too deeply to be a policy state")
+        _set_aside(path, "nested too deeply to be a policy state")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        return _set_aside(path, str(e))
+        _set_aside(path, str(e))
+    return None
 
 
 def _set_aside(path: Path, why: str) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import threading
@@ -24,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from vllm_guardian.actuators import flags as flagsfile
+from vllm_guardian.redact import redact_argv
 
 log = logging.getLogger("vllm_guardian.procmgr")
 
@@ -103,7 +105,7 @@ class Supervisor:
         with self._lock:
             self._proc = proc
             self.starts += 1
-        log.info("%s: started pid %d: %s", self.name, proc.pid, " ".join(argv))
+        log.info("%s: started pid %d: %s", self.name, proc.pid, shlex.join(redact_argv(argv)))
 
     def _loop(self) -> None:
         while True:

@@ -28,6 +28,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from vllm_guardian import recorder
+from vllm_guardian.redact import redact_argv, redact_text
 
 FORMAT = 1
 # Bounded work and memory per bundle (docs/bundle.md "Reading limits"): a bundle the policy
@@ -392,17 +393,22 @@ def _flight(r: _Reader) -> list[dict[str, Any]]:
         r.problems.append(
             f"flight.jsonl: over {MAX_FLIGHT_RECORDS} lines, the newest {MAX_FLIGHT_RECORDS} used"
         )
-    check = recorder.TimeCheck(time.time())
     flight: list[dict[str, Any]] = []
     bad: dict[str, int] = {}
-    for line in lines:
+    decoded: list[tuple[int, dict[str, Any]]] = []
+    for n, line in enumerate(lines):
         if not line.strip():
             continue
         rec = recorder.decode_line(line)
-        why = rec if isinstance(rec, str) else check.problem(rec)
+        if isinstance(rec, str):
+            bad[rec] = bad.get(rec, 0) + 1
+        else:
+            decoded.append((n, rec))
+    for _, rec, why in recorder.checked_times(decoded, time.time()):
         if why is not None:
+            why = why.split(" (")[0] if "goes backwards" in why else why
             bad[why] = bad.get(why, 0) + 1
-        elif isinstance(rec, dict):
+        else:
             flight.append(rec)
     for why, count in sorted(bad.items(), key=lambda kv: -kv[1])[:5]:
         r.problems.append(f"flight.jsonl: {count} line(s) skipped: {why}")
@@ -429,6 +435,17 @@ def write_bundle(b: Bundle, path: str | Path) -> Path:
     return p
 
 
+def _redacted(value: Any) -> Any:
+    """Every string in a JSON value through redact_text (a record's log messages, errors)."""
+    if isinstance(value, str):
+        return redact_text(value)
+    if isinstance(value, list):
+        return [_redacted(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _redacted(v) for k, v in value.items()}
+    return value
+
+
 def _dump(path: Path, value: object) -> None:
     path.write_text(json.dumps(value, indent=2, sort_keys=False) + "\n", encoding="utf-8")
 
@@ -453,10 +470,16 @@ def _write_dir(b: Bundle, p: Path) -> None:
     ):
         if value is not None:
             _dump(p / name, value)
+    # Sources redact what they read; the writer redacts again, so no path into a bundle (a
+    # bundle read back and saved, a gathering that missed a shape) can carry a secret out.
     if b.cmdline is not None:
-        (p / "cmdline.txt").write_text("".join(a + "\n" for a in b.cmdline), encoding="utf-8")
+        (p / "cmdline.txt").write_text(
+            "".join(a + "\n" for a in redact_argv(b.cmdline)), encoding="utf-8"
+        )
     if b.journal:
-        (p / "journal.log").write_text("".join(line + "\n" for line in b.journal), encoding="utf-8")
+        (p / "journal.log").write_text(
+            "".join(redact_text(line) + "\n" for line in b.journal), encoding="utf-8"
+        )
     if b.allocator:
         (p / "allocator").mkdir(exist_ok=True)
         for name, doc in b.allocator:
@@ -464,4 +487,7 @@ def _write_dir(b: Bundle, p: Path) -> None:
     if b.flight:
         with (p / "flight.jsonl").open("w", encoding="utf-8") as fh:
             for rec in b.flight:
-                fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+                try:
+                    fh.write(json.dumps(_redacted(rec), separators=(",", ":")) + "\n")
+                except RecursionError:  # nested deeper than any record: not written
+                    continue
