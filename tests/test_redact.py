@@ -405,3 +405,34 @@ def test_exit_daemon_log_status_and_flight_records(tmp_path: Path, free_port: in
         out, _ = proc.communicate(timeout=30)
     assert "down" in out and SECRET not in out, out
     assert SECRET not in flight.read_text()
+
+
+@pytest.mark.parametrize("fmt", ["--json", "--verbose"])
+def test_exit_diagnose_report(tmp_path: Path, fmt: str) -> None:
+    """`diagnose --url` with a password in the URL: the report's origin and its problems (every
+    failed fetch names the URL) show no secret, in JSON or text; so does --save-bundle."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    log = tmp_path / "vllm.log"
+    log.write_text("".join("INFO " + " ".join(argv) + "\n" for argv in _SHAPES))
+    saved = tmp_path / "saved"
+    out = subprocess.run(
+        [sys.executable, "-m", "vllm_guardian", "diagnose", "--url",
+         f"http://admin:{SECRET}@127.0.0.1:{dead_port}", "--log-file", str(log),
+         "--interval", "0.2", "--save-bundle", str(saved), fmt, "-q"],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+    assert "127.0.0.1" in out.stdout, (out.stdout, out.stderr)
+    assert SECRET not in out.stdout + out.stderr, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr
+    for f in saved.rglob("*"):
+        if f.is_file():
+            assert SECRET not in f.read_text(errors="replace"), f
