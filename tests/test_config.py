@@ -8,9 +8,18 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vllm_guardian import cli
-from vllm_guardian.config import Config, ConfigInvalid, load_config, parse_bytes, parse_config
+from vllm_guardian.config import (
+    Config,
+    ConfigError,
+    ConfigInvalid,
+    load_config,
+    parse_bytes,
+    parse_config,
+)
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "config.yaml"
 
@@ -210,3 +219,43 @@ def test_check_config_never_prints_a_traceback(tmp_path):
 @pytest.mark.parametrize("unit", ["vllm.service", "vllm@a.service", "a-b.service", "x.scope"])
 def test_unit_names_that_stay_valid(unit):
     assert parse_config(f"services:\n  - name: a\n    unit: {unit}\n").services[0].unit == unit
+
+
+_NASTY = ["[", "{", "[::1", "http://[::1:8000", "-x.service", "''", "1e999", "9" * 400, ".nan",
+          "~", "&a x", "*a", "? x", "|\n  x"]  # fmt: skip
+_TAGS = ["", "!!int ", "!!float ", "!!bool ", "!!str ", "!!binary ", "!!timestamp ", "!!null ",
+         "!!seq ", "!!map ", "!!set ", "!!omap ", "!!python/tuple ", "!custom "]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.data(),
+    tag=st.sampled_from(_TAGS),
+    value=st.one_of(
+        st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=20),
+        st.sampled_from(_NASTY),
+    ),
+)
+def test_any_value_at_any_key_is_a_config_or_a_config_error(data, tag, value):
+    """Fuzz: every leaf of the example config replaced by an arbitrary (tagged) scalar."""
+    lines = EXAMPLE.read_text().splitlines()
+    leaves = [
+        i
+        for i, line in enumerate(lines)
+        if re.match(r"\s*-?\s*\w+: \S", line) and not line.lstrip().startswith("#")
+    ]
+    i = data.draw(st.sampled_from(leaves))
+    key = lines[i].split(":", 1)[0]
+    lines[i] = f"{key}: {tag}{json_quote(value) if data.draw(st.booleans()) else value}"
+    errors: list[ConfigError] = []
+    try:
+        parse_config("\n".join(lines) + "\n", "c.yaml")
+    except ConfigInvalid as e:  # the only exception allowed
+        errors = e.errors
+    assert all(err.message for err in errors)
+
+
+def json_quote(v: str) -> str:
+    import json
+
+    return json.dumps(v)
