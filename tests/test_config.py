@@ -259,3 +259,11 @@ def json_quote(v: str) -> str:
     import json
 
     return json.dumps(v)
+
+
+@pytest.mark.parametrize(
+    "key", ["interval_seconds", "recorder:\n  backups", "signals:\n  stall_seconds"]
+)
+def test_a_huge_integer_is_too_large_not_a_crash(key):
+    got = errors(f"services:\n  - name: a\n{key}: {'9' * 400}\n")
+    assert len(got) == 1 and "too large" in got[0][2] and got[0][1] is not None, got

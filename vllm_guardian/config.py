@@ -500,7 +500,7 @@ class _Loader:
             return _INVALID
         try:
             raw: Any = yaml.constructor.SafeConstructor().construct_object(node)
-        except (yaml.YAMLError, ValueError, TypeError, AttributeError, OverflowError) as e:
+        except Exception as e:  # PyYAML's constructors raise all sorts
             # An explicit tag the value does not fit (``!!int abc``, ``!!timestamp x``,
             # ``!!binary`` junk) or one the safe loader does not know (``!!python/...``).
             tag = node.tag.removeprefix("tag:yaml.org,2002:")
@@ -508,6 +508,9 @@ class _Loader:
             self.err(path, node, f"{node.value!r} is not a valid {tag} ({why})")
             return _INVALID
         value: Any
+        if isinstance(raw, int) and not isinstance(raw, bool) and abs(raw) > 2**63:
+            self.err(path, node, f"{node.value[:20]!r}… is too large")
+            return _INVALID
         if tp is bool:
             if not isinstance(raw, bool):
                 self.err(path, node, f"expected true or false, got {node.value!r}")
