@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_parser(
         "gate",
-        help="the admission gate in front of one vLLM (extra `gate`): `vllm-guardian gate --help`",
+        help="the admission gate in front of one vLLM (unit vllm-guardian-gate@NAME): `vllm-guardian gate --help`",
         add_help=False,
     )
     sub.add_parser(
