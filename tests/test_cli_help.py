@@ -44,7 +44,9 @@ def test_every_subcommand_answers_help(argv: list[str]) -> None:
         cwd=ROOT,
     )
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"vllm-guardian {' '.join(argv)} --help -> {proc.returncode}\n{out}"
+    assert proc.returncode == 0, (
+        f"vllm-guardian {' '.join(argv)} --help -> {proc.returncode}\n{out}"
+    )
     assert "Traceback" not in out, out
     assert "usage:" in out.lower(), out
 
