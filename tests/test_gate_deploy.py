@@ -559,3 +559,25 @@ def test_a_gate_section_adds_the_gate_source_and_its_reading_lands_on_the_servic
     snap = assemble(1.0, ["a", "b"], [Reading(SourceKind.GATE, "a", obs)], [st])
     assert snap.service("a") == ServiceSnapshot("a", gate=obs)
     assert snap.service("b") == ServiceSnapshot("b")
+
+
+def test_the_example_config_spells_out_every_gate_key_with_its_default_and_a_reason() -> None:
+    import dataclasses
+
+    example = ROOT / "examples" / "config.yaml"
+    cfg = parse_config(example.read_text(), str(example))
+    assert cfg.services[0].gate == GateConfig()
+    lines = example.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "gate:")
+    for f in dataclasses.fields(GateConfig):
+        idx = next(
+            (
+                i
+                for i, line in enumerate(lines[start:], start)
+                if line.strip().startswith(f"{f.name}:")
+            ),
+            None,
+        )
+        assert idx is not None, f"gate.{f.name} missing from examples/config.yaml"
+        above = lines[idx - 1].strip()
+        assert above.startswith("#") or lines[idx - 2].strip().startswith("#"), f.name

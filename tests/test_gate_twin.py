@@ -18,8 +18,6 @@ from pathlib import Path
 import pytest
 import requests
 
-pytest.importorskip("aiohttp")
-
 from tests.test_gate_support import GateThread
 from vllm_guardian.core.policy import PolicyState
 from vllm_guardian.daemon import Guardian

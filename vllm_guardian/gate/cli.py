@@ -296,7 +296,7 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     try:
-        import uvloop  # noqa: PLC0415 (optional: the gate extra brings it)
+        import uvloop  # noqa: PLC0415 (a dependency, except on Windows)
     except ImportError:
         return None
     return uvloop.new_event_loop
