@@ -581,3 +581,27 @@ def test_the_example_config_spells_out_every_gate_key_with_its_default_and_a_rea
         assert idx is not None, f"gate.{f.name} missing from examples/config.yaml"
         above = lines[idx - 1].strip()
         assert above.startswith("#") or lines[idx - 2].strip().startswith("#"), f.name
+
+
+def test_check_config_names_each_gate_and_reports_a_bad_section_with_key_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from vllm_guardian import cli
+
+    good = tmp_path / "good.yaml"
+    good.write_text(
+        config_text("http://127.0.0.1:8000", "0.0.0.0:8001")
+        + "  - name: other\n    url: http://127.0.0.1:8002\n"
+    )
+    assert cli.main(["check-config", "-c", str(good)]) == 0
+    out = capsys.readouterr().out
+    assert "gate for vllm: clients on 0.0.0.0:8001 -> http://127.0.0.1:8000" in out, out
+    assert "other: no gate: section, clients reach http://127.0.0.1:8002 directly" in out, out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(config_text("http://127.0.0.1:8000", "127.0.0.1:8000"))
+    assert cli.main(["check-config", "-c", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"{bad}:6: services[0].gate.listen: 127.0.0.1:8000 is already services[0].url's address"
+        in err
+    ), err
