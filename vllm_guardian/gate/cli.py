@@ -242,7 +242,7 @@ def values_from_config(path: str, service: str) -> dict[str, Any]:
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """DEFAULTS, then the config's gate section (with -c), then the flags given."""
-    given = vars(args)
+    given = dict(vars(args))
     values = dict(DEFAULTS)
     config = given.pop("config", None)
     if config is not None:
