@@ -130,11 +130,15 @@ CASES: list[tuple[str, float, float, tuple[str, ...], dict, Callable[[DemoReport
     ids=[c[0] if c[3] == () or c[0] != "steady" else "model_does_not_fit" for c in CASES],
 )
 def test_scenario(tmp_path: Path, scenario, speed, duration, twin, policy, check):
+    # The demo's default puts the gate in front of the twin. kv_thrash runs without it: the
+    # gate's KV-need admission keeps the pool from thrashing at all (measured: 199 of 199
+    # served, 263 held, no KV alert), which leaves the guardian's KV ladder nothing to do.
     report = run_demo(
         DemoOptions(
-            scenario, speed, duration, tmp_path, extra_twin_args=twin, quiet=True, policy=policy
+            scenario, speed, duration, tmp_path, extra_twin_args=twin, quiet=True, policy=policy,
+            gate=scenario != "kv_thrash",
         )
-    )
+    )  # fmt: skip
     try:
         check(report)
     except AssertionError:
