@@ -1,7 +1,8 @@
 """The policy, as a specification: one row per tick of signals and alerts → decisions and actions.
 
-Time is an argument; an action's result arrives on the next tick (as the executor would
-report it), unless a row says otherwise.
+Time is an argument. An action runs as phases (core/phases.py): the quick calls it asks for
+(bundle, flags file) answer within the tick, the restart call answers on the next row (failed
+when that row says ``fail``), and the service is ready again on that row unless it says otherwise.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from vllm_guardian.core.policy import (
 from vllm_guardian.core.signals import ServiceGpuSignals, ServiceSignals, Signals
 from vllm_guardian.model import (
     ActionKind,
-    ActionResult,
     Alert,
     AlertState,
     Cause,
@@ -32,6 +32,8 @@ from vllm_guardian.model import (
     LogEvent,
     LogEventKind,
     LogReading,
+    Op,
+    OpResult,
     ServiceSnapshot,
     Severity,
     Snapshot,
@@ -121,26 +123,39 @@ class Row:
 class Run:
     cfg: PolicyConfig = BASE
     state: PolicyState = field(default_factory=lambda: initial_state(["vllm"]))
-    pending: list = field(default_factory=list)  # actions awaiting their result
+    pending: list = field(default_factory=list)  # restart calls awaiting their result
+    last_t: float = 0.0
     actions: list = field(default_factory=list)
     decisions: list = field(default_factory=list)
 
     def tick(self, row: Row):  # type: ignore[no-untyped-def]
         results = tuple(
-            ActionResult(
-                a.id,
-                a.service,
-                a.kind,
+            OpResult(
+                o.action_id,
+                o.service,
+                o.op,
                 ok=not row.fail,
                 terminal=row.terminal,
                 detail="done",
-                finished_seconds=row.t,
-                dry_run=a.dry_run,
+                finished_seconds=self.last_t,
             )
-            for a in self.pending
-            if a.kind is not ActionKind.ESCALATE
+            for o in self.pending
         )
         self.pending = []
+        out = self._step(row, results, row.logs)
+        for _ in range(3):  # the quick calls answer at once: the same tick goes on
+            quick = [o for o in out.ops if o.op is not Op.RESTART]
+            self.pending += [o for o in out.ops if o.op is Op.RESTART]
+            if not quick:
+                break
+            done = tuple(
+                OpResult(o.action_id, o.service, o.op, True, False, "done", row.t) for o in quick
+            )
+            out = self._step(row, done, ())
+        self.last_t = row.t
+        return out
+
+    def _step(self, row: Row, results: tuple[OpResult, ...], logs_now: tuple[LogEvent, ...]):  # type: ignore[no-untyped-def]
         unit = UnitState(
             "vllm.service",
             "active",
@@ -154,8 +169,10 @@ class Run:
             None,
             (row.pid,),
         )
-        logs = LogReading((), row.logs, 0)
-        snap = Snapshot(row.t, (ServiceSnapshot("vllm", unit=unit, logs=logs),), None, (), results)
+        logs = LogReading((), logs_now, 0)
+        snap = Snapshot(
+            row.t, (ServiceSnapshot("vllm", unit=unit, logs=logs),), None, (), (), results
+        )
         sig = ServiceSignals(
             "vllm",
             row.health,
@@ -176,7 +193,6 @@ class Run:
             PolicySettings(self.cfg, ("vllm",), RULE_SIGNALS),
         )
         self.state = out.state
-        self.pending = list(out.actions)
         self.actions += out.actions
         self.decisions += out.decisions
         return out
@@ -191,7 +207,7 @@ class Run:
         return self.state.service("vllm")
 
     def kinds(self) -> list[tuple[float, str]]:
-        return [(d.time_seconds, d.what) for d in self.decisions]
+        return [(d.time_seconds, d.what) for d in self.decisions if d.what != "phase"]
 
 
 # --- the gate --------------------------------------------------------------------------------
