@@ -173,9 +173,7 @@ def test_webhook_refused_is_a_result(free_port):
 # --- dispatcher ------------------------------------------------------------------------------
 
 
-def test_dispatcher_never_waits_and_reports_late_results(
-    script: Script, http_server: str, caplog
-):
+def test_dispatcher_never_waits_and_reports_late_results(script: Script, http_server: str, caplog):
     """A receiver that hangs for 30 s does not delay a single dispatch (the tick): deliveries
     are queued and their results reported by a later call."""
     route = script.set("/slow", delay_seconds=30.0)

@@ -353,11 +353,12 @@ class Guardian:
         cmd = req.get("cmd")
         if cmd == "status":
             return self.status()
-        if cmd in ("pause", "resume"):
+        if cmd in ("pause", "resume", "restart", "relaunch", "action"):
             if self.healing is None:
                 return {"ok": False, "error": "this guardian only observes"}
             service = req.get("service")
-            return self.healing.control(str(cmd), str(service) if service else None)
+            extra = {k: req[k] for k in ("sets", "reset", "force", "who", "action_id") if k in req}
+            return self.healing.control(str(cmd), str(service) if service else None, **extra)
         if cmd == "recent_ticks":  # vllm-guardian diagnose: the flight recorder's recent past
             from vllm_guardian.diagnose.gather import recent_ticks  # noqa: PLC0415
 

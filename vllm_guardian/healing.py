@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from vllm_guardian.actuators import flags as flagsfile
 from vllm_guardian.actuators.alerts import AlertDispatcher, load_rules
 from vllm_guardian.actuators.audit import AuditLog
 from vllm_guardian.actuators.bundle import BundleWriter
@@ -145,7 +146,10 @@ class Healing:
         )
         self.runner = OpRunner(clock, state_dir, dict(backends), self._capture_bundle)
         self.settings = self._settings(cfg, self.rules)
-        self._operator_ops: list[OpRequest] = []
+        # Each recent action's decisions, for `vllm-guardian restart|relaunch` to follow.
+        self.action_log: collections.OrderedDict[int, list[policy.Decision]] = (
+            collections.OrderedDict()
+        )
 
     @staticmethod
     def _settings(cfg: Config, rules: Sequence[alerting.Rule]) -> core_step.StepSettings:
@@ -260,6 +264,13 @@ class Healing:
 
     def _audit(self, decisions: Sequence[policy.Decision]) -> None:
         self.recent.extend(d for d in decisions if d.what is not policy.DecisionKind.SUPPRESSED)
+        for d in decisions:
+            if d.action_id is None:
+                continue
+            self.action_log.setdefault(d.action_id, []).append(d)
+            self.action_log.move_to_end(d.action_id)
+            while len(self.action_log) > 32:
+                self.action_log.popitem(last=False)
         if not self.audit.write(decisions):
             log.error("%s", self.audit.error)
         loud = (
@@ -319,6 +330,21 @@ class Healing:
         now = self.clock.time()
         if service is not None and service not in self.settings.policy.services:
             return {"ok": False, "error": f"unknown service {service!r}"}
+        if cmd in ("restart", "relaunch"):
+            return self._operator(cmd, service, now, args)
+        if cmd == "action":
+            with self._lock:
+                got = self.action_log.get(int(args.get("action_id") or 0), [])
+                running = next(
+                    (s.action for s in self.state.services if s.action is not None
+                     and s.action.action_id == args.get("action_id")),
+                    None,
+                )  # fmt: skip
+                return {
+                    "ok": True,
+                    "decisions": [to_jsonable(d) for d in got],
+                    "phase": running.phase.value if running is not None else None,
+                }
         with self._lock:
             state = self.state
             if cmd == "pause":
@@ -333,6 +359,39 @@ class Healing:
         for d in decisions:
             log.warning("operator %s [%s]: %s", d.what.value, d.service, d.reason)
         return {"ok": True, "changed": [d.service for d in decisions]}
+
+    def _operator(
+        self, cmd: str, service: str | None, now: float, args: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """`vllm-guardian restart|relaunch SERVICE`: the same phases as the policy's actions."""
+        if service is None:
+            return {"ok": False, "error": f"{cmd} needs a service"}
+        raw = args.get("sets") or []
+        try:
+            sets = tuple((str(f), str(v)) for f, v in raw)
+            content = flagsfile.validate(sets, ())
+        except (TypeError, ValueError) as e:  # FlagsRejected is a ValueError
+            return {"ok": False, "error": f"flags rejected, nothing written: {e}"}
+        if cmd == "restart" and (content.flags or args.get("reset")):
+            return {"ok": False, "error": "restart takes no flags: use relaunch"}
+        who = str(args.get("who") or "an operator")[:200]
+        kind = ActionKind.RESTART if cmd == "restart" else ActionKind.RELAUNCH
+        with self._lock:
+            out = policy.operator_action(
+                self.state, service, kind, content.flags, bool(args.get("reset")), who,
+                bool(args.get("force")), now, self.settings.policy,
+            )  # fmt: skip
+            self.tick_state = replace(self.tick_state, policy=out.state)
+            for action in out.actions:
+                self._started[action.id] = action
+            for req in out.ops:
+                self.runner.start(req)
+            self._audit(out.decisions)
+            self._save()
+        if not out.actions:
+            refused = next((d.reason for d in out.decisions), "refused")
+            return {"ok": False, "error": refused}
+        return {"ok": True, "action_id": out.actions[0].id, "reason": out.actions[0].reason}
 
     def reload(self, cfg: Config) -> None:
         """Take a new config's rules, sinks and policy settings. Restart backends and the

@@ -132,6 +132,9 @@ class ServiceState:
     watch_since: float | None = None  # the guardian's first look at this service
     seen_up: bool = False  # /health has answered 200 at least once since then
     down_since: float | None = None  # when /health stopped answering 200
+    # Flags an operator set with `vllm-guardian relaunch --set` (whitelisted, validated by the
+    # shell before they get here); `--reset` clears them and every rung.
+    operator_flags: tuple[tuple[str, str], ...] = ()
 
     def rung(self, lever: Lever) -> int:
         return dict(self.rungs).get(lever, 0)
@@ -303,6 +306,17 @@ def flags_for(
         if lever is Lever.MAX_NUM_BATCHED_TOKENS:
             flags.append(("--enable-chunked-prefill", ""))  # smaller chunks only help chunked
     return tuple(flags), tuple(env)
+
+
+def _flags(
+    s: ServiceState, base: Baseline, p: PolicyConfig
+) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
+    """The rungs' flags with the operator's own on top; a lever the policy has lowered since
+    (rung > 0) is the rung's value, computed from a baseline that took the operator's value."""
+    flags, env = flags_for(dict(s.rungs), base, p)
+    mine = {f for f, _ in flags}
+    merged = tuple((f, v) for f, v in s.operator_flags if f not in mine) + flags
+    return merged, env
 
 
 # --- decide ----------------------------------------------------------------------------------
@@ -860,7 +874,7 @@ def _act(
         last_up = dict(s.last_step_up).get(lever)
         if last_up is not None and now - last_up <= p.pin_seconds:
             s = replace(s, pinned_until=_set(s.pinned_until, lever, now + p.pin_seconds))
-        flags, env = flags_for(dict(s.rungs), base, p)
+        flags, env = _flags(s, base, p)
         value = lever_value(lever, rung, base, p)
         how = "one rung" if rung == before + 1 else f"{rung - before} rungs"
         why = (
@@ -873,7 +887,7 @@ def _act(
             + top.evidence[0].sentence
         )
         return ctx.act(s, ActionKind.RELAUNCH, top, reason, flags, env)
-    flags, env = flags_for(dict(s.rungs), base, p)
+    flags, env = _flags(s, base, p)
     reason = (
         f"{top.cause.value}: drain and restart with the same flags; " + top.evidence[0].sentence
     )
@@ -902,7 +916,7 @@ def _maybe_step_up(ctx: _Ctx, s: ServiceState, sig: ServiceSignals | None) -> Se
     s = replace(
         s, last_step_up=_set(s.last_step_up, lever, now), restarts=(*restarts, now), last_note=""
     )
-    flags, env = flags_for(dict(s.rungs), base, p)
+    flags, env = _flags(s, base, p)
     value = lever_value(lever, rung, base, p) or "the operator's baseline"
     reason = f"stable for {now - quiet_since:.0f}s: {lever.value} one rung up to {value}"
     ctx.decide(s, DecisionKind.STEP_UP, reason)
@@ -995,3 +1009,77 @@ def initial_state(
             s = replace(s, action=replace(s.action, orphaned=True))
         out.append(s)
     return PolicyState(tuple(out), prev.next_action_id)
+
+
+# --- operator commands: restart and relaunch through the same phases --------------------------
+
+
+def operator_action(
+    state: PolicyState,
+    service: str,
+    kind: ActionKind,
+    sets: Sequence[tuple[str, str]],
+    reset: bool,
+    who: str,
+    force: bool,
+    now: float,
+    settings: PolicySettings,
+) -> PolicyOutput:
+    """`vllm-guardian restart|relaunch SERVICE`: the same drain and phases as the policy's own
+    actions, acting although the policy is in dry-run (the operator asked explicitly), refused
+    while another action runs, and while the breaker is latched unless ``force``. ``sets`` are
+    whitelisted flags (the shell validated them); a lever flag also becomes that lever's
+    baseline, so the policy's later rungs count down from the operator's value."""
+    ctx = _Ctx(state, now, settings)
+    s = state.service(service)
+    p = settings.policy
+    refusal = None
+    if s.action is not None:
+        refusal = (
+            f"action {s.action.action_id} ({s.action.kind.value}) is under way, in "
+            f"{s.action.phase.value}: wait for it to end"
+        )
+    elif s.breaker_latched and not force:
+        refusal = f"the breaker is latched ({s.breaker_reason}): `resume` first, or --force"
+    if refusal is not None:
+        ctx.decide(s, DecisionKind.OPERATOR, f"{kind.value} asked by {who} refused: {refusal}")
+        return PolicyOutput(state, (), tuple(ctx.decisions))
+    if reset:
+        s = replace(s, operator_flags=(), rungs=(), pinned_until=(), baseline=None)
+    if sets:
+        by_flag = dict(s.operator_flags)
+        by_flag.update(sets)
+        s = replace(s, operator_flags=tuple(sorted(by_flag.items())))
+        for flag, value in sets:
+            lever = next((lv for lv, f in LEVER_FLAG.items() if f == flag), None)
+            if lever is None:
+                continue
+            s = _set_rung(s, lever, 0)
+            b = s.baseline
+            if b is None:
+                continue  # captured from the running command line once vLLM is back
+            if lever is Lever.MAX_NUM_SEQS:
+                b = replace(b, max_num_seqs=int(value))
+            elif lever is Lever.MAX_NUM_BATCHED_TOKENS:
+                b = replace(b, max_num_batched_tokens=int(value))
+            else:
+                b = replace(b, gpu_memory_utilization=float(value))
+            s = replace(s, baseline=b)
+    if s.breaker_latched and force:
+        ctx.decide(
+            s, DecisionKind.OPERATOR, f"--force by {who}: acting although the breaker is latched"
+        )
+    flags, env = _flags(s, s.baseline, p) if s.baseline is not None else (s.operator_flags, ())
+    what = (
+        "reset to the operator's base flags"
+        if reset
+        else ("with " + describe_flags(sets, ()) if sets else "with the current flags")
+    )
+    reason = f"operator {kind.value} {what}"
+    s = replace(s, restarts=(*s.restarts, now), last_note="")
+    s = ctx.act(s, kind, None, reason, flags, env, operator=who)
+    services = tuple(s if x.service == service else x for x in state.services)
+    return PolicyOutput(
+        PolicyState(services, ctx.next_id), tuple(ctx.actions), tuple(ctx.decisions),
+        tuple(ctx.ops), tuple(ctx.results),
+    )  # fmt: skip
