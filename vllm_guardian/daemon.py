@@ -32,7 +32,7 @@ from types import FrameType
 from typing import Any, Protocol
 
 from vllm_guardian import __version__
-from vllm_guardian.clock import Clock, SystemClock
+from vllm_guardian.clock import Clock, SteadyClock, SystemClock
 from vllm_guardian.config import Config, ConfigInvalid, load_config
 from vllm_guardian.control import ControlServer
 from vllm_guardian.core.allocator import attribute as attribute_allocator
@@ -124,7 +124,9 @@ class Guardian:
         healing: Healing | bool | None = True,
     ) -> None:
         self.cfg = cfg
-        self.clock = clock or SystemClock()
+        # Steady Unix time for the tick, the policy and the actuators (clock.SteadyClock).
+        self.wall: Clock = clock or SystemClock()
+        self.clock: Clock = SteadyClock(self.wall)
         self.config_path = config_path
         self._factory = collector_factory
         self._slots = [
@@ -245,6 +247,7 @@ class Guardian:
         ok = self.recorder.write(
             {
                 "time": result.snapshot.time_seconds,
+                "wall_time": self.wall.time(),  # the host's clock, which may have stepped
                 "version": __version__,
                 "snapshot": result.snapshot,
                 "signals": result.signals,
