@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from vllm_guardian.allocator_format import AllocatorStats
 from vllm_guardian.core.alerting import Rule
@@ -449,7 +449,7 @@ class Observations:
     budget: KvBudget | None = None
     model_fits: bool | None = None  # None: no model config to tell
     p95_request_tokens: float | None = None
-    thresholds: Thresholds = Thresholds()
+    thresholds: Thresholds = field(default_factory=Thresholds)
 
 
 @dataclass(frozen=True)
@@ -488,9 +488,10 @@ def dedupe_events(events: Iterable[LogEvent]) -> tuple[LogEvent, ...]:
 
 
 def evidence_from_signals(
-    sig: ServiceSignals, observed_seconds: float, th: Thresholds = Thresholds()
+    sig: ServiceSignals, observed_seconds: float, th: Thresholds | None = None
 ) -> tuple[list[Evidence], list[str]]:
     """Instant readings of the derived signals as evidence, and notes on what is harmless."""
+    th = th or Thresholds()
     ev: list[Evidence] = []
     notes: list[str] = []
     kv = sig.kv_cache_usage_ratio
