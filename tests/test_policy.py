@@ -19,6 +19,7 @@ from vllm_guardian.core.policy import (
     PolicySettings,
     PolicyState,
     decide,
+    default_baseline,
     initial_state,
     resume,
 )
@@ -562,3 +563,24 @@ def test_a_closed_gate_holds_for_its_minimum_time():
         Row(12, kv=0.9),
     )
     assert r.kinds() == [(0, "gate"), (10, "ungate"), (12, "gate")]
+
+
+BASELINES = [
+    # the operator's command line → (max_num_seqs, max_num_batched_tokens, gpu_memory_utilization)
+    ((), (1024, 8192, 0.9)),  # vLLM's defaults for an 80 GB card; utilization as reported
+    (("--max-num-seqs", "64"), (64, 8192, 0.9)),
+    # argparse's semantics, as vLLM reads them: the last occurrence wins, 8k is 8000
+    (("--max-num-batched-tokens", "8k", "--max-num-seqs", "64", "--max-num-seqs", "32"),
+     (32, 8000, 0.9)),
+    (("--max-num-batched-tokens=16K", "--gpu-memory-utilization=0.8"), (1024, 16384, 0.8)),
+    (("--max-num-seqs", "lots"), (1024, 8192, 0.9)),  # unreadable: the default, not a crash
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"), BASELINES, ids=[" ".join(a) or "-" for a, _ in BASELINES]
+)
+def test_the_baseline_reads_flags_as_vllm_does(argv, expected):  # type: ignore[no-untyped-def]
+    sig = ServiceSignals("vllm", HealthState.UP, True, True, True, gpu_memory_utilization_ratio=0.9)
+    b = default_baseline(sig, ("vllm", "serve", "m", *argv), 80 * GIB)
+    assert (b.max_num_seqs, b.max_num_batched_tokens, b.gpu_memory_utilization) == expected

@@ -33,6 +33,7 @@ from enum import StrEnum
 
 from vllm_guardian.config import PolicyConfig
 from vllm_guardian.core import phases
+from vllm_guardian.core.budget import parse_launch_flags
 from vllm_guardian.core.diagnosis import (
     Evidence,
     Finding,
@@ -207,18 +208,6 @@ class PolicyOutput:
 # --- flags -----------------------------------------------------------------------------------
 
 
-def flag_value(cmdline: Sequence[str] | None, flag: str) -> str | None:
-    """The first value of ``flag`` in an argv (``--f v`` or ``--f=v``): the operator's own."""
-    if not cmdline:
-        return None
-    for i, arg in enumerate(cmdline):
-        if arg == flag and i + 1 < len(cmdline):
-            return cmdline[i + 1]
-        if arg.startswith(flag + "="):
-            return arg[len(flag) + 1 :]
-    return None
-
-
 def default_baseline(
     signals: ServiceSignals | None, cmdline: Sequence[str] | None, gpu_total_bytes: int = 0
 ) -> Baseline:
@@ -229,18 +218,13 @@ def default_baseline(
     seqs_default = 1024 if total >= 70 * GIB else 256
     tokens_default = 16384 if total >= 160 * GIB else 8192 if total >= 70 * GIB else 2048
     util_default = (signals.gpu_memory_utilization_ratio if signals else None) or 0.92
-
-    def parsed(flag: str, conv: type, default: float) -> float:
-        raw = flag_value(cmdline, flag)
-        try:
-            return float(conv(raw)) if raw is not None else default
-        except ValueError:
-            return default
-
+    # The one launch-flag reader (core/budget.py), with argparse's semantics as vLLM has them:
+    # the last occurrence wins and ``8k`` is 8000.
+    flags = parse_launch_flags(cmdline or ())
     return Baseline(
-        max_num_seqs=int(parsed("--max-num-seqs", int, seqs_default)),
-        max_num_batched_tokens=int(parsed("--max-num-batched-tokens", int, tokens_default)),
-        gpu_memory_utilization=float(parsed("--gpu-memory-utilization", float, util_default)),
+        max_num_seqs=flags.max_num_seqs or seqs_default,
+        max_num_batched_tokens=flags.max_num_batched_tokens or tokens_default,
+        gpu_memory_utilization=flags.gpu_memory_utilization_ratio or util_default,
     )
 
 
@@ -675,7 +659,7 @@ def _capture_baseline(
         return s
     if (
         sig.gpu_memory_utilization_ratio is None
-        and flag_value(cmdline, "--gpu-memory-utilization") is None
+        and parse_launch_flags(cmdline or ()).gpu_memory_utilization_ratio is None
     ):
         return s
     return replace(s, baseline=default_baseline(sig, cmdline, gpu_total))
