@@ -119,7 +119,7 @@ class DemoReport:
     requests: dict[str, int] = field(default_factory=dict)
     twin_starts: int = 0
     twin_exits: list[int] = field(default_factory=list)
-    gated: bool = False  # the guardian closed /ready/vllm at least once
+    gated: bool = False  # the guardian closed /ready/vllm for KV pressure at least once
     # The gate's last GET /gate/status (None: ran without a gate, or it did not answer).
     gate: dict[str, Any] | None = None
     gate_url: str | None = None
@@ -411,7 +411,7 @@ def summary(report: DemoReport) -> list[str]:
     lines = ["", f"Summary — scenario {report.scenario}", ""]
     lines.append("Incidents (alerts that fired): " + (", ".join(report.alerts_fired) or "none"))
     lines.append("Causes named: " + (", ".join(report.causes) or "none (nothing to act on)"))
-    lines.append(f"Guardian closed /ready/vllm: {'yes' if report.gated else 'no'}")
+    lines.append(f"Guardian closed /ready/vllm for KV pressure: {'yes' if report.gated else 'no'}")
     lines.append("Actions:")
     results = {d.get("action_id"): d for d in report.decisions if d["what"] == "result"}
     for a in report.actions:
