@@ -13,13 +13,14 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
 
 from tests.test_gate_support import GateThread
 from vllm_guardian.daemon import Guardian
-from vllm_guardian.demo import DemoOptions, demo_config, free_port
+from vllm_guardian.demo import DemoOptions, _start_gate, demo_config, free_port
 from vllm_guardian.sim.load import LoadResult, OutcomeKind, plan_requests, run_load
 from vllm_guardian.sim.scenarios import LoadProfile
 
@@ -172,20 +173,25 @@ def test_five_operator_restarts_under_load_through_the_gate_lose_nothing(tmp_pat
         extra_twin_args=("--sim-model", "tiny", "--enforce-eager"),
         policy={"drain_timeout_seconds": 5, "startup_grace_seconds": 10},
     )  # fmt: skip
-    vllm_port, guardian_port = free_port(), free_port()
-    cfg = demo_config(opts, tmp_path, vllm_port, guardian_port)
+    vllm_port, guardian_port, gate_port = free_port(), free_port(), free_port()
+    # The deployed form: the service's gate: section, the gate run from it as its unit runs it.
+    cfg = demo_config(opts, tmp_path, vllm_port, guardian_port, gate_port)
+    gate_url = f"http://127.0.0.1:{gate_port}"
     guardian = Guardian(cfg)
     loop = threading.Thread(target=guardian.run, kwargs={"install_signals": False}, daemon=True)
     loop.start()
-    g: GateThread | None = None
+    gate: subprocess.Popen[bytes] | None = None
+    gate_log = (tmp_path / "gate.log").open("wb")
     restarts = 5
     try:
         wait_http(f"http://127.0.0.1:{vllm_port}/health", timeout=60)
         wait_http(f"http://127.0.0.1:{guardian_port}/ready/vllm", timeout=30)
-        g = GateThread(
-            f"http://127.0.0.1:{vllm_port}", guardian=f"http://127.0.0.1:{guardian_port}",
-            max_wait_seconds=120, kv_admission=False,
-        )  # fmt: skip
+        gate = _start_gate(tmp_path, gate_url, gate_log)
+
+        def gate_status() -> dict[str, Any]:
+            got: dict[str, Any] = requests.get(f"{gate_url}/gate/status", timeout=5).json()
+            return got
+
         profile = LoadProfile(
             rate_per_second=0.5, prompt_tokens_min=20, prompt_tokens_max=60,
             output_tokens_min=20, output_tokens_max=60,
@@ -201,7 +207,7 @@ def test_five_operator_restarts_under_load_through_the_gate_lose_nothing(tmp_pat
 
         def drive(kind: str) -> None:
             out[kind] = run_load(
-                g.url, loads[kind], model="demo", speed=speed, stream=kind == "stream",
+                gate_url, loads[kind], model="demo", speed=speed, stream=kind == "stream",
                 max_duration_seconds=100, request_timeout_seconds=120, stop=stop,
             )  # fmt: skip
 
@@ -210,8 +216,8 @@ def test_five_operator_restarts_under_load_through_the_gate_lose_nothing(tmp_pat
             r.start()
         sup = guardian.healing.supervisors["vllm"] if guardian.healing else None
         assert sup is not None
-        wait_until(lambda: g.gate.proxy is not None and g.gate.proxy.status()["admitted_total"] >= 20,
-                   60, "the load flowing through the gate")  # fmt: skip
+        wait_until(lambda: gate_status()["admitted_total"] >= 20, 60,
+                   "the load flowing through the gate")  # fmt: skip
         first_pid = sup.pid
         socket = str(tmp_path / "run" / "control.sock")
         lines: list[str] = []
@@ -224,6 +230,8 @@ def test_five_operator_restarts_under_load_through_the_gate_lose_nothing(tmp_pat
             lines.append(proc.stdout)
             assert proc.returncode == 0, f"restart {i + 1}: {proc.stdout}{proc.stderr}"
             assert "restart succeeded" in proc.stdout and "draining" in proc.stdout, proc.stdout
+            # The drain counted what the gate itself had in flight, not vLLM's gauges.
+            assert "in flight per gate" in proc.stdout, proc.stdout
         stop.set()
         for r in runners:
             r.join(timeout=150)
@@ -232,8 +240,8 @@ def test_five_operator_restarts_under_load_through_the_gate_lose_nothing(tmp_pat
                 for k, res in out.items()}  # fmt: skip
         kinds = {k: {x.value: res.count(x) for x in OutcomeKind if res.count(x)}
                  for k, res in out.items()}  # fmt: skip
-        status = g.gate.proxy.status() if g.gate.proxy else None
-        text = requests.get(f"{g.url}/metrics", timeout=5).text
+        status = gate_status()
+        text = requests.get(f"{gate_url}/metrics", timeout=5).text
 
         def metric(name: str) -> float:
             return sum(
@@ -267,8 +275,14 @@ def test_five_operator_restarts_under_load_through_the_gate_lose_nothing(tmp_pat
         assert total <= posts <= total + retried, (posts, total, retried)
         assert status is not None and status["in_flight"] == 0 and status["queue_depth"] == 0
     finally:
-        if g is not None:
-            g.stop()
+        if gate is not None:
+            gate.terminate()
+            try:
+                gate.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                gate.kill()
+                gate.wait(timeout=10)
+        gate_log.close()
         guardian.request_stop()
         loop.join(timeout=60)
     assert not loop.is_alive()
