@@ -49,6 +49,7 @@ class Supervisor:
         self.stop_timeout_seconds = stop_timeout_seconds
         self.extra_env = dict(extra_env or {})
         self._lock = threading.Lock()
+        self._closed = False  # stop() was called: nothing is started again
         self._proc: subprocess.Popen[bytes] | None = None
         self._want_running = False
         self._thread: threading.Thread | None = None
@@ -101,8 +102,18 @@ class Supervisor:
             if out is not subprocess.DEVNULL:
                 out.close()  # type: ignore[union-attr]
         with self._lock:
-            self._proc = proc
-            self.starts += 1
+            closed = self._closed
+            if not closed:
+                self._proc = proc
+                self.starts += 1
+        if closed:  # stop() came while this process was being started
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+            raise OSError("the guardian is stopping")
         log.info("%s: started pid %d: %s", self.name, proc.pid, " ".join(argv))
 
     def _loop(self) -> None:
@@ -170,6 +181,10 @@ class Supervisor:
             self._thread = None
         with self._lock:
             self._proc = None
+            if self._closed:
+                # stop() came while this restart drained the old process: starting a new one
+                # now would leave it running after the guardian is gone.
+                return False, False, "the guardian is stopping: not started again"
         try:
             self._spawn()
         except OSError as e:
@@ -179,6 +194,7 @@ class Supervisor:
 
     def stop(self, timeout_seconds: float = 30.0) -> None:
         with self._lock:
+            self._closed = True
             self._want_running = False
             proc = self._proc
         self._wake.set()
