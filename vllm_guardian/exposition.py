@@ -18,7 +18,6 @@ import platform
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
@@ -26,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from vllm_guardian import __version__
+from vllm_guardian.boundedhttp import BoundedHTTPServer, Limits
 from vllm_guardian.core.signals import ServiceSignals, Signals
 from vllm_guardian.healing import HealingView
 from vllm_guardian.model import AlertState, GateState, HealthState, Snapshot
@@ -652,7 +652,7 @@ def make_registry(collector: GuardianCollector, process_metrics: bool = True) ->
 
 
 class ExpositionServer:
-    """A threaded HTTP server for /metrics, /healthz and /ready/<service>."""
+    """/metrics, /healthz and /ready/<service> over a :class:`BoundedHTTPServer`."""
 
     def __init__(
         self,
@@ -661,30 +661,29 @@ class ExpositionServer:
         port: int,
         stale_after_seconds: float,
         monotonic: Any,
+        limits: Limits | None = None,
     ) -> None:
         self.collector = collector
         self.registry = make_registry(collector)
         self._stale_after = stale_after_seconds
         self._monotonic = monotonic
-        handler = _make_handler(self)
-        self._httpd = ThreadingHTTPServer((host, port), handler)
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, name="exposition", daemon=True
+        self.http = BoundedHTTPServer(
+            host,
+            port,
+            self.respond,
+            limits or Limits(),
+            server_version=f"vllm-guardian/{__version__}",
         )
 
     @property
     def address(self) -> tuple[str, int]:
-        host, port = self._httpd.server_address[:2]
-        return str(host), int(port)
+        return self.http.address
 
     def start(self) -> None:
-        self._thread.start()
+        self.http.start()
 
     def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5)
+        self.http.stop()
 
     def healthz(self) -> tuple[int, str]:
         last = self.collector.last_tick_monotonic()
@@ -695,43 +694,24 @@ class ExpositionServer:
             return 503, f"stale: last tick {age:.1f}s ago\n"
         return 200, f"ok: last tick {age:.1f}s ago\n"
 
+    def respond(self, method: str, target: str) -> tuple[int, bytes, str]:
+        path = target.split("?", 1)[0]
+        if path in ("/metrics", "/metrics/"):
+            return 200, generate_latest(self.registry), CONTENT_TYPE_LATEST
+        if path == "/healthz":
+            code, text = self.healthz()
+            return code, text.encode(), "text/plain; charset=utf-8"
+        if path.startswith("/ready/"):
+            name = path[len("/ready/") :]
+            gate = self.collector.gate(name)
+            if gate is None:
+                return 404, json.dumps({"error": f"unknown service {name!r}"}).encode(), JSON
+            body = json.dumps({"service": name, "ready": gate.ready, "reason": gate.reason})
+            return (200 if gate.ready else 503), body.encode(), JSON
+        if path == "/":
+            links = b"<html><body><a href='/metrics'>/metrics</a> <a href='/healthz'>/healthz</a></body></html>"
+            return 200, links, "text/html"
+        return 404, b"not found\n", "text/plain"
 
-def _make_handler(server: ExpositionServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        server_version = f"vllm-guardian/{__version__}"
 
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path in ("/metrics", "/metrics/"):
-                self._send(200, generate_latest(server.registry), CONTENT_TYPE_LATEST)
-            elif path == "/healthz":
-                code, text = server.healthz()
-                self._send(code, text.encode(), "text/plain; charset=utf-8")
-            elif path.startswith("/ready/"):
-                name = path[len("/ready/") :]
-                gate = server.collector.gate(name)
-                if gate is None:
-                    body = json.dumps({"error": f"unknown service {name!r}"}).encode()
-                    self._send(404, body, "application/json")
-                else:
-                    body = json.dumps(
-                        {"service": name, "ready": gate.ready, "reason": gate.reason}
-                    ).encode()
-                    self._send(200 if gate.ready else 503, body, "application/json")
-            elif path == "/":
-                links = b"<html><body><a href='/metrics'>/metrics</a> <a href='/healthz'>/healthz</a></body></html>"
-                self._send(200, links, "text/html")
-            else:
-                self._send(404, b"not found\n", "text/plain")
-
-        def _send(self, code: int, body: bytes, ctype: str) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass  # scrapes every few seconds would flood the journal
-
-    return Handler
+JSON = "application/json"
