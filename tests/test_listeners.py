@@ -210,3 +210,14 @@ def test_control_many_idle_clients_leave_room_and_the_socket_stays_private(tmp_p
         for s in socks:
             s.close()
         server.stop()
+
+
+def test_the_unit_raises_the_descriptor_limit_well_past_the_listener_caps():
+    from vllm_guardian.control import MAX_CLIENTS
+    from vllm_guardian.install import GUARDIAN_SERVICE
+
+    root = Path(__file__).resolve().parent.parent
+    for text in ((root / "systemd/vllm-guardian.service").read_text(), GUARDIAN_SERVICE):
+        limits = [line for line in text.splitlines() if line.startswith("LimitNOFILE=")]
+        assert limits == ["LimitNOFILE=65536"], limits
+    assert 8 * (Limits().max_connections + MAX_CLIENTS) < 65536

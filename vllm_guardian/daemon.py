@@ -176,12 +176,15 @@ class Guardian:
             self.history.popleft()
         signals = derive(list(self.history), self.cfg.services, self.cfg.signals)
         decisions: list[Mapping[str, Any]] = []
+        tick_ok = True  # the watchdog is pinged only when the tick did its work (issue 17)
         if self.healing is not None:
             try:
                 decisions.extend(self.healing.run(snapshot, signals, now))
                 for name, gate in self.healing.gates(signals).items():
                     self.exposition.set_gate(name, gate)
+                tick_ok = self.healing.persist_error() is None
             except Exception:  # a policy bug must not stop observation
+                tick_ok = False
                 log.exception("the decide-and-act stage failed; observation continues")
         for stage in self.stages:
             try:
@@ -200,7 +203,7 @@ class Guardian:
         self._log_transitions(statuses)
         if self.notifier is not None:
             msgs = [f"STATUS={status_line(signals, snapshot)}"]
-            if getattr(self.notifier, "watchdog", False):
+            if getattr(self.notifier, "watchdog", False) and tick_ok:
                 msgs.append("WATCHDOG=1")
             if not self.ready_sent:
                 msgs.insert(0, "READY=1")

@@ -133,6 +133,7 @@ class Healing:
         self._latest: tuple[Snapshot, Signals] | None = None
         self._actions_total: dict[tuple[str, str, str, bool], int] = {}
         self._saved: policy.PolicyState | None = None
+        self.save_error: str | None = None
         self.recent: collections.deque[policy.Decision] = collections.deque(maxlen=20)
         if backends is None:
             backends = self._build_backends()
@@ -270,12 +271,19 @@ class Healing:
 
     def _save(self) -> None:
         if self.state == self._saved:
+            self.save_error = None  # what is on disk is the current state
             return
         try:
             save_state(self.state_path, self.state)
             self._saved = self.state
+            self.save_error = None
         except OSError as e:
-            log.error("cannot save the policy state to %s: %s", self.state_path, e)
+            self.save_error = f"cannot save the policy state to {self.state_path}: {e}"
+            log.error("%s", self.save_error)
+
+    def persist_error(self) -> str | None:
+        """Why the last tick's state or decisions are not on disk; None when they are."""
+        return self.save_error or self.audit.error
 
     # --- what others read --------------------------------------------------------------------
 
