@@ -319,7 +319,8 @@ class VllmMetricsCollector:
         try:
             resp = httpget.fetch(
                 self._url,
-                deadline_seconds=self.timeout_seconds,
+                # a little under the tick's wait, so that this source's own error is what shows
+                deadline_seconds=0.9 * self.timeout_seconds,
                 max_body_bytes=self._max_body_bytes,
                 headers={"Accept": "text/plain;version=0.0.4"},
             )
