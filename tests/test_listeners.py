@@ -10,6 +10,7 @@ server threads keep going.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import socket
 import struct
@@ -221,3 +222,43 @@ def test_the_unit_raises_the_descriptor_limit_well_past_the_listener_caps():
         limits = [line for line in text.splitlines() if line.startswith("LimitNOFILE=")]
         assert limits == ["LimitNOFILE=65536"], limits
     assert 8 * (Limits().max_connections + MAX_CLIENTS) < 65536
+
+
+class FailingAccept:
+    """A listening socket whose accept() fails like a process out of descriptors, N times."""
+
+    def __init__(self, sock: socket.socket, failures: int) -> None:
+        self._sock, self.failures = sock, failures
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        if self.failures > 0:
+            self.failures -= 1
+            raise OSError(errno.EMFILE, "Too many open files")
+        return self._sock.accept()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def test_control_survives_a_failed_accept(tmp_path: Path):
+    server, _ = control(tmp_path)
+    try:
+        assert server._sock is not None
+        failing = FailingAccept(server._sock, failures=5)
+        server._sock = failing  # type: ignore[assignment]
+        wait_for(lambda: (failing.failures == 0, failing.failures), "accept() failed 5 times")
+        assert request(server.path, {"cmd": "status"}, timeout_seconds=30)["ok"] is True
+    finally:
+        server.stop()
+
+
+def test_the_endpoint_survives_a_failed_accept():
+    server = endpoint(Limits())
+    try:
+        failing = FailingAccept(server.http._sock, failures=5)
+        server.http._sock = failing  # type: ignore[assignment]
+        wait_for(lambda: (failing.failures == 0, failing.failures), "accept() failed 5 times")
+        assert scrape(server) == 200
+        assert server.http.accept_errors_total == 5
+    finally:
+        server.stop()
