@@ -55,6 +55,13 @@ def test_the_endpoint_serves_scrapes_while_hundreds_of_clients_sit_idle():
             open_now = server.http.open_connections()
             assert open_now <= 16 + 1, open_now
             assert server.http.evicted_total >= 300 - 16, server.http.evicted_total
+            host_port = f"http://{host}:{port}/metrics"
+            text = fetch(host_port, deadline_seconds=30, max_body_bytes=1 << 24).body.decode()
+            evicted = next(
+                line for line in text.splitlines()
+                if line.startswith('vllm_guardian_http_connections_closed_total{reason="evicted"}')
+            )  # fmt: skip
+            assert float(evicted.rsplit(" ", 1)[1]) >= 300 - 16, evicted
         assert scrape(server) == 200  # after
     finally:
         server.stop()

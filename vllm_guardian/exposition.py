@@ -674,6 +674,7 @@ class ExpositionServer:
             limits or Limits(),
             server_version=f"vllm-guardian/{__version__}",
         )
+        self.registry.register(_ListenerCollector(self.http))
 
     @property
     def address(self) -> tuple[str, int]:
@@ -715,3 +716,35 @@ class ExpositionServer:
 
 
 JSON = "application/json"
+
+
+class _ListenerCollector:
+    """What the endpoint's own defences did (boundedhttp): open connections, and the ones it
+    closed itself, by reason."""
+
+    def __init__(self, http: BoundedHTTPServer) -> None:
+        self._http = http
+
+    def collect(self) -> Iterator[Metric]:
+        h = self._http
+        open_now = GaugeMetricFamily(
+            f"{NS}_http_connections", "Connections open on the guardian's HTTP endpoint."
+        )
+        open_now.add_metric([], h.open_connections())
+        yield open_now
+        closed = CounterMetricFamily(
+            f"{NS}_http_connections_closed",
+            "Connections the endpoint closed itself: a request head not sent in time or an "
+            "exchange past its deadline (timeout), closed to make room at the cap (evicted), "
+            "refused with every slot answering (over_cap).",
+            labels=["reason"],
+        )
+        closed.add_metric(["timeout"], h.timed_out_total)
+        closed.add_metric(["evicted"], h.evicted_total)
+        closed.add_metric(["over_cap"], h.refused_total)
+        yield closed
+        errors = CounterMetricFamily(
+            f"{NS}_http_accept_errors", "accept() failures on the endpoint (EMFILE …)."
+        )
+        errors.add_metric([], h.accept_errors_total)
+        yield errors
