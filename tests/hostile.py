@@ -22,7 +22,8 @@ class Hostility:
     status: int = 200
     interval_seconds: float = 0.2
     chunk: bytes = b"# x\n" * 16384  # endless: what each chunk carries (64 KiB)
-    served: list[int] = field(default_factory=list)  # bytes sent per connection
+    served: list[int] = field(default_factory=list)  # bytes sent per finished connection
+    accepted: int = 0  # connections accepted so far
 
 
 def _serve_one(conn: socket.socket, h: Hostility, stop: threading.Event) -> None:
@@ -76,6 +77,7 @@ def hostile_server(h: Hostility) -> Iterator[str]:
                 continue
             except OSError:
                 return
+            h.accepted += 1
             t = threading.Thread(target=_serve_one, args=(conn, h, stop), daemon=True)
             t.start()
             workers.append(t)

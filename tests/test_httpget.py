@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from tests.hostile import Hostility, hostile_server
+from tests.hostile import Hostility, hostile_server, wait_for
 from tests.httpfixture import Script, serve
 from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import HealthSourceConfig, ServiceConfig, VllmMetricsSourceConfig
 from vllm_guardian.diagnose.gather import GatherOptions, _Gatherer
-from vllm_guardian.httpget import Failure, HttpGetError, Oversize, fetch
+from vllm_guardian.httpget import Cancel, Failure, HttpGetError, Oversize, fetch
 from vllm_guardian.model import HealthState
 from vllm_guardian.sources.health import HealthCollector
 from vllm_guardian.sources.vllm_metrics import VllmMetricsCollector
@@ -147,3 +147,26 @@ def test_diagnose_url_does_not_hang_on_a_dripping_server():
     assert metrics == []
     assert g.problems == ["/metrics: timed out after 0.5 s (vLLM down or starting?)"], g.problems
     assert health["error"] == "timed out after 0.5 s", health
+
+
+def test_a_cut_ends_a_fetch_in_progress_and_every_later_one():
+    h = Hostility(mode="drip")
+    cancel = Cancel()
+    with hostile_server(h) as url:
+        outcome: list[object] = []
+
+        def run() -> None:
+            try:
+                fetch(url, deadline_seconds=600, max_body_bytes=1 << 20, cancel=cancel)
+            except HttpGetError as e:
+                outcome.append(e.failure)
+
+        t = threading.Thread(target=run)
+        t.start()
+        wait_for(lambda: (h.accepted == 1, h.accepted), "the fetch is dripping")
+        cancel.cut()
+        t.join(BOUND_SECONDS)
+        assert not t.is_alive() and outcome == [Failure.CANCELLED], outcome
+        with pytest.raises(HttpGetError) as e:
+            fetch(url, deadline_seconds=600, max_body_bytes=1, cancel=cancel)
+        assert e.value.failure is Failure.CANCELLED

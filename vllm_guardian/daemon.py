@@ -295,6 +295,10 @@ class Guardian:
 
     def request_stop(self) -> None:
         self._stop.set()
+        for slot in self._slots:  # shutting down never waits on a source's fetch (issue 17)
+            interrupt = getattr(slot.collector, "interrupt", None)
+            if interrupt is not None:
+                interrupt()
 
     def request_reload(self) -> None:
         self._reload.set()

@@ -9,7 +9,7 @@ Why not ``requests``' timeout: it is per socket read, so a server that drips one
 keeps a fetch alive for as long as it drips (and the thread with it, and shutdown waiting on
 that thread). Here ``deadline_seconds`` covers connect, head and body together: the socket's
 timeout is set to the time left, and a timer shuts the socket down at the deadline whatever
-the server does. ``max_body_bytes`` bounds memory against an endless body: past it the fetch
+the server does; a :class:`Cancel` cuts it at once when its owner shuts down. ``max_body_bytes`` bounds memory against an endless body: past it the fetch
 fails (:attr:`Oversize.FAIL`) or keeps the first bytes and says so (:attr:`Oversize.TRUNCATE`).
 
 Plain ``http.client``: no proxy from the environment (the guardian talks to loopback), no
@@ -37,6 +37,7 @@ class Failure(enum.Enum):
     DEADLINE = "deadline"  # no complete answer within the total deadline
     TOO_LARGE = "too_large"
     BROKEN = "broken"  # reset, unresolvable host, malformed HTTP …
+    CANCELLED = "cancelled"  # the owner is shutting down (:meth:`Cancel.cut`)
 
 
 class Oversize(enum.Enum):
@@ -50,6 +51,33 @@ class HttpGetError(Exception):
         self.failure = failure
         self.url = url
         self.detail = detail
+
+
+class Cancel:
+    """A collector's kill switch: :meth:`cut` ends the fetch in progress at once and fails
+    every later one, so that shutting down never waits on a server (SIGTERM)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._socks: set[socket.socket] = set()
+        self.cut_done = False
+
+    def cut(self) -> None:
+        with self._lock:
+            self.cut_done = True
+            for sock in self._socks:
+                _shutdown(sock)
+
+    def _add(self, sock: socket.socket) -> bool:
+        with self._lock:
+            if self.cut_done:
+                return False
+            self._socks.add(sock)
+            return True
+
+    def _remove(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._socks.discard(sock)
 
 
 @dataclass(frozen=True)
@@ -73,6 +101,7 @@ def fetch(
     body: bytes | None = None,
     headers: Mapping[str, str] | None = None,
     oversize: Oversize = Oversize.FAIL,
+    cancel: Cancel | None = None,
 ) -> HttpResponse:
     """One request, finished (or failed with :class:`HttpGetError`) within ``deadline_seconds``."""
     try:
@@ -96,10 +125,11 @@ def fetch(
 
     def cut() -> None:
         expired.set()
-        sock = conn.sock
-        if sock is not None:  # the base method: a raw shutdown, even under TLS
-            with contextlib.suppress(OSError):
-                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+        if conn.sock is not None:
+            _shutdown(conn.sock)
+
+    if cancel is not None and cancel.cut_done:
+        raise HttpGetError(Failure.CANCELLED, url, "shutting down")
 
     timer = threading.Timer(deadline_seconds, cut)
     timer.daemon = True
@@ -107,12 +137,16 @@ def fetch(
     try:
         conn.connect()
         connected = True
+        if cancel is not None and conn.sock is not None and not cancel._add(conn.sock):
+            raise HttpGetError(Failure.CANCELLED, url, "shutting down")
         if conn.sock is not None:
             conn.sock.settimeout(max(0.001, end - time.monotonic()))
         conn.request(method, target, body=body, headers=dict(headers or {}))
         resp = conn.getresponse()
         answer = _read(resp, url, max_body_bytes, oversize)
-        if expired.is_set():  # the cut can look like a clean end of the body
+        if expired.is_set() or (
+            cancel is not None and cancel.cut_done
+        ):  # a cut can look like a clean end
             raise TimeoutError
         return answer
     except HttpGetError:
@@ -120,6 +154,8 @@ def fetch(
     except ConnectionRefusedError:
         raise HttpGetError(Failure.REFUSED, url, "connection refused") from None
     except (TimeoutError, OSError, http.client.HTTPException) as e:
+        if cancel is not None and cancel.cut_done:
+            raise HttpGetError(Failure.CANCELLED, url, "shutting down") from None
         if expired.is_set() or (connected and isinstance(e, TimeoutError)):
             raise HttpGetError(
                 Failure.DEADLINE, url, f"no complete answer within {deadline_seconds:g}s"
@@ -133,6 +169,8 @@ def fetch(
         raise HttpGetError(Failure.BROKEN, url, _short(e)) from None
     finally:
         timer.cancel()
+        if cancel is not None and conn.sock is not None:
+            cancel._remove(conn.sock)
         conn.close()
 
 
@@ -165,6 +203,11 @@ def _read(
                 raise HttpGetError(Failure.TOO_LARGE, url, f"body exceeds {max_body_bytes} bytes")
             return HttpResponse(resp.status, b"".join(chunks)[:max_body_bytes], headers, True)
     return HttpResponse(resp.status, b"".join(chunks), headers)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):  # the base method: a raw shutdown, even under TLS
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
 def _short(e: BaseException) -> str:

@@ -47,6 +47,7 @@ class HealthCollector:
         self._clock = clock
         self._last_deep_monotonic: float | None = None
         self._last_deep: DeepProbe | None = None
+        self._cancel = httpget.Cancel()
 
     def collect(self) -> Reading:
         url = self._base + "/health"
@@ -55,6 +56,7 @@ class HealthCollector:
         try:
             resp = httpget.fetch(
                 url,
+                cancel=self._cancel,
                 deadline_seconds=0.9 * timeout,  # under the tick's wait: this error shows
                 max_body_bytes=HEALTH_MAX_BODY_BYTES,
                 oversize=httpget.Oversize.TRUNCATE,
@@ -107,6 +109,7 @@ class HealthCollector:
         try:
             models = httpget.fetch(
                 self._base + "/v1/models",
+                cancel=self._cancel,
                 deadline_seconds=timeout,
                 max_body_bytes=DEEP_MAX_BODY_BYTES,
             )
@@ -117,6 +120,7 @@ class HealthCollector:
             left = max(0.1, timeout - (self._clock.monotonic() - start))
             resp = httpget.fetch(
                 self._base + "/v1/completions",
+                cancel=self._cancel,
                 method="POST",
                 body=json.dumps(
                     {"model": model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
@@ -136,8 +140,12 @@ class HealthCollector:
         except (ValueError, AttributeError, RecursionError) as e:
             return DeepProbe(False, None, None, _short(e))
 
+    def interrupt(self) -> None:
+        """Shutting down: end the fetch in progress now (SIGTERM never waits on vLLM)."""
+        self._cancel.cut()
+
     def close(self) -> None:
-        pass  # one connection per fetch: nothing is held between ticks
+        self._cancel.cut()  # one connection per fetch: nothing else is held
 
 
 def _short(e: BaseException) -> str:

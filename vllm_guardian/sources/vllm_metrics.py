@@ -288,6 +288,7 @@ class VllmMetricsCollector:
         self._url = service.url.rstrip("/") + "/metrics"
         self._max_body_bytes = cfg.max_body_bytes
         self._parser = make_parser()
+        self._cancel = httpget.Cancel()
 
     def collect(self) -> Reading:
         try:
@@ -319,6 +320,7 @@ class VllmMetricsCollector:
         try:
             resp = httpget.fetch(
                 self._url,
+                cancel=self._cancel,
                 # a little under the tick's wait, so that this source's own error is what shows
                 deadline_seconds=0.9 * self.timeout_seconds,
                 max_body_bytes=self._max_body_bytes,
@@ -330,8 +332,12 @@ class VllmMetricsCollector:
             raise _FetchError(f"GET {self._url}: HTTP {resp.status}", None)
         return resp.body
 
+    def interrupt(self) -> None:
+        """Shutting down: end the fetch in progress now (SIGTERM never waits on vLLM)."""
+        self._cancel.cut()
+
     def close(self) -> None:
-        pass  # one connection per fetch: nothing is held between ticks
+        self._cancel.cut()  # one connection per fetch: nothing else is held
 
     def _describe(self, e: httpget.HttpGetError) -> tuple[str, str | None]:
         url, timeout_seconds = self._url, self.timeout_seconds
