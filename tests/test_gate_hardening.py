@@ -183,3 +183,31 @@ def test_status_reports_the_connection_metrics(stub: Stub):
         assert json.loads(requests.get(g.url + "/gate/status", timeout=60).text)["service"]
     finally:
         g.stop()
+
+
+def test_with_every_slot_busy_a_new_connection_is_closed_at_once(stub: Stub):
+    stub.reset()
+    g = Running(stub.url, max_connections=4, idle_timeout_seconds=600)
+    busy: list[socket.socket] = []
+    try:
+        for _ in range(4):  # four requests held upstream: four busy connections
+            s = socket.create_connection(("127.0.0.1", g.gate.port), timeout=60)
+            busy.append(s)
+            s.sendall(b"GET /v1/hold HTTP/1.1\r\nHost: x\r\n\r\n")
+        wait_for(lambda: (stub.active == 4, stub.active), "four requests held upstream")
+        late = socket.create_connection(("127.0.0.1", g.gate.port), timeout=60)
+        try:
+            assert late.recv(1024) == b""  # closed at once, nothing else to close
+        except ConnectionResetError:
+            pass  # closed with a reset: the same
+        finally:
+            late.close()
+        assert g.closed("over_cap") == 1
+        stub.set_release()
+        for s in busy:
+            assert s.recv(1024).startswith(b"HTTP/1.1 200"), "the busy ones are answered"
+    finally:
+        for s in busy:
+            s.close()
+        g.stop()
+        stub.reset()
