@@ -157,6 +157,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds in-flight requests get on SIGTERM (default 5)",
     )
+    o.add_argument(
+        "--max-connections",
+        type=int,
+        default=4096,
+        help="client connections open at once; past it the longest-idle one is closed (default 4096)",
+    )
+    o.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=15.0,
+        help="seconds a connection may sit without a request in progress, its head included (default 15)",
+    )
     o.add_argument("--log-level", default="INFO")
     return ap  # fmt: skip
 
@@ -170,6 +182,10 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
     if not 0 <= args.per_key_share <= 1 or not 0 <= args.kv_reserve < 1:
         raise SystemExit(
             "vllm-guardian gate: --per-key-share and --kv-reserve are ratios in [0, 1)"
+        )
+    if args.max_connections < 1 or args.idle_timeout <= 0:
+        raise SystemExit(
+            "vllm-guardian gate: --max-connections must be >= 1 and --idle-timeout > 0"
         )
     if args.max_wait <= 0 or args.poll_interval <= 0 or args.kv_poll_interval <= 0:
         raise SystemExit("vllm-guardian gate: --max-wait and the poll intervals must be > 0")
@@ -198,6 +214,8 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
         ),
         poll_interval_seconds=args.poll_interval,
         kv_poll_interval_seconds=args.kv_poll_interval,
+        max_connections=args.max_connections,
+        idle_timeout_seconds=args.idle_timeout,
         shutdown_timeout_seconds=args.shutdown_timeout,
     )
 
