@@ -100,7 +100,9 @@ class ControlServer:
                     oldest.sock.shutdown(socket.SHUT_RDWR)
             self._clients[id(client)] = client
         try:
-            threading.Thread(target=self._one, args=(client,), name="control-client").start()
+            threading.Thread(
+                target=self._one, args=(client,), name="control-client", daemon=True
+            ).start()
         except RuntimeError:
             self._forget(client)
             conn.close()
