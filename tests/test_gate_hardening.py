@@ -211,27 +211,3 @@ def test_with_every_slot_busy_a_new_connection_is_closed_at_once(stub: Stub):
             s.close()
         g.stop()
         stub.reset()
-
-
-@pytest.mark.parametrize(
-    ("argv", "expected"),
-    [
-        ([], (4096, 15.0)),
-        (["--max-connections", "64", "--idle-timeout", "5"], (64, 5.0)),
-    ],
-)
-def test_the_connection_limits_come_from_the_command_line(argv: list[str], expected: object):
-    from vllm_guardian.gate.cli import build_parser, settings_from_args
-
-    args = build_parser().parse_args(["--upstream", "http://127.0.0.1:8000", *argv])
-    s = settings_from_args(args)
-    assert (s.max_connections, s.idle_timeout_seconds) == expected
-
-
-@pytest.mark.parametrize("argv", [["--max-connections", "0"], ["--idle-timeout", "0"]])
-def test_bad_connection_limits_are_refused(argv: list[str]):
-    from vllm_guardian.gate.cli import build_parser, settings_from_args
-
-    args = build_parser().parse_args(["--upstream", "http://127.0.0.1:8000", *argv])
-    with pytest.raises(SystemExit, match="--max-connections must be >= 1"):
-        settings_from_args(args)

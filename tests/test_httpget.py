@@ -170,3 +170,12 @@ def test_a_cut_ends_a_fetch_in_progress_and_every_later_one():
         with pytest.raises(HttpGetError) as e:
             fetch(url, deadline_seconds=600, max_body_bytes=1, cancel=cancel)
         assert e.value.failure is Failure.CANCELLED
+
+
+def test_the_gate_source_reports_a_dripping_gate_within_its_deadline():
+    from vllm_guardian.sources.gate import read_status
+
+    with hostile_server(Hostility(mode="drip")) as url:
+        port = int(url.rsplit(":", 1)[1])
+        obs = finishes(lambda: read_status("127.0.0.1", port, 0.5))
+    assert obs.reachable is False and obs.error == "no answer within 0.5s", obs
