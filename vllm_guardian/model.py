@@ -22,6 +22,7 @@ class SourceKind(StrEnum):
     UNIT = "unit"
     LOGS = "logs"
     ALLOCATOR = "allocator"
+    GATE = "gate"
 
 
 @dataclass(frozen=True)
@@ -271,10 +272,40 @@ class AllocatorReading:
     unparsable_files: int = 0
 
 
+# --- the admission gate in front of a service -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GateObservation:
+    """The gate's own account of the requests it holds and forwards (its ``GET /gate/status``).
+
+    ``in_flight`` is what the gate has admitted to vLLM and not finished (the number a drain
+    waits on), ``queued`` what it holds back. Unreachable (down, wedged, not started) is an
+    observation too: ``reachable`` false, the numbers ``None`` and ``error`` saying why; a drain
+    must then not wait on it.
+    """
+
+    reachable: bool
+    in_flight: int | None = None
+    queued: int | None = None
+    open: bool | None = None  # admits new requests now; False: holding them
+    reason: str | None = None  # why it holds ("guardian: draining", "vLLM /health answers 503")
+    upstream_healthy: bool | None = None  # vLLM's /health as the gate last saw it
+    guardian_ready: bool | None = None  # our /ready/<service> as the gate last saw it
+    oldest_wait_seconds: float | None = None  # the head of the queue, now
+    held_total: int | None = None  # counters since the gate started
+    retried_total: int | None = None
+    rejected_total: int | None = None
+    error: str | None = None
+
+
 # --- one tick --------------------------------------------------------------------------------
 
 
-Payload = VllmScrape | HealthProbe | GpuReading | UnitState | LogReading | AllocatorReading
+Payload = (
+    VllmScrape | HealthProbe | GpuReading | UnitState | LogReading | AllocatorReading
+    | GateObservation
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -296,6 +327,7 @@ class ServiceSnapshot:
     unit: UnitState | None = None
     logs: LogReading | None = None
     allocator: AllocatorReading | None = None  # this service's processes; None: no plugin data
+    gate: GateObservation | None = None  # None: no gate configured for this service
 
 
 @dataclass(frozen=True)
@@ -306,8 +338,11 @@ class Snapshot:
     services: tuple[ServiceSnapshot, ...]
     gpus: GpuReading | None
     sources: tuple[SourceStatus, ...] = field(default=())
-    # Actions that finished since the previous tick (filled by the daemon from its executor).
+    # Read by nothing since actions became phases of the core (kept so older flight records
+    # still load): an action's end is now decided by the policy from ``op_results``.
     action_results: tuple[ActionResult, ...] = field(default=())
+    # Actuator calls that finished since the previous tick (the restart's blocking steps).
+    op_results: tuple[OpResult, ...] = field(default=())
 
     def service(self, name: str) -> ServiceSnapshot | None:
         for s in self.services:
@@ -409,6 +444,42 @@ class ActionResult:
     detail: str
     finished_seconds: float
     dry_run: bool = False
+
+
+class Op(StrEnum):
+    """The blocking calls an action is made of; everything between them is a phase of the
+    core that waits on observations (core/phases.py)."""
+
+    BUNDLE = "bundle"  # capture the incident bundle (time-boxed)
+    WRITE_FLAGS = "write_flags"  # write the guardian-owned flags file (validated)
+    RESTART = "restart"  # systemctl restart / the process manager's restart
+
+
+@dataclass(frozen=True)
+class OpRequest:
+    """An effect of a tick: start one blocking actuator call for an action."""
+
+    action_id: int
+    service: str
+    op: Op
+    flags: tuple[tuple[str, str], ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    timeout_seconds: float = 0.0
+    reason: str = ""  # the action's reason, for the bundle's manifest
+    cause: Cause | None = None
+
+
+@dataclass(frozen=True)
+class OpResult:
+    """How one actuator call ended: an observation of the next tick, never assumed."""
+
+    action_id: int
+    service: str
+    op: Op
+    ok: bool
+    terminal: bool  # retrying cannot help (bad flags, unknown unit)
+    detail: str
+    finished_seconds: float
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """The policy state file: rungs, budget and breaker, saved after every tick and read at start.
 
 Where it sits: the last step of the decide-and-act half (:mod:`vllm_guardian.healing` saves the
-state after each tick and loads it once at start-up). Writes are atomic (temp file, fsync,
-rename), so a crash leaves the old state or the new one, never half of either.
+state after each tick and loads it once at start-up). Writes are atomic (``atomicfile.write_atomic``: temp file,
+fsync, rename), so a crash leaves the old state or the new one, never half of either.
 
 Reading never stops start-up: a file that cannot be the state (not JSON, the wrong shape, an
 unknown format, nested deeper than any state, larger than :data:`MAX_STATE_BYTES`, not a
@@ -17,9 +17,9 @@ import json
 import logging
 import os
 import stat
-import tempfile
 from pathlib import Path
 
+from vllm_guardian.atomicfile import write_atomic
 from vllm_guardian.core import policy
 from vllm_guardian.recorder import from_jsonable, to_jsonable
 
@@ -84,16 +84,5 @@ def _set_aside(path: Path, why: str) -> None:
 
 
 def save_state(path: Path, state: policy.PolicyState) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(
-                {"format": STATE_FORMAT, "state": to_jsonable(state)}, fh, separators=(",", ":")
-            )
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    body = {"format": STATE_FORMAT, "state": to_jsonable(state)}
+    write_atomic(path, json.dumps(body, separators=(",", ":")).encode(), 0o600)

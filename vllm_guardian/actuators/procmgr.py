@@ -106,6 +106,7 @@ class Supervisor:
         # Beside the flags file (the state directory) unless told otherwise.
         self.pid_path = pid_path if pid_path is not None else flags_path.with_suffix(".pid")
         self._lock = threading.Lock()
+        self._closed = False  # stop() was called: nothing is started again
         self._proc: subprocess.Popen[bytes] | Adopted | None = None
         self._adopt_checked = False
         self.adopted: int | None = None  # the pid adopted at start, if any
@@ -160,8 +161,18 @@ class Supervisor:
             if out is not subprocess.DEVNULL:
                 out.close()  # type: ignore[union-attr]
         with self._lock:
-            self._proc = proc
-            self.starts += 1
+            closed = self._closed
+            if not closed:
+                self._proc = proc
+                self.starts += 1
+        if closed:  # stop() came while this process was being started
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+            raise OSError("the guardian is stopping")
         self._write_pid(proc.pid)
         log.info("%s: started pid %d: %s", self.name, proc.pid, shlex.join(redact_argv(argv)))
 
@@ -293,6 +304,10 @@ class Supervisor:
         with self._lock:
             self._proc = None
             self._adopt_checked = True  # what is running now is ours
+            if self._closed:
+                # stop() came while this restart drained the old process: starting a new one
+                # now would leave it running after the guardian is gone.
+                return False, False, "the guardian is stopping: not started again"
         try:
             self._spawn()
         except OSError as e:
@@ -302,6 +317,7 @@ class Supervisor:
 
     def stop(self, timeout_seconds: float = 30.0) -> None:
         with self._lock:
+            self._closed = True
             self._want_running = False
             proc = self._proc
         self._wake.set()

@@ -144,7 +144,8 @@ class GateProxy:
             self.open_exchanges -= 1
 
     def status(self) -> dict[str, object]:
-        a = self.admission
+        """``GET /gate/status``: what the guardian's gate source reads (docs/gate.md, "Status")."""
+        a, m = self.admission, self.metrics
         return {
             "service": self.s.service,
             "open": a.open,
@@ -155,6 +156,14 @@ class GateProxy:
             "kv_committed_tokens": a.committed_tokens,
             "kv_capacity_tokens": a.kv_capacity_tokens,
             "open_exchanges": self.open_exchanges,
+            "upstream_healthy": self.follower.upstream_healthy,
+            "guardian_ready": self.follower.guardian_ready,
+            "oldest_wait_seconds": round(a.oldest_wait_seconds, 3),
+            "longest_wait_seconds": round(a.longest_wait_seconds, 3),
+            "admitted_total": m.total("admitted"),
+            "held_total": m.total("held"),
+            "retried_total": m.total("retried"),
+            "rejected_total": m.total("rejected"),
         }
 
     async def _exchange(self, request: web.BaseRequest) -> web.StreamResponse:
@@ -175,7 +184,13 @@ class GateProxy:
         key = request.headers.get(self.s.key_header, "")
         overhead = 0.0
         if request.method == "POST":
-            cost = estimate_cost(body, self.s.default_output_tokens)
+            try:
+                cost = estimate_cost(body, self.s.default_output_tokens)
+            except RecursionError:  # json's own limit, or the walk over the prompt
+                self.metrics.rejected.labels("too_deep").inc()
+                return openai_error(
+                    400, "request JSON nested too deeply for the gate to read", "BadRequestError"
+                )
             overhead += time.perf_counter() - started
             try:
                 ticket = await self.admission.acquire(key, cost)
@@ -296,9 +311,13 @@ class GateProxy:
                         break
                     await resp.write(chunk)
                 await resp.write_eof()
-            except (ConnectionResetError, asyncio.CancelledError):
+            except asyncio.CancelledError:
                 self.metrics.client_disconnect("streaming")
                 raise
+            except ConnectionResetError:  # the client left mid-answer: counted, no traceback
+                self.metrics.client_disconnect("streaming")
+                if request.transport is not None:
+                    request.transport.close()
             return resp
         finally:
             # Releasing a finished answer keeps the connection for reuse; closing one that is
