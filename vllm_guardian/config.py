@@ -209,6 +209,9 @@ class SignalsConfig:
     slope_window_seconds: float = field(default=120.0, metadata=_bounds(4, 3600))
     # Requests waiting and not one token generated for this long is a stalled engine.
     stall_seconds: float = field(default=30.0, metadata=_bounds(2, 3600))
+    # The over-capacity estimate (core/capacity.py) reads this long: many finished requests and
+    # several of vLLM's stat updates; a saturation shorter than this gives no number.
+    capacity_window_seconds: float = field(default=120.0, metadata=_bounds(10, 3600))
 
 
 @dataclass(frozen=True)
