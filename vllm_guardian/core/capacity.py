@@ -169,7 +169,8 @@ def estimate(
     if span < st.min_span_ratio * st.window_seconds or len(counted) < 3:
         return CapacityEstimate(
             CapacityState.TOO_LITTLE_DATA,
-            f"{span:.0f}s of the {st.window_seconds:.0f}s window observed",
+            f"{span:.0f}s of the {st.window_seconds:.0f}s window observed in {len(counted)} "
+            "scrapes (80 % of the window and 3 scrapes needed)",
             span,
         )
     finished = _delta(first.finished_total, last.finished_total) or 0.0
@@ -182,9 +183,9 @@ def estimate(
     if waited < st.saturated_share_ratio:
         return CapacityEstimate(
             CapacityState.NOT_SATURATED,
-            f"not saturated (requests waited in {waited:.0%} of the window, "
-            f"{st.saturated_share_ratio:.0%} needed): a server that keeps up cannot tell its "
-            "capacity",
+            f"requests waited in only {waited:.0%} of the window "
+            f"({st.saturated_share_ratio:.0%} needed): a server that keeps up with what arrives "
+            "cannot tell its capacity",
             span,
             waited,
         )
