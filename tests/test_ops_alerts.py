@@ -426,3 +426,18 @@ def test_prometheus_scrapes_the_guardian_and_an_alert_reaches_alertmanager(tmp_p
         assert "VLLMDown" not in firing and "VLLMGuardianDown" not in firing
         assert guardian.poll() is None
         print(f"alert in Alertmanager {elapsed:.1f}s after the servers started")
+
+
+def test_the_autoscaler_query_in_the_docs_is_the_tested_one():
+    tested = yaml.safe_load((ROOT / "alerts" / "tests" / "capacity-query.test.yml").read_text())
+    exprs = {
+        " ".join(t["expr"].split()) for case in tested["tests"] for t in case["promql_expr_test"]
+    }
+    assert len(exprs) == 1, exprs
+    (expr,) = exprs
+    doc = " ".join((ROOT / "docs" / "capacity.md").read_text().split())
+    assert doc.count(expr) >= 2, "docs/capacity.md: the PromQL block and the KEDA query"
+    adapter = expr.replace('job="vllm-guardian", service="vllm"', "<<.LabelMatchers>>").replace(
+        "sum by (namespace)", "sum by (<<.GroupBy>>)"
+    )
+    assert adapter in doc, "docs/capacity.md: the prometheus-adapter metricsQuery"
