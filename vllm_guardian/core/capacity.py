@@ -170,7 +170,7 @@ def estimate(
         return CapacityEstimate(
             CapacityState.TOO_LITTLE_DATA,
             f"{span:.0f}s of the {st.window_seconds:.0f}s window observed in {len(counted)} "
-            "scrapes (80 % of the window and 3 scrapes needed)",
+            "scrape(s) (80 % of the window and 3 scrapes needed)",
             span,
         )
     finished = _delta(first.finished_total, last.finished_total) or 0.0
