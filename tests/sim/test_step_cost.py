@@ -12,45 +12,9 @@ fit), ±6 preemptions (the real runs' spread was 64-75 uncapped, 15-33 at cap 5)
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from tests.sim.helpers import ready_engine
-
-SHAPE_A = (
-    "--sim-model", "tiny", "--block-size", "128", "--kv-cache-memory-bytes", str(16 * 128 * 512),
-    "--enable-chunked-prefill", "--max-num-batched-tokens", "2048", "--max-model-len", "1024",
-)  # fmt: skip
-
-
-def closed_loop(cap: int | None, seed: int = 101, requests: int = 96, clients: int = 24):
-    """(generated tokens per simulated second, preemptions) for one run to completion."""
-    engine = ready_engine(*SHAPE_A, *(("--max-num-seqs", str(cap)) if cap else ()))
-    rng = random.Random(seed)
-    outputs = [rng.randint(128, 256) for _ in range(requests)]
-    start, sent, done, generated = engine.now, 0, 0, 0
-
-    def send() -> None:
-        nonlocal sent
-        prompt = [f"w{sent}_{i}" for i in range(200)]  # unique words: no prefix hits
-        engine.add_request(f"r{sent}", prompt, outputs[sent], True)
-        sent += 1
-
-    for _ in range(clients):
-        send()
-    t = engine.now
-    while done < requests:
-        t += 0.002
-        assert t - start < 600, f"run did not finish: {done}/{requests} done"
-        for d in engine.advance(t):
-            generated += d.new_tokens
-            if d.finish_reason is not None:
-                done += 1
-                if sent < requests:
-                    send()
-    assert engine.scheduler is not None
-    return generated / (engine.now - start), engine.scheduler.num_preemptions_total
+from tests.sim.helpers import closed_loop
 
 
 @pytest.fixture(scope="module")
