@@ -21,6 +21,11 @@ vLLM's stat updates, short enough to follow a shift in load) it reads only vLLM'
 * *replicas needed* = ⌈ratio × replicas ÷ (1 + tolerance)⌉: a ratio within the estimate's
   own noise (10 %) above a whole number does not buy one more replica; the gate sheds that.
 
+Saturation is read from the queue, not from KV usage: a full pool with an empty queue is vLLM
+packing its pool (healthy), and a queue behind a pool that is not full is a server at its
+``--max-num-seqs`` or compute limit, which is saturation too. The mean KV usage over the window
+is kept beside the estimate to say which limit it was.
+
 This is the saturation analysis of llm-d's Workload Variant Autoscaler (KV usage, queue depth
 and token throughput to a desired replica count), reduced to what one vLLM's ``/metrics`` says:
 no router, no per-variant profile. The served rate *is* the capacity only while the server is
@@ -97,13 +102,19 @@ class CapacityEstimate:
     demand_tokens_per_second: float | None = None
     demand_ratio: float | None = None
     replicas_needed: int | None = None
+    kv_usage_mean_ratio: float | None = None  # context: was the KV pool the limit?
 
     def line(self) -> str:
         """One line for `status`, the demo and diagnose."""
         if self.demand_ratio is None:
             return f"capacity: no estimate ({self.state.value}): {self.reason}"
+        kv = (
+            f", KV {100 * self.kv_usage_mean_ratio:.0f} %"
+            if self.kv_usage_mean_ratio is not None
+            else ""
+        )
         return (
-            f"capacity: demand {self.demand_ratio:.2f}x what it serves at saturation "
+            f"capacity: demand {self.demand_ratio:.2f}x what it serves at saturation{kv} "
             f"({_num(self.demand_tokens_per_second)} vs {_num(self.served_tokens_per_second)} "
             f"tokens/s, {self.arrivals_per_second or 0:.2f} vs "
             f"{self.served_requests_per_second or 0:.2f} req/s over {self.span_seconds:.0f}s): "
@@ -210,6 +221,7 @@ def estimate(
         else None
     )
     replicas = max(1, math.ceil(ratio * st.replicas / (1.0 + st.replica_tolerance_ratio)))
+    usages = [s.kv_usage_ratio for s in counted if s.kv_usage_ratio is not None]
     return CapacityEstimate(
         CapacityState.ESTIMATED,
         f"saturated (requests waited in {waited:.0%} of the window)",
@@ -221,4 +233,5 @@ def estimate(
         served_tokens * ratio if served_tokens is not None else None,
         ratio,
         replicas,
+        sum(usages) / len(usages) if usages else None,
     )
