@@ -9,17 +9,20 @@ test and stopped (and swept by its marker) by it:
    (0.4x the 5 the pool hosts), and the same seeded load on the twin. Compared: preemptions
    (±12: the real runs spread 64-75 uncapped) and the throughput ratio capped ÷ uncapped
    (±0.2: identical schedules varied by up to 20 % in wall time on this shared 2-core VM).
-2. **The over-capacity estimate at about twice capacity.** On the uncapped server, after its
-   closed loop measured what it serves, an open-loop load at twice that rate (every request
-   sent at its time; the client holds them all, so vLLM sees the whole demand): the guardian's
+2. **The over-capacity estimate under overload.** On the uncapped server, after its closed
+   loop measured what it serves, an open-loop load at twice that rate (every request sent at
+   its time; the client holds them all, so vLLM sees the whole demand): the guardian's
    estimate over a 45 s window, from vLLM's own /metrics sampled once a second, is within
    ±25 % of the ratio the load generator counts itself (sent ÷ completed in the same window),
-   and ``replicas_needed`` is 2.
+   and ``replicas_needed`` is what that count implies (±25 %). Not exactly 2: hundreds of open
+   connections slow the API server on this 2-core VM, so twice the closed loop's rate was 4.35x
+   what the server then served (one run, 06:20 UTC 2026-11-24: estimated 4.58x, 5 replicas).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import subprocess
 import threading
 import time
@@ -160,8 +163,14 @@ def test_twin_and_real_server_lose_alike_under_a_low_cap(
     assert abs(real["cap2"]["preemptions"] - twin_cap_pre) <= 12, REPORT
     assert twin_ratio == pytest.approx(real_ratio, abs=0.2), REPORT
     est = real["open_loop"]
-    assert est["estimated"] == pytest.approx(est["counted"], rel=0.25), REPORT
-    assert est["replicas_needed"] == 2, REPORT
+    counted = float(est["counted"])  # type: ignore[arg-type]
+    assert est["estimated"] == pytest.approx(counted, rel=0.25), REPORT
+    # The replicas the generator's own count implies, within the same ±25 %. At exactly twice
+    # what the server serves under this load that is 2; here the rate is twice the closed
+    # loop's, and hundreds of open connections slow the API server (one of two shared cores):
+    # measured once, 4.35x by the client's count, 4.58x estimated, 5 replicas.
+    low, high = (math.ceil(f * counted / 1.1) for f in (0.75, 1.25))
+    assert low <= float(est["replicas_needed"]) <= high, REPORT  # type: ignore[arg-type]
 
 
 def over_capacity(
