@@ -585,7 +585,7 @@ KV_THRASH = [
         RELAUNCH_ON,
         thrash(preempt=0.2),
         None,
-        "estimated recompute share 0.08 below 0.3",
+        "estimated recompute share below 0.3",
     ),
     (
         "enabled, small pool: every rung (floor 8) is at or above what the pool admits (7)",
@@ -599,7 +599,7 @@ KV_THRASH = [
         RELAUNCH_ON,
         thrash(ticks_per_episode=1),
         None,
-        "3 running-count samples of 10 needed",
+        "fewer than 10 running-count samples under pressure",
     ),
     (
         "enabled, no throughput figures: the share is unknown, nothing disruptive",
@@ -621,6 +621,8 @@ def test_kv_thrash(name, relaunch, rows, seqs, says):
     if seqs is None:
         assert r.actions == [], reasons
         assert any(says in x for x in reasons), reasons
+        # Said once, not once per tick (the audit log is read by people).
+        assert sum(says in x for x in reasons) == 1, reasons
         return
     (a,) = r.actions
     assert (a.kind, a.cause, a.flags) == (

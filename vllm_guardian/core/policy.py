@@ -781,7 +781,7 @@ def _concurrency_relaunch(
         )
     samples = [r for _, r in s.running_samples]
     if len(samples) < c.min_running_samples:
-        return f"{head}: {len(samples)} running-count samples of {c.min_running_samples} needed"
+        return f"{head}: fewer than {c.min_running_samples} running-count samples under pressure"
     med = median(samples) or 0.0
     peak = max(samples)
     target = c.target_hosted_ratio * med
@@ -793,7 +793,6 @@ def _concurrency_relaunch(
             f"{peak:.0f} the pool admits anyway; {LOW_CAP_COSTS}"
         )
     rung, value = picked
-    sig_tokens = None
     share = None
     if sig is not None:
         tokens = [sig.prompt_tokens_per_second, sig.generation_tokens_per_second]
@@ -805,9 +804,10 @@ def _concurrency_relaunch(
     if share is None:
         return f"{head}: recompute share unknown (preemptions/s, KV pool size or tokens/s missing)"
     if share < c.min_recompute_share_ratio:
+        # No figure in the text: a "nothing done" line is logged once per distinct reason.
         return (
-            f"{head}: estimated recompute share {share:.2f} below "
-            f"{c.min_recompute_share_ratio:g}; a restart costs more than recompute"
+            f"{head}: estimated recompute share below {c.min_recompute_share_ratio:g}; a "
+            "restart costs more than recompute"
         )
     return rung, (
         f"cap {value} = {value / med if med else 0:.2f}x the median running {med:.0f} over "
