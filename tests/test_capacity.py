@@ -79,6 +79,29 @@ CASES = [
         2,
     ),
     ("1.5x capacity", series(arrivals_per_s=3.0), "estimated", 1.5, 2),
+    (
+        "2x, the admission gate holds the excess: vLLM's queue flat, the gate's grows",
+        series(gate_queued=lambda t: 5.0 + 2.0 * t, gate_rejected_total=0.0),
+        "estimated",
+        2.0,
+        2,
+    ),
+    (
+        "2x, the gate turns the excess away (a counter restarted by the gate's own restart)",
+        series(
+            gate_queued=3.0, gate_rejected_total=lambda t: 2.0 * t if t < 60 else 2.0 * (t - 60)
+        ),
+        "estimated",
+        2.0,
+        2,
+    ),
+    (
+        "healthy behind a gate: nothing queued anywhere most of the time",
+        series(waiting_at=lambda t: 1.0 if int(t) % 20 == 0 else 0.0, gate_queued=0.0),
+        "not_saturated",
+        None,
+        None,
+    ),
     ("3.3x capacity", series(arrivals_per_s=6.6), "estimated", 3.3, 3),
     (
         "saturated at exactly capacity (a closed loop): 1.0x, one replica",

@@ -14,7 +14,9 @@ vLLM's stat updates, short enough to follow a shift in load) it reads only vLLM'
   generation tokens per second (``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``);
 * *arrivals*: every request that left the engine (finished, aborted or failed) plus the growth
   of the requests in the engine (``num_requests_running + num_requests_waiting``; the least-
-  squares slope over the window times its span, so one noisy reading cannot swing it);
+  squares slope over the window times its span, so one noisy reading cannot swing it); with
+  the guardian's admission gate in front (``sources.gate``), also the growth of the gate's
+  queue and the requests it turned away: demand held at the front door is demand;
 * *demand ratio* = arrivals ÷ served (> 1: work arrives faster than it is served; a request
   abandoned in the queue is demand the service did not meet); demand tokens/s = served
   tokens/s × the ratio (arriving requests are assumed to be like the served ones);
@@ -39,7 +41,8 @@ saturated, so that is checked first.
 * ``too_little_data``: less than ``min_span_ratio`` of the window observed (the guardian just
   started, scrapes failed), or fewer than ``min_finished`` requests served in it;
 * ``idle``: nothing arrived and nothing is in the engine;
-* ``not_saturated``: requests waited in fewer than ``saturated_share_ratio`` of the samples. A
+* ``not_saturated``: requests waited (in vLLM or at the gate) in fewer than
+  ``saturated_share_ratio`` of the samples. A
   server that keeps up serves what arrives, so its capacity cannot be read from it; bursts
   shorter than the window land here too.
 """
@@ -78,6 +81,10 @@ class CapacitySample:
     running: float | None = None
     waiting: float | None = None
     kv_usage_ratio: float | None = None
+    # The admission gate in front of vLLM, when there is one and it answered: requests it holds
+    # and requests it turned away (counter since it started). Demand vLLM never sees.
+    gate_queued: float | None = None
+    gate_rejected_total: float | None = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +143,12 @@ def _slope(points: Sequence[tuple[float, float]]) -> float:
     return sum((t - mt) * (v - mv) for t, v in points) / den
 
 
+def _increase(values: Sequence[float | None]) -> float:
+    """A counter's increase over the known values (a drop is a restart: counts from zero)."""
+    known = [v for v in values if v is not None]
+    return sum(b if b < a else b - a for a, b in itertools.pairwise(known))
+
+
 def _delta(first: float | None, last: float | None) -> float | None:
     return None if first is None or last is None else last - first
 
@@ -187,10 +200,16 @@ def estimate(
     finished = _delta(first.finished_total, last.finished_total) or 0.0
     failed = _delta(first.failed_total, last.failed_total) or 0.0
     served = finished - failed
-    in_engine = [(s.time_seconds, (s.running or 0.0) + (s.waiting or 0.0)) for s in counted]
-    if finished <= 0 and all(v <= 0 for _, v in in_engine):
+    in_engine = [
+        (s.time_seconds, (s.running or 0.0) + (s.waiting or 0.0) + (s.gate_queued or 0.0))
+        for s in counted
+    ]
+    turned_away = _increase([s.gate_rejected_total for s in counted])
+    if finished <= 0 and turned_away <= 0 and all(v <= 0 for _, v in in_engine):
         return CapacityEstimate(CapacityState.IDLE, "idle: no request arrived or ran", span)
-    waited = sum(1 for s in counted if (s.waiting or 0.0) >= 1.0) / len(counted)
+    waited = sum(
+        1 for s in counted if (s.waiting or 0.0) >= 1.0 or (s.gate_queued or 0.0) >= 1.0
+    ) / len(counted)
     if waited < st.saturated_share_ratio:
         return CapacityEstimate(
             CapacityState.NOT_SATURATED,
@@ -209,7 +228,7 @@ def estimate(
             waited,
         )
     growth = _slope(in_engine) * span
-    arrivals = finished + growth
+    arrivals = finished + growth + turned_away
     ratio = max(0.0, arrivals / served)
     tokens = [
         _delta(first.prompt_tokens_total, last.prompt_tokens_total),

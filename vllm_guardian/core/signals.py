@@ -569,6 +569,8 @@ def capacity_samples(window: Sequence[Snapshot], service: str) -> list[CapacityS
             continue
         e = scrape.engines
         usage = _kv_usage(e) if e else None
+        svc = snap.service(service)
+        gate = svc.gate if svc is not None and svc.gate is not None and svc.gate.reachable else None
         out.append(
             CapacitySample(
                 snap.time_seconds,
@@ -582,6 +584,10 @@ def capacity_samples(window: Sequence[Snapshot], service: str) -> list[CapacityS
                 running=_sum_opt([x.requests_running for x in e]),
                 waiting=_sum_opt([x.requests_waiting for x in e]),
                 kv_usage_ratio=usage,
+                gate_queued=None if gate is None or gate.queued is None else float(gate.queued),
+                gate_rejected_total=(
+                    None if gate is None or gate.rejected_total is None else gate.rejected_total
+                ),
             )
         )
     return out
