@@ -5,7 +5,11 @@ plus bursts) with prompt/output lengths and shared prefixes; it is pure, so the 
 tests feed the same plan straight into the engine. ``run_load`` sends that plan over HTTP on
 its schedule, whether or not earlier requests have finished (open loop), and records every
 request's outcome: ok, HTTP error, error event in the stream, connection error, latency,
-tokens. It refuses any host that is not a loopback address.
+tokens. The window (``max_duration_seconds``) bounds when requests are *sent*; every request
+sent gets its whole ``request_timeout_seconds`` to finish, so the run ends after the window
+once the last answer is in, and a healthy server fails none. Each planned request may say
+whether it streams (``PlannedRequest.stream``; None: the run's default). It refuses any host
+that is not a loopback address.
 
 Prompts are made of whitespace-separated words and the twin counts one token per word, so a
 planned prompt of N tokens is N tokens on the twin.
@@ -38,6 +42,7 @@ class PlannedRequest:
     prompt_tokens: int
     max_tokens: int
     burst: bool = False
+    stream: bool | None = None  # None: the run's default
 
 
 class OutcomeKind(enum.Enum):
@@ -46,8 +51,8 @@ class OutcomeKind(enum.Enum):
     STREAM_ERROR = "stream_error"  # HTTP 200, then an error event (engine death)
     INCOMPLETE = "incomplete"  # the stream ended without [DONE]
     CONNECTION_ERROR = "connection_error"
-    TIMEOUT = "timeout"  # no answer within the request's time bound
-    NOT_SENT = "not_sent"  # the time bound ran out before its arrival
+    TIMEOUT = "timeout"  # no answer within the request's own time bound
+    NOT_SENT = "not_sent"  # the window closed before its arrival
 
 
 @dataclass(frozen=True)
@@ -232,8 +237,9 @@ def run_load(
     stop: threading.Event | None = None,
     on_outcome: Callable[[RequestOutcome], None] | None = None,
 ) -> LoadResult:
-    """Send ``plan`` open-loop (arrival times divided by ``speed``), bounded in time.
-    ``on_outcome`` is called with each sent request's outcome as soon as it is known."""
+    """Send ``plan`` open-loop (arrival times divided by ``speed``) for ``max_duration_seconds``,
+    then wait for the requests sent, each bounded by ``request_timeout_seconds`` (not by the
+    window). ``on_outcome`` is called with each sent request's outcome as soon as it is known."""
     require_loopback(base_url)
     stop = stop or threading.Event()
     start = time.monotonic()
@@ -255,8 +261,10 @@ def run_load(
                                    p.prompt_tokens, 0, None, None)
                 )  # fmt: skip
                 continue
-            timeout = max(0.1, min(request_timeout_seconds, deadline - time.monotonic()))
-            fut = pool.submit(send_one, base_url, p, model, stream, timeout, due - start)
+            streams = stream if p.stream is None else p.stream
+            fut = pool.submit(
+                send_one, base_url, p, model, streams, request_timeout_seconds, due - start
+            )
             if on_outcome is not None:
                 fut.add_done_callback(_reporter(on_outcome))
             futures.append(fut)
