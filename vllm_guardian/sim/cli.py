@@ -50,7 +50,13 @@ def load(argv: Sequence[str]) -> int:
     p.add_argument("--speed", type=float, default=1.0, help="the twin's --sim-speed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-requests", type=int, default=200)
-    p.add_argument("--max-duration-seconds", type=float, default=60.0)
+    p.add_argument(
+        "--max-duration-seconds",
+        type=float,
+        default=60.0,
+        help="the window in which requests are sent; each request sent then gets its whole "
+        "time bound (30 s) to finish",
+    )
     p.add_argument("--no-stream", action="store_true")
     p.add_argument("--outcomes", default=None, help="write one JSON line per request here")
     ns = p.parse_args(list(argv))
