@@ -30,7 +30,7 @@ OOMs recur while their cause persists. Every request sent gets its whole 30 s ti
 
 Per run: sent, failed (HTTP, stream or connection error, timeout), failed split into *in flight
 at a fault* / *arrived during an outage* (fault → serving again) / *other* (after recovery, or
-with no fault at all), time to detect (first fault → the operator's first action), time to
+with no fault at all), time to detect (first fault → the operator's first action or vLLM's restart), time to
 recover (first fault → the first request sent after it that succeeds), downtime (``/health``
 not 200 after first ready), goodput (tokens/s of successful requests), p50/p99 latency, p50/p99
 TTFT of successful streams, OOM crashes, actions, final flags, alerts fired. Each cell
@@ -129,7 +129,8 @@ class Run:
     p99_latency_seconds: float | None = None
     p50_ttft_seconds: float | None = None
     p99_ttft_seconds: float | None = None
-    actions: list[str] = dataclasses.field(default_factory=list)
+    actions: list[str] = dataclasses.field(default_factory=list)  # the operator's decisions
+    restarts: int = 0  # times vLLM was started again (by an action or by its supervisor)
     alerts_fired: list[str] = dataclasses.field(default_factory=list)
     final_flags: str = ""
     wall_seconds: float = 0.0
@@ -153,16 +154,29 @@ def twin_command(scenario: str, port: int, speed: float, seed: int, workdir: Pat
     ]  # fmt: skip
 
 
-class TimedSupervisor(Supervisor):
-    """The unguarded operators' supervisor; remembers when it (re)started vLLM."""
+class StartWatch:
+    """Notes when a supervisor starts vLLM again (its ``starts`` count grows), every 0.1 s."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.spawned_unix_seconds: list[float] = []
+    def __init__(self, sup: Supervisor) -> None:
+        self.sup = sup
+        self.restarts_unix_seconds: list[float] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
 
-    def _spawn(self) -> None:
-        super()._spawn()
-        self.spawned_unix_seconds.append(time.time())
+    def _run(self) -> None:
+        seen = self.sup.starts
+        while not self._stop.wait(0.1):
+            now = self.sup.starts
+            self.restarts_unix_seconds += [time.time()] * max(0, now - max(seen, 1))
+            seen = max(seen, now)
+
+    def __enter__(self) -> StartWatch:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join(timeout=5)
 
 
 class HealthWatch:
@@ -363,7 +377,8 @@ def run_one(
         guardian: Guardian | None = None
         alert_log: AlertLog | None = None
         loop: threading.Thread | None = None
-        sup: TimedSupervisor | None = None
+        sup: Supervisor | None = None
+        starts: StartWatch | None = None
         gate: subprocess.Popen[bytes] | None = None
         sidecar: Sidecar | None = None
         load_url = url
@@ -375,6 +390,8 @@ def run_one(
                 guardian = Guardian(guardian_config(workdir, url, gport, command, speed))
                 alert_log = AlertLog(guardian)
                 guardian.stages.append(alert_log)
+                if guardian.healing is not None and "vllm" in guardian.healing.supervisors:
+                    starts = StartWatch(guardian.healing.supervisors["vllm"]).__enter__()
                 loop = threading.Thread(
                     target=guardian.run, kwargs={"install_signals": False}, daemon=True
                 )
@@ -389,11 +406,12 @@ def run_one(
                         )  # fmt: skip
                     load_url = f"http://127.0.0.1:{gate_port}"
             else:
-                sup = TimedSupervisor(
+                sup = Supervisor(
                     "vllm", command, workdir / "vllm.env", workdir / "vllm.log",
                     stop_timeout_seconds=15, restart_on_clean_exit=operator != "unguarded-on-failure",
                 )  # fmt: skip
                 sup.start()
+                starts = StartWatch(sup).__enter__()
                 if operator == "sidecar":
                     sidecar = Sidecar(url, sup, speed)
                     sidecar.__enter__()
@@ -439,15 +457,18 @@ def run_one(
                 )
             if alert_log is not None:
                 run.alerts_fired = sorted(alert_log.fired)
+            restarts: list[float] = []
+            if starts is not None:
+                starts.__exit__()
+                restarts = starts.restarts_unix_seconds
             if sup is not None:
                 sup.stop()
-                if operator != "sidecar":
-                    actions += [(t, "restart (supervisor)") for t in sup.spawned_unix_seconds[1:]]
             timeline = read_timeline(workdir / "timeline.json")
     actions.sort()
     run.actions = [a for _, a in actions]
+    run.restarts = len(restarts)
     measure(run, outcomes, load_start, duration, [f.unix_seconds for f in timeline.faults],
-            [t for t, _ in actions])  # fmt: skip
+            sorted([*(t for t, _ in actions), *restarts]))  # fmt: skip
     run.oom_crashes = sum(1 for f in timeline.faults if f.kind == "oom")
     run.wall_seconds = time.monotonic() - started
     return run
@@ -512,7 +533,7 @@ def measure(
 MEASURES = ("failed_pct", "failed", "failed_in_flight", "failed_during_outage", "failed_other",
             "time_to_detect_seconds", "time_to_recover_seconds", "downtime_seconds",
             "goodput_tokens_per_second", "p50_latency_seconds", "p99_latency_seconds",
-            "p50_ttft_seconds", "p99_ttft_seconds", "oom_crashes", "sent")  # fmt: skip
+            "p50_ttft_seconds", "p99_ttft_seconds", "oom_crashes", "restarts", "sent")  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -575,7 +596,12 @@ def verdict(scenario: str, cells: dict[tuple[str, str], Cell]) -> str | None:
             f"p99 TTFT {_f(gt)} ≤ unguarded {_f(ut)}": gt is not None
             and ut is not None
             and gt <= ut,
-            f"{OVER_CAPACITY_ALERT} fired": alert,
+            f"{OVER_CAPACITY_ALERT} fired"
+            + (
+                ""
+                if OVER_CAPACITY_ALERT in default_rules_text()
+                else " (no such rule in this build)"
+            ): alert,
         }
     else:
         cf = c.median("failed") or 0.0 if c is not None else None
@@ -607,6 +633,22 @@ def _mm(cell: Cell, name: str, fmt: str = "{:.1f}") -> str:
     return f"{fmt.format(med)} ({fmt.format(lo)}–{fmt.format(hi)})"
 
 
+def partial_note(cells: Sequence[Cell], args: argparse.Namespace) -> list[str]:
+    """A warning line when this is not the full matrix (every scenario, operator, ≥ 3 seeds)."""
+    missing = [s for s in ALL if not any(c.scenario == s for c in cells)]
+    ops = [o for o in OPERATORS if not any(c.operator == o for c in cells)]
+    if not missing and not ops and len(args.seeds) >= 3:
+        return []
+    what = []
+    if missing:
+        what.append(f"scenarios left out: {', '.join(missing)}")
+    if ops:
+        what.append(f"operators left out: {', '.join(ops)}")
+    if len(args.seeds) < 3:
+        what.append(f"{len(args.seeds)} seed(s), not 3")
+    return [f"**Partial run, not the benchmark's result** ({'; '.join(what)}).", ""]
+
+
 def markdown(cells: list[Cell], args: argparse.Namespace, wall_seconds: float) -> str:
     lines = [
         "# Outcome benchmark",
@@ -616,13 +658,14 @@ def markdown(cells: list[Cell], args: argparse.Namespace, wall_seconds: float) -
         f"{int(STREAM_SHARE * 100)} % of requests streaming; {len(cells)} cells, "
         f"wall time {wall_seconds / 60:.0f} min on {os.cpu_count()} cores.",
         "",
+        *partial_note(cells, args),
         "Each value: median over the seeds (min–max). *Split*: failed in flight at a fault / "
-        "arrived during an outage / other. *Detect*: first fault → the operator's first action; "
+        "arrived during an outage / other. *Detect*: first fault → the operator's first action or vLLM's restart; "
         "*recover*: first fault → the first success among requests sent after it.",
         "",
         "| scenario | operator | sent | failed % | split | detect s | recover s | down s | goodput tok/s "
-        "| p50 / p99 s | TTFT p50 / p99 s | OOMs | actions | final flags | load avg before → after |",
-        "|---|---|---:|---:|---|---:|---:|---:|---:|---|---|---:|---|---|---|",
+        "| p50 / p99 s | TTFT p50 / p99 s | OOMs | restarts | actions | final flags | load avg before → after |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---|---|---:|---:|---|---|---|",
     ]
     for c in cells:
         split = "/".join(_f(c.median(m), "{:.0f}") for m in
@@ -636,7 +679,7 @@ def markdown(cells: list[Cell], args: argparse.Namespace, wall_seconds: float) -
             f"| {_mm(c, 'downtime_seconds')} | {_mm(c, 'goodput_tokens_per_second', '{:.0f}')} "
             f"| {_f(c.median('p50_latency_seconds'), '{:.2f}')} / {_f(c.median('p99_latency_seconds'), '{:.2f}')} "
             f"| {_f(c.median('p50_ttft_seconds'), '{:.2f}')} / {_f(c.median('p99_ttft_seconds'), '{:.2f}')} "
-            f"| {_mm(c, 'oom_crashes', '{:.0f}')} | {acts} | {' / '.join(flags)} | {load} |"
+            f"| {_mm(c, 'oom_crashes', '{:.0f}')} | {_mm(c, 'restarts', '{:.0f}')} | {acts} | {' / '.join(flags)} | {load} |"
         )  # fmt: skip
     lines += [
         "",
@@ -766,7 +809,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"({r.failed_pct:5.1f} %: {r.failed_in_flight}/{r.failed_during_outage}/{r.failed_other}) "
                       f"detect {_f(r.time_to_detect_seconds)} recover {_f(r.time_to_recover_seconds)} "
                       f"down {r.downtime_seconds:5.1f}s goodput {r.goodput_tokens_per_second:6.0f} "
-                      f"OOMs {r.oom_crashes} actions {len(r.actions)} [{r.wall_seconds:.0f}s]", flush=True)  # fmt: skip
+                      f"OOMs {r.oom_crashes} restarts {r.restarts} actions {len(r.actions)} [{r.wall_seconds:.0f}s]", flush=True)  # fmt: skip
             after = os.getloadavg()
             busy = max(before[0], after[0]) > cores
             cells.append(Cell(s, op, runs, before, after, busy))
