@@ -506,6 +506,8 @@ def measure(
         return load_start + o.scheduled_seconds
 
     def ended_at(o: RequestOutcome) -> float:
+        if o.ended_seconds is not None:
+            return load_start + o.ended_seconds
         return sent_at(o) + (o.latency_seconds or 0.0)
 
     # An outage runs from a fault to the end of the first success among requests sent after it.

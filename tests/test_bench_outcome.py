@@ -7,6 +7,7 @@ what it writes, never its numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -100,3 +101,13 @@ def test_the_bench_runs_end_to_end_and_writes_its_report(tmp_path: Path) -> None
     md = (tmp_path / "outcome.md").read_text()
     assert "| steady | guardian+gate |" in md and "- steady: " in md
     assert (tmp_path / "outcome.svg").read_text().startswith("<svg")
+
+
+def test_a_request_sent_late_by_a_busy_client_is_dated_by_its_real_end() -> None:
+    # Scheduled at 95 s, sent late, failed at 101 s: in flight at the fault at 100 s, although
+    # scheduled + latency (95.5 s) lies before it.
+    b = bench()
+    run = b.Run("exit_zero_death", "unguarded", 7)
+    late = dataclasses.replace(outcome(0, 95.0, 0.5, HTTP), ended_seconds=101.0)
+    b.measure(run, [late], 1000.0, 60.0, faults=[1100.0], action_times=[])
+    assert (run.failed_in_flight, run.failed_other) == (1, 0)

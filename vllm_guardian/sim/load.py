@@ -67,6 +67,9 @@ class RequestOutcome:
     completion_tokens: int
     finish_reason: str | None
     error: str | None
+    # Real seconds after the start when the answer ended; on a busy client a request can be
+    # sent later than scheduled, so this is not always scheduled + latency.
+    ended_seconds: float | None = None
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -160,7 +163,9 @@ def send_one(
     stream: bool,
     timeout_seconds: float,
     scheduled_seconds: float,
+    load_start: float | None = None,
 ) -> RequestOutcome:
+    """One request; ``load_start`` (monotonic) dates its end relative to the load's start."""
     body = {
         "model": model,
         "prompt": planned.prompt,
@@ -174,9 +179,11 @@ def send_one(
     finish: str | None = None
 
     def outcome(kind: OutcomeKind, status: int | None, error: str | None) -> RequestOutcome:
+        now = time.monotonic()
         return RequestOutcome(
-            planned.index, kind, scheduled_seconds, time.monotonic() - start, ttft, status,
+            planned.index, kind, scheduled_seconds, now - start, ttft, status,
             planned.prompt_tokens, tokens, finish, error,
+            None if load_start is None else now - load_start,
         )  # fmt: skip
 
     try:
@@ -263,7 +270,7 @@ def run_load(
                 continue
             streams = stream if p.stream is None else p.stream
             fut = pool.submit(
-                send_one, base_url, p, model, streams, request_timeout_seconds, due - start
+                send_one, base_url, p, model, streams, request_timeout_seconds, due - start, start
             )
             if on_outcome is not None:
                 fut.add_done_callback(_reporter(on_outcome))
