@@ -111,3 +111,11 @@ def test_a_request_sent_late_by_a_busy_client_is_dated_by_its_real_end() -> None
     late = dataclasses.replace(outcome(0, 95.0, 0.5, HTTP), ended_seconds=101.0)
     b.measure(run, [late], 1000.0, 60.0, faults=[1100.0], action_times=[])
     assert (run.failed_in_flight, run.failed_other) == (1, 0)
+
+
+def test_a_failure_a_few_milliseconds_before_the_faults_date_is_in_flight() -> None:
+    # The twin dates the fault by its engine clock, up to a step ahead of the wall clock.
+    b = bench()
+    run = b.Run("exit_zero_death", "unguarded", 7)
+    b.measure(run, [outcome(0, 99.0, 0.999, HTTP)], 1000.0, 60.0, faults=[1100.0], action_times=[])
+    assert (run.failed_in_flight, run.failed_other) == (1, 0)
