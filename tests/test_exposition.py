@@ -131,3 +131,20 @@ def test_http_endpoints():
     finally:
         server.stop()
     assert time.monotonic() > 0
+
+
+@pytest.mark.parametrize(("listen", "url_host"), [("127.0.0.1", "127.0.0.1"), ("::1", "[::1]")])
+def test_listen_binds_the_family_of_its_address(listen: str, url_host: str):
+    """`listen: '[::1]:PORT'` serves /metrics over IPv6 (it raised gaierror before)."""
+    c = GuardianCollector(["vllm"])
+    server = ExpositionServer(c, listen, 0, stale_after_seconds=10, monotonic=lambda: 0.0)
+    server.start()
+    try:
+        host, port = server.address
+        assert host == listen
+        history = snapshots()
+        c.publish(Published(history[-1], signals_for(history), 0.01), monotonic_now=0.0)
+        r = requests.get(f"http://{url_host}:{port}/metrics", timeout=10)
+        assert r.status_code == 200 and "vllm_guardian_requests_waiting" in r.text
+    finally:
+        server.stop()
