@@ -72,10 +72,8 @@ from vllm_guardian.actuators.alerts import default_rules_text  # noqa: E402
 from vllm_guardian.actuators.procmgr import Supervisor  # noqa: E402
 from vllm_guardian.config import PolicyConfig, SignalsConfig, parse_config  # noqa: E402
 from vllm_guardian.core.alerting import parse_rules  # noqa: E402
-from vllm_guardian.core.signals import Signals  # noqa: E402
 from vllm_guardian.daemon import Guardian  # noqa: E402
 from vllm_guardian.demo import free_port  # noqa: E402
-from vllm_guardian.model import AlertState, Snapshot  # noqa: E402
 from vllm_guardian.sim.load import (  # noqa: E402
     OutcomeKind,
     PlannedRequest,
@@ -275,17 +273,32 @@ class Sidecar:
 
 
 class AlertLog:
-    """A guardian stage that only remembers which alerts fired (the bench reads it at the end)."""
+    """Reads the guardian's /metrics every 0.25 s and remembers which alerts fired."""
 
-    def __init__(self, guardian: Guardian) -> None:
-        self.guardian = guardian
+    def __init__(self, url: str) -> None:
+        self.url = url + "/metrics"
         self.fired: set[str] = set()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
 
-    def run(self, snapshot: Snapshot, signals: Signals, now: float) -> Sequence[dict[str, Any]]:
-        healing = self.guardian.healing
-        if healing is not None:
-            self.fired |= {a.name for a in healing.alerts.values() if a.state is AlertState.FIRING}
-        return ()
+    def _run(self) -> None:
+        while not self._stop.wait(0.25):
+            try:
+                text = requests.get(self.url, timeout=2).text
+            except requests.RequestException:
+                continue
+            for line in text.splitlines():
+                if line.startswith("vllm_guardian_alert{") and 'alertstate="firing"' in line:
+                    name = line.split('alertname="', 1)[1].split('"', 1)[0]
+                    self.fired.add(name)
+
+    def __enter__(self) -> AlertLog:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join(timeout=5)
 
 
 def _scale_fields(obj: Any, speed: float) -> dict[str, Any]:
@@ -391,8 +404,7 @@ def run_one(
             if operator.startswith("guardian"):
                 gport = free_port()
                 guardian = Guardian(guardian_config(workdir, url, gport, command, speed))
-                alert_log = AlertLog(guardian)
-                guardian.stages.append(alert_log)
+                alert_log = AlertLog(f"http://127.0.0.1:{gport}").__enter__()
                 if guardian.healing is not None and "vllm" in guardian.healing.supervisors:
                     starts = StartWatch(guardian.healing.supervisors["vllm"]).__enter__()
                 loop = threading.Thread(
@@ -459,6 +471,7 @@ def run_one(
                     else ""
                 )
             if alert_log is not None:
+                alert_log.__exit__()
                 run.alerts_fired = sorted(alert_log.fired)
             restarts: list[float] = []
             if starts is not None:

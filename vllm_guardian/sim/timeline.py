@@ -9,15 +9,16 @@ The first process to become ready writes the epoch (its readiness) unless ``--si
 gave one; later processes read it, so the scenario's one-off faults keep their place on the
 run's clock. Each process appends the faults it meets (OOMs included), which is what a
 benchmark reads to time detection and recovery. Written atomically (temporary file and
-rename); read by the twin's main thread only, at start and when a fault is added.
+rename, atomicfile.py); read by the twin's main thread only, at start and when a fault is added.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from vllm_guardian.atomicfile import write_atomic
 
 
 class TimelineError(ValueError):
@@ -66,6 +67,4 @@ def write_timeline(path: Path, timeline: Timeline) -> None:
             {"kind": f.kind, "unix_seconds": f.unix_seconds, "pid": f.pid} for f in timeline.faults
         ],
     }
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=1).encode(), 0o644)
