@@ -19,8 +19,9 @@ the twin under:
   running requests to reach 0, then restart with the same flags (under ``Restart=always``);
 * **guardian** — vllm-guardian with its shipped rules and policy defaults, armed
   (``dry_run: false``), supervising vLLM; the load goes straight to vLLM;
-* **guardian+gate** — the deployed form: the same guardian and ``vllm-guardian gate`` in front
-  of vLLM following the guardian's ``/ready``; the load goes to the gate.
+* **guardian+gate** — the deployed form: the same guardian with the service's ``gate:`` section,
+  and ``vllm-guardian gate -c CONFIG --service vllm`` in front of vLLM (as its unit runs it),
+  following the guardian's ``/ready``; the load goes to the gate.
 
 The twin runs ``--speed`` times faster than real time, so every operator's clock (the sidecar's
 intervals, the guardian's tick, windows, ``for`` durations, cooldowns, timeouts, the gate's
@@ -70,7 +71,7 @@ sys.path.insert(0, str(ROOT))
 from vllm_guardian.actuators import flags as flagsfile  # noqa: E402
 from vllm_guardian.actuators.alerts import default_rules_text  # noqa: E402
 from vllm_guardian.actuators.procmgr import Supervisor  # noqa: E402
-from vllm_guardian.config import PolicyConfig, SignalsConfig, parse_config  # noqa: E402
+from vllm_guardian.config import GateConfig, PolicyConfig, SignalsConfig, parse_config  # noqa: E402
 from vllm_guardian.core.alerting import parse_rules  # noqa: E402
 from vllm_guardian.daemon import Guardian  # noqa: E402
 from vllm_guardian.demo import free_port  # noqa: E402
@@ -314,8 +315,16 @@ def _scale_fields(obj: Any, speed: float) -> dict[str, Any]:
     return out
 
 
-def guardian_config(workdir: Path, url: str, port: int, command: list[str], speed: float) -> Any:
-    """The shipped defaults, armed, every time constant divided by the twin's speed."""
+def guardian_config(
+    workdir: Path,
+    url: str,
+    port: int,
+    command: list[str],
+    speed: float,
+    gate_port: int | None = None,
+) -> Any:
+    """The shipped defaults, armed, every time constant divided by the twin's speed; with
+    ``gate_port``, the service's ``gate:`` section too (the gate reads the same file)."""
     rules = parse_rules(default_rules_text(), "defaults")
     scaled = [
         {k: v for k, v in dataclasses.asdict(r).items() if k != "optional" or v}
@@ -336,23 +345,34 @@ def guardian_config(workdir: Path, url: str, port: int, command: list[str], spee
         "recorder": {"path": None},
         "services": [
             {"name": "vllm", "url": url, "command": command, "log_file": str(workdir / "vllm.log")}
+            | ({} if gate_port is None else {"gate": gate_section(gate_port, speed)})
         ],
         "sources": {"nvml": {"backend": "file", "state_file": str(workdir / "gpu.json")}},
         "signals": _scale_fields(SignalsConfig(), speed),
         "alerting": {"default_rules": False, "rules_file": str(workdir / "rules.yaml")},
         "policy": policy,
     }
-    return parse_config(json.dumps(cfg), str(workdir / "config.yaml"))
+    path = workdir / "config.yaml"
+    path.write_text(json.dumps(cfg, indent=1))  # JSON is YAML: `vllm-guardian gate -c` reads it
+    return parse_config(path.read_text(), str(path))
 
 
-def gate_command(port: int, upstream: str, guardian: str, speed: float) -> list[str]:
-    """``vllm-guardian gate`` with its defaults, its clock divided by the twin's speed."""
-    return [
-        sys.executable, "-m", "vllm_guardian", "gate", "--listen", f"127.0.0.1:{port}",
-        "--upstream", upstream, "--guardian", guardian, "--service", "vllm",
-        "--max-wait", f"{60.0 / speed:g}", "--release-rate", f"{50.0 * speed:g}",
-        "--kv-poll-interval", f"{max(0.1, 0.5 / speed):g}", "--retry-after", "1",
-    ]  # fmt: skip
+def gate_section(port: int, speed: float) -> dict[str, Any]:
+    """The service's ``gate:`` defaults, its clock divided by the twin's speed."""
+    return _scale_fields(GateConfig(), speed) | {
+        "listen": f"127.0.0.1:{port}",
+        "release_rate_per_second": GateConfig().release_rate_per_second * speed,
+        "retry_after_seconds": 1,
+        # Not divided: 0.1 s already notices a restart before the guardian's next tick, and
+        # 40 polls a second would cost the shared cores more than they tell.
+        "poll_interval_seconds": GateConfig().poll_interval_seconds,
+    }
+
+
+def gate_command(workdir: Path) -> list[str]:
+    """The deployed form: ``vllm-guardian gate -c CONFIG --service vllm`` (as its unit runs it)."""
+    return [sys.executable, "-m", "vllm_guardian", "gate", "-c", str(workdir / "config.yaml"),
+            "--service", "vllm"]  # fmt: skip
 
 
 def wait_healthy(url: str, limit_seconds: float = 180.0) -> None:
@@ -403,7 +423,8 @@ def run_one(
         try:
             if operator.startswith("guardian"):
                 gport = free_port()
-                guardian = Guardian(guardian_config(workdir, url, gport, command, speed))
+                gate_port = free_port() if operator == "guardian+gate" else None
+                guardian = Guardian(guardian_config(workdir, url, gport, command, speed, gate_port))
                 alert_log = AlertLog(f"http://127.0.0.1:{gport}").__enter__()
                 if guardian.healing is not None and "vllm" in guardian.healing.supervisors:
                     starts = StartWatch(guardian.healing.supervisors["vllm"]).__enter__()
@@ -411,11 +432,10 @@ def run_one(
                     target=guardian.run, kwargs={"install_signals": False}, daemon=True
                 )
                 loop.start()
-                if operator == "guardian+gate":
-                    gate_port = free_port()
+                if gate_port is not None:
                     with (workdir / "gate.log").open("wb") as log:
                         gate = subprocess.Popen(
-                            gate_command(gate_port, url, f"http://127.0.0.1:{gport}", speed),
+                            gate_command(workdir),
                             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)},
                         )  # fmt: skip
