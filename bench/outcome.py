@@ -145,14 +145,17 @@ class Run:
 # --- the operators ------------------------------------------------------------------------------
 
 
-def twin_command(scenario: str, port: int, speed: float, seed: int, workdir: Path) -> list[str]:
+def twin_command(
+    scenario: str, port: int, speed: float, seed: int, workdir: Path, fault_every: float | None
+) -> list[str]:
+    every = [] if fault_every is None else ["--sim-fault-every", f"{fault_every:g}"]
     return [
         sys.executable, "-m", "vllm_guardian.sim", "serve", "--host", "127.0.0.1", "--port", str(port),
         "--served-model-name", "bench", "--shutdown-timeout", "10", "--sim-scenario", scenario,
         "--sim-speed", f"{speed:g}", "--sim-seed", str(seed),
         "--sim-gpu-state-file", str(workdir / "gpu.json"),
         "--sim-gpu-state-interval-seconds", f"{max(0.25, 1.0 / speed):g}",
-        "--sim-timeline-file", str(workdir / "timeline.json"),
+        "--sim-timeline-file", str(workdir / "timeline.json"), *every,
     ]  # fmt: skip
 
 
@@ -398,7 +401,13 @@ def mixed_plan(scenario: str, seed: int, duration_sim_seconds: float) -> list[Pl
 
 
 def run_one(
-    scenario: str, operator: str, seed: int, speed: float, duration: float, keep: bool = False
+    scenario: str,
+    operator: str,
+    seed: int,
+    speed: float,
+    duration: float,
+    keep: bool = False,
+    fault_every: float | None = None,
 ) -> Run:
     run = Run(scenario, operator, seed)
     started = time.monotonic()
@@ -409,7 +418,7 @@ def run_one(
         workdir = Path(tmp)
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        command = twin_command(scenario, port, speed, seed, workdir)
+        command = twin_command(scenario, port, speed, seed, workdir, fault_every)
         guardian: Guardian | None = None
         alert_log: AlertLog | None = None
         loop: threading.Thread | None = None
@@ -693,7 +702,13 @@ def markdown(cells: list[Cell], args: argparse.Namespace, wall_seconds: float) -
         "",
         f"`{args.command}` — seeds {', '.join(map(str, args.seeds))}, twin speed {args.speed:g}×, "
         f"{args.duration:g} s of load per run (= {args.duration * args.speed:g} simulated seconds), "
-        f"{int(STREAM_SHARE * 100)} % of requests streaming; {len(cells)} cells, "
+        f"{int(STREAM_SHARE * 100)} % of requests streaming"
+        + (
+            f", a fault every {args.fault_every:g} simulated s on average"
+            if args.fault_every
+            else ""
+        )
+        + f"; {len(cells)} cells, "
         f"wall time {wall_seconds / 60:.0f} min on {os.cpu_count()} cores.",
         "",
         *partial_note(cells, args),
@@ -819,6 +834,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--scenarios", default=None, help="comma-separated subset")
     ap.add_argument("--operators", default=None, help="comma-separated subset")
     ap.add_argument("--seeds", default=None, help="comma-separated seeds (7,8,9)")
+    ap.add_argument(
+        "--fault-every",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="a flaky deployment: the twin's --sim-fault-every (mean simulated seconds between "
+        "seeded recurrences of the scenario's fault, an engine death where it has none)",
+    )
     ap.add_argument("--keep", action="store_true", help="keep each run's directory (logs, audit)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args(argv)
@@ -841,7 +864,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             before = os.getloadavg()
             runs = []
             for seed in args.seeds:
-                r = run_one(s, op, seed, args.speed, args.duration, args.keep)
+                r = run_one(s, op, seed, args.speed, args.duration, args.keep, args.fault_every)
                 runs.append(r)
                 print(f"{s:<20} {op:<21} seed {seed:<3} sent {r.sent:5d} failed {r.failed:5d} "
                       f"({r.failed_pct:5.1f} %: {r.failed_in_flight}/{r.failed_during_outage}/{r.failed_other}) "
