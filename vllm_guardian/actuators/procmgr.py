@@ -40,7 +40,10 @@ class Supervisor:
         restart_delay_seconds: float = 1.0,
         stop_timeout_seconds: float = 60.0,
         extra_env: Mapping[str, str] | None = None,
+        restart_on_clean_exit: bool = True,
     ) -> None:
+        """``restart_on_clean_exit=False`` is systemd's ``Restart=on-failure``: an exit with
+        status 0 (vLLM's after an engine death) ends supervision until ``start``/``restart``."""
         self.name = name
         self.command = tuple(command)
         self.flags_path = flags_path
@@ -48,6 +51,7 @@ class Supervisor:
         self.restart_delay_seconds = restart_delay_seconds
         self.stop_timeout_seconds = stop_timeout_seconds
         self.extra_env = dict(extra_env or {})
+        self.restart_on_clean_exit = restart_on_clean_exit
         self._lock = threading.Lock()
         self._closed = False  # stop() was called: nothing is started again
         self._proc: subprocess.Popen[bytes] | None = None
@@ -73,6 +77,12 @@ class Supervisor:
             argv += content.argv
             env.update(dict(content.env))
         return argv, env
+
+    @property
+    def wants_running(self) -> bool:
+        """False once stopped, or after a clean exit under ``restart_on_clean_exit=False``."""
+        with self._lock:
+            return self._want_running
 
     @property
     def pid(self) -> int | None:
@@ -140,6 +150,8 @@ class Supervisor:
                 if self._proc is proc:
                     self._proc = None
                     self.exits.append(code)
+                    if code == 0 and not self.restart_on_clean_exit:
+                        self._want_running = False
                 want = self._want_running
             if want:
                 log.warning(
