@@ -95,7 +95,10 @@ class Supervisor:
         stop_timeout_seconds: float = 60.0,
         extra_env: Mapping[str, str] | None = None,
         pid_path: Path | None = None,
+        restart_on_clean_exit: bool = True,
     ) -> None:
+        """``restart_on_clean_exit=False`` is systemd's ``Restart=on-failure``: an exit with
+        status 0 (vLLM's after an engine death) ends supervision until ``start``/``restart``."""
         self.name = name
         self.command = tuple(command)
         self.flags_path = flags_path
@@ -105,6 +108,7 @@ class Supervisor:
         self.extra_env = dict(extra_env or {})
         # Beside the flags file (the state directory) unless told otherwise.
         self.pid_path = pid_path if pid_path is not None else flags_path.with_suffix(".pid")
+        self.restart_on_clean_exit = restart_on_clean_exit
         self._lock = threading.Lock()
         self._closed = False  # stop() was called: nothing is started again
         self._proc: subprocess.Popen[bytes] | Adopted | None = None
@@ -132,6 +136,12 @@ class Supervisor:
             argv += content.argv
             env.update(dict(content.env))
         return argv, env
+
+    @property
+    def wants_running(self) -> bool:
+        """False once stopped, or after a clean exit under ``restart_on_clean_exit=False``."""
+        with self._lock:
+            return self._want_running
 
     @property
     def pid(self) -> int | None:
@@ -257,6 +267,8 @@ class Supervisor:
                 if self._proc is proc:
                     self._proc = None
                     self.exits.append(code)
+                    if code == 0 and not self.restart_on_clean_exit:
+                        self._want_running = False
                 want = self._want_running
             self._clear_pid(proc.pid)
             if want:
