@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from vllm_guardian.allocator_format import ENV_DIR as ALLOCATOR_ENV_DIR
+from vllm_guardian.allocator_format import ENV_INTERVAL as ALLOCATOR_ENV_INTERVAL
 from vllm_guardian.sim.modelspec import ModelSpec, resolve_model
 from vllm_guardian.sim.profiling import GIB, EngineConfig
 from vllm_guardian.sim.scenarios import SCENARIOS, Scenario
@@ -38,6 +40,11 @@ class ServeOptions:
     gpu_state_file: Path | None
     gpu_state_interval_seconds: float
     non_default_args: tuple[tuple[str, object], ...]
+    # The allocator plugin's directory (VLLM_GUARDIAN_ALLOCATOR_DIR, as the guardian's drop-in
+    # sets it for vLLM): the twin publishes its allocator stats there like the plugin.
+    allocator_dir: Path | None = None
+    allocator_interval_seconds: float | None = None
+    alloc_conf: str | None = None
 
 
 class FlagError(ValueError):
@@ -187,4 +194,18 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> ServeOp
         gpu_state_file=ns.sim_gpu_state_file,
         gpu_state_interval_seconds=ns.sim_gpu_state_interval_seconds,
         non_default_args=non_default,
+        allocator_dir=Path(d) if (d := environ.get(ALLOCATOR_ENV_DIR, "").strip()) else None,
+        allocator_interval_seconds=_allocator_interval(environ),
+        alloc_conf=alloc_conf or None,
     )
+
+
+def _allocator_interval(environ: Mapping[str, str]) -> float | None:
+    raw = environ.get(ALLOCATOR_ENV_INTERVAL, "").strip()
+    try:
+        value = float(raw) if raw else None
+    except ValueError:
+        raise FlagError(f"{ALLOCATOR_ENV_INTERVAL}={raw!r} is not a number of seconds") from None
+    if value is not None and not 0.1 <= value <= 3600:
+        raise FlagError(f"{ALLOCATOR_ENV_INTERVAL}={raw!r} is not 0.1..3600 seconds")
+    return value
