@@ -47,6 +47,14 @@ PENDING_METRICS = {
     "vllm_guardian_paused",
 }
 
+# Present only while an exhaustion forecast stands (tests/test_exposition.py renders them).
+FORECAST_METRICS = {
+    "vllm_guardian_headroom_exhaustion_seconds",
+    "vllm_guardian_headroom_exhaustion_latest_seconds",
+    "vllm_guardian_headroom_exhaustion_cause",
+    "vllm_guardian_headroom_exhaustion_neighbour_info",
+}
+
 
 def tool(name: str) -> str:
     path = shutil.which(name)
@@ -79,7 +87,10 @@ def known_metrics() -> set[str]:
                 names.add(name)
                 names.add(re.sub(r"_(bucket|sum|count)$", "", name))
     # build_info is rendered by exposition._build_info but left out of the golden file.
-    return names | PENDING_METRICS | gate_metrics() | {"up", "vllm_guardian_build_info"}
+    return (
+        names | PENDING_METRICS | FORECAST_METRICS | gate_metrics()
+        | {"up", "vllm_guardian_build_info"}
+    )  # fmt: skip
 
 
 def gate_metrics() -> set[str]:
@@ -100,7 +111,7 @@ PROMQL_WORDS = {
     "min_over_time", "avg_over_time", "le", "instance", "job", "model_name", "service", "host",
     "gpu", "xid", "source", "action", "dry_run", "engine", "irate", "clamp_min", "topk",
     "sort_desc", "absent", "vector", "scalar", "changes", "resets", "quantile", "lever",
-    "severity", "result", "alertstate", "reason",
+    "severity", "result", "alertstate", "reason", "cause",
 }  # fmt: skip
 
 
