@@ -181,7 +181,9 @@ def test_fragmentation_forecast_restarts_once_then_cooldown_then_budget() -> Non
     for t in range(0, 400, 2):
         run.tick(float(t), frag)
     kinds = [(a.kind, a.cause) for a in run.actions]
-    assert kinds == [(ActionKind.RESTART, Cause.ALLOCATOR_FRAGMENTATION)] * 2, kinds
+    # A drain first; the creep comes back: expandable segments; then the budget is spent.
+    assert kinds == [(ActionKind.RESTART, Cause.ALLOCATOR_FRAGMENTATION),
+                     (ActionKind.RELAUNCH, Cause.ALLOCATOR_FRAGMENTATION)], kinds  # fmt: skip
     first, second = run.actions
     assert first.reason.startswith("pre-emptive: drain and restart before the OOM")
     assert "free-memory floor" in first.reason  # the audit carries the forecast
@@ -232,3 +234,43 @@ def test_no_forecast_no_action(name: str) -> None:
     for t in range(0, 1800, 2):
         run.tick(float(t), signals(waiting=0, running=3))
     assert run.actions == [] and [d for d in run.decisions if d.what == "gate"] == []
+
+
+def test_fragmentation_back_soon_after_a_drain_earns_expandable_segments() -> None:
+    s = replace(S0, forecast_actions=((Cause.ALLOCATOR_FRAGMENTATION, 50.0),))
+    got = preemptive_action(
+        signals(fc(Cause.ALLOCATOR_FRAGMENTATION, 100, 150)), s, 130.0, P, BASELINE, TOTAL
+    )
+    assert got is not None and (got.kind, got.lever) == (
+        ActionKind.RELAUNCH,
+        Lever.EXPANDABLE_SEGMENTS,
+    )
+    # Long after the last drain, a drain and restart is enough again.
+    s = replace(S0, forecast_actions=((Cause.ALLOCATOR_FRAGMENTATION, 50.0),))
+    got = preemptive_action(
+        signals(fc(Cause.ALLOCATOR_FRAGMENTATION, 100, 150)), s, 50.0 + 7200, P, BASELINE, TOTAL
+    )
+    assert got is not None and got.kind is ActionKind.RESTART
+
+
+COOLDOWN = [
+    # name, forecast (seconds, latest), expected: acted on within the cooldown?
+    ("the bound comes before the cooldown ends: waiting means the OOM", (60.0, 80.0), True),
+    ("the bound is after the cooldown: wait for it", (300.0, 450.0), False),
+]
+
+
+@pytest.mark.parametrize(("name", "times", "acts"), COOLDOWN, ids=[c[0] for c in COOLDOWN])
+def test_cooldown_yields_only_to_a_forecast_that_ends_before_it(
+    name: str, times: tuple[float, float], acts: bool
+) -> None:
+    run = Ticks(replace(P, cooldown_seconds=300))
+    run.tick(0.0, signals(fc(Cause.ALLOCATOR_FRAGMENTATION, 100, 150)))  # the first drain
+    run.tick(2.0, signals())  # its result: ok, the cooldown starts
+    run.tick(4.0, signals(fc(Cause.ALLOCATOR_FRAGMENTATION, *times)))
+    kinds = [a.kind for a in run.actions]
+    assert kinds == ([ActionKind.RESTART, ActionKind.RELAUNCH] if acts else [ActionKind.RESTART]), (
+        kinds
+    )
+    if acts:
+        assert dict(run.actions[1].env) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}

@@ -131,6 +131,8 @@ class ServiceState:
     watch_since: float | None = None  # the guardian's first look at this service
     # Since when the exhaustion forecast has named its current cause (preemptive_action).
     forecast_since: float | None = None
+    # Pre-emptive actions taken: (cause, time), for "came back soon after the last one".
+    forecast_actions: tuple[tuple[Cause, float], ...] = ()
     seen_up: bool = False  # /health has answered 200 at least once since then
     down_since: float | None = None  # when /health stopped answering 200
 
@@ -954,14 +956,18 @@ def preemptive_action(
 
     * ``allocator_fragmentation``: drain and restart at the next quiet moment inside the
       horizon (the queue empty, at most ``preemptive_quiet_running`` in flight), or at once
-      when the time left is no more than two drain timeouts (a drain and a restart must fit).
+      when the time left is no more than two drain timeouts (a drain and a restart must fit);
+      when it comes back within ``pressure_window_seconds`` of the last one, relaunch with
+      ``expandable_segments:True`` instead (the creep itself slows down).
     * ``gpu_memory_overcommit``: close the gate to new work (the batch, and with it the
       activations, stops growing) and page with the neighbour's pid, command and cgroup; once
       the forecast has stood ``neighbour_persist_seconds``, relaunch with a lower
       ``--gpu-memory-utilization`` (enough rungs for the trend over the horizon).
     * ``prefill_burst``: relaunch one rung down on ``--max-num-batched-tokens``.
 
-    Budget, cooldown and backoff are checked by the caller (:func:`_preempt`), like every rung.
+    Budget, cooldown and backoff are checked by the caller (:func:`_preempt`), like every rung;
+    the one exception: a forecast whose bound comes before the cooldown ends is acted on (the
+    forecast reads only the current process, so it cannot be a lagging counter).
     """
     f = urgent_forecast(sig, p)
     if f is None or f.cause is None or sig is None:
@@ -974,6 +980,23 @@ def preemptive_action(
         urgent = f.seconds <= 2 * p.drain_timeout_seconds
         if quiet or urgent:
             when = "a quiet moment" if quiet else "no time left to wait for a quiet moment"
+            last = max((t for c, t in s.forecast_actions if c is f.cause), default=None)
+            rung = s.rung(Lever.EXPANDABLE_SEGMENTS)
+            if (
+                last is not None
+                and now - last <= p.pressure_window_seconds
+                and base is not None
+                and can_step_down(Lever.EXPANDABLE_SEGMENTS, rung, base, p)
+            ):
+                # A drain and restart cleared it and it came back: slow the creep itself.
+                return PreemptiveAction(
+                    f.cause,
+                    f"fragmentation is back {now - last:.0f}s after the last drain: relaunch "
+                    f"with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ({when}); {what}",
+                    ActionKind.RELAUNCH,
+                    Lever.EXPANDABLE_SEGMENTS,
+                    1,
+                )
             return PreemptiveAction(
                 f.cause, f"drain and restart before the OOM ({when}); {what}", ActionKind.RESTART
             )
@@ -1068,7 +1091,11 @@ def _preempt(
         )
     if plan.kind is None:
         return ctx.note(s, f"{plan.cause.value}: {plan.reason}", finding)
-    if now < s.cooldown_until:
+    assert f is not None  # a plan comes from a forecast
+    # The cooldown keeps lagging counters from triggering a second action; the forecast cannot
+    # lag (it reads only the current process), so when even its bound comes before the cooldown
+    # ends, waiting means the OOM: act, still within the budget.
+    if now < s.cooldown_until and f.seconds_latest >= s.cooldown_until - now:
         return ctx.note(
             s, f"{plan.cause.value}: forecast, in cooldown until {s.cooldown_until:.0f}", finding
         )
@@ -1084,7 +1111,15 @@ def _preempt(
         )
     if s.baseline is None and base is not None:
         s = replace(s, baseline=base)
-    s = replace(s, restarts=(*restarts, now), last_note="")
+    s = replace(
+        s,
+        restarts=(*restarts, now),
+        last_note="",
+        forecast_actions=(
+            *(x for x in s.forecast_actions if now - x[1] <= p.pressure_window_seconds),
+            (plan.cause, now),
+        ),
+    )
     if plan.kind is ActionKind.RELAUNCH and plan.lever is not None and base is not None:
         s = _set_rung(s, plan.lever, s.rung(plan.lever) + plan.rungs)
     flags, env = flags_for(dict(s.rungs), base, p) if base is not None else ((), ())

@@ -1,0 +1,393 @@
+"""Acting before the crash, measured: the guardian's pure core armed on the twin's engine, in
+simulated time.
+
+Run: .venv/bin/python bench/forecast.py [--minutes 30] [--seeds 0,1,2] [--scenarios a,b]
+
+Each run drives the twin's deterministic engine (``vllm_guardian.sim.engine``) with its
+scenario's seeded load, and every 2 simulated seconds does what the daemon does: build the
+snapshot its sources would read (the GPU state with the step in flight, the allocator plugin's
+record, /metrics gauges, /health, the unit, vLLM's error log lines), then ``derive`` (signals and
+the exhaustion forecast), ``evaluate`` (the shipped rules) and ``decide`` (the policy, armed).
+Actions are executed the way the executor and the gate do: the gate holds new requests, a
+drain waits for in-flight requests (``drain_timeout_seconds``), the engine restarts with the
+action's flags and environment, held requests are released when it is ready. Without a guardian
+("unguarded") a supervisor restarts the engine with the same flags after it dies.
+
+Unlike the twin's server, the neighbour of ``noisy_neighbour`` is a separate process: it keeps
+growing across vLLM restarts (the server twin restarts it with vLLM).
+
+Reported per run: CUDA OOMs, requests failed (in flight at an OOM or dropped by a drain),
+the guardian's actions with their time and cause, the first pre-emptive action's lead time
+over the unguarded run's first OOM, and whether the exhaustion rule fired. Simulated time is
+exact; nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from vllm_guardian.actuators.alerts import default_rules_text  # noqa: E402
+from vllm_guardian.allocator_format import AllocatorStats  # noqa: E402
+from vllm_guardian.config import PolicyConfig, ServiceConfig, SignalsConfig  # noqa: E402
+from vllm_guardian.core.alerting import evaluate, parse_rules, signal_values  # noqa: E402
+from vllm_guardian.core.policy import PolicySettings, decide, initial_state  # noqa: E402
+from vllm_guardian.core.signals import derive  # noqa: E402
+from vllm_guardian.model import (  # noqa: E402
+    ActionKind,
+    ActionResult,
+    AlertState,
+    AllocatorProcess,
+    AllocatorReading,
+    CacheConfig,
+    EngineMetrics,
+    GpuDevice,
+    GpuProcess,
+    GpuReading,
+    HealthProbe,
+    HealthState,
+    LogEvent,
+    LogReading,
+    ServiceSnapshot,
+    Snapshot,
+    SourceKind,
+    SourceStatus,
+    UnitState,
+    VllmScrape,
+)
+from vllm_guardian.sim.engine import EnginePhase, SimEngine  # noqa: E402
+from vllm_guardian.sim.flags import parse_serve_args  # noqa: E402
+from vllm_guardian.sim.load import plan_requests  # noqa: E402
+from vllm_guardian.sim.scenarios import SCENARIOS  # noqa: E402
+from vllm_guardian.sources.logs import match_line  # noqa: E402
+
+TICK = 2.0
+SUPERVISOR_RESTART_SECONDS = 5.0  # systemd RestartSec=5
+EXHAUSTION_RULES = ("VllmGpuHeadroomExhaustionSoon", "VllmGpuNeighbourExhaustionSoon")
+
+
+@dataclass
+class Result:
+    scenario: str
+    seed: int
+    operator: str
+    minutes: float
+    ooms: int = 0
+    first_oom_seconds: float | None = None
+    failed: int = 0
+    served: int = 0
+    actions: list[tuple[float, str, str]] = field(default_factory=list)  # (t, kind, reason)
+    exhaustion_alerts: list[tuple[float, str]] = field(default_factory=list)
+    forecast_gates: list[tuple[float, str]] = field(default_factory=list)  # (t, reason)
+
+    @property
+    def first_preemptive_seconds(self) -> float | None:
+        """The first pre-emptive step: a pre-emptive action, or the gate the forecast closed."""
+        steps = [t for t, _, r in self.actions if r.startswith("pre-emptive")]
+        steps += [t for t, _ in self.forecast_gates]
+        return min(steps, default=None)
+
+
+class Service:
+    """One vLLM service: its current engine process, the neighbour, the gate's held requests."""
+
+    def __init__(self, scenario: str, seed: int) -> None:
+        self.scenario = scenario
+        self.seed = seed
+        self.engine: SimEngine | None = None
+        self.offset = 0.0  # global time at which the current engine process started
+        self.gen = 0
+        self.flags: tuple[tuple[str, str], ...] = ()
+        self.env: tuple[tuple[str, str], ...] = ()
+        self.neighbour_since: float | None = None  # global time the neighbour's clock started
+        self.ooms = 0
+        self.failed = 0
+        self.served = 0
+        self.new_logs: list[LogEvent] = []
+
+    def argv(self) -> list[str]:
+        out = ["--sim-scenario", self.scenario, "--sim-seed", str(self.seed)]
+        for k, v in self.flags:
+            out += [k, v]
+        return out
+
+    def start(self, t: float) -> None:
+        opts = parse_serve_args(self.argv(), dict(self.env))
+        e = SimEngine(opts.model, opts.engine, opts.scenario, opts.gpu_memory_bytes, self.seed)
+        nb = opts.scenario.neighbour
+        if nb is not None and nb.start_seconds is not None:
+            svc = self
+
+            def other_bytes(local_t: float) -> int:
+                if svc.neighbour_since is None:
+                    if e.ready_at is None or local_t < e.ready_at:
+                        return 0
+                    svc.neighbour_since = svc.offset + e.ready_at
+                g = svc.offset + local_t - svc.neighbour_since - (nb.start_seconds or 0.0)
+                if g < 0:
+                    return 0
+                grown = nb.initial_bytes + nb.growth_bytes_per_second * g
+                return int(min(float(nb.max_bytes or nb.initial_bytes), grown))
+
+            e.other_bytes = other_bytes  # type: ignore[method-assign]
+        self.engine, self.offset = e, t
+        self.gen += 1
+
+    @property
+    def pid(self) -> int:
+        return 10_000 + self.gen
+
+    def advance(self, t: float) -> None:
+        e = self.engine
+        if e is None:
+            return
+        deltas = e.advance(t - self.offset)
+        for d in deltas:
+            if d.error is not None:
+                self.failed += 1
+            elif d.finish_reason is not None:
+                self.served += 1
+        for ev in e.take_logs():
+            m = match_line(ev.message)
+            if m is not None:
+                kind, details = m
+                self.new_logs.append(LogEvent(kind, self.offset + ev.sim_seconds, ev.message[:300], details))
+                if ev.message.startswith("torch.OutOfMemoryError"):
+                    self.ooms += 1
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.phase is EnginePhase.READY
+
+    def idle(self) -> bool:
+        e = self.engine
+        return e is None or e.num_unfinished == 0
+
+    def stop(self) -> None:
+        if self.engine is not None and self.engine.phase in (EnginePhase.READY, EnginePhase.HUNG):
+            self.failed += len(self.engine.abort_all())
+        self.engine = None
+
+
+def snapshot(svc: Service, t: float, results: tuple[ActionResult, ...], log_counts: dict) -> Snapshot:  # type: ignore[type-arg]
+    e = svc.engine
+    cmd = ("vllm", "serve", "model", *(x for kv in svc.flags for x in kv))
+    statuses = tuple(SourceStatus(k, None if k is SourceKind.NVML else "vllm", True, 0.01) for k in SourceKind)
+    for ev in svc.new_logs:
+        log_counts[ev.kind] = log_counts.get(ev.kind, 0) + 1
+    logs = LogReading(tuple(sorted(log_counts.items())), tuple(svc.new_logs), 0)
+    svc.new_logs = []
+    if e is None or e.phase is EnginePhase.FAILED_STARTUP:
+        health = HealthProbe(HealthState.REFUSED, None, None, "refused")
+        unit = UnitState("vllm.service", "activating", "auto-restart", None, None, None, None, None, None, cmd)
+        return Snapshot(t, (ServiceSnapshot("vllm", health=health, unit=unit, logs=logs),),
+                        gpu_reading(svc, t), statuses, results)  # fmt: skip
+    unit = UnitState("vllm.service", "active", "running", "success", svc.pid, svc.gen - 1, None, None, None, cmd, (svc.pid,))
+    if e.phase is EnginePhase.STARTING:
+        health = HealthProbe(HealthState.REFUSED, None, None, "refused")
+        return Snapshot(t, (ServiceSnapshot("vllm", health=health, unit=unit, logs=logs),),
+                        gpu_reading(svc, t), statuses, results)  # fmt: skip
+    dead = e.phase is EnginePhase.DEAD
+    health = HealthProbe(HealthState.ENGINE_DEAD if dead else HealthState.UP, 503 if dead else 200, 0.01)
+    st = e.stats
+    plan = e.plan
+    cc = CacheConfig(plan.num_gpu_blocks if plan else None, e.cfg.block_size, e.cfg.gpu_memory_utilization,
+                     None, None, e.cfg.enable_prefix_caching)  # fmt: skip
+    eng = EngineMetrics("m", "0", requests_running=st.num_requests_running, requests_waiting=st.num_requests_waiting,
+                        kv_cache_usage_ratio=st.kv_cache_usage_ratio, preemptions_total=st.num_preemptions,
+                        prompt_tokens_total=st.prompt_tokens, generation_tokens_total=st.generation_tokens,
+                        cache_config=cc)  # fmt: skip
+    scrape = VllmScrape((eng,), True, svc.offset, 1)
+    alloc = None
+    rec: AllocatorStats | None = e.allocator_stats(svc.pid, t, TICK, dict(svc.env).get("PYTORCH_CUDA_ALLOC_CONF"))
+    if rec is not None and not dead:
+        alloc = AllocatorReading((AllocatorProcess(svc.pid, (rec,)),))
+    ss = ServiceSnapshot("vllm", vllm=scrape, health=health, unit=unit, logs=logs, allocator=alloc)
+    return Snapshot(t, (ss,), gpu_reading(svc, t), statuses, results)
+
+
+def gpu_reading(svc: Service, t: float) -> GpuReading:
+    e = svc.engine
+    total = 80 * 2**30
+    procs: list[GpuProcess] = []
+    other = 0
+    if e is not None:
+        mem = e.sampled_breakdown()
+        own = e.startup_process_bytes() if mem is None else mem.process_bytes
+        if e.phase in (EnginePhase.DEAD, EnginePhase.FAILED_STARTUP):
+            own = 0
+        other = e.other_bytes(e.now)
+        total = e.gpu_total_bytes
+        if own:
+            procs.append(GpuProcess(svc.pid, own, "vllm", "/system.slice/vllm.service"))
+    nb = SCENARIOS[svc.scenario].neighbour
+    if nb is not None and other:
+        procs.append(GpuProcess(nb.pid, other, "python3 train.py", "/user.slice/user-1000.slice/job.scope"))
+    used = min(total, sum(p.used_memory_bytes or 0 for p in procs))
+    return GpuReading((GpuDevice(0, "GPU-sim-0", "Sim H100", total, used, total - used, processes=tuple(procs)),))
+
+
+def run(scenario: str, seed: int, minutes: float, guarded: bool) -> Result:
+    res = Result(scenario, seed, "guardian" if guarded else "unguarded", minutes)
+    svc = Service(scenario, seed)
+    svc.start(0.0)
+    plan = plan_requests(SCENARIOS[scenario].load, seed, 1_000_000, minutes * 60.0)
+    held: list = []  # type: ignore[type-arg]
+    sig_cfg = SignalsConfig()
+    pol = PolicyConfig(dry_run=False, backend="process")
+    rules = parse_rules(default_rules_text(), "defaults")
+    rule_signals = {r.name: r.signal for r in rules}
+    settings = PolicySettings(pol, ("vllm",), rule_signals)
+    services = [ServiceConfig(name="vllm")]
+    state = initial_state(["vllm"])
+    alerts: dict = {}  # type: ignore[type-arg]
+    history: list[Snapshot] = []
+    log_counts: dict = {}  # type: ignore[type-arg]
+    results: tuple[ActionResult, ...] = ()
+    job: dict | None = None  # type: ignore[type-arg]  # the action being executed
+    restart_at: float | None = None  # unguarded supervisor
+    first_ready: float | None = None
+    i = 0
+    t = 0.0
+    end = None
+    while True:
+        t += TICK
+        svc.advance(t)
+        if first_ready is None and svc.ready:
+            first_ready = t
+            end = t + minutes * 60.0
+        if end is not None and t > end:
+            break
+        if t > 3600 * 24:
+            break
+        # Arrivals (relative to the first readiness, like the load generator).
+        gate_open = state.service("vllm").gate_open and job is None
+        if first_ready is not None:
+            while i < len(plan) and first_ready + plan[i].at_seconds <= t:
+                held.append(plan[i])
+                i += 1
+        if gate_open or not guarded:
+            if svc.ready:
+                e = svc.engine
+                assert e is not None
+                for p in held:
+                    e.add_request(f"r{p.index}", p.prompt.split(), p.max_tokens)
+                held = []
+            elif not guarded:
+                svc.failed += len(held)  # nothing listening, no gate: connection refused
+                held = []
+        # The engine dies: unguarded, the supervisor restarts it.
+        e = svc.engine
+        if e is not None and e.exit_due() and not guarded and restart_at is None:
+            restart_at = t + SUPERVISOR_RESTART_SECONDS
+            svc.engine = None
+        if restart_at is not None and t >= restart_at:
+            svc.start(t)
+            restart_at = None
+        if not guarded:
+            continue
+        # The guardian's tick.
+        snap = snapshot(svc, t, results, log_counts)
+        results = ()
+        history.append(snap)
+        history = [s for s in history if s.time_seconds >= t - 400]
+        signals = derive(history, services, sig_cfg)
+        alerts, transitions = evaluate(rules, alerts, signal_values(signals, snap), t)
+        for tr in transitions:
+            if tr.current is AlertState.FIRING and tr.alert.name in EXHAUSTION_RULES:
+                res.exhaustion_alerts.append((t, tr.alert.name))
+        out = decide(state, [a for a in alerts.values() if a.state is AlertState.FIRING], snap, signals, t, settings)
+        state = out.state
+        for d in out.decisions:
+            if d.what == "gate" and "forecast:" in d.reason:
+                res.forecast_gates.append((t - (first_ready or 0.0), d.reason))
+        for a in out.actions:
+            res.actions.append((t - (first_ready or 0.0), a.kind.value, a.reason))
+            if a.kind in (ActionKind.RESTART, ActionKind.RELAUNCH) and job is None:
+                job = {"action": a, "phase": "drain", "deadline": t + pol.drain_timeout_seconds}
+        # A dead engine that the policy did not restart: systemd Restart=always does.
+        e = svc.engine
+        if job is None and e is not None and e.exit_due():
+            svc.engine = None
+            restart_at = t + SUPERVISOR_RESTART_SECONDS
+        if restart_at is not None and job is None and t >= restart_at:
+            svc.start(t)
+            restart_at = None
+        if job is not None:
+            a = job["action"]
+            if job["phase"] == "drain" and (svc.idle() or t >= job["deadline"] or not svc.ready):
+                svc.stop()
+                svc.flags, svc.env = a.flags, a.env
+                svc.start(t + 2.0)  # the old process's memory is released; systemd starts it
+                restart_at = None
+                job["phase"] = "starting"
+            elif job["phase"] == "starting" and svc.ready:
+                results = (ActionResult(a.id, "vllm", a.kind, True, False, "ready", t),)
+                job = None
+            elif job["phase"] == "starting" and svc.engine is not None and svc.engine.phase is EnginePhase.FAILED_STARTUP:
+                results = (ActionResult(a.id, "vllm", a.kind, False, False, "start-up failed", t),)
+                svc.engine = None
+                restart_at = t + SUPERVISOR_RESTART_SECONDS
+                job = None
+    res.ooms = svc.ooms
+    res.failed = svc.failed
+    res.served = svc.served
+    return res
+
+
+def first_oom(scenario: str, seed: int, minutes: float) -> float | None:
+    """Simulated seconds after readiness of the unguarded run's first OOM."""
+    svc = Service(scenario, seed)
+    svc.start(0.0)
+    plan = plan_requests(SCENARIOS[scenario].load, seed, 1_000_000, minutes * 60.0)
+    e = svc.engine
+    assert e is not None
+    e.advance(e.startup_seconds)
+    t0 = e.ready_at
+    assert t0 is not None
+    for p in plan:
+        e.advance(t0 + p.at_seconds)
+        if e.phase is EnginePhase.DEAD:
+            break
+        e.add_request(f"r{p.index}", p.prompt.split(), p.max_tokens)
+    return None if e.death is None else e.death.sim_seconds - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=30.0)
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--scenarios", default="fragmentation_creep,noisy_neighbour,steady,prefix_cache_waste")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    rows = []
+    for scenario in args.scenarios.split(","):
+        for seed in (int(s) for s in args.seeds.split(",")):
+            oom_at = first_oom(scenario, seed, args.minutes)
+            for guarded in (False, True):
+                r = run(scenario, seed, args.minutes, guarded)
+                pre = r.first_preemptive_seconds
+                lead = oom_at - pre if oom_at is not None and pre is not None else None
+                row = {
+                    "scenario": scenario, "seed": seed, "operator": r.operator,
+                    "sim_minutes": args.minutes, "cuda_ooms": r.ooms, "failed": r.failed, "served": r.served,
+                    "unguarded_first_oom_s": oom_at, "first_preemptive_action_s": pre, "lead_time_s": lead,
+                    "actions": [f"{t:.0f}s {k}: {reason[:160]}" for t, k, reason in r.actions],
+                    "exhaustion_alerts": [f"{t:.0f}s {n}" for t, n in r.exhaustion_alerts],
+                    "forecast_gates": [f"{t:.0f}s {reason[:120]}" for t, reason in r.forecast_gates],
+                }  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
