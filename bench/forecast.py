@@ -16,10 +16,11 @@ action's flags and environment, held requests are released when it is ready. Wit
 Unlike the twin's server, the neighbour of ``noisy_neighbour`` is a separate process: it keeps
 growing across vLLM restarts (the server twin restarts it with vLLM).
 
-Reported per run: CUDA OOMs, requests failed (in flight at an OOM or dropped by a drain),
-the guardian's actions with their time and cause, the first pre-emptive action's lead time
-over the unguarded run's first OOM, and whether the exhaustion rule fired. Simulated time is
-exact; nothing here reads a clock.
+Reported per run: CUDA OOMs, requests failed (in flight at an OOM, dropped by a drain, or
+refused while nothing listened), the guardian's actions, forecast gates and exhaustion alerts
+with their time (simulated seconds after vLLM first became ready), and the lead time of the
+first pre-emptive step (a pre-emptive action or a gate the forecast closed) over the unguarded
+run's first OOM. Simulated time is exact; nothing here reads a clock.
 """
 
 from __future__ import annotations
@@ -157,7 +158,9 @@ class Service:
             m = match_line(ev.message)
             if m is not None:
                 kind, details = m
-                self.new_logs.append(LogEvent(kind, self.offset + ev.sim_seconds, ev.message[:300], details))
+                self.new_logs.append(
+                    LogEvent(kind, self.offset + ev.sim_seconds, ev.message[:300], details)
+                )
                 if ev.message.startswith("torch.OutOfMemoryError"):
                     self.ooms += 1
 
@@ -175,26 +178,46 @@ class Service:
         self.engine = None
 
 
-def snapshot(svc: Service, t: float, results: tuple[ActionResult, ...], log_counts: dict) -> Snapshot:  # type: ignore[type-arg]
+def snapshot(
+    svc: Service, t: float, results: tuple[ActionResult, ...], log_counts: dict
+) -> Snapshot:  # type: ignore[type-arg]
     e = svc.engine
     cmd = ("vllm", "serve", "model", *(x for kv in svc.flags for x in kv))
-    statuses = tuple(SourceStatus(k, None if k is SourceKind.NVML else "vllm", True, 0.01) for k in SourceKind)
+    statuses = tuple(
+        SourceStatus(k, None if k is SourceKind.NVML else "vllm", True, 0.01) for k in SourceKind
+    )
     for ev in svc.new_logs:
         log_counts[ev.kind] = log_counts.get(ev.kind, 0) + 1
     logs = LogReading(tuple(sorted(log_counts.items())), tuple(svc.new_logs), 0)
     svc.new_logs = []
     if e is None or e.phase is EnginePhase.FAILED_STARTUP:
         health = HealthProbe(HealthState.REFUSED, None, None, "refused")
-        unit = UnitState("vllm.service", "activating", "auto-restart", None, None, None, None, None, None, cmd)
+        unit = UnitState(
+            "vllm.service", "activating", "auto-restart", None, None, None, None, None, None, cmd
+        )
         return Snapshot(t, (ServiceSnapshot("vllm", health=health, unit=unit, logs=logs),),
                         gpu_reading(svc, t), statuses, results)  # fmt: skip
-    unit = UnitState("vllm.service", "active", "running", "success", svc.pid, svc.gen - 1, None, None, None, cmd, (svc.pid,))
+    unit = UnitState(
+        "vllm.service",
+        "active",
+        "running",
+        "success",
+        svc.pid,
+        svc.gen - 1,
+        None,
+        None,
+        None,
+        cmd,
+        (svc.pid,),
+    )
     if e.phase is EnginePhase.STARTING:
         health = HealthProbe(HealthState.REFUSED, None, None, "refused")
         return Snapshot(t, (ServiceSnapshot("vllm", health=health, unit=unit, logs=logs),),
                         gpu_reading(svc, t), statuses, results)  # fmt: skip
     dead = e.phase is EnginePhase.DEAD
-    health = HealthProbe(HealthState.ENGINE_DEAD if dead else HealthState.UP, 503 if dead else 200, 0.01)
+    health = HealthProbe(
+        HealthState.ENGINE_DEAD if dead else HealthState.UP, 503 if dead else 200, 0.01
+    )
     st = e.stats
     plan = e.plan
     cc = CacheConfig(plan.num_gpu_blocks if plan else None, e.cfg.block_size, e.cfg.gpu_memory_utilization,
@@ -205,7 +228,9 @@ def snapshot(svc: Service, t: float, results: tuple[ActionResult, ...], log_coun
                         cache_config=cc)  # fmt: skip
     scrape = VllmScrape((eng,), True, svc.offset, 1)
     alloc = None
-    rec: AllocatorStats | None = e.allocator_stats(svc.pid, t, TICK, dict(svc.env).get("PYTORCH_CUDA_ALLOC_CONF"))
+    rec: AllocatorStats | None = e.allocator_stats(
+        svc.pid, t, TICK, dict(svc.env).get("PYTORCH_CUDA_ALLOC_CONF")
+    )
     if rec is not None and not dead:
         alloc = AllocatorReading((AllocatorProcess(svc.pid, (rec,)),))
     ss = ServiceSnapshot("vllm", vllm=scrape, health=health, unit=unit, logs=logs, allocator=alloc)
@@ -228,9 +253,13 @@ def gpu_reading(svc: Service, t: float) -> GpuReading:
             procs.append(GpuProcess(svc.pid, own, "vllm", "/system.slice/vllm.service"))
     nb = SCENARIOS[svc.scenario].neighbour
     if nb is not None and other:
-        procs.append(GpuProcess(nb.pid, other, "python3 train.py", "/user.slice/user-1000.slice/job.scope"))
+        procs.append(
+            GpuProcess(nb.pid, other, "python3 train.py", "/user.slice/user-1000.slice/job.scope")
+        )
     used = min(total, sum(p.used_memory_bytes or 0 for p in procs))
-    return GpuReading((GpuDevice(0, "GPU-sim-0", "Sim H100", total, used, total - used, processes=tuple(procs)),))
+    return GpuReading(
+        (GpuDevice(0, "GPU-sim-0", "Sim H100", total, used, total - used, processes=tuple(procs)),)
+    )
 
 
 def run(scenario: str, seed: int, minutes: float, guarded: bool) -> Result:
@@ -301,8 +330,15 @@ def run(scenario: str, seed: int, minutes: float, guarded: bool) -> Result:
         alerts, transitions = evaluate(rules, alerts, signal_values(signals, snap), t)
         for tr in transitions:
             if tr.current is AlertState.FIRING and tr.alert.name in EXHAUSTION_RULES:
-                res.exhaustion_alerts.append((t, tr.alert.name))
-        out = decide(state, [a for a in alerts.values() if a.state is AlertState.FIRING], snap, signals, t, settings)
+                res.exhaustion_alerts.append((t - (first_ready or 0.0), tr.alert.name))
+        out = decide(
+            state,
+            [a for a in alerts.values() if a.state is AlertState.FIRING],
+            snap,
+            signals,
+            t,
+            settings,
+        )
         state = out.state
         for d in out.decisions:
             if d.what == "gate" and "forecast:" in d.reason:
@@ -330,7 +366,11 @@ def run(scenario: str, seed: int, minutes: float, guarded: bool) -> Result:
             elif job["phase"] == "starting" and svc.ready:
                 results = (ActionResult(a.id, "vllm", a.kind, True, False, "ready", t),)
                 job = None
-            elif job["phase"] == "starting" and svc.engine is not None and svc.engine.phase is EnginePhase.FAILED_STARTUP:
+            elif (
+                job["phase"] == "starting"
+                and svc.engine is not None
+                and svc.engine.phase is EnginePhase.FAILED_STARTUP
+            ):
                 results = (ActionResult(a.id, "vllm", a.kind, False, False, "start-up failed", t),)
                 svc.engine = None
                 restart_at = t + SUPERVISOR_RESTART_SECONDS
@@ -363,7 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--scenarios", default="fragmentation_creep,noisy_neighbour,steady,prefix_cache_waste")
+    ap.add_argument(
+        "--scenarios", default="fragmentation_creep,noisy_neighbour,steady,prefix_cache_waste"
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     rows = []
