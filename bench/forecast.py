@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,8 +41,6 @@ from vllm_guardian.core.alerting import evaluate, parse_rules, signal_values  # 
 from vllm_guardian.core.policy import PolicySettings, decide, initial_state  # noqa: E402
 from vllm_guardian.core.signals import derive  # noqa: E402
 from vllm_guardian.model import (  # noqa: E402
-    ActionKind,
-    ActionResult,
     AlertState,
     AllocatorProcess,
     AllocatorReading,
@@ -55,6 +53,9 @@ from vllm_guardian.model import (  # noqa: E402
     HealthState,
     LogEvent,
     LogReading,
+    Op,
+    OpRequest,
+    OpResult,
     ServiceSnapshot,
     Snapshot,
     SourceKind,
@@ -178,9 +179,7 @@ class Service:
         self.engine = None
 
 
-def snapshot(
-    svc: Service, t: float, results: tuple[ActionResult, ...], log_counts: dict
-) -> Snapshot:  # type: ignore[type-arg]
+def snapshot(svc: Service, t: float, results: tuple[OpResult, ...], log_counts: dict) -> Snapshot:  # type: ignore[type-arg]
     e = svc.engine
     cmd = ("vllm", "serve", "model", *(x for kv in svc.flags for x in kv))
     statuses = tuple(
@@ -196,7 +195,7 @@ def snapshot(
             "vllm.service", "activating", "auto-restart", None, None, None, None, None, None, cmd
         )
         return Snapshot(t, (ServiceSnapshot("vllm", health=health, unit=unit, logs=logs),),
-                        gpu_reading(svc, t), statuses, results)  # fmt: skip
+                        gpu_reading(svc, t), statuses, (), results)  # fmt: skip
     unit = UnitState(
         "vllm.service",
         "active",
@@ -213,7 +212,7 @@ def snapshot(
     if e.phase is EnginePhase.STARTING:
         health = HealthProbe(HealthState.REFUSED, None, None, "refused")
         return Snapshot(t, (ServiceSnapshot("vllm", health=health, unit=unit, logs=logs),),
-                        gpu_reading(svc, t), statuses, results)  # fmt: skip
+                        gpu_reading(svc, t), statuses, (), results)  # fmt: skip
     dead = e.phase is EnginePhase.DEAD
     health = HealthProbe(
         HealthState.ENGINE_DEAD if dead else HealthState.UP, 503 if dead else 200, 0.01
@@ -234,7 +233,7 @@ def snapshot(
     if rec is not None and not dead:
         alloc = AllocatorReading((AllocatorProcess(svc.pid, (rec,)),))
     ss = ServiceSnapshot("vllm", vllm=scrape, health=health, unit=unit, logs=logs, allocator=alloc)
-    return Snapshot(t, (ss,), gpu_reading(svc, t), statuses, results)
+    return Snapshot(t, (ss,), gpu_reading(svc, t), statuses, (), results)
 
 
 def gpu_reading(svc: Service, t: float) -> GpuReading:
@@ -278,9 +277,10 @@ def run(scenario: str, seed: int, minutes: float, guarded: bool) -> Result:
     alerts: dict = {}  # type: ignore[type-arg]
     history: list[Snapshot] = []
     log_counts: dict = {}  # type: ignore[type-arg]
-    results: tuple[ActionResult, ...] = ()
-    job: dict | None = None  # type: ignore[type-arg]  # the action being executed
-    restart_at: float | None = None  # unguarded supervisor
+    op_results: tuple[OpResult, ...] = ()
+    restarts_due: list[OpRequest] = []  # restart calls: they return on the next tick
+    next_flags: tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]] | None = None
+    restart_at: float | None = None  # the supervisor (systemd Restart=always, RestartSec=5)
     first_ready: float | None = None
     i = 0
     t = 0.0
@@ -295,13 +295,14 @@ def run(scenario: str, seed: int, minutes: float, guarded: bool) -> Result:
             break
         if t > 3600 * 24:
             break
-        # Arrivals (relative to the first readiness, like the load generator).
-        gate_open = state.service("vllm").gate_open and job is None
+        # Arrivals (relative to the first readiness, like the load generator). The gate holds
+        # new requests while the policy keeps the front door closed; without a guardian nothing
+        # holds them.
         if first_ready is not None:
             while i < len(plan) and first_ready + plan[i].at_seconds <= t:
                 held.append(plan[i])
                 i += 1
-        if gate_open or not guarded:
+        if not guarded or state.service("vllm").gate_open:
             if svc.ready:
                 e = svc.engine
                 assert e is not None
@@ -311,9 +312,9 @@ def run(scenario: str, seed: int, minutes: float, guarded: bool) -> Result:
             elif not guarded:
                 svc.failed += len(held)  # nothing listening, no gate: connection refused
                 held = []
-        # The engine dies: unguarded, the supervisor restarts it.
+        # A dead engine exits; its supervisor starts it again.
         e = svc.engine
-        if e is not None and e.exit_due() and not guarded and restart_at is None:
+        if e is not None and e.exit_due() and restart_at is None:
             restart_at = t + SUPERVISOR_RESTART_SECONDS
             svc.engine = None
         if restart_at is not None and t >= restart_at:
@@ -321,9 +322,19 @@ def run(scenario: str, seed: int, minutes: float, guarded: bool) -> Result:
             restart_at = None
         if not guarded:
             continue
-        # The guardian's tick.
-        snap = snapshot(svc, t, results, log_counts)
-        results = ()
+        # The restart calls started last tick return now (the process manager's restart).
+        done: list[OpResult] = []
+        for o in restarts_due:
+            svc.stop()
+            if next_flags is not None:
+                svc.flags, svc.env = next_flags
+            svc.start(t)
+            restart_at = None
+            done.append(OpResult(o.action_id, o.service, o.op, True, False, "restarted", t))
+        restarts_due = []
+        op_results = tuple(done)
+        # The guardian's tick: observe, derive, evaluate, decide; quick calls answer at once.
+        snap = snapshot(svc, t, op_results, log_counts)
         history.append(snap)
         history = [s for s in history if s.time_seconds >= t - 400]
         signals = derive(history, services, sig_cfg)
@@ -331,50 +342,28 @@ def run(scenario: str, seed: int, minutes: float, guarded: bool) -> Result:
         for tr in transitions:
             if tr.current is AlertState.FIRING and tr.alert.name in EXHAUSTION_RULES:
                 res.exhaustion_alerts.append((t - (first_ready or 0.0), tr.alert.name))
-        out = decide(
-            state,
-            [a for a in alerts.values() if a.state is AlertState.FIRING],
-            snap,
-            signals,
-            t,
-            settings,
-        )
-        state = out.state
-        for d in out.decisions:
-            if d.what == "gate" and "forecast:" in d.reason:
-                res.forecast_gates.append((t - (first_ready or 0.0), d.reason))
-        for a in out.actions:
-            res.actions.append((t - (first_ready or 0.0), a.kind.value, a.reason))
-            if a.kind in (ActionKind.RESTART, ActionKind.RELAUNCH) and job is None:
-                job = {"action": a, "phase": "drain", "deadline": t + pol.drain_timeout_seconds}
-        # A dead engine that the policy did not restart: systemd Restart=always does.
-        e = svc.engine
-        if job is None and e is not None and e.exit_due():
-            svc.engine = None
-            restart_at = t + SUPERVISOR_RESTART_SECONDS
-        if restart_at is not None and job is None and t >= restart_at:
-            svc.start(t)
-            restart_at = None
-        if job is not None:
-            a = job["action"]
-            if job["phase"] == "drain" and (svc.idle() or t >= job["deadline"] or not svc.ready):
-                svc.stop()
-                svc.flags, svc.env = a.flags, a.env
-                svc.start(t + 2.0)  # the old process's memory is released; systemd starts it
-                restart_at = None
-                job["phase"] = "starting"
-            elif job["phase"] == "starting" and svc.ready:
-                results = (ActionResult(a.id, "vllm", a.kind, True, False, "ready", t),)
-                job = None
-            elif (
-                job["phase"] == "starting"
-                and svc.engine is not None
-                and svc.engine.phase is EnginePhase.FAILED_STARTUP
-            ):
-                results = (ActionResult(a.id, "vllm", a.kind, False, False, "start-up failed", t),)
-                svc.engine = None
-                restart_at = t + SUPERVISOR_RESTART_SECONDS
-                job = None
+        firing = [a for a in alerts.values() if a.state is AlertState.FIRING]
+        for _ in range(4):
+            out = decide(state, firing, snap, signals, t, settings)
+            state = out.state
+            for d in out.decisions:
+                if d.what == "gate" and "forecast:" in d.reason:
+                    res.forecast_gates.append((t - (first_ready or 0.0), d.reason))
+            for a in out.actions:
+                res.actions.append((t - (first_ready or 0.0), a.kind.value, a.reason))
+            quick: list[OpResult] = []
+            for o in out.ops:
+                if o.op is Op.RESTART:
+                    restarts_due.append(o)
+                else:
+                    if o.op is Op.WRITE_FLAGS:
+                        next_flags = (o.flags, o.env)
+                    quick.append(OpResult(o.action_id, o.service, o.op, True, False, "done", t))
+            if not quick:
+                break
+            snap = replace(snap, op_results=tuple(quick), services=tuple(
+                replace(x, logs=replace(x.logs, recent=()) if x.logs else None) for x in snap.services
+            ))  # fmt: skip
     res.ooms = svc.ooms
     res.failed = svc.failed
     res.served = svc.served

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,6 +17,11 @@ class Route:
     delay_seconds: float = 0.0
     truncate_to: int | None = None  # send Content-Length of the full body, then only this much
     hits: int = 0
+    released: threading.Event = field(default_factory=threading.Event)
+
+    def release(self) -> None:
+        """End every delay now (a hanging receiver answers at once)."""
+        self.released.set()
 
 
 @dataclass
@@ -42,7 +46,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         route.hits += 1
         if route.delay_seconds:
-            time.sleep(route.delay_seconds)
+            route.released.wait(route.delay_seconds)
         self.send_response(route.status)
         self.send_header("Content-Type", route.content_type)
         self.send_header("Content-Length", str(len(route.body)))

@@ -13,14 +13,13 @@ from pathlib import Path
 import pytest
 
 from vllm_guardian.actuators import flags as flagsfile
-from vllm_guardian.actuators.executor import ActionExecutor, Observation
+from vllm_guardian.actuators.executor import OpRunner
 from vllm_guardian.actuators.procmgr import Supervisor
 from vllm_guardian.actuators.systemd import SystemdBackend
 from vllm_guardian.clock import SystemClock
-from vllm_guardian.config import PolicyConfig
 from vllm_guardian.core.policy import Lever, PolicyState, ServiceState
 from vllm_guardian.healing import load_state, save_state
-from vllm_guardian.model import Action, ActionKind, Cause
+from vllm_guardian.model import Op, OpRequest, OpResult
 
 # --- the flags file --------------------------------------------------------------------------
 
@@ -209,7 +208,7 @@ def test_systemd_backend_without_systemctl():
     assert (ok, terminal) == (False, True) and "not found" in detail
 
 
-# --- the executor ----------------------------------------------------------------------------
+# --- the blocking calls (the phases around them: tests/test_phases.py) ----------------------
 
 
 class Backend:
@@ -222,97 +221,65 @@ class Backend:
         return self.result
 
 
-def action(kind: ActionKind = ActionKind.RESTART, dry: bool = False, flags=(), env=()) -> Action:  # type: ignore[no-untyped-def]
-    return Action(
-        1, "vllm", kind, Cause.ENGINE_DEAD, "test", ("EngineDead",), dry, tuple(flags), tuple(env)
-    )
-
-
-def executor(tmp_path: Path, backend, observe) -> ActionExecutor:  # type: ignore[no-untyped-def]
-    policy = PolicyConfig(
-        drain_timeout_seconds=1, vram_release_timeout_seconds=1, ready_timeout_seconds=2
-    )
-    return ActionExecutor(
-        SystemClock(), policy, tmp_path, {"vllm": backend}, observe, poll_seconds=0.02
-    )
-
-
-def take(ex: ActionExecutor, timeout: float = 10.0):  # type: ignore[no-untyped-def]
+def take(runner: OpRunner, n: int = 1, timeout: float = 30.0) -> list[OpResult]:
+    got: list[OpResult] = []
     end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = ex.take_results()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError("no result")
+    while time.monotonic() < end and len(got) < n:
+        got += runner.take_results()
+        time.sleep(0.01)
+    assert len(got) >= n, f"{len(got)} result(s) of {n} within {timeout}s: {got}"
+    return got
 
 
-def test_executor_drains_restarts_waits_for_vram_and_ready(tmp_path: Path):
-    state = {"running": 3.0, "pid": 10, "up": True}
-    backend = Backend()
-
-    def observe(service: str) -> Observation:
-        return Observation(
-            time.time(),
-            state["running"],
-            0.0,
-            state["up"],
-            state["pid"],
-            frozenset({state["pid"]}),
-            True,
-        )
-
-    ex = executor(tmp_path, backend, observe)
-    ex.submit(action(ActionKind.RELAUNCH, flags=[("--max-num-seqs", "48")]))
-    time.sleep(0.2)
-    assert backend.calls == 0  # still draining: 3 requests running
-    state["running"] = 0.0
-    time.sleep(0.2)
-    state["pid"] = 11  # new instance; old pid gone from the GPU
-    (result,) = take(ex)
-    assert result.ok and "drained" in result.detail and backend.calls == 1
-    assert "--max-num-seqs 48" in flagsfile.path_for(tmp_path, "vllm").read_text()
+def op(kind: Op, flags=(), env=()) -> OpRequest:  # type: ignore[no-untyped-def]
+    return OpRequest(1, "vllm", kind, tuple(flags), tuple(env), 5.0, "test")
 
 
-def test_executor_reports_rejected_flags_as_terminal_and_restarts_nothing(tmp_path: Path):
-    backend = Backend()
-    ex = executor(tmp_path, backend, lambda s: None)
-    ex.submit(action(ActionKind.RELAUNCH, flags=[("--trust-remote-code", "")]))
-    (result,) = take(ex)
-    assert not result.ok and result.terminal and backend.calls == 0
+OPS = [
+    # name, request, backend result, (ok, terminal, words in the detail), restarts
+    ("flags written", op(Op.WRITE_FLAGS, [("--max-num-seqs", "48")]), None,
+     (True, False, "flags file written"), 0),
+    ("flags off the whitelist are terminal", op(Op.WRITE_FLAGS, [("--trust-remote-code", "")]),
+     None, (False, True, "flags rejected"), 0),
+    ("restart through the backend", op(Op.RESTART), (True, False, "restarted"),
+     (True, False, "restarted"), 1),
+    ("a failed restart is a result", op(Op.RESTART), (False, False, "unit failed"),
+     (False, False, "unit failed"), 1),
+    ("no bundle writer", op(Op.BUNDLE), None, (True, False, "not captured"), 0),
+]  # fmt: skip
 
 
-def test_executor_dry_run_does_nothing(tmp_path: Path):
-    backend = Backend()
-    ex = executor(tmp_path, backend, lambda s: None)
-    ex.submit(action(dry=True))
-    (result,) = take(ex)
-    assert (
-        result.ok
-        and result.dry_run
-        and "dry-run: would restart" in result.detail
-        and backend.calls == 0
-    )
+@pytest.mark.parametrize(("name", "req", "backend_result", "expected", "restarts"), OPS,
+                         ids=[o[0] for o in OPS])  # fmt: skip
+def test_op_runner(tmp_path: Path, name, req, backend_result, expected, restarts):  # type: ignore[no-untyped-def]
+    backend = Backend(backend_result or (True, False, "restarted"))
+    runner = OpRunner(SystemClock(), tmp_path, {"vllm": backend})
+    runner.start(req)
+    (r,) = take(runner)
+    ok, terminal, words = expected
+    assert (r.ok, r.terminal, r.op, r.action_id) == (ok, terminal, req.op, 1)
+    assert words in r.detail
+    assert backend.calls == restarts
+    if req.op is Op.WRITE_FLAGS and ok:
+        assert "--max-num-seqs 48" in flagsfile.path_for(tmp_path, "vllm").read_text()
 
 
-def test_executor_not_ready_in_time_is_a_failure(tmp_path: Path):
-    def observe(service: str) -> Observation:
-        return Observation(time.time(), 0.0, 0.0, False, 10, frozenset(), False)
-
-    ex = executor(tmp_path, Backend(), observe)
-    ex.submit(action())
-    (result,) = take(ex)
-    assert not result.ok and not result.terminal and "not ready within 2s" in result.detail
+def test_op_runner_without_a_backend_is_terminal(tmp_path: Path):
+    runner = OpRunner(SystemClock(), tmp_path, {})
+    runner.start(op(Op.RESTART))
+    (r,) = take(runner)
+    assert not r.ok and r.terminal and "no restart backend" in r.detail
 
 
-def test_executor_old_instance_holding_vram_is_a_failure(tmp_path: Path):
-    def observe(service: str) -> Observation:
-        return Observation(time.time(), 0.0, 0.0, True, 10, frozenset({10}), True)
+def test_op_runner_turns_a_crashing_call_into_a_result(tmp_path: Path):
+    class Broken:
+        def restart(self, timeout_seconds: float):  # type: ignore[no-untyped-def]
+            raise RuntimeError("boom")
 
-    ex = executor(tmp_path, Backend(), observe)
-    ex.submit(action())
-    (result,) = take(ex)
-    assert not result.ok and "still holds GPU memory" in result.detail
+    runner = OpRunner(SystemClock(), tmp_path, {"vllm": Broken()})
+    runner.start(op(Op.RESTART))
+    (r,) = take(runner)
+    assert not r.ok and "internal error: RuntimeError: boom" in r.detail
 
 
 # --- persisted policy state ------------------------------------------------------------------
@@ -351,23 +318,3 @@ def test_concurrent_saves_leave_a_readable_file(tmp_path: Path):
     assert load_state(path) in states
     assert [p.name for p in tmp_path.iterdir()] == ["s.json"]
     assert os.path.getsize(path) > 0
-
-
-def test_executor_does_not_restart_twice_what_its_supervisor_restarted(tmp_path: Path):
-    state = {"pid": 10, "up": False}
-    backend = Backend()
-
-    def observe(service: str) -> Observation:
-        return Observation(
-            time.time(), None, None, state["up"], state["pid"], frozenset(), state["up"]
-        )
-
-    ex = executor(tmp_path, backend, observe)
-    ex.submit(action(ActionKind.RELAUNCH, flags=[("--gpu-memory-utilization", "0.85")]))
-    time.sleep(0.2)
-    assert (
-        "0.85" in flagsfile.path_for(tmp_path, "vllm").read_text()
-    )  # written before anything else
-    state.update(pid=11, up=True)  # Restart=always brought it back, reading the new flags
-    (result,) = take(ex)
-    assert result.ok and backend.calls == 0 and "restarted on its own" in result.detail

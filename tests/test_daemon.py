@@ -259,3 +259,30 @@ def test_assemble_ignores_readings_for_unknown_services():
     r = Reading(SourceKind.HEALTH, "ghost", HealthProbe(HealthState.UP, 200, 0.0))
     snap = assemble(1.0, ["vllm"], [r], [])
     assert snap.service("vllm") is not None and snap.service("vllm").health is None  # type: ignore[union-attr]
+
+
+class SteppingClock(FakeClock):
+    """A wall clock that NTP steps; monotonic time goes on smoothly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step = 0.0
+
+    def time(self) -> float:
+        return super().time() + self.step
+
+
+def test_a_wall_clock_step_moves_no_window(tmp_path):
+    clock = SteppingClock()
+    g, _ = make(tmp_path, Source(SourceKind.VLLM_METRICS, "vllm", metrics_reading()), clock=clock)
+    first = g.tick().snapshot.time_seconds
+    clock.advance(2)
+    clock.step = -3600.0  # an NTP step back by an hour
+    second = g.tick().snapshot.time_seconds
+    clock.advance(2)
+    clock.step = +7200.0
+    third = g.tick().snapshot.time_seconds
+    assert (second - first, third - second) == (2.0, 2.0)
+    rec = [r for r in read_records(tmp_path / "flight.jsonl") if isinstance(r, dict)][-1]
+    assert rec["wall_time"] - rec["time"] == 7200.0  # the record keeps the host's clock too
+    g.close()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -126,3 +128,42 @@ def test_cli_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert main(["diagnose", "--url", "ftp://x"]) == 2
     assert main(["diagnose", "--bundle", str(BUNDLES / "healthy_idle"), "--url", "http://x"]) == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_diagnose_reads_the_operators_rules_file(tmp_path: Path) -> None:
+    """One classifier: `diagnose -c CONFIG` reads the thresholds of the rule set the daemon
+    evaluates, the operator's rules_file included. The concurrency_overcommit bundle thrashes at
+    1.48 preemptions/s: with the shipped rules (> 0.5/s) that is the verdict; an operator who
+    set VllmPreemptionRateHigh to > 5/s gets `healthy`, and the report says whose numbers."""
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(
+        "rules:\n"
+        "  - name: VllmPreemptionRateHigh\n"
+        "    signal: preemptions_per_second\n"
+        '    op: ">"\n'
+        "    threshold: 5\n"
+        "    unit: per_second\n"
+        "    for_seconds: 60\n"
+        "    keep_firing_for_seconds: 60\n"
+        "    severity: warning\n"
+        "    cause: concurrency_overcommit\n"
+        '    summary: "{service}: {value} preemptions"\n'
+        '    runbook: "#preemption-rate-high"\n'
+    )
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(f"services:\n  - name: vllm\nalerting:\n  rules_file: {rules}\n")
+
+    def verdict(*extra: str) -> dict[str, object]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "vllm_guardian", "diagnose", "--bundle",
+             str(BUNDLES / "concurrency_overcommit"), "--json", *extra],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert proc.stdout, proc.stderr
+        return json.loads(proc.stdout)  # type: ignore[no-any-return]
+
+    shipped = verdict()
+    assert shipped["verdict"] == "concurrency_overcommit"
+    mine = verdict("-c", str(cfg))
+    assert mine["verdict"] == "healthy", mine["causes"]
+    assert any(str(rules) in n for n in mine["notes"]), mine["notes"]  # type: ignore[union-attr]

@@ -171,3 +171,20 @@ def test_exhaustion_forecast_is_exported_per_gpu_and_absent_without_a_trend():
         'vllm_guardian_headroom_exhaustion_neighbour_info{cgroup="",command="python3",gpu="0",'
         'pid="4242",service="vllm"} 1.0'
     ) in text
+
+
+@pytest.mark.parametrize(("listen", "url_host"), [("127.0.0.1", "127.0.0.1"), ("::1", "[::1]")])
+def test_listen_binds_the_family_of_its_address(listen: str, url_host: str):
+    """`listen: '[::1]:PORT'` serves /metrics over IPv6 (it raised gaierror before)."""
+    c = GuardianCollector(["vllm"])
+    server = ExpositionServer(c, listen, 0, stale_after_seconds=10, monotonic=lambda: 0.0)
+    server.start()
+    try:
+        host, port = server.address
+        assert host == listen
+        history = snapshots()
+        c.publish(Published(history[-1], signals_for(history), 0.01), monotonic_now=0.0)
+        r = requests.get(f"http://{url_host}:{port}/metrics", timeout=10)
+        assert r.status_code == 200 and "vllm_guardian_requests_waiting" in r.text
+    finally:
+        server.stop()

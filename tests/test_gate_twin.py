@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,10 +20,8 @@ import requests
 pytest.importorskip("aiohttp")
 
 from tests.test_gate_support import GateThread
-from vllm_guardian.core.policy import PolicyState
 from vllm_guardian.daemon import Guardian
 from vllm_guardian.demo import DemoOptions, demo_config, free_port
-from vllm_guardian.model import Action, ActionKind
 from vllm_guardian.sim.load import LoadResult, OutcomeKind, plan_requests, run_load
 from vllm_guardian.sim.scenarios import LoadProfile
 
@@ -154,25 +151,14 @@ def test_kv_burst_is_held_at_the_gate() -> None:
 
 
 def trigger_restart(guardian: Guardian, service: str = "vllm") -> int:
-    """One restart, exactly as the policy starts one (close /ready, mark the action in flight,
-    hand it to the executor), without a fault that would strike the new instance again."""
+    """One restart, exactly as an operator starts one (`vllm-guardian restart`): the policy's
+    own phases (close /ready, drain, restart, wait, open), without a fault that would strike
+    the new instance again."""
     h = guardian.healing
     assert h is not None
-    with h._lock:
-        state = h.state
-        aid = state.next_action_id
-        action = Action(aid, service, ActionKind.RESTART, None, "test: one controlled restart",
-                        (), dry_run=False)  # fmt: skip
-        now = guardian.clock.time()
-        services = tuple(
-            replace(s, in_flight=aid, in_flight_since=now, gate_open=False, gate_reason="restart")
-            if s.service == service
-            else s
-            for s in state.services
-        )
-        h.state = PolicyState(services, aid + 1)
-        h.executor.submit(action)
-    return aid
+    reply = h.control("restart", service, who="test: one controlled restart")
+    assert reply["ok"], reply
+    return int(reply["action_id"])
 
 
 def test_restart_under_load_through_the_gate_loses_nothing(tmp_path: Path) -> None:

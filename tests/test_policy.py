@@ -1,7 +1,8 @@
 """The policy, as a specification: one row per tick of signals and alerts → decisions and actions.
 
-Time is an argument; an action's result arrives on the next tick (as the executor would
-report it), unless a row says otherwise.
+Time is an argument. An action runs as phases (core/phases.py): the quick calls it asks for
+(bundle, flags file) answer within the tick, the restart call answers on the next row (failed
+when that row says ``fail``), and the service is ready again on that row unless it says otherwise.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from vllm_guardian.core.policy import (
     PolicySettings,
     PolicyState,
     decide,
+    default_baseline,
     initial_state,
     resume,
 )
 from vllm_guardian.core.signals import ServiceGpuSignals, ServiceSignals, Signals
 from vllm_guardian.model import (
     ActionKind,
-    ActionResult,
     Alert,
     AlertState,
     Cause,
@@ -32,6 +33,8 @@ from vllm_guardian.model import (
     LogEvent,
     LogEventKind,
     LogReading,
+    Op,
+    OpResult,
     ServiceSnapshot,
     Severity,
     Snapshot,
@@ -121,26 +124,39 @@ class Row:
 class Run:
     cfg: PolicyConfig = BASE
     state: PolicyState = field(default_factory=lambda: initial_state(["vllm"]))
-    pending: list = field(default_factory=list)  # actions awaiting their result
+    pending: list = field(default_factory=list)  # restart calls awaiting their result
+    last_t: float = 0.0
     actions: list = field(default_factory=list)
     decisions: list = field(default_factory=list)
 
     def tick(self, row: Row):  # type: ignore[no-untyped-def]
         results = tuple(
-            ActionResult(
-                a.id,
-                a.service,
-                a.kind,
+            OpResult(
+                o.action_id,
+                o.service,
+                o.op,
                 ok=not row.fail,
                 terminal=row.terminal,
                 detail="done",
-                finished_seconds=row.t,
-                dry_run=a.dry_run,
+                finished_seconds=self.last_t,
             )
-            for a in self.pending
-            if a.kind is not ActionKind.ESCALATE
+            for o in self.pending
         )
         self.pending = []
+        out = self._step(row, results, row.logs)
+        for _ in range(3):  # the quick calls answer at once: the same tick goes on
+            quick = [o for o in out.ops if o.op is not Op.RESTART]
+            self.pending += [o for o in out.ops if o.op is Op.RESTART]
+            if not quick:
+                break
+            done = tuple(
+                OpResult(o.action_id, o.service, o.op, True, False, "done", row.t) for o in quick
+            )
+            out = self._step(row, done, ())
+        self.last_t = row.t
+        return out
+
+    def _step(self, row: Row, results: tuple[OpResult, ...], logs_now: tuple[LogEvent, ...]):  # type: ignore[no-untyped-def]
         unit = UnitState(
             "vllm.service",
             "active",
@@ -154,8 +170,10 @@ class Run:
             None,
             (row.pid,),
         )
-        logs = LogReading((), row.logs, 0)
-        snap = Snapshot(row.t, (ServiceSnapshot("vllm", unit=unit, logs=logs),), None, (), results)
+        logs = LogReading((), logs_now, 0)
+        snap = Snapshot(
+            row.t, (ServiceSnapshot("vllm", unit=unit, logs=logs),), None, (), (), results
+        )
         sig = ServiceSignals(
             "vllm",
             row.health,
@@ -176,7 +194,6 @@ class Run:
             PolicySettings(self.cfg, ("vllm",), RULE_SIGNALS),
         )
         self.state = out.state
-        self.pending = list(out.actions)
         self.actions += out.actions
         self.decisions += out.decisions
         return out
@@ -191,7 +208,7 @@ class Run:
         return self.state.service("vllm")
 
     def kinds(self) -> list[tuple[float, str]]:
-        return [(d.time_seconds, d.what) for d in self.decisions]
+        return [(d.time_seconds, d.what) for d in self.decisions if d.what != "phase"]
 
 
 # --- the gate --------------------------------------------------------------------------------
@@ -546,3 +563,24 @@ def test_a_closed_gate_holds_for_its_minimum_time():
         Row(12, kv=0.9),
     )
     assert r.kinds() == [(0, "gate"), (10, "ungate"), (12, "gate")]
+
+
+BASELINES = [
+    # the operator's command line → (max_num_seqs, max_num_batched_tokens, gpu_memory_utilization)
+    ((), (1024, 8192, 0.9)),  # vLLM's defaults for an 80 GB card; utilization as reported
+    (("--max-num-seqs", "64"), (64, 8192, 0.9)),
+    # argparse's semantics, as vLLM reads them: the last occurrence wins, 8k is 8000
+    (("--max-num-batched-tokens", "8k", "--max-num-seqs", "64", "--max-num-seqs", "32"),
+     (32, 8000, 0.9)),
+    (("--max-num-batched-tokens=16K", "--gpu-memory-utilization=0.8"), (1024, 16384, 0.8)),
+    (("--max-num-seqs", "lots"), (1024, 8192, 0.9)),  # unreadable: the default, not a crash
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"), BASELINES, ids=[" ".join(a) or "-" for a, _ in BASELINES]
+)
+def test_the_baseline_reads_flags_as_vllm_does(argv, expected):  # type: ignore[no-untyped-def]
+    sig = ServiceSignals("vllm", HealthState.UP, True, True, True, gpu_memory_utilization_ratio=0.9)
+    b = default_baseline(sig, ("vllm", "serve", "m", *argv), 80 * GIB)
+    assert (b.max_num_seqs, b.max_num_batched_tokens, b.gpu_memory_utilization) == expected

@@ -27,11 +27,12 @@ from vllm_guardian.core.policy import (
 from vllm_guardian.core.signals import ServiceGpuSignals, ServiceSignals, Signals
 from vllm_guardian.model import (
     ActionKind,
-    ActionResult,
     Cause,
     GpuDevice,
     GpuReading,
     HealthState,
+    Op,
+    OpResult,
     ServiceSnapshot,
     Snapshot,
     UnitState,
@@ -134,21 +135,42 @@ def test_the_neighbour_is_named_in_the_reason() -> None:
 
 
 class Ticks:
+    """decide() tick by tick, with the executor's calls answered as in test_policy's Run: the
+    quick ones (bundle, flags file) at once, the restart on the next tick; a drain finds
+    nothing in flight."""
+
     def __init__(self, cfg: PolicyConfig = P) -> None:
         self.cfg = cfg
         self.state: PolicyState = initial_state(["vllm"])
-        self.pending: list = []  # type: ignore[type-arg]
+        self.pending: list = []  # type: ignore[type-arg]  # restart calls awaiting their result
+        self.last_t = 0.0
         self.actions: list = []  # type: ignore[type-arg]
         self.decisions: list = []  # type: ignore[type-arg]
 
     def tick(self, t: float, sig: ServiceSignals) -> None:
         results = tuple(
-            ActionResult(a.id, a.service, a.kind, ok=True, terminal=False, detail="done",
-                         finished_seconds=t, dry_run=a.dry_run)
-            for a in self.pending
-        )  # fmt: skip
-        unit = UnitState("vllm.service", "active", "running", "success", 100, 0, 0, None, None,
-                         None, (100,))  # fmt: skip
+            OpResult(o.action_id, o.service, o.op, True, False, "done", self.last_t)
+            for o in self.pending
+        )
+        self.pending = []
+        out = self._step(t, sig, results)
+        for _ in range(3):  # the quick calls answer at once: the same tick goes on
+            quick = [o for o in out.ops if o.op is not Op.RESTART]
+            self.pending += [o for o in out.ops if o.op is Op.RESTART]
+            if not quick:
+                break
+            out = self._step(
+                t,
+                sig,
+                tuple(
+                    OpResult(o.action_id, o.service, o.op, True, False, "done", t) for o in quick
+                ),
+            )
+        self.last_t = t
+
+    def _step(self, t: float, sig: ServiceSignals, results: tuple[OpResult, ...]):  # type: ignore[no-untyped-def]
+        if self.state.service("vllm").action is not None:
+            sig = replace(sig, requests_running=0, requests_waiting=0)  # the drain ends at once
         cmd = (
             "vllm",
             "serve",
@@ -158,9 +180,11 @@ class Ticks:
             "--max-num-batched-tokens",
             "8192",
         )
-        unit = replace(unit, cmdline=cmd)
+        unit = UnitState(
+            "vllm.service", "active", "running", "success", 100, 0, 0, None, None, cmd, (100,)
+        )
         gpus = GpuReading((GpuDevice(0, "GPU-0", "H100", TOTAL, 72 * GIB, 8 * GIB, processes=()),))
-        snap = Snapshot(t, (ServiceSnapshot("vllm", unit=unit),), gpus, (), results)
+        snap = Snapshot(t, (ServiceSnapshot("vllm", unit=unit),), gpus, (), (), results)
         out = decide(
             self.state,
             [],
@@ -170,9 +194,9 @@ class Ticks:
             PolicySettings(self.cfg, ("vllm",), RULE_SIGNALS),
         )
         self.state = out.state
-        self.pending = list(out.actions)
         self.actions += out.actions
         self.decisions += out.decisions
+        return out
 
 
 def test_fragmentation_forecast_restarts_once_then_cooldown_then_budget() -> None:

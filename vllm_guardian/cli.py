@@ -82,10 +82,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _socket_path(args: argparse.Namespace) -> Path:
-    if args.socket:
-        return Path(args.socket)
-    if Path(args.config).exists():
-        cfg = _load(args.config)
+    return socket_path(args.config, args.socket)
+
+
+def socket_path(config: str, explicit: str | None) -> Path:
+    """The control socket: ``--socket``, else the config's ``runtime_dir``, else the default."""
+    if explicit:
+        return Path(explicit)
+    if Path(config).exists():
+        cfg = _load(config)
         if cfg is not None:
             return Path(cfg.runtime_dir) / "control.sock"
     return Path("/run/vllm-guardian/control.sock")
@@ -144,6 +149,13 @@ def render_status(st: dict[str, Any]) -> str:
             )
         )
         lines.append(f"policy {name}: {state}{' (dry-run)' if st.get('dry_run') else ''}")
+        action = svc.get("action")
+        if action:
+            lines.append(
+                f"  action {action['action_id']} ({action['kind']}) in {action['phase']} for "
+                f"{now - action['phase_since']:.0f}s, deadline in {action['deadline'] - now:.0f}s"
+                + (f", asked by {action['operator']}" if action.get("operator") else "")
+            )
         lines.append(
             f"  /ready: {'200' if gate.get('ready', True) else '503'} ({gate.get('reason', '?')})  flags: {rungs}"
         )
@@ -253,6 +265,16 @@ def build_parser() -> argparse.ArgumentParser:
             "--socket", help="control socket path (default: <runtime_dir>/control.sock)"
         )
     sub.add_parser(
+        "restart",
+        help="drain and restart a service through the front door: `vllm-guardian restart --help`",
+        add_help=False,
+    )
+    sub.add_parser(
+        "relaunch",
+        help="apply whitelisted flags without dropping a request: `vllm-guardian relaunch --help`",
+        add_help=False,
+    )
+    sub.add_parser(
         "replay", help="a flight recording through a config's rules and policy", add_help=False
     )
     sub.add_parser("sim", help="the vLLM twin: `vllm-guardian sim serve --help`", add_help=False)
@@ -288,6 +310,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "sim":
         return cmd_sim(argparse.Namespace(), argv[1:])
+    if argv and argv[0] in ("restart", "relaunch"):
+        from vllm_guardian.operator import main as operator_main  # noqa: PLC0415
+
+        return operator_main(argv)
     if argv and argv[0] == "replay":
         from vllm_guardian.replay import main as replay_main  # noqa: PLC0415
 

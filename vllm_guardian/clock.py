@@ -21,6 +21,31 @@ class Clock(Protocol):
     def sleep(self, seconds: float) -> None: ...
 
 
+class SteadyClock:
+    """Unix time that never steps: the wall clock once, at start, plus monotonic time since.
+
+    The daemon runs on this, so an NTP step (or an operator's ``date -s``) never moves a
+    cooldown, a budget window, a rate or a phase's deadline. Its ``time()`` stays within the
+    wall clock's slew since the guardian started, so records and the saved policy state still
+    read as Unix time, and a restarted guardian (anchored afresh) compares saved times with an
+    error of that slew only (normally milliseconds).
+    """
+
+    def __init__(self, clock: Clock) -> None:
+        self.inner = clock
+        self._wall0 = clock.time()
+        self._mono0 = clock.monotonic()
+
+    def time(self) -> float:
+        return self._wall0 + (self.inner.monotonic() - self._mono0)
+
+    def monotonic(self) -> float:
+        return self.inner.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        self.inner.sleep(seconds)
+
+
 class SystemClock:
     def time(self) -> float:
         return time.time()

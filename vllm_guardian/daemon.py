@@ -5,9 +5,9 @@ One tick (DESIGN.md §3):
 1. **collect** every source in parallel, each under its own timeout; a source that fails or
    hangs becomes a down :class:`SourceStatus`, never an exception;
 2. assemble the :class:`Snapshot` and append it to the bounded history;
-3. **derive** signals (pure, ``core/signals.py``);
-4. **decide** and **act**: the stages in ``Guardian.stages`` (the policy plugs in here; the
-   foundation has none) return records of what they decided;
+3. **derive** signals (pure, ``core/signals.py``; inside ``step`` when the guardian heals);
+4. **decide** and **act**: ``Healing.run`` calls the pure ``core/step.step`` (signals, alerts,
+   policy, readiness) and applies its effects in one place (``healing.py``);
 5. **publish** to ``/metrics`` and ``/ready``;
 6. **record** one flight-recorder line;
 7. ``sd_notify`` ``WATCHDOG=1`` and a readable ``STATUS=`` line.
@@ -32,19 +32,20 @@ from types import FrameType
 from typing import Any, Protocol
 
 from vllm_guardian import __version__
-from vllm_guardian.clock import Clock, SystemClock
+from vllm_guardian.clock import Clock, SteadyClock, SystemClock
 from vllm_guardian.config import Config, ConfigInvalid, load_config
 from vllm_guardian.control import ControlServer
 from vllm_guardian.core.allocator import attribute as attribute_allocator
 from vllm_guardian.core.signals import ServiceSignals, Signals, derive
+from vllm_guardian.core.step import trim
 from vllm_guardian.exposition import ExpositionServer, GuardianCollector, Published
 from vllm_guardian.healing import Healing
 from vllm_guardian.model import (
-    ActionResult,
     AllocatorReading,
     GpuReading,
     HealthProbe,
     LogReading,
+    OpResult,
     Reading,
     ServiceSnapshot,
     Snapshot,
@@ -59,14 +60,6 @@ from vllm_guardian.sources.registry import build_collectors
 log = logging.getLogger("vllm_guardian")
 
 GIB = 1024**3
-
-
-class Stage(Protocol):
-    """A decide/act stage run after signals are derived (the policy of a later issue)."""
-
-    def run(
-        self, snapshot: Snapshot, signals: Signals, now: float
-    ) -> Sequence[Mapping[str, Any]]: ...
 
 
 class Notifier(Protocol):
@@ -132,7 +125,9 @@ class Guardian:
         healing: Healing | bool | None = True,
     ) -> None:
         self.cfg = cfg
-        self.clock = clock or SystemClock()
+        # Steady Unix time for the tick, the policy and the actuators (clock.SteadyClock).
+        self.wall: Clock = clock or SystemClock()
+        self.clock: Clock = SteadyClock(self.wall)
         self.config_path = config_path
         self._factory = collector_factory
         self._slots = [
@@ -145,7 +140,6 @@ class Guardian:
         self.history: collections.deque[Snapshot] = collections.deque()
         self.exposition = GuardianCollector([s.name for s in cfg.services])
         self.notifier: Notifier = notifier or SdNotifier()
-        self.stages: list[Stage] = []
         self.recorder = (
             FlightRecorder(cfg.recorder.path, cfg.recorder.max_bytes, cfg.recorder.backups)
             if cfg.recorder.path
@@ -172,23 +166,19 @@ class Guardian:
         results = self.healing.take_results() if self.healing is not None else ()
         snapshot = assemble(now, [s.name for s in self.cfg.services], readings, statuses, results)
         self.history.append(snapshot)
-        span = history_span_seconds(self.cfg)
-        while len(self.history) > 1 and self.history[0].time_seconds < now - span:
-            self.history.popleft()
-        signals = derive(list(self.history), self.cfg.services, self.cfg.signals)
+        trim(self.history, history_span_seconds(self.cfg))
         decisions: list[Mapping[str, Any]] = []
+        signals: Signals | None = None
         if self.healing is not None:
             try:
-                decisions.extend(self.healing.run(snapshot, signals, now))
-                for name, gate in self.healing.gates(signals).items():
+                signals, records = self.healing.run(list(self.history), now)
+                decisions.extend(records)
+                for name, gate in self.healing.gates().items():
                     self.exposition.set_gate(name, gate)
             except Exception:  # a policy bug must not stop observation
                 log.exception("the decide-and-act stage failed; observation continues")
-        for stage in self.stages:
-            try:
-                decisions.extend(stage.run(snapshot, signals, now))
-            except Exception:  # a stage bug must not stop observation
-                log.exception("stage %s failed; observation continues", type(stage).__name__)
+        if signals is None:
+            signals = derive(list(self.history), self.cfg.services, self.cfg.signals)
         duration = self.clock.monotonic() - start
         view = self.healing.view() if self.healing is not None else None
         self.exposition.publish(
@@ -258,6 +248,7 @@ class Guardian:
         ok = self.recorder.write(
             {
                 "time": result.snapshot.time_seconds,
+                "wall_time": self.wall.time(),  # the host's clock, which may have stepped
                 "version": __version__,
                 "snapshot": result.snapshot,
                 "signals": result.signals,
@@ -366,11 +357,12 @@ class Guardian:
         cmd = req.get("cmd")
         if cmd == "status":
             return self.status()
-        if cmd in ("pause", "resume"):
+        if cmd in ("pause", "resume", "restart", "relaunch", "action"):
             if self.healing is None:
                 return {"ok": False, "error": "this guardian only observes"}
             service = req.get("service")
-            return self.healing.control(str(cmd), str(service) if service else None)
+            extra = {k: req[k] for k in ("sets", "reset", "force", "who", "action_id") if k in req}
+            return self.healing.control(str(cmd), str(service) if service else None, **extra)
         if cmd == "recent_ticks":  # vllm-guardian diagnose: the flight recorder's recent past
             from vllm_guardian.diagnose.gather import recent_ticks  # noqa: PLC0415
 
@@ -465,7 +457,7 @@ def assemble(
     services: Sequence[str],
     readings: Sequence[Reading],
     statuses: Sequence[SourceStatus],
-    action_results: Sequence[ActionResult] = (),
+    op_results: Sequence[OpResult] = (),
 ) -> Snapshot:
     """Put each reading's payload where it belongs in the Snapshot."""
     parts: dict[str, dict[str, Any]] = {name: {} for name in services}
@@ -500,7 +492,7 @@ def assemble(
         services=tuple(ServiceSnapshot(name, **parts[name]) for name in services),
         gpus=gpus,
         sources=tuple(statuses),
-        action_results=tuple(action_results),
+        op_results=tuple(op_results),
     )
 
 

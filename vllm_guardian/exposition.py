@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import platform
+import socket
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -683,6 +684,16 @@ def make_registry(collector: GuardianCollector, process_metrics: bool = True) ->
     return registry
 
 
+class _ThreadingHTTPServerV6(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
+def _http_server_for(host: str) -> type[ThreadingHTTPServer]:
+    """The address family from the address, as prometheus_client does: ``[::1]:9469`` binds
+    IPv6, anything else IPv4."""
+    return _ThreadingHTTPServerV6 if ":" in host else ThreadingHTTPServer
+
+
 class ExpositionServer:
     """A threaded HTTP server for /metrics, /healthz and /ready/<service>."""
 
@@ -699,7 +710,7 @@ class ExpositionServer:
         self._stale_after = stale_after_seconds
         self._monotonic = monotonic
         handler = _make_handler(self)
-        self._httpd = ThreadingHTTPServer((host, port), handler)
+        self._httpd = _http_server_for(host)((host, port), handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, name="exposition", daemon=True

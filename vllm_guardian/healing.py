@@ -1,20 +1,21 @@
-"""The decide-and-act half of the tick: alerts, the policy, and the actuators that carry it out.
+"""The act half of the tick: apply the effects of the pure ``core/step.step`` in one place.
 
-Where it sits: the daemon calls :meth:`Healing.run` after signals are derived. In order:
+Where it sits: the daemon collects a snapshot, appends it to the history and calls
+:meth:`Healing.run`, which calls ``step`` (signals → alerts → policy → readiness, all pure)
+and then applies its effects, in order:
 
-1. evaluate the alert rules (``core/alerting.py``, pure) with the policy's own figures of the
-   previous tick (budget left, breaker) as extra signals, and send the transitions to the sinks;
-2. ``core/policy.decide`` (pure) turns firing alerts, log lines and signals into decisions and
-   actions;
-3. the executor starts the actions in the background (their results come back through
-   :meth:`take_results` into the next snapshot); the audit log records every decision;
-4. the admission gate is published to ``/ready/<service>`` (in dry-run it stays open and says
-   what it would do);
-5. the policy state is saved atomically, so rungs, budget and breaker survive a restart of the
-   guardian. A corrupt state file is set aside with a warning, never fatal.
+1. alert transitions are queued to the sinks (delivery never blocks the tick);
+2. the blocking calls the phases asked for (bundle, flags file, restart) start in the
+   background (``actuators/executor.py``); their results enter the next snapshot;
+3. escalations are logged for a person;
+4. every decision goes to the audit log and the log;
+5. ``/ready/<service>`` answers what the step said (in dry-run it stays open and says what it
+   would do);
+6. the policy state is saved atomically, so rungs, budget, breaker and an action under way
+   survive a restart of the guardian. A corrupt state file is set aside with a warning.
 
-Operator commands (pause, resume) arrive from the control socket thread; a lock serialises them
-with the tick.
+Operator commands (pause, resume, restart, relaunch) arrive from the control socket thread; a
+lock serialises them with the tick.
 """
 
 from __future__ import annotations
@@ -23,30 +24,33 @@ import collections
 import json
 import logging
 import os
-import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from vllm_guardian.actuators import flags as flagsfile
 from vllm_guardian.actuators.alerts import AlertDispatcher, load_rules
 from vllm_guardian.actuators.audit import AuditLog
 from vllm_guardian.actuators.bundle import BundleWriter
-from vllm_guardian.actuators.executor import ActionExecutor, Observation, RestartBackend
+from vllm_guardian.actuators.executor import OpRunner, RestartBackend
 from vllm_guardian.actuators.procmgr import Supervisor
 from vllm_guardian.actuators.systemd import SystemdBackend
+from vllm_guardian.atomicfile import write_atomic
 from vllm_guardian.clock import Clock
 from vllm_guardian.config import Config
 from vllm_guardian.core import alerting, policy
+from vllm_guardian.core import step as core_step
 from vllm_guardian.core.signals import Signals
 from vllm_guardian.model import (
+    Action,
     ActionKind,
-    ActionResult,
     Alert,
     AlertState,
     GateState,
-    HealthState,
+    OpRequest,
+    OpResult,
     Snapshot,
 )
 from vllm_guardian.recorder import from_jsonable, to_jsonable
@@ -93,19 +97,8 @@ def load_state(path: Path) -> policy.PolicyState | None:
 
 
 def save_state(path: Path, state: policy.PolicyState) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(
-                {"format": STATE_FORMAT, "state": to_jsonable(state)}, fh, separators=(",", ":")
-            )
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    body = {"format": STATE_FORMAT, "state": to_jsonable(state)}
+    write_atomic(path, json.dumps(body, separators=(",", ":")).encode(), 0o600)
 
 
 class Healing:
@@ -126,38 +119,45 @@ class Healing:
         self.state_path = state_dir / "policy-state.json"
         self.audit = AuditLog(state_dir / "audit.jsonl")
         names = [s.name for s in cfg.services]
-        self.state = policy.initial_state(names, load_state(self.state_path))
-        self.alerts: dict[alerting.AlertKey, Alert] = {}
+        self.tick_state = core_step.initial(names, load_state(self.state_path))
         self.supervisors: dict[str, Supervisor] = {}
         self._lock = threading.RLock()
-        self._latest: tuple[Snapshot, Signals] | None = None
+        self._gates: dict[str, GateState] = {}
         self._actions_total: dict[tuple[str, str, str, bool], int] = {}
         self._saved: policy.PolicyState | None = None
+        self._started: dict[int, Action] = {}  # actions under way, for their bundles
+        self.saved_ok = True  # the last save worked (the watchdog ping depends on it)
         self.recent: collections.deque[policy.Decision] = collections.deque(maxlen=20)
         if backends is None:
             backends = self._build_backends()
-        self.executor = ActionExecutor(
-            clock,
-            cfg.policy,
-            state_dir,
-            dict(backends),
-            self.observe,
-            BundleWriter(
-                state_dir / "bundles", self._bundle_context, cfg.policy.bundle_timeout_seconds
-            ),
+        self.bundles = BundleWriter(
+            state_dir / "bundles", self._bundle_context, cfg.policy.bundle_timeout_seconds
         )
-        self.settings = policy.PolicySettings(
-            cfg.policy,
-            tuple(names),
-            {r.name: r.signal for r in self.rules},
-            action_timeout_seconds=3
-            * (
-                cfg.policy.drain_timeout_seconds
-                + cfg.policy.vram_release_timeout_seconds
-                + cfg.policy.ready_timeout_seconds
-                + cfg.policy.bundle_timeout_seconds
-            ),
+        self.runner = OpRunner(clock, state_dir, dict(backends), self._capture_bundle)
+        self.settings = self._settings(cfg, self.rules)
+        # Each recent action's decisions, for `vllm-guardian restart|relaunch` to follow.
+        self.action_log: collections.OrderedDict[int, list[policy.Decision]] = (
+            collections.OrderedDict()
         )
+
+    @staticmethod
+    def _settings(cfg: Config, rules: Sequence[alerting.Rule]) -> core_step.StepSettings:
+        return core_step.settings_for(
+            rules,
+            policy.PolicySettings(
+                cfg.policy, tuple(s.name for s in cfg.services), {r.name: r.signal for r in rules}
+            ),
+            cfg.services,
+            cfg.signals,
+        )
+
+    @property
+    def state(self) -> policy.PolicyState:
+        return self.tick_state.policy
+
+    @property
+    def alerts(self) -> Mapping[alerting.AlertKey, Alert]:
+        return self.tick_state.alerts
 
     def _build_backends(self) -> dict[str, RestartBackend]:
         out: dict[str, RestartBackend] = {}
@@ -192,109 +192,115 @@ class Healing:
             sup.stop()
         self.dispatcher.close()
 
-    # --- the executor's view of the latest tick ------------------------------------------------
-
-    def observe(self, service: str) -> Observation | None:
-        with self._lock:
-            latest = self._latest
-        if latest is None:
-            return None
-        snap, signals = latest
-        sig = signals.service(service)
-        ss = snap.service(service)
-        if sig is None or ss is None:
-            return None
-        pids: frozenset[int] | None = None
-        if snap.gpus is not None:
-            pids = frozenset(p.pid for d in snap.gpus.devices for p in d.processes or ())
-        return Observation(
-            time_seconds=snap.time_seconds,
-            running=sig.requests_running,
-            waiting=sig.requests_waiting,
-            health_up=None if sig.health_state is None else sig.health_state is HealthState.UP,
-            main_pid=ss.unit.main_pid if ss.unit is not None else None,
-            gpu_pids=pids,
-            metrics_up=sig.metrics_up,
-        )
+    # --- what the actuators need ---------------------------------------------------------------
 
     def _bundle_context(self, service: str) -> tuple[Any, Sequence[Snapshot]]:
         return self.cfg.service(service), list(self._history)
 
-    def take_results(self) -> tuple[ActionResult, ...]:
-        return self.executor.take_results()
+    def _capture_bundle(self, req: OpRequest) -> str | None:
+        action = self._started.get(req.action_id) or Action(
+            req.action_id, req.service, ActionKind.RESTART, req.cause, req.reason, (), False,
+            req.flags, req.env,
+        )  # fmt: skip
+        return self.bundles(action)
+
+    def take_results(self) -> tuple[OpResult, ...]:
+        """The blocking calls that finished since the last tick: the next snapshot's
+        ``op_results``."""
+        return self.runner.take_results()
 
     # --- one tick ------------------------------------------------------------------------------
 
-    def extra_signals(self, now: float) -> dict[tuple[str, str], float | None]:
-        return policy.published_signals(self.state, now, self.cfg.policy)
-
-    def run(self, snapshot: Snapshot, signals: Signals, now: float) -> list[dict[str, Any]]:
+    def run(self, history: Sequence[Snapshot], now: float) -> tuple[Signals, list[dict[str, Any]]]:
+        """Step the pure core over ``history`` (newest last) and apply its effects. Returns the
+        derived signals and the tick's records (decisions, alert transitions) for the flight
+        recorder."""
         with self._lock:
-            self._latest = (snapshot, signals)
-            values = alerting.signal_values(signals, snapshot, self.extra_signals(now))
-            self.alerts, transitions = alerting.evaluate(self.rules, self.alerts, values, now)
-            current = alerting.sort_alerts(self.alerts.values())
-            try:
-                self.dispatcher.dispatch(transitions, alerting.firing(current), now)
-            except Exception:  # a sink bug must not stop healing
-                log.exception("alert dispatch failed")
-            out = policy.decide(
-                self.state, list(alerting.firing(current)), snapshot, signals, now, self.settings
-            )
-            self.state = out.state
-            for action in out.actions:
-                self.executor.submit(action)
-            for r in snapshot.action_results:
-                key = (r.service, r.kind.value, "ok" if r.ok else "failed", r.dry_run)
-                self._actions_total[key] = self._actions_total.get(key, 0) + 1
-            for a in out.actions:
-                if a.kind is ActionKind.ESCALATE:
-                    key = (a.service, a.kind.value, "ok", a.dry_run)
-                    self._actions_total[key] = self._actions_total.get(key, 0) + 1
-            self.recent.extend(d for d in out.decisions if d.what != "suppressed")
-            if not self.audit.write(out.decisions):
-                log.error("%s", self.audit.error)
-            for d in out.decisions:
-                log.log(
-                    logging.WARNING if d.what in ("action", "latch", "gate") else logging.INFO,
-                    "policy %s [%s] %s%s",
-                    d.what,
-                    d.service,
-                    d.reason,
-                    " (dry-run)" if d.dry_run else "",
-                )
-            self._save()
-            return [to_jsonable(d) for d in out.decisions] + [
-                {"transition": to_jsonable(t)} for t in transitions
+            self.tick_state, fx = core_step.step(self.tick_state, history, now, self.settings)
+            self._apply(fx)
+            return fx.signals, [to_jsonable(d) for d in fx.decisions] + [
+                {"transition": to_jsonable(t)} for t in fx.transitions
             ]
+
+    def _apply(self, fx: core_step.Effects) -> None:
+        try:  # queued: a slow webhook never delays the tick
+            self.dispatcher.dispatch(fx.transitions, fx.firing, fx.signals.time_seconds)
+        except Exception:  # a sink bug must not stop healing
+            log.exception("alert dispatch failed")
+        for action in fx.actions:
+            if action.kind is ActionKind.ESCALATE:
+                log.error(
+                    "ESCALATION for %s: %s (evidence: %s)",
+                    action.service,
+                    action.reason,
+                    ", ".join(action.evidence),
+                )
+                self._count(action.service, action.kind.value, True, action.dry_run)
+            elif not action.dry_run:
+                self._started[action.id] = action
+        for req in fx.ops:
+            self.runner.start(req)
+        for r in fx.results:
+            self._started.pop(r.action_id, None)
+            self._count(r.service, r.kind.value, r.ok, r.dry_run)
+        self._audit(fx.decisions)
+        self._gates = dict(fx.gates)
+        self._save()
+
+    def _count(self, service: str, kind: str, ok: bool, dry: bool) -> None:
+        key = (service, kind, "ok" if ok else "failed", dry)
+        self._actions_total[key] = self._actions_total.get(key, 0) + 1
+
+    def _audit(self, decisions: Sequence[policy.Decision]) -> None:
+        self.recent.extend(d for d in decisions if d.what is not policy.DecisionKind.SUPPRESSED)
+        for d in decisions:
+            if d.action_id is None:
+                continue
+            self.action_log.setdefault(d.action_id, []).append(d)
+            self.action_log.move_to_end(d.action_id)
+            while len(self.action_log) > 32:
+                self.action_log.popitem(last=False)
+        if not self.audit.write(decisions):
+            log.error("%s", self.audit.error)
+        loud = (
+            policy.DecisionKind.ACTION,
+            policy.DecisionKind.LATCH,
+            policy.DecisionKind.GATE,
+            policy.DecisionKind.OPERATOR,
+        )
+        for d in decisions:
+            log.log(
+                logging.WARNING if d.what in loud else logging.INFO,
+                "policy %s [%s] %s%s%s",
+                d.what.value,
+                d.service,
+                f"{d.phase.value}: " if d.phase is not None else "",
+                d.reason,
+                " (dry-run)" if d.dry_run else "",
+            )
 
     def _save(self) -> None:
         if self.state == self._saved:
+            self.saved_ok = True
             return
         try:
             save_state(self.state_path, self.state)
             self._saved = self.state
+            self.saved_ok = True
         except OSError as e:
+            self.saved_ok = False
             log.error("cannot save the policy state to %s: %s", self.state_path, e)
 
     # --- what others read --------------------------------------------------------------------
 
-    def gates(self, signals: Signals) -> dict[str, GateState]:
-        """/ready/<service>: closed when the policy gates it (unless dry-run) or vLLM is not up."""
-        out = {}
+    def gates(self, signals: Signals | None = None) -> dict[str, GateState]:
+        """/ready/<service> as the last step decided it."""
         with self._lock:
-            dry = policy.gate_dry_run(self.cfg.policy)
-            for s in self.state.services:
-                sig = signals.service(s.service)
-                if sig is not None and sig.vllm_up is False:
-                    out[s.service] = GateState(False, f"vLLM is not up ({sig.health_state})")
-                elif not s.gate_open and not dry:
-                    out[s.service] = GateState(False, s.gate_reason)
-                elif not s.gate_open:
-                    out[s.service] = GateState(True, f"dry-run: would answer 503 ({s.gate_reason})")
-                else:
-                    out[s.service] = GateState(True, "open")
-        return out
+            if signals is None:
+                return dict(self._gates)
+            return dict(
+                core_step.gate_states(self.state, signals, policy.gate_dry_run(self.cfg.policy))
+            )
 
     def view(self) -> HealingView:
         with self._lock:
@@ -309,22 +315,72 @@ class Healing:
                 budget_window_seconds=self.cfg.policy.restart_budget_window_seconds,
             )
 
-    def control(self, cmd: str, service: str | None) -> dict[str, Any]:
+    def control(self, cmd: str, service: str | None, **args: Any) -> dict[str, Any]:
         now = self.clock.time()
-        if service is not None and service not in self.settings.services:
+        if service is not None and service not in self.settings.policy.services:
             return {"ok": False, "error": f"unknown service {service!r}"}
+        if cmd in ("restart", "relaunch"):
+            return self._operator(cmd, service, now, args)
+        if cmd == "action":
+            with self._lock:
+                got = self.action_log.get(int(args.get("action_id") or 0), [])
+                running = next(
+                    (s.action for s in self.state.services if s.action is not None
+                     and s.action.action_id == args.get("action_id")),
+                    None,
+                )  # fmt: skip
+                return {
+                    "ok": True,
+                    "decisions": [to_jsonable(d) for d in got],
+                    "phase": running.phase.value if running is not None else None,
+                }
         with self._lock:
+            state = self.state
             if cmd == "pause":
-                self.state, decisions = policy.pause(self.state, service, now)
+                state, decisions = policy.pause(state, service, now)
             elif cmd == "resume":
-                self.state, decisions = policy.resume(self.state, service, now)
+                state, decisions = policy.resume(state, service, now)
             else:
                 return {"ok": False, "error": f"unknown command {cmd!r}"}
+            self.tick_state = replace(self.tick_state, policy=state)
             self.audit.write(decisions)
             self._save()
         for d in decisions:
-            log.warning("operator %s [%s]: %s", d.what, d.service, d.reason)
+            log.warning("operator %s [%s]: %s", d.what.value, d.service, d.reason)
         return {"ok": True, "changed": [d.service for d in decisions]}
+
+    def _operator(
+        self, cmd: str, service: str | None, now: float, args: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """`vllm-guardian restart|relaunch SERVICE`: the same phases as the policy's actions."""
+        if service is None:
+            return {"ok": False, "error": f"{cmd} needs a service"}
+        raw = args.get("sets") or []
+        try:
+            sets = tuple((str(f), str(v)) for f, v in raw)
+            content = flagsfile.validate(sets, ())
+        except (TypeError, ValueError) as e:  # FlagsRejected is a ValueError
+            return {"ok": False, "error": f"flags rejected, nothing written: {e}"}
+        if cmd == "restart" and (content.flags or args.get("reset")):
+            return {"ok": False, "error": "restart takes no flags: use relaunch"}
+        who = str(args.get("who") or "an operator")[:200]
+        kind = ActionKind.RESTART if cmd == "restart" else ActionKind.RELAUNCH
+        with self._lock:
+            out = policy.operator_action(
+                self.state, service, kind, content.flags, bool(args.get("reset")), who,
+                bool(args.get("force")), now, self.settings.policy,
+            )  # fmt: skip
+            self.tick_state = replace(self.tick_state, policy=out.state)
+            for action in out.actions:
+                self._started[action.id] = action
+            for req in out.ops:
+                self.runner.start(req)
+            self._audit(out.decisions)
+            self._save()
+        if not out.actions:
+            refused = next((d.reason for d in out.decisions), "refused")
+            return {"ok": False, "error": refused}
+        return {"ok": True, "action_id": out.actions[0].id, "reason": out.actions[0].reason}
 
     def reload(self, cfg: Config) -> None:
         """Take a new config's rules, sinks and policy settings. Restart backends and the
@@ -336,11 +392,7 @@ class Healing:
             self.dispatcher = AlertDispatcher(cfg.alerting, self.clock)
             self.rules = rules
             self.cfg = cfg
-            self.executor.policy = cfg.policy
-            self.settings = replace(
-                self.settings,
-                policy=cfg.policy,
-                services=tuple(names),
-                rule_signals={r.name: r.signal for r in rules},
+            self.settings = self._settings(cfg, rules)
+            self.tick_state = replace(
+                self.tick_state, policy=policy.initial_state(names, self.state, restarted=False)
             )
-            self.state = policy.initial_state(names, self.state)

@@ -306,8 +306,11 @@ class Snapshot:
     services: tuple[ServiceSnapshot, ...]
     gpus: GpuReading | None
     sources: tuple[SourceStatus, ...] = field(default=())
-    # Actions that finished since the previous tick (filled by the daemon from its executor).
+    # Read by nothing since actions became phases of the core (kept so older flight records
+    # still load): an action's end is now decided by the policy from ``op_results``.
     action_results: tuple[ActionResult, ...] = field(default=())
+    # Actuator calls that finished since the previous tick (the restart's blocking steps).
+    op_results: tuple[OpResult, ...] = field(default=())
 
     def service(self, name: str) -> ServiceSnapshot | None:
         for s in self.services:
@@ -409,6 +412,42 @@ class ActionResult:
     detail: str
     finished_seconds: float
     dry_run: bool = False
+
+
+class Op(StrEnum):
+    """The blocking calls an action is made of; everything between them is a phase of the
+    core that waits on observations (core/phases.py)."""
+
+    BUNDLE = "bundle"  # capture the incident bundle (time-boxed)
+    WRITE_FLAGS = "write_flags"  # write the guardian-owned flags file (validated)
+    RESTART = "restart"  # systemctl restart / the process manager's restart
+
+
+@dataclass(frozen=True)
+class OpRequest:
+    """An effect of a tick: start one blocking actuator call for an action."""
+
+    action_id: int
+    service: str
+    op: Op
+    flags: tuple[tuple[str, str], ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    timeout_seconds: float = 0.0
+    reason: str = ""  # the action's reason, for the bundle's manifest
+    cause: Cause | None = None
+
+
+@dataclass(frozen=True)
+class OpResult:
+    """How one actuator call ended: an observation of the next tick, never assumed."""
+
+    action_id: int
+    service: str
+    op: Op
+    ok: bool
+    terminal: bool  # retrying cannot help (bad flags, unknown unit)
+    detail: str
+    finished_seconds: float
 
 
 @dataclass(frozen=True)

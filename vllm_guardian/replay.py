@@ -1,10 +1,14 @@
 """``vllm-guardian replay RECORDING -c CONFIG``: a past incident through today's rules and policy.
 
-The flight recorder keeps every tick's snapshot. Replay feeds them, in order, through the same
-pure functions the daemon runs (``derive`` → ``alerting.evaluate`` → ``policy.decide``) with the
-given config's rules and policy, and prints what would have been decided. Nothing is executed:
-each action is taken to succeed at the next recorded tick (as a dry run reports it), so an
-operator can try a new threshold or ladder on a real incident before arming it.
+The flight recorder keeps every tick's snapshot. Replay feeds them, in order, to the same pure
+``core/step.step`` the daemon runs (signals → alerts → policy, with the phases of an action)
+with the given config, and prints what would have been decided, phase by phase. Nothing is
+executed. The blocking calls an action asks for (bundle, flags file, restart) get their results
+from the recording when it holds them (a guardian that acted recorded each call's result in the
+next snapshot), matched by service and call in order; a recording without any (an observing or
+dry-run guardian) has each call succeed at the next recorded tick. Everything else an action
+waits for (the drain, the old instance's GPU memory, readiness) is read from the recorded
+snapshots, so an operator can try a new threshold or ladder on a real incident before arming it.
 """
 
 from __future__ import annotations
@@ -19,10 +23,10 @@ from typing import Any
 
 from vllm_guardian.actuators.alerts import load_rules
 from vllm_guardian.config import Config, ConfigInvalid, load_config
-from vllm_guardian.core import alerting, policy
-from vllm_guardian.core.signals import derive
+from vllm_guardian.core import policy
+from vllm_guardian.core import step as core_step
 from vllm_guardian.daemon import history_span_seconds
-from vllm_guardian.model import Action, ActionKind, ActionResult, Snapshot
+from vllm_guardian.model import OpRequest, OpResult, Snapshot
 from vllm_guardian.recorder import RecordError, read_records, snapshot_from_record, to_jsonable
 
 
@@ -34,41 +38,55 @@ class ReplayLine:
 
 
 def replay(snapshots: Iterable[Snapshot], cfg: Config) -> Iterator[ReplayLine]:
+    snaps = list(snapshots)
+    recorded = any(s.op_results for s in snaps)
     rules = load_rules(cfg.alerting)
     names = tuple(s.name for s in cfg.services)
-    settings = policy.PolicySettings(cfg.policy, names, {r.name: r.signal for r in rules})
-    state = policy.initial_state(names)
-    alerts: dict[alerting.AlertKey, Any] = {}
+    settings = core_step.settings_for(
+        rules,
+        policy.PolicySettings(cfg.policy, names, {r.name: r.signal for r in rules}),
+        cfg.services,
+        cfg.signals,
+    )
+    state = core_step.initial(names)
     history: collections.deque[Snapshot] = collections.deque()
-    pending: list[Action] = []
+    pending: list[OpRequest] = []  # calls the replayed policy asked for, not yet answered
     span = history_span_seconds(cfg)
-    for snap in snapshots:
+    for snap in snaps:
         now = snap.time_seconds
-        results = tuple(
-            ActionResult(
-                a.id, a.service, a.kind, True, False, "replay: assumed to succeed", now, True
-            )
-            for a in pending
-            if a.kind is not ActionKind.ESCALATE
-        )
-        snap = replace(snap, action_results=results)
+        results, pending = _answer(pending, snap, recorded)
+        snap = replace(snap, op_results=results)
         history.append(snap)
-        while len(history) > 1 and history[0].time_seconds < now - span:
-            history.popleft()
-        signals = derive(list(history), cfg.services, cfg.signals)
-        values = alerting.signal_values(
-            signals, snap, policy.published_signals(state, now, cfg.policy)
-        )
-        alerts, transitions = alerting.evaluate(rules, alerts, values, now)
-        for t in transitions:
+        core_step.trim(history, span)
+        state, fx = core_step.step(state, list(history), now, settings)
+        for t in fx.transitions:
             yield ReplayLine(now, "transition", to_jsonable(t))
-        out = policy.decide(
-            state, list(alerting.firing(alerts.values())), snap, signals, now, settings
-        )
-        state = out.state
-        pending = list(out.actions)
-        for d in out.decisions:
+        pending.extend(fx.ops)
+        for d in fx.decisions:
             yield ReplayLine(now, "decision", to_jsonable(d))
+
+
+def _answer(
+    pending: list[OpRequest], snap: Snapshot, recorded: bool
+) -> tuple[tuple[OpResult, ...], list[OpRequest]]:
+    """This tick's results for the replayed calls: the recording's own (by service and call,
+    in order) or, for a recording that holds none, success."""
+    if not recorded:
+        done = tuple(
+            OpResult(r.action_id, r.service, r.op, True, False, "replay: assumed to succeed",
+                     snap.time_seconds - 1e-3)
+            for r in pending
+        )  # fmt: skip
+        return done, []
+    out: list[OpResult] = []
+    left = list(pending)
+    for got in snap.op_results:
+        match = next((r for r in left if r.service == got.service and r.op is got.op), None)
+        if match is None:
+            continue
+        left.remove(match)
+        out.append(replace(got, action_id=match.action_id))
+    return tuple(out), left
 
 
 def load_snapshots(path: str) -> Iterator[Snapshot | RecordError]:
@@ -115,7 +133,8 @@ def main(argv: Sequence[str]) -> int:
             print(json.dumps({"kind": line.kind, **line.body}))
         elif line.kind == "decision":
             b = line.body
-            print(f"{b['time_seconds']:.0f} {b['service']} {b['what']:<10} {b['reason']}")
+            phase = f"{b['phase']}: " if b.get("phase") else ""
+            print(f"{b['time_seconds']:.0f} {b['service']} {b['what']:<10} {phase}{b['reason']}")
         else:
             a = line.body["alert"]
             print(

@@ -2,10 +2,11 @@
 
 Where it sits: the act stage of the tick, right after ``core/alerting.evaluate``. The log sink
 runs inline (the journal is the record that must not be skipped); every webhook and the
-Alertmanager sink run on a worker thread of their own, and :meth:`AlertDispatcher.dispatch`
-waits for them at most ``alerting.timeout_seconds`` in all. A sink still busy from an earlier
-tick is not started again: this tick's transitions wait in its bounded backlog and go out
-with its next delivery, and its late result is reported then. Nothing here raises.
+Alertmanager sink run on a worker thread of their own (each request bounded by
+``alerting.timeout_seconds``), and :meth:`AlertDispatcher.dispatch` never waits for them, as
+Prometheus's notifier queues and returns. A sink still busy from an earlier tick is not started
+again: this tick's transitions wait in its bounded backlog and go out with its next delivery,
+and its result is reported by the call after it finished. Nothing here raises.
 
 Also here, because it reads files: :func:`load_rules`, the shipped rules plus the operator's.
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from importlib.resources import files
 from typing import Protocol
@@ -94,6 +94,7 @@ class AlertDispatcher:
     ) -> None:
         self.cfg = cfg
         self.clock = clock
+        self.dropped_total = 0  # transitions dropped from a full backlog, ever
         if sinks is None:
             built: list[tuple[Sink, str]] = [(AlertLogSink(), "log")]
             built += [(WebhookSink(u, cfg.timeout_seconds), u) for u in cfg.webhooks]
@@ -118,12 +119,13 @@ class AlertDispatcher:
         alerts: Sequence[Alert],
         now: float | None = None,
     ) -> list[SinkResult]:
-        """Deliver this tick's transitions (and, to Alertmanager, what is due for re-sending);
-        returns what finished within ``timeout_seconds``, earlier late results included."""
+        """Queue this tick's transitions (and, to Alertmanager, what is due for re-sending) and
+        return at once: the log sink's result, and the results of deliveries that finished since
+        the last call. Each sink sends on a thread of its own, one batch at a time; what arrives
+        meanwhile waits in a bounded backlog (the oldest dropped first, counted)."""
         when = self.clock.time() if now is None else now
         batch = _Batch(tuple(transitions), sort_alerts(alerts), when)
         results: list[SinkResult] = []
-        started: list[tuple[_Slot, Future[list[SinkResult]]]] = []
         for slot in self.slots:
             if slot.pool is None:
                 results.extend(_run(slot.sink, [batch]))
@@ -149,27 +151,11 @@ class AlertDispatcher:
             if not any(b.transitions for b in batches) and not slot.sink.wants_state:
                 continue
             slot.future = slot.pool.submit(_run, slot.sink, batches)
-            started.append((slot, slot.future))
-        if started:
-            wait_futures([f for _, f in started], timeout=self.cfg.timeout_seconds)
-        for slot, fut in started:
-            if fut.done():
-                results.extend(fut.result())
-                slot.future = None
-            else:
-                results.append(
-                    SinkResult(
-                        slot.sink.name,
-                        slot.target,
-                        False,
-                        len(transitions),
-                        self.cfg.timeout_seconds,
-                        error=f"still sending after {self.cfg.timeout_seconds:g}s; "
-                        "continues in the background",
-                    )
-                )
+        # Never waited on (Prometheus's notifier queues too): a started delivery's result is
+        # collected by a later call, so a receiver that hangs never delays a tick.
         for slot in self.slots:
             if slot.dropped:
+                self.dropped_total += slot.dropped
                 results.append(
                     SinkResult(
                         slot.sink.name,
@@ -182,6 +168,10 @@ class AlertDispatcher:
                 slot.dropped = 0
         self._log(results)
         return results
+
+    def queued(self) -> int:
+        """Transitions waiting for a busy sink."""
+        return sum(len(b.transitions) for slot in self.slots for b in slot.backlog)
 
     def _queue(self, slot: _Slot, batch: _Batch) -> None:
         slot.backlog.append(batch)

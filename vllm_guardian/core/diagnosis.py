@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from vllm_guardian.allocator_format import AllocatorStats
+from vllm_guardian.core.alerting import Rule
 from vllm_guardian.core.budget import MIN_DEPLOY_UTILIZATION, KvBudget
 from vllm_guardian.core.signals import ServiceSignals
 from vllm_guardian.model import Alert, AlertState, Cause, LogEvent, LogEventKind
@@ -375,12 +376,48 @@ _XID_NAMES = {
     95: "uncontained ECC error",
     119: "GSP RPC timeout",
 }
-KV_FULL_RATIO = 0.90  # the gate's high watermark and the VllmKvCacheSaturated threshold
-PREEMPTIONS_PER_SECOND_THRASH = 0.1  # with the pool full, sustained preemption is thrash
-WAITING_LONG = 100  # VllmWaitingQueueLong
-OTHER_PROCESSES_BYTES = GIB
-OVER_BUDGET_BYTES = GIB  # VllmGpuMemoryOverBudget
-LOW_PREFIX_HIT_RATIO = 0.3
+LOW_PREFIX_HIT_RATIO = 0.3  # a note only (harmless: DESIGN.md §2), no rule reads it
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """The numbers a diagnosis reads its instant signals against. They come from the same rule
+    set the daemon evaluates (:func:`thresholds_from_rules`: the shipped rules with the
+    operator's ``rules_file`` on top), read in an instant mode: a diagnosis has seconds of
+    scrapes, so a rule's ``for_seconds`` is not waited for (the report says so). The defaults
+    are the shipped rules' own values, for callers without a rule set."""
+
+    kv_full_ratio: float = 0.90  # VllmKvCacheSaturated (and the gate's high watermark)
+    preemptions_per_second: float = 0.5  # VllmPreemptionRateHigh
+    waiting_long: float = 100.0  # VllmWaitingQueueLong
+    other_processes_bytes: float = 256 * 1024**2  # VllmGpuSharedWithOtherProcess
+    over_budget_bytes: float = GIB  # VllmGpuMemoryOverBudget
+    headroom_low_bytes: float = GIB  # VllmGpuHeadroomLow
+    source: str = "the shipped rules"
+
+
+# Which rule's threshold each number is: (signal the rule reads, the field above).
+_RULE_THRESHOLDS = (
+    ("kv_cache_usage_ratio", "kv_full_ratio"),
+    ("preemptions_per_second", "preemptions_per_second"),
+    ("requests_waiting", "waiting_long"),
+    ("other_processes_memory_bytes", "other_processes_bytes"),
+    ("memory_over_budget_bytes", "over_budget_bytes"),
+    ("headroom_bytes", "headroom_low_bytes"),
+)
+
+
+def thresholds_from_rules(rules: Sequence[Rule], source: str) -> Thresholds:
+    """The instant thresholds of this rule set; a signal without a rule keeps the shipped value
+    (the lowest threshold wins where several rules read one signal, as the first to fire)."""
+    values: dict[str, float] = {}
+    for signal, name in _RULE_THRESHOLDS:
+        found = [r.threshold for r in rules if r.signal == signal]
+        if found:
+            values[name] = max(found) if signal == "headroom_bytes" else min(found)
+    return replace(Thresholds(), source=source, **values)
+
+
 _MEMORY_CAUSES = frozenset(
     {
         Cause.GPU_MEMORY_OVERCOMMIT,
@@ -412,6 +449,7 @@ class Observations:
     budget: KvBudget | None = None
     model_fits: bool | None = None  # None: no model config to tell
     p95_request_tokens: float | None = None
+    thresholds: Thresholds = field(default_factory=Thresholds)
 
 
 @dataclass(frozen=True)
@@ -450,17 +488,18 @@ def dedupe_events(events: Iterable[LogEvent]) -> tuple[LogEvent, ...]:
 
 
 def evidence_from_signals(
-    sig: ServiceSignals, observed_seconds: float
+    sig: ServiceSignals, observed_seconds: float, th: Thresholds | None = None
 ) -> tuple[list[Evidence], list[str]]:
     """Instant readings of the derived signals as evidence, and notes on what is harmless."""
+    th = th or Thresholds()
     ev: list[Evidence] = []
     notes: list[str] = []
     kv = sig.kv_cache_usage_ratio
     waiting = sig.requests_waiting
     pre = sig.preemptions_per_second
     span = f"{observed_seconds:.0f} s" if observed_seconds else "one scrape"
-    full = kv is not None and kv >= KV_FULL_RATIO
-    if full and pre is not None and pre >= PREEMPTIONS_PER_SECOND_THRASH:
+    full = kv is not None and kv >= th.kv_full_ratio
+    if full and pre is not None and pre > th.preemptions_per_second:
         assert kv is not None
         ev.append(
             Evidence(
@@ -472,7 +511,7 @@ def evidence_from_signals(
         )
         # A queue behind a thrashing pool is a second, independent reading of the same cause.
         if waiting is not None and waiting > 0:
-            long = f" (> {WAITING_LONG}: not draining)" if waiting > WAITING_LONG else ""
+            long = f" (> {th.waiting_long:.0f}: not draining)" if waiting > th.waiting_long else ""
             ev.append(
                 Evidence(
                     Cause.CONCURRENCY_OVERCOMMIT,
@@ -498,7 +537,7 @@ def evidence_from_signals(
             )
         )
     others = sig.other_processes_memory_bytes
-    if others is not None and others >= OTHER_PROCESSES_BYTES:
+    if others is not None and others > th.other_processes_bytes:
         ev.append(
             Evidence(
                 Cause.GPU_MEMORY_OVERCOMMIT,
@@ -508,7 +547,7 @@ def evidence_from_signals(
             )
         )
     over = sig.memory_over_budget_bytes
-    if over is not None and over > OVER_BUDGET_BYTES:
+    if over is not None and over > th.over_budget_bytes:
         ev.append(
             Evidence(
                 Cause.ALLOCATOR_FRAGMENTATION,
@@ -517,7 +556,7 @@ def evidence_from_signals(
                 f"({_gib_text(sig.memory_budget_bytes)}): memory grew after start-up",
             )
         )
-    if sig.headroom_bytes is not None and sig.headroom_bytes < GIB:
+    if sig.headroom_bytes is not None and sig.headroom_bytes < th.headroom_low_bytes:
         notes.append(
             f"only {_gib_text(sig.headroom_bytes)} free on the service's GPUs: "
             "the next large allocation may OOM"
@@ -665,7 +704,7 @@ def classify(obs: Observations) -> Classification:
             for e in evidence
         ]
     if sig is not None:
-        more, n = evidence_from_signals(sig, obs.observed_seconds)
+        more, n = evidence_from_signals(sig, obs.observed_seconds, obs.thresholds)
         evidence += more
         notes += n
     more, n = evidence_from_xids(obs.xid_events)

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from vllm_guardian.config import PolicyConfig
+from vllm_guardian.core import phases
+from vllm_guardian.core.budget import parse_launch_flags
 from vllm_guardian.core.diagnosis import (
     Evidence,
     Finding,
@@ -49,6 +51,8 @@ from vllm_guardian.model import (
     Alert,
     Cause,
     HealthState,
+    OpRequest,
+    OpResult,
     Snapshot,
     UnitState,
 )
@@ -108,8 +112,7 @@ class ServiceState:
     paused: bool = False
     breaker_latched: bool = False
     breaker_reason: str | None = None
-    in_flight: int | None = None  # id of the action whose result we wait for
-    in_flight_since: float | None = None
+    action: phases.ActionProgress | None = None  # the restart or relaunch under way
     cooldown_until: float = 0.0
     backoff_until: float = 0.0
     backoff_seconds: float = 0.0
@@ -135,9 +138,17 @@ class ServiceState:
     forecast_actions: tuple[tuple[Cause, float], ...] = ()
     seen_up: bool = False  # /health has answered 200 at least once since then
     down_since: float | None = None  # when /health stopped answering 200
+    # Flags an operator set with `vllm-guardian relaunch --set` (whitelisted, validated by the
+    # shell before they get here); `--reset` clears them and every rung.
+    operator_flags: tuple[tuple[str, str], ...] = ()
 
     def rung(self, lever: Lever) -> int:
         return dict(self.rungs).get(lever, 0)
+
+    @property
+    def in_flight(self) -> int | None:
+        """The id of the action under way, if any."""
+        return self.action.action_id if self.action is not None else None
 
 
 @dataclass(frozen=True)
@@ -161,40 +172,45 @@ class PolicySettings:
     action_timeout_seconds: float = 3600.0
 
 
+class DecisionKind(StrEnum):
+    GATE = "gate"  # the front door closes (KV pressure)
+    UNGATE = "ungate"
+    ACTION = "action"  # an action starts (or, in dry-run, would)
+    PHASE = "phase"  # an action under way moves to its next phase
+    RESULT = "result"  # an action ended
+    SUPPRESSED = "suppressed"  # evidence seen, nothing done, and why
+    LATCH = "latch"  # the breaker latched: a person must `resume`
+    STEP_UP = "step_up"
+    PAUSE = "pause"
+    RESUME = "resume"
+    OPERATOR = "operator"  # an operator command, accepted or refused
+
+
 @dataclass(frozen=True)
 class Decision:
     """One line of the audit log: what was decided, why, on what evidence."""
 
     time_seconds: float
     service: str
-    what: str  # gate | ungate | action | suppressed | latch | result | step_up | pause | resume
+    what: DecisionKind
     reason: str
     cause: Cause | None = None
     evidence: tuple[str, ...] = ()
     action_id: int | None = None
     dry_run: bool = False
+    phase: phases.Phase | None = None  # for PHASE decisions: the phase entered
 
 
 @dataclass(frozen=True)
 class PolicyOutput:
     state: PolicyState
-    actions: tuple[Action, ...]
+    actions: tuple[Action, ...]  # actions started this tick (escalations included)
     decisions: tuple[Decision, ...]
+    ops: tuple[OpRequest, ...] = ()  # blocking actuator calls to start
+    results: tuple[ActionResult, ...] = ()  # actions that ended this tick
 
 
 # --- flags -----------------------------------------------------------------------------------
-
-
-def flag_value(cmdline: Sequence[str] | None, flag: str) -> str | None:
-    """The first value of ``flag`` in an argv (``--f v`` or ``--f=v``): the operator's own."""
-    if not cmdline:
-        return None
-    for i, arg in enumerate(cmdline):
-        if arg == flag and i + 1 < len(cmdline):
-            return cmdline[i + 1]
-        if arg.startswith(flag + "="):
-            return arg[len(flag) + 1 :]
-    return None
 
 
 def default_baseline(
@@ -207,18 +223,13 @@ def default_baseline(
     seqs_default = 1024 if total >= 70 * GIB else 256
     tokens_default = 16384 if total >= 160 * GIB else 8192 if total >= 70 * GIB else 2048
     util_default = (signals.gpu_memory_utilization_ratio if signals else None) or 0.92
-
-    def parsed(flag: str, conv: type, default: float) -> float:
-        raw = flag_value(cmdline, flag)
-        try:
-            return float(conv(raw)) if raw is not None else default
-        except ValueError:
-            return default
-
+    # The one launch-flag reader (core/budget.py), with argparse's semantics as vLLM has them:
+    # the last occurrence wins and ``8k`` is 8000.
+    flags = parse_launch_flags(cmdline or ())
     return Baseline(
-        max_num_seqs=int(parsed("--max-num-seqs", int, seqs_default)),
-        max_num_batched_tokens=int(parsed("--max-num-batched-tokens", int, tokens_default)),
-        gpu_memory_utilization=float(parsed("--gpu-memory-utilization", float, util_default)),
+        max_num_seqs=flags.max_num_seqs or seqs_default,
+        max_num_batched_tokens=flags.max_num_batched_tokens or tokens_default,
+        gpu_memory_utilization=flags.gpu_memory_utilization_ratio or util_default,
     )
 
 
@@ -286,6 +297,17 @@ def flags_for(
     return tuple(flags), tuple(env)
 
 
+def _flags(
+    s: ServiceState, base: Baseline, p: PolicyConfig
+) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
+    """The rungs' flags with the operator's own on top; a lever the policy has lowered since
+    (rung > 0) is the rung's value, computed from a baseline that took the operator's value."""
+    flags, env = flags_for(dict(s.rungs), base, p)
+    mine = {f for f, _ in flags}
+    merged = tuple((f, v) for f, v in s.operator_flags if f not in mine) + flags
+    return merged, env
+
+
 # --- decide ----------------------------------------------------------------------------------
 
 
@@ -315,8 +337,10 @@ class _Ctx:
         self.settings = settings
         self.actions: list[Action] = []
         self.decisions: list[Decision] = []
+        self.ops: list[OpRequest] = []
+        self.results: list[ActionResult] = []
 
-    def decide(self, s: ServiceState, what: str, reason: str, **kw: object) -> None:
+    def decide(self, s: ServiceState, what: DecisionKind, reason: str, **kw: object) -> None:
         self.decisions.append(Decision(self.now, s.service, what, reason, **kw))  # type: ignore[arg-type]
 
     def act(
@@ -327,17 +351,19 @@ class _Ctx:
         reason: str,
         flags: tuple[tuple[str, str], ...] = (),
         env: tuple[tuple[str, str], ...] = (),
+        operator: str | None = None,
     ) -> ServiceState:
         p = self.settings.policy
-        dry = p.dry_run or kind.value in p.dry_run_actions
+        # An operator's explicit command acts although the policy is in dry-run.
+        dry = operator is None and (p.dry_run or kind.value in p.dry_run_actions)
         evidence = tuple(e.name for e in finding.evidence) if finding else ()
         cause = finding.cause if finding else None
         action = Action(self.next_id, s.service, kind, cause, reason, evidence, dry, flags, env)
         self.actions.append(action)
         self.decide(
             s,
-            "action",
-            f"{kind.value}: {reason}",
+            DecisionKind.ACTION,
+            f"{kind.value}: {reason}" + (f" (asked by {operator})" if operator else ""),
             cause=cause,
             evidence=evidence,
             action_id=self.next_id,
@@ -347,13 +373,27 @@ class _Ctx:
         s = replace(s, pending=())  # the evidence is acted upon: it must not trigger again
         if kind is ActionKind.ESCALATE:
             return s
-        return replace(
+        if dry:
+            what = f"dry-run: would {kind.value}" + (
+                f" with {describe_flags(flags, env) or 'the operator baseline'}"
+                if kind is ActionKind.RELAUNCH
+                else ""
+            )
+            return _finish(self, s, action.id, kind, phases.Outcome(True, False, what), True)
+        progress, ops = phases.start(
+            action.id, s.service, kind, cause, reason, flags, env,
+            s.main_pid, self.now, p, operator,
+        )  # fmt: skip
+        self.ops.extend(ops)
+        self.decide(
             s,
-            in_flight=action.id,
-            in_flight_since=self.now,
-            gate_open=False,
-            gate_reason=f"{kind.value} in progress",
+            DecisionKind.PHASE,
+            "front door closed; capturing the incident bundle"
+            + (" and writing the flags file" if kind is ActionKind.RELAUNCH else ""),
+            action_id=action.id,
+            phase=progress.phase,
         )
+        return replace(s, action=progress, gate_open=False, gate_reason=f"{kind.value} in progress")
 
     def note(self, s: ServiceState, reason: str, finding: Finding | None = None) -> ServiceState:
         """A 'nothing done, because' decision, logged once until the reason changes."""
@@ -361,7 +401,11 @@ class _Ctx:
             return s
         evidence = tuple(e.name for e in finding.evidence) if finding else ()
         self.decide(
-            s, "suppressed", reason, cause=finding.cause if finding else None, evidence=evidence
+            s,
+            DecisionKind.SUPPRESSED,
+            reason,
+            cause=finding.cause if finding else None,
+            evidence=evidence,
         )
         return replace(s, last_note=reason)
 
@@ -379,8 +423,8 @@ def decide(
     for name in settings.services:
         s = state.service(name)
         sig = signals.service(name)
-        s = _fold_results(ctx, s, [r for r in snapshot.action_results if r.service == name])
         s = _track_process(s, snapshot, name, now)
+        s = _advance(ctx, s, seen(snapshot, sig, name), snapshot.op_results)
         if s.paused:
             out.append(
                 s
@@ -395,7 +439,7 @@ def decide(
         # Instant evidence (log lines) is kept until an action consumes it or it ages out, so
         # an OOM seen during a cooldown still counts once the cooldown ends.
         instant = evidence_from_logs(logs, sig)
-        if s.in_flight is not None:
+        if s.action is not None:
             # Our own restart makes vLLM log its engine's death: that is not a new incident.
             instant = [e for e in instant if e.cause is not Cause.ENGINE_DEAD]
         s = _remember(s, instant, now, settings.policy)
@@ -434,79 +478,128 @@ def decide(
             s = _preempt(ctx, s, sig, cmdline, gpu_total)
         out.append(s)
     return PolicyOutput(
-        PolicyState(tuple(out), ctx.next_id), tuple(ctx.actions), tuple(ctx.decisions)
+        PolicyState(tuple(out), ctx.next_id),
+        tuple(ctx.actions),
+        tuple(ctx.decisions),
+        tuple(ctx.ops),
+        tuple(ctx.results),
     )
 
 
-def _fold_results(ctx: _Ctx, s: ServiceState, results: Sequence[ActionResult]) -> ServiceState:
+def seen(snapshot: Snapshot, sig: ServiceSignals | None, name: str) -> phases.Seen:
+    """What the phases of an action read of this tick: requests in flight, health, pids."""
+    svc = snapshot.service(name)
+    pids: frozenset[int] | None = None
+    if snapshot.gpus is not None:
+        pids = frozenset(p.pid for d in snapshot.gpus.devices for p in d.processes or ())
+    in_flight: float | None = None
+    source = ""
+    if sig is not None and sig.requests_running is not None:
+        in_flight = sig.requests_running + (sig.requests_waiting or 0)
+        source = "vllm"
+    health = sig.health_state if sig is not None else None
+    return phases.Seen(
+        time_seconds=snapshot.time_seconds,
+        in_flight=in_flight,
+        in_flight_from=source,
+        health_up=None if health is None else health is HealthState.UP,
+        listening=None if health is None else health is not HealthState.REFUSED,
+        main_pid=svc.unit.main_pid if svc is not None and svc.unit is not None else None,
+        gpu_pids=pids,
+        metrics_up=bool(sig is not None and sig.metrics_up),
+    )
+
+
+def _advance(
+    ctx: _Ctx, s: ServiceState, now_seen: phases.Seen, results: Sequence[OpResult]
+) -> ServiceState:
+    """Move the action under way on by one tick (core/phases.py); record each phase change."""
+    if s.action is None:
+        return s
+    action = s.action
+    adv = phases.advance(
+        action, s.service, now_seen, [r for r in results if r.service == s.service],
+        ctx.now, ctx.settings.policy,
+    )  # fmt: skip
+    ctx.ops.extend(adv.ops)
+    for m in adv.moves:
+        ctx.decide(s, DecisionKind.PHASE, m.why, action_id=action.action_id, phase=m.phase)
+    if adv.outcome is None:
+        return replace(s, action=adv.progress)
+    detail = adv.outcome.detail
+    if action.kind is ActionKind.RELAUNCH and adv.outcome.ok:
+        detail = f"flags now: {describe_flags(action.flags, action.env) or 'the operator baseline'}; {detail}"
+    return _finish(
+        ctx, replace(s, action=None), action.action_id, action.kind,
+        replace(adv.outcome, detail=detail), False,
+    )  # fmt: skip
+
+
+def _finish(
+    ctx: _Ctx,
+    s: ServiceState,
+    action_id: int,
+    kind: ActionKind,
+    outcome: phases.Outcome,
+    dry_run: bool,
+) -> ServiceState:
+    """An action ended: success opens the front door and starts the cooldown; a failure backs
+    off (doubling) or, when retrying cannot help, latches the breaker."""
     p = ctx.settings.policy
-    for r in results:
-        if r.action_id != s.in_flight:
-            continue
-        s = replace(s, in_flight=None, in_flight_since=None)
-        if r.ok:
-            s = replace(
-                s,
-                ready_since=ctx.now,
-                cooldown_until=ctx.now + p.cooldown_seconds,
-                backoff_seconds=0.0,
-                backoff_until=0.0,
-                gate_open=True,
-                gate_reason="open",
-            )
-            ctx.decide(
-                s,
-                "result",
-                f"{r.kind.value} succeeded: {r.detail}",
-                action_id=r.action_id,
-                dry_run=r.dry_run,
-            )
-        elif r.terminal:
-            s = replace(
-                s,
-                breaker_latched=True,
-                breaker_reason=f"{r.kind.value} failed for good: {r.detail}",
-            )
-            ctx.decide(s, "latch", s.breaker_reason or "", action_id=r.action_id)
-        else:
-            backoff = min(
-                p.backoff_max_seconds, max(p.backoff_initial_seconds, 2 * s.backoff_seconds)
-            )
-            s = replace(
-                s,
-                backoff_seconds=backoff,
-                backoff_until=ctx.now + backoff,
-                gate_open=True,
-                gate_reason="open",
-            )
-            ctx.decide(
-                s,
-                "result",
-                f"{r.kind.value} failed ({r.detail}); next try in {backoff:.0f}s",
-                action_id=r.action_id,
-            )
-    if (
-        s.in_flight is not None
-        and s.in_flight_since is not None
-        and ctx.now - s.in_flight_since > ctx.settings.action_timeout_seconds
-    ):
-        backoff = min(p.backoff_max_seconds, max(p.backoff_initial_seconds, 2 * s.backoff_seconds))
-        ctx.decide(
-            s,
-            "result",
-            f"no result for action {s.in_flight} in time: counted as failed",
-            action_id=s.in_flight,
+    ctx.results.append(
+        ActionResult(
+            action_id, s.service, kind, outcome.ok, outcome.terminal, outcome.detail, ctx.now,
+            dry_run,
         )
+    )  # fmt: skip
+    s = replace(s, action=None)
+    if outcome.ok:
         s = replace(
             s,
-            in_flight=None,
-            in_flight_since=None,
+            ready_since=ctx.now,
+            cooldown_until=ctx.now + p.cooldown_seconds,
+            backoff_seconds=0.0,
+            backoff_until=0.0,
+            gate_open=True,
+            gate_reason="open",
+        )
+        ctx.decide(
+            s,
+            DecisionKind.RESULT,
+            f"{kind.value} succeeded: {outcome.detail}",
+            action_id=action_id,
+            dry_run=dry_run,
+        )
+    elif outcome.terminal:
+        s = replace(
+            s,
+            breaker_latched=True,
+            breaker_reason=f"{kind.value} failed for good: {outcome.detail}",
+            gate_open=True,
+            gate_reason="open",
+        )
+        ctx.decide(s, DecisionKind.LATCH, s.breaker_reason or "", action_id=action_id)
+    else:
+        backoff = min(p.backoff_max_seconds, max(p.backoff_initial_seconds, 2 * s.backoff_seconds))
+        s = replace(
+            s,
             backoff_seconds=backoff,
             backoff_until=ctx.now + backoff,
             gate_open=True,
             gate_reason="open",
         )
+        ctx.decide(
+            s,
+            DecisionKind.RESULT,
+            f"{kind.value} failed ({outcome.detail}); next try in {backoff:.0f}s",
+            action_id=action_id,
+        )
     return s
+
+
+def describe_flags(flags: Sequence[tuple[str, str]], env: Sequence[tuple[str, str]]) -> str:
+    parts = [f"{f} {v}".strip() for f, v in flags] + [f"{k}={v}" for k, v in env]
+    return " ".join(parts)
 
 
 def _track_process(s: ServiceState, snapshot: Snapshot, name: str, now: float) -> ServiceState:
@@ -530,8 +623,8 @@ def gate_dry_run(p: PolicyConfig) -> bool:
 
 
 def _gate(ctx: _Ctx, s: ServiceState, sig: ServiceSignals | None) -> ServiceState:
-    if s.in_flight is not None:
-        return s  # the executor gates during drain and restart
+    if s.action is not None:
+        return s  # the action holds the front door closed until it ends
     if not s.gate_open and s.gate_reason.startswith(FORECAST_GATE):
         return s  # held by the exhaustion forecast (_preempt opens it)
     p = ctx.settings.policy
@@ -543,7 +636,7 @@ def _gate(ctx: _Ctx, s: ServiceState, sig: ServiceSignals | None) -> ServiceStat
         s = replace(s, gate_open=False, gate_reason=reason, gate_closed_at=ctx.now)
         ctx.decide(
             s,
-            "gate",
+            DecisionKind.GATE,
             reason,
             cause=Cause.CONCURRENCY_OVERCOMMIT,
             evidence=("kv_cache_usage_ratio",),
@@ -557,7 +650,13 @@ def _gate(ctx: _Ctx, s: ServiceState, sig: ServiceSignals | None) -> ServiceStat
     ):
         reason = f"KV cache usage {kv:.0%} below the low watermark {p.kv_low_watermark_ratio:.0%}"
         s = replace(s, gate_open=True, gate_reason="open")
-        ctx.decide(s, "ungate", reason, evidence=("kv_cache_usage_ratio",), dry_run=gate_dry_run(p))
+        ctx.decide(
+            s,
+            DecisionKind.UNGATE,
+            reason,
+            evidence=("kv_cache_usage_ratio",),
+            dry_run=gate_dry_run(p),
+        )
     return s
 
 
@@ -570,7 +669,7 @@ def _capture_baseline(
         return s
     if (
         sig.gpu_memory_utilization_ratio is None
-        and flag_value(cmdline, "--gpu-memory-utilization") is None
+        and parse_launch_flags(cmdline or ()).gpu_memory_utilization_ratio is None
     ):
         return s
     return replace(s, baseline=default_baseline(sig, cmdline, gpu_total))
@@ -662,7 +761,7 @@ def _act(
         return ctx.note(
             s, f"breaker latched ({s.breaker_reason}): waiting for `vllm-guardian resume`"
         )
-    if s.in_flight is not None:
+    if s.action is not None:
         return s
     top = next((f for f in findings if actionable(f)), None)
     if top is None:
@@ -679,7 +778,11 @@ def _act(
         }[top.cause]
         s = replace(s, breaker_latched=True, breaker_reason=reason)
         ctx.decide(
-            s, "latch", reason, cause=top.cause, evidence=tuple(e.name for e in top.evidence)
+            s,
+            DecisionKind.LATCH,
+            reason,
+            cause=top.cause,
+            evidence=tuple(e.name for e in top.evidence),
         )
         return ctx.act(s, ActionKind.ESCALATE, top, reason)
     if now < s.cooldown_until:
@@ -733,14 +836,22 @@ def _act(
         reason = f"restart budget spent: {len(restarts)} restarts in {p.restart_budget_window_seconds:.0f}s"
         s = replace(s, breaker_latched=True, breaker_reason=reason)
         ctx.decide(
-            s, "latch", reason, cause=top.cause, evidence=tuple(e.name for e in top.evidence)
+            s,
+            DecisionKind.LATCH,
+            reason,
+            cause=top.cause,
+            evidence=tuple(e.name for e in top.evidence),
         )
         return ctx.act(s, ActionKind.ESCALATE, top, reason)
     if early >= p.early_failure_limit:
         reason = f"{early} failures within {p.early_failure_seconds:.0f}s of becoming ready: restarting does not help"
         s = replace(s, breaker_latched=True, breaker_reason=reason)
         ctx.decide(
-            s, "latch", reason, cause=top.cause, evidence=tuple(e.name for e in top.evidence)
+            s,
+            DecisionKind.LATCH,
+            reason,
+            cause=top.cause,
+            evidence=tuple(e.name for e in top.evidence),
         )
         return ctx.act(s, ActionKind.ESCALATE, top, reason)
 
@@ -757,7 +868,7 @@ def _act(
         last_up = dict(s.last_step_up).get(lever)
         if last_up is not None and now - last_up <= p.pin_seconds:
             s = replace(s, pinned_until=_set(s.pinned_until, lever, now + p.pin_seconds))
-        flags, env = flags_for(dict(s.rungs), base, p)
+        flags, env = _flags(s, base, p)
         value = lever_value(lever, rung, base, p)
         how = "one rung" if rung == before + 1 else f"{rung - before} rungs"
         why = (
@@ -770,7 +881,7 @@ def _act(
             + top.evidence[0].sentence
         )
         return ctx.act(s, ActionKind.RELAUNCH, top, reason, flags, env)
-    flags, env = flags_for(dict(s.rungs), base, p)
+    flags, env = _flags(s, base, p)
     reason = (
         f"{top.cause.value}: drain and restart with the same flags; " + top.evidence[0].sentence
     )
@@ -799,10 +910,10 @@ def _maybe_step_up(ctx: _Ctx, s: ServiceState, sig: ServiceSignals | None) -> Se
     s = replace(
         s, last_step_up=_set(s.last_step_up, lever, now), restarts=(*restarts, now), last_note=""
     )
-    flags, env = flags_for(dict(s.rungs), base, p)
+    flags, env = _flags(s, base, p)
     value = lever_value(lever, rung, base, p) or "the operator's baseline"
     reason = f"stable for {now - quiet_since:.0f}s: {lever.value} one rung up to {value}"
-    ctx.decide(s, "step_up", reason)
+    ctx.decide(s, DecisionKind.STEP_UP, reason)
     return ctx.act(s, ActionKind.RELAUNCH, None, reason, flags, env)
 
 
@@ -842,7 +953,7 @@ def resume(
                 Decision(
                     now,
                     s.service,
-                    "resume",
+                    DecisionKind.RESUME,
                     f"breaker cleared by an operator (was: {s.breaker_reason})",
                 ),
             )
@@ -870,7 +981,7 @@ def _set_paused(
                 Decision(
                     now,
                     s.service,
-                    "pause" if paused else "resume",
+                    DecisionKind.PAUSE if paused else DecisionKind.RESUME,
                     "maintenance: observe and alert only" if paused else "acting again",
                 )
             )
@@ -878,17 +989,94 @@ def _set_paused(
     return replace(state, services=tuple(out)), tuple(decisions)
 
 
-def initial_state(services: Sequence[str], previous: PolicyState | None = None) -> PolicyState:
-    """State for these services, keeping what a previous run knew; in-flight actions are
-    forgotten (their executor died with the previous process)."""
+def initial_state(
+    services: Sequence[str], previous: PolicyState | None = None, restarted: bool = True
+) -> PolicyState:
+    """State for these services, keeping what a previous run knew. An action that was under
+    way is kept, marked orphaned: the next tick finds out what became of it (core/phases.py)
+    instead of deciding it again, and it has already counted against the budget."""
     prev = previous or PolicyState()
     out = []
     for name in services:
         s = prev.service(name)
-        if s.in_flight is not None:
-            s = replace(s, in_flight=None, in_flight_since=None, gate_open=True, gate_reason="open")
+        if s.action is not None and previous is not None and restarted:
+            s = replace(s, action=replace(s.action, orphaned=True))
         out.append(s)
     return PolicyState(tuple(out), prev.next_action_id)
+
+
+# --- operator commands: restart and relaunch through the same phases --------------------------
+
+
+def operator_action(
+    state: PolicyState,
+    service: str,
+    kind: ActionKind,
+    sets: Sequence[tuple[str, str]],
+    reset: bool,
+    who: str,
+    force: bool,
+    now: float,
+    settings: PolicySettings,
+) -> PolicyOutput:
+    """`vllm-guardian restart|relaunch SERVICE`: the same drain and phases as the policy's own
+    actions, acting although the policy is in dry-run (the operator asked explicitly), refused
+    while another action runs, and while the breaker is latched unless ``force``. ``sets`` are
+    whitelisted flags (the shell validated them); a lever flag also becomes that lever's
+    baseline, so the policy's later rungs count down from the operator's value."""
+    ctx = _Ctx(state, now, settings)
+    s = state.service(service)
+    p = settings.policy
+    refusal = None
+    if s.action is not None:
+        refusal = (
+            f"action {s.action.action_id} ({s.action.kind.value}) is under way, in "
+            f"{s.action.phase.value}: wait for it to end"
+        )
+    elif s.breaker_latched and not force:
+        refusal = f"the breaker is latched ({s.breaker_reason}): `resume` first, or --force"
+    if refusal is not None:
+        ctx.decide(s, DecisionKind.OPERATOR, f"{kind.value} asked by {who} refused: {refusal}")
+        return PolicyOutput(state, (), tuple(ctx.decisions))
+    if reset:
+        s = replace(s, operator_flags=(), rungs=(), pinned_until=(), baseline=None)
+    if sets:
+        by_flag = dict(s.operator_flags)
+        by_flag.update(sets)
+        s = replace(s, operator_flags=tuple(sorted(by_flag.items())))
+        for flag, value in sets:
+            lever = next((lv for lv, f in LEVER_FLAG.items() if f == flag), None)
+            if lever is None:
+                continue
+            s = _set_rung(s, lever, 0)
+            b = s.baseline
+            if b is None:
+                continue  # captured from the running command line once vLLM is back
+            if lever is Lever.MAX_NUM_SEQS:
+                b = replace(b, max_num_seqs=int(value))
+            elif lever is Lever.MAX_NUM_BATCHED_TOKENS:
+                b = replace(b, max_num_batched_tokens=int(value))
+            else:
+                b = replace(b, gpu_memory_utilization=float(value))
+            s = replace(s, baseline=b)
+    if s.breaker_latched and force:
+        ctx.decide(
+            s, DecisionKind.OPERATOR, f"--force by {who}: acting although the breaker is latched"
+        )
+    flags, env = _flags(s, s.baseline, p) if s.baseline is not None else (s.operator_flags, ())
+    what = (
+        "reset to the operator's base flags"
+        if reset
+        else ("with " + describe_flags(sets, ()) if sets else "with the current flags")
+    )
+    reason = f"operator {kind.value} {what}"
+    s = replace(s, restarts=(*s.restarts, now), last_note="")
+    s = ctx.act(s, kind, None, reason, flags, env, operator=who)
+    services = tuple(s if x.service == service else x for x in state.services)
+    return PolicyOutput(
+        PolicyState(services, ctx.next_id), tuple(ctx.actions), tuple(ctx.decisions),
+        tuple(ctx.ops), tuple(ctx.results),
+    )  # fmt: skip
 
 
 # --- acting before the crash: the exhaustion forecast ------------------------------------------
@@ -1073,7 +1261,9 @@ def _preempt(
     if plan is None:
         if not s.gate_open and s.gate_reason.startswith(FORECAST_GATE):
             s = replace(s, gate_open=True, gate_reason="open")
-            ctx.decide(s, "ungate", "the exhaustion forecast cleared", dry_run=gate_dry_run(p))
+            ctx.decide(
+                s, DecisionKind.UNGATE, "the exhaustion forecast cleared", dry_run=gate_dry_run(p)
+            )
         return s
     finding = Finding(
         plan.cause, 1.0, (Evidence(plan.cause, "forecast:" + plan.cause.value, plan.reason),)
@@ -1083,7 +1273,7 @@ def _preempt(
         s = replace(s, gate_open=False, gate_reason=reason, gate_closed_at=now)
         ctx.decide(
             s,
-            "gate",
+            DecisionKind.GATE,
             ("CRITICAL: " if plan.critical else "") + reason,
             cause=plan.cause,
             evidence=("forecast",),
@@ -1122,5 +1312,5 @@ def _preempt(
     )
     if plan.kind is ActionKind.RELAUNCH and plan.lever is not None and base is not None:
         s = _set_rung(s, plan.lever, s.rung(plan.lever) + plan.rungs)
-    flags, env = flags_for(dict(s.rungs), base, p) if base is not None else ((), ())
+    flags, env = _flags(s, base, p) if base is not None else (s.operator_flags, ())
     return ctx.act(s, plan.kind, finding, "pre-emptive: " + plan.reason, flags, env)

@@ -353,7 +353,12 @@ def _budget(
     return _Budget(budget, fits, view or None, model)
 
 
-def analyze(b: Bundle, mode: str = "bundle") -> Report:
+def analyze(
+    b: Bundle, mode: str = "bundle", thresholds: diagnosis.Thresholds | None = None
+) -> Report:
+    """The report for one bundle. ``thresholds`` come from the rule set the daemon evaluates
+    (the shipped rules and the config's ``rules_file``), read in instant mode."""
+    th = thresholds or diagnosis.Thresholds()
     problems = list(b.problems)
     service = b.service
     now = b.created_seconds
@@ -443,6 +448,7 @@ def analyze(b: Bundle, mode: str = "bundle") -> Report:
         n_restarts=unit.n_restarts,
         xid_events=tuple((x.gpu_index, x.xid) for x in xids),
         extra_evidence=_allocator_evidence(allocator),
+        thresholds=th,
         budget=bud.budget,
         model_fits=bud.fits,
         p95_request_tokens=p95,
@@ -506,7 +512,11 @@ def analyze(b: Bundle, mode: str = "bundle") -> Report:
         created=b.created,
         verdict=verdict,
         causes=causes,
-        notes=result.notes,
+        notes=(
+            *result.notes,
+            f"thresholds from {th.source}, read instantly (a rule's for_seconds is "
+            "not waited for in a diagnosis)",
+        ),
         signals=_signals_view(sig, len(times), span),
         kv_budget=bud.view,
         vllm_sizing=None if sizing.empty else dataclasses.asdict(sizing),

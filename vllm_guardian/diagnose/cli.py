@@ -12,13 +12,16 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from vllm_guardian.actuators.alerts import load_rules
 from vllm_guardian.config import (
     DEFAULT_CONFIG_PATH,
+    Config,
     ConfigInvalid,
     NvmlSourceConfig,
     ServiceConfig,
     load_config,
 )
+from vllm_guardian.core import diagnosis
 from vllm_guardian.core.budget import (
     DTYPE_BYTES,
     Deployment,
@@ -87,6 +90,15 @@ def _emit(report: Report, as_json: bool, verbose: bool) -> int:
     return report.exit_code
 
 
+def _thresholds(cfg: Config) -> diagnosis.Thresholds:
+    """The daemon's own rule set (shipped rules + ``rules_file``): one classifier's numbers."""
+    rules = load_rules(cfg.alerting)  # raises ConfigInvalid for a bad rules file
+    where = cfg.alerting.rules_file
+    return diagnosis.thresholds_from_rules(
+        rules, f"the shipped rules and {where}" if where else "the shipped rules"
+    )
+
+
 def diagnose(argv: Sequence[str]) -> int:
     try:
         args = _diagnose_parser().parse_args(list(argv))
@@ -102,12 +114,22 @@ def diagnose(argv: Sequence[str]) -> int:
                 file=sys.stderr,
             )
             return EXIT_USAGE
+        thresholds = diagnosis.Thresholds()
+        if args.config:
+            try:
+                thresholds = _thresholds(load_config(args.config))
+            except ConfigInvalid as e:
+                print(f"vllm-guardian diagnose: {args.config}: {e}", file=sys.stderr)
+                return EXIT_USAGE
+            except OSError as e:
+                print(f"vllm-guardian diagnose: {args.config}: {e.strerror or e}", file=sys.stderr)
+                return EXIT_USAGE
         try:
             bundle = read_bundle(args.bundle)
         except BundleError as e:
             print(f"vllm-guardian diagnose: {e}", file=sys.stderr)
             return EXIT_USAGE
-        return _emit(analyze(bundle, "bundle"), args.json, args.verbose)
+        return _emit(analyze(bundle, "bundle", thresholds), args.json, args.verbose)
     nvml = NvmlSourceConfig()
     socket: str | None = None
     svc: ServiceConfig
@@ -133,6 +155,11 @@ def diagnose(argv: Sequence[str]) -> int:
             return EXIT_USAGE
         svc, nvml = found, cfg.sources.nvml
         socket = str(Path(cfg.runtime_dir) / "control.sock")
+        try:
+            thresholds = _thresholds(cfg)
+        except ConfigInvalid as e:
+            print(f"vllm-guardian diagnose: {config_path}: {e}", file=sys.stderr)
+            return EXIT_USAGE
     elif args.url:
         if not args.url.startswith(("http://", "https://")):
             print(
@@ -177,7 +204,7 @@ def diagnose(argv: Sequence[str]) -> int:
             progress(f"bundle saved to {saved}")
         except OSError as e:
             print(f"vllm-guardian diagnose: cannot save the bundle: {e}", file=sys.stderr)
-    return _emit(analyze(bundle, "live"), args.json, args.verbose)
+    return _emit(analyze(bundle, "live", thresholds), args.json, args.verbose)
 
 
 def _plan_parser() -> argparse.ArgumentParser:

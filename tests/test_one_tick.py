@@ -1,0 +1,199 @@
+"""One tick in one place: the daemon and ``replay`` run the same ``core/step.step``.
+
+A real :class:`~vllm_guardian.daemon.Guardian` (sources at the boundary scripted, a restart
+backend that brings vLLM back with a new pid, a fake clock) lives through a prefill OOM: it
+relaunches with fewer batched tokens, phase by phase. Its flight record is then replayed with the
+same config; replay must produce exactly the daemon's decisions, each phase at the tick it
+happened. The fake clock makes every phase land on a known tick; the restart call is a real
+thread (the test waits for it before the next tick, as the daemon would see it a tick later).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.conftest import read_fixture
+from vllm_guardian.clock import FakeClock
+from vllm_guardian.config import parse_config
+from vllm_guardian.daemon import Guardian
+from vllm_guardian.healing import Healing
+from vllm_guardian.model import (
+    HealthProbe,
+    HealthState,
+    LogEvent,
+    LogEventKind,
+    LogReading,
+    Reading,
+    SourceKind,
+    UnitState,
+)
+from vllm_guardian.recorder import read_records, snapshot_from_record
+from vllm_guardian.replay import replay
+from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
+
+GIB = 1024**3
+CONFIG = """
+state_dir: {d}/state
+runtime_dir: {d}/run
+interval_seconds: 2
+services:
+  - name: vllm
+    url: http://127.0.0.1:9
+recorder:
+  path: {d}/flight.jsonl
+policy:
+  dry_run: false
+  cooldown_seconds: 60
+  drain_timeout_seconds: 30
+  ready_timeout_seconds: 120
+"""
+
+
+class World:
+    """What vLLM looks like this tick; the sources read it, the backend changes it."""
+
+    def __init__(self) -> None:
+        self.pid = 100
+        self.up = True
+        self.logs: tuple[LogEvent, ...] = ()
+        self.restarts: list[float] = []
+        self.clock: FakeClock | None = None
+        self.metrics = "metrics-idle.prom"
+
+    def restart(self, timeout_seconds: float) -> tuple[bool, bool, str]:
+        assert self.clock is not None
+        self.restarts.append(self.clock.time())
+        self.pid += 1
+        self.up = True
+        return True, False, f"restarted (pid {self.pid})"
+
+
+class Src:
+    def __init__(self, kind: SourceKind, world: World) -> None:
+        self.kind, self.service, self.timeout_seconds, self.world = kind, "vllm", 5.0, world
+
+    def collect(self) -> Reading:
+        w = self.world
+        if self.kind is SourceKind.HEALTH:
+            state = HealthState.UP if w.up else HealthState.ENGINE_DEAD
+            return Reading(self.kind, "vllm", HealthProbe(state, 200 if w.up else 503, 0.01))
+        if self.kind is SourceKind.UNIT:
+            argv = ("vllm", "serve", "m", "--max-num-batched-tokens", "8192")
+            unit = UnitState("vllm.service", "active", "running", "success", w.pid, 0, 0,
+                             None, None, argv, (w.pid,))  # fmt: skip
+            return Reading(self.kind, "vllm", unit)
+        if self.kind is SourceKind.LOGS:
+            recent, w.logs = w.logs, ()
+            return Reading(self.kind, "vllm", LogReading((), recent, 0))
+        if not w.up:
+            return Reading(self.kind, "vllm", None, "connection refused")
+        return Reading(self.kind, "vllm", parse_vllm_metrics(read_fixture(w.metrics)))
+
+    def close(self) -> None:
+        pass
+
+
+def test_replay_of_the_daemons_recording_makes_the_same_decisions_phase_by_phase(
+    tmp_path: Path,
+) -> None:
+    cfg = parse_config(CONFIG.format(d=tmp_path))
+    clock = FakeClock()
+    world = World()
+    world.clock = clock
+    kinds = (SourceKind.VLLM_METRICS, SourceKind.HEALTH, SourceKind.UNIT, SourceKind.LOGS)
+    g = Guardian(cfg, clock=clock, collectors=[Src(k, world) for k in kinds], healing=False)
+    g.healing = Healing(cfg, clock, g.history, backends={"vllm": world})
+    try:
+        for i in range(40):
+            if i == 10:  # a prefill OOM kills the engine
+                world.logs = (
+                    LogEvent(
+                        LogEventKind.CUDA_OOM,
+                        clock.time(),
+                        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 6.00 GiB.",
+                        (("tried_bytes", str(6 * GIB)),),
+                    ),
+                )
+                world.up = False
+            g.tick()
+            g.healing.runner.join(30)  # a real thread: its result enters the next tick
+            clock.advance(2)
+    finally:
+        g.close()
+
+    records = [r for r in read_records(tmp_path / "flight.jsonl") if isinstance(r, dict)]
+    live = [d for r in records for d in r["decisions"] if "transition" not in d]
+    replayed = [
+        line.body
+        for line in replay([snapshot_from_record(r) for r in records], cfg)
+        if line.kind == "decision"
+    ]
+    assert replayed == live, "replay and the daemon disagree:\n" + "\n".join(
+        json.dumps(x) for x in [*live, "---", *replayed]
+    )
+    t0 = clock.time() - 80  # the first tick
+    phases_seen = [(d["time_seconds"] - t0, d["phase"]) for d in live if d["what"] == "phase"]
+    # The OOM is seen at t=20; the bundle and flags calls answer by the next tick (22), where
+    # the drain finds nothing in flight (the engine is dead) and the restart starts; its result
+    # arrives at 24, where the old pid is gone (GPU processes not visible) and vLLM is ready.
+    assert phases_seen == [
+        (20, "preparing"),
+        (22, "draining"),
+        (22, "restarting"),
+        (24, "awaiting_vram"),
+        (24, "awaiting_ready"),
+    ], phases_seen
+    assert [d["what"] for d in live if d["what"] in ("action", "result")] == ["action", "result"]
+    result = next(d for d in live if d["what"] == "result")
+    assert "relaunch succeeded" in result["reason"], result
+    assert "--max-num-batched-tokens" in result["reason"]
+    assert len(world.restarts) == 1
+
+
+def test_a_guardian_killed_mid_action_finds_the_action_again(tmp_path: Path) -> None:
+    """kill -9 during a drain: the action was saved with the policy state when it started, so
+    the next guardian (a new process: here a new Guardian over the same state directory) goes
+    on with it, the same action, once against the budget, instead of deciding it again."""
+    cfg = parse_config(CONFIG.format(d=tmp_path))
+    clock = FakeClock()
+    world = World()
+    world.clock = clock
+    world.metrics = "metrics-pressure-07.prom"  # 5 running, 27 waiting: the drain must wait
+    kinds = (SourceKind.VLLM_METRICS, SourceKind.HEALTH, SourceKind.UNIT, SourceKind.LOGS)
+
+    def guardian() -> Guardian:
+        g = Guardian(cfg, clock=clock, collectors=[Src(k, world) for k in kinds], healing=False)
+        g.healing = Healing(cfg, clock, g.history, backends={"vllm": world})
+        return g
+
+    first = guardian()
+    first.tick()
+    reply = first.healing.control("restart", "vllm", who="test")  # type: ignore[union-attr]
+    assert reply["ok"], reply
+    for _ in range(3):
+        clock.advance(2)
+        first.tick()
+        first.healing.runner.join(30)  # type: ignore[union-attr]
+    phase = first.healing.state.service("vllm").action  # type: ignore[union-attr]
+    assert phase is not None and phase.phase.value == "draining", phase
+    # kill -9: no close(), no save beyond what each tick saved.
+    clock.advance(2)
+    second = guardian()
+    world.metrics = "metrics-idle.prom"  # the requests finish meanwhile
+    for _ in range(10):
+        second.tick()
+        second.healing.runner.join(30)  # type: ignore[union-attr]
+        clock.advance(2)
+    second.close()
+    audit = [json.loads(x) for x in (tmp_path / "state" / "audit.jsonl").read_text().splitlines()]
+    started = [d for d in audit if d["what"] == "action"]
+    assert [d["action_id"] for d in started] == [reply["action_id"]], started
+    assert any(
+        d["what"] == "phase" and "guardian restarted during draining" in d["reason"] for d in audit
+    ), audit
+    result = [d for d in audit if d["what"] == "result"]
+    assert len(result) == 1 and "restart succeeded" in result[0]["reason"], result
+    assert len(world.restarts) == 1
+    state = second.healing.state.service("vllm")  # type: ignore[union-attr]
+    assert len(state.restarts) == 1 and state.action is None

@@ -1,0 +1,185 @@
+"""The phases of a restart or relaunch (core/phases.py), as a specification on virtual time.
+
+Each case is a list of ticks: what the tick shows (requests in flight, health, pids, the
+calls' results) and the phase the action must be in after it, or how it ended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import pytest
+
+from vllm_guardian.config import PolicyConfig
+from vllm_guardian.core import phases
+from vllm_guardian.core.phases import Phase
+from vllm_guardian.model import ActionKind, Cause, Op, OpResult
+
+P = PolicyConfig(
+    drain_timeout_seconds=30,
+    vram_release_timeout_seconds=20,
+    ready_timeout_seconds=100,
+    bundle_timeout_seconds=10,
+)
+
+
+@dataclass(frozen=True)
+class T:
+    """One tick: time, what it shows, the calls that finished, and what must follow."""
+
+    t: float
+    in_flight: float | None = 0.0
+    up: bool | None = True
+    listening: bool | None = True
+    pid: int | None = 10
+    gpu_pids: frozenset[int] | None = frozenset({10})
+    done: tuple[tuple[Op, bool, bool], ...] = ()  # (call, ok, terminal)
+    expect: Phase | str = ""  # the phase after the tick, or "ok"/"failed"/"terminal"
+    words: str = ""  # in the outcome's detail or the last move's reason
+    finished: float | None = None  # when the calls finished (default: just before the scrape)
+
+
+def seen(x: T) -> phases.Seen:
+    return phases.Seen(x.t, x.in_flight, "gate", x.up, x.listening, x.pid, x.gpu_pids, True)
+
+
+BUNDLE_OK = ((Op.BUNDLE, True, False),)
+PREPARED = ((Op.WRITE_FLAGS, True, False), (Op.BUNDLE, True, False))
+RESTARTED = ((Op.RESTART, True, False),)
+
+CASES = [
+    ("restart: drain, restart, VRAM freed, ready", ActionKind.RESTART, [
+        T(1, in_flight=3, done=BUNDLE_OK, expect=Phase.DRAINING),
+        T(2, in_flight=1, expect=Phase.DRAINING),
+        T(3, in_flight=0, expect=Phase.RESTARTING),
+        T(9, pid=11, gpu_pids=frozenset({10, 11}), done=RESTARTED, expect=Phase.AWAITING_VRAM),
+        T(10, pid=11, gpu_pids=frozenset({11}), up=False, expect=Phase.AWAITING_READY),
+        T(40, pid=11, gpu_pids=frozenset({11}), expect="ok", words="drained in 2s"),
+    ]),
+    ("relaunch waits for the flags file before anything else", ActionKind.RELAUNCH, [
+        T(1, done=BUNDLE_OK, expect=Phase.PREPARING),
+        T(2, done=((Op.WRITE_FLAGS, True, False),), expect=Phase.RESTARTING),
+        T(3, pid=11, gpu_pids=frozenset(), done=RESTARTED, expect="ok", words="flags"),
+    ]),
+    ("rejected flags: terminal, nothing restarted", ActionKind.RELAUNCH, [
+        T(1, done=((Op.WRITE_FLAGS, False, True),), expect="terminal", words="nothing restarted"),
+    ]),
+    ("a late bundle does not hold the action", ActionKind.RESTART, [
+        T(5, expect=Phase.PREPARING),
+        T(21, expect=Phase.RESTARTING, words="front door closed"),
+    ]),
+    ("drain deadline: restart anyway, say how many were cut", ActionKind.RESTART, [
+        T(1, in_flight=5, done=BUNDLE_OK, expect=Phase.DRAINING),
+        T(32, in_flight=4, expect=Phase.RESTARTING, words="4 in flight"),
+    ]),
+    ("unknown in-flight (no gauge, no gate) is nothing to wait for", ActionKind.RESTART, [
+        T(1, in_flight=None, done=BUNDLE_OK, expect=Phase.RESTARTING),
+    ]),
+    ("a failed restart call ends the action", ActionKind.RESTART, [
+        T(1, done=BUNDLE_OK, expect=Phase.RESTARTING),
+        T(5, done=((Op.RESTART, False, False),), expect="failed"),
+    ]),
+    ("a restart call that never returns is lost", ActionKind.RESTART, [
+        T(1, done=BUNDLE_OK, expect=Phase.RESTARTING),
+        T(1 + 30 + 100 + 61, expect="failed", words="did not return"),
+    ]),
+    ("the old instance keeps its GPU memory", ActionKind.RESTART, [
+        T(1, done=BUNDLE_OK, expect=Phase.RESTARTING),
+        T(2, pid=11, done=RESTARTED, expect=Phase.AWAITING_VRAM),
+        T(23, pid=11, gpu_pids=frozenset({10, 11}), expect="failed", words="pid 10"),
+    ]),
+    ("GPU processes not visible: not waited on", ActionKind.RESTART, [
+        T(1, done=BUNDLE_OK, expect=Phase.RESTARTING),
+        T(2, pid=11, gpu_pids=None, up=False, done=RESTARTED, expect=Phase.AWAITING_READY),
+    ]),
+    ("never ready: failed at the deadline", ActionKind.RESTART, [
+        T(1, done=BUNDLE_OK, expect=Phase.RESTARTING),
+        T(2, pid=11, gpu_pids=frozenset(), up=False, done=RESTARTED,
+          expect=Phase.AWAITING_READY),
+        T(50, pid=11, up=False, expect=Phase.AWAITING_READY),
+        T(103, pid=11, up=False, expect="failed", words="not ready within 100s"),
+    ]),
+    ("a scrape from before the restart returned is not readiness", ActionKind.RESTART, [
+        T(1, done=BUNDLE_OK, expect=Phase.RESTARTING),
+        # The call finished at t=4 (after this tick's scrape at t=3): not ready yet.
+        T(3, pid=11, gpu_pids=None, done=RESTARTED, finished=4, expect=Phase.AWAITING_READY),
+        T(5, pid=11, gpu_pids=None, expect="ok"),
+    ]),
+    ("vLLM exited: its supervisor restarts it, no second restart", ActionKind.RELAUNCH, [
+        T(1, up=False, listening=False, done=PREPARED, expect=Phase.AWAITING_SELF_RESTART),
+        T(4, up=False, listening=False, pid=11, expect=Phase.AWAITING_READY),
+        T(30, pid=11, expect="ok", words="restarted on its own"),
+    ]),
+    ("vLLM exited and nobody restarts it (exit 0 under on-failure)", ActionKind.RESTART, [
+        T(1, up=False, listening=False, done=BUNDLE_OK, expect=Phase.AWAITING_SELF_RESTART),
+        T(22, up=False, listening=False, in_flight=None, expect=Phase.RESTARTING),
+    ]),
+    ("a hung engine that still answers 503 is restarted by us at once", ActionKind.RESTART, [
+        T(1, up=False, listening=True, in_flight=None, done=BUNDLE_OK, expect=Phase.RESTARTING),
+    ]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "kind", "ticks"), CASES, ids=[c[0] for c in CASES])
+def test_phases(name: str, kind: ActionKind, ticks: list[T]) -> None:
+    flags = (("--max-num-seqs", "48"),) if kind is ActionKind.RELAUNCH else ()
+    progress, ops = phases.start(1, "vllm", kind, Cause.ENGINE_DEAD, "test", flags, (), 10, 0.0, P)
+    asked = {o.op for o in ops}
+    assert asked == ({Op.BUNDLE, Op.WRITE_FLAGS} if kind is ActionKind.RELAUNCH else {Op.BUNDLE})
+    a: phases.ActionProgress | None = progress
+    for x in ticks:
+        assert a is not None, f"{name}: the action ended before t={x.t}"
+        results = [OpResult(1, "vllm", o, ok, term, "call detail",
+                            x.t - 0.5 if x.finished is None else x.finished)
+                   for o, ok, term in x.done]  # fmt: skip
+        adv = phases.advance(a, "vllm", seen(x), results, x.t, P)
+        asked |= {o.op for o in adv.ops}
+        if isinstance(x.expect, Phase):
+            assert adv.outcome is None, f"t={x.t}: ended early: {adv.outcome}"
+            assert adv.progress is not None and adv.progress.phase is x.expect, (
+                f"t={x.t}: in {adv.progress.phase if adv.progress else None}, moves {adv.moves}"
+            )
+            if x.words:
+                assert any(x.words in m.why for m in adv.moves) or any(
+                    x.words in n for n in adv.progress.notes
+                ), (adv.moves, adv.progress.notes)
+        else:
+            assert adv.outcome is not None, f"t={x.t}: still {adv.progress}"
+            want = {"ok": (True, False), "failed": (False, False), "terminal": (False, True)}
+            assert (adv.outcome.ok, adv.outcome.terminal) == want[x.expect], adv.outcome
+            assert x.words in adv.outcome.detail, adv.outcome.detail
+        a = adv.progress
+    if "no second restart" in name or "nothing restarted" in name:
+        assert Op.RESTART not in asked
+
+
+def test_every_phase_change_is_a_move_with_a_reason() -> None:
+    a, _ = phases.start(1, "vllm", ActionKind.RESTART, None, "r", (), (), 10, 0.0, P)
+    adv = phases.advance(a, "vllm", seen(T(1, in_flight=0)), [
+        OpResult(1, "vllm", Op.BUNDLE, True, False, "/b", 1.0)], 1.0, P)  # fmt: skip
+    assert [m.phase for m in adv.moves] == [Phase.DRAINING, Phase.RESTARTING]
+    assert all(m.why for m in adv.moves)
+    assert [o.op for o in adv.ops] == [Op.RESTART]
+
+
+ORPHANS = [
+    # the phase the guardian died in → the phase after the first tick of the new guardian
+    (Phase.PREPARING, Phase.PREPARING, {Op.BUNDLE}),
+    (Phase.DRAINING, Phase.RESTARTING, {Op.RESTART}),
+    (Phase.RESTARTING, Phase.AWAITING_READY, set()),
+    (Phase.AWAITING_READY, Phase.AWAITING_READY, set()),
+]
+
+
+@pytest.mark.parametrize(("died_in", "then", "ops"), ORPHANS, ids=[o[0].value for o in ORPHANS])
+def test_a_guardian_restarted_mid_action_finds_it_again(
+    died_in: Phase, then: Phase, ops: set[Op]
+) -> None:
+    a, _ = phases.start(7, "vllm", ActionKind.RESTART, None, "r", (), (), 10, 0.0, P)
+    a = replace(a, phase=died_in, deadline=1000.0, waiting_ops=(Op.RESTART,), orphaned=True)
+    # vLLM is up but not yet serving a fresh scrape: nothing may end the action at once.
+    adv = phases.advance(a, "vllm", seen(T(50, in_flight=0, up=False)), [], 50.0, P)
+    assert adv.outcome is None and adv.progress is not None
+    assert adv.progress.phase is then and not adv.progress.orphaned
+    assert {o.op for o in adv.ops} == ops
+    assert adv.moves and "guardian restarted" in adv.moves[0].why

@@ -1,0 +1,317 @@
+"""A disruptive action as a sequence of phases, advanced once per tick. Pure.
+
+Where it sits: inside ``core/policy.decide``. A restart or relaunch takes minutes (drain, model
+load); instead of a thread that blocks and polls, the service's policy state holds an
+:class:`ActionProgress` and every tick :func:`advance` moves it on from what the snapshot shows
+and from the results of the blocking calls it asked for. Only those calls are actuators
+(``model.Op``: the incident bundle, the flags file, the restart itself); their results come
+back as observations (``Snapshot.op_results``) on a later tick, never assumed. Each phase change
+is a decision: audited, recorded in the flight record, and shown by ``replay`` at the tick it
+happened. This is oomd's multi-tick action and controller-runtime's requeue.
+
+The phases of one action::
+
+    PREPARING ──► (vLLM died) AWAITING_SELF_RESTART ──► (its supervisor restarted it) AWAITING_READY
+        │                          │ (nobody restarted it)
+        └──────► DRAINING ◄────────┘
+                    │ zero in flight (the gate's count when it answers, else vLLM's running +
+                    │ waiting), or the drain deadline
+                    ▼
+                 RESTARTING ──► AWAITING_VRAM ──► AWAITING_READY ──► done (ok)
+
+The front door stays closed through all of them (the policy answers 503 on /ready, and the gate
+holds new requests); it opens when the action ends. Every waiting phase has a deadline; missing
+it ends the action as failed, with what was seen, so the policy backs off and never waits
+forever. Deadlines are in the same clock as ``now``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+from vllm_guardian.config import PolicyConfig
+from vllm_guardian.model import ActionKind, Cause, Op, OpRequest, OpResult
+
+# A restart call that has not returned this long after its own timeout is a lost call.
+RESTART_CALL_MARGIN_SECONDS = 60.0
+
+
+class Phase(StrEnum):
+    PREPARING = "preparing"  # the bundle is captured and (relaunch) the flags file written
+    AWAITING_SELF_RESTART = "awaiting_self_restart"  # vLLM died: its supervisor may restart it
+    DRAINING = "draining"  # front door closed: waiting for the requests in flight to finish
+    RESTARTING = "restarting"  # the restart call is running
+    AWAITING_VRAM = "awaiting_vram"  # the old instance's GPU memory must be freed
+    AWAITING_READY = "awaiting_ready"  # /health 200 and a fresh scrape after the restart
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What this tick shows of one service, as far as the phases care."""
+
+    time_seconds: float
+    in_flight: float | None  # requests still being served (None: nothing to wait for / unknown)
+    in_flight_from: str  # "gate" (the front door's own count) | "vllm" (running + waiting) | ""
+    health_up: bool | None
+    listening: bool | None  # False: nothing answers on vLLM's port (exited, or starting)
+    main_pid: int | None
+    gpu_pids: frozenset[int] | None  # pids holding memory on the GPUs (None: cannot tell)
+    metrics_up: bool
+
+
+@dataclass(frozen=True)
+class ActionProgress:
+    """A restart or relaunch under way. Persisted with the policy state, so a guardian that is
+    restarted mid-action finds it again (``orphaned``) instead of deciding it a second time."""
+
+    action_id: int
+    kind: ActionKind
+    cause: Cause | None
+    reason: str
+    phase: Phase
+    phase_since: float
+    deadline: float
+    started_seconds: float
+    flags: tuple[tuple[str, str], ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    old_pid: int | None = None  # vLLM's main pid when the action began
+    waiting_ops: tuple[Op, ...] = ()  # calls asked for and not yet reported
+    ready_after: float = 0.0  # only a scrape newer than this shows the new instance
+    notes: tuple[str, ...] = ()  # what happened so far, for the result's detail
+    operator: str | None = None  # who asked, when an operator command started it
+    orphaned: bool = False  # the guardian restarted while this was under way
+
+
+@dataclass(frozen=True)
+class Outcome:
+    ok: bool
+    terminal: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class Move:
+    """One phase change, for the audit log."""
+
+    phase: Phase
+    why: str
+
+
+@dataclass(frozen=True)
+class Advance:
+    progress: ActionProgress | None  # None once the action has ended
+    moves: tuple[Move, ...]
+    ops: tuple[OpRequest, ...]
+    outcome: Outcome | None
+
+
+def start(
+    action_id: int,
+    service: str,
+    kind: ActionKind,
+    cause: Cause | None,
+    reason: str,
+    flags: tuple[tuple[str, str], ...],
+    env: tuple[tuple[str, str], ...],
+    old_pid: int | None,
+    now: float,
+    p: PolicyConfig,
+    operator: str | None = None,
+) -> tuple[ActionProgress, tuple[OpRequest, ...]]:
+    """The first phase: ask for the bundle and (for a relaunch) the flags file. The flags go
+    first: when vLLM is already dying (an OOM), its supervisor's own restart then reads them."""
+    ops: list[OpRequest] = []
+    if kind is ActionKind.RELAUNCH:
+        ops.append(OpRequest(action_id, service, Op.WRITE_FLAGS, flags, env, 10.0, reason, cause))
+    ops.append(
+        OpRequest(
+            action_id, service, Op.BUNDLE, flags, env, p.bundle_timeout_seconds, reason, cause
+        )
+    )
+    progress = ActionProgress(
+        action_id=action_id,
+        kind=kind,
+        cause=cause,
+        reason=reason,
+        phase=Phase.PREPARING,
+        phase_since=now,
+        deadline=now + p.bundle_timeout_seconds + 10.0,
+        started_seconds=now,
+        flags=flags,
+        env=env,
+        old_pid=old_pid,
+        waiting_ops=tuple(o.op for o in ops),
+        operator=operator,
+    )
+    return progress, tuple(ops)
+
+
+def advance(
+    a: ActionProgress,
+    service: str,
+    seen: Seen,
+    results: Sequence[OpResult],
+    now: float,
+    p: PolicyConfig,
+) -> Advance:
+    """Move the action on as far as this tick's observations allow (several phases at once
+    when nothing needs waiting for)."""
+    moves: list[Move] = []
+    ops: list[OpRequest] = []
+
+    def go(phase: Phase, deadline: float, why: str, **kw: object) -> None:
+        nonlocal a
+        a = replace(a, phase=phase, phase_since=now, deadline=deadline, **kw)  # type: ignore[arg-type]
+        moves.append(Move(phase, why))
+
+    def end(ok: bool, terminal: bool, detail: str) -> Advance:
+        parts = [*a.notes, detail] if ok else [detail, *a.notes]
+        return Advance(None, tuple(moves), tuple(ops), Outcome(ok, terminal, "; ".join(parts)))
+
+    def restart(why: str) -> None:
+        timeout = p.drain_timeout_seconds + p.ready_timeout_seconds
+        ops.append(OpRequest(a.action_id, service, Op.RESTART, a.flags, a.env, timeout, a.reason))
+        go(
+            Phase.RESTARTING,
+            now + timeout + RESTART_CALL_MARGIN_SECONDS,
+            why,
+            waiting_ops=(*a.waiting_ops, Op.RESTART),
+        )
+
+    if a.orphaned:
+        # The guardian died mid-action: the calls it was waiting for died with it.
+        a = replace(a, orphaned=False, waiting_ops=())
+        if a.phase is Phase.PREPARING:
+            # Nothing disruptive happened yet: prepare again.
+            fresh, again = start(
+                a.action_id, service, a.kind, a.cause, a.reason, a.flags, a.env,
+                a.old_pid, now, p, a.operator,
+            )  # fmt: skip
+            return Advance(
+                fresh,
+                (Move(Phase.PREPARING, "the guardian restarted while preparing: preparing again"),),
+                again,
+                None,
+            )
+        if a.phase is Phase.RESTARTING:
+            go(
+                Phase.AWAITING_READY,
+                now + p.ready_timeout_seconds,
+                "the guardian restarted during the restart call: waiting for vLLM to be ready",
+                ready_after=now,
+            )
+        else:
+            moves.append(Move(a.phase, f"the guardian restarted during {a.phase.value}: going on"))
+
+    for r in results:
+        if r.action_id != a.action_id:
+            continue
+        a = replace(a, waiting_ops=tuple(o for o in a.waiting_ops if o is not r.op))
+        if r.op is Op.BUNDLE:
+            a = replace(a, notes=(*a.notes, f"bundle {r.detail}" if r.ok else r.detail))
+        elif r.op is Op.WRITE_FLAGS and not r.ok:
+            return end(False, r.terminal, f"flags not written, nothing restarted: {r.detail}")
+        elif r.op is Op.WRITE_FLAGS:
+            a = replace(a, notes=(*a.notes, "flags file written"))
+        elif r.op is Op.RESTART:
+            if not r.ok:
+                return end(False, r.terminal, r.detail)
+            a = replace(a, notes=(*a.notes, r.detail), ready_after=r.finished_seconds)
+            if a.old_pid is not None:
+                go(Phase.AWAITING_VRAM, now + p.vram_release_timeout_seconds, "restart returned")
+            else:
+                go(Phase.AWAITING_READY, now + p.ready_timeout_seconds, "restart returned")
+
+    for _ in range(len(Phase) + 1):  # each pass either waits (returns) or moves on
+        phase = a.phase
+        if phase is Phase.PREPARING:
+            if Op.WRITE_FLAGS in a.waiting_ops and now < a.deadline:
+                break
+            if Op.WRITE_FLAGS in a.waiting_ops:
+                return end(
+                    False, False, "the flags file was not written in time; nothing restarted"
+                )
+            if Op.BUNDLE in a.waiting_ops and now < a.deadline:
+                break
+            if Op.BUNDLE in a.waiting_ops:
+                a = replace(a, notes=(*a.notes, "bundle not finished in time; going on without it"))
+            if seen.listening is False and a.old_pid is not None:
+                # The process is gone: a supervisor (Restart=always, the process manager) may
+                # be starting it already, with the flags just written. A process that still
+                # answers (503, hung) is restarted by nobody but us.
+                go(
+                    Phase.AWAITING_SELF_RESTART,
+                    now + p.vram_release_timeout_seconds,
+                    "vLLM is down: waiting for its supervisor to start it again",
+                )
+            else:
+                go(Phase.DRAINING, now + p.drain_timeout_seconds, "front door closed")
+        elif phase is Phase.AWAITING_SELF_RESTART:
+            if seen.main_pid is not None and seen.main_pid != a.old_pid:
+                a = replace(
+                    a, notes=(*a.notes, "vLLM restarted on its own after dying (no second restart)")
+                )
+                go(
+                    Phase.AWAITING_READY,
+                    now + p.ready_timeout_seconds,
+                    f"its supervisor started vLLM again (pid {seen.main_pid})",
+                    ready_after=now,
+                )
+            elif now >= a.deadline:
+                go(Phase.DRAINING, now + p.drain_timeout_seconds, "nobody restarted it")
+            else:
+                break
+        elif phase is Phase.DRAINING:
+            left = seen.in_flight
+            if left is None or left <= 0:
+                took = now - a.phase_since
+                a = replace(a, notes=(*a.notes, f"drained in {took:.0f}s"))
+                restart(f"drained ({seen.in_flight_from or 'nothing'} in flight: 0)")
+            elif now >= a.deadline:
+                a = replace(
+                    a,
+                    notes=(
+                        *a.notes,
+                        f"drain timed out after {p.drain_timeout_seconds:.0f}s with {left:.0f} in "
+                        "flight (vLLM's --shutdown-timeout takes over)",
+                    ),
+                )
+                restart(f"drain deadline passed with {left:.0f} in flight")
+            else:
+                break
+        elif phase is Phase.RESTARTING:
+            if Op.RESTART in a.waiting_ops and now >= a.deadline:
+                return end(False, False, "the restart call did not return in time")
+            break
+        elif phase is Phase.AWAITING_VRAM:
+            if seen.gpu_pids is None or a.old_pid not in seen.gpu_pids:
+                go(
+                    Phase.AWAITING_READY,
+                    now + p.ready_timeout_seconds,
+                    "the old instance's GPU memory is free"
+                    if seen.gpu_pids is not None
+                    else "GPU processes not visible: not waiting on them",
+                )
+            elif now >= a.deadline:
+                return end(
+                    False,
+                    False,
+                    f"the old instance (pid {a.old_pid}) still holds GPU memory after "
+                    f"{p.vram_release_timeout_seconds:.0f}s",
+                )
+            else:
+                break
+        elif phase is Phase.AWAITING_READY:
+            if seen.time_seconds > a.ready_after and seen.health_up and seen.metrics_up:
+                took = now - a.started_seconds
+                return end(True, False, f"ready after {took:.0f}s")
+            if now >= a.deadline:
+                return end(
+                    False,
+                    False,
+                    f"not ready within {p.ready_timeout_seconds:.0f}s after the restart",
+                )
+            break
+    return Advance(a, tuple(moves), tuple(ops), None)
