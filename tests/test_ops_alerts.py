@@ -250,13 +250,8 @@ THRESHOLDS: list[tuple[str, str, str | Callable[[], float]]] = [
     ),
     (
         "VLLMGPUHeadroomExhaustionPredicted",
-        r"\[2m\], ([0-9]+)\)",
+        r"exhaustion_cause < ([0-9]+)",
         "VllmGpuHeadroomExhaustionSoon",
-    ),
-    (
-        "VLLMGPUHeadroomExhaustionPredicted",
-        r"headroom_bytes\[([0-9]+)m\]",
-        lambda: SignalsConfig().slope_window_seconds / 60,
     ),
     ("VLLMAllocatorFragmentation", r"fragmentation_ratio > ([0-9.]+)", "VllmAllocatorFragmented"),
     ("VLLMGuardianBreakerLatched", r"breaker_latched == ([0-9]+)", "VllmGuardianBreakerLatched"),
