@@ -396,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         "--scenarios", default="fragmentation_creep,noisy_neighbour,steady,prefix_cache_waste"
     )
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--markdown", type=Path)
     args = ap.parse_args(argv)
     rows = []
     for scenario in args.scenarios.split(","):
@@ -417,7 +418,49 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(row), flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
+    if args.markdown:
+        args.markdown.write_text(
+            markdown(rows, " ".join(argv if argv is not None else sys.argv[1:]))
+        )
     return 0
+
+
+def markdown(rows: list[dict], args: str) -> str:  # type: ignore[type-arg]
+    def n(v: float | None) -> str:
+        return "" if v is None else f"{v:.0f}"
+
+    out = [
+        "# Acting before the crash: the forecast on the twin",
+        "",
+        f"`.venv/bin/python bench/forecast.py {args}` — the armed core (signals, forecast, shipped "
+        "rules, policy with its phases) on the twin's engine in simulated time; times are "
+        "simulated seconds after vLLM first became ready. Lead: the unguarded run's first OOM "
+        "minus the guardian's first pre-emptive step (a pre-emptive action, or the gate the "
+        "forecast closed).",
+        "",
+        "| scenario | seed | operator | CUDA OOMs | failed | served | first OOM | first pre-emptive step | lead | actions | forecast gates | exhaustion alerts |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        guarded = r["operator"] == "guardian"
+        out.append(
+            f"| {r['scenario']} | {r['seed']} | {r['operator']} | {r['cuda_ooms']} | {r['failed']} "
+            f"| {r['served']} | {'' if guarded else n(r['unguarded_first_oom_s'])} "
+            f"| {n(r['first_preemptive_action_s'])} | {n(r['lead_time_s'])} | {len(r['actions'])} "
+            f"| {len(r['forecast_gates'])} | {len(r['exhaustion_alerts'])} |"
+        )
+    out += ["", "## What the guardian did (first seed of each scenario)", ""]
+    seen: set[str] = set()
+    for r in rows:
+        if r["operator"] != "guardian" or r["scenario"] in seen:
+            continue
+        seen.add(r["scenario"])
+        out.append(f"**{r['scenario']}** (seed {r['seed']}):")
+        out += [f"- {x}" for x in r["forecast_gates"] + r["actions"] + r["exhaustion_alerts"]] or [
+            "- nothing"
+        ]
+        out.append("")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
