@@ -6,11 +6,12 @@ Run: .venv/bin/python bench/forecast.py [--minutes 30] [--seeds 0,1,2] [--scenar
 Each run drives the twin's deterministic engine (``vllm_guardian.sim.engine``) with its
 scenario's seeded load, and every 2 simulated seconds does what the daemon does: build the
 snapshot its sources would read (the GPU state with the step in flight, the allocator plugin's
-record, /metrics gauges, /health, the unit, vLLM's error log lines), then ``derive`` (signals and
-the exhaustion forecast), ``evaluate`` (the shipped rules) and ``decide`` (the policy, armed).
-Actions are executed the way the executor and the gate do: the gate holds new requests, a
-drain waits for in-flight requests (``drain_timeout_seconds``), the engine restarts with the
-action's flags and environment, held requests are released when it is ready. Without a guardian
+record, /metrics gauges, /health, the unit, vLLM's error log lines) and run the daemon's pure
+``core.step.step`` (signals with the exhaustion forecast, the shipped rules, the armed policy
+with its phases). Its calls are executed the way the executor does (the bundle and the flags
+file at once, the restart stops the engine and starts it with the action's flags and
+environment), their results observed on the next tick; the gate holds new requests while the
+front door is closed and releases them when it opens. Without a guardian
 ("unguarded") a supervisor restarts the engine with the same flags after it dies.
 
 Unlike the twin's server, the neighbour of ``noisy_neighbour`` is a separate process: it keeps
@@ -28,7 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,9 +38,9 @@ sys.path.insert(0, str(ROOT))
 from vllm_guardian.actuators.alerts import default_rules_text  # noqa: E402
 from vllm_guardian.allocator_format import AllocatorStats  # noqa: E402
 from vllm_guardian.config import PolicyConfig, ServiceConfig, SignalsConfig  # noqa: E402
-from vllm_guardian.core.alerting import evaluate, parse_rules, signal_values  # noqa: E402
-from vllm_guardian.core.policy import PolicySettings, decide, initial_state  # noqa: E402
-from vllm_guardian.core.signals import derive  # noqa: E402
+from vllm_guardian.core import step as core_step  # noqa: E402
+from vllm_guardian.core.alerting import parse_rules  # noqa: E402
+from vllm_guardian.core.policy import PolicySettings  # noqa: E402
 from vllm_guardian.model import (  # noqa: E402
     AlertState,
     AllocatorProcess,
@@ -54,7 +55,6 @@ from vllm_guardian.model import (  # noqa: E402
     LogEvent,
     LogReading,
     Op,
-    OpRequest,
     OpResult,
     ServiceSnapshot,
     Snapshot,
@@ -270,15 +270,15 @@ def run(scenario: str, seed: int, minutes: float, guarded: bool) -> Result:
     sig_cfg = SignalsConfig()
     pol = PolicyConfig(dry_run=False, backend="process")
     rules = parse_rules(default_rules_text(), "defaults")
-    rule_signals = {r.name: r.signal for r in rules}
-    settings = PolicySettings(pol, ("vllm",), rule_signals)
-    services = [ServiceConfig(name="vllm")]
-    state = initial_state(["vllm"])
-    alerts: dict = {}  # type: ignore[type-arg]
+    settings = core_step.settings_for(
+        rules, PolicySettings(pol, ("vllm",), {r.name: r.signal for r in rules}),
+        [ServiceConfig(name="vllm")], sig_cfg,
+    )  # fmt: skip
+    span = sig_cfg.forecast_window_seconds + 2 * TICK
+    tick_state = core_step.initial(["vllm"])
     history: list[Snapshot] = []
     log_counts: dict = {}  # type: ignore[type-arg]
     op_results: tuple[OpResult, ...] = ()
-    restarts_due: list[OpRequest] = []  # restart calls: they return on the next tick
     next_flags: tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]] | None = None
     restart_at: float | None = None  # the supervisor (systemd Restart=always, RestartSec=5)
     first_ready: float | None = None
@@ -302,7 +302,7 @@ def run(scenario: str, seed: int, minutes: float, guarded: bool) -> Result:
             while i < len(plan) and first_ready + plan[i].at_seconds <= t:
                 held.append(plan[i])
                 i += 1
-        if not guarded or state.service("vllm").gate_open:
+        if not guarded or tick_state.policy.service("vllm").gate_open:
             if svc.ready:
                 e = svc.engine
                 assert e is not None
@@ -322,48 +322,33 @@ def run(scenario: str, seed: int, minutes: float, guarded: bool) -> Result:
             restart_at = None
         if not guarded:
             continue
-        # The restart calls started last tick return now (the process manager's restart).
-        done: list[OpResult] = []
-        for o in restarts_due:
-            svc.stop()
-            if next_flags is not None:
-                svc.flags, svc.env = next_flags
-            svc.start(t)
-            restart_at = None
-            done.append(OpResult(o.action_id, o.service, o.op, True, False, "restarted", t))
-        restarts_due = []
-        op_results = tuple(done)
-        # The guardian's tick: observe, derive, evaluate, decide; quick calls answer at once.
+        # The guardian's tick: the same pure step the daemon and `replay` run.
         snap = snapshot(svc, t, op_results, log_counts)
         history.append(snap)
-        history = [s for s in history if s.time_seconds >= t - 400]
-        signals = derive(history, services, sig_cfg)
-        alerts, transitions = evaluate(rules, alerts, signal_values(signals, snap), t)
-        for tr in transitions:
+        history = [s for s in history if s.time_seconds >= t - span]
+        tick_state, fx = core_step.step(tick_state, history, t, settings)
+        since_ready = t - (first_ready or 0.0)
+        for tr in fx.transitions:
             if tr.current is AlertState.FIRING and tr.alert.name in EXHAUSTION_RULES:
-                res.exhaustion_alerts.append((t - (first_ready or 0.0), tr.alert.name))
-        firing = [a for a in alerts.values() if a.state is AlertState.FIRING]
-        for _ in range(4):
-            out = decide(state, firing, snap, signals, t, settings)
-            state = out.state
-            for d in out.decisions:
-                if d.what == "gate" and "forecast:" in d.reason:
-                    res.forecast_gates.append((t - (first_ready or 0.0), d.reason))
-            for a in out.actions:
-                res.actions.append((t - (first_ready or 0.0), a.kind.value, a.reason))
-            quick: list[OpResult] = []
-            for o in out.ops:
-                if o.op is Op.RESTART:
-                    restarts_due.append(o)
-                else:
-                    if o.op is Op.WRITE_FLAGS:
-                        next_flags = (o.flags, o.env)
-                    quick.append(OpResult(o.action_id, o.service, o.op, True, False, "done", t))
-            if not quick:
-                break
-            snap = replace(snap, op_results=tuple(quick), services=tuple(
-                replace(x, logs=replace(x.logs, recent=()) if x.logs else None) for x in snap.services
-            ))  # fmt: skip
+                res.exhaustion_alerts.append((since_ready, tr.alert.name))
+        for d in fx.decisions:
+            if d.what == "gate" and "forecast:" in d.reason:
+                res.forecast_gates.append((since_ready, d.reason))
+        for a in fx.actions:
+            res.actions.append((since_ready, a.kind.value, a.reason))
+        # The executor's calls run between this tick and the next, which sees their results.
+        done: list[OpResult] = []
+        for o in fx.ops:
+            if o.op is Op.WRITE_FLAGS:
+                next_flags = (o.flags, o.env)
+            elif o.op is Op.RESTART:
+                svc.stop()
+                if next_flags is not None:
+                    svc.flags, svc.env = next_flags
+                svc.start(t)
+                restart_at = None
+            done.append(OpResult(o.action_id, o.service, o.op, True, False, "done", t))
+        op_results = tuple(done)
     res.ooms = svc.ooms
     res.failed = svc.failed
     res.served = svc.served
