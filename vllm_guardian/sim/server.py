@@ -28,6 +28,8 @@ from types import FrameType
 from typing import Any
 
 from vllm_guardian import allocator_format as fmt
+from vllm_guardian.atomicfile import write_atomic
+from vllm_guardian.gpu_state_format import build_state
 from vllm_guardian.sim.engine import (
     ENGINE_DEAD_MESSAGE,
     VLLM_VERSION,
@@ -49,7 +51,6 @@ from vllm_guardian.sim.gpu_state import (
     GpuProcess,
     GpuReading,
     Xid,
-    build_state,
     read_previous_xids,
     write_state_atomically,
 )
@@ -320,10 +321,7 @@ class Twin:
             rec = self.engine.allocator_stats(self.pid, time.time(), interval, self.opts.alloc_conf)
         if rec is None:
             return
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / f".{path.name}.tmp"
-        tmp.write_bytes(fmt.encode(rec))
-        os.replace(tmp, path)
+        write_atomic(path, fmt.encode(rec), 0o644)
         self._last_allocator_write = now
 
     # ---------------------------------------------------------------- metrics
