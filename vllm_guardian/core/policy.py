@@ -514,6 +514,8 @@ def seen(snapshot: Snapshot, sig: ServiceSignals | None, name: str) -> phases.Se
         main_pid=svc.unit.main_pid if svc is not None and svc.unit is not None else None,
         gpu_pids=pids,
         metrics_up=bool(sig is not None and sig.metrics_up),
+        stalled=bool(sig is not None and sig.stalled),
+        engine_dead=health is HealthState.ENGINE_DEAD,
     )
 
 
