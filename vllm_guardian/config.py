@@ -296,6 +296,17 @@ class SignalsConfig:
     # The over-capacity estimate (core/capacity.py) reads this long: many finished requests and
     # several of vLLM's stat updates; a saturation shorter than this gives no number.
     capacity_window_seconds: float = field(default=120.0, metadata=_bounds(10, 3600))
+    # The exhaustion forecast (core/forecast.py): free-memory floors per interval over the
+    # window. 5 min of history holds 30 floors: enough for a robust trend, short enough that a
+    # trend that began a minute ago dominates it.
+    forecast_window_seconds: float = field(default=300.0, metadata=_bounds(1, 86400))
+    # One floor per 10 s: five 2 s ticks, so one step's activations never make the floor alone.
+    forecast_interval_seconds: float = field(default=10.0, metadata=_bounds(0.05, 3600))
+    # Nothing is forecast before 5 floors spanning 40 s: a trend, not a burst.
+    forecast_min_intervals: int = field(default=5, metadata=_bounds(3, 10000))
+    forecast_min_span_seconds: float = field(default=40.0, metadata=_bounds(0.1, 86400))
+    # A reading missing this long breaks the series; an older newest reading is stale.
+    forecast_max_gap_seconds: float = field(default=30.0, metadata=_bounds(0.1, 86400))
 
 
 @dataclass(frozen=True)
@@ -416,6 +427,15 @@ class PolicyConfig:
     max_num_batched_tokens_floor: int = field(default=2048, metadata=_bounds(16, 10**7))
     gpu_memory_utilization_step_ratio: float = field(default=0.05, metadata=_bounds(0.01, 0.5))
     gpu_memory_utilization_floor_ratio: float = field(default=0.70, metadata=_bounds(0.1, 0.99))
+    # Pre-emptive action (policy.preemptive_action): act on an exhaustion forecast whose bound
+    # (the latest the card is expected to run out) is within this horizon and names a cause.
+    # 10 min: a drain plus a model reload fit in it, and a trend that far out is still sharp.
+    forecast_horizon_seconds: float = field(default=600.0, metadata=_bounds(0, 86400))
+    # A quiet moment for the pre-emptive drain: the queue empty and at most this many running.
+    preemptive_quiet_running: int = field(default=2, metadata=_bounds(0, 100000))
+    # A growing neighbour earns a relaunch with a lower --gpu-memory-utilization only after its
+    # forecast has stood this long (a short-lived job is gated around, not restarted for).
+    neighbour_persist_seconds: float = field(default=60.0, metadata=_bounds(0, 86400))
     # The incident bundle captured before a disruptive action must not delay it for longer.
     bundle_timeout_seconds: float = field(default=20.0, metadata=_bounds(1, 600))
     # KV thrash: gate and alert only unless enabled here (issue 22, DESIGN.md §2 "Measured").
