@@ -337,6 +337,13 @@ def _service_families(snap: Snapshot, signals: Signals) -> Iterator[Metric]:
                 ss.vllm.malformed_lines,
             )
             f.add(
+                "vllm_scrape_engines_dropped",
+                "Engines of the last vLLM /metrics body past the parser's cap, not read.",
+                ["service"],
+                [svc],
+                ss.vllm.engines_dropped,
+            )
+            f.add(
                 "vllm_scrape_rejected_values",
                 "Values of the last scrape rejected as impossible (NaN, negative, ratio > 1).",
                 ["service"],
