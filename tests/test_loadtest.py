@@ -40,7 +40,13 @@ from vllm_guardian.loadtest.profile import (
 from vllm_guardian.loadtest.recommend import Action, recommend
 from vllm_guardian.loadtest.report import write_chart
 from vllm_guardian.loadtest.results import StepResult
-from vllm_guardian.loadtest.runner import run_loadtest, server_info
+from vllm_guardian.loadtest.runner import (
+    Limit,
+    log_violation,
+    run_loadtest,
+    server_info,
+)
+from vllm_guardian.model import LogEvent, LogEventKind
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -166,6 +172,30 @@ def test_without_a_floor_the_oom_line_stops_the_run_and_nothing_is_retried(twin:
     assert last["errors"] <= 4 * 4
     assert [s["held"] for s in doc["steps"][:2]] == [True, True]
     assert rec(doc, "--gpu-memory-utilization")["action"] == "lower"
+
+
+FATAL = LogEvent(LogEventKind.ENGINE_FATAL, 1.0, "EngineCore encountered a fatal error.")
+OOM = LogEvent(LogEventKind.CUDA_OOM, 1.0, "CUDA out of memory. Tried to allocate 6.26 GiB.")
+DEAD = LogEvent(LogEventKind.ENGINE_DEAD, 1.0, "EngineDeadError")
+
+
+@pytest.mark.parametrize(
+    ("events", "limit", "names"),
+    [
+        ((), None, None),
+        ((FATAL,), Limit.SERVER_DOWN, "fatal error"),
+        ((FATAL, DEAD), Limit.SERVER_DOWN, "fatal error"),
+        # vLLM logs the fatal error before the OOM that caused it: the OOM is named.
+        ((FATAL, OOM, DEAD), Limit.OOM, "CUDA out of memory"),
+        ((OOM, FATAL), Limit.OOM, "CUDA out of memory"),
+    ],
+)
+def test_a_log_read_stops_on_its_cause(
+    events: tuple[LogEvent, ...], limit: Limit | None, names: str | None
+) -> None:
+    v = log_violation(events)
+    assert (v.limit if v else None) == limit
+    assert names is None or (v is not None and names in v.message), v
 
 
 # --- bad input -------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from vllm_guardian.model import (
     GpuReading,
     HealthProbe,
     HealthState,
+    LogEvent,
     LogEventKind,
     LogReading,
     Reading,
@@ -445,18 +446,25 @@ class RunState:
 Progress = Callable[[RunState, StepRecord, ServiceSignals | None], None]
 
 
+def log_violation(events: Sequence[LogEvent]) -> Violation | None:
+    """The stop a log read calls for, naming its cause: an OOM line when there is one (vLLM
+    logs ``EngineCore encountered a fatal error`` before the OOM that caused it, often in the
+    same read), else the first engine-death line; None when nothing fatal was logged."""
+    fatal = [e for e in events if e.kind in FATAL_LOG_EVENTS]
+    if not fatal:
+        return None
+    oom = [e for e in fatal if e.kind in OOM_LOG_EVENTS]
+    first = (oom or fatal)[0]
+    return Violation(Limit.OOM if oom else Limit.SERVER_DOWN, f"log: {first.message[:200]}")
+
+
 def _instant_violations(
     sig: ServiceSignals, snap: Snapshot, record: StepRecord, profile: Profile
 ) -> list[Violation]:
     out: list[Violation] = []
     svc = snap.service(SERVICE)
-    fatal = [
-        e for e in (svc.logs.recent if svc is not None and svc.logs is not None else ())
-        if e.kind in FATAL_LOG_EVENTS
-    ]  # fmt: skip
-    if fatal:
-        kind = Limit.OOM if any(e.kind in OOM_LOG_EVENTS for e in fatal) else Limit.SERVER_DOWN
-        out.append(Violation(kind, f"log: {fatal[0].message[:200]}"))
+    if v := log_violation(svc.logs.recent if svc is not None and svc.logs is not None else ()):
+        out.append(v)
     if sig.health_state in DEAD_HEALTH:
         out.append(
             Violation(Limit.SERVER_DOWN, f"/health: {sig.health_state} (the server is dying)")
