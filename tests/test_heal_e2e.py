@@ -1,9 +1,15 @@
-"""End to end on the vLLM twin: each failure scenario, the guardian acting through its process
-manager, asserted on the audit log and on the twin's own exits. One guardian, one twin and one
-bounded load per test, all on 127.0.0.1, all stopped by ``run_demo`` before it returns."""
+"""End to end on the vLLM twin, real processes: the smoke tests of the path the virtual-time
+scenarios (tests/test_scenarios_vt.py) leave out: HTTP on 127.0.0.1, the twin as a subprocess
+under the guardian's process manager, the flags file, the log file, the GPU state file, the
+guardian's threads and the load generator. Asserted on the audit log and on the twin's own exits.
+One guardian, one twin and one bounded load per test, all stopped by ``run_demo`` before it
+returns."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,98 +44,53 @@ def check_exit_zero(r: DemoReport) -> None:
     assert 0 in r.twin_exits  # it really died with status 0
 
 
-def check_hang(r: DemoReport) -> None:
-    restarts = actions(r, "restart")
-    assert restarts and restarts[0]["cause"] == "engine_dead"
-    assert "VllmEngineStalled" in restarts[0]["evidence"]
-    assert any(d["reason"].startswith("restart succeeded") for d in results(r))
+def audit(workdir: Path) -> list[dict]:  # type: ignore[type-arg]
+    out = []
+    with contextlib.suppress(OSError), (workdir / "state" / "audit.jsonl").open() as fh:
+        for line in fh:
+            with contextlib.suppress(json.JSONDecodeError):
+                out.append(json.loads(line))
+    return out
 
 
-def check_xid(r: DemoReport) -> None:
-    assert [a["reason"].split(":")[0] for a in r.actions] == ["escalate"]
-    assert r.actions[0]["cause"] == "gpu_hardware_fault"
-    assert any(d["what"] == "latch" and "GPU needs a reset" in d["reason"] for d in r.decisions)
-    assert not actions(r, "restart") and not actions(r, "relaunch")
+def stop_when_an_action_ends(workdir: Path, stop: threading.Event) -> None:
+    """Ends the demo as soon as the guardian's first action has a result (the condition the
+    checks need), instead of after a fixed duration; the duration is only the upper bound."""
+    while not stop.wait(0.5):
+        if any(d["what"] == "result" for d in audit(workdir)):
+            stop.set()
 
 
-def check_kv(r: DemoReport) -> None:
-    assert r.gated
-    relaunches = actions(r, "relaunch")
-    assert relaunches and relaunches[0]["cause"] == "concurrency_overcommit"
-    assert (
-        "max_num_seqs" in relaunches[0]["reason"] and "running requests" in relaunches[0]["reason"]
-    )
-    assert not [a for a in r.actions if a["cause"] == "engine_dead"]
-
-
-def check_fragmentation(r: DemoReport) -> None:
-    acted = [a for a in r.actions if a["cause"] == "allocator_fragmentation"]
-    assert acted and acted[0]["reason"].startswith("restart:")  # first: drain + restart
-    assert any("expandable_segments" in a["reason"] for a in acted[1:]), [
-        a["reason"] for a in acted
-    ]
-
-
-def check_neighbour(r: DemoReport) -> None:
-    relaunches = actions(r, "relaunch")
-    assert relaunches and relaunches[0]["cause"] == "gpu_memory_overcommit"
-    assert "gpu_memory_utilization one rung down" in relaunches[0]["reason"]
-
-
-def check_does_not_fit(r: DemoReport) -> None:
-    assert [a["reason"].split(":")[0] for a in r.actions] == ["escalate"]
-    assert r.actions[0]["cause"] == "model_does_not_fit"
-    assert any(d["what"] == "latch" for d in r.decisions)
-
-
-def check_nothing(r: DemoReport) -> None:
-    assert r.actions == [], [a["reason"] for a in r.actions]
-    assert not r.gated
-    assert r.requests.get("ok", 0) > 0
-
-
-CASES: list[tuple[str, float, float, tuple[str, ...], dict, Callable[[DemoReport], None]]] = [  # type: ignore[type-arg]
-    ("prefill_burst", 4, 45, (), {}, check_prefill),
-    ("exit_zero_death", 6, 40, (), {}, check_exit_zero),
-    ("engine_hang", 6, 45, (), {}, check_hang),
-    ("xid_fault", 6, 35, (), {}, check_xid),
-    ("kv_thrash", 4, 60, (), {"cooldown_seconds": 8}, check_kv),
-    (
-        "fragmentation_creep",
-        8,
-        75,
-        ("--sim-fragmentation-creep-factor", "400"),
-        {"cooldown_seconds": 5},
-        check_fragmentation,
-    ),
-    ("noisy_neighbour", 8, 45, (), {}, check_neighbour),
-    ("prefix_cache_waste", 8, 30, (), {}, check_nothing),
-    # Flags alone make the twin's model not fit: Llama-3-70B on one 80 GiB card.
-    (
-        "steady",
-        10,
-        25,
-        ("--sim-model", "llama-3-70b", "--tensor-parallel-size", "1"),
-        {},
-        check_does_not_fit,
-    ),
+# The smoke tests of the real-process path: one relaunch (a new flags file read by the process
+# manager's restart) and one death with status 0 (Restart=always). Every scenario's decisions,
+# these two included, are checked on virtual time in tests/test_scenarios_vt.py against golden
+# logs. The duration is a generous bound: each run ends when its first action has a result.
+CASES: list[tuple[str, float, float, Callable[[DemoReport], None]]] = [
+    ("prefill_burst", 4, 90, check_prefill),
+    ("exit_zero_death", 6, 90, check_exit_zero),
 ]
 
 
-@pytest.mark.parametrize(
-    ("scenario", "speed", "duration", "twin", "policy", "check"),
-    CASES,
-    ids=[c[0] if c[3] == () or c[0] != "steady" else "model_does_not_fit" for c in CASES],
-)
-def test_scenario(tmp_path: Path, scenario, speed, duration, twin, policy, check):
-    report = run_demo(
-        DemoOptions(
-            scenario, speed, duration, tmp_path, extra_twin_args=twin, quiet=True, policy=policy
-        )
-    )
+@pytest.mark.parametrize(("scenario", "speed", "bound", "check"), CASES, ids=[c[0] for c in CASES])
+def test_scenario(
+    tmp_path: Path,
+    scenario: str,
+    speed: float,
+    bound: float,
+    check: Callable[[DemoReport], None],
+) -> None:
+    stop = threading.Event()
+    watcher = threading.Thread(target=stop_when_an_action_ends, args=(tmp_path, stop), daemon=True)
+    watcher.start()
+    try:
+        report = run_demo(DemoOptions(scenario, speed, bound, tmp_path, quiet=True), stop=stop)
+    finally:
+        stop.set()
+        watcher.join(timeout=5)
     try:
         check(report)
     except AssertionError:
+        print(f"stopped early: {stop.is_set()} (bound {bound:g}s)")
         print("\n".join(f"{d['what']}: {d['reason']}" for d in report.decisions))
         print(
             "alerts fired:",
@@ -140,21 +101,3 @@ def test_scenario(tmp_path: Path, scenario, speed, duration, twin, policy, check
             report.requests,
         )
         raise
-
-
-def test_flags_step_back_up_after_a_stable_period(tmp_path: Path):
-    # prefill_burst's bursts are survived at rung 1; with a 12 s stable period the guardian
-    # steps back to the operator's baseline.
-    report = run_demo(
-        DemoOptions(
-            "prefill_burst",
-            4,
-            60,
-            tmp_path,
-            quiet=True,
-            policy={"stable_for_seconds": 12, "cooldown_seconds": 5},
-        )
-    )
-    assert any(d["what"] == "step_up" for d in report.decisions), [
-        d["reason"] for d in report.decisions
-    ]

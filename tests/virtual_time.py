@@ -76,8 +76,8 @@ from vllm_guardian.sim.engine import EnginePhase, RequestDelta
 from vllm_guardian.sim.exposition import HttpStats
 from vllm_guardian.sim.flags import FlagError, parse_serve_args
 from vllm_guardian.sim.gpu_state import Xid, build_state
-from vllm_guardian.sim.profiling import EngineConfig
 from vllm_guardian.sim.load import OutcomeKind, PlannedRequest, plan_requests
+from vllm_guardian.sim.profiling import EngineConfig
 from vllm_guardian.sim.scenarios import SCENARIOS
 from vllm_guardian.sim.server import ApiError, Lifecycle, Twin
 from vllm_guardian.sim.vllm_log import LogWriter
@@ -537,8 +537,8 @@ class VirtualWorld:
                     self._exited(code)
                 else:
                     self._write_gpu()
-            self._collect_outcomes()
             if k % every == 0:
+                self._collect_outcomes()  # the load's bookkeeping: no decision reads it
                 self.tick()
         return self.run
 
