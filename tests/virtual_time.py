@@ -17,8 +17,8 @@ What runs, in this process, on ONE fake clock (no sockets, no threads, no sleeps
 * the guardian's sources at their parsing boundary: the twin's exposition text through
   ``parse_vllm_metrics``, ``/health`` through ``classify_status``, the unit found by its port
   (the main pid, its command line), the twin's log lines through the log source's classifier
-  (``EventCounter``), the GPU through the twin's state-file writer and the NVML file backend's
-  reader (``parse_state_file``, stale after three intervals as in the daemon);
+  (``EventCounter``), the GPU through the state file's writer and reader (``gpu_state_format``:
+  ``build_state``, ``parse_state_file``, stale after three intervals as in the daemon);
 * each tick, the daemon's ``assemble`` and the pure ``core/step.step`` with the demo's config
   (``demo.demo_config``: its rules, policy and windows), and the effects applied: the bundle and
   flags calls answer on the next tick, the restart call when the old twin has exited.
@@ -58,6 +58,13 @@ from vllm_guardian.core import policy
 from vllm_guardian.core import step as core_step
 from vllm_guardian.daemon import assemble, history_span_seconds
 from vllm_guardian.demo import DemoOptions, demo_config
+from vllm_guardian.gpu_state_format import (
+    StateDevice,
+    StateFileError,
+    StateXid,
+    build_state,
+    parse_state_file,
+)
 from vllm_guardian.model import (
     Action,
     ActionResult,
@@ -75,7 +82,6 @@ from vllm_guardian.model import (
 from vllm_guardian.sim.engine import EnginePhase, RequestDelta
 from vllm_guardian.sim.exposition import HttpStats
 from vllm_guardian.sim.flags import FlagError, parse_serve_args
-from vllm_guardian.sim.gpu_state import Xid, build_state
 from vllm_guardian.sim.load import OutcomeKind, PlannedRequest, plan_requests
 from vllm_guardian.sim.profiling import EngineConfig
 from vllm_guardian.sim.scenarios import SCENARIOS
@@ -83,7 +89,7 @@ from vllm_guardian.sim.server import ApiError, Lifecycle, Twin
 from vllm_guardian.sim.vllm_log import LogWriter
 from vllm_guardian.sources.health import classify_status
 from vllm_guardian.sources.logs import EventCounter
-from vllm_guardian.sources.nvml import STALE_AFTER_INTERVALS, StateFileError, parse_state_file
+from vllm_guardian.sources.nvml import STALE_AFTER_INTERVALS
 from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
 
 T0 = 1_800_000_000.0
@@ -301,7 +307,7 @@ class VirtualWorld:
         self.kill_at: float | None = None
         self.results: list[OpResult] = []
         self.logs = EventCounter(self.cfg.sources.logs.recent_events)
-        self.xids: tuple[Xid, ...] = ()  # the GPU's error history outlives each twin
+        self.xids: tuple[StateXid, ...] = ()  # the GPU's error history outlives each twin
         self.gpu_doc: dict[str, Any] | None = None
         self.gpu_written_at = -1e18
         self.xids_written = 0
@@ -398,7 +404,7 @@ class VirtualWorld:
         self.xids_written = len(twin.engine.xid_events)
         self.xids = reading.xid_events
         if process_gone:
-            reading = type(reading)(
+            reading = StateDevice(
                 reading.total_bytes,
                 tuple(p for p in reading.processes if p.pid != twin.pid),
                 0.0,
