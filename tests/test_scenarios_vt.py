@@ -102,6 +102,18 @@ def check_neighbour(r: Run) -> None:
     assert float(util) in [e.gpu_memory_utilization for e in r.engines[1:]]
 
 
+def check_startup_overcommit(r: Run) -> None:
+    # Another process holds 10 GiB when vLLM starts: it exits 1 at start-up; a lower
+    # utilization lets the next one start (not covered by the real-process runs before).
+    relaunch = r.started("relaunch")
+    assert relaunch and relaunch[0].cause is Cause.GPU_MEMORY_OVERCOMMIT
+    util = float(dict(relaunch[0].flags)["--gpu-memory-utilization"])
+    assert util < BASELINE_GPU_MEMORY_UTILIZATION
+    assert result_of(r, relaunch[0].id) is True
+    assert [code for _, code in r.twin_exits] == [1]  # the first start only
+    assert r.engines[-1].gpu_memory_utilization == util
+
+
 def check_does_not_fit(r: Run) -> None:
     assert [a.kind for a in r.started()] == [ActionKind.ESCALATE]
     assert r.started()[0].cause is Cause.MODEL_DOES_NOT_FIT
@@ -138,6 +150,7 @@ CASES: list[tuple[Case, Callable[[Run], None]]] = [
     (Case("fragmentation_creep", "fragmentation_creep", 8, 35, FRAGMENTATION, COOL_5),
      check_fragmentation),
     (Case("noisy_neighbour", "noisy_neighbour", 8, 45), check_neighbour),
+    (Case("startup_overcommit", "startup_overcommit", 8, 15), check_startup_overcommit),
     (Case("prefix_cache_waste", "prefix_cache_waste", 8, 30), check_nothing),
     (Case("model_does_not_fit", "steady", 10, 25, SEVENTY_B_ON_ONE_CARD), check_does_not_fit),
     (Case("step_up", "prefill_burst", 4, 60, (), STABLE_12), check_step_up),
