@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import difflib
 import os
+import socket
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -204,6 +207,24 @@ def test_the_decision_log_matches_the_golden_file(
 def test_a_case_is_deterministic(tmp_path: Path) -> None:
     """The same case twice gives the same log: nothing in the harness reads a real clock or an
     unseeded random source (the twin's request ids are uuids; nothing may depend on them)."""
-    case = Case("prefill_burst", "prefill_burst", 4, 20)
-    first = run_case(case, tmp_path / "a").golden_text()
-    assert run_case(case, tmp_path / "b").golden_text() == first
+    case = Case("prefill_burst", "prefill_burst", 4, 30)
+    first = run_case(case, tmp_path / "a")
+    assert first.started("relaunch")  # an incident happened: there is something to compare
+    assert run_case(case, tmp_path / "b").golden_text() == first.golden_text()
+
+
+def test_a_case_touches_no_socket_thread_or_sleep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Virtual time means exactly that: a whole incident (an OOM, a relaunch, the restart)
+    runs without a socket, a thread or a sleep; any of them here fails the run."""
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the virtual-time harness must not block or do I/O")
+
+    monkeypatch.setattr(time, "sleep", forbidden)
+    monkeypatch.setattr(threading.Thread, "start", forbidden)
+    for method in ("connect", "bind", "connect_ex"):
+        monkeypatch.setattr(socket.socket, method, forbidden)
+    run = run_case(Case("prefill_burst", "prefill_burst", 4, 30), tmp_path)
+    assert run.started("relaunch") and run.results and run.results[0].ok
