@@ -18,6 +18,7 @@ file) keeps its smoke tests in ``test_heal_e2e.py``.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import socket
 import threading
@@ -30,6 +31,8 @@ import pytest
 from tests.virtual_time import Case, Run, run_case
 from vllm_guardian.core.policy import DecisionKind
 from vllm_guardian.model import ActionKind, Cause
+from vllm_guardian.recorder import FlightRecorder, read_records, snapshot_from_record, to_jsonable
+from vllm_guardian.replay import replay
 
 GOLDEN = Path(__file__).parent / "golden" / "scenarios"
 BASELINE_GPU_MEMORY_UTILIZATION = 0.92  # the twin's (and vLLM 0.32's) default
@@ -228,3 +231,35 @@ def test_a_case_touches_no_socket_thread_or_sleep(
         monkeypatch.setattr(socket.socket, method, forbidden)
     run = run_case(Case("prefill_burst", "prefill_burst", 4, 30), tmp_path)
     assert run.started("relaunch") and run.results and run.results[0].ok
+
+
+@pytest.mark.parametrize(("case", "check"), CASES, ids=IDS)
+def test_replay_of_the_recording_makes_the_same_decisions(
+    run_of: Callable[[Case], Run], case: Case, check: Callable[[Run], None], tmp_path: Path
+) -> None:
+    """The scenario's snapshots, through the flight recorder's file and ``replay`` with the same
+    config, give the decisions the run made, each at its tick: the daemon's step and replay's
+    are one, on real scenario data (every phase of every action, the blocking calls' recorded
+    results included)."""
+    run = run_of(case)
+    assert run.config is not None
+    recorder = FlightRecorder(tmp_path / "flight.jsonl", 256 * 1024 * 1024, 1)
+    for snap in run.snapshots:
+        assert recorder.write({"time": snap.time_seconds, "snapshot": snap, "decisions": []})
+    records = [r for r in read_records(tmp_path / "flight.jsonl") if isinstance(r, dict)]
+    assert len(records) == len(run.snapshots)
+    replayed = [
+        line.body
+        for line in replay([snapshot_from_record(r) for r in records], run.config)
+        if line.kind == "decision"
+    ]
+    live = [to_jsonable(d) for d in run.decisions]
+    assert replayed == live, "\n".join(
+        difflib.unified_diff(
+            [json.dumps(d, sort_keys=True) for d in live],
+            [json.dumps(d, sort_keys=True) for d in replayed],
+            "live",
+            "replayed",
+            lineterm="",
+        )
+    )

@@ -128,6 +128,8 @@ class Run:
     twin_starts: list[tuple[float, tuple[str, ...]]] = field(default_factory=list)  # (t, argv)
     twin_exits: list[tuple[float, int]] = field(default_factory=list)  # (t, status)
     engines: list[EngineConfig] = field(default_factory=list)  # each twin that parsed its flags
+    snapshots: list[Snapshot] = field(default_factory=list)  # every tick's, as recorded
+    config: Config | None = None
     ticks: int = 0
 
     def of(self, what: policy.DecisionKind) -> list[policy.Decision]:
@@ -298,7 +300,7 @@ class VirtualWorld:
         self.history: deque[Snapshot] = deque()
         self.span = history_span_seconds(self.cfg)
         self.clock = FakeClock(T0)
-        self.run = Run(case)
+        self.run = Run(case, config=self.cfg)
         self.flags: flagsfile.FlagsContent | None = None
         self.twin: VirtualTwin | None = None
         self.next_pid = FIRST_PID
@@ -504,6 +506,7 @@ class VirtualWorld:
         results, self.results = self.results, []
         snap = assemble(now, [SERVICE], readings, statuses, results)
         self.history.append(snap)
+        self.run.snapshots.append(snap)
         core_step.trim(self.history, self.span)
         self.state, fx = core_step.step(self.state, list(self.history), now, self.settings)
         t = round(now - T0, 3)
