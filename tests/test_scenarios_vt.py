@@ -3,13 +3,15 @@
 The twin's engine, the scenario's load, the guardian's parsers and its pure ``step``, and a
 process manager run on one fake clock (``tests/virtual_time.py``): the same experiment as
 ``run_demo`` with the same options, in about a second each instead of a minute of wall clock.
-Two checks per scenario:
+Three checks per scenario:
 
 * what ``test_heal_e2e.py`` asserted on the real processes, on typed decisions and actions
   (the lever, its cause, the flags or environment it wrote, the engine the twin then ran with);
 * the whole decision log (time, what, phase, cause, action kind, flags; alerts fired and
   resolved) against a golden file in ``tests/golden/scenarios/``: any change in when or how the
-  guardian acts shows up as a diff. Regenerate with ``UPDATE_GOLDEN=1`` and review the diff.
+  guardian acts shows up as a diff. Regenerate with ``UPDATE_GOLDEN=1`` and review the diff;
+* the run's snapshots, written by the flight recorder and replayed with the same config, give
+  exactly the run's decisions (the daemon's step and ``replay`` are one).
 
 The real-process path (HTTP, subprocesses, the process manager, the log file, the GPU state
 file) keeps its smoke tests in ``test_heal_e2e.py``.
