@@ -343,6 +343,7 @@ class VirtualWorld:
             self._exited(1)
             return f"started pid {pid}, which failed at once"
         self.twin.previous_xids = self.xids
+        self.xids_written = 0
         self.run.engines.append(self.twin.opts.engine)
         return f"restarted as pid {pid}"
 
@@ -375,7 +376,7 @@ class VirtualWorld:
             return
         self.restart_op = req
         self.twin.signal_received = signal.SIGTERM
-        self.kill_at = self.now + self.cfg.policy.drain_timeout_seconds + 30
+        self.kill_at = self.now + req.timeout_seconds  # then SIGKILL, as Supervisor._terminate
 
     def _apply(self, req: OpRequest) -> None:
         if req.op is Op.RESTART:
