@@ -555,3 +555,27 @@ class VirtualWorld:
 
 def run_case(case: Case, workdir: Path) -> Run:
     return VirtualWorld(case, workdir).go()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tests.virtual_time SCENARIO [--speed S] [--duration D]``: one case's
+    decisions with their reasons, for reading a golden diff."""
+    import argparse
+    import tempfile
+
+    ap = argparse.ArgumentParser(prog="python -m tests.virtual_time")
+    ap.add_argument("scenario", choices=sorted(SCENARIOS))
+    ap.add_argument("--speed", type=float, default=4.0)
+    ap.add_argument("--duration", type=float, default=45.0)
+    ap.add_argument("--policy", action="append", default=[], metavar="KEY=NUMBER")
+    ap.add_argument("twin_args", nargs="*", help="extra twin flags (after --)")
+    ns = ap.parse_args(argv)
+    policy_keys = tuple((k, float(v)) for k, v in (p.split("=", 1) for p in ns.policy))
+    case = Case(ns.scenario, ns.scenario, ns.speed, ns.duration, tuple(ns.twin_args), policy_keys)
+    with tempfile.TemporaryDirectory() as d:
+        print(run_case(case, Path(d)).explain())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
