@@ -11,9 +11,19 @@ from dataclasses import dataclass, replace
 import pytest
 
 from vllm_guardian.config import PolicyConfig
-from vllm_guardian.core import phases
+from vllm_guardian.core import phases, policy
 from vllm_guardian.core.phases import Phase
-from vllm_guardian.model import ActionKind, Cause, Op, OpResult
+from vllm_guardian.core.signals import ServiceSignals
+from vllm_guardian.model import (
+    ActionKind,
+    Cause,
+    GateObservation,
+    HealthState,
+    Op,
+    OpResult,
+    ServiceSnapshot,
+    Snapshot,
+)
 
 P = PolicyConfig(
     drain_timeout_seconds=30,
@@ -183,3 +193,24 @@ def test_a_guardian_restarted_mid_action_finds_it_again(
     assert adv.progress.phase is then and not adv.progress.orphaned
     assert {o.op for o in adv.ops} == ops
     assert adv.moves and "guardian restarted" in adv.moves[0].why
+
+
+SEEN = [
+    # the gate's observation, vLLM's running + waiting → what the drain waits on, and whose count
+    (GateObservation(True, in_flight=3, queued=9), 0.0, (3.0, "gate")),
+    (GateObservation(True, in_flight=0, queued=9), 5.0, (0.0, "gate")),  # queued ≠ in flight
+    (GateObservation(False, error="connection refused"), 4.0,
+     (4.0, "vllm (the gate did not answer)")),
+    (None, 4.0, (4.0, "vllm")),  # no gate configured
+    (None, None, (None, "")),  # nothing to count: nothing to wait for
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("gate", "vllm", "expected"), SEEN)
+def test_the_drain_counts_what_the_front_door_has_in_flight(
+    gate: GateObservation | None, vllm: float | None, expected: tuple[float | None, str]
+) -> None:
+    snap = Snapshot(50.0, (ServiceSnapshot("vllm", gate=gate),), None)
+    sig = ServiceSignals("vllm", HealthState.UP, True, True, True, requests_running=vllm)
+    s = policy.seen(snap, sig, "vllm")
+    assert (s.in_flight, s.in_flight_from) == expected

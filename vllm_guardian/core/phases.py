@@ -53,7 +53,9 @@ class Seen:
 
     time_seconds: float
     in_flight: float | None  # requests still being served (None: nothing to wait for / unknown)
-    in_flight_from: str  # "gate" (the front door's own count) | "vllm" (running + waiting) | ""
+    # "gate" (the front door's own count) | "vllm" (running + waiting; with why, when a
+    # configured gate did not answer) | "" (nothing to count)
+    in_flight_from: str
     health_up: bool | None
     listening: bool | None  # False: nothing answers on vLLM's port (exited, or starting)
     main_pid: int | None
@@ -268,7 +270,7 @@ def advance(
             if left is None or left <= 0:
                 took = now - a.phase_since
                 a = replace(a, notes=(*a.notes, f"drained in {took:.0f}s"))
-                restart(f"drained ({seen.in_flight_from or 'nothing'} in flight: 0)")
+                restart(f"drained (in flight per {seen.in_flight_from or 'nothing'}: 0)")
             elif now >= a.deadline:
                 a = replace(
                     a,
@@ -278,7 +280,9 @@ def advance(
                         "flight (vLLM's --shutdown-timeout takes over)",
                     ),
                 )
-                restart(f"drain deadline passed with {left:.0f} in flight")
+                restart(
+                    f"drain deadline passed with {left:.0f} in flight per {seen.in_flight_from}"
+                )
             else:
                 break
         elif phase is Phase.RESTARTING:
