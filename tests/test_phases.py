@@ -45,12 +45,16 @@ class T:
     gpu_pids: frozenset[int] | None = frozenset({10})
     done: tuple[tuple[Op, bool, bool], ...] = ()  # (call, ok, terminal)
     expect: Phase | str = ""  # the phase after the tick, or "ok"/"failed"/"terminal"
+    stalled: bool = False  # requests in the engine and not a token processed
+    dead: bool = False  # /health 503
     words: str = ""  # in the outcome's detail or the last move's reason
     finished: float | None = None  # when the calls finished (default: just before the scrape)
 
 
 def seen(x: T) -> phases.Seen:
-    return phases.Seen(x.t, x.in_flight, "gate", x.up, x.listening, x.pid, x.gpu_pids, True)
+    return phases.Seen(
+        x.t, x.in_flight, "gate", x.up, x.listening, x.pid, x.gpu_pids, True, x.stalled, x.dead
+    )
 
 
 BUNDLE_OK = ((Op.BUNDLE, True, False),)
@@ -77,6 +81,17 @@ CASES = [
     ("a late bundle does not hold the action", ActionKind.RESTART, [
         T(5, expect=Phase.PREPARING),
         T(21, expect=Phase.RESTARTING, words="front door closed"),
+    ]),
+    ("a hung engine is not drained: nothing in it can finish", ActionKind.RESTART, [
+        T(1, in_flight=7, stalled=True, done=BUNDLE_OK, expect=Phase.RESTARTING,
+          words="hung"),
+    ]),
+    ("a dead engine (503) is not drained either", ActionKind.RESTART, [
+        T(1, in_flight=7, up=False, dead=True, done=BUNDLE_OK, expect=Phase.RESTARTING,
+          words="not serving"),
+    ]),
+    ("a /health that times out under load is not a dead engine: drain", ActionKind.RESTART, [
+        T(1, in_flight=7, up=False, done=BUNDLE_OK, expect=Phase.DRAINING),
     ]),
     ("drain deadline: restart anyway, say how many were cut", ActionKind.RESTART, [
         T(1, in_flight=5, done=BUNDLE_OK, expect=Phase.DRAINING),

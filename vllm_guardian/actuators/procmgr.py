@@ -40,7 +40,10 @@ class Supervisor:
         restart_delay_seconds: float = 1.0,
         stop_timeout_seconds: float = 60.0,
         extra_env: Mapping[str, str] | None = None,
+        restart_on_clean_exit: bool = True,
     ) -> None:
+        """``restart_on_clean_exit=False`` is systemd's ``Restart=on-failure``: an exit with
+        status 0 (vLLM's after an engine death) ends supervision until ``start``/``restart``."""
         self.name = name
         self.command = tuple(command)
         self.flags_path = flags_path
@@ -48,7 +51,9 @@ class Supervisor:
         self.restart_delay_seconds = restart_delay_seconds
         self.stop_timeout_seconds = stop_timeout_seconds
         self.extra_env = dict(extra_env or {})
+        self.restart_on_clean_exit = restart_on_clean_exit
         self._lock = threading.Lock()
+        self._closed = False  # stop() was called: nothing is started again
         self._proc: subprocess.Popen[bytes] | None = None
         self._want_running = False
         self._thread: threading.Thread | None = None
@@ -72,6 +77,12 @@ class Supervisor:
             argv += content.argv
             env.update(dict(content.env))
         return argv, env
+
+    @property
+    def wants_running(self) -> bool:
+        """False once stopped, or after a clean exit under ``restart_on_clean_exit=False``."""
+        with self._lock:
+            return self._want_running
 
     @property
     def pid(self) -> int | None:
@@ -101,8 +112,18 @@ class Supervisor:
             if out is not subprocess.DEVNULL:
                 out.close()  # type: ignore[union-attr]
         with self._lock:
-            self._proc = proc
-            self.starts += 1
+            closed = self._closed
+            if not closed:
+                self._proc = proc
+                self.starts += 1
+        if closed:  # stop() came while this process was being started
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+            raise OSError("the guardian is stopping")
         log.info("%s: started pid %d: %s", self.name, proc.pid, " ".join(argv))
 
     def _loop(self) -> None:
@@ -129,6 +150,8 @@ class Supervisor:
                 if self._proc is proc:
                     self._proc = None
                     self.exits.append(code)
+                    if code == 0 and not self.restart_on_clean_exit:
+                        self._want_running = False
                 want = self._want_running
             if want:
                 log.warning(
@@ -170,6 +193,10 @@ class Supervisor:
             self._thread = None
         with self._lock:
             self._proc = None
+            if self._closed:
+                # stop() came while this restart drained the old process: starting a new one
+                # now would leave it running after the guardian is gone.
+                return False, False, "the guardian is stopping: not started again"
         try:
             self._spawn()
         except OSError as e:
@@ -179,6 +206,7 @@ class Supervisor:
 
     def stop(self, timeout_seconds: float = 30.0) -> None:
         with self._lock:
+            self._closed = True
             self._want_running = False
             proc = self._proc
         self._wake.set()

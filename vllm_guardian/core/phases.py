@@ -61,6 +61,8 @@ class Seen:
     main_pid: int | None
     gpu_pids: frozenset[int] | None  # pids holding memory on the GPUs (None: cannot tell)
     metrics_up: bool
+    stalled: bool = False  # requests in the engine and not one token processed: hung
+    engine_dead: bool = False  # /health answers 503 (a slow /health under load is not this)
 
 
 @dataclass(frozen=True)
@@ -267,7 +269,19 @@ def advance(
                 break
         elif phase is Phase.DRAINING:
             left = seen.in_flight
-            if left is None or left <= 0:
+            if seen.stalled or seen.engine_dead or seen.listening is False:
+                # A hung, dead or exited engine finishes nothing: waiting out the drain would
+                # only hold the front door closed longer (the requests in it fail either way).
+                why = (
+                    "hung (no token processed)"
+                    if seen.stalled
+                    else "not serving (/health 503)"
+                    if seen.engine_dead
+                    else "not serving (nothing listens)"
+                )
+                a = replace(a, notes=(*a.notes, f"not drained: the engine is {why}"))
+                restart(f"the engine is {why}: nothing in flight can finish")
+            elif left is None or left <= 0:
                 took = now - a.phase_since
                 a = replace(a, notes=(*a.notes, f"drained in {took:.0f}s"))
                 restart(f"drained (in flight per {seen.in_flight_from or 'nothing'}: 0)")

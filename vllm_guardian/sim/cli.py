@@ -19,6 +19,7 @@ from vllm_guardian.sim.flags import FlagError, parse_serve_args
 from vllm_guardian.sim.load import OutcomeKind, RequestOutcome, plan_requests, run_load
 from vllm_guardian.sim.scenarios import SCENARIOS
 from vllm_guardian.sim.server import Twin
+from vllm_guardian.sim.timeline import TimelineError
 from vllm_guardian.sim.vllm_log import LogWriter
 
 USAGE = "usage: python -m vllm_guardian.sim {serve,load} ..."
@@ -33,7 +34,12 @@ def serve(argv: Sequence[str]) -> int:
         log.raw("Traceback (most recent call last):")
         log.raw(f"ValueError: {exc}")
         return 1
-    return Twin(opts, log).run()
+    try:
+        twin = Twin(opts, log)
+    except TimelineError as exc:
+        print(f"serve: {exc}", file=sys.stderr)
+        return 2
+    return twin.run()
 
 
 def load(argv: Sequence[str]) -> int:
@@ -44,10 +50,24 @@ def load(argv: Sequence[str]) -> int:
     p.add_argument("--speed", type=float, default=1.0, help="the twin's --sim-speed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-requests", type=int, default=200)
-    p.add_argument("--max-duration-seconds", type=float, default=60.0)
+    p.add_argument(
+        "--max-duration-seconds",
+        type=float,
+        default=60.0,
+        help="the window in which requests are sent; each request sent then gets its whole "
+        "time bound (30 s) to finish",
+    )
     p.add_argument("--no-stream", action="store_true")
     p.add_argument("--outcomes", default=None, help="write one JSON line per request here")
+    p.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=64,
+        help="requests the client holds open at once; the rest wait client-side, unseen by vLLM",
+    )
     ns = p.parse_args(list(argv))
+    if ns.max_in_flight < 1:
+        p.error("--max-in-flight must be at least 1")
     profile = SCENARIOS[ns.scenario].load
     plan = plan_requests(profile, ns.seed, ns.max_requests, ns.max_duration_seconds * ns.speed)
     # Outcomes are written as requests finish (not at the end), so a watcher such as the demo
@@ -70,6 +90,7 @@ def load(argv: Sequence[str]) -> int:
                 speed=ns.speed,
                 stream=not ns.no_stream,
                 max_duration_seconds=ns.max_duration_seconds,
+                max_in_flight=ns.max_in_flight,
                 on_outcome=record,
             )
         except ValueError as exc:
