@@ -73,6 +73,14 @@ def check_hang(r: Run) -> None:
     assert result_of(r, restart[0].id) is True
 
 
+def check_hang_once(r: Run) -> None:
+    # The twin's processes share the run's timeline: the hang is a one-off at 30 s of the
+    # scenario's clock, so the restarted engine does not hang again and one restart heals it.
+    check_hang(r)
+    assert len(r.started()) == 1, r.explain()
+    assert len(r.twin_starts) == 2
+
+
 def check_xid(r: Run) -> None:
     assert [a.kind for a in r.started()] == [ActionKind.ESCALATE]
     assert r.started()[0].cause is Cause.GPU_HARDWARE_FAULT
@@ -82,14 +90,14 @@ def check_xid(r: Run) -> None:
 
 
 def check_kv(r: Run) -> None:
-    # Only what is stable while the capacity work changes the lever for this cause (issue 22:
-    # no relaunch by default): the front door closes, the pressure alert fires, and the
-    # guardian never mistakes it for a dead engine. The golden log pins the rest.
+    # KV thrash is a capacity problem (issue 22): the front door closes, the over-capacity alert
+    # fires, the guardian says why it does not act; no restart, no relaunch.
     assert r.of(DecisionKind.GATE)
-    assert r.of(DecisionKind.GATE)[0].cause in (Cause.CONCURRENCY_OVERCOMMIT, None)
-    assert {"VllmKvCacheSaturated", "VllmPreemptionRateHigh"} & set(r.alerts_fired)
-    assert not [a for a in r.started() if a.cause is Cause.ENGINE_DEAD]
-    assert all(a.cause is Cause.CONCURRENCY_OVERCOMMIT for a in r.started())
+    assert r.started() == [], [a.reason for a in r.started()]
+    assert any(d.cause is Cause.CONCURRENCY_OVERCOMMIT for d in r.of(DecisionKind.SUPPRESSED)), (
+        r.explain()
+    )
+    assert "VllmOverCapacity" in r.alerts_fired, r.alerts_fired
 
 
 def check_fragmentation(r: Run) -> None:
@@ -131,6 +139,7 @@ def check_does_not_fit(r: Run) -> None:
 
 def check_nothing(r: Run) -> None:
     assert r.started() == [], [a.reason for a in r.started()]
+    assert "VllmOverCapacity" not in r.alerts_fired
     assert not r.of(DecisionKind.GATE)
     assert r.requests["ok"] > 0
 
@@ -153,6 +162,7 @@ CASES: list[tuple[Case, Callable[[Run], None]]] = [
     (Case("prefill_burst", "prefill_burst", 4, 45), check_prefill),
     (Case("exit_zero_death", "exit_zero_death", 6, 40), check_exit_zero),
     (Case("engine_hang", "engine_hang", 6, 45), check_hang),
+    (Case("engine_hang_once", "engine_hang", 6, 45, timeline=True), check_hang_once),
     (Case("xid_fault", "xid_fault", 6, 35), check_xid),
     (Case("kv_thrash", "kv_thrash", 4, 45, (), COOL_8), check_kv),
     (Case("fragmentation_creep", "fragmentation_creep", 8, 35, FRAGMENTATION, COOL_5),
@@ -160,10 +170,17 @@ CASES: list[tuple[Case, Callable[[Run], None]]] = [
     (Case("noisy_neighbour", "noisy_neighbour", 8, 45), check_neighbour),
     (Case("startup_overcommit", "startup_overcommit", 8, 15), check_startup_overcommit),
     (Case("prefix_cache_waste", "prefix_cache_waste", 8, 30), check_nothing),
+    (Case("steady", "steady", 8, 40), check_nothing),  # a healthy control: no over-capacity
     (Case("model_does_not_fit", "steady", 10, 25, SEVENTY_B_ON_ONE_CARD), check_does_not_fit),
     (Case("step_up", "prefill_burst", 4, 60, (), STABLE_12), check_step_up),
 ]  # fmt: skip
 IDS = [c.name for c, _ in CASES]
+# Known defects these scenarios found, strict: the day one is fixed the test says so.
+KNOWN_DEFECTS = {
+    "engine_hang_once": "VllmEngineStalled keeps firing for 30 s (keep_firing_for) after the "
+    "restart that cured the hang; when the cooldown ends the policy restarts the healthy new "
+    "engine on that old evidence (reported by the vtime helper)",
+}
 _RUNS: dict[str, Run] = {}
 
 
@@ -181,8 +198,13 @@ def run_of(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Case], Run]:
 
 @pytest.mark.parametrize(("case", "check"), CASES, ids=IDS)
 def test_the_guardian_pulls_the_right_lever(
-    run_of: Callable[[Case], Run], case: Case, check: Callable[[Run], None]
+    run_of: Callable[[Case], Run],
+    case: Case,
+    check: Callable[[Run], None],
+    request: pytest.FixtureRequest,
 ) -> None:
+    if case.name in KNOWN_DEFECTS:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_DEFECTS[case.name]))
     run = run_of(case)
     try:
         check(run)

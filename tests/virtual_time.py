@@ -113,6 +113,9 @@ class Case:
     duration_seconds: float
     twin_args: tuple[str, ...] = ()
     policy: tuple[tuple[str, Any], ...] = ()
+    # True: the twin's processes share a timeline file (--sim-timeline-file), so the scenario's
+    # one-off faults keep their place on the run's clock across restarts (the demo does not).
+    timeline: bool = False
 
 
 @dataclass
@@ -224,6 +227,9 @@ class VirtualTwin(Twin):
         self.pid = pid
         self.started_at = clock.time()
         self.wall0 = self.started_at
+        if self.epoch is not None:  # the run's epoch (--sim-epoch, the timeline file): the
+            # scenario's zero on this engine's clock, as Twin.__init__ computes it from wall time
+            self.engine.scenario_zero = (self.epoch - self.started_at) * self.opts.speed
         self.http_stats = HttpStats(self.started_at)
         self.runtime_registry = CollectorRegistry()
         self.runtime_registry.register(_StartTime(self.started_at))
@@ -249,11 +255,14 @@ class VirtualTwin(Twin):
         """One pass of ``Twin.run``'s loop; the exit status once the process ends."""
         self.tick()
         e = self.engine
+        if len(e.faults) != self._faults_written:
+            self.write_timeline()
         if e.phase is EnginePhase.FAILED_STARTUP:
             return 1
         if self.lifecycle is Lifecycle.STARTING and e.phase is not EnginePhase.STARTING:
             self.lifecycle = Lifecycle.SERVING  # Twin._start_serving, minus the socket
             self.ready_wall = self.clock.time()
+            self.write_timeline()
         if self.signal_received is not None:
             code = self._shutdown()
             if code is not None:
@@ -279,7 +288,10 @@ class VirtualWorld:
             case.speed,
             case.duration_seconds,
             workdir,
-            extra_twin_args=case.twin_args,
+            extra_twin_args=(
+                *case.twin_args,
+                *(("--sim-timeline-file", str(workdir / "timeline.json")) if case.timeline else ()),
+            ),
             quiet=True,
             policy=dict(case.policy),
         )
