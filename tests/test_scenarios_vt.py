@@ -176,11 +176,7 @@ CASES: list[tuple[Case, Callable[[Run], None]]] = [
 ]  # fmt: skip
 IDS = [c.name for c, _ in CASES]
 # Known defects these scenarios found, strict: the day one is fixed the test says so.
-KNOWN_DEFECTS = {
-    "engine_hang_once": "VllmEngineStalled keeps firing for 30 s (keep_firing_for) after the "
-    "restart that cured the hang; when the cooldown ends the policy restarts the healthy new "
-    "engine on that old evidence (reported by the vtime helper)",
-}
+KNOWN_DEFECTS: dict[str, str] = {}
 _RUNS: dict[str, Run] = {}
 
 

@@ -461,7 +461,11 @@ def decide(
             [
                 a
                 for a in alerts
-                if a.service == name and not _instant(settings.rule_signals.get(a.name, ""))
+                if a.service == name
+                and not _instant(settings.rule_signals.get(a.name, ""))
+                # An alert held firing (keep_firing_for) whose condition was last true before
+                # our last action made vLLM ready again describes the instance we replaced.
+                and not (s.ready_since is not None and a.last_true_seconds < s.ready_since)
             ],
             settings.rule_signals,
         )
