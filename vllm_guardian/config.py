@@ -40,7 +40,8 @@ def _bounds(
 # --- checks for single values ----------------------------------------------------------------
 
 _SERVICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-_UNIT_NAME = re.compile(r"^[A-Za-z0-9:_.@\\-]+\.(service|scope)$")
+# Not starting with '-': systemctl and journalctl would read such a name as an option.
+_UNIT_NAME = re.compile(r"^[A-Za-z0-9:_.@\\][A-Za-z0-9:_.@\\-]*\.(service|scope)$")
 
 
 def _check_service_name(v: str) -> str | None:
@@ -50,7 +51,10 @@ def _check_service_name(v: str) -> str | None:
 
 
 def _check_url(v: str) -> str | None:
-    parts = urlsplit(v)
+    try:
+        parts = urlsplit(v)
+    except ValueError as e:  # "http://[::1:8000": an unclosed IPv6 bracket
+        return f"is not a URL ({e})"
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return "must be an http:// or https:// base URL with a host, e.g. http://127.0.0.1:8000"
     if parts.query or parts.fragment:
@@ -63,8 +67,18 @@ def _check_url(v: str) -> str | None:
 
 
 def _check_unit(v: str) -> str | None:
+    if v.startswith("-"):
+        return "must not start with '-' (systemctl would read it as an option)"
     if not _UNIT_NAME.match(v):
         return "must be a systemd unit name ending in .service, e.g. vllm.service"
+    return None
+
+
+def _check_path(v: str) -> str | None:
+    if not v.strip():
+        return "must not be empty"
+    if "\0" in v:
+        return "must not contain a NUL character"
     return None
 
 
@@ -238,7 +252,9 @@ class AllocatorSourceConfig:
     # Where the plugin writes: the vLLM drop-in sets VLLM_GUARDIAN_ALLOCATOR_DIR to
     # <directory>/<service> (a RuntimeDirectory= of the vLLM unit, so vLLM's user can write it
     # and it is emptied when vLLM stops). Files here and one directory level down are read.
-    directory: str = "/run/vllm-guardian-allocator"
+    directory: str = field(
+        default="/run/vllm-guardian-allocator", metadata=_bounds(check=_check_path)
+    )
     # The plugin writes every 5 s; a file untouched for six intervals belongs to a process that
     # stopped publishing (hung or gone), and its numbers no longer describe the allocator.
     stale_seconds: float = field(default=30.0, metadata=_bounds(1, 3600))
@@ -285,7 +301,9 @@ class SignalsConfig:
 @dataclass(frozen=True)
 class RecorderConfig:
     # One JSON line per tick; None disables the flight recorder.
-    path: str | None = "/var/lib/vllm-guardian/flight.jsonl"
+    path: str | None = field(
+        default="/var/lib/vllm-guardian/flight.jsonl", metadata=_bounds(check=_check_path)
+    )
     # 64 MiB holds hours of ticks at 2 s for one service; old files rotate out.
     max_bytes: int = field(default=64 * _MIB, metadata=_bounds(64 * 1024, 64 * 1024 * _MIB))
     # Rotated files kept beside the live one.
@@ -293,7 +311,10 @@ class RecorderConfig:
 
 
 def _check_http_url(v: str) -> str | None:
-    parts = urlsplit(v)
+    try:
+        parts = urlsplit(v)
+    except ValueError as e:
+        return f"is not a URL ({e})"
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return "must be an http:// or https:// URL"
     return None
@@ -411,9 +432,9 @@ class Config:
     # /metrics, /healthz, /ready/<service>. Loopback: the exporter is not a public endpoint.
     listen: str = field(default="127.0.0.1:9469", metadata=_bounds(check=_check_listen))
     # Where the control socket lives (systemd RuntimeDirectory=).
-    runtime_dir: str = "/run/vllm-guardian"
+    runtime_dir: str = field(default="/run/vllm-guardian", metadata=_bounds(check=_check_path))
     # Where persistent state lives (systemd StateDirectory=).
-    state_dir: str = "/var/lib/vllm-guardian"
+    state_dir: str = field(default="/var/lib/vllm-guardian", metadata=_bounds(check=_check_path))
     sources: SourcesConfig = field(default_factory=SourcesConfig)
     signals: SignalsConfig = field(default_factory=SignalsConfig)
     recorder: RecorderConfig = field(default_factory=RecorderConfig)
@@ -466,7 +487,10 @@ def parse_bytes(text: str) -> int:
     m = _SIZE.match(text)
     if not m:
         raise ValueError(f"{text!r} is not a size (e.g. 512MiB, 2GiB, 1048576)")
-    return int(float(m.group(1)) * _SIZE_FACTORS[m.group(2)])
+    value = float(m.group(1)) * _SIZE_FACTORS[m.group(2)]
+    if not math.isfinite(value) or value > 2**63:
+        raise ValueError(f"{text!r} is too large")
+    return int(value)
 
 
 class _Loader:
@@ -568,8 +592,19 @@ class _Loader:
         if not isinstance(node, yaml.ScalarNode):
             self.err(path, node, f"expected {_type_name(tp)}, got {_describe(node)}")
             return _INVALID
-        raw: Any = yaml.constructor.SafeConstructor().construct_object(node)
+        try:
+            raw: Any = yaml.constructor.SafeConstructor().construct_object(node)
+        except Exception as e:  # PyYAML's constructors raise all sorts
+            # An explicit tag the value does not fit (``!!int abc``, ``!!timestamp x``,
+            # ``!!binary`` junk) or one the safe loader does not know (``!!python/...``).
+            tag = node.tag.removeprefix("tag:yaml.org,2002:")
+            why = getattr(e, "problem", None) or str(e)
+            self.err(path, node, f"{node.value!r} is not a valid {tag} ({why})")
+            return _INVALID
         value: Any
+        if isinstance(raw, int) and not isinstance(raw, bool) and abs(raw) > 2**63:
+            self.err(path, node, f"{node.value[:20]!r}… is too large")
+            return _INVALID
         if tp is bool:
             if not isinstance(raw, bool):
                 self.err(path, node, f"expected true or false, got {node.value!r}")
@@ -751,7 +786,26 @@ def _find(root: yaml.Node, key: str, index: int) -> yaml.Node | None:
 
 
 def parse_config(text: str, filename: str = "<config>") -> Config:
-    """Validate YAML text into a Config, or raise ConfigInvalid with every problem found."""
+    """Validate YAML text into a Config, or raise ConfigInvalid with every problem found.
+
+    Nothing else escapes: a shape no check foresaw (nesting deeper than Python's recursion
+    limit, a value a check cannot handle) is still a ConfigInvalid, never a traceback.
+    """
+    try:
+        return _parse_config(text, filename)
+    except ConfigInvalid:
+        raise
+    except RecursionError:
+        raise ConfigInvalid(
+            filename, [ConfigError("", None, "nested too deeply to be a guardian config")]
+        ) from None
+    except Exception as e:  # reported with its reason; check-config exits 2
+        raise ConfigInvalid(
+            filename, [ConfigError("", None, f"cannot be validated: {type(e).__name__}: {e}")]
+        ) from None
+
+
+def _parse_config(text: str, filename: str) -> Config:
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
