@@ -271,3 +271,34 @@ def test_each_cap_is_reported_when_hit(
     _tar_of(BUNDLES / "concurrency_overcommit", archive, [])
     b = read_bundle(archive)
     assert any(why in p for p in b.problems), b.problems
+
+
+def test_the_daemons_ticks_give_the_exhaustion_forecast(tmp_path: Path) -> None:
+    """Live mode reads the daemon's recent ticks: a neighbour growing shows as a forecast."""
+    from vllm_guardian.recorder import to_jsonable
+
+    unit = UnitState("vllm.service", "active", "running", "success", 4242, 1, 0, None, None,
+                     ("vllm", "serve", "m"), (4242,))  # fmt: skip
+
+    def tick(t: float) -> Snapshot:
+        other = int((1 + 0.05 * t) * 2**30)
+        procs = (GpuProcess(4242, 66 * 2**30), GpuProcess(777, other, "python3", "/user.slice"))
+        free = 80 * 2**30 - 66 * 2**30 - other
+        dev = GpuDevice(0, "GPU-0", "H100", 80 * 2**30, 80 * 2**30 - free, free, processes=procs)
+        return Snapshot(
+            1795306000.0 + t,
+            (ServiceSnapshot("vllm", health=HealthProbe(HealthState.UP, 200, 0.01), unit=unit),),
+            GpuReading((dev,)),
+        )
+
+    flight = tuple({"snapshot": to_jsonable(tick(float(t)))} for t in range(0, 122, 2))
+    b = bundle_mod.Bundle(origin="test", flight=flight, created_seconds=1795306125.0)
+    report = analyze(b, "live")
+    assert report.signals["headroom_exhaustion_cause"] == "gpu_memory_overcommit"
+    assert 100 < report.signals["headroom_exhaustion_seconds"] < 180
+    assert "FORECAST (GPU memory exhaustion)" in render_text(report)
+    # Without the daemon's ticks there is no series, hence no forecast.
+    assert (
+        analyze(bundle_mod.Bundle(origin="test"), "live").signals["headroom_exhaustion_seconds"]
+        is None
+    )

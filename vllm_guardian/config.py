@@ -148,7 +148,10 @@ class GateConfig:
     # Retry-After on the gate's own 503 and 429.
     retry_after_seconds: int = field(default=2, metadata=_bounds(0, 3600))
     # KV-need admission: admit only what fits in the free KV pool, keeping this share free.
-    kv_admission: bool = True
+    # Off by default: a need of prompt + max_tokens reserved up front held a thrashing twin's
+    # pool at 38 % and served 240 requests where the guardian's own KV watermark gate (which
+    # the gate follows anyway) served 363 (`vllm-guardian demo --scenario kv_thrash`, 75 s).
+    kv_admission: bool = False
     kv_reserve_ratio: float = field(default=0.05, metadata=_bounds(0, 0.99))
     # Output tokens assumed for a request without max_tokens.
     default_output_tokens: int = field(default=256, metadata=_bounds(1, 10**7))
@@ -296,6 +299,17 @@ class SignalsConfig:
     # The over-capacity estimate (core/capacity.py) reads this long: many finished requests and
     # several of vLLM's stat updates; a saturation shorter than this gives no number.
     capacity_window_seconds: float = field(default=120.0, metadata=_bounds(10, 3600))
+    # The exhaustion forecast (core/forecast.py): free-memory floors per interval over the
+    # window. 5 min of history holds 30 floors: enough for a robust trend, short enough that a
+    # trend that began a minute ago dominates it.
+    forecast_window_seconds: float = field(default=300.0, metadata=_bounds(1, 86400))
+    # One floor per 10 s: five 2 s ticks, so one step's activations never make the floor alone.
+    forecast_interval_seconds: float = field(default=10.0, metadata=_bounds(0.05, 3600))
+    # Nothing is forecast before 5 floors spanning 40 s: a trend, not a burst.
+    forecast_min_intervals: int = field(default=5, metadata=_bounds(3, 10000))
+    forecast_min_span_seconds: float = field(default=40.0, metadata=_bounds(0.1, 86400))
+    # A reading missing this long breaks the series; an older newest reading is stale.
+    forecast_max_gap_seconds: float = field(default=30.0, metadata=_bounds(0.1, 86400))
 
 
 @dataclass(frozen=True)
@@ -416,6 +430,15 @@ class PolicyConfig:
     max_num_batched_tokens_floor: int = field(default=2048, metadata=_bounds(16, 10**7))
     gpu_memory_utilization_step_ratio: float = field(default=0.05, metadata=_bounds(0.01, 0.5))
     gpu_memory_utilization_floor_ratio: float = field(default=0.70, metadata=_bounds(0.1, 0.99))
+    # Pre-emptive action (policy.preemptive_action): act on an exhaustion forecast whose bound
+    # (the latest the card is expected to run out) is within this horizon and names a cause.
+    # 10 min: a drain plus a model reload fit in it, and a trend that far out is still sharp.
+    forecast_horizon_seconds: float = field(default=600.0, metadata=_bounds(0, 86400))
+    # A quiet moment for the pre-emptive drain: the queue empty and at most this many running.
+    preemptive_quiet_running: int = field(default=2, metadata=_bounds(0, 100000))
+    # A growing neighbour earns a relaunch with a lower --gpu-memory-utilization only after its
+    # forecast has stood this long (a short-lived job is gated around, not restarted for).
+    neighbour_persist_seconds: float = field(default=60.0, metadata=_bounds(0, 86400))
     # The incident bundle captured before a disruptive action must not delay it for longer.
     bundle_timeout_seconds: float = field(default=20.0, metadata=_bounds(1, 600))
     # KV thrash: gate and alert only unless enabled here (issue 22, DESIGN.md §2 "Measured").

@@ -113,6 +113,7 @@ def history_span_seconds(cfg: Config) -> float:
         s.slope_window_seconds,
         2 * s.stall_seconds,
         s.capacity_window_seconds,
+        s.forecast_window_seconds,
     ) + (2 * cfg.interval_seconds)
 
 

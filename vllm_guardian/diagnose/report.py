@@ -239,6 +239,10 @@ def render_text(r: Report, verbose: bool = False) -> str:
             f"preempt/s {_num(s.get('preemptions_per_second'), '{:.2f}')}  "
             f"tok/s {_num(s.get('generation_tokens_per_second'), '{:.0f}')}"
         )
+    if s.get("headroom_exhaustion"):
+        out.append("FORECAST (GPU memory exhaustion)")
+        for line in s["headroom_exhaustion"]:
+            out += _wrap(str(line), "    ", "  ")
     if r.problems:
         out.append("PROBLEMS (partial report)")
         for p in map(redact_text, r.problems if verbose else r.problems[:5]):
