@@ -309,6 +309,36 @@ class PolicyConfig:
     bundle_timeout_seconds: float = field(default=20.0, metadata=_bounds(1, 600))
 
 
+def _check_permit(v: str) -> str | None:
+    return None if v in ("none", "lease") else "must be 'none' or 'lease'"
+
+
+_K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def _check_k8s_name(v: str | None) -> str | None:
+    if v is None or _K8S_NAME.match(v):
+        return None
+    return "must be a Kubernetes name: lowercase letters, digits and '-', at most 63"
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    # One disruption budget across replicas (README "Run on Kubernetes"): "none" (one host:
+    # every replica acts alone) or "lease" (a voluntary action first takes one of N Lease
+    # permits, N and disruptionsAllowed from the PodDisruptionBudget). Only "lease" imports the
+    # Kubernetes adapter (the `k8s` extra).
+    permit: str = field(default="none", metadata=_bounds(check=_check_permit))
+    # The model's name: the Leases are vllm-guardian-<model>-<k>.
+    model: str | None = field(default=None, metadata=_bounds(check=_check_k8s_name))
+    # The PodDisruptionBudget whose status gates voluntary actions.
+    pdb: str | None = field(default=None, metadata=_bounds(check=_check_k8s_name))
+    # A dead holder frees its permit after this: longer than one action (drain + load).
+    lease_ttl_seconds: float = field(default=900.0, metadata=_bounds(30, 86400))
+    # A voluntary action waits this long for a permit, then gives up (audited) until next due.
+    wait_timeout_seconds: float = field(default=1800.0, metadata=_bounds(0, 86400))
+
+
 @dataclass(frozen=True)
 class Config:
     services: tuple[ServiceConfig, ...] = field(default=(), metadata=_bounds(1, 64))
@@ -325,6 +355,7 @@ class Config:
     recorder: RecorderConfig = field(default_factory=RecorderConfig)
     alerting: AlertingConfig = field(default_factory=AlertingConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    fleet: FleetConfig = field(default_factory=FleetConfig)
 
     @property
     def listen_address(self) -> tuple[str, int]:
@@ -570,6 +601,12 @@ def _cross_checks(cfg: Config, root: yaml.Node, loader: _Loader) -> None:
                     f"services[{i}].command",
                     _find(root, "services", i),
                     "required with policy.backend: process",
+                )
+    if cfg.fleet.permit == "lease":
+        for key in ("model", "pdb"):
+            if getattr(cfg.fleet, key) is None:
+                loader.err(
+                    f"fleet.{key}", _find_key(root, "fleet"), "required with fleet.permit: lease"
                 )
     names = [s.name for s in cfg.services]
     for i, s in enumerate(cfg.services):
