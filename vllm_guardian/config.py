@@ -603,11 +603,11 @@ def _cross_checks(cfg: Config, root: yaml.Node, loader: _Loader) -> None:
                     "required with policy.backend: process",
                 )
     if cfg.fleet.permit == "lease":
+        fleet = _find_key(root, "fleet")
         for key in ("model", "pdb"):
-            if getattr(cfg.fleet, key) is None:
-                loader.err(
-                    f"fleet.{key}", _find_key(root, "fleet"), "required with fleet.permit: lease"
-                )
+            # Absent, not merely invalid: an invalid value has its own error already.
+            if getattr(cfg.fleet, key) is None and _find_key(fleet, key) is None:
+                loader.err(f"fleet.{key}", fleet, "required with fleet.permit: lease")
     names = [s.name for s in cfg.services]
     for i, s in enumerate(cfg.services):
         if names.count(s.name) > 1 and names.index(s.name) != i:
@@ -624,7 +624,7 @@ def _cross_checks(cfg: Config, root: yaml.Node, loader: _Loader) -> None:
             )
 
 
-def _find_key(root: yaml.Node, key: str) -> yaml.Node | None:
+def _find_key(root: yaml.Node | None, key: str) -> yaml.Node | None:
     if isinstance(root, yaml.MappingNode):
         for k, v in root.value:
             if k.value == key:
