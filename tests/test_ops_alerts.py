@@ -100,7 +100,7 @@ PROMQL_WORDS = {
     "min_over_time", "avg_over_time", "le", "instance", "job", "model_name", "service", "host",
     "gpu", "xid", "source", "action", "dry_run", "engine", "irate", "clamp_min", "topk",
     "sort_desc", "absent", "vector", "scalar", "changes", "resets", "quantile", "lever",
-    "severity", "result", "alertstate", "reason",
+    "severity", "result", "alertstate", "reason", "model", "kind",
 }  # fmt: skip
 
 
