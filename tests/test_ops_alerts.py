@@ -45,6 +45,7 @@ PENDING_METRICS = {
     "vllm_guardian_actions_total",
     "vllm_guardian_restart_budget_remaining",
     "vllm_guardian_paused",
+    "vllm_guardian_action_in_flight",
 }
 
 
@@ -100,7 +101,7 @@ PROMQL_WORDS = {
     "min_over_time", "avg_over_time", "le", "instance", "job", "model_name", "service", "host",
     "gpu", "xid", "source", "action", "dry_run", "engine", "irate", "clamp_min", "topk",
     "sort_desc", "absent", "vector", "scalar", "changes", "resets", "quantile", "lever",
-    "severity", "result", "alertstate", "reason", "model", "kind",
+    "severity", "result", "alertstate", "reason", "model", "kind", "pod", "alertname",
 }  # fmt: skip
 
 
