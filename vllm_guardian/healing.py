@@ -40,6 +40,7 @@ from vllm_guardian.actuators.procmgr import Supervisor
 from vllm_guardian.actuators.systemd import SystemdBackend
 from vllm_guardian.clock import Clock
 from vllm_guardian.config import Config
+from vllm_guardian.container import container_mode, pod_identity
 from vllm_guardian.core import alerting, policy
 from vllm_guardian.core import step as core_step
 from vllm_guardian.core.signals import Signals
@@ -128,7 +129,7 @@ class Healing:
         self.dispatcher = dispatcher or AlertDispatcher(cfg.alerting, clock)
         state_dir = Path(cfg.state_dir)
         self.state_path = state_dir / "policy-state.json"
-        self.audit = AuditLog(state_dir / "audit.jsonl")
+        self.audit = AuditLog(state_dir / "audit.jsonl", identity=pod_identity(os.environ))
         names = [s.name for s in cfg.services]
         self.tick_state = core_step.initial(names, load_state(self.state_path))
         self.supervisors: dict[str, Supervisor] = {}
@@ -185,6 +186,7 @@ class Healing:
                     Path(self.cfg.state_dir) / f"{svc.name}.env",
                     log_path,
                     stop_timeout_seconds=self.cfg.policy.drain_timeout_seconds + 30,
+                    tee_stdout=container_mode(os.environ),
                 )
                 self.supervisors[svc.name] = sup
                 out[svc.name] = sup

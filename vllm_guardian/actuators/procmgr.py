@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -40,6 +41,7 @@ class Supervisor:
         restart_delay_seconds: float = 1.0,
         stop_timeout_seconds: float = 60.0,
         extra_env: Mapping[str, str] | None = None,
+        tee_stdout: bool = False,
     ) -> None:
         self.name = name
         self.command = tuple(command)
@@ -48,6 +50,8 @@ class Supervisor:
         self.restart_delay_seconds = restart_delay_seconds
         self.stop_timeout_seconds = stop_timeout_seconds
         self.extra_env = dict(extra_env or {})
+        # Container mode: the child's output also goes to our stdout (`kubectl logs`).
+        self.tee_stdout = tee_stdout
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._want_running = False
@@ -92,18 +96,58 @@ class Supervisor:
 
     def _spawn(self) -> None:
         argv, env = self.argv_and_env()
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        try:
+        if self.tee_stdout:
             proc = subprocess.Popen(
-                argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                argv,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
-        finally:
-            if out is not subprocess.DEVNULL:
-                out.close()  # type: ignore[union-attr]
+            threading.Thread(
+                target=self._tee, args=(proc,), name=f"tee-{self.name}", daemon=True
+            ).start()
+        else:
+            out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+            try:
+                proc = subprocess.Popen(
+                    argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            finally:
+                if out is not subprocess.DEVNULL:
+                    out.close()  # type: ignore[union-attr]
         with self._lock:
             self._proc = proc
             self.starts += 1
         log.info("%s: started pid %d: %s", self.name, proc.pid, " ".join(argv))
+
+    def _tee(self, proc: subprocess.Popen[bytes]) -> None:
+        """Copy the child's output to the log file and to our stdout until it closes. A write
+        error on either side drops that side, never the child's output pipe (it would block)."""
+        assert proc.stdout is not None
+        log_file = None
+        if self.log_path is not None:
+            try:
+                log_file = open(self.log_path, "ab")  # noqa: SIM115
+            except OSError as e:
+                log.error("%s: cannot open %s: %s", self.name, self.log_path, e)
+        stdout = getattr(sys.stdout, "buffer", None)
+        fd = proc.stdout.fileno()
+        with proc.stdout:
+            for chunk in iter(lambda: os.read(fd, 65536), b""):
+                for sink in (log_file, stdout):
+                    if sink is None:
+                        continue
+                    try:
+                        sink.write(chunk)
+                        sink.flush()
+                    except (OSError, ValueError):
+                        if sink is log_file:
+                            log_file = None
+                        else:
+                            stdout = None
+        if log_file is not None:
+            log_file.close()
 
     def _loop(self) -> None:
         while True:
