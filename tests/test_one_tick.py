@@ -59,6 +59,7 @@ class World:
         self.logs: tuple[LogEvent, ...] = ()
         self.restarts: list[float] = []
         self.clock: FakeClock | None = None
+        self.metrics = "metrics-idle.prom"
 
     def restart(self, timeout_seconds: float) -> tuple[bool, bool, str]:
         assert self.clock is not None
@@ -87,7 +88,7 @@ class Src:
             return Reading(self.kind, "vllm", LogReading((), recent, 0))
         if not w.up:
             return Reading(self.kind, "vllm", None, "connection refused")
-        return Reading(self.kind, "vllm", parse_vllm_metrics(read_fixture("metrics-idle.prom")))
+        return Reading(self.kind, "vllm", parse_vllm_metrics(read_fixture(w.metrics)))
 
     def close(self) -> None:
         pass
@@ -148,3 +149,51 @@ def test_replay_of_the_daemons_recording_makes_the_same_decisions_phase_by_phase
     assert "relaunch succeeded" in result["reason"], result
     assert "--max-num-batched-tokens" in result["reason"]
     assert len(world.restarts) == 1
+
+
+def test_a_guardian_killed_mid_action_finds_the_action_again(tmp_path: Path) -> None:
+    """kill -9 during a drain: the action was saved with the policy state when it started, so
+    the next guardian (a new process: here a new Guardian over the same state directory) goes
+    on with it, the same action, once against the budget, instead of deciding it again."""
+    cfg = parse_config(CONFIG.format(d=tmp_path))
+    clock = FakeClock()
+    world = World()
+    world.clock = clock
+    world.metrics = "metrics-pressure-07.prom"  # 5 running, 27 waiting: the drain must wait
+    kinds = (SourceKind.VLLM_METRICS, SourceKind.HEALTH, SourceKind.UNIT, SourceKind.LOGS)
+
+    def guardian() -> Guardian:
+        g = Guardian(cfg, clock=clock, collectors=[Src(k, world) for k in kinds], healing=False)
+        g.healing = Healing(cfg, clock, g.history, backends={"vllm": world})
+        return g
+
+    first = guardian()
+    first.tick()
+    reply = first.healing.control("restart", "vllm", who="test")  # type: ignore[union-attr]
+    assert reply["ok"], reply
+    for _ in range(3):
+        clock.advance(2)
+        first.tick()
+        first.healing.runner.join(30)  # type: ignore[union-attr]
+    phase = first.healing.state.service("vllm").action  # type: ignore[union-attr]
+    assert phase is not None and phase.phase.value == "draining", phase
+    # kill -9: no close(), no save beyond what each tick saved.
+    clock.advance(2)
+    second = guardian()
+    world.metrics = "metrics-idle.prom"  # the requests finish meanwhile
+    for _ in range(10):
+        second.tick()
+        second.healing.runner.join(30)  # type: ignore[union-attr]
+        clock.advance(2)
+    second.close()
+    audit = [json.loads(x) for x in (tmp_path / "state" / "audit.jsonl").read_text().splitlines()]
+    started = [d for d in audit if d["what"] == "action"]
+    assert [d["action_id"] for d in started] == [reply["action_id"]], started
+    assert any(
+        d["what"] == "phase" and "guardian restarted during draining" in d["reason"] for d in audit
+    ), audit
+    result = [d for d in audit if d["what"] == "result"]
+    assert len(result) == 1 and "restart succeeded" in result[0]["reason"], result
+    assert len(world.restarts) == 1
+    state = second.healing.state.service("vllm")  # type: ignore[union-attr]
+    assert len(state.restarts) == 1 and state.action is None

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -586,7 +587,14 @@ class Children:
         self.procs.append(p)
         self.groups.append(p.pid)
         assert p.stdout is not None
-        return p.pid, int(p.stdout.readline())
+        pid = int(p.stdout.readline())
+        # The forked shell becomes `sleep` only once it has exec'd: wait for that, not a while.
+        comm = Path(f"/proc/{pid}/comm")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and comm.read_text().strip() != "sleep":
+            time.sleep(0.01)
+        assert comm.read_text().strip() == "sleep", f"pid {pid} is {comm.read_text()!r} after 60 s"
+        return p.pid, pid
 
     def stop(self) -> None:
         for pgid in self.groups:

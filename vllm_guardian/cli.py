@@ -149,6 +149,13 @@ def render_status(st: dict[str, Any]) -> str:
             )
         )
         lines.append(f"policy {name}: {state}{' (dry-run)' if st.get('dry_run') else ''}")
+        action = svc.get("action")
+        if action:
+            lines.append(
+                f"  action {action['action_id']} ({action['kind']}) in {action['phase']} for "
+                f"{now - action['phase_since']:.0f}s, deadline in {action['deadline'] - now:.0f}s"
+                + (f", asked by {action['operator']}" if action.get("operator") else "")
+            )
         lines.append(
             f"  /ready: {'200' if gate.get('ready', True) else '503'} ({gate.get('reason', '?')})  flags: {rungs}"
         )

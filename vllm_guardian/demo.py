@@ -232,7 +232,7 @@ def render(g: Guardian, opts: DemoOptions, elapsed: float, workdir: Path) -> lis
         lines.append(
             f"Guard  /ready {'200' if gate and gate.ready else '503'} ({gate.reason if gate else '?'})"
             f"  flags: {flags}  breaker: {'LATCHED' if s.breaker_latched else 'ok'}"
-            + ("  ACTION RUNNING" if s.in_flight is not None else "")
+            + (f"  ACTION: {s.action.kind.value} {s.action.phase.value}" if s.action else "")
         )
         firing = [
             f"{a.name}[{a.state.value}]" for a in view.alerts if a.state is not AlertState.INACTIVE

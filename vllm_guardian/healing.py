@@ -24,7 +24,6 @@ import collections
 import json
 import logging
 import os
-import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -38,6 +37,7 @@ from vllm_guardian.actuators.bundle import BundleWriter
 from vllm_guardian.actuators.executor import OpRunner, RestartBackend
 from vllm_guardian.actuators.procmgr import Supervisor
 from vllm_guardian.actuators.systemd import SystemdBackend
+from vllm_guardian.atomicfile import write_atomic
 from vllm_guardian.clock import Clock
 from vllm_guardian.config import Config
 from vllm_guardian.container import container_mode, pod_identity
@@ -98,19 +98,8 @@ def load_state(path: Path) -> policy.PolicyState | None:
 
 
 def save_state(path: Path, state: policy.PolicyState) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(
-                {"format": STATE_FORMAT, "state": to_jsonable(state)}, fh, separators=(",", ":")
-            )
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    body = {"format": STATE_FORMAT, "state": to_jsonable(state)}
+    write_atomic(path, json.dumps(body, separators=(",", ":")).encode(), 0o600)
 
 
 class Healing:

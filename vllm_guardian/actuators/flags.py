@@ -12,12 +12,12 @@ whitespace and nothing here goes through a shell. The write is atomic (temp file
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from vllm_guardian.atomicfile import write_atomic
 
 ARGS_VARIABLE = "VLLM_GUARDIAN_ARGS"
 
@@ -144,18 +144,7 @@ def path_for(state_dir: str | Path, service: str) -> Path:
 
 def write(path: Path, content: FlagsContent) -> None:
     """Atomically replace the flags file (0644: the vLLM unit's user must read it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(render(content))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, render(content).encode(), 0o644)
 
 
 def read(path: Path) -> FlagsContent | None:

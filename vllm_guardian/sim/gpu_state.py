@@ -9,10 +9,11 @@ XID events already in an existing file are kept: a GPU's error history outlives 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from vllm_guardian.atomicfile import write_atomic
 
 FORMAT_VERSION = 1
 # Idle and full-load figures of an H100 SXM, for plausible readings.
@@ -94,6 +95,4 @@ def read_previous_xids(path: Path) -> tuple[Xid, ...]:
 
 
 def write_state_atomically(path: Path, state: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(state, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(state, sort_keys=True).encode(), 0o644)

@@ -32,6 +32,7 @@ from vllm_guardian.model import (
     Reading,
     SourceKind,
 )
+from vllm_guardian.procfs import parse_cgroup, parse_ppid
 from vllm_guardian.sources.base import failed
 
 log = logging.getLogger(__name__)
@@ -45,23 +46,6 @@ def _read_small(path: Path, limit: int) -> bytes | None:
             return f.read(limit)
     except OSError:
         return None
-
-
-def _ppid(stat: bytes) -> int | None:
-    """Parent pid from ``/proc/<pid>/stat`` (fields after the last ``)``: comm may hold one)."""
-    text = stat.decode(errors="replace")
-    fields = text[text.rfind(")") + 1 :].split()
-    try:
-        return int(fields[1]) if len(fields) > 1 else None
-    except ValueError:
-        return None
-
-
-def _cgroup(text: bytes) -> str | None:
-    for line in text.decode(errors="replace").splitlines():
-        if line.startswith("0::"):
-            return line[3:].strip() or None
-    return None
 
 
 class AllocatorCollector:
@@ -175,7 +159,7 @@ class AllocatorCollector:
 
     def _cgroup(self, pid: int) -> str | None:
         text = _read_small(self._proc / str(pid) / "cgroup", 64 * 1024)
-        return _cgroup(text) if text is not None else None
+        return parse_cgroup(text.decode(errors="replace")) if text is not None else None
 
     def _ancestors(self, pid: int) -> tuple[int, ...]:
         chain: list[int] = []
@@ -183,7 +167,7 @@ class AllocatorCollector:
         current = pid
         for _ in range(MAX_ANCESTORS):
             stat = _read_small(self._proc / str(current) / "stat", 4096)
-            ppid = _ppid(stat) if stat is not None else None
+            ppid = parse_ppid(stat.decode(errors="replace")) if stat is not None else None
             if ppid is None or ppid == 0 or ppid in seen:
                 break
             chain.append(ppid)

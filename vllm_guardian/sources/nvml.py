@@ -46,6 +46,7 @@ from vllm_guardian.model import (
     SourceKind,
     XidEvent,
 )
+from vllm_guardian.procfs import parse_cgroup, parse_ppid
 from vllm_guardian.sources.base import failed
 
 log = logging.getLogger(__name__)
@@ -70,36 +71,8 @@ MAX_ANCESTORS = 64
 # --- pure helpers (unit-tested without I/O) ---------------------------------------------------
 
 
-def parse_proc_stat_ppid(text: str) -> int | None:
-    """The parent pid from the text of ``/proc/<pid>/stat``, or None if it is malformed.
-
-    The second field (``comm``) is in parentheses and may itself contain spaces and ``)``,
-    so the fields after it are found from the *last* ``)``.
-    """
-    end = text.rfind(")")
-    if end < 0:
-        return None
-    fields = text[end + 1 :].split()
-    if len(fields) < 2:
-        return None
-    try:
-        ppid = int(fields[1])
-    except ValueError:
-        return None
-    return ppid if ppid >= 0 else None
-
-
-def parse_cgroup(text: str) -> str | None:
-    """The cgroup v2 path from the text of ``/proc/<pid>/cgroup`` (its ``0::/path`` line).
-
-    None when there is no unified line (a pure cgroup v1 host), which the core treats as
-    "cannot attribute by cgroup" rather than guessing from v1 controller paths.
-    """
-    for line in text.splitlines():
-        if line.startswith("0::"):
-            path = line[3:].strip()
-            return path or None
-    return None
+# The /proc parsers are shared with the unit and allocator sources (procfs.py).
+parse_proc_stat_ppid = parse_ppid
 
 
 @dataclass(frozen=True)

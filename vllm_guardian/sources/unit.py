@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 
 from vllm_guardian.config import ServiceConfig, UnitSourceConfig
 from vllm_guardian.model import Reading, SourceKind, UnitState
+from vllm_guardian.procfs import parse_stat
 from vllm_guardian.redact import redact_argv
 from vllm_guardian.sources.base import failed
 
@@ -141,19 +142,7 @@ def parse_proc_net_tcp(text: str) -> tuple[TcpSocket, ...]:
     return tuple(out)
 
 
-def parse_proc_stat(text: str) -> tuple[int, int] | None:
-    """``/proc/<pid>/stat`` → (pid, ppid). The command name may hold spaces and ')'."""
-    head, sep, tail = text.rpartition(")")
-    if not sep:
-        return None
-    pid_text = head.split("(", 1)[0].strip()
-    fields = tail.split()
-    if len(fields) < 2:
-        return None
-    try:
-        return int(pid_text), int(fields[1])
-    except ValueError:
-        return None
+parse_proc_stat = parse_stat  # procfs.py, shared with the NVML and allocator sources
 
 
 def parse_cmdline(raw: bytes) -> tuple[str, ...] | None:

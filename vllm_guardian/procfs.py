@@ -1,0 +1,46 @@
+"""Parsers for the /proc files the sources read: ``/proc/<pid>/stat`` and ``/proc/<pid>/cgroup``.
+
+Where it sits: below the unit, NVML and allocator sources, which each walk /proc to tie a
+process to a service (its parent chain, its cgroup). Pure functions of the file's text, so each
+is tested on crafted text; the reading itself (and what to do with an entry that vanished
+mid-scan) stays with the source that reads.
+"""
+
+from __future__ import annotations
+
+
+def parse_stat(text: str) -> tuple[int, int] | None:
+    """``/proc/<pid>/stat`` → (pid, ppid), or None when malformed.
+
+    The second field (``comm``) is in parentheses and may itself hold spaces and ``)``, so the
+    fields after it are found from the *last* ``)``.
+    """
+    head, sep, tail = text.rpartition(")")
+    if not sep:
+        return None
+    fields = tail.split()
+    if len(fields) < 2:
+        return None
+    try:
+        pid, ppid = int(head.split("(", 1)[0].strip()), int(fields[1])
+    except ValueError:
+        return None
+    return (pid, ppid) if ppid >= 0 else None
+
+
+def parse_ppid(text: str) -> int | None:
+    """The parent pid from ``/proc/<pid>/stat``'s text, or None when malformed."""
+    parsed = parse_stat(text)
+    return parsed[1] if parsed is not None else None
+
+
+def parse_cgroup(text: str) -> str | None:
+    """The cgroup v2 path from ``/proc/<pid>/cgroup``'s text (its ``0::/path`` line).
+
+    None when there is no unified line (a pure cgroup v1 host), which the core treats as
+    "cannot attribute by cgroup" rather than guessing from v1 controller paths.
+    """
+    for line in text.splitlines():
+        if line.startswith("0::"):
+            return line[3:].strip() or None
+    return None
