@@ -322,6 +322,10 @@ def _check_k8s_name(v: str | None) -> str | None:
     return "must be a Kubernetes name: lowercase letters, digits and '-', at most 63"
 
 
+def _check_optional_url(v: str | None) -> str | None:
+    return None if v is None else _check_url(v)
+
+
 @dataclass(frozen=True)
 class FleetConfig:
     # One disruption budget across replicas (README "Run on Kubernetes"): "none" (one host:
@@ -337,6 +341,10 @@ class FleetConfig:
     lease_ttl_seconds: float = field(default=900.0, metadata=_bounds(30, 86400))
     # A voluntary action waits this long for a permit, then gives up (audited) until next due.
     wait_timeout_seconds: float = field(default=1800.0, metadata=_bounds(0, 86400))
+    # The API server and namespace; null in a pod (the service account's). For tests and
+    # guardians outside the cluster.
+    api_server: str | None = field(default=None, metadata=_bounds(check=_check_optional_url))
+    namespace: str | None = field(default=None, metadata=_bounds(check=_check_k8s_name))
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,9 @@ from vllm_guardian.core.permit import (
     PermitWait,
     Plan,
     PlanKind,
+    WaitStatus,
     WriteResult,
+    begin,
     lease_names,
     plan,
     release_plan,
@@ -193,6 +195,17 @@ class LeasePermits:
             return settle(w, p, None, "", now)
         write, detail = self._write(p, now)
         return settle(w, p, write, detail, now)
+
+    def acquire(self, now: float) -> tuple[bool, bool, str]:
+        """One try, for the executor's PERMIT op (the phase AWAITING_PERMIT does the waiting):
+        (granted, terminal, detail). Never raises."""
+        w = self.try_once(begin(now, 0.0), now)
+        return w.status is WaitStatus.GRANTED, False, f"{self.holder}: {w.reason}"
+
+    def release_all(self, now: float) -> tuple[bool, bool, str]:
+        """The executor's RELEASE_PERMIT op. Never raises; a permit not released expires."""
+        names = self.release(now)
+        return True, False, ("released " + ", ".join(names)) if names else "nothing held"
 
     def release(self, now: float) -> tuple[str, ...]:
         """Give back every permit this holder holds. Never raises; a Lease that changed since it
