@@ -211,3 +211,43 @@ def test_the_daemon_never_imports_the_adapter() -> None:
     code = "import sys, vllm_guardian.daemon, vllm_guardian.cli; print(sorted(m for m in sys.modules if m.startswith(('lightkube', 'httpx2', 'vllm_guardian.actuators.k8s'))))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
     assert out.stdout.strip() == "[]"
+
+
+def test_the_executor_takes_and_gives_back_the_permit(
+    cluster: FakeCluster, url: str, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """The wiring: the policy's Op.PERMIT / Op.RELEASE_PERMIT through OpRunner to the adapter,
+    built by the healing layer from fleet: {permit: lease, ...} as a pod's guardian would."""
+    from vllm_guardian.actuators.executor import OpRunner
+    from vllm_guardian.clock import SystemClock
+    from vllm_guardian.config import parse_config
+    from vllm_guardian.healing import Healing
+    from vllm_guardian.model import Op, OpRequest
+
+    cfg = parse_config(
+        "services:\n  - name: vllm\n"
+        f"fleet:\n  permit: lease\n  model: llama\n  pdb: llama\n  api_server: {url}\n  namespace: llm\n"
+    )
+    backend = Healing._fleet_permits(cfg)
+    assert isinstance(backend, LeasePermits)
+    runner = OpRunner(SystemClock(), tmp_path, {}, permits=backend)
+
+    def run(op: Op) -> tuple[bool, str]:
+        runner.start(OpRequest(1, "vllm", op))
+        runner.join(30)
+        (r,) = runner.take_results()
+        return r.ok, r.detail
+
+    ok, detail = run(Op.PERMIT)
+    assert ok and cluster.holder(L0) == backend.holder, detail
+    ok, detail = run(Op.RELEASE_PERMIT)
+    assert ok and detail == f"released {L0}" and cluster.holder(L0) is None
+    cluster.set_ready("llama", "llama-b", False)
+    ok, detail = run(Op.PERMIT)
+    assert not ok and "disruptionsAllowed 0" in detail
+    assert OpRunner(SystemClock(), tmp_path, {}).permits is None
+    no_backend = OpRunner(SystemClock(), tmp_path, {})
+    no_backend.start(OpRequest(1, "vllm", Op.PERMIT))
+    no_backend.join(30)
+    (r,) = no_backend.take_results()
+    assert not r.ok and r.terminal, "asked for a permit with no backend: a person must look"

@@ -17,6 +17,7 @@ cluster.
 from __future__ import annotations
 
 import logging
+import math
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -104,7 +105,9 @@ class LeasePermits:
         (tests; an API server reached without a kubeconfig) skip the service account."""
         if server is not None:
             config = KubeConfig.from_one(
-                cluster=Cluster(server=server), user=User(token=token or ""), namespace=namespace
+                cluster=Cluster(server=server),
+                user=User(token=token) if token else User(),
+                namespace=namespace,
             )
         else:
             config = KubeConfig.from_service_account()
@@ -199,7 +202,8 @@ class LeasePermits:
     def acquire(self, now: float) -> tuple[bool, bool, str]:
         """One try, for the executor's PERMIT op (the phase AWAITING_PERMIT does the waiting):
         (granted, terminal, detail). Never raises."""
-        w = self.try_once(begin(now, 0.0), now)
+        # A wait with no deadline of its own: the phase AWAITING_PERMIT owns the deadline.
+        w = self.try_once(begin(now, math.inf), now)
         return w.status is WaitStatus.GRANTED, False, f"{self.holder}: {w.reason}"
 
     def release_all(self, now: float) -> tuple[bool, bool, str]:
