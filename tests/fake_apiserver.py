@@ -52,6 +52,7 @@ class FakeCluster:
     revision: int = 100
     requests: list[tuple[str, str, int]] = field(default_factory=list)  # method, path, code
     tokens: set[str] = field(default_factory=set)  # the Authorization headers seen
+    holders: list[str | None] = field(default_factory=list)  # each accepted Lease write's holder
     # Called (under the lock) before a PUT is applied: a test's way to make another writer win.
     before_put: Callable[[FakeCluster, str], None] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -137,6 +138,7 @@ class FakeCluster:
             obj.setdefault("apiVersion", "coordination.k8s.io/v1")
             obj.setdefault("kind", "Lease")
             self.leases[new] = obj
+            self.holders.append(obj.get("spec", {}).get("holderIdentity"))
             return 201, copy.deepcopy(obj)
         if method == "PUT" and name is not None:
             if self.before_put is not None:
@@ -161,6 +163,7 @@ class FakeCluster:
             obj.setdefault("apiVersion", "coordination.k8s.io/v1")
             obj.setdefault("kind", "Lease")
             self.leases[name] = obj
+            self.holders.append(obj.get("spec", {}).get("holderIdentity"))
             return 200, copy.deepcopy(obj)
         return 405, status(405, "MethodNotAllowed", f"{method} is not supported")
 

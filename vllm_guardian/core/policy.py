@@ -352,8 +352,9 @@ class _Ctx:
         operator: str | None = None,
         voluntary: bool = False,
     ) -> ServiceState:
-        """``voluntary``: nothing has crashed (the replica serves); with a fleet permit
-        configured, such an action waits for one first (README "Run on Kubernetes")."""
+        """``voluntary``: nothing has crashed (the replica serves), or an operator asked; with a
+        fleet permit configured, such an action waits for one first (README "Run on
+        Kubernetes")."""
         p = self.settings.policy
         # An operator's explicit command acts although the policy is in dry-run.
         dry = operator is None and (p.dry_run or kind.value in p.dry_run_actions)
@@ -381,7 +382,7 @@ class _Ctx:
                 else ""
             )
             return _finish(self, s, action.id, kind, phases.Outcome(True, False, what), True)
-        permit = self.settings.permit_timeout_seconds if voluntary and operator is None else None
+        permit = self.settings.permit_timeout_seconds if voluntary else None
         progress, ops = phases.start(
             action.id, s.service, kind, cause, reason, flags, env,
             s.main_pid, self.now, p, operator, permit,
@@ -1085,7 +1086,9 @@ def operator_action(
     )
     reason = f"operator {kind.value} {what}"
     s = replace(s, restarts=(*s.restarts, now), last_note="")
-    s = ctx.act(s, kind, None, reason, flags, env, operator=who)
+    # An operator's restart is a voluntary disruption too: in a fleet it waits for a permit,
+    # as `kubectl drain` waits for the PodDisruptionBudget.
+    s = ctx.act(s, kind, None, reason, flags, env, operator=who, voluntary=True)
     services = tuple(s if x.service == service else x for x in state.services)
     return PolicyOutput(
         PolicyState(services, ctx.next_id), tuple(ctx.actions), tuple(ctx.decisions),
