@@ -5,7 +5,8 @@ its child with the environment the Helm chart sets (container mode, the downward
 identity). A prober hits ``/healthz`` (liveness) and ``/ready/vllm`` (readiness) every 0.2 s as
 the kubelet does, from the start to the SIGTERM: liveness never fails while the model loads,
 readiness is false until vLLM serves; vLLM's log reaches the guardian's stdout (`kubectl logs`)
-and the followed file; SIGTERM stops vLLM and the guardian well within the grace period.
+and the followed file; a changed config file (a ConfigMap update) is reloaded without a
+SIGHUP; SIGTERM stops vLLM and the guardian well within the grace period.
 """
 
 from __future__ import annotations
@@ -161,7 +162,8 @@ def test_the_pod_as_processes(tmp_path: Path) -> None:
 
     def seen() -> str:
         text = out_path.read_text(errors="replace")
-        return text[-3000:]
+        problems = [line for line in text.splitlines() if "ERROR" in line or "cannot" in line]
+        return "\n".join(problems[-10:]) + "\n...\n" + text[-2000:]
 
     try:
         with Kubelet(base) as kubelet:
@@ -173,6 +175,13 @@ def test_the_pod_as_processes(tmp_path: Path) -> None:
             assert (
                 requests.get(f"http://127.0.0.1:{vllm_port}/health", timeout=5).status_code == 200
             )
+            # A ConfigMap update: the kubelet swaps the file under the mount; no SIGHUP comes.
+            doc = json.loads(cfg.read_text())
+            doc["interval_seconds"] = 0.4
+            staged = tmp_path / "config.new"
+            staged.write_text(json.dumps(doc))
+            os.replace(staged, cfg)
+            wait_for("the changed ConfigMap reloaded", lambda: "config reloaded from" in out_path.read_text(errors="replace"), seen)  # fmt: skip
             stop_at = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)

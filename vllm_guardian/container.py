@@ -9,11 +9,16 @@ environment the Helm chart sets (charts/vllm-guardian/templates/deployment.yaml)
   API): the pod's identity, written into every audit record so a fleet's records say which
   replica decided what.
 
-A pure function of the environment mapping it is given; no import-time reads.
+* a changed config file (a ConfigMap update) is reloaded as SIGHUP reloads it (``ConfigWatch``,
+  polled once a tick by the daemon).
+
+The mode and the identity are pure functions of the environment mapping given; no
+import-time reads.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 _IDENTITY = {
@@ -31,3 +36,27 @@ def container_mode(environ: Mapping[str, str]) -> bool:
 def pod_identity(environ: Mapping[str, str]) -> dict[str, str]:
     """The pod's identity from the downward API; empty outside a pod."""
     return {key: environ[var] for key, var in _IDENTITY.items() if environ.get(var)}
+
+
+class ConfigWatch:
+    """A mounted ConfigMap changes under the guardian (the kubelet swaps a symlink): reload
+    then, as on SIGHUP. Compares what ``stat`` says of the file (following links) each tick;
+    a file that cannot be read now is "unchanged" (the reload would refuse it anyway)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._seen = self._stat()
+
+    def _stat(self) -> tuple[int, int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def changed(self) -> bool:
+        now = self._stat()
+        if now is None or now == self._seen:
+            return False
+        self._seen = now
+        return True

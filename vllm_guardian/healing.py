@@ -214,7 +214,7 @@ class Healing:
 
     def close(self) -> None:
         for sup in self.supervisors.values():
-            sup.stop()
+            sup.stop(sup.stop_timeout_seconds)  # vLLM's own drain, not a default 30 s
         self.dispatcher.close()
 
     # --- what the actuators need ---------------------------------------------------------------

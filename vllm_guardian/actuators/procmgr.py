@@ -128,6 +128,7 @@ class Supervisor:
         log_file = None
         if self.log_path is not None:
             try:
+                self.log_path.parent.mkdir(parents=True, exist_ok=True)
                 log_file = open(self.log_path, "ab")  # noqa: SIM115
             except OSError as e:
                 log.error("%s: cannot open %s: %s", self.name, self.log_path, e)
