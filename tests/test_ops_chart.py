@@ -330,7 +330,8 @@ def test_probes_ask_the_guardian_never_vllms_health(objects: list[dict[str, Any]
 def test_the_grace_period_covers_the_drain(objects: list[dict[str, Any]]) -> None:
     spec = pod_spec(objects)
     cfg = guardian_config(objects)
-    assert spec["terminationGracePeriodSeconds"] > cfg["policy"]["drain_timeout_seconds"]
+    # The guardian gives vLLM drain_timeout_seconds + 30 s before SIGKILL (healing.py).
+    assert spec["terminationGracePeriodSeconds"] > cfg["policy"]["drain_timeout_seconds"] + 30
 
 
 def test_the_pdb_covers_exactly_the_models_pods(objects: list[dict[str, Any]]) -> None:
