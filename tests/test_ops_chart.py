@@ -488,14 +488,15 @@ def test_the_image_is_the_official_vllm_image_plus_one_pip_install() -> None:
     assert len(runs) == 1 and "pip install" in runs[0]
     project = (ROOT / "pyproject.toml").read_text()
     ours = re.search(r'^version = "([^"]+)"', project, re.M)
-    assert ours is not None and f'vllm-guardian[gate]=={ours.group(1)}"' in text
+    assert ours is not None and f'vllm-guardian[gate,k8s]=={ours.group(1)}"' in text
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert values["image"]["tag"] == f"v{version.group(1)}-guardian-{ours.group(1)}"
 
 
 # What the one pip install adds to vLLM's environment; everything else must already be there
 # at versions that satisfy the guardian's requirements (so the install moves no vLLM pin).
-ADDED_TO_VLLM_IMAGE = {"sdnotify", "nvidia-ml-py"}
+# (Top-level requirements only: lightkube's own httpx2, msgspec and models come with it.)
+ADDED_TO_VLLM_IMAGE = {"sdnotify", "nvidia-ml-py", "lightkube"}
 
 
 def test_the_guardians_requirements_fit_vllms_environment() -> None:
@@ -508,7 +509,8 @@ def test_the_guardians_requirements_fit_vllms_environment() -> None:
 import importlib.metadata as m, json, sys, tomllib
 from packaging.requirements import Requirement
 project = tomllib.load(open(sys.argv[1], "rb"))["project"]
-reqs = project["dependencies"] + project["optional-dependencies"]["gate"]
+extras = project["optional-dependencies"]
+reqs = project["dependencies"] + extras["gate"] + extras["k8s"]
 out = {}
 for text in reqs:
     r = Requirement(text)
