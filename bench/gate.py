@@ -126,7 +126,7 @@ def process(argv: list[str], port: int, health: str = "/health") -> Iterator[Non
 
 
 def serve_stub(port: int) -> None:
-    import uvloop  # noqa: PLC0415 (the gate extra brings it; only the stub's process needs it)
+    import uvloop  # noqa: PLC0415 (a dependency; only the stub's process needs it)
     from aiohttp import web  # noqa: PLC0415
 
     answer = json.dumps(

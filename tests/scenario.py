@@ -9,6 +9,7 @@ from vllm_guardian.core.signals import Signals, derive
 from vllm_guardian.model import (
     AllocatorProcess,
     AllocatorReading,
+    GateObservation,
     GpuDevice,
     GpuProcess,
     GpuReading,
@@ -113,6 +114,7 @@ def snapshots() -> list[Snapshot]:
             unit=UNIT,
             logs=logs,
             allocator=allocator(t, 10 + 3 * i),
+            gate=GateObservation(True, in_flight=3 + i, queued=i, open=i == 0, reason="open"),
         )
         sources = tuple(
             SourceStatus(

@@ -16,8 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-pytest.importorskip("aiohttp")
-
 from tests.test_gate_support import GateThread, Stub
 from vllm_guardian.gate.admission import Cost, estimate_cost
 

@@ -17,8 +17,6 @@ from pathlib import Path
 import pytest
 import requests
 
-pytest.importorskip("aiohttp")
-
 from tests.test_gate_support import GateThread
 from vllm_guardian.daemon import Guardian
 from vllm_guardian.demo import DemoOptions, demo_config, free_port
@@ -245,7 +243,10 @@ def test_restart_under_load_through_the_gate_loses_nothing(tmp_path: Path) -> No
         assert all(line.endswith(" 0.0") for line in streaming_errors), streaming_errors
         log_text = (tmp_path / "vllm.log").read_text(errors="replace")
         posts = log_text.count('"POST /v1/completions HTTP/1.1"')
-        assert posts == len(sent) + retried, (posts, len(sent), retried)
+        # Every request reached vLLM once, plus at most the gate's retries: a retry whose first
+        # attempt was refused or reset never reached vLLM's log, one that got the drain's 500
+        # did, and which happens depends on timing. More than that would be a replay.
+        assert len(sent) <= posts <= len(sent) + retried, (posts, len(sent), retried)
         assert status is not None and status["in_flight"] == 0 and status["queue_depth"] == 0
     finally:
         if g is not None:

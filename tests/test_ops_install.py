@@ -42,11 +42,17 @@ def test_install_writes_everything_and_names_the_one_command(tmp_path, fake_tool
     prefix.mkdir()
     assert cli.main(["install", "--prefix", str(prefix)]) == 0
     out = capsys.readouterr().out
-    for f in install.render(["vllm.service"]):
+    for f in install.render(["vllm.service"], gated=[("vllm", "vllm.service")]):
         assert (prefix / f.path.lstrip("/")).read_text() == f.text
     cfg = load_config(str(prefix / "etc/vllm-guardian/config.yaml"))  # valid as written
     assert [(s.name, s.unit) for s in cfg.services] == [("vllm", "vllm.service")]
-    assert "systemctl enable --now vllm-guardian.service" in out
+    gate = cfg.services[0].gate
+    assert gate is not None and gate.listen == "127.0.0.1:8001"  # vLLM :8000, its gate :8001
+    assert (prefix / "etc/systemd/system/vllm-guardian-gate@.service").is_file()
+    dropin = prefix / "etc/systemd/system/vllm-guardian-gate@vllm.service.d/vllm-guardian.conf"
+    assert "After=vllm.service" in dropin.read_text()
+    assert "  systemctl enable --now vllm-guardian.service vllm-guardian-gate@vllm.service\n" in out
+    assert "Clients of vllm: send requests to its gate at 127.0.0.1:8001." in out
     assert "not reloading systemd" in out  # an offline root has no manager to reload
     assert calls(fake_tools) == [
         f"systemd-sysusers --root={prefix} /etc/sysusers.d/vllm-guardian.conf"
@@ -61,13 +67,48 @@ def test_install_keeps_an_existing_config_and_handles_several_units(tmp_path, fa
     argv = ["install", "--prefix", str(prefix), "--unit", "vllm-a.service", "--unit", "b.service"]
     assert install.main(argv) == 0
     assert conf.read_text() == "# mine\n"
-    assert "kept" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "kept" in captured.out
     rule = (prefix / "etc/polkit-1/rules.d/50-vllm-guardian.rules").read_text()
     assert 'var units = ["vllm-a.service", "b.service"];' in rule
     dropin = prefix / "etc/systemd/system/b.service.d/vllm-guardian.conf"
     assert "EnvironmentFile=-/var/lib/vllm-guardian/b.env" in dropin.read_text()
     unit = (prefix / "etc/systemd/system/vllm-guardian.service").read_text()
     assert "After=network-online.target vllm-a.service b.service" in unit
+    # "# mine" names no service: no gate is set up, and install says so.
+    assert not list((prefix / "etc/systemd/system").glob("vllm-guardian-gate@?*.service.d"))
+    assert "is invalid, so no gate is set up from it" in captured.err
+    assert "No service has a gate: section" in captured.out
+
+
+def test_gates_follow_the_existing_config(tmp_path, fake_tools, capsys):
+    prefix = tmp_path / "root"
+    conf = prefix / "etc/vllm-guardian/config.yaml"
+    conf.parent.mkdir(parents=True)
+    conf.write_text(
+        "services:\n"
+        "  - {name: a, url: 'http://127.0.0.1:8000', unit: a.service,"
+        " gate: {listen: '0.0.0.0:9000'}}\n"
+        "  - {name: b, url: 'http://127.0.0.1:8001', unit: b.service}\n"
+        "  - {name: c, url: 'http://127.0.0.1:8002', gate: {listen: '127.0.0.1:9002'}}\n"
+    )
+    argv = ["install", "--prefix", str(prefix), "--unit", "a.service", "--unit", "b.service"]
+    assert install.main(argv) == 0
+    out = capsys.readouterr().out
+    system = prefix / "etc/systemd/system"
+    assert sorted(p.name for p in system.glob("vllm-guardian-gate@*")) == [
+        "vllm-guardian-gate@.service",
+        "vllm-guardian-gate@a.service.d",  # c has no unit to order after: the template is enough
+    ]
+    assert (
+        "After=a.service"
+        in (system / "vllm-guardian-gate@a.service.d/vllm-guardian.conf").read_text()
+    )
+    assert (
+        "  systemctl enable --now vllm-guardian.service vllm-guardian-gate@a.service"
+        " vllm-guardian-gate@c.service\n" in out
+    )
+    assert "Clients of a: send requests to its gate at 0.0.0.0:9000." in out
 
 
 def test_dry_run_prints_and_changes_nothing(tmp_path, fake_tools, capsys):
@@ -133,7 +174,8 @@ def test_uninstall_removes_what_install_wrote_and_keeps_config_and_state(
     assert install.main(["uninstall", "--prefix", str(prefix)]) == 0
     out = capsys.readouterr().out
     assert calls(fake_tools) == [
-        "systemctl disable --now vllm-guardian.service",
+        # The config install wrote first gates service a; its gate goes with the guardian.
+        "systemctl disable --now vllm-guardian.service vllm-guardian-gate@a.service",
         "systemctl daemon-reload",
     ]
     left = sorted(str(p.relative_to(prefix)) for p in prefix.rglob("*") if p.is_file())
@@ -143,6 +185,7 @@ def test_uninstall_removes_what_install_wrote_and_keeps_config_and_state(
         "var/lib/vllm-guardian/vllm.env",
     ]
     assert not (prefix / "etc/systemd/system/a.service.d").exists()  # ours, and now empty
+    assert not (prefix / "etc/systemd/system/vllm-guardian-gate@a.service.d").exists()
     assert "systemctl restart vllm.service" in out
 
 
@@ -178,4 +221,7 @@ def test_the_command_line_entry_point(tmp_path, fake_tools):
         timeout=30,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "systemctl enable --now vllm-guardian.service" in proc.stdout
+    assert (
+        "systemctl enable --now vllm-guardian.service vllm-guardian-gate@vllm.service"
+        in proc.stdout
+    )

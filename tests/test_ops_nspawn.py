@@ -7,8 +7,10 @@ cache. The repository and the venv's site-packages are bound read-only. Inside, 
 ``vllm.service`` running the vLLM twin, then the one command install prints, and checks:
 READY (Type=notify reached active), the STATUS= line, the sources the hardened sandbox must
 still reach (the unit over D-Bus, the journal, vLLM's cmdline with the guardian's flags),
-the polkit rule (the guardian's user may restart vllm.service and nothing else), and the
-watchdog restarting a frozen guardian. The container runs with a private network.
+the polkit rule (the guardian's user may restart vllm.service and nothing else), the
+watchdog restarting a frozen guardian; and the admission gate's unit: READY, a completion
+proxied through it to the twin, the guardian reading its status, and the watchdog restarting
+a gate whose event loop is frozen (SIGSTOP). The container runs with a private network.
 """
 
 from __future__ import annotations
@@ -175,6 +177,23 @@ systemctl daemon-reload
 systemctl start other.service
 """
 
+GATE = "vllm-guardian-gate@vllm.service"
+# A completion through the gate (:8001) to the twin (:8000), with the model the twin serves.
+THROUGH_THE_GATE = """python3 - <<'PY'
+import json, urllib.request as u
+base = "http://127.0.0.1:8001"
+model = json.load(u.urlopen(base + "/v1/models", timeout=30))["data"][0]["id"]
+req = u.Request(base + "/v1/completions", method="POST",
+                data=json.dumps({"model": model, "prompt": "hi", "max_tokens": 4}).encode(),
+                headers={"Content-Type": "application/json"})
+with u.urlopen(req, timeout=30) as r:
+    print(r.status, r.read().decode())
+PY"""
+
+HEALTH_THROUGH_THE_GATE = (
+    "python3 -c 'import urllib.request as u; "
+    'print(u.urlopen("http://127.0.0.1:8001/health", timeout=5).status)\''
+)
 FETCH_METRICS = (
     "python3 -c 'import urllib.request as u; "
     'print(u.urlopen("http://127.0.0.1:9469/metrics", timeout=5).read().decode())\''
@@ -187,7 +206,10 @@ def test_hardened_unit_under_real_systemd(container: Container) -> None:
     out = c.sh("/opt/vllm-guardian/bin/vllm-guardian install --unit vllm.service")
     assert "+ systemctl daemon-reload" in out
     one_command = [line.strip() for line in out.splitlines() if line.startswith("  systemctl ")]
-    assert one_command == ["systemctl enable --now vllm-guardian.service"], out
+    assert one_command == [
+        "systemctl enable --now vllm-guardian.service vllm-guardian-gate@vllm.service"
+    ], out
+    assert "Clients of vllm: send requests to its gate at 127.0.0.1:8001." in out
     assert "systemd-journal" in c.sh("id vllm-guardian")
 
     # The guardian's flags file, as the policy writes it; the drop-in feeds it to vLLM.
@@ -236,6 +258,41 @@ def test_hardened_unit_under_real_systemd(container: Container) -> None:
         assert "Interactive authentication required" in out or "Access denied" in out, out
     assert c.prop("other.service", "ActiveState") == "active"
 
+    # The gate: its own hardened unit, READY once it listens, proxying to vLLM (the twin).
+    assert c.prop(GATE, "ActiveState") == "active", c.sh(f"journalctl -u {GATE} --no-pager")
+    assert c.prop(GATE, "Type") == "notify" and c.prop(GATE, "Restart") == "always"
+    gate_pid = c.prop(GATE, "MainPID")
+    status = c.sh(f"grep -E '^(Uid|CapBnd|NoNewPrivs):' /proc/{gate_pid}/status")
+    assert f"Uid:\t{uid}\t" in status and "CapBnd:\t0000000000000000" in status, status
+    # vLLM was just restarted (polkit above): a GET is never held, so wait for the twin first.
+    wait_for(lambda: c.sh(HEALTH_THROUGH_THE_GATE, check=False).strip() == "200", 60, "vLLM up")
+    answer = c.sh(THROUGH_THE_GATE, timeout=60)
+    assert answer.startswith("200 "), answer
+    assert '"object": "text_completion"' in answer or '"object":"text_completion"' in answer, answer
+    # The guardian reads the gate's status from inside its own sandbox.
+    wait_for(
+        lambda: 'vllm_guardian_gate_up{service="vllm"} 1.0' in c.sh(FETCH_METRICS),
+        60,
+        "the guardian to see the gate",
+    )
+    assert 'vllm_guardian_gate_reported_in_flight{service="vllm"} 0.0' in c.sh(FETCH_METRICS)
+
+    # The watchdog restarts a gate whose event loop is frozen (3 s here, 10 s shipped).
+    c.sh(
+        f"mkdir -p /etc/systemd/system/{GATE}.d"
+        f" && printf '[Service]\\nWatchdogSec=3s\\nTimeoutStopSec=5s\\n'"
+        f" > /etc/systemd/system/{GATE}.d/test.conf"
+        f" && systemctl daemon-reload && systemctl restart {GATE}"
+    )
+    frozen_gate = c.prop(GATE, "MainPID")
+    c.sh(f"kill -STOP {frozen_gate}")
+    wait_for(lambda: c.prop(GATE, "NRestarts") == "1", 60, "a watchdog restart of the gate")
+    wait_for(lambda: c.prop(GATE, "ActiveState") == "active", 60, "the gate's restart")
+    assert c.prop(GATE, "MainPID") != frozen_gate
+    journal = c.sh(f"journalctl -u {GATE} --no-pager")
+    assert "Watchdog timeout (limit 3s)!" in journal, journal[-3000:]
+    assert c.sh(THROUGH_THE_GATE, timeout=60).startswith("200 ")
+
     # The watchdog restarts a frozen guardian (5 s here instead of the shipped 30 s).
     c.sh(
         "mkdir -p /etc/systemd/system/vllm-guardian.service.d"
@@ -261,12 +318,17 @@ def test_hardened_unit_under_real_systemd(container: Container) -> None:
     assert "systemctl restart vllm.service" in out
     c.sh("rm -r /etc/systemd/system/vllm-guardian.service.d && systemctl daemon-reload")
     assert c.prop("vllm-guardian", "LoadState") == "not-found"
+    c.sh(f"rm -r /etc/systemd/system/{GATE}.d && systemctl daemon-reload")
+    assert c.prop(GATE, "LoadState") == "not-found"
+    assert c.prop(GATE, "ActiveState") == "inactive"
     assert c.prop("vllm-guardian", "ActiveState") == "inactive"
     left = c.sh(
         "ls /etc/polkit-1/rules.d /etc/sysusers.d /etc/systemd/system /etc/systemd/system/*.d"
         " 2>/dev/null",
         check=False,
     )
-    assert "vllm-guardian" not in left.replace("/etc/systemd/system/vllm-guardian.service.d", "")
+    assert "vllm-guardian" not in left.replace("/etc/systemd/system/vllm-guardian.service.d", ""), (
+        left
+    )
     assert c.sh("ls /etc/vllm-guardian").strip() == "config.yaml"
     print(f"guardian READY {ready_s:.2f}s after `systemctl enable --now`")

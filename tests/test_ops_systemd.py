@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from vllm_guardian import install
-from vllm_guardian.config import PolicyConfig, SignalsConfig
+from vllm_guardian.config import GateConfig, PolicyConfig, SignalsConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMD = ROOT / "systemd"
@@ -50,9 +50,16 @@ def seconds(v: str) -> float:
 
 
 def test_committed_files_are_what_install_writes():
-    rendered = {f.path: f.text for f in install.render([install.DEFAULT_UNIT])}
+    # The default install: one vLLM unit, its service gated (the config install writes).
+    rendered = {
+        f.path: f.text
+        for f in install.render([install.DEFAULT_UNIT], gated=[("vllm", install.DEFAULT_UNIT)])
+    }
     committed = {
         "/etc/systemd/system/vllm-guardian.service": SYSTEMD / "vllm-guardian.service",
+        "/etc/systemd/system/vllm-guardian-gate@.service": SYSTEMD / "vllm-guardian-gate@.service",
+        "/etc/systemd/system/vllm-guardian-gate@vllm.service.d/vllm-guardian.conf": SYSTEMD
+        / "vllm-guardian-gate@vllm.service.d/vllm-guardian.conf",
         "/etc/systemd/system/vllm.service.d/vllm-guardian.conf": SYSTEMD
         / "vllm.service.d/vllm-guardian.conf",
         "/etc/polkit-1/rules.d/50-vllm-guardian.rules": SYSTEMD / "50-vllm-guardian.rules",
@@ -92,15 +99,50 @@ def test_vllm_example_and_dropin_verify_clean(tmp_path):
     _verify(tmp_path, "vllm.service")
 
 
-def test_verify_would_catch_a_typo(tmp_path):
-    """The check above can fail: a misspelt key in the drop-in is reported on stderr."""
+def test_gate_template_and_its_instance_dropin_verify_clean(tmp_path):
+    _verify(tmp_path, "vllm-guardian-gate@.service")
+    # An instance as a file of its own, so its drop-in directory is read too.
+    instance = tmp_path / "vllm-guardian-gate@vllm.service"
+    instance.write_text(
+        re.sub(
+            r"^ExecStart=\S+",
+            "ExecStart=/bin/true",
+            (SYSTEMD / "vllm-guardian-gate@.service").read_text(),
+            flags=re.M,
+        )
+    )
+    shutil.copytree(
+        SYSTEMD / "vllm-guardian-gate@vllm.service.d",
+        tmp_path / "vllm-guardian-gate@vllm.service.d",
+    )
+    (tmp_path / "vllm.service").write_text((SYSTEMD / "vllm.service").read_text())
+    proc = subprocess.run(
+        [tool("systemd-analyze"), "verify", str(instance)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0 and "vllm-guardian" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "old", "new"),
+    [
+        ("vllm.service", "KillMode=mixed", "KilMode=mixed"),
+        ("vllm-guardian-gate@.service", "LimitNOFILE=", "LimtNOFILE="),
+    ],
+)
+def test_verify_would_catch_a_typo(tmp_path, name, old, new):
+    """The checks above can fail: a misspelt key is reported on stderr."""
     with pytest.raises(AssertionError, match="Unknown key"):
-        _verify(tmp_path, "vllm.service", {"KillMode=mixed": "KilMode=mixed"})
+        _verify(tmp_path, name, {old: new})
 
 
-def test_guardian_unit_security_exposure(tmp_path):
-    unit = tmp_path / "vllm-guardian.service"
-    unit.write_text((SYSTEMD / "vllm-guardian.service").read_text())
+@pytest.mark.parametrize("name", ["vllm-guardian.service", "vllm-guardian-gate@.service"])
+def test_unit_security_exposure(tmp_path, name):
+    unit = tmp_path / name
+    unit.write_text((SYSTEMD / name).read_text())
     sa = tool("systemd-analyze")
     proc = subprocess.run(
         [sa, "security", "--offline=yes", f"--threshold={SECURITY_THRESHOLD}", str(unit)],
@@ -109,7 +151,7 @@ def test_guardian_unit_security_exposure(tmp_path):
         timeout=60,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
-    assert "Overall exposure level for vllm-guardian.service" in proc.stdout
+    assert "Overall exposure level for " + name.replace("@.", "@i.") in proc.stdout, proc.stdout
     table = json.loads(
         subprocess.run(
             [sa, "security", "--offline=yes", "--json=short", str(unit)],
@@ -144,6 +186,19 @@ def test_units_carry_what_the_issue_asks():
     assert g["CapabilityBoundingSet"] == [""] and g["ProtectSystem"] == ["strict"]
     assert g["SystemCallFilter"][0] == "@system-service"
     assert "systemd-journal" in g["SupplementaryGroups"][0]
+    gate = keys((SYSTEMD / "vllm-guardian-gate@.service").read_text())
+    assert gate["Type"] == ["notify"] and gate["NotifyAccess"] == ["main"]
+    assert gate["Restart"] == ["always"] and seconds(gate["WatchdogSec"][0]) > 0
+    assert gate["ExecStart"] == [
+        f"{install.DEFAULT_EXEC} gate -c {install.CONFIG_PATH} --service %i"
+    ]
+    assert gate["User"] == ["vllm-guardian"] and gate["CapabilityBoundingSet"] == [""]
+    assert gate["PrivateDevices"] == ["yes"] and gate["ProtectSystem"] == ["strict"]
+    assert (
+        "vllm-guardian.service" in gate["After"][0] and "network-online.target" in gate["After"][0]
+    )
+    gd = keys((SYSTEMD / "vllm-guardian-gate@vllm.service.d/vllm-guardian.conf").read_text())
+    assert gd["After"] == ["vllm.service"]
     d = keys((SYSTEMD / "vllm.service.d/vllm-guardian.conf").read_text())
     assert d["EnvironmentFile"] == ["-/var/lib/vllm-guardian/vllm.env"]
     assert d["KillMode"] == ["mixed"] and d["Restart"] == ["always"]
@@ -187,7 +242,28 @@ TIMING = [
 ]
 
 
+TIMING += [
+    (
+        "gate WatchdogSec allows two of its beats (every 5 s at most)",
+        lambda: seconds(
+            keys((SYSTEMD / "vllm-guardian-gate@.service").read_text())["WatchdogSec"][0]
+        ),
+        2 * 5.0,
+        "ge",
+    ),
+    (
+        "gate TimeoutStopSec exceeds its shutdown_timeout_seconds",
+        lambda: seconds(
+            keys((SYSTEMD / "vllm-guardian-gate@.service").read_text())["TimeoutStopSec"][0]
+        ),
+        GateConfig().shutdown_timeout_seconds,
+        "gt",
+    ),
+]
+
+
 @pytest.mark.parametrize(("what", "shipped", "default", "rel"), TIMING, ids=[t[0] for t in TIMING])
 def test_unit_timings_agree_with_guardian_defaults(what, shipped, default, rel):
     value = shipped()
-    assert (value > default) if rel == "gt" else (value <= default), (what, value, default)
+    ok = {"gt": value > default, "ge": value >= default, "le": value <= default}[rel]
+    assert ok, (what, value, default)

@@ -25,15 +25,19 @@ import pytest
 from tests.nvml_fake import FakeNvmlState, build_fake_nvml, make_proc_entry
 from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import NvmlSourceConfig
-from vllm_guardian.model import GpuDevice, GpuProcess, GpuReading, Reading, SourceKind, XidEvent
-from vllm_guardian.sources.nvml import (
-    NvmlCollector,
+from vllm_guardian.gpu_state_format import (
     ParsedStateFile,
+    StateDevice,
     StateFileError,
-    parse_cgroup,
-    parse_proc_stat_ppid,
+    StateProcess,
+    StateXid,
+    build_state,
     parse_state_file,
 )
+from vllm_guardian.model import GpuDevice, GpuProcess, GpuReading, Reading, SourceKind, XidEvent
+from vllm_guardian.procfs import parse_cgroup
+from vllm_guardian.procfs import parse_ppid as parse_proc_stat_ppid
+from vllm_guardian.sources.nvml import NvmlCollector
 
 INTERVAL = 2.0
 GIB = 1024**3
@@ -892,3 +896,21 @@ def test_nvml_default_library_lookup(
         result["hint"]
         == "NVML library not found: install the NVIDIA driver or set sources.nvml.library_path"
     )
+
+
+def test_the_state_file_round_trips_through_its_one_module() -> None:
+    """The twin's writer and the source's reader are one format (gpu_state_format.py)."""
+    device = StateDevice(
+        80 * GIB,
+        (StateProcess(4242, 70 * GIB), StateProcess(77, 2 * GIB)),
+        0.5,
+        (StateXid(1, 79, 1_800_000_000.0),),
+    )
+    doc = build_state(device, 1_800_000_001.0)
+    parsed = parse_state_file(json.dumps(doc), 1_800_000_002.0)
+    assert isinstance(parsed, ParsedStateFile), parsed
+    (gpu,) = parsed.reading.devices
+    assert (gpu.memory_total_bytes, gpu.memory_used_bytes) == (80 * GIB, 72 * GIB)
+    assert sorted((p.pid, p.used_memory_bytes) for p in gpu.processes or ()) == [
+        (77, 2 * GIB), (4242, 70 * GIB)]  # fmt: skip
+    assert [(x.xid, x.time_seconds) for x in parsed.reading.xid_events] == [(79, 1_800_000_000.0)]

@@ -63,6 +63,13 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         f"{args.config}: OK ({len(cfg.services)} service(s): {names}; listen {cfg.listen}; "
         f"{len(rules)} alert rules; policy {mode})"
     )
+    for s in cfg.services:
+        if s.gate is not None:
+            print(
+                f"  gate for {s.name}: clients on {s.gate.listen} -> {s.url} (vllm-guardian-gate@{s.name}.service)"
+            )
+        else:
+            print(f"  {s.name}: no gate: section, clients reach {s.url} directly")
     return EXIT_OK
 
 
@@ -290,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_parser(
         "gate",
-        help="the admission gate in front of one vLLM (extra `gate`): `vllm-guardian gate --help`",
+        help="the admission gate in front of one vLLM (unit vllm-guardian-gate@NAME): `vllm-guardian gate --help`",
         add_help=False,
     )
     sub.add_parser(

@@ -97,6 +97,62 @@ def _check_listen(v: str) -> str | None:
 # --- the schema ------------------------------------------------------------------------------
 
 
+def _check_metrics_path(v: str) -> str | None:
+    if not v.startswith("/") or any(c.isspace() for c in v):
+        return "must be a path starting with '/', e.g. /metrics"
+    return None
+
+
+def _check_header_name(v: str) -> str | None:
+    if not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+", v):
+        return "must be an HTTP header name, e.g. Authorization"
+    return None
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    """The admission gate in front of one service (``vllm-guardian gate -c CONFIG --service
+    NAME``; docs/gate.md). Each key is the gate's command-line flag of the same meaning."""
+
+    # Where clients connect (--listen). Its own port: vLLM stays on services[].url.
+    listen: str = field(default="127.0.0.1:8001", metadata=_bounds(check=_check_listen))
+    # Follow the guardian's /ready/<service> (its `listen` above); false: vLLM's /health only.
+    follow_guardian: bool = True
+    # Requests waiting at most (--max-queue); 0 refuses at once while the gate is closed.
+    max_queue_requests: int = field(default=256, metadata=_bounds(0, 1_000_000))
+    # Estimated prompt tokens waiting at most (--max-queued-tokens).
+    max_queued_tokens: int = field(default=1_000_000, metadata=_bounds(0, 10**10))
+    # A held request gets its 503 after this long (--max-wait): a restart with model load fits.
+    max_wait_seconds: float = field(default=60.0, metadata=_bounds(0.1, 3600))
+    # Queued requests released per second once open, in bursts of release_burst (0: no limit),
+    # so a reopening does not cause the next spike.
+    release_rate_per_second: float = field(default=50.0, metadata=_bounds(0, 100_000))
+    release_burst: int = field(default=8, metadata=_bounds(1, 100_000))
+    # Fairness: the share of the queue one key may hold (0: off); over it a client gets 429.
+    per_key_share_ratio: float = field(default=0.0, metadata=_bounds(0, 1))
+    key_header: str = field(default="Authorization", metadata=_bounds(check=_check_header_name))
+    # Retry-After on the gate's own 503 and 429.
+    retry_after_seconds: int = field(default=2, metadata=_bounds(0, 3600))
+    # KV-need admission: admit only what fits in the free KV pool, keeping this share free.
+    kv_admission: bool = True
+    kv_reserve_ratio: float = field(default=0.05, metadata=_bounds(0, 0.99))
+    # Output tokens assumed for a request without max_tokens.
+    default_output_tokens: int = field(default=256, metadata=_bounds(1, 10**7))
+    # Bodies are held in memory (a held request may be sent twice); larger ones get 413.
+    max_body_bytes: int = field(default=32 * _MIB, metadata=_bounds(1024, 1024 * _MIB))
+    # Polls of the guardian's /ready and vLLM's /health; reads of vLLM's /metrics.
+    poll_interval_seconds: float = field(default=0.1, metadata=_bounds(0.01, 60))
+    kv_poll_interval_seconds: float = field(default=0.5, metadata=_bounds(0.05, 600))
+    # Where the gate serves its own metrics (vLLM's /metrics is then read on vLLM itself).
+    metrics_path: str = field(default="/metrics", metadata=_bounds(check=_check_metrics_path))
+    # In-flight requests get this long to finish on SIGTERM; queued ones get 503 at once.
+    shutdown_timeout_seconds: float = field(default=5.0, metadata=_bounds(0, 3600))
+
+    @property
+    def listen_address(self) -> tuple[str, int]:
+        return parse_listen(self.listen)
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     """One vLLM server on this host."""
@@ -113,6 +169,9 @@ class ServiceConfig:
     # The vLLM command (argument list, no shell) for policy.backend "process": the guardian
     # starts it with the flags file applied and restarts it, as systemd's Restart=always would.
     command: tuple[str, ...] | None = field(default=None, metadata={"unique": False})
+    # The admission gate in front of this service (`vllm-guardian gate -c ... --service NAME`,
+    # unit vllm-guardian-gate@NAME.service). None: no gate; clients talk to vLLM directly.
+    gate: GateConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -190,6 +249,13 @@ class AllocatorSourceConfig:
 
 
 @dataclass(frozen=True)
+class GateSourceConfig:
+    # The gate's GET /gate/status is a dict read on its event loop: 1 s without an answer
+    # means a wedged gate (its watchdog restarts it), not a slow one.
+    timeout_seconds: float = field(default=1.0, metadata=_bounds(0.1, 60))
+
+
+@dataclass(frozen=True)
 class SourcesConfig:
     vllm_metrics: VllmMetricsSourceConfig = field(default_factory=VllmMetricsSourceConfig)
     health: HealthSourceConfig = field(default_factory=HealthSourceConfig)
@@ -197,6 +263,8 @@ class SourcesConfig:
     unit: UnitSourceConfig = field(default_factory=UnitSourceConfig)
     logs: LogsSourceConfig = field(default_factory=LogsSourceConfig)
     allocator: AllocatorSourceConfig = field(default_factory=AllocatorSourceConfig)
+    # Read for every service with a `gate:` section.
+    gate: GateSourceConfig = field(default_factory=GateSourceConfig)
 
 
 @dataclass(frozen=True)
@@ -630,6 +698,59 @@ def _cross_checks(cfg: Config, root: yaml.Node, loader: _Loader) -> None:
             loader.err(
                 f"services[{i}].url", _find(root, "services", i), f"URL {u} is used by two services"
             )
+    _gate_checks(cfg, root, loader)
+
+
+_WILDCARD = frozenset({"", "0.0.0.0", "::"})  # noqa: S104 (compared, never bound)
+_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def _same_socket(a: tuple[str, int], b: tuple[str, int]) -> bool:
+    """Whether two listen addresses would collide (same port, overlapping hosts)."""
+    (ha, pa), (hb, pb) = a, b
+    if pa != pb or pa == 0:
+        return False
+    return ha == hb or ha in _WILDCARD or hb in _WILDCARD or (ha in _LOOPBACK and hb in _LOOPBACK)
+
+
+def _url_socket(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return parts.hostname or "", port
+
+
+def _gate_checks(cfg: Config, root: yaml.Node, loader: _Loader) -> None:
+    """A gate's listen address must not be vLLM's, the guardian's or another gate's."""
+    taken: list[tuple[str, tuple[str, int]]] = [("the guardian's listen", cfg.listen_address)]
+    taken += [(f"services[{i}].url", _url_socket(s.url)) for i, s in enumerate(cfg.services)]
+    for i, s in enumerate(cfg.services):
+        if s.gate is None:
+            continue
+        mine = s.gate.listen_address
+        for what, other in taken:
+            if _same_socket(mine, other):
+                loader.err(
+                    f"services[{i}].gate.listen",
+                    _find_path(root, "services", i, "gate", "listen"),
+                    f"{s.gate.listen} is already {what}'s address; the gate needs a port of its own",
+                )
+                break
+        taken.append((f"services[{i}].gate.listen", mine))
+
+
+def _find_path(root: yaml.Node | None, *steps: str | int) -> yaml.Node | None:
+    """The node at a path of keys and list indices; the deepest one found when it stops early."""
+    node = root
+    for step in steps:
+        nxt: yaml.Node | None = None
+        if isinstance(step, int) and isinstance(node, yaml.SequenceNode):
+            nxt = node.value[step] if step < len(node.value) else None
+        elif isinstance(step, str) and isinstance(node, yaml.MappingNode):
+            nxt = next((v for k, v in node.value if k.value == step), None)
+        if nxt is None:
+            return node
+        node = nxt
+    return node
 
 
 def _find_key(root: yaml.Node | None, key: str) -> yaml.Node | None:

@@ -43,6 +43,7 @@ from vllm_guardian.exposition import ExpositionServer, GuardianCollector, Publis
 from vllm_guardian.healing import Healing
 from vllm_guardian.model import (
     AllocatorReading,
+    GateObservation,
     GpuReading,
     HealthProbe,
     LogReading,
@@ -493,6 +494,8 @@ def assemble(
             slot["unit"] = p
         elif isinstance(p, LogReading):
             slot["logs"] = p
+        elif isinstance(p, GateObservation):
+            slot["gate"] = p
     if allocator is not None:
         for slot in parts.values():
             slot["allocator"] = attribute_allocator(allocator, slot.get("unit"))

@@ -7,11 +7,16 @@ It starts, all on 127.0.0.1 and inside one temporary directory:
 * a bounded load for the chosen scenario (the twin's load generator);
 * the guardian itself (in this process), reading the twin's simulated GPU through its
   ``file`` GPU backend, with the policy armed (``dry_run: false``) and cooldowns scaled for a
-  short demo.
+  short demo;
+* the admission gate in front of the twin, as deployed: ``vllm-guardian gate -c CONFIG
+  --service vllm``, a process of its own run from the service's ``gate:`` section, following
+  the guardian's ``/ready/vllm``. The load is sent to the gate, which holds requests while the
+  twin restarts instead of letting them fail (``--no-gate``: the load goes to the twin directly).
 
 It refreshes a status table once a second and ends with a summary: incidents (alerts), the
-causes named, the actions taken and how they ended, requests served and failed. Ctrl-C stops
-everything; no process is left behind. ``run_demo`` is also what the end-to-end tests use.
+causes named, the actions taken and how they ended, requests served and failed, and what the
+gate held and retried. Ctrl-C stops everything; no process is left behind. ``run_demo`` is also
+what the end-to-end tests use.
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, Any, TextIO
 
 from vllm_guardian.config import Config, parse_config
 from vllm_guardian.daemon import Guardian
@@ -96,6 +102,8 @@ class DemoOptions:
     cooldown_seconds: float = 15.0
     extra_twin_args: Sequence[str] = ()
     quiet: bool = False
+    # Run the admission gate in front of the twin and send the load to it (the deployed form).
+    gate: bool = True
     # Policy keys to override (tests use them to shorten stable periods, for instance).
     policy: dict[str, Any] = field(default_factory=dict)
 
@@ -111,10 +119,20 @@ class DemoReport:
     requests: dict[str, int] = field(default_factory=dict)
     twin_starts: int = 0
     twin_exits: list[int] = field(default_factory=list)
-    gated: bool = False
+    gated: bool = False  # the guardian closed /ready/vllm for KV pressure at least once
+    # The gate's last GET /gate/status (None: ran without a gate, or it did not answer).
+    gate: dict[str, Any] | None = None
+    gate_url: str | None = None
 
 
-def demo_config(opts: DemoOptions, workdir: Path, vllm_port: int, guardian_port: int) -> Config:
+def demo_config(
+    opts: DemoOptions,
+    workdir: Path,
+    vllm_port: int,
+    guardian_port: int,
+    gate_port: int | None = None,
+) -> Config:
+    """The demo's config, validated; written to ``workdir/config.yaml`` (the gate reads it)."""
     gpu_state = workdir / "gpu-state.json"
     twin = [
         sys.executable, "-m", "vllm_guardian.sim", "serve",
@@ -133,7 +151,8 @@ def demo_config(opts: DemoOptions, workdir: Path, vllm_port: int, guardian_port:
             "recorder": {"path": str(workdir / "state" / "flight.jsonl")},
             "services": [
                 {"name": "vllm", "url": f"http://127.0.0.1:{vllm_port}", "command": twin,
-                 "log_file": str(workdir / "vllm.log")}
+                 "log_file": str(workdir / "vllm.log"),
+                 **({"gate": {"listen": f"127.0.0.1:{gate_port}"}} if gate_port else {})}
             ],
             "sources": {
                 "nvml": {"backend": "file", "state_file": str(gpu_state)},
@@ -154,7 +173,9 @@ def demo_config(opts: DemoOptions, workdir: Path, vllm_port: int, guardian_port:
         }
     )  # fmt: skip
     # JSON is YAML: the same validator as a hand-written config.
-    return parse_config(text, str(workdir / "config.yaml"))
+    path = workdir / "config.yaml"
+    path.write_text(text + "\n")
+    return parse_config(text, str(path))
 
 
 class _Screen:
@@ -238,6 +259,17 @@ def render(g: Guardian, opts: DemoOptions, elapsed: float, workdir: Path) -> lis
             f"{a.name}[{a.state.value}]" for a in view.alerts if a.state is not AlertState.INACTIVE
         ]
         lines += ["", "Alerts " + (", ".join(firing) if firing else "none")]
+    ss = last.snapshot.service("vllm")
+    if ss is not None and ss.gate is not None:
+        gs = ss.gate
+        if gs.reachable:
+            state = "open" if gs.open else f"HOLDING ({gs.reason})"
+            lines.append(
+                f"Gate   {state}  in flight {gs.in_flight}  queued {gs.queued}"
+                f"  held {gs.held_total}  retried {gs.retried_total}  refused {gs.rejected_total}"
+            )
+        else:
+            lines.append(f"Gate   not reachable: {gs.error}")
     lines += ["", "Decisions (newest last):"]
     for d in _read_audit(workdir / "state" / "audit.jsonl")[-8:]:
         t = time.strftime("%H:%M:%S", time.localtime(d["time_seconds"]))
@@ -250,6 +282,47 @@ def render(g: Guardian, opts: DemoOptions, elapsed: float, workdir: Path) -> lis
     return lines
 
 
+def _get_json(url: str, timeout: float = 2.0) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (our loopback URL)
+            doc = json.loads(resp.read())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _start_gate(workdir: Path, gate_url: str, log: IO[bytes]) -> subprocess.Popen[bytes]:
+    """``vllm-guardian gate -c CONFIG --service vllm``, as its unit runs it; back once it answers."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm_guardian", "gate", "-c", str(workdir / "config.yaml"),
+         "--service", "vllm"],
+        stdout=log, stderr=subprocess.STDOUT, env=_child_env(),
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        if _get_json(f"{gate_url}/gate/status", timeout=1.0) is not None:
+            return proc
+        time.sleep(0.1)
+    _stop(proc)
+    raise RuntimeError(f"the gate did not start (see {workdir / 'gate.log'})")
+
+
+def _stop(proc: subprocess.Popen[bytes] | None, timeout: float = 10) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _child_env() -> dict[str, str]:
+    path = os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
+
+
 def run_demo(
     opts: DemoOptions, out: TextIO = sys.stdout, stop: threading.Event | None = None
 ) -> DemoReport:
@@ -257,7 +330,9 @@ def run_demo(
     workdir = opts.workdir or Path(tempfile.mkdtemp(prefix="vllm-guardian-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     vllm_port, guardian_port = free_port(), free_port()
-    cfg = demo_config(opts, workdir, vllm_port, guardian_port)
+    gate_port = free_port() if opts.gate else None
+    cfg = demo_config(opts, workdir, vllm_port, guardian_port, gate_port)
+    gate_url = f"http://127.0.0.1:{gate_port}" if gate_port else None
     guardian = Guardian(cfg)
     stop = stop or threading.Event()
     loop = threading.Thread(
@@ -265,17 +340,22 @@ def run_demo(
     )
     screen = _Screen(out, opts.quiet)
     load: subprocess.Popen[bytes] | None = None
-    start = time.monotonic()
+    gate: subprocess.Popen[bytes] | None = None
+    gate_status: dict[str, Any] | None = None
     load_log = (workdir / "load.log").open("wb")
+    gate_log = (workdir / "gate.log").open("wb")
     try:
         loop.start()
+        if gate_url is not None:
+            gate = _start_gate(workdir, gate_url, gate_log)
+        start = time.monotonic()
         load = subprocess.Popen(
-            [sys.executable, "-m", "vllm_guardian.sim", "load", "--url", f"http://127.0.0.1:{vllm_port}",
+            [sys.executable, "-m", "vllm_guardian.sim", "load",
+             "--url", gate_url or f"http://127.0.0.1:{vllm_port}",
              "--model", "demo", "--scenario", opts.scenario, "--speed", f"{opts.speed:g}",
              "--max-requests", "100000", "--max-duration-seconds", f"{opts.duration_seconds:g}",
              "--outcomes", str(workdir / "outcomes.jsonl")],
-            stdout=subprocess.DEVNULL, stderr=load_log,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")]))},
+            stdout=subprocess.DEVNULL, stderr=load_log, env=_child_env(),
         )  # fmt: skip
         while not stop.is_set():
             elapsed = time.monotonic() - start
@@ -284,17 +364,17 @@ def run_demo(
             screen.show(render(guardian, opts, elapsed, workdir))
             stop.wait(1.0)
     finally:
-        if load is not None:
-            load.terminate()
-            try:
-                load.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                load.kill()
-                load.wait()
+        _stop(load)
         load_log.close()
+        if gate_url is not None:
+            gate_status = _get_json(f"{gate_url}/gate/status")
+        _stop(gate, timeout=30)
+        gate_log.close()
         guardian.request_stop()
         loop.join(timeout=60)
-    return _report(guardian, opts, workdir)
+    report = _report(guardian, opts, workdir)
+    report.gate, report.gate_url = gate_status, gate_url
+    return report
 
 
 def _package_root() -> str:
@@ -331,7 +411,7 @@ def summary(report: DemoReport) -> list[str]:
     lines = ["", f"Summary — scenario {report.scenario}", ""]
     lines.append("Incidents (alerts that fired): " + (", ".join(report.alerts_fired) or "none"))
     lines.append("Causes named: " + (", ".join(report.causes) or "none (nothing to act on)"))
-    lines.append(f"Admission gate used: {'yes' if report.gated else 'no'}")
+    lines.append(f"Guardian closed /ready/vllm for KV pressure: {'yes' if report.gated else 'no'}")
     lines.append("Actions:")
     results = {d.get("action_id"): d for d in report.decisions if d["what"] == "result"}
     for a in report.actions:
@@ -354,6 +434,17 @@ def summary(report: DemoReport) -> list[str]:
     lines.append(
         f"Requests: {served} served, {failed} failed ({', '.join(f'{k} {v}' for k, v in sorted(report.requests.items()))})"
     )
+    g = report.gate
+    if report.gate_url is None:
+        lines.append("Front door: none (--no-gate): the load went to vLLM directly")
+    elif g is None:
+        lines.append(f"Front door: the gate at {report.gate_url} did not answer at the end")
+    else:
+        lines.append(
+            f"Front door (gate at {report.gate_url}): held {g.get('held_total')} requests "
+            f"(longest wait {g.get('longest_wait_seconds')} s), retried {g.get('retried_total')} "
+            f"on the next instance, refused {g.get('rejected_total')}; failed above: {failed}"
+        )
     lines.append(f"vLLM twin starts: {report.twin_starts}; exit codes seen: {report.twin_exits}")
     lines.append(
         f"Everything it wrote: {report.workdir} (audit.jsonl, flight.jsonl, bundles/, vllm.log)"
@@ -371,8 +462,15 @@ def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout) -> int:
     ap.add_argument(
         "--workdir", type=Path, help="keep everything here (default: a temporary directory)"
     )
+    ap.add_argument(
+        "--no-gate",
+        action="store_true",
+        help="no admission gate: send the load to the twin directly (what clients see without it)",
+    )
     args = ap.parse_args(argv)
-    opts = DemoOptions(args.scenario, args.speed, args.duration, args.workdir)
+    opts = DemoOptions(
+        args.scenario, args.speed, args.duration, args.workdir, gate=not args.no_gate
+    )
     stop = threading.Event()
     result: list[DemoReport] = []
     worker = threading.Thread(target=lambda: result.append(run_demo(opts, out, stop)), daemon=True)

@@ -29,7 +29,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from vllm_guardian import __version__
 from vllm_guardian.core.signals import ServiceSignals, Signals
 from vllm_guardian.healing import HealingView
-from vllm_guardian.model import AlertState, GateState, HealthState, Snapshot
+from vllm_guardian.model import AlertState, GateObservation, GateState, HealthState, Snapshot
 
 NS = "vllm_guardian"
 
@@ -350,6 +350,8 @@ def _service_families(snap: Snapshot, signals: Signals) -> Iterator[Metric]:
                 u.n_restarts,
             )
             f.add("unit_main_pid", "The service's main process id.", ["service"], [svc], u.main_pid)
+        if ss is not None and ss.gate is not None:
+            _gate_gauges(f, svc, ss.gate)
     yield from f
     if any(s.log_events for s in signals.services):
         logs = CounterMetricFamily(
@@ -361,6 +363,32 @@ def _service_families(snap: Snapshot, signals: Signals) -> Iterator[Metric]:
             for kind, count in sig.log_events:
                 logs.add_metric([sig.service, kind.value], count)
         yield logs
+
+
+def _gate_gauges(f: _Families, svc: str, g: GateObservation) -> None:
+    """The gate as the guardian reads it (its GET /gate/status). Named apart from the gate's own
+    ``vllm_guardian_gate_in_flight``/``_queue_depth`` (job vllm-gate) so a sum never counts both."""
+    f.add(
+        "gate_up",
+        "1 when the service's admission gate answered its status this tick, 0 when not.",
+        ["service"],
+        [svc],
+        _bool(g.reachable),
+    )
+    f.add(
+        "gate_reported_in_flight",
+        "Requests the gate has admitted to vLLM and not finished, as it reported them.",
+        ["service"],
+        [svc],
+        g.in_flight,
+    )
+    f.add(
+        "gate_reported_queued",
+        "Requests the gate holds in its queue, as it reported them.",
+        ["service"],
+        [svc],
+        g.queued,
+    )
 
 
 def _service_gauges(f: _Families, sig: ServiceSignals) -> None:

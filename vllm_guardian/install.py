@@ -4,14 +4,18 @@ What ``install [--unit vllm.service] [--dry-run] [--prefix /]`` writes (paths un
 
 ===========================================================  ==========================================
 ``/etc/systemd/system/vllm-guardian.service``                the guardian, hardened, ``Type=notify``
+``/etc/systemd/system/vllm-guardian-gate@.service``          the admission gate, one instance per service
+``/etc/systemd/system/vllm-guardian-gate@<svc>.service.d/``  the gate of <svc> starts after its vLLM unit
 ``/etc/systemd/system/<unit>.d/vllm-guardian.conf``          drop-in for the operator's vLLM unit
 ``/etc/polkit-1/rules.d/50-vllm-guardian.rules``             the guardian may restart only those units
 ``/etc/sysusers.d/vllm-guardian.conf``                       the guardian's system user
-``/etc/vllm-guardian/config.yaml``                           a minimal config, only if none exists
+``/etc/vllm-guardian/config.yaml``                           a minimal config (each service gated), only if none exists
 ===========================================================  ==========================================
 
 then creates the user (``systemd-sysusers``), runs ``systemctl daemon-reload`` (only when the
-prefix is ``/``: an offline root has no manager to reload) and prints the one command left.
+prefix is ``/``: an offline root has no manager to reload) and prints the one command left,
+which enables the guardian and the gate of every service with a ``gate:`` section in the config
+(the one written, or the one already there).
 ``--dry-run`` prints every file and command instead. ``uninstall`` removes the same files
 (never the config or the state in ``/var/lib/vllm-guardian``) and reloads.
 
@@ -23,6 +27,7 @@ be equal to them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -32,8 +37,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from vllm_guardian.config import ConfigInvalid, parse_config
+
 USER = "vllm-guardian"
 GUARDIAN_UNIT = "vllm-guardian.service"
+GATE_TEMPLATE = "vllm-guardian-gate@.service"
 DEFAULT_EXEC = "/opt/vllm-guardian/bin/vllm-guardian"
 DEFAULT_UNIT = "vllm.service"
 CONFIG_PATH = "/etc/vllm-guardian/config.yaml"
@@ -120,6 +128,87 @@ RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK
 WantedBy=multi-user.target
 """
 
+GATE_SERVICE = """\
+# vllm-guardian's admission gate for one service: %i is the service's name in the guardian's
+# config, whose gate: section holds the settings (listen address, queue, KV admission, rates).
+# Installed by `vllm-guardian install`; one instance per gated service:
+#   systemctl enable --now vllm-guardian-gate@<service>.service
+# Clients order themselves After=vllm-guardian-gate@<service>.service: READY=1 is sent once the
+# gate listens. Local changes: systemctl edit vllm-guardian-gate@<service>.
+[Unit]
+Description=vLLM Guardian admission gate for %i (holds requests across restarts and pressure)
+Documentation=https://github.com/vllm-guardian/vllm-guardian/blob/main/docs/gate.md
+# The guardian's drop-in per instance (vllm-guardian-gate@<service>.service.d) adds After= the
+# vLLM unit. Neither is required: the gate holds requests while vLLM or the guardian is away.
+After=network-online.target {guardian}
+Wants=network-online.target
+StartLimitIntervalSec=60
+StartLimitBurst=20
+
+[Service]
+# READY=1 once it listens, WATCHDOG=1 from its event loop, a STATUS= line, STOPPING=1.
+Type=notify
+NotifyAccess=main
+# The gate's loop beats every few seconds; 10 s without a beat means a wedged loop: restart.
+WatchdogSec=10s
+ExecStart={exec} gate -c {config} --service %i
+# Clients reconnect to a restarted gate; a gate that is not running refuses them all.
+Restart=always
+RestartSec=1s
+TimeoutStartSec=30s
+# SIGTERM: queued requests get 503 at once, in-flight ones the gate's shutdown_timeout_seconds.
+TimeoutStopSec=15s
+# Two descriptors per request in flight (client and vLLM), and requests held by the hundred.
+LimitNOFILE=65536
+
+User={user}
+Group={user}
+UMask=0077
+
+# Hardening. The gate needs only to read the config and to speak TCP to clients, vLLM and the
+# guardian (loopback or LAN): no devices, no bus, no journal, no other process.
+NoNewPrivileges=yes
+CapabilityBoundingSet=
+AmbientCapabilities=
+ProtectSystem=strict
+ProtectHome=yes
+PrivateTmp=yes
+PrivateDevices=yes
+DevicePolicy=closed
+PrivateUsers=yes
+ProtectProc=invisible
+ProcSubset=pid
+ProtectKernelTunables=yes
+ProtectKernelModules=yes
+ProtectKernelLogs=yes
+ProtectControlGroups=yes
+ProtectClock=yes
+ProtectHostname=yes
+RestrictNamespaces=yes
+RestrictRealtime=yes
+RestrictSUIDSGID=yes
+LockPersonality=yes
+MemoryDenyWriteExecute=yes
+RemoveIPC=yes
+KeyringMode=private
+SystemCallArchitectures=native
+SystemCallFilter=@system-service
+SystemCallFilter=~@privileged @resources
+SystemCallErrorNumber=EPERM
+# AF_NETLINK: glibc's getaddrinfo(AI_ADDRCONFIG) asks the kernel which addresses exist.
+RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+GATE_DROPIN = """\
+# Installed by `vllm-guardian install` for the gate of service {service}; removed by uninstall.
+[Unit]
+# Started after vLLM's unit (the gate holds requests while vLLM loads its model).
+After={unit}
+"""
+
 VLLM_DROPIN = """\
 # Installed by `vllm-guardian install` for {unit}; removed by `vllm-guardian uninstall`.
 [Unit]
@@ -204,6 +293,8 @@ m {user} systemd-journal
 CONFIG = """\
 # Written by `vllm-guardian install`; every key and its default: examples/config.yaml.
 # Check with: vllm-guardian check-config -c {config}
+# Clients send their requests to each service's gate (gate.listen; 0.0.0.0:PORT to serve other
+# hosts), which holds them while vLLM restarts or is under pressure, not to vLLM's own port.
 interval_seconds: 2
 listen: 127.0.0.1:9469
 services:
@@ -225,13 +316,29 @@ def service_name(unit: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "-", stem).strip("-.") or "vllm"
 
 
-def render(units: Sequence[str], exec_path: str = DEFAULT_EXEC) -> list[File]:
-    """Every file ``install`` writes for these vLLM units (the config is handled apart)."""
+def gate_unit(service: str) -> str:
+    """The gate's unit for a service: an instance of the template."""
+    return GATE_TEMPLATE.replace("@", f"@{service}")
+
+
+def render(
+    units: Sequence[str],
+    exec_path: str = DEFAULT_EXEC,
+    gated: Sequence[tuple[str, str | None]] = (),
+) -> list[File]:
+    """Every file ``install`` writes for these vLLM units (the config is handled apart).
+    ``gated``: (service, its vLLM unit or None) for each service with a ``gate:`` section."""
     files = [
         File(
             f"/etc/systemd/system/{GUARDIAN_UNIT}",
             GUARDIAN_SERVICE.format(
                 units=" ".join(units), exec=exec_path, config=CONFIG_PATH, user=USER
+            ),
+        ),
+        File(
+            f"/etc/systemd/system/{GATE_TEMPLATE}",
+            GATE_SERVICE.format(
+                guardian=GUARDIAN_UNIT, exec=exec_path, config=CONFIG_PATH, user=USER
             ),
         ),
         File(
@@ -247,15 +354,41 @@ def render(units: Sequence[str], exec_path: str = DEFAULT_EXEC) -> list[File]:
         )
         for u in units
     ]
+    files += [
+        File(
+            f"/etc/systemd/system/{gate_unit(svc)}.d/vllm-guardian.conf",
+            GATE_DROPIN.format(service=svc, unit=unit),
+        )
+        for svc, unit in gated
+        if unit is not None
+    ]
     return files
+
+
+def gate_port(units: Sequence[str], index: int) -> int:
+    """The written config's gate ports: right after the vLLM ports (vLLM :8000, gate :8001)."""
+    return 8000 + len(units) + index
 
 
 def render_config(units: Sequence[str]) -> str:
     services = "".join(
         f"  - name: {service_name(u)}\n    url: http://127.0.0.1:{8000 + i}\n    unit: {u}\n"
+        f"    gate:\n      listen: 127.0.0.1:{gate_port(units, i)}\n"
         for i, u in enumerate(units)
     )
     return CONFIG.format(config=CONFIG_PATH, services=services)
+
+
+def gated_services(
+    config_text: str, filename: str
+) -> tuple[list[tuple[str, str | None, str]], str | None]:
+    """(service, vLLM unit, gate listen) for each service with a ``gate:`` section, and a
+    warning when the config cannot be read (then no gate is set up)."""
+    try:
+        cfg = parse_config(config_text, filename)
+    except ConfigInvalid as e:
+        return [], f"{filename} is invalid, so no gate is set up from it:\n{e}"
+    return [(s.name, s.unit, s.gate.listen) for s in cfg.services if s.gate is not None], None
 
 
 def _under(prefix: Path, path: str) -> Path:
@@ -310,11 +443,29 @@ def _unit_warnings(prefix: Path, unit: str) -> list[str]:
     return [f"{unit} not found under {prefix}: install it (example: systemd/vllm.service)"]
 
 
+def _gates(prefix: Path, units: Sequence[str]) -> tuple[list[tuple[str, str | None, str]], bool]:
+    """The gated services from the config (written now or already there), and whether it exists."""
+    config = _under(prefix, CONFIG_PATH)
+    if not config.exists():
+        return gated_services(render_config(units), CONFIG_PATH)[0], False
+    try:
+        text = config.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        print(f"warning: cannot read {config} ({e}); no gate is set up", file=sys.stderr)
+        return [], True
+    gates, warning = gated_services(text, str(config))
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+    return gates, True
+
+
 def install(units: list[str], prefix: Path, dry_run: bool) -> int:
     live = _live(prefix)
-    files = render(units, _exec_path() if live else DEFAULT_EXEC)
+    gates, keep_config = _gates(prefix, units)
+    files = render(
+        units, _exec_path() if live else DEFAULT_EXEC, [(svc, unit) for svc, unit, _ in gates]
+    )
     config = _under(prefix, CONFIG_PATH)
-    keep_config = config.exists()
     if not keep_config:
         files.append(File(CONFIG_PATH, render_config(units), 0o644))
     for f in files:
@@ -344,23 +495,46 @@ def install(units: list[str], prefix: Path, dry_run: bool) -> int:
             print(f"warning: {w}", file=sys.stderr)
     if not ok:
         return 1
-    print(
-        "\nOne command left (starts the guardian now and at boot):\n"
-        f"  systemctl enable --now {GUARDIAN_UNIT}\n"
-        f"The drop-in applies to {', '.join(units)} from its next restart."
-    )
+    enable = " ".join([GUARDIAN_UNIT, *(gate_unit(svc) for svc, _, _ in gates)])
+    what = "the guardian and its gates" if gates else "the guardian"
+    lines = [
+        f"\nOne command left (starts {what} now and at boot):",
+        f"  systemctl enable --now {enable}",
+        f"The drop-in applies to {', '.join(units)} from its next restart.",
+    ]
+    lines += [
+        f"Clients of {svc}: send requests to its gate at {listen}." for svc, _, listen in gates
+    ]
+    if not gates:
+        lines.append(
+            "No service has a gate: section, so requests reach vLLM directly and fail while it "
+            "restarts; add one (docs/gate.md) and run install again."
+        )
+    print("\n".join(lines))
     return 0
 
 
 def uninstall(units: list[str], prefix: Path, dry_run: bool) -> int:
     live = _live(prefix)
     ok = True
+    systemd_dir = _under(prefix, "/etc/systemd/system")
+    # Every gate instance with our drop-in, and those the config names.
+    gates = {
+        p.parent.name.removesuffix(".d")
+        for p in systemd_dir.glob("vllm-guardian-gate@*.service.d/vllm-guardian.conf")
+    }
+    config = _under(prefix, CONFIG_PATH)
+    if config.is_file():
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            gates |= {
+                gate_unit(svc)
+                for svc, _, _ in gated_services(config.read_text(encoding="utf-8"), str(config))[0]
+            }
     if live:
-        ok &= _run(["systemctl", "disable", "--now", GUARDIAN_UNIT], dry_run)
+        ok &= _run(["systemctl", "disable", "--now", GUARDIAN_UNIT, *sorted(gates)], dry_run)
     paths = [f.path for f in render(units)]
     dropin_dirs = {str(Path(p).parent) for p in paths if p.endswith(".d/vllm-guardian.conf")}
     # Drop-ins for units installed earlier with another --unit are ours too.
-    systemd_dir = _under(prefix, "/etc/systemd/system")
     if systemd_dir.is_dir():
         for extra in sorted(systemd_dir.glob("*.service.d/vllm-guardian.conf")):
             rel = "/" + str(extra.relative_to(prefix))

@@ -22,6 +22,7 @@ class SourceKind(StrEnum):
     UNIT = "unit"
     LOGS = "logs"
     ALLOCATOR = "allocator"
+    GATE = "gate"
 
 
 @dataclass(frozen=True)
@@ -271,10 +272,40 @@ class AllocatorReading:
     unparsable_files: int = 0
 
 
+# --- the admission gate in front of a service -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GateObservation:
+    """The gate's own account of the requests it holds and forwards (its ``GET /gate/status``).
+
+    ``in_flight`` is what the gate has admitted to vLLM and not finished (the number a drain
+    waits on), ``queued`` what it holds back. Unreachable (down, wedged, not started) is an
+    observation too: ``reachable`` false, the numbers ``None`` and ``error`` saying why; a drain
+    must then not wait on it.
+    """
+
+    reachable: bool
+    in_flight: int | None = None
+    queued: int | None = None
+    open: bool | None = None  # admits new requests now; False: holding them
+    reason: str | None = None  # why it holds ("guardian: draining", "vLLM /health answers 503")
+    upstream_healthy: bool | None = None  # vLLM's /health as the gate last saw it
+    guardian_ready: bool | None = None  # our /ready/<service> as the gate last saw it
+    oldest_wait_seconds: float | None = None  # the head of the queue, now
+    held_total: int | None = None  # counters since the gate started
+    retried_total: int | None = None
+    rejected_total: int | None = None
+    error: str | None = None
+
+
 # --- one tick --------------------------------------------------------------------------------
 
 
-Payload = VllmScrape | HealthProbe | GpuReading | UnitState | LogReading | AllocatorReading
+Payload = (
+    VllmScrape | HealthProbe | GpuReading | UnitState | LogReading | AllocatorReading
+    | GateObservation
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -296,6 +327,7 @@ class ServiceSnapshot:
     unit: UnitState | None = None
     logs: LogReading | None = None
     allocator: AllocatorReading | None = None  # this service's processes; None: no plugin data
+    gate: GateObservation | None = None  # None: no gate configured for this service
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,7 @@ def diagnose(argv: Sequence[str]) -> int:
         return _emit(analyze(bundle, "bundle", thresholds), args.json, args.verbose)
     nvml = NvmlSourceConfig()
     socket: str | None = None
+    thresholds = diagnosis.Thresholds()  # --url alone: the shipped rules' numbers
     svc: ServiceConfig
     config_path = args.config or (
         DEFAULT_CONFIG_PATH if not args.url and Path(DEFAULT_CONFIG_PATH).exists() else None

@@ -39,10 +39,11 @@ from vllm_guardian.config import (
 from vllm_guardian.control import ControlError, request
 from vllm_guardian.core.budget import parse_launch_flags
 from vllm_guardian.diagnose.bundle import Bundle
+from vllm_guardian.gpu_state_format import ParsedStateFile, parse_state_file
 from vllm_guardian.model import GpuReading, UnitState
 from vllm_guardian.recorder import to_jsonable
 from vllm_guardian.redact import redact_text
-from vllm_guardian.sources.nvml import NvmlCollector, ParsedStateFile, parse_state_file
+from vllm_guardian.sources.nvml import NvmlCollector
 from vllm_guardian.sources.unit import UnitCollector
 
 Progress = Callable[[str], None]

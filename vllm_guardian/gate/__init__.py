@@ -7,12 +7,16 @@ a drain or restart in flight, vLLM not up) new requests wait in a bounded FIFO q
 reaching vLLM, and are released in order, at a bounded rate, once it admits work again; across
 a restart they are sent to the new instance. See docs/gate.md.
 
-Needs the ``gate`` extra (aiohttp, uvloop); nothing outside this package imports aiohttp, so
-the daemon runs without it.
+Run from the service's ``gate:`` section of the guardian's config (``vllm-guardian gate -c
+CONFIG --service NAME``, the unit ``vllm-guardian-gate@NAME.service``) or from flags. aiohttp
+and uvloop are dependencies of the package, but nothing outside this package imports them: the
+daemon reads the gate's ``GET /gate/status`` with the standard library
+(``vllm_guardian/sources/gate.py``).
 
 * ``admission.py`` — the queue, its bounds, the KV-need estimate (asyncio only);
 * ``follower.py`` — opens and closes the gate from the guardian's and vLLM's answers;
 * ``proxy.py`` — the pass-through, holds, retries and the gate's own error answers;
 * ``metrics.py`` — the ``vllm_guardian_gate_*`` series;
-* ``server.py`` — one gate assembled; ``cli.py`` — ``vllm-guardian gate``.
+* ``server.py`` — one gate assembled; ``cli.py`` — ``vllm-guardian gate`` (config, flags,
+  sd_notify).
 """

@@ -178,6 +178,7 @@ class Admission:
         self.kv_observed_used_tokens = 0.0
         self.committed_tokens = 0
         self.in_flight = 0
+        self.longest_wait_seconds = 0.0  # the longest any request has waited, since start
         self._queue: collections.OrderedDict[int, _Waiter] = collections.OrderedDict()
         self._ids = itertools.count()
         self._queued_tokens = 0
@@ -233,6 +234,13 @@ class Admission:
     def queued_tokens(self) -> int:
         return self._queued_tokens
 
+    @property
+    def oldest_wait_seconds(self) -> float:
+        """How long the request at the head of the queue has waited (0 when none waits)."""
+        for w in self._queue.values():
+            return max(0.0, self._now() - w.enqueued_monotonic)
+        return 0.0
+
     def kv_fits(self, cost: Cost) -> bool:
         cap = self.kv_capacity_tokens
         if not self.limits.kv_admission or cap is None or self.committed_tokens == 0:
@@ -283,7 +291,9 @@ class Admission:
                 self._remove(wid)
             raise
         finally:
-            self.metrics.wait_seconds.observe(self._now() - waiter.enqueued_monotonic)
+            waited = self._now() - waiter.enqueued_monotonic
+            self.metrics.wait_seconds.observe(waited)
+            self.longest_wait_seconds = max(self.longest_wait_seconds, waited)
         self.metrics.admitted.inc()
         return ticket
 

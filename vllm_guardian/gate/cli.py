@@ -1,13 +1,22 @@
 """``vllm-guardian gate``: run one admission gate in front of one vLLM server.
 
-Example (the guardian on its default address, vLLM on :8000, clients sent to :8001)::
+From the guardian's config (what the unit ``vllm-guardian-gate@NAME.service`` runs): the
+service's ``gate:`` section gives the settings, its ``url`` the upstream, the guardian's
+``listen`` the ``/ready/<service>`` to follow::
+
+    vllm-guardian gate -c /etc/vllm-guardian/config.yaml --service vllm
+
+Ad hoc, from flags only (the guardian on its default address, vLLM on :8000, clients on :8001)::
 
     vllm-guardian gate --listen 127.0.0.1:8001 --upstream http://127.0.0.1:8000 \\
         --guardian http://127.0.0.1:9469 --service vllm
 
-Runs on uvloop when it is installed (the ``gate`` extra brings it), on asyncio's loop if not.
-SIGTERM and SIGINT stop it: queued requests are answered 503, in-flight ones get
-``--shutdown-timeout`` seconds to finish.
+With both, a flag given on the command line overrides the config's value.
+
+Runs on uvloop when it is importable, on asyncio's loop if not. Under systemd (``Type=notify``)
+it sends ``READY=1`` once it listens, ``WATCHDOG=1`` from its event loop (a wedged loop stops
+them and systemd restarts it) and a ``STATUS=`` line. SIGTERM and SIGINT stop it: queued
+requests are answered 503, in-flight ones get ``--shutdown-timeout`` seconds to finish.
 """
 
 from __future__ import annotations
@@ -15,16 +24,49 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
+from vllm_guardian.config import ConfigInvalid, load_config
 from vllm_guardian.gate.admission import Limits
 from vllm_guardian.gate.proxy import ProxySettings
 from vllm_guardian.gate.server import Gate, GateSettings
+from vllm_guardian.sources.gate import connect_host
 
 log = logging.getLogger("vllm_guardian.gate")
+
+
+# The flags' defaults (also the config's GateConfig defaults, tested to agree).
+DEFAULTS: dict[str, Any] = {
+    "listen": ("127.0.0.1", 8001),
+    "guardian": None,
+    "service": "vllm",
+    "max_queue": 256,
+    "max_queued_tokens": 1_000_000,
+    "max_wait": 60.0,
+    "release_rate": 50.0,
+    "release_burst": 8,
+    "per_key_share": 0.0,
+    "key_header": "Authorization",
+    "retry_after": 2,
+    "kv_admission": "on",
+    "kv_reserve": 0.05,
+    "default_output_tokens": 256,
+    "max_body_bytes": 32 * 1024 * 1024,
+    "poll_interval": 0.1,
+    "kv_poll_interval": 0.5,
+    "metrics_path": "/metrics",
+    "shutdown_timeout": 5.0,
+    "log_level": "INFO",
+}
+
+
+class UsageError(Exception):
+    """Bad flags or config for the gate: one line that says what is wrong (exit 2)."""
 
 
 def _host_port(text: str) -> tuple[str, int]:
@@ -42,137 +84,187 @@ def _url(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # Defaults are SUPPRESS: only the flags actually given reach the namespace, so a flag can
+    # override the config while an absent one leaves the config's value (DEFAULTS otherwise).
     ap = argparse.ArgumentParser(
         prog="vllm-guardian gate",
         description="An admission gate in front of one vLLM server: holds requests in a bounded "
-        "queue while the guardian gates the service, and across restarts.",
+        "queue while the guardian gates the service, and across restarts. Settings come from the "
+        "service's gate: section in the guardian's config (-c, --service) or from the flags; a "
+        "flag given overrides the config.",
+        argument_default=argparse.SUPPRESS,
+    )
+    ap.add_argument(
+        "-c",
+        "--config",
+        help="the guardian's config; the gate of --service is read from its gate: section",
     )
     ap.add_argument(
         "--listen",
         type=_host_port,
-        default=("127.0.0.1", 8001),
         help="HOST:PORT (default 127.0.0.1:8001)",
     )
     ap.add_argument(
-        "--upstream", type=_url, required=True, help="vLLM's base URL, e.g. http://127.0.0.1:8000"
+        "--upstream",
+        type=_url,
+        help="vLLM's base URL, e.g. http://127.0.0.1:8000 (with -c: the service's url)",
     )
     ap.add_argument(
         "--guardian",
         type=_url,
-        help="the guardian's listen URL, e.g. http://127.0.0.1:9469 (default: follow vLLM's /health only)",
+        help="the guardian's listen URL, e.g. http://127.0.0.1:9469 (default: follow vLLM's /health only; with -c: the config's listen)",
     )
     ap.add_argument(
         "--service",
-        default="vllm",
         help="the service's name in the guardian's config (default vllm)",
     )
     q = ap.add_argument_group("queue")
     q.add_argument(
         "--max-queue",
         type=int,
-        default=256,
         help="requests waiting at most (default 256; 0: refuse at once while closed)",
     )
     q.add_argument(
         "--max-queued-tokens",
         type=int,
-        default=1_000_000,
         help="estimated prompt tokens waiting at most (default 1000000)",
     )
     q.add_argument(
         "--max-wait",
         type=float,
-        default=60.0,
         help="seconds a request waits at most before its 503 (default 60)",
     )
     q.add_argument(
         "--release-rate",
         type=float,
-        default=50.0,
         help="queued requests released per second at most (default 50; 0: no limit)",
     )
-    q.add_argument(
-        "--release-burst", type=int, default=8, help="of which this many at once (default 8)"
-    )
+    q.add_argument("--release-burst", type=int, help="of which this many at once (default 8)")
     q.add_argument(
         "--per-key-share",
         type=float,
-        default=0.0,
         help="share of the queue one key may hold, 0..1 (default 0: off); over it: 429",
     )
     q.add_argument(
         "--key-header",
-        default="Authorization",
         help="the header that names a client for --per-key-share (default Authorization)",
     )
     q.add_argument(
         "--retry-after",
         type=int,
-        default=2,
         help="Retry-After seconds on the gate's 503 and 429 (default 2)",
     )
     k = ap.add_argument_group("KV-need admission")
     k.add_argument(
         "--kv-admission",
         choices=("on", "off"),
-        default="on",
         help="admit a request only if prompt + max_tokens fits in the free KV pool (on by default; needs vLLM's cache_config_info)",
     )
-    k.add_argument(
-        "--kv-reserve", type=float, default=0.05, help="share of the pool kept free (default 0.05)"
-    )
+    k.add_argument("--kv-reserve", type=float, help="share of the pool kept free (default 0.05)")
     k.add_argument(
         "--default-output-tokens",
         type=int,
-        default=256,
         help="output tokens assumed when a request sets no max_tokens (default 256)",
     )
     o = ap.add_argument_group("other")
     o.add_argument(
         "--max-body-bytes",
         type=int,
-        default=32 * 1024 * 1024,
         help="largest request body (default 32 MiB; over it: 413)",
     )
     o.add_argument(
         "--poll-interval",
         type=float,
-        default=0.1,
         help="seconds between polls of /ready and /health (default 0.1)",
     )
     o.add_argument(
         "--kv-poll-interval",
         type=float,
-        default=0.5,
         help="seconds between reads of vLLM's /metrics (default 0.5)",
     )
     o.add_argument(
         "--metrics-path",
-        default="/metrics",
         help="where the gate serves its own metrics (default /metrics; vLLM's /metrics is then reached on vLLM itself)",
     )
     o.add_argument(
         "--shutdown-timeout",
         type=float,
-        default=5.0,
         help="seconds in-flight requests get on SIGTERM (default 5)",
     )
-    o.add_argument("--log-level", default="INFO")
+    o.add_argument("--log-level", help="DEBUG, INFO (default), WARNING, ERROR")
     return ap  # fmt: skip
 
 
+def _guardian_url(listen: tuple[str, int]) -> str:
+    """The URL to reach the guardian's listener from this host (a wildcard means loopback)."""
+    host = connect_host(listen[0])
+    return f"http://[{host}]:{listen[1]}" if ":" in host else f"http://{host}:{listen[1]}"
+
+
+def values_from_config(path: str, service: str) -> dict[str, Any]:
+    """The flags' values for ``service`` from the guardian's config (raises UsageError)."""
+    try:
+        cfg = load_config(path)
+    except ConfigInvalid as e:
+        raise UsageError(f"the config is invalid:\n{e}") from None
+    svc = cfg.service(service)
+    if svc is None:
+        names = ", ".join(s.name for s in cfg.services)
+        raise UsageError(f"{path} has no service {service!r} (its services: {names})")
+    g = svc.gate
+    if g is None:
+        raise UsageError(
+            f"service {service!r} in {path} has no gate: section (add one, docs/gate.md)"
+        )
+    return {
+        "listen": g.listen_address,
+        "upstream": svc.url.rstrip("/"),
+        "guardian": _guardian_url(cfg.listen_address) if g.follow_guardian else None,
+        "service": svc.name,
+        "max_queue": g.max_queue_requests,
+        "max_queued_tokens": g.max_queued_tokens,
+        "max_wait": g.max_wait_seconds,
+        "release_rate": g.release_rate_per_second,
+        "release_burst": g.release_burst,
+        "per_key_share": g.per_key_share_ratio,
+        "key_header": g.key_header,
+        "retry_after": g.retry_after_seconds,
+        "kv_admission": "on" if g.kv_admission else "off",
+        "kv_reserve": g.kv_reserve_ratio,
+        "default_output_tokens": g.default_output_tokens,
+        "max_body_bytes": g.max_body_bytes,
+        "poll_interval": g.poll_interval_seconds,
+        "kv_poll_interval": g.kv_poll_interval_seconds,
+        "metrics_path": g.metrics_path,
+        "shutdown_timeout": g.shutdown_timeout_seconds,
+    }
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """DEFAULTS, then the config's gate section (with -c), then the flags given."""
+    given = dict(vars(args))
+    values = dict(DEFAULTS)
+    config = given.pop("config", None)
+    if config is not None:
+        values.update(values_from_config(config, given.get("service", DEFAULTS["service"])))
+    values.update(given)
+    if values.get("upstream") is None:
+        raise UsageError("--upstream is required without -c CONFIG")
+    return argparse.Namespace(**values)
+
+
 def settings_from_args(args: argparse.Namespace) -> GateSettings:
+    """Settings from the parsed command line (after :func:`resolve`); raises UsageError."""
+    args = resolve(args)
     host, port = args.listen
     for name, value in (("--max-queue", args.max_queue), ("--max-queued-tokens", args.max_queued_tokens),
                         ("--release-burst", args.release_burst), ("--max-body-bytes", args.max_body_bytes)):  # fmt: skip
         if value < 0:
-            raise SystemExit(f"vllm-guardian gate: {name} must be >= 0")
+            raise UsageError(f"{name} must be >= 0")
     if not 0 <= args.per_key_share <= 1 or not 0 <= args.kv_reserve < 1:
-        raise SystemExit(
-            "vllm-guardian gate: --per-key-share and --kv-reserve are ratios in [0, 1)"
-        )
+        raise UsageError("--per-key-share and --kv-reserve are ratios in [0, 1)")
     if args.max_wait <= 0 or args.poll_interval <= 0 or args.kv_poll_interval <= 0:
-        raise SystemExit("vllm-guardian gate: --max-wait and the poll intervals must be > 0")
+        raise UsageError("--max-wait and the poll intervals must be > 0")
     return GateSettings(
         proxy=ProxySettings(
             upstream=args.upstream,
@@ -204,10 +296,49 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     try:
-        import uvloop  # noqa: PLC0415 (optional: the gate extra brings it)
+        import uvloop  # noqa: PLC0415 (a dependency, except on Windows)
     except ImportError:
         return None
     return uvloop.new_event_loop
+
+
+class _Notifier:
+    """sd_notify for the gate: silent without NOTIFY_SOCKET; the watchdog period from systemd."""
+
+    def __init__(self) -> None:
+        self._impl: Any = None
+        if os.environ.get("NOTIFY_SOCKET"):
+            import sdnotify  # noqa: PLC0415  # only under systemd
+
+            self._impl = sdnotify.SystemdNotifier()
+        usec = os.environ.get("WATCHDOG_USEC", "")
+        wpid = os.environ.get("WATCHDOG_PID")
+        ours = not wpid or wpid == str(os.getpid())
+        self.watchdog_seconds = (
+            int(usec) / 1e6 if usec.isdigit() and int(usec) > 0 and ours else None
+        )
+
+    def notify(self, state: str) -> None:
+        if self._impl is not None:
+            self._impl.notify(state)
+
+
+def status_line(gate: Gate) -> str:
+    st = gate.proxy.status() if gate.proxy is not None else {}
+    state = "open" if st.get("open") else f"held ({st.get('reason', '?')})"
+    return (f"{state}; in flight {st.get('in_flight', 0)}, queued {st.get('queue_depth', 0)}")[:400]
+
+
+async def _heartbeat(gate: Gate, notifier: _Notifier) -> None:
+    """WATCHDOG=1 and STATUS= from the event loop itself: a wedged loop stops both, and
+    systemd's WatchdogSec= restarts the gate."""
+    period = notifier.watchdog_seconds / 3 if notifier.watchdog_seconds else 5.0
+    while True:
+        msgs = [f"STATUS={status_line(gate)}"]
+        if notifier.watchdog_seconds:
+            msgs.append("WATCHDOG=1")
+        notifier.notify("\n".join(msgs))
+        await asyncio.sleep(min(period, 5.0))
 
 
 async def _serve(settings: GateSettings) -> None:
@@ -216,28 +347,54 @@ async def _serve(settings: GateSettings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     gate = Gate(settings)
-    await gate.start()
+    notifier = _Notifier()
+    try:
+        await gate.start()
+    except OSError as e:
+        await gate.stop()
+        raise UsageError(
+            f"cannot listen on {settings.listen_host}:{settings.listen_port}: {e.strerror or e}"
+        ) from None
     log.info(
         "gate for %s on %s:%d -> %s (guardian %s)",
         settings.proxy.service, settings.listen_host, gate.port, settings.proxy.upstream,
         settings.guardian or "none",
     )  # fmt: skip
+    notifier.notify(f"READY=1\nSTATUS={status_line(gate)}")
+    beat = loop.create_task(_heartbeat(gate, notifier), name="gate-heartbeat")
     try:
         await stop.wait()
     finally:
+        notifier.notify("STOPPING=1")
+        beat.cancel()
+        await asyncio.gather(beat, return_exceptions=True)
         await gate.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit 0 after SIGTERM/SIGINT, 2 for bad flags or config, 1 when it cannot listen."""
     args = build_parser().parse_args(argv)
+    try:
+        args = resolve(args)
+    except UsageError as e:
+        print(f"vllm-guardian gate: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=str(args.log_level).upper(),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(message)s",
     )
-    settings = settings_from_args(args)
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        runner.run(_serve(settings))
+    try:
+        settings = settings_from_args(args)
+    except UsageError as e:
+        print(f"vllm-guardian gate: {e}", file=sys.stderr)
+        return 2
+    try:
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
+            runner.run(_serve(settings))
+    except UsageError as e:
+        print(f"vllm-guardian gate: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

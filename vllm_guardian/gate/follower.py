@@ -61,6 +61,10 @@ class Follower:
         self._timeout = aiohttp.ClientTimeout(total=max(1.0, 5 * poll_interval_seconds))
         self._tasks: list[asyncio.Task[None]] = []
         self.polls = 0
+        # The last answers, for GET /gate/status: None until asked (or, for the guardian,
+        # when there is none to follow or it did not answer).
+        self.upstream_healthy: bool | None = None
+        self.guardian_ready: bool | None = None
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -84,6 +88,8 @@ class Follower:
     async def poll_once(self) -> None:
         (healthy, why), verdict = await asyncio.gather(self._health(), self._guardian_ready())
         self.polls += 1
+        self.upstream_healthy = healthy
+        self.guardian_ready = verdict[0] if verdict is not None else None
         if self._suspect_until is not None:
             if healthy and time.monotonic() >= self._suspect_until:
                 self._suspect_until = None

@@ -132,5 +132,17 @@ class GateMetrics:
     def set_open(self, open_: bool) -> None:
         self._open.set(1.0 if open_ else 0.0)
 
+    def total(self, name: str) -> int:
+        """A counter's value summed over its labels, e.g. ``total("held")``."""
+        value = 0.0
+        for family in self.registry.collect():
+            if family.name == f"{NS}_{name}":
+                value += sum(
+                    s.value
+                    for s in family.samples
+                    if s.name.endswith("_total") and s.labels.get("service") == self._service
+                )
+        return int(value)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

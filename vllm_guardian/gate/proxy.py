@@ -144,7 +144,8 @@ class GateProxy:
             self.open_exchanges -= 1
 
     def status(self) -> dict[str, object]:
-        a = self.admission
+        """``GET /gate/status``: what the guardian's gate source reads (docs/gate.md, "Status")."""
+        a, m = self.admission, self.metrics
         return {
             "service": self.s.service,
             "open": a.open,
@@ -155,6 +156,14 @@ class GateProxy:
             "kv_committed_tokens": a.committed_tokens,
             "kv_capacity_tokens": a.kv_capacity_tokens,
             "open_exchanges": self.open_exchanges,
+            "upstream_healthy": self.follower.upstream_healthy,
+            "guardian_ready": self.follower.guardian_ready,
+            "oldest_wait_seconds": round(a.oldest_wait_seconds, 3),
+            "longest_wait_seconds": round(a.longest_wait_seconds, 3),
+            "admitted_total": m.total("admitted"),
+            "held_total": m.total("held"),
+            "retried_total": m.total("retried"),
+            "rejected_total": m.total("rejected"),
         }
 
     async def _exchange(self, request: web.BaseRequest) -> web.StreamResponse:

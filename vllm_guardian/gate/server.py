@@ -74,9 +74,14 @@ class Gate:
         server = web.Server(self.proxy.handle, handler_cancellation=True, access_log=None)
         self._runner = web.ServerRunner(server, shutdown_timeout=s.shutdown_timeout_seconds)
         await self._runner.setup()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        family = socket.AF_INET6 if ":" in s.listen_host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((s.listen_host, s.listen_port))
+        try:
+            sock.bind((s.listen_host, s.listen_port))
+        except OSError:
+            sock.close()
+            raise
         self.port = int(sock.getsockname()[1])
         site = web.SockSite(self._runner, sock, backlog=1024)
         await site.start()

@@ -27,6 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType
 from typing import Any
 
+from vllm_guardian.gpu_state_format import build_state
 from vllm_guardian.sim.engine import (
     ENGINE_DEAD_MESSAGE,
     VLLM_VERSION,
@@ -48,7 +49,6 @@ from vllm_guardian.sim.gpu_state import (
     GpuProcess,
     GpuReading,
     Xid,
-    build_state,
     read_previous_xids,
     write_state_atomically,
 )

@@ -7,6 +7,7 @@ from vllm_guardian.clock import Clock
 from vllm_guardian.config import Config
 from vllm_guardian.sources.allocator import AllocatorCollector
 from vllm_guardian.sources.base import Collector
+from vllm_guardian.sources.gate import GateCollector
 from vllm_guardian.sources.health import HealthCollector
 from vllm_guardian.sources.logs import LogsCollector
 from vllm_guardian.sources.nvml import NvmlCollector
@@ -25,6 +26,8 @@ def build_collectors(cfg: Config, clock: Clock) -> list[Collector]:
             out.append(UnitCollector(svc, src.unit))
         if src.logs.enabled and (svc.unit or svc.log_file):
             out.append(LogsCollector(svc, src.logs, clock))
+        if svc.gate is not None:
+            out.append(GateCollector(svc, svc.gate, src.gate))
     if src.nvml.enabled:
         out.append(NvmlCollector(src.nvml, clock, interval_seconds=cfg.interval_seconds))
     if src.allocator.enabled:
