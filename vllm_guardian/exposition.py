@@ -752,6 +752,13 @@ def _make_handler(server: ExpositionServer) -> type[BaseHTTPRequestHandler]:
                 if gate is None:
                     body = json.dumps({"error": f"unknown service {name!r}"}).encode()
                     self._send(404, body, "application/json")
+                elif server.collector.last_tick_monotonic() is None:
+                    # Nothing observed yet: not ready (a pod's readiness probe must not pass
+                    # before the guardian has seen vLLM serve).
+                    body = json.dumps(
+                        {"service": name, "ready": False, "reason": "starting: no tick yet"}
+                    ).encode()
+                    self._send(503, body, "application/json")
                 else:
                     body = json.dumps(
                         {"service": name, "ready": gate.ready, "reason": gate.reason}
