@@ -202,3 +202,54 @@ def test_the_pod_as_processes(tmp_path: Path) -> None:
     with socket.socket() as s:  # vLLM stopped with the guardian: nothing on its port
         assert s.connect_ex(("127.0.0.1", vllm_port)) != 0
     print(f"SIGTERM to exit: {stopped_in:.1f}s")
+
+
+# --- GPU memory in a container: NVML's pids are the host's ------------------------------------
+
+GIB = 1024**3
+
+
+def _gpu_case(
+    by_device: bool, gpus: tuple[int, ...] | None
+) -> tuple[list[int], int | None, int | None]:
+    from vllm_guardian.config import ServiceConfig
+    from vllm_guardian.core.signals import _gpu_signals, _service_gpus
+    from vllm_guardian.model import GpuDevice, GpuProcess, UnitState
+
+    # vLLM is pid 7 in the pod; NVML names it by its host pid 48213, which /proc here lacks.
+    device = GpuDevice(0, "GPU-1", "H100", 80 * GIB, 70 * GIB, 10 * GIB, processes=(GpuProcess(48213, 69 * GIB),))  # fmt: skip
+    unit = UnitState("vllm", "active", "running", "success", 7, 0, 0, None, None, None, (7,))
+    svc = ServiceConfig(name="vllm", gpus=gpus, gpu_memory_by_device=by_device)
+    devices = _service_gpus([device], svc, unit)
+    signals = _gpu_signals(devices, unit, 0.9, svc.gpu_memory_by_device)
+    mine = sum(g.service_memory_bytes or 0 for g in signals) if signals else None
+    other = sum(g.other_memory_bytes or 0 for g in signals) if signals else None
+    return [d.index for d in devices], mine, other
+
+
+@pytest.mark.parametrize(
+    ("by_device", "gpus", "expected"),
+    [
+        (False, None, ([], None, None)),  # by process, auto: vLLM's GPU is not even found
+        (False, (0,), ([0], 0, 69 * GIB)),  # by process, listed: vLLM counted as "another process"
+        (True, None, ([0], 70 * GIB, 0)),  # by device (the chart): the pod's GPU, all its memory
+        (True, (0,), ([0], 70 * GIB, 0)),
+    ],
+    ids=["process-auto", "process-listed", "device-auto", "device-listed"],
+)
+def test_gpu_memory_by_device_in_a_container(
+    by_device: bool,
+    gpus: tuple[int, ...] | None,
+    expected: tuple[list[int], int | None, int | None],
+) -> None:
+    assert _gpu_case(by_device, gpus) == expected
+
+
+def test_status_says_memory_is_attributed_by_device() -> None:
+    from vllm_guardian.cli import render_status
+
+    svc = {"service": "vllm", "service_memory_bytes": 70 * GIB, "gpu_memory_by_device": True}
+    text = render_status({"version": "x", "signals": {"services": [svc]}})
+    assert "GPU memory (by device: NVML's host pids are not visible here): service 70.0 GiB" in text
+    del svc["gpu_memory_by_device"]
+    assert "by device" not in render_status({"version": "x", "signals": {"services": [svc]}})

@@ -164,6 +164,10 @@ class ServiceConfig:
     unit: str | None = field(default=None, metadata=_bounds(check=_check_unit))
     # GPU indices the service uses; None ("auto") = the GPUs its processes hold memory on.
     gpus: tuple[int, ...] | None = field(default=None, metadata=_bounds(0, 1023))
+    # In a container NVML reports host pids the guardian cannot see, so its processes are not
+    # found: true attributes all memory on the service's GPUs (with gpus auto: every GPU the
+    # guardian sees, i.e. the pod's own) to the service. The Helm chart sets it.
+    gpu_memory_by_device: bool = False
     # A plain log file to follow instead of the unit's journal (vLLM run outside systemd).
     log_file: str | None = None
     # The vLLM command (argument list, no shell) for policy.backend "process": the guardian

@@ -38,6 +38,7 @@ command, where state lives, the process backend); guardian.config is merged over
     "name" "vllm"
     "url" (printf "http://127.0.0.1:%d" (int .Values.vllm.port))
     "gpus" "auto"
+    "gpu_memory_by_device" true
     "log_file" "/var/lib/vllm-guardian/vllm.log"
     "command" (concat (list "vllm" "serve" .Values.model.path "--host" $host "--port" (toString .Values.vllm.port)) .Values.vllm.args)
   ))
