@@ -330,8 +330,11 @@ def test_probes_ask_the_guardian_never_vllms_health(objects: list[dict[str, Any]
 def test_the_grace_period_covers_the_drain(objects: list[dict[str, Any]]) -> None:
     spec = pod_spec(objects)
     cfg = guardian_config(objects)
-    # The guardian gives vLLM drain_timeout_seconds + 30 s before SIGKILL (healing.py).
-    assert spec["terminationGracePeriodSeconds"] > cfg["policy"]["drain_timeout_seconds"] + 30
+    # preStop, then the guardian gives vLLM drain_timeout_seconds + 30 s before SIGKILL
+    # (healing.py); the grace period covers both.
+    sleep = int(container(spec, "vllm")["lifecycle"]["preStop"]["exec"]["command"][1])
+    drain = cfg["policy"]["drain_timeout_seconds"]
+    assert spec["terminationGracePeriodSeconds"] > sleep + drain + 30
 
 
 def test_the_pdb_covers_exactly_the_models_pods(objects: list[dict[str, Any]]) -> None:
