@@ -539,3 +539,35 @@ print(json.dumps(out))
     conflicting = {name: got[0] for name, got in seen.items() if got is not None and not got[1]}
     assert conflicting == {}, "the install would move these vLLM packages"
     assert missing <= ADDED_TO_VLLM_IMAGE, f"the image's pip install adds {missing}"
+
+
+def test_the_images_pip_install_moves_no_vllm_package(tmp_path: Path) -> None:
+    """The Dockerfile's `pip install 'vllm-guardian[gate,k8s]'`, resolved by pip itself
+    (--dry-run, offline) in vLLM 0.32's environment with this checkout's wheel: what it would
+    install must all be new there; not one of vLLM's packages is upgraded or downgraded."""
+    venv = CACHE / "vllm-0.32.0"
+    wheels = CACHE / "image-wheels"
+    ours = sorted(wheels.glob("vllm_guardian-*.whl")) if wheels.exists() else []
+    if not (venv / "bin" / "python").exists() or not ours:
+        if os.environ.get("VLLM_GUARDIAN_REQUIRE_VLLM"):
+            pytest.fail(f"{venv} or {wheels} missing (scripts/vllm-setup, scripts/test)")
+        pytest.skip("vLLM's venv or the image wheels not there (scripts/test builds them)")
+    report = tmp_path / "report.json"
+    proc = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "--dry-run", "--quiet",
+         "--disable-pip-version-check", "--no-index", "--find-links", str(wheels),
+         "--report", str(report), f"vllm-guardian[gate,k8s] @ {ours[-1].as_uri()}"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    adds = {i["metadata"]["name"].lower() for i in json.loads(report.read_text())["install"]}
+    listing = subprocess.run(
+        [str(venv / "bin" / "python"), "-c",
+         "import importlib.metadata as m; print('\\n'.join(d.metadata['Name'] for d in m.distributions()))"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    present = {n.strip().lower() for n in listing.stdout.splitlines() if n.strip()}
+    moved = (adds & present) - {"vllm-guardian"}
+    print("the image's pip install adds:", sorted(adds))
+    assert moved == set(), "the install would replace these packages of vLLM's environment"
+    assert {"sdnotify", "nvidia-ml-py", "lightkube"} <= adds | present
