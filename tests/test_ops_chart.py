@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -571,3 +572,26 @@ def test_the_images_pip_install_moves_no_vllm_package(tmp_path: Path) -> None:
     print("the image's pip install adds:", sorted(adds))
     assert moved == set(), "the install would replace these packages of vLLM's environment"
     assert {"sdnotify", "nvidia-ml-py", "lightkube"} <= adds | present
+
+
+def test_the_readmes_kubernetes_steps_work_as_written(tmp_path: Path) -> None:
+    """README "Run on Kubernetes", step 2, run as written (with the example values as
+    my-values.yaml), up to the step that needs a cluster."""
+    readme = (ROOT / "README.md").read_text()
+    step = readme.split("2. **Values**", 1)[1].split("3. **Install**", 1)[0]
+    block = step.split("```sh", 1)[1].split("```", 1)[0]
+    commands = [line.split("#", 1)[0].strip() for line in block.strip().splitlines()]
+    assert [c.split()[0] for c in commands] == ["helm", "helm", "kubernetes-validate"]
+    (tmp_path / "charts").symlink_to(ROOT / "charts")
+    (tmp_path / "my-values.yaml").write_text(EXAMPLE.read_text())
+    tools = os.pathsep.join([str(Path(helm()).parent), str(Path(sys.executable).parent)])
+    env = {**os.environ, "PATH": tools + os.pathsep + os.environ.get("PATH", "")}
+    kubernetes_validate()  # present (or skipped/failed as the other checks)
+    for command in commands:
+        proc = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", command],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, f"{command}\n{proc.stdout}{proc.stderr}"
+    rendered = (tmp_path / "llama.yaml").read_text()
+    assert "kind: Deployment" in rendered and "llama-3-1-8b" in rendered
