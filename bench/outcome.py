@@ -1,37 +1,64 @@
-"""The outcome benchmark: what happens to users' requests under three operators, on the vLLM twin.
+"""The outcome benchmark: what happens to users' requests under five operators, on the vLLM twin.
 
-Run: .venv/bin/python bench/outcome.py [--quick] [--speed 4] [--duration 90] [--scenarios a,b]
+Run (the full matrix, about three hours on a quiet 2-core host)::
 
-For each failure scenario and a ``steady`` control, the same seeded load runs against the twin
-under:
+    .venv/bin/python bench/outcome.py --seeds 7,8,9
 
-* **unguarded** — the twin under a supervisor that restarts it like systemd ``Restart=always``;
-* **threshold sidecar** — the runbook pattern: poll ``/metrics`` every 30 s, count an event when
+``--quick`` is a CI smoke run (three scenarios, one seed, short windows) that asserts nothing
+numeric; ``--scenarios``, ``--operators``, ``--seeds``, ``--duration`` narrow a run.
+
+For each failure scenario, the ``kv_thrash`` overload and two healthy controls (``steady``,
+``prefix_cache_waste``), the same seeded load (mixed: half the requests stream) runs against
+the twin under:
+
+* **unguarded** — a supervisor that restarts vLLM like systemd ``Restart=always``;
+* **unguarded-on-failure** — ``Restart=on-failure``, the common unit setting: vLLM's exit 0 after
+  an engine death leaves it down;
+* **sidecar** — the runbook's threshold loop: poll ``/metrics`` every 30 s, count an event when
   KV usage > 0.95 or waiting > 2 × running, and after 3 events in 5 minutes wait up to 60 s for
-  running requests to reach 0, then restart with the same flags;
-* **vllm-guardian** — its shipped rules and policy defaults, armed (``dry_run: false``).
+  running requests to reach 0, then restart with the same flags (under ``Restart=always``);
+* **guardian** — vllm-guardian with its shipped rules and policy defaults, armed
+  (``dry_run: false``), supervising vLLM; the load goes straight to vLLM;
+* **guardian+gate** — the deployed form: the same guardian with the service's ``gate:`` section,
+  and ``vllm-guardian gate -c CONFIG --service vllm`` in front of vLLM (as its unit runs it),
+  following the guardian's ``/ready``; the load goes to the gate.
 
 The twin runs ``--speed`` times faster than real time, so every operator's clock (the sidecar's
-intervals, the guardian's tick, windows, ``for`` durations, cooldowns, timeouts) is divided by
-the same factor: each sees the incident at the pace it would in production.
+intervals, the guardian's tick, windows, ``for`` durations, cooldowns, timeouts, the gate's
+waits) is divided by the same factor. The twin's one-off faults (hang, death) sit on the run's
+timeline (``--sim-timeline-file``): a restarted vLLM does not meet them again; memory-driven
+OOMs recur while their cause persists. Every request sent gets its whole 30 s time bound.
 
-Reported per scenario and operator: requests sent, failed (HTTP, stream or connection error,
-timeout), failed %, downtime (seconds ``/health`` did not answer 200 after first becoming ready),
-goodput (generated tokens per second of successful requests), p99 latency of successful requests,
-actions taken and final flags. Written to ``bench/results/outcome.md`` (+ ``outcome.json`` and
-``outcome.png`` when matplotlib is installed). Nothing here asserts a number.
+Per run: sent, failed (HTTP, stream or connection error, timeout), failed split into *in flight
+at a fault* / *arrived during an outage* (fault → serving again) / *other* (after recovery, or
+with no fault at all), time to detect (first fault → the operator's first action or vLLM's restart), time to
+recover (first fault → the first request sent after it that succeeds), downtime (``/health``
+not 200 after first ready), goodput (tokens/s of successful requests), p50/p99 latency, p50/p99
+TTFT of successful streams, OOM crashes, actions, final flags, alerts fired. Each cell
+(scenario × operator) runs once per seed: the report gives the median and min–max, and the
+host's load average before and after the cell (``busy`` when it exceeds the core count).
+
+Writes ``outcome.md``, ``outcome.json`` and ``outcome.svg`` (failed % per cell, bars at the
+median, whiskers min–max) to ``--out`` (default ``bench/results``; ``-quick`` suffixed for
+``--quick``). Verdicts per scenario are printed and written, never asserted.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import json
+import os
+import random
+import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,48 +71,117 @@ sys.path.insert(0, str(ROOT))
 from vllm_guardian.actuators import flags as flagsfile  # noqa: E402
 from vllm_guardian.actuators.alerts import default_rules_text  # noqa: E402
 from vllm_guardian.actuators.procmgr import Supervisor  # noqa: E402
-from vllm_guardian.config import PolicyConfig, SignalsConfig, parse_config  # noqa: E402
+from vllm_guardian.config import GateConfig, PolicyConfig, SignalsConfig, parse_config  # noqa: E402
 from vllm_guardian.core.alerting import parse_rules  # noqa: E402
 from vllm_guardian.daemon import Guardian  # noqa: E402
 from vllm_guardian.demo import free_port  # noqa: E402
-from vllm_guardian.sim.load import OutcomeKind, RequestOutcome, plan_requests, run_load  # noqa: E402
+from vllm_guardian.sim.load import (  # noqa: E402
+    OutcomeKind,
+    PlannedRequest,
+    RequestOutcome,
+    plan_requests,
+    run_load,
+)
 from vllm_guardian.sim.scenarios import SCENARIOS  # noqa: E402
+from vllm_guardian.sim.timeline import read_timeline  # noqa: E402
 from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics  # noqa: E402
 
-FAILURES = ("prefill_burst", "kv_thrash", "fragmentation_creep", "noisy_neighbour", "exit_zero_death", "engine_hang",
-            "prefix_cache_waste")  # fmt: skip
-ALL = (*FAILURES, "steady")
+FAILURES = (
+    "prefill_burst",
+    "fragmentation_creep",
+    "noisy_neighbour",
+    "exit_zero_death",
+    "engine_hang",
+)
+OVERLOAD = ("kv_thrash",)
+CONTROLS = ("steady", "prefix_cache_waste")
+ALL = (*FAILURES, *OVERLOAD, *CONTROLS)
 QUICK = ("prefill_burst", "exit_zero_death", "steady")
-OPERATORS = ("unguarded", "sidecar", "guardian")
-SEED = 7
-FAILED = {OutcomeKind.HTTP_ERROR, OutcomeKind.STREAM_ERROR, OutcomeKind.INCOMPLETE, OutcomeKind.CONNECTION_ERROR,
-          OutcomeKind.TIMEOUT}  # fmt: skip
+OPERATORS = ("unguarded", "unguarded-on-failure", "sidecar", "guardian", "guardian+gate")
+SEEDS = (7, 8, 9)
+STREAM_SHARE = 0.5
+REQUEST_TIMEOUT_SECONDS = 30.0
+OVER_CAPACITY_ALERT = "VllmOverCapacity"
+# The twin dates a fault by its engine clock, which runs up to one step (milliseconds) ahead
+# of the wall clock: a request failed by the fault can end that much "before" it.
+FAULT_SLACK_SECONDS = 0.1
+FAILED = {OutcomeKind.HTTP_ERROR, OutcomeKind.STREAM_ERROR, OutcomeKind.INCOMPLETE,
+          OutcomeKind.CONNECTION_ERROR, OutcomeKind.TIMEOUT}  # fmt: skip
 
 
 @dataclasses.dataclass
-class Row:
+class Run:
+    """One run: one scenario, one operator, one seed."""
+
     scenario: str
     operator: str
+    seed: int
     sent: int = 0
     failed: int = 0
+    failed_in_flight: int = 0
+    failed_during_outage: int = 0
+    failed_other: int = 0
+    faults: int = 0
+    oom_crashes: int = 0
+    time_to_detect_seconds: float | None = None
+    time_to_recover_seconds: float | None = None
     downtime_seconds: float = 0.0
     goodput_tokens_per_second: float = 0.0
+    p50_latency_seconds: float | None = None
     p99_latency_seconds: float | None = None
-    actions: list[str] = dataclasses.field(default_factory=list)
+    p50_ttft_seconds: float | None = None
+    p99_ttft_seconds: float | None = None
+    actions: list[str] = dataclasses.field(default_factory=list)  # the operator's decisions
+    restarts: int = 0  # times vLLM was started again (by an action or by its supervisor)
+    alerts_fired: list[str] = dataclasses.field(default_factory=list)
     final_flags: str = ""
+    wall_seconds: float = 0.0
 
     @property
     def failed_pct(self) -> float:
         return 100.0 * self.failed / self.sent if self.sent else 0.0
 
 
-def twin_command(scenario: str, port: int, speed: float, gpu_state: Path) -> list[str]:
+# --- the operators ------------------------------------------------------------------------------
+
+
+def twin_command(
+    scenario: str, port: int, speed: float, seed: int, workdir: Path, fault_every: float | None
+) -> list[str]:
+    every = [] if fault_every is None else ["--sim-fault-every", f"{fault_every:g}"]
     return [
         sys.executable, "-m", "vllm_guardian.sim", "serve", "--host", "127.0.0.1", "--port", str(port),
         "--served-model-name", "bench", "--shutdown-timeout", "10", "--sim-scenario", scenario,
-        "--sim-speed", f"{speed:g}", "--sim-seed", str(SEED), "--sim-gpu-state-file", str(gpu_state),
+        "--sim-speed", f"{speed:g}", "--sim-seed", str(seed),
+        "--sim-gpu-state-file", str(workdir / "gpu.json"),
         "--sim-gpu-state-interval-seconds", f"{max(0.25, 1.0 / speed):g}",
+        "--sim-timeline-file", str(workdir / "timeline.json"), *every,
     ]  # fmt: skip
+
+
+class StartWatch:
+    """Notes when a supervisor starts vLLM again (its ``starts`` count grows), every 0.1 s."""
+
+    def __init__(self, sup: Supervisor) -> None:
+        self.sup = sup
+        self.restarts_unix_seconds: list[float] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        seen = self.sup.starts
+        while not self._stop.wait(0.1):
+            now = self.sup.starts
+            self.restarts_unix_seconds += [time.time()] * max(0, now - max(seen, 1))
+            seen = max(seen, now)
+
+    def __enter__(self) -> StartWatch:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join(timeout=5)
 
 
 class HealthWatch:
@@ -133,7 +229,7 @@ class Sidecar:
         self.window = 300.0 / speed
         self.wait = 60.0 / speed
         self.events: collections.deque[float] = collections.deque()
-        self.actions: list[str] = []
+        self.actions: list[tuple[float, str]] = []
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
 
@@ -161,6 +257,7 @@ class Sidecar:
             while self.events and now - self.events[0] > self.window:
                 self.events.popleft()
             if len(self.events) >= 3:
+                self.actions.append((time.time(), "restart (same flags)"))
                 deadline = time.monotonic() + self.wait
                 while time.monotonic() < deadline and not self._stop.is_set():
                     s = self._sample()
@@ -168,7 +265,6 @@ class Sidecar:
                         break
                     time.sleep(0.2)
                 self.sup.restart()
-                self.actions.append("restart (same flags)")
                 self.events.clear()
 
     def __enter__(self) -> Sidecar:
@@ -180,11 +276,40 @@ class Sidecar:
         self._t.join(timeout=30)
 
 
-def _scale_fields(obj: Any, speed: float, names: tuple[str, ...]) -> dict[str, Any]:
+class AlertLog:
+    """Reads the guardian's /metrics every 0.25 s and remembers which alerts fired."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url + "/metrics"
+        self.fired: set[str] = set()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.25):
+            try:
+                text = requests.get(self.url, timeout=2).text
+            except requests.RequestException:
+                continue
+            for line in text.splitlines():
+                if line.startswith("vllm_guardian_alert{") and 'alertstate="firing"' in line:
+                    name = line.split('alertname="', 1)[1].split('"', 1)[0]
+                    self.fired.add(name)
+
+    def __enter__(self) -> AlertLog:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join(timeout=5)
+
+
+def _scale_fields(obj: Any, speed: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
-        if f.name.endswith("_seconds") and f.name not in names:
+        if f.name.endswith("_seconds"):
             lo = f.metadata.get("min")
             v = max(lo if lo is not None else 0.0, v / speed)
         if isinstance(v, tuple):
@@ -194,9 +319,15 @@ def _scale_fields(obj: Any, speed: float, names: tuple[str, ...]) -> dict[str, A
 
 
 def guardian_config(
-    workdir: Path, url: str, port: int, command: list[str], gpu_state: Path, speed: float
+    workdir: Path,
+    url: str,
+    port: int,
+    command: list[str],
+    speed: float,
+    gate_port: int | None = None,
 ) -> Any:
-    """The shipped defaults, armed, every time constant divided by the twin's speed."""
+    """The shipped defaults, armed, every time constant divided by the twin's speed; with
+    ``gate_port``, the service's ``gate:`` section too (the gate reads the same file)."""
     rules = parse_rules(default_rules_text(), "defaults")
     scaled = [
         {k: v for k, v in dataclasses.asdict(r).items() if k != "optional" or v}
@@ -208,8 +339,7 @@ def guardian_config(
         if r["cause"] is None:
             del r["cause"]
     (workdir / "rules.yaml").write_text(yaml.safe_dump({"rules": scaled}, sort_keys=False))
-    policy = _scale_fields(PolicyConfig(), speed, ()) | {"dry_run": False, "backend": "process"}
-    signals = _scale_fields(SignalsConfig(), speed, ())
+    policy = _scale_fields(PolicyConfig(), speed) | {"dry_run": False, "backend": "process"}
     cfg = {
         "interval_seconds": max(0.1, 2.0 / speed),
         "listen": f"127.0.0.1:{port}",
@@ -218,64 +348,142 @@ def guardian_config(
         "recorder": {"path": None},
         "services": [
             {"name": "vllm", "url": url, "command": command, "log_file": str(workdir / "vllm.log")}
+            | ({} if gate_port is None else {"gate": gate_section(gate_port, speed)})
         ],
-        "sources": {"nvml": {"backend": "file", "state_file": str(gpu_state)}},
-        "signals": signals,
+        "sources": {"nvml": {"backend": "file", "state_file": str(workdir / "gpu.json")}},
+        "signals": _scale_fields(SignalsConfig(), speed),
         "alerting": {"default_rules": False, "rules_file": str(workdir / "rules.yaml")},
         "policy": policy,
     }
-    return parse_config(json.dumps(cfg), str(workdir / "config.yaml"))
+    path = workdir / "config.yaml"
+    path.write_text(json.dumps(cfg, indent=1))  # JSON is YAML: `vllm-guardian gate -c` reads it
+    return parse_config(path.read_text(), str(path))
 
 
-def run_one(scenario: str, operator: str, speed: float, duration: float) -> Row:
-    row = Row(scenario, operator)
-    with tempfile.TemporaryDirectory(prefix=f"outcome-{scenario}-{operator}-") as tmp:
+def gate_section(port: int, speed: float) -> dict[str, Any]:
+    """The service's ``gate:`` defaults, its clock divided by the twin's speed."""
+    return _scale_fields(GateConfig(), speed) | {
+        "listen": f"127.0.0.1:{port}",
+        "release_rate_per_second": GateConfig().release_rate_per_second * speed,
+        "retry_after_seconds": 1,
+        # Not divided: 0.1 s already notices a restart before the guardian's next tick, and
+        # 40 polls a second would cost the shared cores more than they tell.
+        "poll_interval_seconds": GateConfig().poll_interval_seconds,
+    }
+
+
+def gate_command(workdir: Path) -> list[str]:
+    """The deployed form: ``vllm-guardian gate -c CONFIG --service vllm`` (as its unit runs it)."""
+    return [sys.executable, "-m", "vllm_guardian", "gate", "-c", str(workdir / "config.yaml"),
+            "--service", "vllm"]  # fmt: skip
+
+
+def wait_healthy(url: str, limit_seconds: float = 180.0) -> None:
+    deadline = time.monotonic() + limit_seconds
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url}: not healthy within {limit_seconds:.0f} s")
+
+
+def mixed_plan(scenario: str, seed: int, duration_sim_seconds: float) -> list[PlannedRequest]:
+    """The scenario's seeded arrivals; a seeded half of them stream."""
+    plan = plan_requests(SCENARIOS[scenario].load, seed, 100_000, duration_sim_seconds)
+    rng = random.Random(f"stream-{seed}")
+    return [dataclasses.replace(p, stream=rng.random() < STREAM_SHARE) for p in plan]
+
+
+# --- one run ------------------------------------------------------------------------------------
+
+
+def run_one(
+    scenario: str,
+    operator: str,
+    seed: int,
+    speed: float,
+    duration: float,
+    keep: bool = False,
+    fault_every: float | None = None,
+) -> Run:
+    run = Run(scenario, operator, seed)
+    started = time.monotonic()
+    prefix = f"outcome-{scenario}-{operator}-{seed}-"
+    with contextlib.ExitStack() as stack:
+        tmp = tempfile.mkdtemp(prefix=prefix) if keep else stack.enter_context(
+            tempfile.TemporaryDirectory(prefix=prefix))  # fmt: skip
         workdir = Path(tmp)
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        gpu_state = workdir / "gpu.json"
-        command = twin_command(scenario, port, speed, gpu_state)
+        command = twin_command(scenario, port, speed, seed, workdir, fault_every)
         guardian: Guardian | None = None
+        alert_log: AlertLog | None = None
         loop: threading.Thread | None = None
         sup: Supervisor | None = None
-        if operator == "guardian":
-            cfg = guardian_config(workdir, url, free_port(), command, gpu_state, speed)
-            guardian = Guardian(cfg)
-            loop = threading.Thread(
-                target=guardian.run, kwargs={"install_signals": False}, daemon=True
-            )
-            loop.start()
-        else:
-            sup = Supervisor(
-                "vllm", command, workdir / "vllm.env", workdir / "vllm.log", stop_timeout_seconds=15
-            )
-            sup.start()
-        sidecar = Sidecar(url, sup, speed) if operator == "sidecar" and sup is not None else None
-        plan = plan_requests(SCENARIOS[scenario].load, SEED, 100_000, duration * speed)
+        starts: StartWatch | None = None
+        gate: subprocess.Popen[bytes] | None = None
+        sidecar: Sidecar | None = None
+        load_url = url
         outcomes: list[RequestOutcome] = []
+        load_start = time.time()
         try:
-            if sidecar is not None:
-                sidecar.__enter__()
+            if operator.startswith("guardian"):
+                gport = free_port()
+                gate_port = free_port() if operator == "guardian+gate" else None
+                guardian = Guardian(guardian_config(workdir, url, gport, command, speed, gate_port))
+                alert_log = AlertLog(f"http://127.0.0.1:{gport}").__enter__()
+                if guardian.healing is not None and "vllm" in guardian.healing.supervisors:
+                    starts = StartWatch(guardian.healing.supervisors["vllm"]).__enter__()
+                loop = threading.Thread(
+                    target=guardian.run, kwargs={"install_signals": False}, daemon=True
+                )
+                loop.start()
+                if gate_port is not None:
+                    with (workdir / "gate.log").open("wb") as log:
+                        gate = subprocess.Popen(
+                            gate_command(workdir),
+                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)},
+                        )  # fmt: skip
+                    load_url = f"http://127.0.0.1:{gate_port}"
+            else:
+                sup = Supervisor(
+                    "vllm", command, workdir / "vllm.env", workdir / "vllm.log",
+                    stop_timeout_seconds=15, restart_on_clean_exit=operator != "unguarded-on-failure",
+                )  # fmt: skip
+                sup.start()
+                starts = StartWatch(sup).__enter__()
+                if operator == "sidecar":
+                    sidecar = Sidecar(url, sup, speed)
+                    sidecar.__enter__()
             with HealthWatch(url, 0.25) as watch:
-                # Wait for the first start (the load begins when vLLM is ready, for every operator).
-                deadline = time.monotonic() + 120
-                while time.monotonic() < deadline:
-                    try:
-                        if requests.get(url + "/health", timeout=1).status_code == 200:
-                            break
-                    except requests.RequestException:
-                        pass
-                    time.sleep(0.2)
+                # The load begins when vLLM is ready (and the gate answers), for every operator.
+                wait_healthy(url)
+                wait_healthy(load_url)
+                plan = mixed_plan(scenario, seed, duration * speed)
+                load_start = time.time()
                 result = run_load(
-                    url, plan, model="bench", speed=speed, max_duration_seconds=duration,
-                    request_timeout_seconds=30, stream=False,  # unary: the 2-core host serves the load
+                    load_url, plan, model="bench", speed=speed, stream=False,
+                    max_duration_seconds=duration, max_in_flight=2048,
+                    request_timeout_seconds=REQUEST_TIMEOUT_SECONDS,
                 )  # fmt: skip
                 outcomes = list(result.outcomes)
-            row.downtime_seconds = watch.down
+            run.downtime_seconds = watch.down
         finally:
+            actions: list[tuple[float, str]] = []
             if sidecar is not None:
                 sidecar.__exit__()
-                row.actions = list(sidecar.actions)
+                actions += sidecar.actions
+            if gate is not None:
+                gate.terminate()
+                try:
+                    gate.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    gate.kill()
+                    gate.wait(timeout=5)
             if guardian is not None and loop is not None:
                 guardian.request_stop()
                 loop.join(timeout=60)
@@ -284,127 +492,404 @@ def run_one(scenario: str, operator: str, speed: float, duration: float) -> Row:
                     for line in audit.read_text().splitlines():
                         d = json.loads(line)
                         if d["what"] == "action":
-                            row.actions.append(d["reason"].split(";")[0])
+                            actions.append((float(d["time_seconds"]), d["reason"].split(";")[0]))
                 content = flagsfile.read(workdir / "state" / "vllm.env")
-                row.final_flags = (
+                run.final_flags = (
                     " ".join([*content.argv, *(f"{k}={v}" for k, v in content.env)])
                     if content
                     else ""
                 )
+            if alert_log is not None:
+                alert_log.__exit__()
+                run.alerts_fired = sorted(alert_log.fired)
+            restarts: list[float] = []
+            if starts is not None:
+                starts.__exit__()
+                restarts = starts.restarts_unix_seconds
             if sup is not None:
                 sup.stop()
+            timeline = read_timeline(workdir / "timeline.json")
+    actions.sort()
+    run.actions = [a for _, a in actions]
+    run.restarts = len(restarts)
+    measure(run, outcomes, load_start, duration, [f.unix_seconds for f in timeline.faults],
+            sorted([*(t for t, _ in actions), *restarts]))  # fmt: skip
+    run.oom_crashes = sum(1 for f in timeline.faults if f.kind == "oom")
+    run.wall_seconds = time.monotonic() - started
+    return run
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def measure(
+    run: Run,
+    outcomes: Sequence[RequestOutcome],
+    load_start: float,
+    duration: float,
+    faults: Sequence[float],
+    action_times: Sequence[float],
+) -> None:
+    """Fill ``run``'s request measures; ``faults`` and ``action_times`` are Unix seconds."""
     sent = [o for o in outcomes if o.kind is not OutcomeKind.NOT_SENT]
     ok = [o for o in sent if o.kind is OutcomeKind.OK]
-    row.sent = len(sent)
-    row.failed = sum(1 for o in sent if o.kind in FAILED)
-    row.goodput_tokens_per_second = sum(o.completion_tokens for o in ok) / duration
-    lat = sorted(o.latency_seconds for o in ok if o.latency_seconds is not None)
-    row.p99_latency_seconds = lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None
-    return row
+    failed = [o for o in sent if o.kind in FAILED]
+    run.sent, run.failed = len(sent), len(failed)
+    run.goodput_tokens_per_second = sum(o.completion_tokens for o in ok) / duration
+    lat = [o.latency_seconds for o in ok if o.latency_seconds is not None]
+    ttft = [o.ttft_seconds for o in ok if o.ttft_seconds is not None]
+    run.p50_latency_seconds, run.p99_latency_seconds = percentile(lat, 0.5), percentile(lat, 0.99)
+    run.p50_ttft_seconds, run.p99_ttft_seconds = percentile(ttft, 0.5), percentile(ttft, 0.99)
+    faults = sorted(faults)
+    run.faults = len(faults)
+
+    def sent_at(o: RequestOutcome) -> float:
+        return load_start + o.scheduled_seconds
+
+    def ended_at(o: RequestOutcome) -> float:
+        if o.ended_seconds is not None:
+            return load_start + o.ended_seconds
+        return sent_at(o) + (o.latency_seconds or 0.0)
+
+    # An outage runs from a fault to the end of the first success among requests sent after it.
+    outages: list[tuple[float, float]] = []
+    for f in faults:
+        served = [ended_at(o) for o in ok if sent_at(o) >= f]
+        outages.append((f, min(served) if served else float("inf")))
+    if faults:
+        first, back = outages[0]
+        run.time_to_recover_seconds = back - first if back != float("inf") else None
+        acted = [t for t in action_times if t >= first]
+        run.time_to_detect_seconds = min(acted) - first if acted else None
+    for o in failed:
+        s, e = sent_at(o), ended_at(o)
+        if any(f <= s < r for f, r in outages):
+            run.failed_during_outage += 1
+        elif any(s < f <= e + FAULT_SLACK_SECONDS for f in faults):
+            run.failed_in_flight += 1
+        else:
+            run.failed_other += 1
 
 
-def markdown(rows: list[Row], args: argparse.Namespace) -> str:
+# --- cells, verdicts, report --------------------------------------------------------------------
+
+MEASURES = ("failed_pct", "failed", "failed_in_flight", "failed_during_outage", "failed_other",
+            "time_to_detect_seconds", "time_to_recover_seconds", "downtime_seconds",
+            "goodput_tokens_per_second", "p50_latency_seconds", "p99_latency_seconds",
+            "p50_ttft_seconds", "p99_ttft_seconds", "oom_crashes", "restarts", "sent")  # fmt: skip
+
+
+@dataclasses.dataclass
+class Cell:
+    scenario: str
+    operator: str
+    runs: list[Run]
+    load_before: tuple[float, float, float]
+    load_after: tuple[float, float, float]
+    busy: bool
+
+    def stat(self, name: str) -> tuple[float, float, float] | None:
+        """(median, min, max) over the seeds; None when no run has the measure."""
+        vals = [v for r in self.runs if (v := getattr(r, name)) is not None]
+        if not vals:
+            return None
+        return statistics.median(vals), min(vals), max(vals)
+
+    def median(self, name: str) -> float | None:
+        s = self.stat(name)
+        return None if s is None else s[0]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "scenario": self.scenario, "operator": self.operator,
+            "load_before": self.load_before, "load_after": self.load_after, "busy": self.busy,
+            "stats": {m: self.stat(m) for m in MEASURES},
+            "runs": [dataclasses.asdict(r) | {"failed_pct": r.failed_pct} for r in self.runs],
+        }  # fmt: skip
+
+
+def disruptive(cell: Cell) -> list[str]:
+    return sorted({a for r in cell.runs for a in r.actions})
+
+
+def verdict(scenario: str, cells: dict[tuple[str, str], Cell]) -> str | None:
+    """The goal (P4; DESIGN.md §2 for the overload), judged on medians. Printed, never asserted."""
+    g, u, c = (cells.get((scenario, op)) for op in ("guardian+gate", "unguarded", "sidecar"))
+    if g is None or u is None:
+        return None
+    gf, uf = g.median("failed") or 0.0, u.median("failed") or 0.0
+    gg, ug = (
+        g.median("goodput_tokens_per_second") or 0.0,
+        u.median("goodput_tokens_per_second") or 0.0,
+    )
+    acts = disruptive(g)
+    if scenario in CONTROLS:
+        checks = {
+            "no action": not acts,
+            f"failed {gf:g} ≤ unguarded {uf:g}": gf <= uf,
+            f"goodput {gg:.0f} ≥ 95 % of unguarded {ug:.0f}": gg >= 0.95 * ug,
+        }
+    elif scenario in OVERLOAD:
+        gt, ut = g.median("p99_ttft_seconds"), u.median("p99_ttft_seconds")
+        alert = all(OVER_CAPACITY_ALERT in r.alerts_fired for r in g.runs)
+        checks = {
+            "no disruptive action": not acts,
+            f"failed {gf:g} ≤ unguarded {uf:g}": gf <= uf,
+            f"goodput {gg:.0f} ≥ unguarded {ug:.0f}": gg >= ug,
+            f"p99 TTFT {_f(gt)} ≤ unguarded {_f(ut)}": gt is not None
+            and ut is not None
+            and gt <= ut,
+            f"{OVER_CAPACITY_ALERT} fired"
+            + (
+                ""
+                if OVER_CAPACITY_ALERT in default_rules_text()
+                else " (no such rule in this build)"
+            ): alert,
+        }
+    else:
+        cf = c.median("failed") or 0.0 if c is not None else None
+        checks = {f"failed {gf:g} ≤ 10 % of unguarded {uf:g}": gf <= 0.10 * uf}
+        if cf is not None:
+            checks[f"≤ 25 % of sidecar {cf:g}"] = gf <= 0.25 * cf
+    met = all(checks.values())
+    parts = [f"{k} {'✓' if v else '✗'}" for k, v in checks.items()]
+    tail = ""
+    if not met and scenario in FAILURES:
+        tail = (f" — guardian+gate's failures: {_f(g.median('failed_in_flight'))} in flight at the "
+                f"fault, {_f(g.median('failed_during_outage'))} during the outage (detect "
+                f"{_f(g.median('time_to_detect_seconds'))} s, recover "
+                f"{_f(g.median('time_to_recover_seconds'))} s), {_f(g.median('failed_other'))} other")  # fmt: skip
+    return f"- {scenario}: {'met' if met else 'MISSED'} — {'; '.join(parts)}{tail}"
+
+
+def _f(v: float | None, fmt: str = "{:.1f}") -> str:
+    return "–" if v is None else fmt.format(v)
+
+
+def _mm(cell: Cell, name: str, fmt: str = "{:.1f}") -> str:
+    s = cell.stat(name)
+    if s is None:
+        return "–"
+    med, lo, hi = s
+    if len(cell.runs) == 1 or lo == hi:
+        return fmt.format(med)
+    return f"{fmt.format(med)} ({fmt.format(lo)}–{fmt.format(hi)})"
+
+
+def partial_note(cells: Sequence[Cell], args: argparse.Namespace) -> list[str]:
+    """A warning line when this is not the full matrix (every scenario, operator, ≥ 3 seeds)."""
+    missing = [s for s in ALL if not any(c.scenario == s for c in cells)]
+    ops = [o for o in OPERATORS if not any(c.operator == o for c in cells)]
+    if not missing and not ops and len(args.seeds) >= 3:
+        return []
+    what = []
+    if missing:
+        what.append(f"scenarios left out: {', '.join(missing)}")
+    if ops:
+        what.append(f"operators left out: {', '.join(ops)}")
+    if len(args.seeds) < 3:
+        what.append(f"{len(args.seeds)} seed(s), not 3")
+    return [f"**Partial run, not the benchmark's result** ({'; '.join(what)}).", ""]
+
+
+def markdown(cells: list[Cell], args: argparse.Namespace, wall_seconds: float) -> str:
     lines = [
         "# Outcome benchmark",
         "",
-        f"`.venv/bin/python bench/outcome.py {' '.join(args.argv)}` — seed {SEED}, twin speed {args.speed:g}×, "
-        f"{args.duration:g} s of load per run (= {args.duration * args.speed:g} simulated seconds).",
-        "",
-        "| scenario | operator | sent | failed | failed % | downtime s | goodput tok/s | p99 s | actions | final flags |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|---|",
-    ]
-    for r in rows:
-        p99 = f"{r.p99_latency_seconds:.2f}" if r.p99_latency_seconds is not None else "–"
-        acts = "; ".join(r.actions) if r.actions else "–"
-        lines.append(
-            f"| {r.scenario} | {r.operator} | {r.sent} | {r.failed} | {r.failed_pct:.1f} | {r.downtime_seconds:.1f} "
-            f"| {r.goodput_tokens_per_second:.0f} | {p99} | {acts} | {r.final_flags or '–'} |"
+        f"`{args.command}` — seeds {', '.join(map(str, args.seeds))}, twin speed {args.speed:g}×, "
+        f"{args.duration:g} s of load per run (= {args.duration * args.speed:g} simulated seconds), "
+        f"{int(STREAM_SHARE * 100)} % of requests streaming"
+        + (
+            f", a fault every {args.fault_every:g} simulated s on average"
+            if args.fault_every
+            else ""
         )
-    lines += ["", "Goal (P4): in every failure scenario the guardian's failed requests ≤ 10 % of unguarded and",
-              "≤ 25 % of the threshold sidecar; goodput in `steady` ≥ 90 % of unguarded.", ""]  # fmt: skip
-    by = {(r.scenario, r.operator): r for r in rows}
-    for s in sorted({r.scenario for r in rows}, key=ALL.index):
-        g, u, c = by.get((s, "guardian")), by.get((s, "unguarded")), by.get((s, "sidecar"))
-        if not (g and u and c):
-            continue
-        if s == "steady":
-            ratio = (
-                g.goodput_tokens_per_second / u.goodput_tokens_per_second
-                if u.goodput_tokens_per_second
-                else 0
-            )
-            lines.append(
-                f"- steady: guardian goodput {100 * ratio:.0f} % of unguarded — {'met' if ratio >= 0.9 else 'MISSED'}"
-            )
-            continue
-        met_u = g.failed <= 0.10 * u.failed if u.failed else g.failed == 0
-        met_c = g.failed <= 0.25 * c.failed if c.failed else g.failed == 0
-        lines.append(f"- {s}: guardian {g.failed} failed vs unguarded {u.failed} and sidecar {c.failed} — "
-                     f"{'met' if met_u and met_c else 'MISSED'}")  # fmt: skip
+        + f"; {len(cells)} cells, "
+        f"wall time {wall_seconds / 60:.0f} min on {os.cpu_count()} cores.",
+        "",
+        *partial_note(cells, args),
+        "Each value: median over the seeds (min–max). *Split*: failed in flight at a fault / "
+        "arrived during an outage / other. *Detect*: first fault → the operator's first action or vLLM's restart; "
+        "*recover*: first fault → the first success among requests sent after it.",
+        "",
+        "| scenario | operator | sent | failed % | split | detect s | recover s | down s | goodput tok/s "
+        "| p50 / p99 s | TTFT p50 / p99 s | OOMs | restarts | actions | final flags | load avg before → after |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---|---|---:|---:|---|---|---|",
+    ]
+    for c in cells:
+        split = "/".join(_f(c.median(m), "{:.0f}") for m in
+                         ("failed_in_flight", "failed_during_outage", "failed_other"))  # fmt: skip
+        acts = "; ".join(f"{a} ×{n}" for a, n in collections.Counter(a for r in c.runs for a in r.actions).items()) or "–"  # fmt: skip
+        flags = sorted({r.final_flags for r in c.runs if r.final_flags}) or ["–"]
+        load = f"{c.load_before[0]:.1f} → {c.load_after[0]:.1f}{' **busy**' if c.busy else ''}"
+        lines.append(
+            f"| {c.scenario} | {c.operator} | {_mm(c, 'sent', '{:.0f}')} | {_mm(c, 'failed_pct')} | {split} "
+            f"| {_mm(c, 'time_to_detect_seconds')} | {_mm(c, 'time_to_recover_seconds')} "
+            f"| {_mm(c, 'downtime_seconds')} | {_mm(c, 'goodput_tokens_per_second', '{:.0f}')} "
+            f"| {_f(c.median('p50_latency_seconds'), '{:.2f}')} / {_f(c.median('p99_latency_seconds'), '{:.2f}')} "
+            f"| {_f(c.median('p50_ttft_seconds'), '{:.2f}')} / {_f(c.median('p99_ttft_seconds'), '{:.2f}')} "
+            f"| {_mm(c, 'oom_crashes', '{:.0f}')} | {_mm(c, 'restarts', '{:.0f}')} | {acts} | {' / '.join(flags)} | {load} |"
+        )  # fmt: skip
+    lines += [
+        "",
+        "Goal (P4), judged on `guardian+gate` medians: in every failure scenario failed ≤ 10 % of "
+        "`unguarded` and ≤ 25 % of `sidecar`; in `steady` and `prefix_cache_waste` no action, failed "
+        "≤ `unguarded`, goodput ≥ 95 % of it; `kv_thrash` is an overload (DESIGN.md §2): no "
+        f"disruptive action, failed ≤ unguarded, goodput ≥ unguarded, p99 TTFT ≤ unguarded, "
+        f"`{OVER_CAPACITY_ALERT}` fired.",
+        "",
+    ]
+    by = {(c.scenario, c.operator): c for c in cells}
+    for s in [s for s in ALL if any(c.scenario == s for c in cells)]:
+        v = verdict(s, by)
+        if v is not None:
+            lines.append(v)
     return "\n".join(lines) + "\n"
 
 
-def chart(rows: list[Row], path: Path) -> bool:
-    try:
-        import matplotlib  # noqa: PLC0415
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
-        return False
-    scenarios = [s for s in ALL if any(r.scenario == s for r in rows)]
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    width = 0.27
-    for i, op in enumerate(OPERATORS):
-        vals = [
-            next((r.failed_pct for r in rows if r.scenario == s and r.operator == op), 0.0)
-            for s in scenarios
-        ]
-        ax.bar([x + (i - 1) * width for x in range(len(scenarios))], vals, width, label=op)
-    ax.set_xticks(range(len(scenarios)), scenarios, rotation=20, ha="right")
-    ax.set_ylabel("failed requests (%)")
-    ax.set_title("Failed requests per scenario and operator (vLLM twin, same seeded load)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+COLOURS = ("#8c8c8c", "#c9a227", "#d1603d", "#3b7dd8", "#2a9d5b")
 
 
-def main() -> int:
+def chart_svg(cells: list[Cell]) -> str:
+    """Failed % per scenario and operator: bars at the median, whiskers min–max."""
+    scenarios = [s for s in ALL if any(c.scenario == s for c in cells)]
+    ops = [o for o in OPERATORS if any(c.operator == o for c in cells)]
+    by = {(c.scenario, c.operator): c for c in cells}
+    w, h, left, top, bottom = 120 * len(scenarios) + 80, 420, 60, 40, 90
+    plot_h = h - top - bottom
+    highs = [st[2] for c in cells if (st := c.stat("failed_pct")) is not None]
+    top_val = min(100.0, max([5.0, *highs]) * 1.1)
+
+    def y(v: float) -> float:
+        return top + plot_h * (1 - v / top_val)
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">',
+           f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="13">Failed requests (%) per scenario and operator — median, whiskers min–max</text>']  # fmt: skip
+    for i in range(6):
+        v = top_val * i / 5
+        out.append(
+            f'<line x1="{left}" x2="{w - 20}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#ddd"/>'
+        )
+        out.append(f'<text x="{left - 5}" y="{y(v) + 4:.1f}" text-anchor="end">{v:.0f}</text>')
+    group = 120
+    bw = (group - 20) / max(1, len(ops))
+    for si, s in enumerate(scenarios):
+        x0 = left + 10 + si * group
+        out.append(
+            f'<text x="{x0 + group / 2 - 10}" y="{h - bottom + 16}" text-anchor="middle">{s}</text>'
+        )
+        for oi, op in enumerate(ops):
+            c = by.get((s, op))
+            st = c.stat("failed_pct") if c else None
+            if st is None:
+                continue
+            med, lo, hi = st
+            x = x0 + oi * bw
+            out.append(f'<rect x="{x:.1f}" y="{y(med):.1f}" width="{bw - 2:.1f}" height="{y(0) - y(med):.1f}" fill="{COLOURS[OPERATORS.index(op)]}"/>')  # fmt: skip
+            cx = x + (bw - 2) / 2
+            out.append(
+                f'<line x1="{cx:.1f}" x2="{cx:.1f}" y1="{y(lo):.1f}" y2="{y(hi):.1f}" stroke="black"/>'
+            )
+            for v in (lo, hi):
+                out.append(f'<line x1="{cx - 3:.1f}" x2="{cx + 3:.1f}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="black"/>')  # fmt: skip
+    for oi, op in enumerate(ops):
+        x = left + oi * 150
+        out.append(
+            f'<rect x="{x}" y="{h - 40}" width="12" height="12" fill="{COLOURS[OPERATORS.index(op)]}"/>'
+        )
+        out.append(f'<text x="{x + 16}" y="{h - 30}">{op}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+# --- main ---------------------------------------------------------------------------------------
+
+
+def _names(
+    text: str | None, allowed: Sequence[str], default: Sequence[str], what: str
+) -> list[str]:
+    if not text:
+        return list(default)
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in allowed]
+    if bad:
+        raise SystemExit(f"unknown {what}: {', '.join(bad)} (known: {', '.join(allowed)})")
+    return names
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument(
-        "--quick", action="store_true", help=f"{', '.join(QUICK)} only, short runs (CI smoke)"
-    )
+    ap.add_argument("--quick", action="store_true",
+                    help=f"CI smoke: {', '.join(QUICK)}, one seed, 20 s runs; asserts nothing numeric")  # fmt: skip
     ap.add_argument("--speed", type=float, default=4.0)
-    ap.add_argument("--duration", type=float, default=None, help="real seconds of load per run")
+    ap.add_argument(
+        "--duration", type=float, default=None, help="real seconds of load per run (60)"
+    )
     ap.add_argument("--scenarios", default=None, help="comma-separated subset")
+    ap.add_argument("--operators", default=None, help="comma-separated subset")
+    ap.add_argument("--seeds", default=None, help="comma-separated seeds (7,8,9)")
+    ap.add_argument(
+        "--fault-every",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="a flaky deployment: the twin's --sim-fault-every (mean simulated seconds between "
+        "seeded recurrences of the scenario's fault, an engine death where it has none)",
+    )
+    ap.add_argument("--keep", action="store_true", help="keep each run's directory (logs, audit)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
-    args = ap.parse_args()
-    args.argv = sys.argv[1:]
-    scenarios = args.scenarios.split(",") if args.scenarios else list(QUICK if args.quick else ALL)
-    args.duration = args.duration or (25.0 if args.quick else 60.0)
-    rows: list[Row] = []
+    args = ap.parse_args(argv)
+    args.command = " ".join(
+        [".venv/bin/python bench/outcome.py", *(sys.argv[1:] if argv is None else argv)]
+    )
+    scenarios = _names(args.scenarios, ALL, QUICK if args.quick else ALL, "scenario")
+    operators = _names(args.operators, OPERATORS, OPERATORS, "operator")
+    try:
+        args.seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else (
+            [SEEDS[0]] if args.quick else list(SEEDS))  # fmt: skip
+    except ValueError as exc:
+        raise SystemExit(f"--seeds: {exc}") from exc
+    args.duration = args.duration or (20.0 if args.quick else 60.0)
+    cores = os.cpu_count() or 1
+    cells: list[Cell] = []
+    t0 = time.monotonic()
     for s in scenarios:
-        for op in OPERATORS:
-            t = time.monotonic()
-            r = run_one(s, op, args.speed, args.duration)
-            rows.append(r)
-            print(f"{s:<20} {op:<10} sent {r.sent:5d} failed {r.failed:5d} ({r.failed_pct:5.1f} %) "
-                  f"down {r.downtime_seconds:5.1f}s goodput {r.goodput_tokens_per_second:7.0f} tok/s "
-                  f"actions {len(r.actions)}  [{time.monotonic() - t:.0f}s]", flush=True)  # fmt: skip
+        for op in operators:
+            before = os.getloadavg()
+            runs = []
+            for seed in args.seeds:
+                r = run_one(s, op, seed, args.speed, args.duration, args.keep, args.fault_every)
+                runs.append(r)
+                print(f"{s:<20} {op:<21} seed {seed:<3} sent {r.sent:5d} failed {r.failed:5d} "
+                      f"({r.failed_pct:5.1f} %: {r.failed_in_flight}/{r.failed_during_outage}/{r.failed_other}) "
+                      f"detect {_f(r.time_to_detect_seconds)} recover {_f(r.time_to_recover_seconds)} "
+                      f"down {r.downtime_seconds:5.1f}s goodput {r.goodput_tokens_per_second:6.0f} "
+                      f"OOMs {r.oom_crashes} restarts {r.restarts} actions {len(r.actions)} [{r.wall_seconds:.0f}s]", flush=True)  # fmt: skip
+            after = os.getloadavg()
+            busy = max(before[0], after[0]) > cores
+            cells.append(Cell(s, op, runs, before, after, busy))
+            print(
+                f"  load average {before[0]:.2f} → {after[0]:.2f}{'  BUSY HOST' if busy else ''}",
+                flush=True,
+            )
+    wall = time.monotonic() - t0
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = "-quick" if args.quick else ""
-    md = markdown(rows, args)
+    md = markdown(cells, args, wall)
     (args.out / f"outcome{suffix}.md").write_text(md)
-    (args.out / f"outcome{suffix}.json").write_text(
-        json.dumps([dataclasses.asdict(r) for r in rows], indent=1)
-    )
-    if chart(rows, args.out / f"outcome{suffix}.png"):
-        print(f"chart: {args.out / f'outcome{suffix}.png'}")
+    doc = {"command": args.command, "seeds": args.seeds, "speed": args.speed,
+           "duration_seconds": args.duration, "wall_seconds": wall, "cores": cores,
+           "cells": [c.to_json() for c in cells]}  # fmt: skip
+    (args.out / f"outcome{suffix}.json").write_text(json.dumps(doc, indent=1))
+    (args.out / f"outcome{suffix}.svg").write_text(chart_svg(cells))
     print(md)
+    print(f"wall time {wall:.0f} s; written to {args.out}/outcome{suffix}.{{md,json,svg}}")
     return 0
 
 

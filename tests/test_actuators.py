@@ -85,9 +85,9 @@ CHILD = textwrap.dedent(
     print("argv", sys.argv[1:], "alloc", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), flush=True)
     signal.signal(signal.SIGTERM, lambda *a: (print("draining", flush=True), sys.exit(0)))
     mode = sys.argv[1] if len(sys.argv) > 1 else "run"
-    if mode == "exit0":
+    if mode in ("exit0", "exit1"):
         time.sleep(0.3)
-        sys.exit(0)
+        sys.exit(int(mode[-1]))
     while True:
         time.sleep(0.1)
     """
@@ -156,6 +156,31 @@ def test_supervisor_restarts_a_process_that_exits_zero(tmp_path: Path, child: Pa
         sup.start()
         wait_until(lambda: sup.starts >= 3)
         assert sup.exits[:2] == [0, 0]  # Restart=always: exit 0 after engine death is not "done"
+    finally:
+        sup.stop()
+
+
+@pytest.mark.parametrize(("mode", "restarted"), [("exit0", False), ("exit1", True)])
+def test_supervisor_on_failure_leaves_a_clean_exit_down(
+    tmp_path: Path, child: Path, mode: str, restarted: bool
+):
+    # Restart=on-failure: vLLM's exit 0 after an engine death defeats it; a failure does not.
+    sup = Supervisor(
+        "svc",
+        [sys.executable, str(child), mode],
+        tmp_path / "none.env",
+        tmp_path / "log",
+        restart_delay_seconds=0.1,
+        restart_on_clean_exit=False,
+    )
+    try:
+        sup.start()
+        if restarted:
+            wait_until(lambda: sup.starts >= 2)
+            assert sup.exits[0] == 1 and sup.wants_running
+        else:
+            wait_until(lambda: sup.exits == [0] and not sup.wants_running)
+            assert sup.starts == 1
     finally:
         sup.stop()
 

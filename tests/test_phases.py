@@ -11,9 +11,19 @@ from dataclasses import dataclass, replace
 import pytest
 
 from vllm_guardian.config import PolicyConfig
-from vllm_guardian.core import phases
+from vllm_guardian.core import phases, policy
 from vllm_guardian.core.phases import Phase
-from vllm_guardian.model import ActionKind, Cause, Op, OpResult
+from vllm_guardian.core.signals import ServiceSignals
+from vllm_guardian.model import (
+    ActionKind,
+    Cause,
+    GateObservation,
+    HealthState,
+    Op,
+    OpResult,
+    ServiceSnapshot,
+    Snapshot,
+)
 
 P = PolicyConfig(
     drain_timeout_seconds=30,
@@ -35,12 +45,16 @@ class T:
     gpu_pids: frozenset[int] | None = frozenset({10})
     done: tuple[tuple[Op, bool, bool], ...] = ()  # (call, ok, terminal)
     expect: Phase | str = ""  # the phase after the tick, or "ok"/"failed"/"terminal"
+    stalled: bool = False  # requests in the engine and not a token processed
+    dead: bool = False  # /health 503
     words: str = ""  # in the outcome's detail or the last move's reason
     finished: float | None = None  # when the calls finished (default: just before the scrape)
 
 
 def seen(x: T) -> phases.Seen:
-    return phases.Seen(x.t, x.in_flight, "gate", x.up, x.listening, x.pid, x.gpu_pids, True)
+    return phases.Seen(
+        x.t, x.in_flight, "gate", x.up, x.listening, x.pid, x.gpu_pids, True, x.stalled, x.dead
+    )
 
 
 BUNDLE_OK = ((Op.BUNDLE, True, False),)
@@ -67,6 +81,17 @@ CASES = [
     ("a late bundle does not hold the action", ActionKind.RESTART, [
         T(5, expect=Phase.PREPARING),
         T(21, expect=Phase.RESTARTING, words="front door closed"),
+    ]),
+    ("a hung engine is not drained: nothing in it can finish", ActionKind.RESTART, [
+        T(1, in_flight=7, stalled=True, done=BUNDLE_OK, expect=Phase.RESTARTING,
+          words="hung"),
+    ]),
+    ("a dead engine (503) is not drained either", ActionKind.RESTART, [
+        T(1, in_flight=7, up=False, dead=True, done=BUNDLE_OK, expect=Phase.RESTARTING,
+          words="not serving"),
+    ]),
+    ("a /health that times out under load is not a dead engine: drain", ActionKind.RESTART, [
+        T(1, in_flight=7, up=False, done=BUNDLE_OK, expect=Phase.DRAINING),
     ]),
     ("drain deadline: restart anyway, say how many were cut", ActionKind.RESTART, [
         T(1, in_flight=5, done=BUNDLE_OK, expect=Phase.DRAINING),
@@ -183,3 +208,24 @@ def test_a_guardian_restarted_mid_action_finds_it_again(
     assert adv.progress.phase is then and not adv.progress.orphaned
     assert {o.op for o in adv.ops} == ops
     assert adv.moves and "guardian restarted" in adv.moves[0].why
+
+
+SEEN = [
+    # the gate's observation, vLLM's running + waiting → what the drain waits on, and whose count
+    (GateObservation(True, in_flight=3, queued=9), 0.0, (3.0, "gate")),
+    (GateObservation(True, in_flight=0, queued=9), 5.0, (0.0, "gate")),  # queued ≠ in flight
+    (GateObservation(False, error="connection refused"), 4.0,
+     (4.0, "vllm (the gate did not answer)")),
+    (None, 4.0, (4.0, "vllm")),  # no gate configured
+    (None, None, (None, "")),  # nothing to count: nothing to wait for
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("gate", "vllm", "expected"), SEEN)
+def test_the_drain_counts_what_the_front_door_has_in_flight(
+    gate: GateObservation | None, vllm: float | None, expected: tuple[float | None, str]
+) -> None:
+    snap = Snapshot(50.0, (ServiceSnapshot("vllm", gate=gate),), None)
+    sig = ServiceSignals("vllm", HealthState.UP, True, True, True, requests_running=vllm)
+    s = policy.seen(snap, sig, "vllm")
+    assert (s.in_flight, s.in_flight_from) == expected

@@ -169,6 +169,7 @@ class Guardian:
         self.history.append(snapshot)
         trim(self.history, history_span_seconds(self.cfg))
         decisions: list[Mapping[str, Any]] = []
+        tick_ok = True  # the watchdog is pinged only when the tick did its work (issue 17)
         signals: Signals | None = None
         if self.healing is not None:
             try:
@@ -176,7 +177,9 @@ class Guardian:
                 decisions.extend(records)
                 for name, gate in self.healing.gates().items():
                     self.exposition.set_gate(name, gate)
+                tick_ok = self.healing.persist_error() is None
             except Exception:  # a policy bug must not stop observation
+                tick_ok = False
                 log.exception("the decide-and-act stage failed; observation continues")
         if signals is None:
             signals = derive(list(self.history), self.cfg.services, self.cfg.signals)
@@ -192,7 +195,7 @@ class Guardian:
         self._log_transitions(statuses)
         if self.notifier is not None:
             msgs = [f"STATUS={status_line(signals, snapshot)}"]
-            if getattr(self.notifier, "watchdog", False):
+            if getattr(self.notifier, "watchdog", False) and tick_ok:
                 msgs.append("WATCHDOG=1")
             if not self.ready_sent:
                 msgs.insert(0, "READY=1")
@@ -285,6 +288,10 @@ class Guardian:
 
     def request_stop(self) -> None:
         self._stop.set()
+        for slot in self._slots:  # shutting down never waits on a source's fetch (issue 17)
+            interrupt = getattr(slot.collector, "interrupt", None)
+            if interrupt is not None:
+                interrupt()
 
     def request_reload(self) -> None:
         self._reload.set()

@@ -15,11 +15,9 @@ from __future__ import annotations
 import json
 import math
 import platform
-import socket
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
@@ -27,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from vllm_guardian import __version__
+from vllm_guardian.boundedhttp import BoundedHTTPServer, Limits
 from vllm_guardian.core.signals import ServiceSignals, Signals
 from vllm_guardian.healing import HealingView
 from vllm_guardian.model import AlertState, GateObservation, GateState, HealthState, Snapshot
@@ -680,18 +679,8 @@ def make_registry(collector: GuardianCollector, process_metrics: bool = True) ->
     return registry
 
 
-class _ThreadingHTTPServerV6(ThreadingHTTPServer):
-    address_family = socket.AF_INET6
-
-
-def _http_server_for(host: str) -> type[ThreadingHTTPServer]:
-    """The address family from the address, as prometheus_client does: ``[::1]:9469`` binds
-    IPv6, anything else IPv4."""
-    return _ThreadingHTTPServerV6 if ":" in host else ThreadingHTTPServer
-
-
 class ExpositionServer:
-    """A threaded HTTP server for /metrics, /healthz and /ready/<service>."""
+    """/metrics, /healthz and /ready/<service> over a :class:`BoundedHTTPServer`."""
 
     def __init__(
         self,
@@ -700,30 +689,30 @@ class ExpositionServer:
         port: int,
         stale_after_seconds: float,
         monotonic: Any,
+        limits: Limits | None = None,
     ) -> None:
         self.collector = collector
         self.registry = make_registry(collector)
         self._stale_after = stale_after_seconds
         self._monotonic = monotonic
-        handler = _make_handler(self)
-        self._httpd = _http_server_for(host)((host, port), handler)
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, name="exposition", daemon=True
+        self.http = BoundedHTTPServer(
+            host,
+            port,
+            self.respond,
+            limits or Limits(),
+            server_version=f"vllm-guardian/{__version__}",
         )
+        self.registry.register(_ListenerCollector(self.http))
 
     @property
     def address(self) -> tuple[str, int]:
-        host, port = self._httpd.server_address[:2]
-        return str(host), int(port)
+        return self.http.address
 
     def start(self) -> None:
-        self._thread.start()
+        self.http.start()
 
     def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5)
+        self.http.stop()
 
     def healthz(self) -> tuple[int, str]:
         last = self.collector.last_tick_monotonic()
@@ -734,50 +723,63 @@ class ExpositionServer:
             return 503, f"stale: last tick {age:.1f}s ago\n"
         return 200, f"ok: last tick {age:.1f}s ago\n"
 
+    def respond(self, method: str, target: str) -> tuple[int, bytes, str]:
+        path = target.split("?", 1)[0]
+        if path in ("/metrics", "/metrics/"):
+            return 200, generate_latest(self.registry), CONTENT_TYPE_LATEST
+        if path == "/healthz":
+            code, text = self.healthz()
+            return code, text.encode(), "text/plain; charset=utf-8"
+        if path.startswith("/ready/"):
+            name = path[len("/ready/") :]
+            gate = self.collector.gate(name)
+            if gate is None:
+                return 404, json.dumps({"error": f"unknown service {name!r}"}).encode(), JSON
+            if self.collector.last_tick_monotonic() is None:
+                # Nothing observed yet: not ready (a pod's readiness probe must not pass
+                # before the guardian has seen vLLM serve).
+                body = json.dumps(
+                    {"service": name, "ready": False, "reason": "starting: no tick yet"}
+                )
+                return 503, body.encode(), JSON
+            body = json.dumps({"service": name, "ready": gate.ready, "reason": gate.reason})
+            return (200 if gate.ready else 503), body.encode(), JSON
+        if path == "/":
+            links = b"<html><body><a href='/metrics'>/metrics</a> <a href='/healthz'>/healthz</a></body></html>"
+            return 200, links, "text/html"
+        return 404, b"not found\n", "text/plain"
 
-def _make_handler(server: ExpositionServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        server_version = f"vllm-guardian/{__version__}"
 
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path in ("/metrics", "/metrics/"):
-                self._send(200, generate_latest(server.registry), CONTENT_TYPE_LATEST)
-            elif path == "/healthz":
-                code, text = server.healthz()
-                self._send(code, text.encode(), "text/plain; charset=utf-8")
-            elif path.startswith("/ready/"):
-                name = path[len("/ready/") :]
-                gate = server.collector.gate(name)
-                if gate is None:
-                    body = json.dumps({"error": f"unknown service {name!r}"}).encode()
-                    self._send(404, body, "application/json")
-                elif server.collector.last_tick_monotonic() is None:
-                    # Nothing observed yet: not ready (a pod's readiness probe must not pass
-                    # before the guardian has seen vLLM serve).
-                    body = json.dumps(
-                        {"service": name, "ready": False, "reason": "starting: no tick yet"}
-                    ).encode()
-                    self._send(503, body, "application/json")
-                else:
-                    body = json.dumps(
-                        {"service": name, "ready": gate.ready, "reason": gate.reason}
-                    ).encode()
-                    self._send(200 if gate.ready else 503, body, "application/json")
-            elif path == "/":
-                links = b"<html><body><a href='/metrics'>/metrics</a> <a href='/healthz'>/healthz</a></body></html>"
-                self._send(200, links, "text/html")
-            else:
-                self._send(404, b"not found\n", "text/plain")
+JSON = "application/json"
 
-        def _send(self, code: int, body: bytes, ctype: str) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
 
-        def log_message(self, format: str, *args: Any) -> None:
-            pass  # scrapes every few seconds would flood the journal
+class _ListenerCollector:
+    """What the endpoint's own defences did (boundedhttp): open connections, and the ones it
+    closed itself, by reason."""
 
-    return Handler
+    def __init__(self, http: BoundedHTTPServer) -> None:
+        self._http = http
+
+    def collect(self) -> Iterator[Metric]:
+        h = self._http
+        open_now = GaugeMetricFamily(
+            f"{NS}_http_connections", "Connections open on the guardian's HTTP endpoint."
+        )
+        open_now.add_metric([], h.open_connections())
+        yield open_now
+        closed = CounterMetricFamily(
+            f"{NS}_http_connections_closed",
+            "Connections the endpoint closed itself: a request head not sent in time or an "
+            "exchange past its deadline (timeout), closed to make room at the cap (evicted), "
+            "refused with every slot answering (over_cap).",
+            labels=["reason"],
+        )
+        closed.add_metric(["timeout"], h.timed_out_total)
+        closed.add_metric(["evicted"], h.evicted_total)
+        closed.add_metric(["over_cap"], h.refused_total)
+        yield closed
+        errors = CounterMetricFamily(
+            f"{NS}_http_accept_errors", "accept() failures on the endpoint (EMFILE …)."
+        )
+        errors.add_metric([], h.accept_errors_total)
+        yield errors

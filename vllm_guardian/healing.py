@@ -128,6 +128,7 @@ class Healing:
         self._saved: policy.PolicyState | None = None
         self._started: dict[int, Action] = {}  # actions under way, for their bundles
         self.saved_ok = True  # the last save worked (the watchdog ping depends on it)
+        self.save_error: str | None = None
         self.recent: collections.deque[policy.Decision] = collections.deque(maxlen=20)
         if backends is None:
             backends = self._build_backends()
@@ -306,15 +307,22 @@ class Healing:
 
     def _save(self) -> None:
         if self.state == self._saved:
-            self.saved_ok = True
+            self.saved_ok = True  # what is on disk is the current state
+            self.save_error = None
             return
         try:
             save_state(self.state_path, self.state)
             self._saved = self.state
             self.saved_ok = True
+            self.save_error = None
         except OSError as e:
             self.saved_ok = False
-            log.error("cannot save the policy state to %s: %s", self.state_path, e)
+            self.save_error = f"cannot save the policy state to {self.state_path}: {e}"
+            log.error("%s", self.save_error)
+
+    def persist_error(self) -> str | None:
+        """Why the last tick's state or decisions are not on disk; None when they are."""
+        return self.save_error or self.audit.error
 
     # --- what others read --------------------------------------------------------------------
 

@@ -66,8 +66,12 @@ StartLimitBurst=5
 # READY=1 after the first full tick, WATCHDOG=1 every tick, a STATUS= line, STOPPING=1.
 Type=notify
 NotifyAccess=main
-# Ticks every 2 s (interval_seconds); 30 s without one means a wedged daemon.
+# Ticks every 2 s (interval_seconds); 30 s without one means a wedged daemon. A tick that
+# could not save the policy state or write its decisions sends no ping either.
 WatchdogSec=30s
+# systemd's default soft limit is 1,024 descriptors. Each listener caps its own connections
+# (/metrics 64, the control socket 16), so this is headroom, not a target.
+LimitNOFILE=65536
 ExecStart={exec} run -c {config}
 # SIGHUP reloads the config; a bad new config is refused and the old one keeps running.
 ExecReload=/bin/kill -HUP $MAINPID

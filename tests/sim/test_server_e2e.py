@@ -232,7 +232,12 @@ def test_engine_death_streams_error_then_exit_zero(twin: Starter) -> None:
 def test_engine_hang_keeps_health_200(twin: Starter) -> None:
     t = twin("--sim-scenario", "engine_hang", "--enforce-eager", "--sim-speed", "30")
     t.wait_ready()
-    time.sleep(1.2)  # hang at 30 s simulated
+    deadline = time.monotonic() + 60
+    phase = None
+    while time.monotonic() < deadline and phase != "hung":  # the hang at 30 s simulated
+        phase = requests.get(f"{t.url}/sim/clock", timeout=5).json()["phase"]
+        time.sleep(0.05)
+    assert phase == "hung", phase
     with requests.post(
         f"{t.url}/v1/completions",
         json={"prompt": "x", "max_tokens": 5, "stream": True},

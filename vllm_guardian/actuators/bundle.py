@@ -19,8 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-import requests
-
+from vllm_guardian import httpget
 from vllm_guardian.config import ServiceConfig
 from vllm_guardian.core.signals import belongs_to
 from vllm_guardian.model import Action, GpuDevice, Snapshot, UnitState, XidEvent
@@ -103,14 +102,19 @@ class BundleWriter:
         (path / "action.json").write_text(json.dumps(to_jsonable(action), indent=2) + "\n")
         if svc is not None:
             try:
-                resp = requests.get(
-                    svc.url.rstrip("/") + "/metrics", timeout=min(5.0, self.timeout_seconds)
+                resp = httpget.fetch(
+                    svc.url.rstrip("/") + "/metrics",
+                    deadline_seconds=min(5.0, self.timeout_seconds),
+                    max_body_bytes=32 * 1024 * 1024,
+                    oversize=httpget.Oversize.TRUNCATE,
                 )
-                if resp.status_code == 200:
-                    (path / "metrics" / f"{int(now)}.prom").write_text(
-                        resp.text[: 32 * 1024 * 1024]
+                if resp.status == 200:
+                    (path / "metrics" / f"{int(now)}.prom").write_bytes(resp.body)
+                if resp.truncated:
+                    (path / "metrics" / "ERROR.txt").write_text(
+                        "/metrics body over 32 MiB: cut there\n"
                     )
-            except requests.RequestException as e:
+            except httpget.HttpGetError as e:
                 (path / "metrics" / "ERROR.txt").write_text(f"{e}\n")
         latest = history[-1] if history else None
         ss = latest.service(action.service) if latest is not None else None

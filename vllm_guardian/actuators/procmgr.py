@@ -41,8 +41,11 @@ class Supervisor:
         restart_delay_seconds: float = 1.0,
         stop_timeout_seconds: float = 60.0,
         extra_env: Mapping[str, str] | None = None,
+        restart_on_clean_exit: bool = True,
         tee_stdout: bool = False,
     ) -> None:
+        """``restart_on_clean_exit=False`` is systemd's ``Restart=on-failure``: an exit with
+        status 0 (vLLM's after an engine death) ends supervision until ``start``/``restart``."""
         self.name = name
         self.command = tuple(command)
         self.flags_path = flags_path
@@ -50,9 +53,11 @@ class Supervisor:
         self.restart_delay_seconds = restart_delay_seconds
         self.stop_timeout_seconds = stop_timeout_seconds
         self.extra_env = dict(extra_env or {})
+        self.restart_on_clean_exit = restart_on_clean_exit
         # Container mode: the child's output also goes to our stdout (`kubectl logs`).
         self.tee_stdout = tee_stdout
         self._lock = threading.Lock()
+        self._closed = False  # stop() was called: nothing is started again
         self._proc: subprocess.Popen[bytes] | None = None
         self._want_running = False
         self._thread: threading.Thread | None = None
@@ -76,6 +81,12 @@ class Supervisor:
             argv += content.argv
             env.update(dict(content.env))
         return argv, env
+
+    @property
+    def wants_running(self) -> bool:
+        """False once stopped, or after a clean exit under ``restart_on_clean_exit=False``."""
+        with self._lock:
+            return self._want_running
 
     @property
     def pid(self) -> int | None:
@@ -117,8 +128,18 @@ class Supervisor:
                 if out is not subprocess.DEVNULL:
                     out.close()  # type: ignore[union-attr]
         with self._lock:
-            self._proc = proc
-            self.starts += 1
+            closed = self._closed
+            if not closed:
+                self._proc = proc
+                self.starts += 1
+        if closed:  # stop() came while this process was being started
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+            raise OSError("the guardian is stopping")
         log.info("%s: started pid %d: %s", self.name, proc.pid, " ".join(argv))
 
     def _tee(self, proc: subprocess.Popen[bytes]) -> None:
@@ -174,6 +195,8 @@ class Supervisor:
                 if self._proc is proc:
                     self._proc = None
                     self.exits.append(code)
+                    if code == 0 and not self.restart_on_clean_exit:
+                        self._want_running = False
                 want = self._want_running
             if want:
                 log.warning(
@@ -215,6 +238,10 @@ class Supervisor:
             self._thread = None
         with self._lock:
             self._proc = None
+            if self._closed:
+                # stop() came while this restart drained the old process: starting a new one
+                # now would leave it running after the guardian is gone.
+                return False, False, "the guardian is stopping: not started again"
         try:
             self._spawn()
         except OSError as e:
@@ -224,6 +251,7 @@ class Supervisor:
 
     def stop(self, timeout_seconds: float = 30.0) -> None:
         with self._lock:
+            self._closed = True
             self._want_running = False
             proc = self._proc
         self._wake.set()

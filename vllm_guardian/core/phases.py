@@ -61,12 +61,16 @@ class Seen:
 
     time_seconds: float
     in_flight: float | None  # requests still being served (None: nothing to wait for / unknown)
-    in_flight_from: str  # "gate" (the front door's own count) | "vllm" (running + waiting) | ""
+    # "gate" (the front door's own count) | "vllm" (running + waiting; with why, when a
+    # configured gate did not answer) | "" (nothing to count)
+    in_flight_from: str
     health_up: bool | None
     listening: bool | None  # False: nothing answers on vLLM's port (exited, or starting)
     main_pid: int | None
     gpu_pids: frozenset[int] | None  # pids holding memory on the GPUs (None: cannot tell)
     metrics_up: bool
+    stalled: bool = False  # requests in the engine and not one token processed: hung
+    engine_dead: bool = False  # /health answers 503 (a slow /health under load is not this)
 
 
 @dataclass(frozen=True)
@@ -356,10 +360,22 @@ def advance(
                 break
         elif phase is Phase.DRAINING:
             left = seen.in_flight
-            if left is None or left <= 0:
+            if seen.stalled or seen.engine_dead or seen.listening is False:
+                # A hung, dead or exited engine finishes nothing: waiting out the drain would
+                # only hold the front door closed longer (the requests in it fail either way).
+                why = (
+                    "hung (no token processed)"
+                    if seen.stalled
+                    else "not serving (/health 503)"
+                    if seen.engine_dead
+                    else "not serving (nothing listens)"
+                )
+                a = replace(a, notes=(*a.notes, f"not drained: the engine is {why}"))
+                restart(f"the engine is {why}: nothing in flight can finish")
+            elif left is None or left <= 0:
                 took = now - a.phase_since
                 a = replace(a, notes=(*a.notes, f"drained in {took:.0f}s"))
-                restart(f"drained ({seen.in_flight_from or 'nothing'} in flight: 0)")
+                restart(f"drained (in flight per {seen.in_flight_from or 'nothing'}: 0)")
             elif now >= a.deadline:
                 a = replace(
                     a,
@@ -369,7 +385,9 @@ def advance(
                         "flight (vLLM's --shutdown-timeout takes over)",
                     ),
                 )
-                restart(f"drain deadline passed with {left:.0f} in flight")
+                restart(
+                    f"drain deadline passed with {left:.0f} in flight per {seen.in_flight_from}"
+                )
             else:
                 break
         elif phase is Phase.RESTARTING:

@@ -504,9 +504,16 @@ def seen(snapshot: Snapshot, sig: ServiceSignals | None, name: str) -> phases.Se
         pids = frozenset(p.pid for d in snapshot.gpus.devices for p in d.processes or ())
     in_flight: float | None = None
     source = ""
-    if sig is not None and sig.requests_running is not None:
+    gate = svc.gate if svc is not None else None
+    if gate is not None and gate.reachable and gate.in_flight is not None:
+        # The front door's own count of what it sent to vLLM and has not finished: exact,
+        # where vLLM's gauges lag a scrape and count clients that bypass the gate.
+        in_flight, source = float(gate.in_flight), "gate"
+    elif sig is not None and sig.requests_running is not None:
+        # No gate, or one that does not answer (never a reason to block an action): vLLM's
+        # own running + waiting.
         in_flight = sig.requests_running + (sig.requests_waiting or 0)
-        source = "vllm"
+        source = "vllm" if gate is None else "vllm (the gate did not answer)"
     health = sig.health_state if sig is not None else None
     return phases.Seen(
         time_seconds=snapshot.time_seconds,
@@ -517,6 +524,8 @@ def seen(snapshot: Snapshot, sig: ServiceSignals | None, name: str) -> phases.Se
         main_pid=svc.unit.main_pid if svc is not None and svc.unit is not None else None,
         gpu_pids=pids,
         metrics_up=bool(sig is not None and sig.metrics_up),
+        stalled=bool(sig is not None and sig.stalled),
+        engine_dead=health is HealthState.ENGINE_DEAD,
     )
 
 
@@ -1085,7 +1094,9 @@ def operator_action(
         else ("with " + describe_flags(sets, ()) if sets else "with the current flags")
     )
     reason = f"operator {kind.value} {what}"
-    s = replace(s, restarts=(*s.restarts, now), last_note="")
+    # Not counted against the restart budget: the budget stops the guardian from restart-looping
+    # on its own; a person's explicit restarts are theirs to make (and audited).
+    s = replace(s, last_note="")
     # An operator's restart is a voluntary disruption too: in a fleet it waits for a permit,
     # as `kubectl drain` waits for the PodDisruptionBudget.
     s = ctx.act(s, kind, None, reason, flags, env, operator=who, voluntary=True)

@@ -27,8 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import requests
-
+from vllm_guardian import httpget
 from vllm_guardian.actuators.bundle import gpus_document, unit_document
 from vllm_guardian.clock import SystemClock
 from vllm_guardian.config import (
@@ -76,23 +75,24 @@ class _Gatherer:
         self.problems: list[str] = []
         self.base = svc.url.rstrip("/")
 
-    def _get(self, path: str) -> requests.Response | str:
+    def _get(self, path: str) -> httpget.HttpResponse | str:
+        """The answer, or why there is none; a body past MAX_BODY_BYTES is cut and reported."""
         try:
-            resp = requests.get(self.base + path, timeout=self.opts.timeout_seconds, stream=True)
-            resp.raw.decode_content = True
-            body = resp.raw.read(MAX_BODY_BYTES + 1, decode_content=True)
-            resp._content = body[:MAX_BODY_BYTES]
-            return resp
-        except requests.ConnectionError as e:
-            return (
-                "connection refused"
-                if "refused" in str(e).lower()
-                else f"cannot connect: {type(e).__name__}"
+            resp = httpget.fetch(
+                self.base + path,
+                deadline_seconds=self.opts.timeout_seconds,
+                max_body_bytes=MAX_BODY_BYTES,
+                oversize=httpget.Oversize.TRUNCATE,
             )
-        except requests.Timeout:
-            return f"timed out after {self.opts.timeout_seconds:g} s"
-        except requests.RequestException as e:
-            return f"{type(e).__name__}: {e}"
+        except httpget.HttpGetError as e:
+            if e.failure is httpget.Failure.REFUSED:
+                return "connection refused"
+            if e.failure in (httpget.Failure.DEADLINE, httpget.Failure.CONNECT_TIMEOUT):
+                return f"timed out after {self.opts.timeout_seconds:g} s"
+            return e.detail
+        if resp.truncated:
+            self.problems.append(f"{path}: body over {MAX_BODY_BYTES} bytes, read that far")
+        return resp
 
     def metrics(self) -> list[tuple[float, str]]:
         out: list[tuple[float, str]] = []
@@ -105,10 +105,10 @@ class _Gatherer:
             if isinstance(r, str):
                 self.problems.append(f"/metrics: {r} (vLLM down or starting?)")
                 return out
-            if r.status_code != 200:
-                self.problems.append(f"/metrics: HTTP {r.status_code}")
+            if r.status != 200:
+                self.problems.append(f"/metrics: HTTP {r.status}")
                 return out
-            out.append((round(t, 3), r.text))
+            out.append((round(t, 3), r.body.decode("utf-8", errors="replace")))
         return out
 
     def health(self) -> dict[str, Any]:
@@ -118,17 +118,17 @@ class _Gatherer:
         if isinstance(r, str):
             return {"status_code": None, "error": r, "latency_seconds": None}
         return {
-            "status_code": r.status_code,
+            "status_code": r.status,
             "error": None,
             "latency_seconds": round(time.monotonic() - t0, 4),
         }
 
     def models(self) -> dict[str, Any] | None:
         r = self._get("/v1/models")
-        if isinstance(r, str) or r.status_code != 200:
+        if isinstance(r, str) or r.status != 200:
             return None
-        with contextlib.suppress(ValueError):
-            doc = r.json()
+        with contextlib.suppress(ValueError, RecursionError):
+            doc = json.loads(r.body)
             return doc if isinstance(doc, dict) else None
         return None
 

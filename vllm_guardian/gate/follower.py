@@ -34,6 +34,13 @@ from vllm_guardian.sources.vllm_metrics import VllmParser, parse_vllm_metrics
 log = logging.getLogger("vllm_guardian.gate")
 
 
+# vLLM's /metrics: ~0.3 MiB for 8 engines; the guardian's own source allows 16 MiB (its default
+# sources.vllm_metrics.max_body_bytes). Past it the body is not read on: memory stays bounded.
+METRICS_MAX_BYTES = 16 * 1024 * 1024
+# /health and the guardian's /ready answer in a few bytes.
+SMALL_BODY_MAX_BYTES = 64 * 1024
+
+
 class Follower:
     def __init__(
         self,
@@ -58,6 +65,7 @@ class Follower:
         self._suspect_until: float | None = None
         self._parser = VllmParser()
         self._warned_unknown = False
+        self._warned_oversize = False
         self._timeout = aiohttp.ClientTimeout(total=max(1.0, 5 * poll_interval_seconds))
         self._tasks: list[asyncio.Task[None]] = []
         self.polls = 0
@@ -113,7 +121,7 @@ class Follower:
     async def _health(self) -> tuple[bool, str]:
         try:
             async with self.session.get(f"{self.upstream}/health", timeout=self._timeout) as r:
-                await r.read()
+                await r.content.read(SMALL_BODY_MAX_BYTES)  # the status is the answer
                 if r.status == 200:
                     return True, "open"
                 return False, f"vLLM /health answers {r.status}"
@@ -128,7 +136,7 @@ class Follower:
             async with self.session.get(
                 f"{self.guardian}/ready/{self.service}", timeout=self._timeout
             ) as r:
-                body = await r.read()
+                body = await r.content.read(SMALL_BODY_MAX_BYTES)
                 if r.status == 404:
                     if not self._warned_unknown:
                         log.warning("gate: the guardian knows no service %r", self.service)
@@ -154,7 +162,22 @@ class Follower:
             async with self.session.get(f"{self.upstream}/metrics", timeout=self._timeout) as r:
                 if r.status != 200:
                     return
-                body = await r.read()
+                chunks: list[bytes] = []
+                size = 0
+                async for chunk in r.content.iter_any():
+                    size += len(chunk)
+                    if size > METRICS_MAX_BYTES:
+                        if not self._warned_oversize:
+                            log.warning(
+                                "gate: vLLM's /metrics is over %d bytes: not read, the KV "
+                                "estimate keeps its last value",
+                                METRICS_MAX_BYTES,
+                            )
+                            self._warned_oversize = True
+                        return
+                    chunks.append(chunk)
+                body = b"".join(chunks)
+                self._warned_oversize = False
         except (aiohttp.ClientError, TimeoutError):
             return
         text = body.decode("utf-8", "replace")

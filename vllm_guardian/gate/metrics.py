@@ -102,10 +102,23 @@ class GateMetrics:
             ["service", "phase"],
             registry=r,
         )
+        self.connections = Gauge(
+            f"{NS}_connections", "Client connections open now.", ["service"], registry=r
+        ).labels(*s)
+        self._connections_closed = Counter(
+            f"{NS}_connections_closed",
+            "Client connections the gate closed itself: idle past the deadline (idle_timeout), "
+            "closed to make room at the cap (evicted), or refused with every slot busy "
+            "(over_cap).",
+            ["service", "reason"],
+            registry=r,
+        )
         self._service = service
+        for reason in ("idle_timeout", "evicted", "over_cap"):
+            self._connections_closed.labels(service, reason)
         # Every known label value from the start, so rate() sees a 0 before the first event.
         for reason in ("queue_full", "queued_tokens_full", "per_key_limit", "wait_timeout",
-                       "too_large", "shutdown"):  # fmt: skip
+                       "too_large", "too_deep", "shutdown"):  # fmt: skip
             self._rejected.labels(service, reason)
         for phase in ("connect", "before_first_byte", "streaming"):
             self.upstream_errors.labels(service, phase)
@@ -128,6 +141,9 @@ class GateMetrics:
 
     def client_disconnect(self, phase: str) -> None:
         self.client_disconnects.labels(self._service, phase).inc()
+
+    def connection_closed(self, reason: str) -> None:
+        self._connections_closed.labels(self._service, reason).inc()
 
     def set_open(self, open_: bool) -> None:
         self._open.set(1.0 if open_ else 0.0)

@@ -184,7 +184,13 @@ class GateProxy:
         key = request.headers.get(self.s.key_header, "")
         overhead = 0.0
         if request.method == "POST":
-            cost = estimate_cost(body, self.s.default_output_tokens)
+            try:
+                cost = estimate_cost(body, self.s.default_output_tokens)
+            except RecursionError:  # json's own limit, or the walk over the prompt
+                self.metrics.rejected.labels("too_deep").inc()
+                return openai_error(
+                    400, "request JSON nested too deeply for the gate to read", "BadRequestError"
+                )
             overhead += time.perf_counter() - started
             try:
                 ticket = await self.admission.acquire(key, cost)
@@ -305,9 +311,13 @@ class GateProxy:
                         break
                     await resp.write(chunk)
                 await resp.write_eof()
-            except (ConnectionResetError, asyncio.CancelledError):
+            except asyncio.CancelledError:
                 self.metrics.client_disconnect("streaming")
                 raise
+            except ConnectionResetError:  # the client left mid-answer: counted, no traceback
+                self.metrics.client_disconnect("streaming")
+                if request.transport is not None:
+                    request.transport.close()
             return resp
         finally:
             # Releasing a finished answer keeps the connection for reuse; closing one that is

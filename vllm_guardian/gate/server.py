@@ -9,6 +9,7 @@ upstream connections are closed) and returns.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from dataclasses import dataclass, field
 
@@ -16,9 +17,12 @@ import aiohttp
 from aiohttp import web
 
 from vllm_guardian.gate.admission import Admission, Limits
+from vllm_guardian.gate.connections import GuardedServer, fit_descriptor_limit
 from vllm_guardian.gate.follower import Follower
 from vllm_guardian.gate.metrics import GateMetrics
 from vllm_guardian.gate.proxy import GateProxy, ProxySettings
+
+log = logging.getLogger("vllm_guardian.gate")
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,10 @@ class GateSettings:
     kv_poll_interval_seconds: float = 0.5
     suspect_seconds: float = 1.0
     shutdown_timeout_seconds: float = 5.0
+    # Client connections open at once (each also holds one to vLLM while busy); past it the
+    # longest-idle one is closed. Idle (head not sent yet, or kept alive): closed after this.
+    max_connections: int = 4096
+    idle_timeout_seconds: float = 15.0
 
 
 class Gate:
@@ -71,7 +79,18 @@ class Gate:
         self.admission.start()
         await self.follower.poll_once()  # know the state before the first request
         self.follower.start()
-        server = web.Server(self.proxy.handle, handler_cancellation=True, access_log=None)
+        cap, why = fit_descriptor_limit(s.max_connections)
+        if why is not None:
+            log.warning("gate: %s", why)
+        server = GuardedServer(
+            self.proxy.handle,
+            max_connections=cap,
+            idle_timeout_seconds=s.idle_timeout_seconds,
+            metrics=self.metrics,
+            handler_cancellation=True,
+            access_log=None,
+            keepalive_timeout=2 * s.idle_timeout_seconds,  # the guard closes them first
+        )
         self._runner = web.ServerRunner(server, shutdown_timeout=s.shutdown_timeout_seconds)
         await self._runner.setup()
         family = socket.AF_INET6 if ":" in s.listen_host else socket.AF_INET

@@ -19,6 +19,7 @@ from vllm_guardian.sim.flags import FlagError, parse_serve_args
 from vllm_guardian.sim.load import OutcomeKind, RequestOutcome, plan_requests, run_load
 from vllm_guardian.sim.scenarios import SCENARIOS
 from vllm_guardian.sim.server import Twin
+from vllm_guardian.sim.timeline import TimelineError
 from vllm_guardian.sim.vllm_log import LogWriter
 
 USAGE = "usage: python -m vllm_guardian.sim {serve,load} ..."
@@ -33,7 +34,12 @@ def serve(argv: Sequence[str]) -> int:
         log.raw("Traceback (most recent call last):")
         log.raw(f"ValueError: {exc}")
         return 1
-    return Twin(opts, log).run()
+    try:
+        twin = Twin(opts, log)
+    except TimelineError as exc:
+        print(f"serve: {exc}", file=sys.stderr)
+        return 2
+    return twin.run()
 
 
 def load(argv: Sequence[str]) -> int:
@@ -44,7 +50,13 @@ def load(argv: Sequence[str]) -> int:
     p.add_argument("--speed", type=float, default=1.0, help="the twin's --sim-speed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-requests", type=int, default=200)
-    p.add_argument("--max-duration-seconds", type=float, default=60.0)
+    p.add_argument(
+        "--max-duration-seconds",
+        type=float,
+        default=60.0,
+        help="the window in which requests are sent; each request sent then gets its whole "
+        "time bound (30 s) to finish",
+    )
     p.add_argument("--no-stream", action="store_true")
     p.add_argument("--outcomes", default=None, help="write one JSON line per request here")
     ns = p.parse_args(list(argv))

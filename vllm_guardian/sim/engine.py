@@ -5,13 +5,17 @@ moves it forward with ``advance(until_seconds)`` (simulated seconds since the pr
 started) and it answers with per-request token deltas and log events. One engine step
 schedules a batch (``scheduler``), checks the card (``memory``), takes
 ``step_base + step_per_token × tokens`` simulated seconds, then commits tokens and stats.
+One-off faults (hang, death, XID) come from ``scenarios.fault_schedule`` on the scenario's
+clock, whose zero is given (``scenario_zero_seconds``, on the engine's clock) or is this
+engine's readiness; faults due before this engine was ready are not replayed. Every fault,
+OOMs included, is kept in ``faults``.
 """
 
 from __future__ import annotations
 
 import enum
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from vllm_guardian.sim.memory import MemoryBreakdown, MemoryModel, step_activation_bytes
@@ -25,7 +29,7 @@ from vllm_guardian.sim.profiling import (
     oom_message,
     profile_startup,
 )
-from vllm_guardian.sim.scenarios import Scenario
+from vllm_guardian.sim.scenarios import FaultKind, Scenario, fault_schedule
 from vllm_guardian.sim.scheduler import (
     FinishReason,
     ScheduledChunk,
@@ -96,6 +100,12 @@ class XidEvent:
 
 
 @dataclass(frozen=True)
+class FaultRecord:
+    kind: FaultKind
+    sim_seconds: float  # on the engine's clock
+
+
+@dataclass(frozen=True)
 class DeathRecord:
     sim_seconds: float
     exception: str
@@ -113,6 +123,8 @@ class SimEngine:
         scenario: Scenario,
         gpu_total_bytes: int,
         seed: int = 0,
+        scenario_zero_seconds: float | None = None,
+        fault_every_seconds: float | None = None,
     ) -> None:
         self.model = model
         self.cfg = cfg
@@ -134,9 +146,13 @@ class SimEngine:
         self._requests: dict[str, SimRequest] = {}
         self._logs: list[LogEvent] = []
         self._profile_result: StartupPlan | StartupFailure | None = None
-        self._hang_done = False
-        self._death_done = False
-        self._xid_done = False
+        self.seed = seed
+        self.fault_every_seconds = fault_every_seconds
+        # The scenario's zero on this engine's clock; None until known (at readiness).
+        self.scenario_zero: float | None = scenario_zero_seconds
+        self.faults: list[FaultRecord] = []
+        self._schedule: Iterator[tuple[float, FaultKind]] | None = None
+        self._next_fault: tuple[float, FaultKind] | None = None
         self._next_log_at = LOG_STATS_INTERVAL_SECONDS
         self._last_log_counts = (0, 0)
         weights_seconds = model.weights_bytes / WEIGHT_LOAD_BYTES_PER_SECOND
@@ -320,6 +336,15 @@ class SimEngine:
         )
         self.phase = EnginePhase.READY
         self._next_log_at = self.now + LOG_STATS_INTERVAL_SECONDS
+        if self.scenario_zero is None:
+            self.scenario_zero = self.ready_at
+        self._schedule = fault_schedule(self.scenario, self.seed, self.fault_every_seconds)
+        # Faults due before this engine was ready struck an earlier process (or nobody).
+        self._next_fault = next(self._schedule, None)
+        while self._next_fault is not None and (
+            self.scenario_zero + self._next_fault[0] < self.ready_at
+        ):
+            self._next_fault = next(self._schedule, None)
         w = self.weights_loaded_at - STARTUP_IMPORT_SECONDS
         self._log(
             Proc.ENGINE_CORE,
@@ -379,42 +404,47 @@ class SimEngine:
 
     # ----------------------------------------------------------------- scenario events
 
+    @property
+    def scenario_seconds(self) -> float | None:
+        """Simulated seconds since the scenario's zero (None before it is known)."""
+        return None if self.scenario_zero is None else self.now - self.scenario_zero
+
     def _event_times(self) -> list[float]:
-        if self.ready_at is None:
+        if self.scenario_zero is None or self._next_fault is None or self.ready_at is None:
             return []
-        s = self.scenario
-        out = []
-        for offset, done in (
-            (s.hang_at_seconds, self._hang_done),
-            (s.death_at_seconds, self._death_done),
-            (s.xid_at_seconds, self._xid_done),
-        ):
-            if offset is not None and not done:
-                out.append(self.ready_at + offset)
-        return out
+        return [self.scenario_zero + self._next_fault[0]]
 
     def _next_event_time(self) -> float:
         return min([*self._event_times(), self._next_log_at])
 
     def _scenario_events(self) -> None:
-        s = self.scenario
-        if self.ready_at is None:
+        if self.ready_at is None or self.scenario_zero is None or self._schedule is None:
             return
-        t = self.now - self.ready_at
-        if s.hang_at_seconds is not None and not self._hang_done and t >= s.hang_at_seconds:
-            self._hang_done = True
+        while (
+            self._next_fault is not None
+            and self.death is None
+            and self.now >= self.scenario_zero + self._next_fault[0]
+        ):
+            kind = self._next_fault[1]
+            self._next_fault = next(self._schedule, None)
+            self._fault(kind)
+
+    def _fault(self, kind: FaultKind) -> None:
+        if kind is FaultKind.HANG:
+            if self.phase is not EnginePhase.HUNG:
+                self.faults.append(FaultRecord(kind, self.now))
             # No log line: a hung engine says nothing; the stats logger keeps printing zeros.
             self.phase = EnginePhase.HUNG
-        if s.death_at_seconds is not None and not self._death_done and t >= s.death_at_seconds:
-            self._death_done = True
+        elif kind is FaultKind.DEATH:
+            self.faults.append(FaultRecord(kind, self.now))
             self._die(
                 "SystemExit",
                 "EngineCore process was killed (signal 9)",
                 worker_lines=False,
             )
-        if s.xid_at_seconds is not None and not self._xid_done and t >= s.xid_at_seconds:
-            self._xid_done = True
-            self.xid_events.append(XidEvent(len(self.xid_events) + 1, s.xid, self.now))
+        elif kind is FaultKind.XID:
+            self.faults.append(FaultRecord(kind, self.now))
+            self.xid_events.append(XidEvent(len(self.xid_events) + 1, self.scenario.xid, self.now))
             self._die(
                 "RuntimeError",
                 "CUDA error: uncorrectable ECC error encountered\nCUDA kernel errors might be "
@@ -545,6 +575,7 @@ class SimEngine:
             reserved_unallocated_bytes=mem.fragmentation_bytes,
             other_processes=others,
         )
+        self.faults.append(FaultRecord(FaultKind.OOM, self.now))
         self._die("torch.OutOfMemoryError", msg)
 
     def _die(self, exception: str, message: str, worker_lines: bool = True) -> None:

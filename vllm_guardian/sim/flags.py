@@ -37,6 +37,9 @@ class ServeOptions:
     exit_code: int
     gpu_state_file: Path | None
     gpu_state_interval_seconds: float
+    epoch_unix_seconds: float | None
+    timeline_file: Path | None
+    fault_every_seconds: float | None
     non_default_args: tuple[tuple[str, object], ...]
 
 
@@ -92,6 +95,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--sim-gpu-state-file", type=Path, default=None)
     sim.add_argument("--sim-gpu-state-interval-seconds", type=float, default=1.0)
+    sim.add_argument(
+        "--sim-epoch",
+        type=float,
+        default=None,
+        help="wall time (Unix seconds) of the scenario's zero; its one-off faults are timed "
+        "from it (default: the timeline file's, else this process's readiness)",
+    )
+    sim.add_argument(
+        "--sim-timeline-file",
+        type=Path,
+        default=None,
+        help="JSON file shared by the processes of one run: the scenario's epoch (set by the "
+        "first to become ready) and every fault, with its wall time",
+    )
+    sim.add_argument(
+        "--sim-fault-every",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="mean simulated seconds between seeded recurrences of the scenario's fault",
+    )
     sim.add_argument(
         "--sim-fragmentation-creep-factor",
         type=float,
@@ -149,6 +173,8 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> ServeOp
             "max_num_batched_tokens and makes vLLM reject longer sequences. Please increase "
             "max_num_batched_tokens or decrease max_model_len."
         )
+    if ns.sim_fault_every is not None and not ns.sim_fault_every > 0:
+        raise FlagError(f"--sim-fault-every must be > 0 seconds, got {ns.sim_fault_every}")
     alloc_conf = environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     engine = EngineConfig(
         gpu_memory_utilization=ns.gpu_memory_utilization,
@@ -186,5 +212,8 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> ServeOp
         exit_code=ns.sim_exit_code,
         gpu_state_file=ns.sim_gpu_state_file,
         gpu_state_interval_seconds=ns.sim_gpu_state_interval_seconds,
+        epoch_unix_seconds=ns.sim_epoch,
+        timeline_file=ns.sim_timeline_file,
+        fault_every_seconds=ns.sim_fault_every,
         non_default_args=non_default,
     )

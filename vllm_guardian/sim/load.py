@@ -5,7 +5,11 @@ plus bursts) with prompt/output lengths and shared prefixes; it is pure, so the 
 tests feed the same plan straight into the engine. ``run_load`` sends that plan over HTTP on
 its schedule, whether or not earlier requests have finished (open loop), and records every
 request's outcome: ok, HTTP error, error event in the stream, connection error, latency,
-tokens. It refuses any host that is not a loopback address.
+tokens. The window (``max_duration_seconds``) bounds when requests are *sent*; every request
+sent gets its whole ``request_timeout_seconds`` to finish, so the run ends after the window
+once the last answer is in, and a healthy server fails none. Each planned request may say
+whether it streams (``PlannedRequest.stream``; None: the run's default). It refuses any host
+that is not a loopback address.
 
 Prompts are made of whitespace-separated words and the twin counts one token per word, so a
 planned prompt of N tokens is N tokens on the twin.
@@ -38,6 +42,7 @@ class PlannedRequest:
     prompt_tokens: int
     max_tokens: int
     burst: bool = False
+    stream: bool | None = None  # None: the run's default
 
 
 class OutcomeKind(enum.Enum):
@@ -46,8 +51,8 @@ class OutcomeKind(enum.Enum):
     STREAM_ERROR = "stream_error"  # HTTP 200, then an error event (engine death)
     INCOMPLETE = "incomplete"  # the stream ended without [DONE]
     CONNECTION_ERROR = "connection_error"
-    TIMEOUT = "timeout"  # no answer within the request's time bound
-    NOT_SENT = "not_sent"  # the time bound ran out before its arrival
+    TIMEOUT = "timeout"  # no answer within the request's own time bound
+    NOT_SENT = "not_sent"  # the window closed before its arrival
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,9 @@ class RequestOutcome:
     completion_tokens: int
     finish_reason: str | None
     error: str | None
+    # Real seconds after the start when the answer ended; on a busy client a request can be
+    # sent later than scheduled, so this is not always scheduled + latency.
+    ended_seconds: float | None = None
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -155,7 +163,9 @@ def send_one(
     stream: bool,
     timeout_seconds: float,
     scheduled_seconds: float,
+    load_start: float | None = None,
 ) -> RequestOutcome:
+    """One request; ``load_start`` (monotonic) dates its end relative to the load's start."""
     body = {
         "model": model,
         "prompt": planned.prompt,
@@ -169,9 +179,11 @@ def send_one(
     finish: str | None = None
 
     def outcome(kind: OutcomeKind, status: int | None, error: str | None) -> RequestOutcome:
+        now = time.monotonic()
         return RequestOutcome(
-            planned.index, kind, scheduled_seconds, time.monotonic() - start, ttft, status,
+            planned.index, kind, scheduled_seconds, now - start, ttft, status,
             planned.prompt_tokens, tokens, finish, error,
+            None if load_start is None else now - load_start,
         )  # fmt: skip
 
     try:
@@ -232,8 +244,9 @@ def run_load(
     stop: threading.Event | None = None,
     on_outcome: Callable[[RequestOutcome], None] | None = None,
 ) -> LoadResult:
-    """Send ``plan`` open-loop (arrival times divided by ``speed``), bounded in time.
-    ``on_outcome`` is called with each sent request's outcome as soon as it is known."""
+    """Send ``plan`` open-loop (arrival times divided by ``speed``) for ``max_duration_seconds``,
+    then wait for the requests sent, each bounded by ``request_timeout_seconds`` (not by the
+    window). ``on_outcome`` is called with each sent request's outcome as soon as it is known."""
     require_loopback(base_url)
     stop = stop or threading.Event()
     start = time.monotonic()
@@ -255,8 +268,10 @@ def run_load(
                                    p.prompt_tokens, 0, None, None)
                 )  # fmt: skip
                 continue
-            timeout = max(0.1, min(request_timeout_seconds, deadline - time.monotonic()))
-            fut = pool.submit(send_one, base_url, p, model, stream, timeout, due - start)
+            streams = stream if p.stream is None else p.stream
+            fut = pool.submit(
+                send_one, base_url, p, model, streams, request_timeout_seconds, due - start, start
+            )
             if on_outcome is not None:
                 fut.add_done_callback(_reporter(on_outcome))
             futures.append(fut)

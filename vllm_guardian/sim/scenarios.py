@@ -3,11 +3,24 @@
 A scenario is data: vLLM flags it starts with (prepended to the command line, so later flags,
 such as the guardian's, win as in argparse), the traffic that provokes it (a ``LoadProfile``
 for ``load``), and what happens to the device (another tenant, a hang, a death, an XID).
-Times are simulated seconds after the server became ready.
+
+Two kinds of trouble, timed differently (docs/twin.md):
+
+* **one-off faults** (a hang, an engine death, an XID) are events on the *scenario's*
+  timeline: ``fault_schedule`` gives their times in simulated seconds after the scenario's
+  zero (the first process's readiness, or ``--sim-epoch``), the same in every process of one
+  run, so a restarted twin past a fault's time does not meet it again. ``--sim-fault-every``
+  adds seeded recurrences (exponential gaps with that mean) of the same fault;
+* **memory-driven failures** (OOMs from a prefill burst, fragmentation, a neighbour) come from
+  the process's own state and keep recurring in every process while their cause persists:
+  the neighbour's start is counted from each process's readiness.
 """
 
 from __future__ import annotations
 
+import enum
+import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 GIB = 1 << 30
@@ -52,6 +65,15 @@ class Neighbour:
     pid: int = 4_194_301  # above the usual pid range, so it never names a real process
 
 
+class FaultKind(enum.Enum):
+    """What happened to the engine, in the twin's fault record (``--sim-timeline-file``)."""
+
+    HANG = "hang"
+    DEATH = "death"
+    XID = "xid"
+    OOM = "oom"  # memory-driven: not scheduled, recorded when a step does not fit
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
@@ -67,6 +89,41 @@ class Scenario:
     xid: int = 48
     # exit_zero_death exits 0 whatever --sim-exit-code says (that is the scenario).
     forced_exit_code: int | None = None
+
+    def one_off_faults(self) -> list[tuple[float, FaultKind]]:
+        faults = [
+            (at, kind)
+            for at, kind in (
+                (self.hang_at_seconds, FaultKind.HANG),
+                (self.death_at_seconds, FaultKind.DEATH),
+                (self.xid_at_seconds, FaultKind.XID),
+            )
+            if at is not None
+        ]
+        return sorted(faults, key=lambda f: f[0])
+
+
+def fault_schedule(
+    scenario: Scenario, seed: int, every_seconds: float | None = None
+) -> Iterator[tuple[float, FaultKind]]:
+    """The scenario's faults in time order (simulated seconds after the scenario's zero).
+
+    The one-off faults first; with ``every_seconds``, then recurrences of the first one-off
+    fault's kind (an engine death where the scenario has none) at exponentially distributed
+    gaps of that mean, drawn from ``seed``: every process of a run computes the same times.
+    """
+    if every_seconds is not None and every_seconds <= 0:
+        raise ValueError(f"fault interval must be > 0 seconds, got {every_seconds}")
+    one_offs = scenario.one_off_faults()
+    yield from one_offs
+    if every_seconds is None:
+        return
+    rng = random.Random(f"faults-{seed}")  # noqa: S311 (a seeded simulation, not security)
+    kind = one_offs[0][1] if one_offs else FaultKind.DEATH
+    t = one_offs[-1][0] if one_offs else 0.0
+    while True:
+        t += rng.expovariate(1.0 / every_seconds)
+        yield t, kind
 
 
 SCENARIOS: dict[str, Scenario] = {

@@ -10,6 +10,12 @@ seconds (status ``--sim-exit-code``, 0 by default as in vLLM); on SIGTERM with
 get HTTP 500 and ``/health`` stays 200; with 0 they end at once with ``finish_reason: abort``.
 Requests still running when a drain times out are cut without ``[DONE]`` (vLLM leaves them
 hanging until the client gives up; the twin closes them so it can exit).
+
+The scenario's clock: with ``--sim-epoch`` or a ``--sim-timeline-file`` that holds an epoch,
+the engine is told where the scenario's zero lies on its own clock, so one-off faults keep their
+place across restarts; the main loop appends every new fault to the timeline file. The
+twin-only ``GET /sim/clock`` answers the simulated time and a few counters, so tests can wait on
+simulated rather than wall time.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from vllm_guardian.sim.gpu_state import (
     write_state_atomically,
 )
 from vllm_guardian.sim.scheduler import FinishReason
+from vllm_guardian.sim.timeline import FaultEntry, Timeline, read_timeline, write_timeline
 from vllm_guardian.sim.vllm_log import LogWriter
 
 TICK_SECONDS = 0.005
@@ -139,12 +146,25 @@ class Twin:
         self.opts = opts
         self.log = log
         self.pid = os.getpid()
-        self.engine = SimEngine(
-            opts.model, opts.engine, opts.scenario, opts.gpu_memory_bytes, opts.seed
-        )
-        self.lock = threading.Lock()
         self.t0 = time.monotonic()
         self.wall0 = time.time()
+        # Raises TimelineError for a file that is not a timeline (the caller reports it).
+        self.epoch = opts.epoch_unix_seconds
+        if self.epoch is None and opts.timeline_file is not None:
+            self.epoch = read_timeline(opts.timeline_file).epoch_unix_seconds
+        self.engine = SimEngine(
+            opts.model,
+            opts.engine,
+            opts.scenario,
+            opts.gpu_memory_bytes,
+            opts.seed,
+            scenario_zero_seconds=None
+            if self.epoch is None
+            else (self.epoch - self.wall0) * opts.speed,
+            fault_every_seconds=opts.fault_every_seconds,
+        )
+        self._faults_written = 0
+        self.lock = threading.Lock()
         self.lifecycle = Lifecycle.STARTING
         self.streams: dict[str, queue.SimpleQueue[RequestDelta]] = {}
         self.http_stats = HttpStats(self.wall0)
@@ -273,6 +293,44 @@ class Twin:
         )
         return GpuReading(e.gpu_total_bytes, tuple(processes), util, xids)
 
+    # ---------------------------------------------------------------- the run's timeline
+
+    def write_timeline(self) -> None:
+        """Record the epoch (once known) and the faults this process met since the last call."""
+        path = self.opts.timeline_file
+        zero = self.engine.scenario_zero
+        if path is None or zero is None:
+            return
+        new = self.engine.faults[self._faults_written :]
+        current = read_timeline(path)
+        if current.epoch_unix_seconds is not None and not new:
+            return
+        epoch = current.epoch_unix_seconds
+        if epoch is None:
+            epoch = self.epoch if self.epoch is not None else self.wall_of(zero)
+        added = tuple(FaultEntry(f.kind.value, self.wall_of(f.sim_seconds), self.pid) for f in new)
+        write_timeline(path, Timeline(epoch, (*current.faults, *added)))
+        self._faults_written += len(new)
+
+    def clock_view(self) -> dict[str, Any]:
+        """``GET /sim/clock``: the simulated time and counters (twin-only)."""
+        with self.lock:
+            e = self.engine
+            return {
+                "sim_seconds": e.now,
+                "scenario_seconds": e.scenario_seconds,
+                "speed": self.opts.speed,
+                "phase": e.phase.value,
+                "requests_finished": sum(e.stats.request_success.values()),
+                "faults": [
+                    {
+                        "kind": f.kind.value,
+                        "scenario_seconds": f.sim_seconds - (e.scenario_zero or 0.0),
+                    }
+                    for f in e.faults
+                ],
+            }
+
     def write_gpu_state(self, force: bool = False, process_gone: bool = False) -> None:
         path = self.opts.gpu_state_file
         if path is None:
@@ -359,6 +417,8 @@ class Twin:
             while True:
                 self.tick()
                 e = self.engine
+                if len(e.faults) != self._faults_written:
+                    self.write_timeline()
                 if e.phase is EnginePhase.FAILED_STARTUP:
                     self.write_gpu_state(force=True, process_gone=True)
                     return 1
@@ -407,6 +467,7 @@ class Twin:
         self.lifecycle = Lifecycle.SERVING
         self.ready_wall = now
         self.write_gpu_state(force=True)
+        self.write_timeline()
         return thread
 
     def _shutdown(self) -> int | None:
@@ -582,6 +643,8 @@ class _Handler(BaseHTTPRequestHandler):
             status = 200
         elif path == "/version":
             status, n = 200, self._json(200, {"version": VLLM_VERSION})
+        elif path == "/sim/clock":
+            status, n = 200, self._json(200, twin.clock_view())
         elif path == "/load":
             status, n = (
                 200,

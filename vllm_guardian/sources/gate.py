@@ -8,18 +8,18 @@ holds, so a drain waits on the gate's real count instead of guessing from vLLM's
 A gate that is down, wedged or answering garbage is an *observation*, not a failure of the
 source: the reading is a :class:`GateObservation` with ``reachable=False`` and the reason, and
 whoever waits on the gate (the drain) must then act as if there were none. The whole read is
-bounded by one total deadline (connect + answer), never raises, and speaks plain HTTP with the
-standard library's client: the daemon never imports the gate's aiohttp.
+bounded by one total deadline (connect + answer, enforced by :mod:`vllm_guardian.httpget`),
+never raises, and speaks plain HTTP with the standard library's client: the daemon never
+imports the gate's aiohttp.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import math
-import time
 from typing import Any
 
+from vllm_guardian import httpget
 from vllm_guardian.config import GateConfig, GateSourceConfig, ServiceConfig
 from vllm_guardian.model import GateObservation, Reading, SourceKind
 
@@ -86,32 +86,26 @@ def parse_status(body: bytes) -> GateObservation:
 
 def read_status(host: str, port: int, timeout_seconds: float) -> GateObservation:
     """One ``GET /gate/status`` within ``timeout_seconds`` in all; never raises."""
-    deadline = time.monotonic() + timeout_seconds
-    conn = http.client.HTTPConnection(connect_host(host), port, timeout=timeout_seconds)
+    h = connect_host(host)
+    url = f"http://{f'[{h}]' if ':' in h else h}:{port}{STATUS_PATH}"
     try:
-        conn.connect()
-        sock = conn.sock
-        conn.request("GET", STATUS_PATH, headers={"Accept": "application/json"})
-        if sock is not None:  # what is left of the deadline bounds the answer, not a fresh one
-            sock.settimeout(max(0.01, deadline - time.monotonic()))
-        resp = conn.getresponse()
-        body = resp.read(MAX_BODY_BYTES + 1)
-        if time.monotonic() > deadline:
+        resp = httpget.fetch(
+            url,
+            deadline_seconds=timeout_seconds,
+            max_body_bytes=MAX_BODY_BYTES,
+            headers={"Accept": "application/json"},
+        )
+    except httpget.HttpGetError as e:
+        if e.failure is httpget.Failure.REFUSED:
+            return GateObservation(False, error="connection refused: the gate is not running")
+        if e.failure in (httpget.Failure.DEADLINE, httpget.Failure.CONNECT_TIMEOUT):
             return GateObservation(False, error=f"no answer within {timeout_seconds:g}s")
-        if resp.status != 200:
-            return GateObservation(False, error=f"GET {STATUS_PATH} answered HTTP {resp.status}")
-        if len(body) > MAX_BODY_BYTES:
+        if e.failure is httpget.Failure.TOO_LARGE:
             return GateObservation(False, error="the gate's status is larger than 64 KiB")
-        return parse_status(body)
-    except ConnectionRefusedError:
-        return GateObservation(False, error="connection refused: the gate is not running")
-    except TimeoutError:
-        return GateObservation(False, error=f"no answer within {timeout_seconds:g}s")
-    except (OSError, http.client.HTTPException) as e:
-        text = f"{type(e).__name__}: {e}"
-        return GateObservation(False, error=text if len(text) <= 200 else text[:197] + "...")
-    finally:
-        conn.close()
+        return GateObservation(False, error=e.detail)
+    if resp.status != 200:
+        return GateObservation(False, error=f"GET {STATUS_PATH} answered HTTP {resp.status}")
+    return parse_status(resp.body)
 
 
 class GateCollector:

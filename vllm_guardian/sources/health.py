@@ -13,11 +13,17 @@ deep probe here is the other, opt-in, way to catch it, rate-limited to one gener
 
 from __future__ import annotations
 
-import requests
+import json
 
+from vllm_guardian import httpget
 from vllm_guardian.clock import Clock
 from vllm_guardian.config import HealthSourceConfig, ServiceConfig
 from vllm_guardian.model import DeepProbe, HealthProbe, HealthState, Reading, SourceKind
+
+# /health answers with an empty body; its status is the answer. A body past this is not read.
+HEALTH_MAX_BODY_BYTES = 64 * 1024
+# /v1/models and a 1-token completion: a few KiB; a MiB is a broken (or hostile) server.
+DEEP_MAX_BODY_BYTES = 1024 * 1024
 
 
 def classify_status(status_code: int) -> HealthState:
@@ -39,47 +45,51 @@ class HealthCollector:
         self._base = service.url.rstrip("/")
         self._cfg = cfg
         self._clock = clock
-        self._session = requests.Session()
-        self._session.trust_env = False
         self._last_deep_monotonic: float | None = None
         self._last_deep: DeepProbe | None = None
+        self._cancel = httpget.Cancel()
 
     def collect(self) -> Reading:
         url = self._base + "/health"
         start = self._clock.monotonic()
+        timeout = self._cfg.timeout_seconds
         try:
-            resp = self._session.get(
-                url, timeout=(self._cfg.timeout_seconds, self._cfg.timeout_seconds)
+            resp = httpget.fetch(
+                url,
+                cancel=self._cancel,
+                deadline_seconds=0.9 * timeout,  # under the tick's wait: this error shows
+                max_body_bytes=HEALTH_MAX_BODY_BYTES,
+                oversize=httpget.Oversize.TRUNCATE,
             )
             latency = self._clock.monotonic() - start
-            resp.close()
-        except requests.exceptions.ConnectTimeout:
-            probe = HealthProbe(
-                HealthState.TIMEOUT,
-                None,
-                None,
-                f"no connection within {self._cfg.timeout_seconds:g}s",
-            )
-            return Reading(self.kind, self.service, probe)
-        except requests.exceptions.Timeout:
-            probe = HealthProbe(
-                HealthState.TIMEOUT, None, None, f"no answer within {self._cfg.timeout_seconds:g}s"
-            )
-            return Reading(self.kind, self.service, probe)
-        except requests.exceptions.ConnectionError as e:
-            if "refused" in str(e).lower():
+        except httpget.HttpGetError as e:
+            if e.failure is httpget.Failure.CONNECT_TIMEOUT:
+                probe = HealthProbe(
+                    HealthState.TIMEOUT, None, None, f"no connection within {timeout:g}s"
+                )
+            elif e.failure is httpget.Failure.DEADLINE:
+                probe = HealthProbe(
+                    HealthState.TIMEOUT, None, None, f"no answer within {timeout:g}s"
+                )
+            elif e.failure is httpget.Failure.REFUSED:
                 probe = HealthProbe(HealthState.REFUSED, None, None, "connection refused")
             else:
-                probe = HealthProbe(HealthState.ERROR, None, None, _short(e))
+                probe = HealthProbe(HealthState.ERROR, None, None, e.detail)
             return Reading(self.kind, self.service, probe)
-        except requests.exceptions.RequestException as e:
-            probe = HealthProbe(HealthState.ERROR, None, None, _short(e))
-            return Reading(self.kind, self.service, probe)
-        state = classify_status(resp.status_code)
+        state = classify_status(resp.status)
         deep = self._deep_probe() if state is HealthState.UP and self._cfg.deep_probe else None
-        error = None if state is HealthState.UP else f"HTTP {resp.status_code}"
+        error = None if state is HealthState.UP else f"HTTP {resp.status}"
+        hint = (
+            f"/health sent a body over {HEALTH_MAX_BODY_BYTES} bytes: read that far, judged by "
+            "its status"
+            if resp.truncated
+            else None
+        )
         return Reading(
-            self.kind, self.service, HealthProbe(state, resp.status_code, latency, error, deep)
+            self.kind,
+            self.service,
+            HealthProbe(state, resp.status, latency, error, deep),
+            hint=hint,
         )
 
     def _deep_probe(self) -> DeepProbe | None:
@@ -97,27 +107,45 @@ class HealthCollector:
         timeout = self._cfg.deep_probe_timeout_seconds
         start = self._clock.monotonic()
         try:
-            models = self._session.get(self._base + "/v1/models", timeout=timeout)
-            data = models.json().get("data") or []
-            if models.status_code != 200 or not data:
-                return DeepProbe(False, None, models.status_code, "GET /v1/models gave no model")
+            models = httpget.fetch(
+                self._base + "/v1/models",
+                cancel=self._cancel,
+                deadline_seconds=timeout,
+                max_body_bytes=DEEP_MAX_BODY_BYTES,
+            )
+            data = json.loads(models.body).get("data") or []
+            if models.status != 200 or not data:
+                return DeepProbe(False, None, models.status, "GET /v1/models gave no model")
             model = str(data[0].get("id"))
-            resp = self._session.post(
+            left = max(0.1, timeout - (self._clock.monotonic() - start))
+            resp = httpget.fetch(
                 self._base + "/v1/completions",
-                json={"model": model, "prompt": "ping", "max_tokens": 1, "temperature": 0},
-                timeout=timeout,
+                cancel=self._cancel,
+                method="POST",
+                body=json.dumps(
+                    {"model": model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
+                ).encode(),
+                headers={"Content-Type": "application/json"},
+                deadline_seconds=left,
+                max_body_bytes=DEEP_MAX_BODY_BYTES,
             )
             latency = self._clock.monotonic() - start
-            ok = resp.status_code == 200 and bool(resp.json().get("choices"))
-            err = None if ok else f"HTTP {resp.status_code}"
-            return DeepProbe(ok, latency, resp.status_code, err)
-        except requests.exceptions.Timeout:
-            return DeepProbe(False, None, None, f"no completion within {timeout:g}s")
-        except (requests.exceptions.RequestException, ValueError, AttributeError) as e:
+            ok = resp.status == 200 and bool(json.loads(resp.body).get("choices"))
+            err = None if ok else f"HTTP {resp.status}"
+            return DeepProbe(ok, latency, resp.status, err)
+        except httpget.HttpGetError as e:
+            if e.failure in (httpget.Failure.DEADLINE, httpget.Failure.CONNECT_TIMEOUT):
+                return DeepProbe(False, None, None, f"no completion within {timeout:g}s")
+            return DeepProbe(False, None, None, _short(e))
+        except (ValueError, AttributeError, RecursionError) as e:
             return DeepProbe(False, None, None, _short(e))
 
+    def interrupt(self) -> None:
+        """Shutting down: end the fetch in progress now (SIGTERM never waits on vLLM)."""
+        self._cancel.cut()
+
     def close(self) -> None:
-        self._session.close()
+        self._cancel.cut()  # one connection per fetch: nothing else is held
 
 
 def _short(e: BaseException) -> str:

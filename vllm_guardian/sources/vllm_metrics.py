@@ -19,9 +19,7 @@ import math
 import typing
 from dataclasses import dataclass, field, replace
 
-import requests
-
-from vllm_guardian import promtext
+from vllm_guardian import httpget, promtext
 from vllm_guardian.config import ServiceConfig, VllmMetricsSourceConfig
 from vllm_guardian.model import (
     CacheConfig,
@@ -290,8 +288,7 @@ class VllmMetricsCollector:
         self._url = service.url.rstrip("/") + "/metrics"
         self._max_body_bytes = cfg.max_body_bytes
         self._parser = make_parser()
-        self._session = requests.Session()
-        self._session.trust_env = False  # a proxy from the environment must not sit on loopback
+        self._cancel = httpget.Cancel()
 
     def collect(self) -> Reading:
         try:
@@ -321,43 +318,45 @@ class VllmMetricsCollector:
 
     def _fetch(self) -> bytes:
         try:
-            with self._session.get(
+            resp = httpget.fetch(
                 self._url,
-                timeout=(self.timeout_seconds, self.timeout_seconds),
-                stream=True,
+                cancel=self._cancel,
+                # a little under the tick's wait, so that this source's own error is what shows
+                deadline_seconds=0.9 * self.timeout_seconds,
+                max_body_bytes=self._max_body_bytes,
                 headers={"Accept": "text/plain;version=0.0.4"},
-            ) as resp:
-                if resp.status_code != 200:
-                    raise _FetchError(f"GET {self._url}: HTTP {resp.status_code}", None)
-                chunks: list[bytes] = []
-                size = 0
-                for chunk in resp.iter_content(chunk_size=65536):
-                    size += len(chunk)
-                    if size > self._max_body_bytes:
-                        raise _FetchError(
-                            f"GET {self._url}: body exceeds {self._max_body_bytes} bytes",
-                            "raise sources.vllm_metrics.max_body_bytes if this server "
-                            "is legitimately that large",
-                        )
-                    chunks.append(chunk)
-                return b"".join(chunks)
-        except requests.exceptions.ConnectionError as e:
-            if _is_refused(e):
-                raise _FetchError(
-                    f"GET {self._url}: connection refused",
-                    "vLLM is not listening: still loading the model, or not running",
-                ) from None
-            raise _FetchError(f"GET {self._url}: {_short(e)}", None) from None
-        except requests.exceptions.Timeout:
-            raise _FetchError(
-                f"GET {self._url}: no answer within {self.timeout_seconds:g}s",
-                "the API server is hung or overloaded",
-            ) from None
-        except requests.exceptions.RequestException as e:
-            raise _FetchError(f"GET {self._url}: {_short(e)}", None) from None
+            )
+        except httpget.HttpGetError as e:
+            raise _FetchError(*self._describe(e)) from None
+        if resp.status != 200:
+            raise _FetchError(f"GET {self._url}: HTTP {resp.status}", None)
+        return resp.body
+
+    def interrupt(self) -> None:
+        """Shutting down: end the fetch in progress now (SIGTERM never waits on vLLM)."""
+        self._cancel.cut()
 
     def close(self) -> None:
-        self._session.close()
+        self._cancel.cut()  # one connection per fetch: nothing else is held
+
+    def _describe(self, e: httpget.HttpGetError) -> tuple[str, str | None]:
+        url, timeout_seconds = self._url, self.timeout_seconds
+        if e.failure is httpget.Failure.REFUSED:
+            return (
+                f"GET {url}: connection refused",
+                "vLLM is not listening: still loading the model, or not running",
+            )
+        if e.failure in (httpget.Failure.DEADLINE, httpget.Failure.CONNECT_TIMEOUT):
+            return (
+                f"GET {url}: no answer within {timeout_seconds:g}s",
+                "the API server is hung, overloaded, or sends its answer too slowly",
+            )
+        if e.failure is httpget.Failure.TOO_LARGE:
+            return (
+                f"GET {url}: body exceeds {self._max_body_bytes} bytes",
+                "raise sources.vllm_metrics.max_body_bytes if this server is legitimately that large",
+            )
+        return f"GET {url}: {e.detail}", None
 
 
 class _FetchError(Exception):
@@ -365,24 +364,6 @@ class _FetchError(Exception):
         super().__init__(error)
         self.error = error
         self.hint = hint
-
-
-def _is_refused(e: BaseException) -> bool:
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        if isinstance(cur, ConnectionRefusedError) or "Connection refused" in str(cur):
-            return True
-        cur = cur.__cause__ or cur.__context__
-        if cur is None and e.args and isinstance(e.args[0], BaseException):
-            cur = e.args[0]
-    return False
-
-
-def _short(e: BaseException) -> str:
-    text = str(e)
-    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _looks_like_html(text: str) -> bool:

@@ -1,0 +1,133 @@
+"""Hostile peers on 127.0.0.1, for the hardening tests (issue 17).
+
+:func:`hostile_server` is an HTTP server that misbehaves on purpose: it drips its answer a byte
+at a time, or sends a body that never ends. :func:`idle_clients` opens many connections that
+send half a request and then say nothing. Everything opened here is closed on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Hostility:
+    mode: str = "drip"  # drip: head+body a byte per interval; endless: chunked body forever
+    status: int = 200
+    interval_seconds: float = 0.2
+    chunk: bytes = b"# x\n" * 16384  # endless: what each chunk carries (64 KiB)
+    served: list[int] = field(default_factory=list)  # bytes sent per finished connection
+    accepted: int = 0  # connections accepted so far
+
+
+def _serve_one(conn: socket.socket, h: Hostility, stop: threading.Event) -> None:
+    sent = 0
+    try:
+        conn.settimeout(5)
+        with contextlib.suppress(OSError):
+            conn.recv(65536)  # the request head; its content does not matter
+        if h.mode == "drip":
+            payload = (
+                f"HTTP/1.1 {h.status} OK\r\nContent-Type: text/plain\r\n"
+                "Content-Length: 100000\r\n\r\n"
+            ).encode() + b"#" * 100000
+            for i in range(len(payload)):
+                if stop.wait(h.interval_seconds):
+                    return
+                conn.sendall(payload[i : i + 1])
+                sent += 1
+        else:
+            conn.sendall(
+                f"HTTP/1.1 {h.status} OK\r\nContent-Type: text/plain\r\n"
+                "Transfer-Encoding: chunked\r\n\r\n".encode()
+            )
+            frame = f"{len(h.chunk):x}\r\n".encode() + h.chunk + b"\r\n"
+            while not stop.is_set():
+                conn.sendall(frame)
+                sent += len(frame)
+    except OSError:
+        pass
+    finally:
+        h.served.append(sent)
+        conn.close()
+
+
+@contextmanager
+def hostile_server(h: Hostility) -> Iterator[str]:
+    """``http://127.0.0.1:<port>``: every request on every path gets the hostile answer."""
+    lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(64)
+    lsock.settimeout(0.2)
+    stop = threading.Event()
+    workers: list[threading.Thread] = []
+
+    def accept_loop() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = lsock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            h.accepted += 1
+            t = threading.Thread(target=_serve_one, args=(conn, h, stop), daemon=True)
+            t.start()
+            workers.append(t)
+
+    acceptor = threading.Thread(target=accept_loop, daemon=True)
+    acceptor.start()
+    try:
+        yield f"http://127.0.0.1:{lsock.getsockname()[1]}"
+    finally:
+        stop.set()
+        acceptor.join(timeout=10)
+        lsock.close()
+        for t in workers:
+            t.join(timeout=10)
+
+
+@contextmanager
+def idle_clients(
+    host: str, port: int, count: int, head: bytes = b"GET /metrics HTTP/1.1\r\nHost: x\r\n"
+) -> Iterator[list[socket.socket]]:
+    """``count`` connections, each sending ``head`` (half a request) and then nothing."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.settimeout(10)
+            try:
+                s.connect((host, port))
+                s.sendall(head)
+            except OSError:
+                pass  # refused or reset: the server defends itself; the attack goes on
+        yield socks
+    finally:
+        for s in socks:
+            s.close()
+
+
+def wait_for(
+    check: Callable[[], tuple[bool, object]], what: str, timeout_seconds: float = 60.0
+) -> object:
+    """Poll ``check()`` (``(holds, what was seen)``) until it holds; fail naming the last seen."""
+    deadline = time.monotonic() + timeout_seconds
+    seen: object = None
+    while time.monotonic() < deadline:
+        try:
+            ok, seen = check()
+        except Exception as e:  # the check may fail until the condition holds
+            ok, seen = False, f"{type(e).__name__}: {e}"
+        if ok:
+            return seen
+        time.sleep(0.1)
+    raise AssertionError(f"{what}: not within {timeout_seconds:g}s; last seen: {seen!r}")

@@ -1,0 +1,128 @@
+"""Faults on the scenario's timeline: one-off faults strike once per run, not once per process.
+
+The engine is driven on its own (simulated) clock; ``scenario_zero_seconds`` is where the run's
+zero lies on that clock, as the server computes it from ``--sim-epoch`` or the timeline file.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from tests.sim.helpers import drive, options
+from vllm_guardian.sim.engine import EnginePhase, SimEngine
+from vllm_guardian.sim.flags import FlagError
+from vllm_guardian.sim.load import plan_requests
+from vllm_guardian.sim.scenarios import SCENARIOS, FaultKind, fault_schedule
+
+EAGER = ("--enforce-eager",)  # start-up 21 simulated seconds for the 8B model
+
+
+def engine(
+    scenario: str, zero: float | None, every: float | None = None, seed: int = 7
+) -> SimEngine:
+    opts = options("--sim-scenario", scenario, *EAGER)
+    return SimEngine(
+        opts.model, opts.engine, opts.scenario, opts.gpu_memory_bytes, seed,
+        scenario_zero_seconds=zero, fault_every_seconds=every,
+    )  # fmt: skip
+
+
+def run(e: SimEngine, seconds_after_ready: float) -> SimEngine:
+    e.advance(e.startup_seconds)
+    assert e.ready_at is not None
+    e.advance(e.ready_at + seconds_after_ready)
+    return e
+
+
+ONE_OFF = [("engine_hang", FaultKind.HANG), ("exit_zero_death", FaultKind.DEATH),
+           ("xid_fault", FaultKind.XID)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("scenario", "kind"), ONE_OFF)
+def test_a_first_process_meets_the_fault_at_its_time(scenario: str, kind: FaultKind) -> None:
+    e = run(engine(scenario, zero=None), 60.0)
+    assert [f.kind for f in e.faults] == [kind]
+    assert e.ready_at is not None
+    assert e.faults[0].sim_seconds == pytest.approx(e.ready_at + 30.0, abs=0.5)
+    assert e.phase is (EnginePhase.HUNG if kind is FaultKind.HANG else EnginePhase.DEAD)
+
+
+@pytest.mark.parametrize(("scenario", "kind"), ONE_OFF)
+def test_a_restarted_process_past_the_fault_time_does_not_meet_it_again(
+    scenario: str, kind: FaultKind
+) -> None:
+    # The run's zero lay 40 simulated seconds before this process started: it becomes ready at
+    # scenario time 61, past the fault at 30.
+    e = run(engine(scenario, zero=-40.0), 600.0)
+    assert e.faults == []
+    assert e.phase is EnginePhase.READY
+    assert e.scenario_seconds == pytest.approx(661.0, abs=1.0)
+
+
+@pytest.mark.parametrize(("scenario", "kind"), ONE_OFF)
+def test_a_process_started_before_the_fault_time_meets_it_on_the_runs_clock(
+    scenario: str, kind: FaultKind
+) -> None:
+    # Zero 5 s before this process started: ready at scenario time 26, the fault at 30 comes
+    # 4 s after readiness (not 30).
+    e = run(engine(scenario, zero=-5.0), 20.0)
+    assert [f.kind for f in e.faults] == [kind]
+    assert e.faults[0].sim_seconds == pytest.approx(25.0, abs=0.5)
+
+
+def test_memory_driven_failures_recur_in_every_process() -> None:
+    # The neighbour's growth is counted from each process's readiness: a restart does not cure it.
+    e = run(engine("noisy_neighbour", zero=-400.0), 0.0)
+    drive(e, plan_requests(e.scenario.load, 0, 3000, 120.0), 120.0)
+    assert [f.kind for f in e.faults] == [FaultKind.OOM]
+    assert e.death is not None and e.death.exception == "torch.OutOfMemoryError"
+
+
+def schedule(name: str, seed: int, every: float | None, n: int) -> list[tuple[float, FaultKind]]:
+    return list(itertools.islice(fault_schedule(SCENARIOS[name], seed, every), n))
+
+
+def test_recurrence_is_seeded() -> None:
+    a = schedule("exit_zero_death", 7, 100.0, 50)
+    assert a == schedule("exit_zero_death", 7, 100.0, 50)
+    assert a != schedule("exit_zero_death", 8, 100.0, 50)
+    assert a[0] == (30.0, FaultKind.DEATH)  # the one-off fault first
+    times = [t for t, _ in a]
+    assert times == sorted(times) and len(set(times)) == len(times)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert 50.0 < sum(gaps) / len(gaps) < 200.0  # exponential gaps of mean 100
+
+
+@pytest.mark.parametrize(
+    ("name", "kinds"),
+    [("engine_hang", {FaultKind.HANG}), ("xid_fault", {FaultKind.XID}),
+     ("steady", {FaultKind.DEATH}), ("prefill_burst", {FaultKind.DEATH})],
+)  # fmt: skip
+def test_recurrence_repeats_the_scenarios_fault_or_a_death(
+    name: str, kinds: set[FaultKind]
+) -> None:
+    assert {k for _, k in schedule(name, 1, 60.0, 20)} == kinds
+
+
+def test_without_recurrence_a_scenario_has_only_its_one_off_faults() -> None:
+    assert schedule("engine_hang", 7, None, 10) == [(30.0, FaultKind.HANG)]
+    assert schedule("steady", 7, None, 10) == []
+
+
+def test_a_restarted_process_meets_the_later_recurrences_only() -> None:
+    every = 50.0
+    due = [t for t, _ in schedule("exit_zero_death", 3, every, 40)]
+    # Ready at scenario time 21 + 200: the next fault is the first one due after that.
+    e = engine("exit_zero_death", zero=-200.0, every=every, seed=3)
+    run(e, 2000.0)
+    assert e.ready_at is not None and len(e.faults) == 1
+    met = e.faults[0].sim_seconds + 200.0
+    assert met == pytest.approx(min(t for t in due if t >= e.ready_at + 200.0), abs=0.5)
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_a_fault_interval_must_be_positive(value: str) -> None:
+    with pytest.raises(FlagError, match="--sim-fault-every must be > 0"):
+        options("--sim-fault-every", value)

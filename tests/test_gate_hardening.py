@@ -1,0 +1,213 @@
+"""The gate under hostile clients and a hostile upstream (issue 17, items 1 and 4, and smalls).
+
+Real gates on 127.0.0.1 in front of the scriptable stub (tests/test_gate_support.py) or a
+hostile server (tests/hostile.py); real sockets that send half a request and wait.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import struct
+import traceback
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+import requests
+
+pytest.importorskip("aiohttp")
+
+from tests.hostile import Hostility, hostile_server, idle_clients, wait_for
+from tests.test_gate_support import LoopThread, Stub
+from vllm_guardian.gate.follower import METRICS_MAX_BYTES
+from vllm_guardian.gate.proxy import ProxySettings
+from vllm_guardian.gate.server import Gate, GateSettings
+
+
+class Running:
+    def __init__(self, upstream: str, **settings: object) -> None:
+        self.lt = LoopThread("gate")
+        base = GateSettings(
+            proxy=ProxySettings(upstream=upstream),
+            listen_port=0,
+            poll_interval_seconds=0.05,
+            kv_poll_interval_seconds=3600,  # the tests call poll_kv themselves
+            shutdown_timeout_seconds=1.0,
+        )
+        self.gate = Gate(replace(base, **settings))  # type: ignore[arg-type]
+        self.lt.run(self.gate.start())
+        self.url = f"http://127.0.0.1:{self.gate.port}"
+
+    def closed(self, reason: str) -> float:
+        return (
+            self.gate.metrics.registry.get_sample_value(
+                "vllm_guardian_gate_connections_closed_total", {"service": "vllm", "reason": reason}
+            )
+            or 0.0
+        )
+
+    def stop(self) -> None:
+        self.lt.run(self.gate.stop())
+        self.lt.close()
+
+
+@pytest.fixture(scope="module")
+def stub() -> Iterator[Stub]:
+    s = Stub()
+    yield s
+    s.stop()
+
+
+def post_echo(url: str) -> requests.Response:
+    return requests.post(url + "/v1/echo", json={"prompt": "hi", "max_tokens": 1}, timeout=60)
+
+
+def gate_tracebacks(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """Tracebacks logged by the gate (the stub upstream shares aiohttp's logger: not those)."""
+    out = []
+    for r in caplog.records:
+        if r.exc_info:
+            text = "".join(traceback.format_exception(*r.exc_info))  # type: ignore[misc]
+            if "test_gate_support.py" not in text:
+                out.append(f"{r.name}: {r.getMessage()}\n{text}")
+    return out
+
+
+HALF_POST = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+
+
+def test_a_normal_post_is_served_while_hundreds_of_clients_sit_idle(stub: Stub):
+    g = Running(stub.url, max_connections=32, idle_timeout_seconds=600)
+    try:
+        with idle_clients("127.0.0.1", g.gate.port, 300, head=HALF_POST):
+            r = post_echo(g.url)  # during
+            assert r.status_code == 200, r.text
+            assert g.closed("evicted") >= 300 - 32, g.closed("evicted")
+        assert post_echo(g.url).status_code == 200  # after
+    finally:
+        g.stop()
+
+
+def test_an_idle_connection_is_closed_at_the_deadline(stub: Stub):
+    g = Running(stub.url, idle_timeout_seconds=0.5)
+    try:
+        with idle_clients("127.0.0.1", g.gate.port, 1, head=HALF_POST) as (sock,):
+            sock.settimeout(60)
+            assert sock.recv(1024) == b""
+        wait_for(lambda: (g.closed("idle_timeout") == 1, g.closed("idle_timeout")), "counted")
+        assert post_echo(g.url).status_code == 200
+    finally:
+        g.stop()
+
+
+def test_a_prompt_nested_900_deep_gets_400_not_a_traceback(
+    stub: Stub, caplog: pytest.LogCaptureFixture
+):
+    g = Running(stub.url)
+    try:
+        deep = '{"prompt": ' + "[" * 900 + "1" + "]" * 900 + ', "max_tokens": 1}'
+        with caplog.at_level(logging.DEBUG):
+            r = requests.post(
+                g.url + "/v1/completions",
+                data=deep,
+                headers={"Content-Type": "application/json"},
+                timeout=60,
+            )
+        assert r.status_code == 400, r.text
+        assert "nested too deeply" in r.json()["error"]["message"]
+        assert gate_tracebacks(caplog) == []
+        assert post_echo(g.url).status_code == 200
+    finally:
+        g.stop()
+
+
+@pytest.mark.parametrize(
+    ("query", "reset"),
+    [
+        ("n=400&delay=0.005", True),
+        ("n=400&delay=0.005", False),
+        ("n=3000", True),
+        ("n=3000", False),
+    ],
+    ids=["slow-reset", "slow-close", "fast-reset", "fast-close"],
+)
+def test_clients_leaving_mid_stream_leave_no_traceback(
+    stub: Stub, caplog: pytest.LogCaptureFixture, query: str, reset: bool
+):
+    g = Running(stub.url)
+    try:
+        with caplog.at_level(logging.DEBUG):
+            for _ in range(10):
+                s = socket.create_connection(("127.0.0.1", g.gate.port), timeout=60)
+                s.sendall(
+                    f"POST /v1/sse?{query} HTTP/1.1\r\nHost: x\r\n".encode()
+                    + b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+                )
+                assert s.recv(4096)  # the stream has started
+                if reset:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.close()  # mid-stream
+            wait_for(
+                lambda: (g.gate.proxy is not None and g.gate.proxy.open_exchanges == 0, None),
+                "every exchange finished",
+            )
+        assert gate_tracebacks(caplog) == []
+    finally:
+        g.stop()
+
+
+def test_the_gate_reads_at_most_its_cap_of_an_endless_metrics_body(
+    caplog: pytest.LogCaptureFixture,
+):
+    h = Hostility(mode="endless")
+    with hostile_server(h) as url:
+        g = Running(url)
+        try:
+            assert g.gate.follower is not None
+            with caplog.at_level(logging.WARNING):
+                g.lt.run(g.gate.follower.poll_kv(), timeout=120)
+        finally:
+            g.stop()
+    read = max(h.served)  # what the server managed to send on the /metrics connection
+    assert read < METRICS_MAX_BYTES + 16 * 1024 * 1024, read  # the cap plus socket buffers
+    assert any("/metrics is over" in r.getMessage() for r in caplog.records)
+
+
+def test_status_reports_the_connection_metrics(stub: Stub):
+    g = Running(stub.url)
+    try:
+        text = requests.get(g.url + "/metrics", timeout=60).text
+        assert 'vllm_guardian_gate_connections{service="vllm"}' in text
+        assert json.loads(requests.get(g.url + "/gate/status", timeout=60).text)["service"]
+    finally:
+        g.stop()
+
+
+def test_with_every_slot_busy_a_new_connection_is_closed_at_once(stub: Stub):
+    stub.reset()
+    g = Running(stub.url, max_connections=4, idle_timeout_seconds=600)
+    busy: list[socket.socket] = []
+    try:
+        for _ in range(4):  # four requests held upstream: four busy connections
+            s = socket.create_connection(("127.0.0.1", g.gate.port), timeout=60)
+            busy.append(s)
+            s.sendall(b"GET /v1/hold HTTP/1.1\r\nHost: x\r\n\r\n")
+        wait_for(lambda: (stub.active == 4, stub.active), "four requests held upstream")
+        late = socket.create_connection(("127.0.0.1", g.gate.port), timeout=60)
+        try:
+            assert late.recv(1024) == b""  # closed at once, nothing else to close
+        except ConnectionResetError:
+            pass  # closed with a reset: the same
+        finally:
+            late.close()
+        assert g.closed("over_cap") == 1
+        stub.set_release()
+        for s in busy:
+            assert s.recv(1024).startswith(b"HTTP/1.1 200"), "the busy ones are answered"
+    finally:
+        for s in busy:
+            s.close()
+        g.stop()
+        stub.reset()

@@ -1,0 +1,181 @@
+"""A hostile vLLM cannot hold a fetch or fill memory (issue 17, items 3 and 4).
+
+Every fetch from vLLM — the metrics and health sources, ``diagnose --url``, the bundle
+actuator — goes through ``vllm_guardian.httpget``: a total deadline (not per read) and a size
+cap. The servers here are real sockets on 127.0.0.1 that drip a byte at a time or never end
+their body. Each fetch runs in a thread so that a regression fails the test instead of hanging
+it; the bound is generous (the deadline under test is a fraction of it).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.hostile import Hostility, hostile_server, wait_for
+from tests.httpfixture import Script, serve
+from vllm_guardian.clock import FakeClock
+from vllm_guardian.config import HealthSourceConfig, ServiceConfig, VllmMetricsSourceConfig
+from vllm_guardian.diagnose.gather import GatherOptions, _Gatherer
+from vllm_guardian.httpget import Cancel, Failure, HttpGetError, Oversize, fetch
+from vllm_guardian.model import HealthState
+from vllm_guardian.sources.health import HealthCollector
+from vllm_guardian.sources.vllm_metrics import VllmMetricsCollector
+
+BOUND_SECONDS = 60.0  # a fetch with a 0.5 s deadline that is still running after this hangs
+
+
+def finishes(fn: Callable[[], Any]) -> Any:
+    """fn's result (or exception), or fail if it is still running after BOUND_SECONDS."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # handed back to the test
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(BOUND_SECONDS)
+    assert not t.is_alive(), f"still fetching after {BOUND_SECONDS:g}s: the deadline is not total"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "oversize", "failure"),
+    [
+        ("drip", Oversize.FAIL, Failure.DEADLINE),
+        ("drip", Oversize.TRUNCATE, Failure.DEADLINE),
+        ("endless", Oversize.FAIL, Failure.TOO_LARGE),
+    ],
+)
+def test_a_hostile_server_ends_in_a_named_failure(mode: str, oversize: Oversize, failure: Failure):
+    with hostile_server(Hostility(mode=mode)) as url, pytest.raises(HttpGetError) as e:
+        finishes(
+            lambda: fetch(
+                url + "/metrics",
+                deadline_seconds=0.5,
+                max_body_bytes=1024 * 1024,
+                oversize=oversize,
+            )
+        )
+    assert e.value.failure is failure, e.value
+
+
+def test_an_endless_body_is_cut_at_the_cap_when_truncating():
+    with hostile_server(Hostility(mode="endless")) as url:
+        resp = finishes(
+            lambda: fetch(
+                url, deadline_seconds=30, max_body_bytes=100_000, oversize=Oversize.TRUNCATE
+            )
+        )
+    assert (resp.status, len(resp.body), resp.truncated) == (200, 100_000, True)
+
+
+def test_a_normal_answer_and_a_refusal(free_port: int):
+    script = Script()
+    script.set("/metrics", body=b"vllm:x 1\n")
+    with serve(script) as url:
+        resp = fetch(url + "/metrics", deadline_seconds=5, max_body_bytes=1024)
+    assert (resp.status, resp.body, resp.truncated) == (200, b"vllm:x 1\n", False)
+    assert resp.header("content-type") == "text/plain; version=0.0.4; charset=utf-8"
+    with pytest.raises(HttpGetError) as e:
+        fetch(f"http://127.0.0.1:{free_port}/", deadline_seconds=5, max_body_bytes=1024)
+    assert e.value.failure is Failure.REFUSED
+    for bad in ("http://[::1:8000/", "ftp://127.0.0.1/", "http://127.0.0.1:99999/"):
+        with pytest.raises(HttpGetError) as e:
+            fetch(bad, deadline_seconds=1, max_body_bytes=1)
+        assert e.value.failure is Failure.BAD_URL, bad
+
+
+def test_the_metrics_source_reports_a_dripping_server_within_its_deadline():
+    with hostile_server(Hostility(mode="drip")) as url:
+        c = VllmMetricsCollector(
+            ServiceConfig(name="vllm", url=url), VllmMetricsSourceConfig(timeout_seconds=0.5)
+        )
+        reading = finishes(c.collect)
+        c.close()
+    assert reading.payload is None
+    assert reading.error == f"GET {url}/metrics: no answer within 0.5s", reading
+
+
+def test_the_metrics_source_reports_an_endless_body():
+    with hostile_server(Hostility(mode="endless")) as url:
+        c = VllmMetricsCollector(
+            ServiceConfig(name="vllm", url=url),
+            VllmMetricsSourceConfig(timeout_seconds=30, max_body_bytes=64 * 1024),
+        )
+        reading = finishes(c.collect)
+        c.close()
+    assert reading.payload is None
+    assert reading.error == f"GET {url}/metrics: body exceeds 65536 bytes", reading
+    assert reading.hint is not None and "max_body_bytes" in reading.hint
+
+
+@pytest.mark.parametrize("mode", ["drip", "endless"])
+def test_the_health_source_is_bounded_in_time_and_memory(mode: str):
+    with hostile_server(Hostility(mode=mode)) as url:
+        c = HealthCollector(
+            ServiceConfig(name="vllm", url=url),
+            HealthSourceConfig(timeout_seconds=0.5 if mode == "drip" else 30),
+            FakeClock(),
+        )
+        reading = finishes(c.collect)
+        c.close()
+    if mode == "drip":
+        assert reading.payload.state is HealthState.TIMEOUT, reading
+    else:  # the status is what /health says; the body is not needed, and is capped
+        assert reading.payload.state is HealthState.UP, reading
+        assert reading.hint is not None and "body over" in reading.hint, reading
+
+
+def test_diagnose_url_does_not_hang_on_a_dripping_server():
+    with hostile_server(Hostility(mode="drip")) as url:
+        g = _Gatherer(
+            ServiceConfig(name="vllm", url=url),
+            GatherOptions(timeout_seconds=0.5, interval_seconds=0.0),
+            lambda _msg: None,
+        )
+        metrics = finishes(g.metrics)
+        health = finishes(g.health)
+    assert metrics == []
+    assert g.problems == ["/metrics: timed out after 0.5 s (vLLM down or starting?)"], g.problems
+    assert health["error"] == "timed out after 0.5 s", health
+
+
+def test_a_cut_ends_a_fetch_in_progress_and_every_later_one():
+    h = Hostility(mode="drip")
+    cancel = Cancel()
+    with hostile_server(h) as url:
+        outcome: list[object] = []
+
+        def run() -> None:
+            try:
+                fetch(url, deadline_seconds=600, max_body_bytes=1 << 20, cancel=cancel)
+            except HttpGetError as e:
+                outcome.append(e.failure)
+
+        t = threading.Thread(target=run)
+        t.start()
+        wait_for(lambda: (h.accepted == 1, h.accepted), "the fetch is dripping")
+        cancel.cut()
+        t.join(BOUND_SECONDS)
+        assert not t.is_alive() and outcome == [Failure.CANCELLED], outcome
+        with pytest.raises(HttpGetError) as e:
+            fetch(url, deadline_seconds=600, max_body_bytes=1, cancel=cancel)
+        assert e.value.failure is Failure.CANCELLED
+
+
+def test_the_gate_source_reports_a_dripping_gate_within_its_deadline():
+    from vllm_guardian.sources.gate import read_status
+
+    with hostile_server(Hostility(mode="drip")) as url:
+        port = int(url.rsplit(":", 1)[1])
+        obs = finishes(lambda: read_status("127.0.0.1", port, 0.5))
+    assert obs.reachable is False and obs.error == "no answer within 0.5s", obs

@@ -1,0 +1,132 @@
+"""The gate's connection guard: a cap on open client connections and a deadline for idle ones.
+
+Where it sits: between the listening socket and the proxy. aiohttp's server has no deadline
+for a request head, so a client that sends half a request holds its connection (and a
+descriptor) forever; ~1,000 of them and a normal POST got no answer at all. Here:
+
+* a connection is *busy* from the moment its request head has been read (the proxy's handler
+  runs) until its answer is done, and *idle* otherwise (sending its head, or kept alive
+  between requests);
+* an idle connection is closed after ``idle_timeout_seconds``: the request-head deadline and
+  the keep-alive limit in one;
+* at ``max_connections`` open, a new connection closes the connection idle the longest; when
+  every connection is busy, the new one is closed at once. A real client sends its head in one
+  packet and becomes busy at once, so it is served during an attack of any size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import resource
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+from vllm_guardian.gate.metrics import GateMetrics
+
+Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+
+
+class _Conn:
+    __slots__ = ("busy", "idle_since", "transport")
+
+    def __init__(self, transport: asyncio.Transport, now: float) -> None:
+        self.transport = transport
+        self.busy = 0
+        self.idle_since = now
+
+
+class GuardedServer(web.Server):
+    """aiohttp's low-level server with the guard on every connection."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        max_connections: int,
+        idle_timeout_seconds: float,
+        metrics: GateMetrics,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(self._guarded, **kwargs)
+        self._inner = handler
+        self.max_connections = max_connections
+        self.idle_timeout_seconds = idle_timeout_seconds
+        self._metrics = metrics
+        self._conns: dict[RequestHandler, _Conn] = {}
+        self._reaper = self._loop.create_task(self._reap(), name="gate-connection-reaper")
+
+    def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
+        super().connection_made(handler, transport)
+        now = time.monotonic()
+        if len(self._conns) >= self.max_connections:
+            idle = [(c.idle_since, h) for h, c in self._conns.items() if not c.busy]
+            if not idle:
+                self._metrics.connection_closed("over_cap")
+                transport.abort()
+                return
+            _, oldest = min(idle, key=lambda pair: pair[0])
+            self._close(oldest, "evicted")
+        self._conns[handler] = _Conn(transport, now)
+        self._metrics.connections.set(len(self._conns))
+
+    def connection_lost(self, handler: RequestHandler, exc: BaseException | None = None) -> None:
+        self._conns.pop(handler, None)
+        self._metrics.connections.set(len(self._conns))
+        super().connection_lost(handler, exc)
+
+    def _close(self, handler: RequestHandler, reason: str) -> None:
+        conn = self._conns.pop(handler, None)
+        if conn is not None:
+            self._metrics.connection_closed(reason)
+            conn.transport.close()
+
+    async def _guarded(self, request: web.BaseRequest) -> web.StreamResponse:
+        conn = self._conns.get(request.protocol)
+        if conn is not None:
+            conn.busy += 1
+        try:
+            return await self._inner(request)
+        finally:
+            if conn is not None:
+                conn.busy -= 1
+                conn.idle_since = time.monotonic()
+
+    async def _reap(self) -> None:
+        step = min(1.0, self.idle_timeout_seconds / 4)
+        while True:
+            await asyncio.sleep(step)
+            deadline = time.monotonic() - self.idle_timeout_seconds
+            for handler, conn in list(self._conns.items()):
+                if not conn.busy and conn.idle_since < deadline:
+                    self._close(handler, "idle_timeout")
+
+    async def shutdown(self, timeout: float | None = None) -> None:
+        self._reaper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reaper
+        await super().shutdown(timeout)
+
+
+def fit_descriptor_limit(max_connections: int, reserve: int = 256) -> tuple[int, str | None]:
+    """Raise the soft descriptor limit toward what the cap needs (a client and an upstream
+    connection each, plus ``reserve``); if the hard limit is short, lower the cap to fit it.
+    Returns the cap to use and, when it was lowered, why."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 2 * max_connections + reserve
+    if soft != resource.RLIM_INFINITY and soft < want:
+        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return max_connections, None
+    cap = max(16, (soft - reserve) // 2)
+    return cap, (
+        f"the descriptor limit is {soft} (raise LimitNOFILE): at most {cap} client connections, "
+        f"not {max_connections}"
+    )

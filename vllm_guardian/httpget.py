@@ -1,0 +1,215 @@
+"""One bounded HTTP exchange with vLLM: a total deadline and a size cap, enforced.
+
+Where it sits: at the edges, under every fetch the guardian makes from a vLLM server — the
+``vllm_metrics`` and ``health`` sources (collect stage of the tick), ``diagnose`` gathering a
+live bundle, and the bundle actuator. Each caller keeps its own error reporting; this module
+only says *what* went wrong (:class:`Failure`).
+
+Why not ``requests``' timeout: it is per socket read, so a server that drips one byte a second
+keeps a fetch alive for as long as it drips (and the thread with it, and shutdown waiting on
+that thread). Here ``deadline_seconds`` covers connect, head and body together: the socket's
+timeout is set to the time left, and a timer shuts the socket down at the deadline whatever
+the server does; a :class:`Cancel` cuts it at once when its owner shuts down. ``max_body_bytes`` bounds memory against an endless body: past it the fetch
+fails (:attr:`Oversize.FAIL`) or keeps the first bytes and says so (:attr:`Oversize.TRUNCATE`).
+
+Plain ``http.client``: no proxy from the environment (the guardian talks to loopback), no
+redirects followed, no compression asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import http.client
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+
+class Failure(enum.Enum):
+    BAD_URL = "bad_url"
+    REFUSED = "refused"
+    CONNECT_TIMEOUT = "connect_timeout"
+    DEADLINE = "deadline"  # no complete answer within the total deadline
+    TOO_LARGE = "too_large"
+    BROKEN = "broken"  # reset, unresolvable host, malformed HTTP …
+    CANCELLED = "cancelled"  # the owner is shutting down (:meth:`Cancel.cut`)
+
+
+class Oversize(enum.Enum):
+    FAIL = "fail"
+    TRUNCATE = "truncate"
+
+
+class HttpGetError(Exception):
+    def __init__(self, failure: Failure, url: str, detail: str) -> None:
+        super().__init__(f"{url}: {detail}")
+        self.failure = failure
+        self.url = url
+        self.detail = detail
+
+
+class Cancel:
+    """A collector's kill switch: :meth:`cut` ends the fetch in progress at once and fails
+    every later one, so that shutting down never waits on a server (SIGTERM)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._socks: set[socket.socket] = set()
+        self.cut_done = False
+
+    def cut(self) -> None:
+        with self._lock:
+            self.cut_done = True
+            for sock in self._socks:
+                _shutdown(sock)
+
+    def _add(self, sock: socket.socket) -> bool:
+        with self._lock:
+            if self.cut_done:
+                return False
+            self._socks.add(sock)
+            return True
+
+    def _remove(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._socks.discard(sock)
+
+
+@dataclass(frozen=True)
+class HttpResponse:
+    status: int
+    body: bytes
+    headers: tuple[tuple[str, str], ...] = ()
+    truncated: bool = False  # the body was cut at max_body_bytes (Oversize.TRUNCATE only)
+
+    def header(self, name: str) -> str | None:
+        low = name.lower()
+        return next((v for k, v in self.headers if k.lower() == low), None)
+
+
+def fetch(
+    url: str,
+    *,
+    deadline_seconds: float,
+    max_body_bytes: int,
+    method: str = "GET",
+    body: bytes | None = None,
+    headers: Mapping[str, str] | None = None,
+    oversize: Oversize = Oversize.FAIL,
+    cancel: Cancel | None = None,
+) -> HttpResponse:
+    """One request, finished (or failed with :class:`HttpGetError`) within ``deadline_seconds``."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        raise HttpGetError(Failure.BAD_URL, url, f"bad URL: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise HttpGetError(Failure.BAD_URL, url, "not an http(s) URL with a host")
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    conn: http.client.HTTPConnection
+    if parts.scheme == "https":
+        conn = http.client.HTTPSConnection(
+            parts.hostname, port, timeout=deadline_seconds, context=ssl.create_default_context()
+        )
+    else:
+        conn = http.client.HTTPConnection(parts.hostname, port, timeout=deadline_seconds)
+    end = time.monotonic() + deadline_seconds
+    expired = threading.Event()
+    connected = False
+
+    def cut() -> None:
+        expired.set()
+        if conn.sock is not None:
+            _shutdown(conn.sock)
+
+    if cancel is not None and cancel.cut_done:
+        raise HttpGetError(Failure.CANCELLED, url, "shutting down")
+
+    timer = threading.Timer(deadline_seconds, cut)
+    timer.daemon = True
+    timer.start()
+    try:
+        conn.connect()
+        connected = True
+        if cancel is not None and conn.sock is not None and not cancel._add(conn.sock):
+            raise HttpGetError(Failure.CANCELLED, url, "shutting down")
+        if conn.sock is not None:
+            conn.sock.settimeout(max(0.001, end - time.monotonic()))
+        conn.request(method, target, body=body, headers=dict(headers or {}))
+        resp = conn.getresponse()
+        answer = _read(resp, url, max_body_bytes, oversize)
+        if expired.is_set() or (
+            cancel is not None and cancel.cut_done
+        ):  # a cut can look like a clean end
+            raise TimeoutError
+        return answer
+    except HttpGetError:
+        raise
+    except ConnectionRefusedError:
+        raise HttpGetError(Failure.REFUSED, url, "connection refused") from None
+    except (TimeoutError, OSError, http.client.HTTPException) as e:
+        if cancel is not None and cancel.cut_done:
+            raise HttpGetError(Failure.CANCELLED, url, "shutting down") from None
+        if expired.is_set() or (connected and isinstance(e, TimeoutError)):
+            raise HttpGetError(
+                Failure.DEADLINE, url, f"no complete answer within {deadline_seconds:g}s"
+            ) from None
+        if isinstance(e, TimeoutError):
+            raise HttpGetError(
+                Failure.CONNECT_TIMEOUT, url, f"no connection within {deadline_seconds:g}s"
+            ) from None
+        if isinstance(e, socket.gaierror):
+            raise HttpGetError(Failure.BROKEN, url, f"cannot resolve {parts.hostname}") from None
+        raise HttpGetError(Failure.BROKEN, url, _short(e)) from None
+    finally:
+        timer.cancel()
+        if cancel is not None and conn.sock is not None:
+            cancel._remove(conn.sock)
+        conn.close()
+
+
+def _read(
+    resp: http.client.HTTPResponse, url: str, max_body_bytes: int, oversize: Oversize
+) -> HttpResponse:
+    headers = tuple(resp.getheaders())
+    declared = resp.getheader("Content-Length")
+    if (
+        oversize is Oversize.FAIL
+        and declared is not None
+        and declared.isdigit()
+        and int(declared) > max_body_bytes
+    ):
+        raise HttpGetError(
+            Failure.TOO_LARGE, url, f"body of {declared} bytes exceeds {max_body_bytes} bytes"
+        )
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = resp.read(min(65536, max_body_bytes + 1 - size))
+        if not chunk:
+            if resp.length:  # http.client ends a short Content-Length body quietly
+                raise http.client.IncompleteRead(b"", resp.length)
+            break
+        size += len(chunk)
+        chunks.append(chunk)
+        if size > max_body_bytes:
+            if oversize is Oversize.FAIL:
+                raise HttpGetError(Failure.TOO_LARGE, url, f"body exceeds {max_body_bytes} bytes")
+            return HttpResponse(resp.status, b"".join(chunks)[:max_body_bytes], headers, True)
+    return HttpResponse(resp.status, b"".join(chunks), headers)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):  # the base method: a raw shutdown, even under TLS
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+
+def _short(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
