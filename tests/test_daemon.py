@@ -244,6 +244,13 @@ def test_control_socket_status_and_permissions(tmp_path):
         assert mode == 0o600
         st = request(tmp_path / "run" / "control.sock", {"cmd": "status"})
         assert st["ok"] and st["signals"]["services"][0]["requests_waiting"] == 27.0
+        from vllm_guardian.cli import render_status
+
+        # One tick is not a window: the status says there is no estimate, and why.
+        assert (
+            "  capacity: no estimate (too_little_data): 0s of the 120s window observed in 1 "
+            "scrape(s) (80 % of the window and 3 scrapes needed)" in render_status(st).splitlines()
+        ), render_status(st)
         bad = request(tmp_path / "run" / "control.sock", {"cmd": "format-disk"})
         assert not bad["ok"] and "unknown command" in bad["error"]
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:

@@ -53,6 +53,8 @@ def healthy_values() -> dict[al.SeriesKey, dict[str, float | None]]:
         headroom_bytes=7 * GIB,
         headroom_slope_bytes_per_second=0.0,
         seconds_to_headroom_exhaustion=None,
+        capacity_demand_ratio=1.05,  # saturated at what it serves (a closed loop): not over
+        capacity_replicas_needed=1,
     )
     snap = Snapshot(
         0.0,
@@ -72,6 +74,7 @@ TRIGGERS: dict[str, dict[al.SeriesKey, dict[str, float | None]]] = {
     "VllmKvCacheSaturated": {SVC: {"kv_cache_usage_ratio": 0.90}},
     "VllmPreemptionRateHigh": {SVC: {"preemptions_per_second": 2.0}},
     "VllmWaitingQueueLong": {SVC: {"requests_waiting": 300}},
+    "VllmOverCapacity": {SVC: {"capacity_demand_ratio": 2.1, "capacity_replicas_needed": 2.0}},
     "VllmEngineStalled": {SVC: {"stalled": 1.0}},
     "VllmEngineDead": {SVC: {"vllm_up": 0.0}},
     "VllmGpuMemoryOverBudget": {SVC: {"memory_over_budget_bytes": 3.0 * GIB}},
@@ -214,3 +217,14 @@ def test_load_rules_defaults_operator_file_and_off(tmp_path):
         load_rules(AlertingConfig(rules_file=str(f)))
     with pytest.raises(ConfigInvalid, match="cannot read"):
         load_rules(AlertingConfig(rules_file=str(tmp_path / "missing.yaml")))
+
+
+def test_over_capacity_says_by_how_much_and_how_many_replicas():
+    alerts = run(with_changes(TRIGGERS["VllmOverCapacity"]), 300)
+    (a,) = [a for a in alerts.values() if a.name == "VllmOverCapacity"]
+    assert a.state is AlertState.FIRING
+    assert "demand is 2.10x what it serves at saturation (> 1.20x); 2 replica(s) needed" in (
+        a.summary
+    ), a.summary
+    # No estimate (not saturated, idle, restarted): nothing, not even pending.
+    assert run(with_changes({SVC: {"capacity_demand_ratio": None}}), 600) == {}

@@ -21,6 +21,7 @@ from vllm_guardian.exposition import (
     Published,
     make_registry,
 )
+from vllm_guardian.model import EngineMetrics, ServiceSnapshot, Snapshot, VllmScrape
 
 GOLDEN = Path(__file__).parent / "golden" / "exposition.prom"
 REQUIRED = {
@@ -133,6 +134,44 @@ def test_http_endpoints():
     finally:
         server.stop()
     assert time.monotonic() > 0
+
+
+def overloaded(seconds: float = 120.0, step: float = 2.0) -> list[Snapshot]:
+    """vLLM serving 2 requests/s while 4 arrive: saturated, its queue growing 2/s."""
+    out = []
+    t = 0.0
+    while t <= seconds:
+        engine = EngineMetrics(
+            "m",
+            "0",
+            requests_running=24.0,
+            requests_waiting=10.0 + 2.0 * t,
+            kv_cache_usage_ratio=0.97,
+            prompt_tokens_total=400.0 * t,
+            generation_tokens_total=800.0 * t,
+            requests_finished_total=2.0 * t,
+            requests_failed_total=0.0,
+        )
+        scrape = VllmScrape((engine,), True, 500.0, 1000)
+        out.append(Snapshot(1000.0 + t, (ServiceSnapshot("vllm", vllm=scrape),), None, ()))
+        t += step
+    return out
+
+
+def capacity_lines(history: list[Snapshot]) -> list[str]:
+    c = GuardianCollector(["vllm"])
+    c.publish(Published(history[-1], signals_for(history), 0.01), monotonic_now=100.0)
+    text = generate_latest(make_registry(c, process_metrics=False)).decode()
+    return [line for line in text.splitlines() if line.startswith("vllm_guardian_capacity_")]
+
+
+def test_capacity_series():
+    assert capacity_lines(overloaded()) == [
+        'vllm_guardian_capacity_demand_ratio{service="vllm"} 2.0',
+        'vllm_guardian_capacity_replicas_needed{service="vllm"} 2.0',
+    ]
+    # 40 s of the same load: too little data, so no series at all (never a guess, never 0).
+    assert capacity_lines(overloaded(seconds=40.0)) == []
 
 
 @pytest.mark.parametrize(("listen", "url_host"), [("127.0.0.1", "127.0.0.1"), ("::1", "[::1]")])

@@ -47,6 +47,12 @@ PENDING_METRICS = {
     "vllm_guardian_paused",
     "vllm_guardian_action_in_flight",
 }
+# Present only while the service is saturated and its capacity measurable, so absent from the
+# golden file; tests/test_exposition.py::test_capacity_series renders them.
+CONDITIONAL_METRICS = {
+    "vllm_guardian_capacity_demand_ratio",
+    "vllm_guardian_capacity_replicas_needed",
+}
 
 
 def tool(name: str) -> str:
@@ -80,7 +86,13 @@ def known_metrics() -> set[str]:
                 names.add(name)
                 names.add(re.sub(r"_(bucket|sum|count)$", "", name))
     # build_info is rendered by exposition._build_info but left out of the golden file.
-    return names | PENDING_METRICS | gate_metrics() | {"up", "vllm_guardian_build_info"}
+    return (
+        names
+        | PENDING_METRICS
+        | CONDITIONAL_METRICS
+        | gate_metrics()
+        | {"up", "vllm_guardian_build_info"}
+    )
 
 
 def gate_metrics() -> set[str]:
@@ -231,6 +243,7 @@ THRESHOLDS: list[tuple[str, str, str | Callable[[], float]]] = [
     ),
     ("VLLMPreemptionStorm", r"(?:second|\[5m\]\)\)) > ([0-9.]+)", "VllmPreemptionRateHigh"),
     ("VLLMQueueGrowing", r"waiting\)? > ([0-9.]+)\)?", "VllmWaitingQueueLong"),
+    ("VLLMOverCapacity", r"demand_ratio > ([0-9.]+)", "VllmOverCapacity"),
     ("VLLMEngineStalled", r"stall_seconds >= ([0-9.]+)", lambda: SignalsConfig().stall_seconds),
     ("VLLMGPUMemoryOverBudget", r"over_budget_bytes > ([0-9* ]+)", "VllmGpuMemoryOverBudget"),
     (
@@ -414,3 +427,18 @@ def test_prometheus_scrapes_the_guardian_and_an_alert_reaches_alertmanager(tmp_p
         assert "VLLMDown" not in firing and "VLLMGuardianDown" not in firing
         assert guardian.poll() is None
         print(f"alert in Alertmanager {elapsed:.1f}s after the servers started")
+
+
+def test_the_autoscaler_query_in_the_docs_is_the_tested_one():
+    tested = yaml.safe_load((ROOT / "alerts" / "tests" / "capacity-query.test.yml").read_text())
+    exprs = {
+        " ".join(t["expr"].split()) for case in tested["tests"] for t in case["promql_expr_test"]
+    }
+    assert len(exprs) == 1, exprs
+    (expr,) = exprs
+    doc = " ".join((ROOT / "docs" / "capacity.md").read_text().split())
+    assert doc.count(expr) >= 2, "docs/capacity.md: the PromQL block and the KEDA query"
+    adapter = expr.replace('job="vllm-guardian", service="vllm"', "<<.LabelMatchers>>").replace(
+        "sum by (namespace)", "sum by (<<.GroupBy>>)"
+    )
+    assert adapter in doc, "docs/capacity.md: the prometheus-adapter metricsQuery"

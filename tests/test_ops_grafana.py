@@ -160,7 +160,7 @@ def test_structure():
     rows = [p["title"] for p in panels if p["type"] == "row"]
     assert rows == [
         "Overview", "KV pool and queue", "GPU memory", "Latency and throughput", "Admission gate",
-        "Fleet",
+        "Capacity", "Fleet",
     ]  # fmt: skip
     cells: set[tuple[int, int]] = set()
     for p in panels:
@@ -180,7 +180,8 @@ def test_structure():
     titles = {p["title"] for p in panels}
     for needed in ("Policy rung", "Gate", "Breaker", "Firing alerts", "GPU memory by owner",
                    "Allocator fragmentation", "Latency quantiles", "Throughput", "Preemptions",
-                   "Gate queue", "Gate decisions", "Gate queue wait", "Gate overhead"):  # fmt: skip
+                   "Gate queue", "Gate decisions", "Gate queue wait", "Gate overhead",
+                   "Capacity: demand vs served"):  # fmt: skip
         assert needed in titles
     annotations = {a["name"]: a for a in dash["annotations"]["list"]}
     assert "vllm_guardian_actions_total" in annotations["Guardian actions"]["expr"]

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_guardian.config import PolicyConfig
+from vllm_guardian.config import ConcurrencyRelaunchConfig, PolicyConfig
 from vllm_guardian.core.policy import (
     Lever,
     PolicySettings,
@@ -116,6 +116,9 @@ class Row:
     health: HealthState = HealthState.UP
     pid: int = 100
     running: float | None = None
+    preempt: float | None = None  # preemptions/s
+    tokens: float | None = None  # generated tokens/s
+    pool: int | None = None  # KV pool size in tokens
     fail: bool = False  # the in-flight action's result (delivered this row) is a failure
     terminal: bool = False
 
@@ -182,6 +185,9 @@ class Run:
             True,
             kv_cache_usage_ratio=row.kv,
             requests_running=row.running,
+            preemptions_per_second=row.preempt,
+            generation_tokens_per_second=row.tokens,
+            kv_cache_capacity_tokens=row.pool,
             gpu_memory_utilization_ratio=0.9,
             gpus=(ServiceGpuSignals(0, 70 * GIB, 0, int(72 * GIB), 8 * GIB, 80 * GIB),),
         )
@@ -343,18 +349,6 @@ def test_fragmentation_repeat_earns_expandable_segments():
     r = Run(cfg=cfg).run(Row(0, logs=(oom(0.5, 4),)), Row(2), Row(100, logs=(oom(0.5, 4),)))
     assert [a.kind for a in r.actions] == [ActionKind.RESTART, ActionKind.RELAUNCH]
     assert r.actions[1].env == (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),)
-
-
-def test_kv_thrash_gates_then_relaunches_with_fewer_sequences_after_repeated_episodes():
-    rows = []
-    for i in range(3):
-        t = i * 100
-        rows += [Row(t, kv=0.95, alerts=("KvSaturated", "PreemptionsHigh")), Row(t + 50, kv=0.5)]
-    r = Run().run(*rows)
-    assert [a.kind for a in r.actions] == [ActionKind.RELAUNCH]
-    assert r.actions[0].flags == (("--max-num-seqs", "768"),)  # 1024 × 0.75 on an 80 GiB GPU
-    assert r.actions[0].evidence == ("KvSaturated", "PreemptionsHigh")
-    assert "gate" in [d.what for d in r.decisions]
 
 
 def test_one_ambiguous_signal_is_not_enough():
@@ -539,17 +533,112 @@ def test_per_action_dry_run_arms_the_ladder_one_rung_at_a_time():
     assert [d.dry_run for d in r.decisions if d.what == "gate"] == [False]
 
 
-def test_kv_thrash_jumps_to_what_the_pool_hosts():
+# --- KV thrash: a capacity problem (DESIGN.md §2 "Measured", issue 22) ------------------------
+
+RELAUNCH_ON = ConcurrencyRelaunchConfig(enabled=True)
+
+
+def thrash(
+    running: tuple[float, ...] = (12, 16, 16, 20, 24, 16),
+    preempt: float = 2.0,
+    tokens: float = 5000.0,
+    ticks_per_episode: int = 11,
+) -> list[Row]:
+    """Three episodes of KV thrash (KV 97 %, preemptions) 100 s apart, each followed by relief."""
     rows = []
     for i in range(3):
-        rows += [
-            Row(i * 100, kv=0.97, running=16, alerts=("KvSaturated", "PreemptionsHigh")),
-            Row(i * 100 + 50, kv=0.5),
-        ]
-    r = Run().run(*rows)
+        for k in range(ticks_per_episode):
+            rows.append(
+                Row(
+                    i * 100 + 2 * k,
+                    kv=0.97,
+                    running=running[(i * ticks_per_episode + k) % len(running)],
+                    preempt=preempt,
+                    tokens=tokens,
+                    pool=32768,
+                    alerts=("KvSaturated", "PreemptionsHigh"),
+                )
+            )
+        rows.append(Row(i * 100 + 50, kv=0.5))
+    return rows
+
+
+KV_THRASH = [
+    # name, concurrency_relaunch, rows, expected --max-num-seqs (None: no action), reason says
+    (
+        "default: gate and alert, never a relaunch",
+        ConcurrencyRelaunchConfig(),
+        thrash(),
+        None,
+        "KV thrash is a capacity problem (policy.concurrency_relaunch.enabled is false)",
+    ),
+    (
+        "enabled: 1.0x the median running (16) -> the nearest rung 18, under the peak 24",
+        RELAUNCH_ON,
+        thrash(),
+        "18",
+        "cap 18 = 1.12x the median running 16 over 23 samples, under the peak 24 the pool "
+        "admits; recompute share 0.53 >= 0.3",
+    ),
+    (
+        "enabled, recompute share small: a restart costs more than recompute",
+        RELAUNCH_ON,
+        thrash(preempt=0.2),
+        None,
+        "estimated recompute share below 0.3",
+    ),
+    (
+        "enabled, small pool: every rung (floor 8) is at or above what the pool admits (7)",
+        RELAUNCH_ON,
+        thrash(running=(3, 5, 5, 7, 5, 4)),
+        None,
+        "lies under the peak 7 the pool admits anyway",
+    ),
+    (
+        "enabled, one reading per episode is not a median",
+        RELAUNCH_ON,
+        thrash(ticks_per_episode=1),
+        None,
+        "fewer than 10 running-count samples under pressure",
+    ),
+    (
+        "enabled, no throughput figures: the share is unknown, nothing disruptive",
+        RELAUNCH_ON,
+        thrash(tokens=0.0),
+        None,
+        "recompute share unknown",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "relaunch", "rows", "seqs", "says"), KV_THRASH, ids=[x[0] for x in KV_THRASH]
+)
+def test_kv_thrash(name, relaunch, rows, seqs, says):
+    r = Run(cfg=replace(BASE, concurrency_relaunch=relaunch)).run(*rows)
+    assert "gate" in [d.what for d in r.decisions]
+    reasons = [d.reason for d in r.decisions]
+    if seqs is None:
+        assert r.actions == [], reasons
+        assert any(says in x for x in reasons), reasons
+        # Said once, not once per tick (the audit log is read by people).
+        assert sum(says in x for x in reasons) == 1, reasons
+        return
     (a,) = r.actions
-    assert a.flags == (("--max-num-seqs", "18"),)  # 1024 × 0.75^14: the first rung ≤ 1.25 × 16
-    assert "14 rungs down to 18" in a.reason and "hosts about 16 running requests" in a.reason
+    assert (a.kind, a.cause, a.flags) == (
+        ActionKind.RELAUNCH,
+        Cause.CONCURRENCY_OVERCOMMIT,
+        (("--max-num-seqs", seqs),),
+    )
+    assert says in a.reason, a.reason
+    assert a.evidence == ("KvSaturated", "PreemptionsHigh")
+
+
+def test_a_relaunched_cap_still_steps_back_up():
+    r = Run(cfg=replace(BASE, concurrency_relaunch=RELAUNCH_ON)).run(*thrash())
+    assert r.svc.rung(Lever.MAX_NUM_SEQS) == 14
+    r.run(Row(300), Row(2000))  # stable for 1000 s after the relaunch became ready
+    assert r.actions[-1].kind is ActionKind.RELAUNCH and r.svc.rung(Lever.MAX_NUM_SEQS) == 13
 
 
 def test_a_closed_gate_holds_for_its_minimum_time():

@@ -111,6 +111,18 @@ def _fmt(v: Any, pattern: str = "{:.0f}") -> str:
     return "?" if v is None else pattern.format(v)
 
 
+def _capacity_line(data: Any) -> str:
+    """The over-capacity estimate as one line (core/capacity.py), from its JSON form."""
+    from vllm_guardian.core.capacity import CapacityEstimate  # noqa: PLC0415
+    from vllm_guardian.recorder import from_jsonable  # noqa: PLC0415
+
+    try:
+        est: CapacityEstimate = from_jsonable(CapacityEstimate, data)
+    except (KeyError, TypeError, ValueError):
+        return "capacity: unreadable estimate in the status reply"
+    return est.line()
+
+
 def render_status(st: dict[str, Any]) -> str:
     lines = [f"vllm-guardian {st.get('version', '?')}"]
     if not st.get("signals"):
@@ -133,6 +145,8 @@ def render_status(st: dict[str, Any]) -> str:
             f"  others {_fmt_bytes(svc.get('other_processes_memory_bytes'))}"
             f"  free {_fmt_bytes(svc.get('headroom_bytes'))}"
         )
+        if svc.get("capacity"):
+            lines.append("  " + _capacity_line(svc["capacity"]))
         if svc.get("stalled"):
             lines.append(f"  STALLED: requests waiting, no tokens for {svc['stall_seconds']:.0f}s")
     for gpu in st.get("gpus") or []:

@@ -281,6 +281,9 @@ class SignalsConfig:
     slope_window_seconds: float = field(default=120.0, metadata=_bounds(4, 3600))
     # Requests waiting and not one token generated for this long is a stalled engine.
     stall_seconds: float = field(default=30.0, metadata=_bounds(2, 3600))
+    # The over-capacity estimate (core/capacity.py) reads this long: many finished requests and
+    # several of vLLM's stat updates; a saturation shorter than this gives no number.
+    capacity_window_seconds: float = field(default=120.0, metadata=_bounds(10, 3600))
 
 
 @dataclass(frozen=True)
@@ -322,6 +325,25 @@ def _check_action(v: str) -> str | None:
 
 def _check_backend(v: str) -> str | None:
     return None if v in ("systemd", "process") else "must be 'systemd' or 'process'"
+
+
+@dataclass(frozen=True)
+class ConcurrencyRelaunchConfig:
+    """Whether KV thrash (``concurrency_overcommit``) may relaunch vLLM with a lower
+    ``--max-num-seqs``. Off: measured on vLLM 0.32 (DESIGN.md §2), a cap at about what the
+    pool hosts gains at most 2-3 %, one below it costs 5-34 %, and the relaunch itself fails
+    requests; the gate and the over-capacity alert are the levers."""
+
+    enabled: bool = False
+    # The cap, as a multiple of the median running count over the pressure episodes; the
+    # measured optimum is narrow: 1.0x (0.8x already gained nothing).
+    target_hosted_ratio: float = field(default=1.0, metadata=_bounds(0.5, 2.0))
+    # Running-count samples under pressure needed before the median means anything.
+    min_running_samples: int = field(default=10, metadata=_bounds(3, 10000))
+    # Only when recompute (preemptions/s x mean context tokens / tokens/s) is at least this
+    # share of the forwarded tokens: a restart is only worth what recompute costs (5-8 % of
+    # engine time at a 19-21 % token share, measured).
+    min_recompute_share_ratio: float = field(default=0.3, metadata=_bounds(0.0, 10.0))
 
 
 @dataclass(frozen=True)
@@ -379,6 +401,10 @@ class PolicyConfig:
     gpu_memory_utilization_floor_ratio: float = field(default=0.70, metadata=_bounds(0.1, 0.99))
     # The incident bundle captured before a disruptive action must not delay it for longer.
     bundle_timeout_seconds: float = field(default=20.0, metadata=_bounds(1, 600))
+    # KV thrash: gate and alert only unless enabled here (issue 22, DESIGN.md §2 "Measured").
+    concurrency_relaunch: ConcurrencyRelaunchConfig = field(
+        default_factory=ConcurrencyRelaunchConfig
+    )
 
 
 def _check_permit(v: str) -> str | None:

@@ -111,6 +111,7 @@ def history_span_seconds(cfg: Config) -> float:
         s.quantile_window_seconds,
         s.slope_window_seconds,
         2 * s.stall_seconds,
+        s.capacity_window_seconds,
     ) + (2 * cfg.interval_seconds)
 
 

@@ -46,6 +46,10 @@ SCENARIOS = (
     "prefill_burst", "kv_thrash", "fragmentation_creep", "noisy_neighbour", "engine_hang",
     "exit_zero_death", "xid_fault", "prefix_cache_waste", "steady",
 )  # fmt: skip
+# Requests the demo's client holds open at once. vLLM can only count the demand it is sent: with
+# the load generator's default 64, kv_thrash is a closed loop of 64 and vLLM sees itself at
+# exactly capacity (demand 1.0x) while the rest of the open-loop plan waits inside the client.
+LOAD_IN_FLIGHT = {"kv_thrash": 512}
 # Shorter `for` times than production so a demo (or a test) sees a whole incident in minutes;
 # same rule names, signals and thresholds as the shipped rules.
 DEMO_RULES = """
@@ -72,6 +76,17 @@ rules:
     cause: concurrency_overcommit
     summary: "{service}: {value} preemptions (> {threshold})"
     runbook: "#preemption-rate-high"
+  - name: VllmOverCapacity
+    signal: capacity_demand_ratio
+    op: ">"
+    threshold: 1.2
+    unit: multiple
+    for_seconds: 3
+    keep_firing_for_seconds: 5
+    severity: warning
+    cause: concurrency_overcommit
+    summary: "{service}: over capacity: demand is {value} what it serves at saturation (> {threshold}); {replicas_needed} replica(s) needed: add replicas or shed at the gate"
+    runbook: "#over-capacity"
   - name: VllmEngineDead
     signal: vllm_up
     op: "=="
@@ -123,6 +138,9 @@ class DemoReport:
     # The gate's last GET /gate/status (None: ran without a gate, or it did not answer).
     gate: dict[str, Any] | None = None
     gate_url: str | None = None
+    # The over-capacity alert's summary each time it fired, and the last capacity estimate.
+    over_capacity: list[str] = field(default_factory=list)
+    capacity: str = ""
 
 
 def demo_config(
@@ -160,7 +178,7 @@ def demo_config(
                 "logs": {"enabled": True},
             },
             "signals": {"rate_window_seconds": 10, "quantile_window_seconds": 20, "slope_window_seconds": 20,
-                        "stall_seconds": 8},
+                        "stall_seconds": 8, "capacity_window_seconds": 20},
             "alerting": {"rules_file": str(workdir / "demo-rules.yaml")},
             "policy": {
                 "dry_run": False, "backend": "process", "cooldown_seconds": opts.cooldown_seconds,
@@ -245,6 +263,8 @@ def render(g: Guardian, opts: DemoOptions, elapsed: float, workdir: Path) -> lis
         f"  others {_fmt(sig.other_processes_memory_bytes and sig.other_processes_memory_bytes / GIB, '{:.1f}')} GiB"
         f"  free {_fmt(sig.headroom_bytes and sig.headroom_bytes / GIB, '{:.1f}')} GiB"
     )
+    if sig.capacity is not None:
+        lines.append("Load   " + sig.capacity.line())
     if g.healing is not None:
         view = g.healing.view()
         s = view.state.service("vllm")
@@ -354,6 +374,7 @@ def run_demo(
              "--url", gate_url or f"http://127.0.0.1:{vllm_port}",
              "--model", "demo", "--scenario", opts.scenario, "--speed", f"{opts.speed:g}",
              "--max-requests", "100000", "--max-duration-seconds", f"{opts.duration_seconds:g}",
+             "--max-in-flight", str(LOAD_IN_FLIGHT.get(opts.scenario, 64)),
              "--outcomes", str(workdir / "outcomes.jsonl")],
             stdout=subprocess.DEVNULL, stderr=load_log, env=_child_env(),
         )  # fmt: skip
@@ -399,8 +420,17 @@ def _report(g: Guardian, opts: DemoOptions, workdir: Path) -> DemoReport:
                         t = d.get("transition")
                         if t and t["current"] == "firing" and t["alert"]["name"] not in fired:
                             fired.append(t["alert"]["name"])
+                        if (
+                            t
+                            and t["current"] == "firing"
+                            and t["alert"]["name"] == "VllmOverCapacity"
+                        ):
+                            report.over_capacity.append(str(t["alert"].get("summary", "")))
     report.alerts_fired = fired
     report.requests = _count_outcomes(workdir / "outcomes.jsonl")
+    if g.last is not None and g.last.signals.services:
+        cap = g.last.signals.services[0].capacity
+        report.capacity = cap.line() if cap is not None else ""
     if g.healing is not None and "vllm" in g.healing.supervisors:
         sup = g.healing.supervisors["vllm"]
         report.twin_starts, report.twin_exits = sup.starts, list(sup.exits)
@@ -412,6 +442,10 @@ def summary(report: DemoReport) -> list[str]:
     lines.append("Incidents (alerts that fired): " + (", ".join(report.alerts_fired) or "none"))
     lines.append("Causes named: " + (", ".join(report.causes) or "none (nothing to act on)"))
     lines.append(f"Guardian closed /ready/vllm for KV pressure: {'yes' if report.gated else 'no'}")
+    if report.over_capacity:
+        lines.append(f"Over capacity (first alert): {report.over_capacity[0]}")
+    if report.capacity:
+        lines.append(f"At the end, {report.capacity}")
     lines.append("Actions:")
     results = {d.get("action_id"): d for d in report.decisions if d["what"] == "result"}
     for a in report.actions:

@@ -259,6 +259,17 @@ _SERVICE_GAUGES: tuple[tuple[str, str, str], ...] = (
         "headroom_slope_bytes_per_second",
         "Trend of the free-memory headroom (negative: falling).",
     ),
+    (
+        "capacity_demand_ratio",
+        "capacity_demand_ratio",
+        "Requests arriving ÷ requests served while saturated, over signals.capacity_window_seconds "
+        "(> 1: over capacity). Absent when not measurable (not saturated, idle, restarted, no stats).",
+    ),
+    (
+        "capacity_replicas_needed",
+        "capacity_replicas_needed",
+        "Replicas of this service that would serve the demand (absent without an estimate).",
+    ),
 )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 from vllm_guardian.sim.engine import EnginePhase, SimEngine
@@ -55,3 +56,47 @@ def scenario_engine(
         return engine, {}
     plan = plan_requests(engine.scenario.load, 0, 3000, seconds)
     return engine, drive(engine, plan, seconds)
+
+
+# Shape A of reference/kv-thrash-experiment.md: a 16-block pool of 128 tokens (15 usable) on the
+# tiny model, chunked prefill with 2048 batched tokens.
+SHAPE_A = (
+    "--sim-model", "tiny", "--block-size", "128", "--kv-cache-memory-bytes", str(16 * 128 * 512),
+    "--enable-chunked-prefill", "--max-num-batched-tokens", "2048", "--max-model-len", "1024",
+)  # fmt: skip
+
+
+def shape_a_outputs(seed: int = 101, requests: int = 96) -> list[int]:
+    """Each request's output length (128-256), the same for the twin and the real server."""
+    rng = random.Random(seed)
+    return [rng.randint(128, 256) for _ in range(requests)]
+
+
+def closed_loop(
+    cap: int | None, seed: int = 101, requests: int = 96, clients: int = 24
+) -> tuple[float, int]:
+    """Shape A on the twin's stepped clock, to completion: (generated tokens per simulated
+    second, preemptions). 200-token prompts of unique words (no prefix hits)."""
+    engine = ready_engine(*SHAPE_A, *(("--max-num-seqs", str(cap)) if cap else ()))
+    outputs = shape_a_outputs(seed, requests)
+    start, sent, done, generated = engine.now, 0, 0, 0
+
+    def send() -> None:
+        nonlocal sent
+        engine.add_request(f"r{sent}", [f"w{sent}_{i}" for i in range(200)], outputs[sent], True)
+        sent += 1
+
+    for _ in range(clients):
+        send()
+    t = engine.now
+    while done < requests:
+        t += 0.002
+        assert t - start < 600, f"run did not finish: {done}/{requests} done"
+        for d in engine.advance(t):
+            generated += d.new_tokens
+            if d.finish_reason is not None:
+                done += 1
+                if sent < requests:
+                    send()
+    assert engine.scheduler is not None
+    return generated / (engine.now - start), engine.scheduler.num_preemptions_total

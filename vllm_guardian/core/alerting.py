@@ -64,7 +64,8 @@ OPS: Mapping[str, Callable[[float, float], bool]] = {
     "==": operator.eq,
     "!=": operator.ne,
 }
-UNITS = ("ratio", "bytes", "seconds", "per_second", "count", "bool")
+# "multiple": a ratio of two rates that may exceed 1 (capacity_demand_ratio: demand ÷ served).
+UNITS = ("ratio", "bytes", "seconds", "per_second", "count", "bool", "multiple")
 SCOPES = ("service", "gpu")
 
 Labels = tuple[tuple[str, str], ...]
@@ -176,6 +177,7 @@ def natural_unit(name: str) -> str | None:
     if name in _BOOL_SIGNALS:
         return "bool"
     for suffix, unit in (
+        ("_demand_ratio", "multiple"),
         ("_ratio", "ratio"),
         ("_bytes", "bytes"),
         ("_per_second", "per_second"),
@@ -298,7 +300,7 @@ def evaluate(
             key: AlertKey = (rule.name, service, labels)
             row = values.get((service, labels))
             value = row.get(rule.signal) if row is not None else None
-            new, change = _step(rule, mine.get(key), service, labels, value, now)
+            new, change = _step(rule, mine.get(key), service, labels, value, now, row)
             if new is not None:
                 out[key] = new
             if change is not None:
@@ -322,6 +324,7 @@ def _step(
     labels: Labels,
     value: float | None,
     now: float,
+    row: Mapping[str, float | None] | None = None,
 ) -> tuple[Alert | None, Transition | None]:
     if value is None or math.isnan(value):
         # Blind: hold whatever state there is, say so, and never advance or resolve on it.
@@ -329,7 +332,7 @@ def _step(
             return alert, None
         return replace(alert, stale=True), None
     gpu = dict(labels).get("gpu", "")
-    summary = render_summary(rule, service, value, gpu)
+    summary = render_summary(rule, service, value, gpu, row)
     if rule.holds(value):
         if alert is None:
             state = AlertState.FIRING if rule.for_seconds <= 0 else AlertState.PENDING
@@ -389,12 +392,22 @@ def _end(alert: Alert, value: float | None, summary: str | None = None) -> Trans
     return Transition(gone, was, AlertState.INACTIVE, resolved=was is AlertState.FIRING)
 
 
-def render_summary(rule: Rule, service: str, value: float | None, gpu: str = "") -> str:
+def render_summary(
+    rule: Rule,
+    service: str,
+    value: float | None,
+    gpu: str = "",
+    row: Mapping[str, float | None] | None = None,
+) -> str:
+    """The rule's summary; ``{replicas_needed}`` is the service's capacity estimate (n/a when
+    there is none), so an over-capacity alert says both numbers."""
+    replicas = (row or {}).get("capacity_replicas_needed")
     return rule.summary.format(
         service=service,
         value=format_value(value, rule.unit),
         threshold=format_value(rule.threshold, rule.unit),
         gpu=gpu,
+        replicas_needed=format_value(replicas, "count"),
     )
 
 
@@ -410,6 +423,8 @@ def format_value(value: float | None, unit: str) -> str:
         return f"{value:.0f}s"
     if unit == "per_second":
         return f"{value:.2f}/s"
+    if unit == "multiple":
+        return f"{value:.2f}x"
     if unit == "bool":
         return "true" if value else "false"
     return f"{value:g}"
@@ -441,7 +456,7 @@ def merge_rules(base: Sequence[Rule], extra: Sequence[Rule]) -> tuple[Rule, ...]
 
 _NAME = re.compile(r"^[A-Z][A-Za-z0-9]{2,99}$")
 _ANCHOR = re.compile(r"^#[a-z0-9][a-z0-9-]*$")
-_PLACEHOLDERS = frozenset({"service", "value", "threshold", "gpu"})
+_PLACEHOLDERS = frozenset({"service", "value", "threshold", "gpu", "replicas_needed"})
 
 
 def _one_of(choices: Iterable[str]) -> Callable[[str], str | None]:

@@ -42,6 +42,12 @@ from vllm_guardian.core.diagnosis import (
     evidence_from_logs,
     rank,
 )
+from vllm_guardian.core.levers import (
+    LOW_CAP_COSTS,
+    mean_context_tokens,
+    median,
+    recompute_share,
+)
 from vllm_guardian.core.signals import ServiceSignals, Signals
 from vllm_guardian.model import (
     Action,
@@ -133,6 +139,10 @@ class ServiceState:
     watch_since: float | None = None  # the guardian's first look at this service
     seen_up: bool = False  # /health has answered 200 at least once since then
     down_since: float | None = None  # when /health stopped answering 200
+    # vLLM's running count while concurrency_overcommit is active, (time, running), within the
+    # pressure window: its median is what the pool hosts (a single reading is noise: 1-7 and
+    # 3-28 in the measured runs).
+    running_samples: tuple[tuple[float, float], ...] = ()
     # Flags an operator set with `vllm-guardian relaunch --set` (whitelisted, validated by the
     # shell before they get here); `--reset` clears them and every rung.
     operator_flags: tuple[tuple[str, str], ...] = ()
@@ -248,16 +258,25 @@ def lever_value(lever: Lever, rung: int, base: Baseline, p: PolicyConfig) -> str
     return "expandable_segments:True"
 
 
-def rungs_to_host(hosted: float, base: Baseline, p: PolicyConfig) -> int:
-    """The first max_num_seqs rung at or below 1.25 × the requests the KV pool hosts (so new
-    requests queue instead of preempting the ones that fit), never past the floor."""
-    target = max(float(p.max_num_seqs_floor), 1.25 * hosted)
-    if base.max_num_seqs <= target:
-        return 0
-    rung = math.ceil(math.log(target / base.max_num_seqs) / math.log(p.max_num_seqs_factor_ratio))
-    while rung > 1 and int(base.max_num_seqs * p.max_num_seqs_factor_ratio ** (rung - 1)) <= target:
-        rung -= 1
-    return rung
+def nearest_seqs_rung(
+    target: float, below: float, base: Baseline, p: PolicyConfig
+) -> tuple[int, int] | None:
+    """The max_num_seqs rung whose value is nearest ``target`` while staying under ``below``
+    (what the pool admits anyway: a cap at or above it changes nothing, so the relaunch would
+    be a pure restart). ``(rung, value)``; None when no rung under ``below`` lies within 15 %
+    of the target (a cap below what the pool hosts costs throughput: DESIGN.md §2)."""
+    best: tuple[int, int] | None = None
+    rung = 1
+    while True:
+        value = int(lever_value(Lever.MAX_NUM_SEQS, rung, base, p) or base.max_num_seqs)
+        if value < below and (best is None or abs(value - target) < abs(best[1] - target)):
+            best = (rung, value)
+        if value <= p.max_num_seqs_floor or value < 0.5 * target or rung > 64:
+            break
+        rung += 1
+    if best is None or abs(best[1] - target) > 0.15 * target:
+        return None
+    return best
 
 
 def can_step_down(lever: Lever, rung: int, base: Baseline, p: PolicyConfig) -> bool:
@@ -478,6 +497,7 @@ def decide(
         evidence = _filter_startup(s, sig, unit, now, settings.policy, continuous + pending)
         findings = rank(evidence)
         s = _track_episodes(s, findings, now, settings.policy)
+        s = _track_running(s, sig, now, settings.policy)
         cmdline = unit.cmdline if unit is not None else None
         gpu_total = (
             max((d.memory_total_bytes or 0 for d in snapshot.gpus.devices), default=0)
@@ -766,6 +786,69 @@ def _track_episodes(
     )
 
 
+def _track_running(
+    s: ServiceState, sig: ServiceSignals | None, now: float, p: PolicyConfig
+) -> ServiceState:
+    """Keep vLLM's running count while KV thrash is active (within the pressure window)."""
+    kept = tuple(x for x in s.running_samples if now - x[0] <= p.pressure_window_seconds)
+    running = sig.requests_running if sig is not None else None
+    if Cause.CONCURRENCY_OVERCOMMIT in s.active_causes and running is not None:
+        kept = (*kept, (now, running))[-1024:]
+    return s if kept == s.running_samples else replace(s, running_samples=kept)
+
+
+def _concurrency_relaunch(
+    s: ServiceState, sig: ServiceSignals | None, base: Baseline, p: PolicyConfig
+) -> tuple[int, str] | str:
+    """Whether KV thrash may relaunch with a lower --max-num-seqs: ``(rung, what held)``, or
+    the reason it may not. Every condition is the measured one (DESIGN.md §2): enabled by the
+    operator; a cap at ≈ target × the median running count over the episodes; strictly under
+    what the pool admits anyway (the peak running count seen); a recompute share above the
+    threshold."""
+    c = p.concurrency_relaunch
+    head = "concurrency_overcommit: gated and alerted, no relaunch"
+    if not c.enabled:
+        return (
+            f"{head}: KV thrash is a capacity problem (policy.concurrency_relaunch.enabled is "
+            "false); add replicas or shed at the gate"
+        )
+    samples = [r for _, r in s.running_samples]
+    if len(samples) < c.min_running_samples:
+        return f"{head}: fewer than {c.min_running_samples} running-count samples under pressure"
+    med = median(samples) or 0.0
+    peak = max(samples)
+    target = c.target_hosted_ratio * med
+    picked = nearest_seqs_rung(target, peak, base, p)
+    if picked is None:
+        return (
+            f"{head}: no --max-num-seqs rung within 15 % of {target:.0f} "
+            f"({c.target_hosted_ratio:g}x the median running {med:.0f}) lies under the peak "
+            f"{peak:.0f} the pool admits anyway; {LOW_CAP_COSTS}"
+        )
+    rung, value = picked
+    share = None
+    if sig is not None:
+        tokens = [sig.prompt_tokens_per_second, sig.generation_tokens_per_second]
+        sig_tokens = sum(t for t in tokens if t is not None) if any(tokens) else None
+        ctx_tokens = mean_context_tokens(
+            sig.kv_cache_usage_ratio, sig.kv_cache_capacity_tokens, sig.requests_running
+        )
+        share = recompute_share(sig.preemptions_per_second, ctx_tokens, sig_tokens)
+    if share is None:
+        return f"{head}: recompute share unknown (preemptions/s, KV pool size or tokens/s missing)"
+    if share < c.min_recompute_share_ratio:
+        # No figure in the text: a "nothing done" line is logged once per distinct reason.
+        return (
+            f"{head}: estimated recompute share below {c.min_recompute_share_ratio:g}; a "
+            "restart costs more than recompute"
+        )
+    return rung, (
+        f"cap {value} = {value / med if med else 0:.2f}x the median running {med:.0f} over "
+        f"{len(samples)} samples, under the peak {peak:.0f} the pool admits; recompute share "
+        f"{share:.2f} >= {c.min_recompute_share_ratio:g}"
+    )
+
+
 def _episodes(s: ServiceState, cause: Cause) -> int:
     return sum(1 for c, _ in s.episodes if c is cause)
 
@@ -831,7 +914,18 @@ def _act(
         # Drain + restart clears fragmentation; only a repeat earns expandable segments.
         step = step and _episodes(s, top.cause) >= 2
     elif top.cause is Cause.CONCURRENCY_OVERCOMMIT:
-        # KV pressure never crashes: the gate handles it; repeated episodes lower the batch.
+        # KV pressure never crashes: the gate and the over-capacity alert handle it; a relaunch
+        # only where the operator enabled it and every measured condition holds.
+        seqs = _concurrency_relaunch(s, sig, base, p)
+        if isinstance(seqs, str):
+            return ctx.note(s, seqs, top)
+        if seqs[0] <= s.rung(Lever.MAX_NUM_SEQS):
+            return ctx.note(
+                s,
+                "concurrency_overcommit: gated and alerted, no relaunch: --max-num-seqs is "
+                "already at or below 1.0x what the pool hosts",
+                top,
+            )
         if not (step and _episodes(s, top.cause) >= p.pressure_events_to_relaunch):
             return ctx.note(
                 s,
@@ -882,11 +976,11 @@ def _act(
     if lever is not None and step:
         before = s.rung(lever)
         rung = before + 1
-        hosted = sig.requests_running if sig is not None else None
-        if lever is Lever.MAX_NUM_SEQS and hosted:
-            # Multiplicative decrease one rung at a time would take a dozen restarts to get from
-            # 1024 to what a small pool hosts; jump to the rung that matches what it does host.
-            rung = max(rung, rungs_to_host(hosted, base, p))
+        why = ""
+        if lever is Lever.MAX_NUM_SEQS:
+            seqs = _concurrency_relaunch(s, sig, base, p)
+            if isinstance(seqs, tuple):
+                rung, why = seqs[0], f" ({seqs[1]})"
         s = _set_rung(s, lever, rung)
         last_up = dict(s.last_step_up).get(lever)
         if last_up is not None and now - last_up <= p.pin_seconds:
@@ -894,11 +988,6 @@ def _act(
         flags, env = _flags(s, base, p)
         value = lever_value(lever, rung, base, p)
         how = "one rung" if rung == before + 1 else f"{rung - before} rungs"
-        why = (
-            f" (the KV pool hosts about {hosted:.0f} running requests)"
-            if lever is Lever.MAX_NUM_SEQS and hosted
-            else ""
-        )
         reason = (
             f"{top.cause.value}: {lever.value} {how} down to {value} (rung {rung}){why}; "
             + top.evidence[0].sentence

@@ -26,6 +26,12 @@ from dataclasses import dataclass, replace
 
 from vllm_guardian.config import ServiceConfig, SignalsConfig
 from vllm_guardian.core.allocator import AllocatorGpuSignals, allocator_fields
+from vllm_guardian.core.capacity import (
+    CapacityEstimate,
+    CapacitySample,
+    CapacitySettings,
+    estimate,
+)
 from vllm_guardian.model import (
     EngineMetrics,
     GpuDevice,
@@ -122,6 +128,11 @@ class ServiceSignals:
     allocator_fragmentation_ratio: float | None = None  # inactive-split / reserved, worst GPU
     allocator_retries_per_second: float | None = None
     allocator_recent_ooms: int | None = None  # num_ooms increase within the rate window
+    # Over capacity? (core/capacity.py, over signals.capacity_window_seconds): demand ÷ what it
+    # serves at saturation, and the replicas that would carry it; None when not measurable.
+    capacity: CapacityEstimate | None = None
+    capacity_demand_ratio: float | None = None
+    capacity_replicas_needed: int | None = None
 
     def recent_log_count(self, kind: LogEventKind) -> int:
         return dict(self.recent_log_events).get(kind, 0)
@@ -514,6 +525,15 @@ def derive_service(
             engines=tuple(per_engine),
         )
     fields["recent_log_events"] = _recent_log_events(history, cfg.rate_window_seconds, svc.name)
+    cap = estimate(
+        capacity_samples(_window(history, cfg.capacity_window_seconds), svc.name),
+        CapacitySettings(window_seconds=cfg.capacity_window_seconds),
+    )
+    fields.update(
+        capacity=cap,
+        capacity_demand_ratio=cap.demand_ratio,
+        capacity_replicas_needed=cap.replicas_needed,
+    )
     fields.update(allocator_fields(history, svc.name, cfg.rate_window_seconds))
     if now_snap.gpus is not None:
         devices = _service_gpus(now_snap.gpus.devices, svc, cur.unit)
@@ -548,6 +568,41 @@ def derive_service(
         if isinstance(headroom, int) and isinstance(trend, float) and trend < 0:
             fields["seconds_to_headroom_exhaustion"] = headroom / -trend
     return replace(base, **fields)  # type: ignore[arg-type]
+
+
+def capacity_samples(window: Sequence[Snapshot], service: str) -> list[CapacitySample]:
+    """What the capacity estimate reads from each snapshot: vLLM's counters and gauges summed
+    over its engines (a snapshot without a scrape says so)."""
+    out = []
+    for snap in window:
+        scrape = _scrape(snap, service)
+        if scrape is None:
+            out.append(CapacitySample(snap.time_seconds, scraped=False))
+            continue
+        e = scrape.engines
+        usage = _kv_usage(e) if e else None
+        svc = snap.service(service)
+        gate = svc.gate if svc is not None and svc.gate is not None and svc.gate.reachable else None
+        out.append(
+            CapacitySample(
+                snap.time_seconds,
+                scraped=True,
+                stats_enabled=scrape.stats_enabled,
+                process_start_seconds=scrape.process_start_time_seconds,
+                finished_total=_sum_opt([x.requests_finished_total for x in e]),
+                failed_total=_sum_opt([x.requests_failed_total for x in e]),
+                prompt_tokens_total=_sum_opt([x.prompt_tokens_total for x in e]),
+                generation_tokens_total=_sum_opt([x.generation_tokens_total for x in e]),
+                running=_sum_opt([x.requests_running for x in e]),
+                waiting=_sum_opt([x.requests_waiting for x in e]),
+                kv_usage_ratio=usage,
+                gate_queued=None if gate is None or gate.queued is None else float(gate.queued),
+                gate_rejected_total=(
+                    None if gate is None or gate.rejected_total is None else gate.rejected_total
+                ),
+            )
+        )
+    return out
 
 
 def _recent_log_events(

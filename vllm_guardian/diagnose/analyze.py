@@ -34,6 +34,8 @@ from vllm_guardian.core.budget import (
     parse_launch_flags,
     parse_startup_sizing,
 )
+from vllm_guardian.core.capacity import CapacityEstimate, CapacityState
+from vllm_guardian.core.levers import sequences_hosted
 from vllm_guardian.core.signals import ServiceSignals, derive_service, histogram_quantile
 from vllm_guardian.diagnose.bundle import Bundle
 from vllm_guardian.diagnose.recommend import Context, recommend
@@ -412,6 +414,7 @@ def analyze(
         quantile_window_seconds=window,
         slope_window_seconds=window,
         stall_seconds=max(_MIN_STALL_SECONDS, min(30.0, span)) if len(times) > 1 else 1e9,
+        capacity_window_seconds=window,
     )
     svc_cfg = ServiceConfig(name=service, gpus=_service_gpus(devices, service_pids))
     sig: ServiceSignals = derive_service(history, svc_cfg, cfg)
@@ -478,6 +481,7 @@ def analyze(
         running_requests=sig.requests_running,
         pool_tokens=cache.capacity_tokens if cache else None,
         p95_request_tokens=p95,
+        capacity=sig.capacity,
         hardware_gpus=tuple(
             sorted({x.gpu_index for x in xids if x.xid in diagnosis.RESET_CLASS_XIDS})
         ),
@@ -590,12 +594,12 @@ def plan_report(
     notes = [n for n in result.notes if not n.startswith("no /metrics")]
     findings = list(result.findings)
     if request_tokens and fits and budget.fits_one_request:
-        hosts = budget.max_concurrency_at(request_tokens) or 0.0
+        hosts = sequences_hosted(budget.pool_tokens, request_tokens) or 0
         if budget.max_num_seqs > 2 * hosts:
             ev = diagnosis.Evidence(
                 Cause.CONCURRENCY_OVERCOMMIT,
                 "plan:max_num_seqs",
-                f"max_num_seqs {budget.max_num_seqs} but the pool hosts {hosts:.0f} sequences of "
+                f"max_num_seqs {budget.max_num_seqs} but the pool hosts {hosts} sequences of "
                 f"{request_tokens:,.0f} tokens: under full load it preempts",
                 weight=0.5,
             )
@@ -632,6 +636,11 @@ def plan_report(
             gpu_total_bytes=d.gpu_memory_total_bytes,
             pool_tokens=budget.pool_tokens,
             p95_request_tokens=request_tokens,
+            capacity=CapacityEstimate(
+                CapacityState.NO_DATA,
+                "a plan has no traffic; size replicas by the sequences one pool hosts",
+            ),
+            planned_concurrency=concurrency,
         )
     )
     return Report(

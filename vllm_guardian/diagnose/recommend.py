@@ -1,7 +1,9 @@
 """The fix: which flags to change, old → new, with one line of reasoning each.
 
-One rule per cause, using DESIGN.md §2's levers: KV-pool pressure is answered with admission
-and a lower ``--max-num-seqs`` (never a lower utilization, which shrinks the pool);
+One rule per cause, using DESIGN.md §2's levers: KV-pool pressure is a capacity problem,
+answered with admission at the gate and replicas (by how much: ``core/capacity.py``), never a
+lower ``--max-num-seqs`` (measured: it costs throughput) nor a lower utilization (it shrinks
+the pool);
 device-memory pressure with a lower ``--gpu-memory-utilization`` / ``--max-num-batched-tokens``
 or ``expandable_segments``; a hardware fault with *no* restart. The output is both a
 ready-to-paste command line and the guardian's environment file (``actuators/flags.py``
@@ -24,9 +26,10 @@ from vllm_guardian.core.budget import (
     ModelShape,
     StartupSizing,
     default_max_num_batched_tokens,
-    default_max_num_seqs,
     fit_options,
 )
+from vllm_guardian.core.capacity import CapacityEstimate, CapacityState
+from vllm_guardian.core.levers import LOW_CAP_COSTS, sequences_hosted
 from vllm_guardian.diagnose.report import EnvChange, FlagChange, Recommendation, gib
 from vllm_guardian.model import Cause
 
@@ -36,7 +39,6 @@ GIB = 1024**3
 UTILIZATION_MARGIN_BYTES = GIB // 2
 UTILIZATION_STEP = 0.05  # the policy's default step (policy.gpu_memory_utilization_step_ratio)
 UTILIZATION_FLOOR = 0.50
-MAX_NUM_SEQS_FLOOR = 8  # the policy's floor
 BATCHED_TOKENS_FLOOR = 2048
 
 
@@ -57,6 +59,8 @@ class Context:
     pool_tokens: int | None = None  # the pool as vLLM reports it (or the budget's)
     p95_request_tokens: float | None = None
     hardware_gpus: tuple[int, ...] = ()
+    capacity: CapacityEstimate | None = None  # over the observed window (core/capacity.py)
+    planned_concurrency: int | None = None  # `plan --concurrency`: requests at once to size for
 
 
 def _fmt_ratio(v: float) -> str:
@@ -158,38 +162,76 @@ def _blowout(c: Context) -> _Out:
     )
 
 
+def concurrency_advice(
+    capacity: CapacityEstimate | None,
+    hosted: int | None,
+    hosted_why: str,
+    max_num_seqs: int | None = None,
+) -> tuple[str, list[str]]:
+    """KV thrash, said the same way by diagnose, plan and loadtest: over capacity by X× (or
+    not measurable, and why), add N replicas or shed at the gate, and what a lower
+    ``--max-num-seqs`` would cost. Never a lower ``--max-num-seqs`` as the fix (DESIGN.md §2)."""
+    if capacity is not None and capacity.demand_ratio is not None:
+        n = capacity.replicas_needed or 1
+        summary = (
+            f"Over capacity by {capacity.demand_ratio:.2f}x: KV thrash is a capacity problem. "
+            f"Run {n} replica(s) (add {max(0, n - 1)}) or shed at the gate."
+        )
+        first = [capacity.line()]
+    else:
+        why = f": {capacity.reason}" if capacity is not None else ""
+        lead = (
+            "Saturated (KV thrash); "
+            if capacity is None or capacity.state is not CapacityState.NO_DATA
+            else ""
+        )
+        summary = (
+            f"{lead}capacity not measurable from this data{why}. KV thrash is a capacity "
+            "problem: add replicas or shed at the gate."
+        )
+        summary = summary[0].upper() + summary[1:]
+        first = []
+    pool = (
+        f"the pool hosts about {hosted} sequences ({hosted_why})"
+        if hosted
+        else "what the pool hosts is the median running count under thrash"
+    )
+    cap = f" (now {max_num_seqs})" if max_num_seqs else ""
+    actions = [
+        *first,
+        "shed at the gate: the guardian's /ready/<service> and admission gate hold new work "
+        "while the pool is full (per-key shares keep one tenant from starving the rest); or "
+        "add replicas (scale on vllm_guardian_capacity_demand_ratio: docs/capacity.md)",
+        f"keep --max-num-seqs{cap} at or above what the pool hosts: {pool}; {LOW_CAP_COSTS}",
+        "do not restart or relaunch for it: no flag on one server removes the queueing",
+        "do not lower --gpu-memory-utilization: it shrinks the KV pool",
+    ]
+    return summary, actions
+
+
 def _concurrency(c: Context) -> _Out:
     b = c.budget
     old = c.flags.max_num_seqs or c.reported_max_num_seqs or (b.max_num_seqs if b else None)
-    if old is None and c.gpu_total_bytes:
-        old = default_max_num_seqs(c.gpu_total_bytes)
     pool = c.pool_tokens or (b.pool_tokens if b else None)
-    p95 = c.p95_request_tokens
-    new: int | None = None
-    if pool and p95:
-        new = max(MAX_NUM_SEQS_FLOOR, int(pool // p95))
-        reason = f"the pool holds {pool:,} tokens = {new} sequences at the p95 length {p95:,.0f}"
-    elif c.running_requests:
-        new = max(MAX_NUM_SEQS_FLOOR, int(c.running_requests))
-        reason = f"the pool holds about the {c.running_requests:.0f} sequences running now"
-    elif old:
-        new = max(MAX_NUM_SEQS_FLOOR, int(old * 0.75))
-        reason = "one rung down (×0.75, the policy's step)"
-    changes = []
-    if new is not None and (old is None or new < old):
-        changes.append(
-            _flag("--max-num-seqs", old, str(new), reason + ": fewer preemptions, the rest queue")
+    # What the pool hosts: the larger of its size at the p95 request length (conservative: real
+    # requests are shorter on average) and the running count under thrash (one reading).
+    readings: list[tuple[int, str]] = []
+    by_size = sequences_hosted(pool, c.p95_request_tokens)
+    if by_size is not None and c.p95_request_tokens:
+        readings.append((by_size, f"{pool:,} tokens ÷ the p95 request {c.p95_request_tokens:,.0f}"))
+    if c.running_requests:
+        readings.append((int(c.running_requests), "requests running under thrash"))
+    hosted = max((n for n, _ in readings), default=None)
+    why = "; ".join(f"{n}: {text}" for n, text in readings)
+    summary, actions = concurrency_advice(c.capacity, hosted, why, old)
+    if c.planned_concurrency and hosted:
+        n = math.ceil(c.planned_concurrency / hosted)
+        actions.insert(
+            0,
+            f"for {c.planned_concurrency} concurrent requests: {c.planned_concurrency} ÷ {hosted} "
+            f"sequences per replica = {n} replica(s), or shed the rest at the gate",
         )
-    actions = [
-        "gate admission at 90 % KV (the guardian's /ready/<service> and gate) so the queue waits outside vLLM",
-        "do not lower --gpu-memory-utilization: it shrinks the KV pool",
-    ]
-    return (
-        "Admit fewer sequences than the KV pool cannot host: preemption thrash, not a crash.",
-        changes,
-        [],
-        actions,
-    )
+    return summary, [], [], actions
 
 
 def _prefill(c: Context) -> _Out:

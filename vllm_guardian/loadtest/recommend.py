@@ -1,9 +1,12 @@
 """From the steps' figures to a verdict and the flags to set, each with its reason. Pure.
 
 * The **knee** is the first step where the KV pool saturated: preemptions appeared or KV usage
-  reached the gate's high watermark. ``--max-num-seqs`` goes below it: the number of requests
-  of the largest measured size (prompt + output) that the pool (``cache_config_info``) holds
-  under the high watermark, and never the knee's concurrency or more.
+  reached the gate's high watermark. Beyond it the load is over one replica's capacity: the
+  verdict says by how much (the peak concurrency ÷ the requests of the largest measured size
+  that the pool holds under the high watermark, ``core/levers.py``) and how many replicas
+  would carry it, or shedding at the gate. ``--max-num-seqs`` is never lowered for it (a cap
+  below what the pool hosts costs throughput, DESIGN.md §2 "Measured"); one set below what the
+  pool hosts is raised to it.
 * **Device-memory** trouble (headroom under the floor, its forecast, an OOM line) is a
   different pressure (DESIGN.md §2): ``--max-num-batched-tokens`` comes down (the prefill
   workspace grows with the tokens batched in one step) and ``--gpu-memory-utilization`` comes
@@ -24,6 +27,7 @@ from enum import StrEnum
 
 from vllm_guardian.config import PolicyConfig
 from vllm_guardian.core.budget import LaunchFlags, default_max_num_batched_tokens
+from vllm_guardian.core.levers import LOW_CAP_COSTS, sequences_hosted
 
 from .profile import Limits
 from .results import StepResult
@@ -136,10 +140,11 @@ def _max_num_seqs(
     high: float,
 ) -> Recommendation:
     flag = "--max-num-seqs"
-    now = f" (now {flags.max_num_seqs})" if flags.max_num_seqs is not None else ""
+    current = flags.max_num_seqs
+    now = f" (now {current})" if current is not None else ""
     capacity = next((r.kv_capacity_tokens for r in results if r.kv_capacity_tokens), None)
     largest = max((r.request_tokens_max or 0 for r in results), default=0)
-    pool_seqs = math.floor(high * capacity / largest) if capacity and largest else None
+    pool_seqs = sequences_hosted(capacity, largest, high)
     pool_text = (
         f"the pool's {capacity} tokens hold {pool_seqs} requests of up to {largest} tokens "
         f"(prompt + output) under the {high:.0%} watermark"
@@ -147,18 +152,26 @@ def _max_num_seqs(
         else "the pool's size is unknown (no cache_config_info in /metrics)"
     )
     if knee is not None and knee.concurrency is not None:
-        below = knee.concurrency - 1
-        value = min(pool_seqs, below) if pool_seqs else below
-        held = [r.concurrency for r in results if r.held and r.concurrency is not None]
-        if not pool_seqs and held and max(held) < knee.concurrency:
-            value = max(held)
-        value = max(1, value)
+        # KV thrash is a capacity problem (DESIGN.md §2 "Measured"): say by how much the load
+        # exceeded one replica and what would carry it; never a lower cap as the fix.
+        hosted = pool_seqs or _held_concurrency(results, knee)
+        peak = max((r.concurrency or 0 for r in results), default=0) or knee.concurrency
+        over = (
+            f"at {peak} concurrent requests the load is over capacity by {peak / hosted:.2f}x: "
+            f"{math.ceil(peak / hosted)} replica(s) (add {math.ceil(peak / hosted) - 1}) or shed "
+            "at the gate"
+            if hosted
+            else "saturated; capacity not measurable from this data: add replicas or shed at "
+            "the gate"
+        )
+        raise_it = current is not None and pool_seqs is not None and current < pool_seqs
         return Recommendation(
             flag,
-            Action.SET,
-            str(value),
+            Action.RAISE if raise_it else Action.KEEP,
+            str(pool_seqs) if raise_it else (str(current) if current is not None else None),
             f"the KV pool saturated at {knee.label} (KV peak {_pct(knee.kv_usage_peak_ratio)}, "
-            f"{knee.preemptions_per_second or 0:.2f} preemptions/s); {pool_text}{now}",
+            f"{knee.preemptions_per_second or 0:.2f} preemptions/s); {over}; {pool_text}{now}; "
+            f"{LOW_CAP_COSTS}",
         )
     if device:
         return Recommendation(
@@ -169,14 +182,21 @@ def _max_num_seqs(
             f"lever here (see --max-num-batched-tokens and --gpu-memory-utilization){now}",
         )
     last = results[-1] if results else None
-    peak = _pct(last.kv_usage_peak_ratio) if last else "?"
+    peak_kv = _pct(last.kv_usage_peak_ratio) if last else "?"
     return Recommendation(
         flag,
         Action.KEEP,
         None,
-        f"the pool did not saturate up to {last.label if last else 'the end'} (KV peak {peak}); "
+        f"the pool did not saturate up to {last.label if last else 'the end'} (KV peak {peak_kv}); "
         f"{pool_text}{now}",
     )
+
+
+def _held_concurrency(results: Sequence[StepResult], knee: StepResult) -> int | None:
+    """The highest concurrency that held below the knee: what one replica carries, measured."""
+    held = [r.concurrency for r in results if r.held and r.concurrency is not None]
+    below = [c for c in held if c < (knee.concurrency or 0)]
+    return max(below) if below else None
 
 
 def _max_num_batched_tokens(

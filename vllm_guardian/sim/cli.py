@@ -59,7 +59,15 @@ def load(argv: Sequence[str]) -> int:
     )
     p.add_argument("--no-stream", action="store_true")
     p.add_argument("--outcomes", default=None, help="write one JSON line per request here")
+    p.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=64,
+        help="requests the client holds open at once; the rest wait client-side, unseen by vLLM",
+    )
     ns = p.parse_args(list(argv))
+    if ns.max_in_flight < 1:
+        p.error("--max-in-flight must be at least 1")
     profile = SCENARIOS[ns.scenario].load
     plan = plan_requests(profile, ns.seed, ns.max_requests, ns.max_duration_seconds * ns.speed)
     # Outcomes are written as requests finish (not at the end), so a watcher such as the demo
@@ -82,6 +90,7 @@ def load(argv: Sequence[str]) -> int:
                 speed=ns.speed,
                 stream=not ns.no_stream,
                 max_duration_seconds=ns.max_duration_seconds,
+                max_in_flight=ns.max_in_flight,
                 on_outcome=record,
             )
         except ValueError as exc:

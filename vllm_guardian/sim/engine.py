@@ -4,7 +4,8 @@
 moves it forward with ``advance(until_seconds)`` (simulated seconds since the process
 started) and it answers with per-request token deltas and log events. One engine step
 schedules a batch (``scheduler``), checks the card (``memory``), takes
-``step_base + step_per_token × tokens`` simulated seconds, then commits tokens and stats.
+``ModelSpec.step_seconds`` simulated seconds (a fixed cost, plus costs per token, per
+prefill-like token and per sequence), then commits tokens and stats.
 One-off faults (hang, death, XID) come from ``scenarios.fault_schedule`` on the scenario's
 clock, whose zero is given (``scenario_zero_seconds``, on the engine's clock) or is this
 engine's readiness; faults due before this engine was ready are not replayed. Every fault,
@@ -472,8 +473,10 @@ class SimEngine:
             self._fail_all(deltas)
             return
         self.last_activation_bytes = act
-        duration = (
-            self.model.step_base_seconds + self.model.step_per_token_seconds * sched.num_tokens
+        duration = self.model.step_seconds(
+            sched.num_tokens,
+            sum(c.num_new_tokens for c in sched.chunks if c.num_new_tokens > 1),
+            len(sched.chunks),
         )
         self.now += duration
         self.busy_seconds += duration

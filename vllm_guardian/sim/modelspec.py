@@ -29,9 +29,26 @@ class ModelSpec:
     dtype_bytes: int
     max_position_embeddings: int
     tensor_parallel_size: int = 1
-    # Speed model: one engine step costs base + per_token × tokens scheduled in it.
+    # Speed model: one engine step costs
+    #   base + per_token × tokens + per_prefill_token × prefill-like tokens + per_seq × sequences
+    # where prefill-like tokens are those of chunks longer than one token (prompts, and the
+    # recompute of preempted sequences) and sequences are the requests in the step (each
+    # decodes one token). The real vLLM tier's fit (reference/kv-thrash-experiment.md, ~148 k
+    # steps) has this shape; with a fixed cost alone, batch width is everything and recompute
+    # almost free, which overstates what a low --max-num-seqs loses.
     step_base_seconds: float = 0.012
     step_per_token_seconds: float = 6e-5
+    step_per_prefill_token_seconds: float = 0.0
+    step_per_seq_seconds: float = 0.0
+
+    def step_seconds(self, tokens: int, prefill_tokens: int, sequences: int) -> float:
+        """Simulated seconds of one engine step."""
+        return (
+            self.step_base_seconds
+            + self.step_per_token_seconds * tokens
+            + self.step_per_prefill_token_seconds * prefill_tokens
+            + self.step_per_seq_seconds * sequences
+        )
 
     @property
     def weights_bytes(self) -> int:
@@ -73,8 +90,14 @@ PRESETS: dict[str, ModelSpec] = {
         num_params=1_340_000,
         dtype_bytes=2,
         max_position_embeddings=4096,
-        step_base_seconds=0.004,
-        step_per_token_seconds=2e-6,
+        # Fitted on the real vLLM 0.32 CPU engine serving this model (shape A of
+        # reference/kv-thrash-experiment.md: 122,683 steps): 2.67 ms + 135 µs per prefill-like
+        # token + 0.67 ms per sequence. Was 4 ms + 2 µs/token, which made a cap at 0.4x what
+        # the pool hosts cost 60 % of throughput on the twin against 32-34 % on the real one.
+        step_base_seconds=0.00267,
+        step_per_token_seconds=0.0,
+        step_per_prefill_token_seconds=135e-6,
+        step_per_seq_seconds=0.00067,
     ),
     "llama-3-8b": ModelSpec(
         name="meta-llama/Meta-Llama-3-8B-Instruct",

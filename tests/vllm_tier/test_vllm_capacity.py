@@ -1,0 +1,265 @@
+"""The `vllm` tier, issue 22: the twin's step cost and the over-capacity estimate on a real vLLM.
+
+One real vLLM 0.32 at a time (CPU build, the tiny random Llama), on 127.0.0.1, started by the
+test and stopped (and swept by its marker) by it:
+
+1. **Twin vs real, with and without a low cap.** Shape A of ``reference/kv-thrash-experiment.md``
+   (a 16-block pool, 96 closed-loop requests of 200 prompt tokens and 128-256 output tokens,
+   24 clients, ``ignore_eos``) on a fresh server uncapped and with ``--max-num-seqs 2``
+   (0.4x the 5 the pool hosts), and the same seeded load on the twin. Compared: preemptions
+   (±12: the real runs spread 64-75 uncapped) and the throughput ratio capped ÷ uncapped,
+   the real one from each run's own schedule under the real engine's fitted step cost (±0.07;
+   wall clock varied 0.43-0.53 between two runs on this shared 2-core VM, so it only has to
+   show a loss).
+2. **The over-capacity estimate under overload.** On the uncapped server, after its closed
+   loop measured what it serves, an open-loop load at twice that rate (every request sent at
+   its time; the client holds them all, so vLLM sees the whole demand): the guardian's
+   estimate over a 45 s window, from vLLM's own /metrics sampled once a second, is within
+   ±25 % of the ratio the load generator counts itself (sent ÷ completed in the same window),
+   and ``replicas_needed`` is what that count implies (±25 %). Not exactly 2: hundreds of open
+   connections slow the API server on this 2-core VM, so twice the closed loop's rate was 4.35x
+   what the server then served (one run, 06:20 UTC 2026-11-24: estimated 4.58x, 5 replicas).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.sim.helpers import closed_loop, shape_a_outputs
+from tests.vllm_tier import support
+from vllm_guardian.core.capacity import CapacitySettings, CapacityState, estimate
+from vllm_guardian.core.signals import capacity_samples
+from vllm_guardian.demo import free_port
+from vllm_guardian.model import ServiceSnapshot, Snapshot
+from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
+
+SHAPE_A_FLAGS = ("--max-model-len", "1024", "--num-gpu-blocks-override", "16")
+REQUESTS, CLIENTS, PROMPT_TOKENS = 96, 24, 200
+REPORT: dict[str, object] = {}
+
+
+@dataclass
+class Server:
+    url: str
+    run_id: str
+
+
+@pytest.fixture(scope="module")
+def vllm_venv() -> Path:
+    return support.vllm_venv_or_skip()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(vllm_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-llama")
+    support.build_model(vllm_venv, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def lock() -> Iterator[None]:
+    fh = support.host_lock()  # one real server on this host at a time
+    try:
+        yield
+    finally:
+        fh.close()
+        print(f"\nvllm capacity tier: {REPORT}")
+
+
+@contextlib.contextmanager
+def serve(venv: Path, model: Path, workdir: Path, *flags: str) -> Iterator[Server]:
+    run_id = uuid.uuid4().hex
+    port = free_port()
+    env = support.vllm_env(run_id, workdir)
+    cmd = support.serve_command(venv, model, port, env, (*SHAPE_A_FLAGS, *flags))
+    log = (workdir / f"vllm-{port}.log").open("wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = Server(f"http://127.0.0.1:{port}", run_id)
+    try:
+        support.wait_for(lambda: support.healthy(server.url), 300, "vLLM /health 200")
+        yield server
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        support.sweep(run_id)
+        left = support.leftovers(run_id)
+        assert not left, f"vLLM processes left behind: {left}"
+
+
+def metrics(url: str) -> str:
+    return str(support.session().get(url + "/metrics", timeout=10).text)
+
+
+def counter(text: str, name: str) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith((name + "{", name + " "))
+    )
+
+
+def run_closed_loop(url: str) -> dict[str, float]:
+    """Shape A's closed loop to completion: generated tokens/s (wall), requests/s, preemptions."""
+    outputs = shape_a_outputs()
+    before = metrics(url)
+    start = time.monotonic()
+
+    def one(i: int) -> support.StreamResult:
+        prompt = support.prompt_ids(PROMPT_TOKENS, 100_000 + i)
+        return support.stream_completion(url, prompt, outputs[i], stream=False, timeout=600)
+
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        results = list(pool.map(one, range(REQUESTS)))
+    seconds = time.monotonic() - start
+    after = metrics(url)
+    failed = [r.error for r in results if not r.done]
+    assert not failed, failed[:3]
+    delta = {
+        name: counter(after, name) - counter(before, name)
+        for name in (
+            "vllm:num_preemptions_total",
+            "vllm:iteration_tokens_total_count",
+            "vllm:iteration_tokens_total_sum",
+        )
+    }
+    preemptions = delta["vllm:num_preemptions_total"]
+    # The run's engine time under the step-cost model fitted to the real engine (shape A:
+    # 2.67 ms + 135 µs per prefill-like token + 0.67 ms per sequence in a step), from its own
+    # schedule: steps and forwarded tokens from vLLM's iteration histogram; sequence-steps =
+    # one per decoded token (every output token but the first of each request) plus one
+    # prefill chunk per request and per resumption after a preemption. Free of wall-clock noise.
+    decode = sum(outputs) - REQUESTS
+    sequence_steps = decode + REQUESTS + preemptions
+    prefill_like = delta["vllm:iteration_tokens_total_sum"] - decode
+    modelled = (
+        2.67e-3 * delta["vllm:iteration_tokens_total_count"]
+        + 135e-6 * prefill_like
+        + 0.67e-3 * sequence_steps
+    )
+    return {
+        "seconds": seconds,
+        "tokens_per_second": sum(outputs) / seconds,
+        "requests_per_second": REQUESTS / seconds,
+        "preemptions": preemptions,
+        "steps": delta["vllm:iteration_tokens_total_count"],
+        "modelled_seconds": modelled,
+    }
+
+
+def test_twin_and_real_server_lose_alike_under_a_low_cap(
+    lock: None, vllm_venv: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    real: dict[str, dict[str, object]] = {}
+    for arm, flags in (("uncapped", ()), ("cap2", ("--max-num-seqs", "2"))):
+        with serve(vllm_venv, tiny_model, tmp_path, *flags) as server:
+            real[arm] = run_closed_loop(server.url)
+            if arm == "uncapped":
+                real["open_loop"] = over_capacity(server.url, real[arm]["requests_per_second"])
+    twin_uncapped, twin_uncapped_pre = closed_loop(None)
+    twin_cap, twin_cap_pre = closed_loop(2)
+    wall_ratio = real["cap2"]["tokens_per_second"] / real["uncapped"]["tokens_per_second"]
+    modelled_ratio = real["uncapped"]["modelled_seconds"] / real["cap2"]["modelled_seconds"]
+    twin_ratio = twin_cap / twin_uncapped
+    REPORT.update(
+        real=real,
+        real_wall_ratio=round(wall_ratio, 3),
+        real_modelled_ratio=round(modelled_ratio, 3),
+        twin_ratio=round(twin_ratio, 3),
+        twin_preemptions={"uncapped": twin_uncapped_pre, "cap2": twin_cap_pre},
+    )
+    print(REPORT)
+    assert abs(real["uncapped"]["preemptions"] - twin_uncapped_pre) <= 12, REPORT
+    assert abs(real["cap2"]["preemptions"] - twin_cap_pre) <= 12, REPORT
+    # The schedules compared under the real engine's cost model: ±0.07 (the study's modelled
+    # ratio was 0.66 over 3 pairs). Wall clock only has to show a loss: it measured 0.43-0.53
+    # on this shared VM (0.63-0.72 in the study), too noisy to compare closer.
+    assert twin_ratio == pytest.approx(modelled_ratio, abs=0.07), REPORT
+    assert wall_ratio < 0.9, REPORT
+    est = real["open_loop"]
+    counted = float(est["counted"])  # type: ignore[arg-type]
+    assert est["estimated"] == pytest.approx(counted, rel=0.25), REPORT
+    # The replicas the generator's own count implies, within the same ±25 %. At exactly twice
+    # what the server serves under this load that is 2; here the rate is twice the closed
+    # loop's, and hundreds of open connections slow the API server (one of two shared cores):
+    # measured once, 4.35x by the client's count, 4.58x estimated, 5 replicas.
+    low, high = (math.ceil(f * counted / 1.1) for f in (0.75, 1.25))
+    assert low <= float(est["replicas_needed"]) <= high, REPORT  # type: ignore[arg-type]
+
+
+def over_capacity(
+    url: str, served: float, window: float = 45.0, warmup: float = 15.0
+) -> dict[str, float]:
+    """Open loop at twice the rate the closed loop served (``served``: the server's capacity,
+    just measured); the estimate against the client's own counts over the same window."""
+    rate = 2.0 * served
+    duration = warmup + window + 2.0
+    n = int(rate * duration)
+    outputs = shape_a_outputs(seed=202, requests=n)
+    sent: list[float] = []
+    done: list[float] = []
+    snaps: list[Snapshot] = []
+    stop = threading.Event()
+
+    def sampler() -> None:
+        while not stop.is_set():
+            t = time.monotonic()
+            try:
+                scrape = parse_vllm_metrics(metrics(url))
+            except Exception:
+                scrape = None
+            snaps.append(Snapshot(t, (ServiceSnapshot("vllm", vllm=scrape),), None, ()))
+            stop.wait(max(0.0, 1.0 - (time.monotonic() - t)))
+
+    def one(i: int) -> None:
+        prompt = support.prompt_ids(PROMPT_TOKENS, 500_000 + i)
+        r = support.stream_completion(url, prompt, outputs[i], stream=False, timeout=900)
+        if r.done:
+            done.append(r.ended)
+
+    watcher = threading.Thread(target=sampler, daemon=True)
+    watcher.start()
+    start = time.monotonic()
+    with ThreadPoolExecutor(n) as pool:
+        for i in range(n):
+            due = start + i / rate
+            time.sleep(max(0.0, due - time.monotonic()))
+            sent.append(time.monotonic())
+            pool.submit(one, i)
+        t0, t1 = start + warmup, start + warmup + window
+        time.sleep(max(0.0, t1 + 1.0 - time.monotonic()))
+        in_window = [s for s in snaps if t0 <= s.time_seconds <= t1]
+        stop.set()
+        est = estimate(capacity_samples(in_window, "vllm"), CapacitySettings(window_seconds=window))
+        # The rest drains (the server finishes what it admitted) before the server is stopped.
+    watcher.join(timeout=5)
+    counted = sum(1 for s in sent if t0 <= s <= t1) / max(1, sum(1 for d in done if t0 <= d <= t1))
+    out: dict[str, object] = {
+        "rate_per_second": rate,
+        "served_per_second": served,
+        "counted": counted,
+        "estimated": est.demand_ratio or 0.0,
+        "replicas_needed": float(est.replicas_needed or 0),
+        "state": est.state.value,
+        "line": est.line(),
+    }
+    REPORT["open_loop"] = out
+    assert est.state is CapacityState.ESTIMATED, out
+    return out

@@ -1,0 +1,80 @@
+"""How many sequences a KV pool hosts, and what a ``--max-num-seqs`` below that costs. Pure.
+
+Where it sits: a leaf of the pure core, read by the policy (the guarded concurrency relaunch),
+``diagnose`` (its recommendation for KV thrash) and ``loadtest`` (its ``--max-num-seqs`` line):
+the one home of the "sequences the pool hosts" arithmetic, so the three say the same number.
+
+What was measured (DESIGN.md §2 "Measured", ``reference/kv-thrash-experiment.md``, vLLM 0.32 V1):
+
+* vLLM V1 admits a request only when the blocks of its prompt are free, so at most
+  ``usable blocks ÷ blocks per prompt`` requests run at once (:func:`admission_limit`); the
+  peak running count seen under thrash is the same figure, read from outside.
+* What the pool *hosts* at real lengths is ``pool tokens ÷ tokens per finished sequence``
+  (:func:`sequences_hosted`); under thrash the median running count is that number, measured.
+* A cap at ≈ 1.0× hosted gained 2–3 % throughput; 0.8× gained nothing; 0.4–0.5× lost
+  16–34 %. Recompute after preemptions was 5–8 % of engine time: the ceiling of any gain.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+# The sentence every surface uses (diagnose, plan, loadtest, the policy's audit line).
+LOW_CAP_COSTS = (
+    "a --max-num-seqs below what the pool hosts costs throughput (measured on vLLM 0.32: "
+    "-5 to -13 % at 0.8x hosted, -16 to -34 % at 0.4-0.5x; at 1.0x at most +2-3 %)"
+)
+
+
+def sequences_hosted(
+    pool_tokens: float | None, tokens_per_sequence: float | None, usage_ratio: float = 1.0
+) -> int | None:
+    """Sequences of ``tokens_per_sequence`` (prompt + output) that ``usage_ratio`` of a pool of
+    ``pool_tokens`` holds at once; None when either size is unknown or not positive."""
+    if not pool_tokens or not tokens_per_sequence or pool_tokens <= 0 or tokens_per_sequence <= 0:
+        return None
+    return max(0, math.floor(usage_ratio * pool_tokens / tokens_per_sequence))
+
+
+def admission_limit(usable_blocks: int | None, blocks_per_prompt: int | None) -> int | None:
+    """The most requests vLLM V1 runs at once: it admits one only when its prompt's blocks are
+    free. None when unknown."""
+    if not usable_blocks or not blocks_per_prompt or usable_blocks <= 0 or blocks_per_prompt <= 0:
+        return None
+    return usable_blocks // blocks_per_prompt
+
+
+def median(values: Sequence[float]) -> float | None:
+    """The median (mean of the middle two for an even count); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    if len(ordered) % 2:
+        return float(ordered[mid])
+    return (ordered[mid - 1] + ordered[mid]) / 2.0
+
+
+def mean_context_tokens(
+    kv_usage_ratio: float | None, pool_tokens: float | None, running: float | None
+) -> float | None:
+    """Tokens held per running sequence: the KV pool's used tokens ÷ the running count."""
+    if kv_usage_ratio is None or not pool_tokens or not running or running <= 0:
+        return None
+    return kv_usage_ratio * pool_tokens / running
+
+
+def recompute_share(
+    preemptions_per_second: float | None,
+    mean_context: float | None,
+    tokens_per_second: float | None,
+) -> float | None:
+    """The share of forwarded tokens spent recomputing preempted sequences, estimated as
+    ``preemptions/s × mean context tokens ÷ tokens/s`` (a preempted sequence is recomputed from
+    its start on V1). None when any input is unknown or there is no throughput to compare."""
+    if preemptions_per_second is None or mean_context is None or not tokens_per_second:
+        return None
+    if tokens_per_second <= 0:
+        return None
+    return max(0.0, preemptions_per_second) * mean_context / tokens_per_second
