@@ -77,6 +77,39 @@ def test_a_tampered_flags_file_is_rejected_not_obeyed(tmp_path: Path):
         flagsfile.read(path)
 
 
+# Issue 17: Unicode digits pass Python's int()/float() and \\d, but are no vLLM value.
+@pytest.mark.parametrize(
+    "value",
+    [
+        "\u0661\u0662",
+        "\uff19\uff16",
+        "9\u0666",
+        "1\u00b2",
+    ],  # Arabic-Indic, fullwidth, mixed, superscript
+)
+def test_flag_values_are_ascii_digits_only(value: str):
+    for flag in ("--max-num-seqs", "--gpu-memory-utilization"):
+        v = value if flag == "--max-num-seqs" else f"0.{value}"
+        with pytest.raises(flagsfile.FlagsRejected):
+            flagsfile.validate([(flag, v)], [])
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (lambda p: p.write_bytes(b"VLLM_GUARDIAN_ARGS=--max-num-seqs 8\n\xff\xfe\n"), "UTF-8"),
+        (lambda p: p.mkdir(), "not a regular file"),
+        (lambda p: p.write_bytes(b"# x\n" * 300_000), "larger than"),
+    ],
+    ids=["not-utf8", "directory", "huge"],
+)
+def test_an_unreadable_flags_file_is_rejected_with_its_reason(tmp_path: Path, make, why):
+    path = tmp_path / "vllm.env"
+    make(path)
+    with pytest.raises(flagsfile.FlagsRejected, match=why):
+        flagsfile.read(path)
+
+
 # --- the process manager ---------------------------------------------------------------------
 
 CHILD = textwrap.dedent(
@@ -160,6 +193,36 @@ def test_supervisor_restarts_a_process_that_exits_zero(tmp_path: Path, child: Pa
         sup.stop()
 
 
+@pytest.mark.parametrize(
+    "make",
+    [lambda p: p.write_bytes(b"VLLM_GUARDIAN_ARGS=\xff\n"), lambda p: p.mkdir()],
+    ids=["not-utf8", "directory"],
+)
+def test_a_broken_flags_file_never_stops_supervision(tmp_path: Path, child: Path, make, caplog):
+    """Issue 17 item 9: a non-UTF-8 flags file killed the supervisor thread, a directory in its
+    place prevented every start. Now: rejected and reported, vLLM runs with the base flags and
+    is restarted when it exits."""
+    flags_path = tmp_path / "svc.env"
+    make(flags_path)
+    log = tmp_path / "svc.log"
+    sup = Supervisor(
+        "svc",
+        [sys.executable, str(child), "exit0"],
+        flags_path,
+        log,
+        restart_delay_seconds=0.1,
+    )
+    try:
+        sup.start()
+        wait_until(lambda: sup.starts >= 3, timeout=60)
+        assert log.read_text().count("argv ['exit0']") >= 2, log.read_text()
+        ok, terminal, detail = sup.restart(timeout_seconds=5)
+        assert ok and not terminal, detail
+    finally:
+        sup.stop()
+    assert "flags file" in caplog.text and "rejected" in caplog.text
+
+
 @pytest.mark.parametrize(("mode", "restarted"), [("exit0", False), ("exit1", True)])
 def test_supervisor_on_failure_leaves_a_clean_exit_down(
     tmp_path: Path, child: Path, mode: str, restarted: bool
@@ -224,6 +287,7 @@ def test_systemd_backend(tmp_path: Path, body, ok, terminal, detail):
         assert (tmp_path / "args").read_text().split() == [
             "restart",
             "--no-ask-password",
+            "--",
             "vllm.service",
         ]
 
@@ -343,3 +407,28 @@ def test_concurrent_saves_leave_a_readable_file(tmp_path: Path):
     assert load_state(path) in states
     assert [p.name for p in tmp_path.iterdir()] == ["s.json"]
     assert os.path.getsize(path) > 0
+
+
+# Issue 17 item 8: shapes of a corrupt policy-state file; each is set aside, start-up goes on.
+CORRUPT_STATES = [
+    ("deep-list", lambda p: p.write_text("[" * 200_000 + "]" * 200_000)),
+    ("deep-state", lambda p: p.write_text('{"format": 1, "state": ' + '{"a":' * 100_000 + "1" + "}" * 100_001)),
+    ("not-utf8", lambda p: p.write_bytes(b'{"format": 1, "state": "\xff"}')),
+    ("a-list", lambda p: p.write_text("[1, 2]")),
+    ("wrong-format", lambda p: p.write_text('{"format": 99, "state": {}}')),
+    ("wrong-shape", lambda p: p.write_text('{"format": 1, "state": {"services": 5}}')),
+    ("huge", lambda p: p.write_bytes(b" " * (17 * 1024 * 1024) + b"{}")),
+    ("directory", lambda p: p.mkdir()),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("make", [m for _, m in CORRUPT_STATES], ids=[n for n, _ in CORRUPT_STATES])
+def test_a_corrupt_policy_state_is_set_aside_not_fatal(tmp_path: Path, make, caplog):
+    from vllm_guardian.statefile import load_state as load
+
+    path = tmp_path / "policy-state.json"
+    make(path)
+    assert load(path) is None
+    assert not path.exists()
+    assert (tmp_path / "policy-state.json.corrupt").exists()
+    assert "set aside" in caplog.text

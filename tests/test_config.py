@@ -8,9 +8,18 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vllm_guardian import cli
-from vllm_guardian.config import Config, ConfigInvalid, load_config, parse_bytes, parse_config
+from vllm_guardian.config import (
+    Config,
+    ConfigError,
+    ConfigInvalid,
+    load_config,
+    parse_bytes,
+    parse_config,
+)
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "config.yaml"
 
@@ -162,3 +171,108 @@ def test_yaml_is_loaded_safely():
     with pytest.raises(ConfigInvalid):
         parse_config("services: !!python/object/apply:os.system ['true']\n")
     assert yaml.__name__ == "yaml"
+
+
+# Shapes from the adversarial pass (issue 17): each used to escape as a traceback (exit 1).
+# Every one must be a ConfigInvalid naming the key and its line.
+HOSTILE = [
+    ('services:\n  - name: a\n    url: "http://[::1:8000"\n', "services[0].url", 3, "not a URL"),
+    ("services:\n  - name: a\ninterval_seconds: !!int abc\n", "interval_seconds", 3, "valid int"),
+    ("services:\n  - name: a\ninterval_seconds: !!float x\n", "interval_seconds", 3, "valid float"),
+    ("services:\n  - name: a\ninterval_seconds: !!binary abc\n", "interval_seconds", 3, "binary"),
+    ("services:\n  - name: a\ninterval_seconds: !!timestamp x\n", "interval_seconds", 3, "timestamp"),
+    ("services:\n  - name: a\ninterval_seconds: !!python/name:os.system x\n", "interval_seconds", 3, "python/name"),
+    ("services:\n  - name: a\n    gpus: [!!int 0x]\n", "services[0].gpus[0]", 3, "valid int"),
+    ("services:\n  - name: a\nrecorder:\n  max_bytes: " + "9" * 400 + "TiB\n", "recorder.max_bytes", 4, "too large"),
+    ('services:\n  - name: a\nalerting:\n  webhooks: ["http://[x"]\n', "alerting.webhooks[0]", 4, "not a URL"),
+    ('services:\n  - name: a\nalerting:\n  alertmanager_url: "https://[::1"\n', "alerting.alertmanager_url", 4, "not a URL"),
+    ("services:\n  - name: a\n    unit: -x.service\n", "services[0].unit", 3, "must not start with '-'"),
+    ("services:\n  - name: a\n    unit: --help.service\n", "services[0].unit", 3, "must not start with '-'"),
+    ('services:\n  - name: a\nstate_dir: ""\n', "state_dir", 3, "must not be empty"),
+    ("services:\n  - name: a\nruntime_dir: '  '\n", "runtime_dir", 3, "must not be empty"),
+    ("services:\n  - name: a\nrecorder:\n  path: ''\n", "recorder.path", 4, "must not be empty"),
+    ("services:\n  - name: a\nsources:\n  allocator:\n    directory: ''\n", "sources.allocator.directory", 5, "must not be empty"),
+    ("a: " + "[" * 3000 + "]" * 3000 + "\n", "", None, "nested too deeply"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "path", "line", "fragment"), HOSTILE)
+def test_hostile_configs_are_reported_with_key_and_line(text, path, line, fragment):
+    got = errors(text)
+    assert any(p == path and ln == line and fragment in m for p, ln, m in got), got
+
+
+def test_check_config_never_prints_a_traceback(tmp_path):
+    """The real CLI, as a subprocess: every hostile shape is exit 2 with its key and line."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    for i, (text, path, line, fragment) in enumerate(HOSTILE):
+        cfg = tmp_path / f"c{i}.yaml"
+        cfg.write_text(text)
+        p = subprocess.run(
+            [sys.executable, "-m", "vllm_guardian", "check-config", "-c", str(cfg)],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert p.returncode == 2, (text, p.stderr)
+        assert "Traceback" not in p.stderr, p.stderr
+        where = f"{cfg}:{line}: {path}" if line is not None else f"{cfg}: (top level)"
+        assert where in p.stderr and fragment in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("unit", ["vllm.service", "vllm@a.service", "a-b.service", "x.scope"])
+def test_unit_names_that_stay_valid(unit):
+    assert parse_config(f"services:\n  - name: a\n    unit: {unit}\n").services[0].unit == unit
+
+
+_NASTY = ["[", "{", "[::1", "http://[::1:8000", "-x.service", "''", "1e999", "9" * 400, ".nan",
+          "~", "&a x", "*a", "? x", "|\n  x"]  # fmt: skip
+_TAGS = ["", "!!int ", "!!float ", "!!bool ", "!!str ", "!!binary ", "!!timestamp ", "!!null ",
+         "!!seq ", "!!map ", "!!set ", "!!omap ", "!!python/tuple ", "!custom "]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.data(),
+    tag=st.sampled_from(_TAGS),
+    value=st.one_of(
+        st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=20),
+        st.sampled_from(_NASTY),
+    ),
+)
+def test_any_value_at_any_key_is_a_config_or_a_config_error(data, tag, value):
+    """Fuzz: every leaf of the example config replaced by an arbitrary (tagged) scalar."""
+    lines = EXAMPLE.read_text().splitlines()
+    leaves = [
+        i
+        for i, line in enumerate(lines)
+        if re.match(r"\s*-?\s*\w+: \S", line) and not line.lstrip().startswith("#")
+    ]
+    i = data.draw(st.sampled_from(leaves))
+    key = lines[i].split(":", 1)[0]
+    lines[i] = f"{key}: {tag}{json_quote(value) if data.draw(st.booleans()) else value}"
+    errors: list[ConfigError] = []
+    try:
+        parse_config("\n".join(lines) + "\n", "c.yaml")
+    except ConfigInvalid as e:  # the only exception allowed
+        errors = e.errors
+    assert all(err.message for err in errors)
+
+
+def json_quote(v: str) -> str:
+    import json
+
+    return json.dumps(v)
+
+
+@pytest.mark.parametrize(
+    "key", ["interval_seconds", "recorder:\n  backups", "signals:\n  stall_seconds"]
+)
+def test_a_huge_integer_is_too_large_not_a_crash(key):
+    got = errors(f"services:\n  - name: a\n{key}: {'9' * 400}\n")
+    assert len(got) == 1 and "too large" in got[0][2] and got[0][1] is not None, got

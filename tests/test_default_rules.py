@@ -81,6 +81,7 @@ TRIGGERS: dict[str, dict[al.SeriesKey, dict[str, float | None]]] = {
     "VllmGpuSharedWithOtherProcess": {GPU0: {"other_processes_memory_bytes": 2.0 * GIB}},
     "VllmGpuHeadroomLow": {GPU0: {"headroom_bytes": 0.5 * GIB}},
     "VllmGpuHeadroomExhaustionSoon": {SVC: {"seconds_to_headroom_exhaustion": 240.0}},
+    "VllmGpuNeighbourExhaustionSoon": {SVC: {"seconds_to_exhaustion_gpu_memory_overcommit": 240.0}},
     "VllmAllocatorFragmented": {SVC: {"allocator_fragmentation_ratio": 0.6}},
     "VllmAllocatorRetries": {SVC: {"allocator_retries_per_second": 0.2}},
     "VllmCudaOomLogged": {SVC: {"log_events.cuda_oom": 1.0}},

@@ -196,3 +196,109 @@ def test_the_policys_bundle_is_read(tmp_path: Path) -> None:
     doc = to_json(analyze(b))
     assert doc["verdict"] == "prefill_burst"
     assert doc["recommendation"]["flags"][0]["new"] == "8192"  # type: ignore[index]
+
+
+def _tar_of(directory: Path, archive: Path, before: list[tuple[str, bytes, bytes]]) -> None:
+    """``directory`` as b/…, with ``before`` (name, data, type) stored first."""
+    with tarfile.open(archive, "w:gz") as tf:
+        for name, data, kind in before:
+            _add(tf, name, data, kind=kind)
+        for f in sorted(directory.rglob("*")):
+            if f.is_file():
+                _add(tf, "b/" + f.relative_to(directory).as_posix(), f.read_bytes())
+
+
+def test_every_member_that_cannot_be_written_is_reported_and_the_rest_read(tmp_path: Path) -> None:
+    """Issue 17 item 7: extraction stopped at the first member that failed to write and dropped
+    the rest silently; a stored-twice manifest.json turned prefill_burst into `healthy`."""
+    src = BUNDLES / "prefill_burst"
+    manifest = (src / "manifest.json").read_bytes()
+    archive = tmp_path / "twice.tar.gz"
+    _tar_of(
+        src,
+        archive,
+        [
+            ("b/manifest.json", manifest, tarfile.REGTYPE),
+            ("b/manifest.json", manifest, tarfile.REGTYPE),  # stored twice
+            ("b/extra", b"a file", tarfile.REGTYPE),
+            ("b/extra", b"", tarfile.DIRTYPE),  # then a directory of that name
+            ("b/extra/inside", b"x", tarfile.REGTYPE),  # then a file below it
+            ("b/" + "n" * 300, b"x", tarfile.REGTYPE),  # a name no filesystem takes
+        ],
+    )
+    b = read_bundle(archive)
+    problems = "\n".join(b.problems)
+    for why in ("stored more than once", "a file of that name came first", "cannot be written",
+                "name longer than"):  # fmt: skip
+        assert why in problems, problems
+    assert to_json(analyze(b))["verdict"] == "prefill_burst", problems  # the rest was read
+
+
+def test_a_small_archive_cannot_cost_unbounded_work(tmp_path: Path) -> None:
+    """The 65 KB tar.gz with 64 MiB of `{}` lines in flight.jsonl (74 s and 3.26 GB before):
+    only the newest MAX_FLIGHT_RECORDS lines of the last MAX_FLIGHT_BYTES are looked at."""
+    archive = tmp_path / "bomb.tar.gz"
+    data = b"{}\n" * (64 * 1024 * 1024 // 3)
+    with tarfile.open(archive, "w:gz", compresslevel=9) as tf:
+        _add(tf, "b/manifest.json", json.dumps({"format": 1, "service": "vllm"}).encode())
+        _add(tf, "b/flight.jsonl", data)
+        _add(tf, "b/journal.log", b"\n" * (16 * 1024 * 1024))
+    assert archive.stat().st_size < 200_000
+    b = read_bundle(archive)
+    problems = "\n".join(b.problems)
+    assert f"only the last {bundle_mod.MAX_FLIGHT_BYTES >> 20} MiB read" in problems
+    assert f"newest {bundle_mod.MAX_FLIGHT_RECORDS} used" in problems
+    assert len(b.flight) <= bundle_mod.MAX_FLIGHT_RECORDS
+    assert len(b.journal) == bundle_mod.MAX_JOURNAL_LINES and "journal.log: over" in problems
+    doc = to_json(analyze(b))
+    assert doc["problems"]
+
+
+@pytest.mark.parametrize(
+    ("limit", "value", "why"),
+    [
+        ("MAX_MEMBERS", 5, "more than 5 members"),
+        ("MAX_TOTAL_BYTES", 100_000, "the bundle exceeds"),
+        ("MAX_READ_BYTES", 100_000, "MiB are spent"),
+        ("MAX_SCRAPE_TOTAL_BYTES", 60_000, "of scrapes"),
+    ],
+)
+def test_each_cap_is_reported_when_hit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: str, value: int, why: str
+) -> None:
+    monkeypatch.setattr(bundle_mod, limit, value)
+    archive = tmp_path / "b.tar.gz"
+    _tar_of(BUNDLES / "concurrency_overcommit", archive, [])
+    b = read_bundle(archive)
+    assert any(why in p for p in b.problems), b.problems
+
+
+def test_the_daemons_ticks_give_the_exhaustion_forecast(tmp_path: Path) -> None:
+    """Live mode reads the daemon's recent ticks: a neighbour growing shows as a forecast."""
+    from vllm_guardian.recorder import to_jsonable
+
+    unit = UnitState("vllm.service", "active", "running", "success", 4242, 1, 0, None, None,
+                     ("vllm", "serve", "m"), (4242,))  # fmt: skip
+
+    def tick(t: float) -> Snapshot:
+        other = int((1 + 0.05 * t) * 2**30)
+        procs = (GpuProcess(4242, 66 * 2**30), GpuProcess(777, other, "python3", "/user.slice"))
+        free = 80 * 2**30 - 66 * 2**30 - other
+        dev = GpuDevice(0, "GPU-0", "H100", 80 * 2**30, 80 * 2**30 - free, free, processes=procs)
+        return Snapshot(
+            1795306000.0 + t,
+            (ServiceSnapshot("vllm", health=HealthProbe(HealthState.UP, 200, 0.01), unit=unit),),
+            GpuReading((dev,)),
+        )
+
+    flight = tuple({"snapshot": to_jsonable(tick(float(t)))} for t in range(0, 122, 2))
+    b = bundle_mod.Bundle(origin="test", flight=flight, created_seconds=1795306125.0)
+    report = analyze(b, "live")
+    assert report.signals["headroom_exhaustion_cause"] == "gpu_memory_overcommit"
+    assert 100 < report.signals["headroom_exhaustion_seconds"] < 180
+    assert "FORECAST (GPU memory exhaustion)" in render_text(report)
+    # Without the daemon's ticks there is no series, hence no forecast.
+    assert (
+        analyze(bundle_mod.Bundle(origin="test"), "live").signals["headroom_exhaustion_seconds"]
+        is None
+    )

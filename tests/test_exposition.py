@@ -174,6 +174,46 @@ def test_capacity_series():
     assert capacity_lines(overloaded(seconds=40.0)) == []
 
 
+def test_exhaustion_forecast_is_exported_per_gpu_and_absent_without_a_trend():
+    from dataclasses import replace
+
+    from vllm_guardian.core.forecast import Forecast, Neighbour
+    from vllm_guardian.model import Cause
+
+    history = snapshots()
+    signals = signals_for(history)
+    assert "headroom_exhaustion" not in render()  # the captures hold no trend
+    fc = Forecast(0, 240.0, 400.0, 5.0 * 2**30, -2.0**24, 12, 110.0,
+                  Cause.ALLOCATOR_FRAGMENTATION, "stranded bytes growing")  # fmt: skip
+    svc = replace(signals.services[0], forecasts=(fc,))
+    c = GuardianCollector(["vllm"])
+    c.publish(Published(history[-1], replace(signals, services=(svc,)), 0.01), monotonic_now=1.0)
+    text = generate_latest(make_registry(c, process_metrics=False)).decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+    key = (("gpu", "0"), ("service", "vllm"))
+    assert samples[("vllm_guardian_headroom_exhaustion_seconds", key)] == 240.0
+    assert samples[("vllm_guardian_headroom_exhaustion_latest_seconds", key)] == 400.0
+    cause = (("cause", "allocator_fragmentation"), *key)
+    assert samples[("vllm_guardian_headroom_exhaustion_cause", cause)] == 1.0
+    assert not [k for k in samples if k[0].endswith("neighbour_info")]
+    nb = replace(
+        fc, cause=Cause.GPU_MEMORY_OVERCOMMIT, neighbour=Neighbour(4242, 9, "python3", None)
+    )
+    c.publish(
+        Published(history[-1], replace(signals, services=(replace(svc, forecasts=(nb,)),)), 0.01),
+        monotonic_now=2.0,
+    )
+    text = generate_latest(make_registry(c, process_metrics=False)).decode()
+    assert (
+        'vllm_guardian_headroom_exhaustion_neighbour_info{cgroup="",command="python3",gpu="0",'
+        'pid="4242",service="vllm"} 1.0'
+    ) in text
+
+
 @pytest.mark.parametrize(("listen", "url_host"), [("127.0.0.1", "127.0.0.1"), ("::1", "[::1]")])
 def test_listen_binds_the_family_of_its_address(listen: str, url_host: str):
     """`listen: '[::1]:PORT'` serves /metrics over IPv6 (it raised gaierror before)."""

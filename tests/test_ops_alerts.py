@@ -54,6 +54,14 @@ CONDITIONAL_METRICS = {
     "vllm_guardian_capacity_replicas_needed",
 }
 
+# Present only while an exhaustion forecast stands (tests/test_exposition.py renders them).
+FORECAST_METRICS = {
+    "vllm_guardian_headroom_exhaustion_seconds",
+    "vllm_guardian_headroom_exhaustion_latest_seconds",
+    "vllm_guardian_headroom_exhaustion_cause",
+    "vllm_guardian_headroom_exhaustion_neighbour_info",
+}
+
 
 def tool(name: str) -> str:
     path = shutil.which(name)
@@ -90,6 +98,7 @@ def known_metrics() -> set[str]:
         names
         | PENDING_METRICS
         | CONDITIONAL_METRICS
+        | FORECAST_METRICS
         | gate_metrics()
         | {"up", "vllm_guardian_build_info"}
     )
@@ -113,7 +122,7 @@ PROMQL_WORDS = {
     "min_over_time", "avg_over_time", "le", "instance", "job", "model_name", "service", "host",
     "gpu", "xid", "source", "action", "dry_run", "engine", "irate", "clamp_min", "topk",
     "sort_desc", "absent", "vector", "scalar", "changes", "resets", "quantile", "lever",
-    "severity", "result", "alertstate", "reason", "model", "kind", "pod", "alertname",
+    "severity", "result", "alertstate", "reason", "cause", "model", "kind", "pod", "alertname",
 }  # fmt: skip
 
 
@@ -253,13 +262,8 @@ THRESHOLDS: list[tuple[str, str, str | Callable[[], float]]] = [
     ),
     (
         "VLLMGPUHeadroomExhaustionPredicted",
-        r"\[2m\], ([0-9]+)\)",
+        r"exhaustion_cause < ([0-9]+)",
         "VllmGpuHeadroomExhaustionSoon",
-    ),
-    (
-        "VLLMGPUHeadroomExhaustionPredicted",
-        r"headroom_bytes\[([0-9]+)m\]",
-        lambda: SignalsConfig().slope_window_seconds / 60,
     ),
     ("VLLMAllocatorFragmentation", r"fragmentation_ratio > ([0-9.]+)", "VllmAllocatorFragmented"),
     ("VLLMGuardianBreakerLatched", r"breaker_latched == ([0-9]+)", "VllmGuardianBreakerLatched"),

@@ -225,3 +225,29 @@ def test_the_command_line_entry_point(tmp_path, fake_tools):
         "systemctl enable --now vllm-guardian.service vllm-guardian-gate@vllm.service"
         in proc.stdout
     )
+
+
+@pytest.mark.parametrize(
+    "units",
+    [["vllm\\x2da.service"], ["vllm@a\\x20b.service", "b.service"], ["a\\\\.service"]],
+    ids=["escaped-dash", "escaped-space-instance", "backslash"],
+)
+def test_the_polkit_rule_names_exactly_the_units(tmp_path, fake_tools, units):
+    """Issue 17: unit names were written into the polkit JavaScript unescaped, so a
+    systemd-escaped name (``\\x2d``) became another string there and the rule never matched."""
+    import json
+
+    prefix = tmp_path / "root"
+    prefix.mkdir()
+    argv = ["install", "--prefix", str(prefix)]
+    for u in units:
+        argv += ["--unit", u]
+    assert install.main(argv) == 0
+    rule = (prefix / "etc/polkit-1/rules.d/50-vllm-guardian.rules").read_text()
+    array = rule.split("var units = ", 1)[1].split(";", 1)[0]
+    assert json.loads(array) == units  # a JSON array literal is the same JavaScript array
+
+
+def test_a_unit_name_starting_with_a_dash_is_refused(capsys):
+    assert install.main(["install", "--unit=-x.service"]) == 2
+    assert "is not a systemd service name" in capsys.readouterr().err

@@ -103,6 +103,53 @@ EDGE_CASES = [
 ]
 
 
+# Lines the text format allows that the parser used to drop (issue 17): leading blanks, a tab
+# between name and value, an empty label set written `{,}`. Each is compared with
+# prometheus_client, alone and inside a typed family (the block path and the line path).
+ALLOWED_SHAPES = [
+    "  m 1\n",
+    "\tm 2\n",
+    "m\t3\n",
+    "m \t4\n",
+    "m{,} 5\n",
+    "m{ , } 6\n",
+    'm{a="1"}\t7\n',
+    '\t m{a="1"} 8\n',
+    "  # HELP m doc\n  m 9\n",
+    "\t\n m 10\n",
+    "m\t11\t1712345678000\n",
+]
+
+
+@pytest.mark.parametrize("shape", ALLOWED_SHAPES)
+@pytest.mark.parametrize("typed", [False, True], ids=["untyped", "typed"])
+def test_agrees_with_prometheus_client_on_allowed_shapes(shape: str, typed: bool) -> None:
+    text = ("# TYPE m gauge\n" if typed else "") + shape + "other 1\n"
+    wanted = frozenset({"m"})
+    got = promtext.parse(text, wanted)
+    assert same(mine(text, wanted), reference(text, wanted)) and got.samples, got
+    assert got.malformed_lines == 0
+
+
+@pytest.mark.parametrize("path", CAPTURES[:3], ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda line: "  " + line,
+        lambda line: "\t" + line,
+        lambda line: line.replace("} ", "}\t", 1) if "}" in line else line.replace(" ", "\t", 1),
+    ],
+    ids=["leading-spaces", "leading-tab", "tab-before-value"],
+)
+def test_agrees_on_real_captures_written_with_allowed_blanks(path, mutate) -> None:  # type: ignore[no-untyped-def]
+    lines = path.read_text().splitlines()
+    text = "".join((line if line.startswith("#") else mutate(line)) + "\n" for line in lines)
+    got = mine(text, WANTED)
+    assert len(got) > 20
+    assert same(got, reference(text, WANTED))
+    assert promtext.parse(text, WANTED).malformed_lines == 0
+
+
 @pytest.mark.parametrize(("text", "wanted", "expected", "bad"), EDGE_CASES)
 def test_edge_cases(text, wanted, expected, bad):
     result = promtext.parse(text, frozenset(wanted))

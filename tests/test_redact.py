@@ -234,3 +234,205 @@ def test_redact_text_is_idempotent(text: str) -> None:
 )
 def test_secrets_nested_in_quoted_values(text: str, expected: str) -> None:
     assert redact_text(text) == expected
+
+
+# --- one table of secret shapes, tested at every exit (issue 17 item 12) ----------------------
+# Each shape is a vLLM command line carrying the secret SECRET; every place the guardian shows
+# or saves a command line, a log line, an error or a record must come out without it.
+
+SECRET = "hunter2xyzzy"
+SECRET_SHAPES: list[tuple[str, list[str]]] = [
+    ("api-key", ["vllm", "serve", "m", "--api-key", SECRET]),
+    ("api-key-multi", ["vllm", "serve", "m", "--api-key", "k1", SECRET, "--port", "8000"]),
+    ("hf-token-eq", ["vllm", "serve", "m", f"--hf-token={SECRET}"]),
+    ("env-assign", ["env", f"HF_TOKEN={SECRET}", "vllm", "serve", "m"]),
+    ("url-password", ["vllm", "serve", f"http://user:{SECRET}@127.0.0.1/m"]),
+    ("kv-transfer-nested-first-key",
+     ["vllm", "serve", "m", "--kv-transfer-config", f'{{"kv_connector_extra_config": {{"password": "{SECRET}"}}}}']),
+    ("kv-transfer-eq-nested",
+     ["vllm", "serve", "m", f'--kv-transfer-config={{"kv_connector_extra_config":{{"password":"{SECRET}","x":1}}}}']),
+    ("hf-overrides-token", ["vllm", "serve", "m", "--hf-overrides", f'{{"token": "{SECRET}"}}']),
+    ("secret-key-whole-mapping",
+     ["vllm", "serve", "m", "--hf-overrides", f'{{"token": {{"value": "{SECRET}", "n": {{"m": 1}}}}}}']),
+    ("secret-in-list-of-objects",
+     ["vllm", "serve", "m", "--kv-transfer-config", f'{{"connectors": [{{"api_key": "{SECRET}"}}]}}']),
+    ("dict-repr-nested", ["vllm", "serve", "m", f"non-default args: {{'hf_overrides': {{'token': '{SECRET}'}}}}"]),
+    ("flow-mapping", ["vllm", "serve", "m", f"hf_overrides: {{token: {SECRET}}}"]),
+    ("bearer", ["curl", "-H", f"Authorization: Bearer {SECRET}", "http://127.0.0.1:8000"]),
+]  # fmt: skip
+_SHAPE_IDS = [name for name, _ in SECRET_SHAPES]
+_SHAPES = [argv for _, argv in SECRET_SHAPES]
+
+
+@pytest.mark.parametrize("argv", _SHAPES, ids=_SHAPE_IDS)
+def test_every_shape_is_redacted_as_argv_and_as_text(argv: list[str]) -> None:
+    import shlex
+
+    out = redact_argv(argv)
+    assert SECRET not in " ".join(out) and REDACTED in " ".join(out), out
+    assert SECRET not in redact_text(" ".join(argv)), redact_text(" ".join(argv))
+    if not any("'" in a for a in argv):  # as a shell would quote it (a log of the command)
+        line = shlex.join(argv)
+        assert SECRET not in redact_text(line), redact_text(line)
+
+
+def _sleeper(argv: list[str]) -> list[str]:
+    """A real process whose /proc cmdline carries the shape's arguments."""
+    import sys
+
+    return [sys.executable, "-c", "import time; time.sleep(120)", *argv]
+
+
+@pytest.mark.parametrize("argv", _SHAPES, ids=_SHAPE_IDS)
+def test_exit_proc_cmdline_unit_source(argv: list[str]) -> None:
+    """The unit source reads vLLM's command line from /proc: status, flight records, bundles."""
+    import subprocess
+    import time
+
+    from vllm_guardian.sources.unit import read_cmdline
+
+    proc = subprocess.Popen(_sleeper(argv))
+    try:
+        deadline = time.monotonic() + 60  # /proc/PID/cmdline is empty for a moment during exec
+        while (got := read_cmdline(Path("/proc"), proc.pid)) is None:
+            assert time.monotonic() < deadline, "no cmdline"
+            time.sleep(0.01)
+        assert "import time; time.sleep(120)" in got and SECRET not in "\0".join(got), got
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_exit_process_manager_log(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The process manager logs the command line it starts."""
+    import logging
+    import time
+
+    from vllm_guardian.actuators.procmgr import Supervisor
+
+    caplog.set_level(logging.INFO)
+    for name, argv in SECRET_SHAPES:
+        sup = Supervisor(name, _sleeper(argv), tmp_path / "none.env", None)
+        try:
+            sup.start()
+            deadline = time.monotonic() + 60
+            while f"{name}: started pid" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            sup.stop(timeout_seconds=5)
+        assert f"{name}: started pid" in caplog.text, caplog.text
+    assert SECRET not in caplog.text, caplog.text
+
+
+def test_exit_bundles_written_by_diagnose(tmp_path: Path) -> None:
+    """cmdline.txt, journal.log and flight.jsonl of a saved bundle, and a gathered log file."""
+
+    from vllm_guardian.diagnose.bundle import Bundle, write_bundle
+    from vllm_guardian.diagnose.gather import tail_file
+
+    lines = tuple("INFO " + " ".join(argv) for argv in _SHAPES)
+    b = Bundle(
+        origin="test",
+        cmdline=tuple(a for argv in _SHAPES for a in argv),
+        journal=lines,
+        flight=tuple({"snapshot": {"note": line}} for line in lines),
+    )
+    for target in (tmp_path / "dir", tmp_path / "b.tar.gz"):
+        write_bundle(b, target)
+    out = tmp_path / "dir"
+    for name in ("cmdline.txt", "journal.log", "flight.jsonl"):
+        text = (out / name).read_text()
+        assert SECRET not in text and REDACTED in text, (name, text)
+    log = tmp_path / "vllm.log"
+    log.write_text("".join(line + "\n" for line in lines))
+    gathered = tail_file(log, [])
+    assert len(gathered) == len(lines) and SECRET not in "\n".join(gathered)
+
+
+def test_exit_daemon_log_status_and_flight_records(tmp_path: Path, free_port: int) -> None:
+    """A real `vllm-guardian run`: a password in services[].url (its fetch errors name the URL)
+    and every shape in matched log lines must stay out of the log, `status --json` and the
+    flight records."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parent.parent
+    with socket.socket() as s:  # a port nothing listens on: every fetch fails, naming the URL
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    vllm_log = tmp_path / "vllm.log"
+    vllm_log.write_text("")
+    flight = tmp_path / "flight.jsonl"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        f"interval_seconds: 0.3\nlisten: 127.0.0.1:{free_port}\nruntime_dir: {tmp_path / 'run'}\n"
+        f"state_dir: {tmp_path}\nrecorder:\n  path: {flight}\n"
+        "sources:\n  nvml:\n    enabled: false\n  unit:\n    enabled: false\n"
+        f"services:\n  - name: vllm\n    url: http://admin:{SECRET}@127.0.0.1:{dead_port}\n"
+        f"    log_file: {vllm_log}\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm_guardian", "run", "-c", str(cfg)],
+        cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (flight.exists() and "connection refused" in flight.read_text()):
+            assert time.monotonic() < deadline and proc.poll() is None, "no failed fetch recorded"
+            time.sleep(0.1)
+        with vllm_log.open("a") as fh:  # matched lines (CUDA OOM) become recorded events
+            for i, argv in enumerate(_SHAPES, 1):  # distinct sizes: distinct incidents, no dedup
+                fh.write(
+                    f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {i}.00 GiB. "
+                )
+                fh.write(" ".join(argv) + "\n")
+        want = [f"Tried to allocate {i}.00 GiB" for i in range(1, len(_SHAPES) + 1)]
+        while not all(w in flight.read_text() for w in want):
+            assert time.monotonic() < deadline and proc.poll() is None, flight.read_text()[-2000:]
+            time.sleep(0.1)
+        status = subprocess.run(
+            [sys.executable, "-m", "vllm_guardian", "status", "--json", "-c", str(cfg)],
+            cwd=root, env=env, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert status.returncode == 0, status.stderr
+        assert "127.0.0.1" in status.stdout and SECRET not in status.stdout, status.stdout[:2000]
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert "down" in out and SECRET not in out, out
+    assert SECRET not in flight.read_text()
+
+
+@pytest.mark.parametrize("fmt", ["--json", "--verbose"])
+def test_exit_diagnose_report(tmp_path: Path, fmt: str) -> None:
+    """`diagnose --url` with a password in the URL: the report's origin and its problems (every
+    failed fetch names the URL) show no secret, in JSON or text; so does --save-bundle."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    log = tmp_path / "vllm.log"
+    log.write_text("".join("INFO " + " ".join(argv) + "\n" for argv in _SHAPES))
+    saved = tmp_path / "saved"
+    out = subprocess.run(
+        [sys.executable, "-m", "vllm_guardian", "diagnose", "--url",
+         f"http://admin:{SECRET}@127.0.0.1:{dead_port}", "--log-file", str(log),
+         "--interval", "0.2", "--save-bundle", str(saved), fmt, "-q"],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+    assert "127.0.0.1" in out.stdout, (out.stdout, out.stderr)
+    assert SECRET not in out.stdout + out.stderr, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr
+    for f in saved.rglob("*"):
+        if f.is_file():
+            assert SECRET not in f.read_text(errors="replace"), f

@@ -149,3 +149,58 @@ def test_garbage_lines_are_skipped_with_a_message(tmp_path: Path):
     )
     assert out.returncode == 0 and "skipped: not JSON" in out.stderr
     assert "relaunch" in out.stdout
+
+
+def test_hostile_lines_are_reported_and_do_not_change_the_result(tmp_path: Path):
+    """Issue 17 item 8: a deeply nested line crashed replay; a record with a NaN, infinite,
+    future or backwards time silently changed its result. Each is now a reported skip, and the
+    decisions are those of the clean recording."""
+    clean = tmp_path / "clean.jsonl"
+    recording(clean)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"state_dir: {tmp_path}\nservices:\n  - name: vllm\n")
+    expected = run_replay(clean, cfg)
+    lines = clean.read_text().splitlines()
+
+    def stamped(i: int, t: str) -> str:
+        rec = json.loads(lines[i])
+        return json.dumps(rec).replace(
+            f'"time_seconds": {rec["snapshot"]["time_seconds"]}', f'"time_seconds": {t}', 1
+        )
+
+    hostile = {
+        3: "[" * 100_000 + "]" * 100_000,
+        6: stamped(6, "NaN"),  # a bare NaN: Python's json reads it, JSON has none
+        9: stamped(9, '"NaN"'),
+        12: stamped(12, "1e999"),
+        15: stamped(15, "4102444800.0"),  # 2100-01-01: the future
+        18: stamped(18, "1795305000.0"),  # 1000 s before the recording began: backwards
+        21: stamped(21, "true"),
+        24: stamped(24, "1795392000.0"),  # a day ahead of its neighbours: a jump forward
+    }
+    tampered = tmp_path / "flight.jsonl"
+    out_lines = []
+    for i, line in enumerate(lines):
+        out_lines.append(line)
+        if i in hostile:
+            out_lines.append(hostile[i])
+    tampered.write_text("\n".join(out_lines) + "\n")
+    p = subprocess.run(
+        [sys.executable, "-m", "vllm_guardian", "replay", str(tampered), "-c", str(cfg), "--json"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    assert [json.loads(line) for line in p.stdout.splitlines()] == expected
+    for why in (
+        "nested too deeply",
+        "bare NaN",
+        "not a finite number",
+        "in the future",
+        "goes backwards",
+    ):
+        assert why in p.stderr, p.stderr
+    assert p.stderr.count("skipped:") == len(hostile), p.stderr

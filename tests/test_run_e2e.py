@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -166,3 +167,40 @@ def test_the_server_disappearing_entirely(guardian):
     )
     assert proc.poll() is None
     assert requests.get(base + "/healthz", timeout=5).status_code == 200
+
+
+def test_sighup_with_a_hostile_config_or_a_new_listen_keeps_the_daemon(guardian, free_port):
+    """Issue 17 item 6: each of these used to end the daemon (exit 1) or change silently."""
+    proc, base, _, cfg = guardian
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")))
+    reader.start()
+
+    def logged(text: str) -> int:
+        return sum(text in line for line in list(lines))
+
+    wait_for(lambda: value(base, "vllm_guardian_requests_waiting", service="vllm") is not None)
+    good = cfg.read_text()
+    url = good.split("    url: ", 1)[1].split("\n", 1)[0]
+    hostile = [
+        good.replace(url, '"http://[::1:8000"'),
+        good + "signals:\n  stall_seconds: !!int abc\n",
+        good + "policy:\n  cooldown_seconds: !!timestamp x\n",
+        "a: " + "[" * 3000 + "]" * 3000 + "\n",
+    ]
+    for n, text in enumerate(hostile, 1):
+        cfg.write_text(text)
+        proc.send_signal(signal.SIGHUP)
+        wait_for(lambda n=n: logged("reload refused") >= n or proc.poll() is not None, 60)
+        assert proc.poll() is None, "".join(lines)
+        assert requests.get(base + "/healthz", timeout=5).status_code == 200
+    # A new listen address: reported, and the old one keeps serving.
+    port = base.rsplit(":", 1)[1]
+    cfg.write_text(good.replace(f"127.0.0.1:{port}", f"127.0.0.1:{free_port + 1}"))
+    proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: logged("listen changes need a restart") >= 1, timeout=60)
+    assert requests.get(base + "/healthz", timeout=5).status_code == 200
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    reader.join(timeout=30)
+    assert "Traceback" not in "".join(lines)

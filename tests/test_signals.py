@@ -26,8 +26,9 @@ from vllm_guardian.model import (
 GIB = 1024**3
 SVC = ServiceConfig(name="vllm")
 CFG = SignalsConfig(
-    rate_window_seconds=10, quantile_window_seconds=10, slope_window_seconds=20, stall_seconds=6
-)
+    rate_window_seconds=10, quantile_window_seconds=10, slope_window_seconds=20, stall_seconds=6,
+    forecast_window_seconds=300,
+)  # fmt: skip
 
 
 def engine(engine: str = "0", **kw: object) -> EngineMetrics:
@@ -335,7 +336,53 @@ def test_recent_xids_on_the_service_gpus_and_time_to_exhaustion():
     ]
     s = derive(*h)
     assert s.recent_xid_events == ((0, 79, 1),)  # GPU 1 is not the service's
-    assert s.seconds_to_headroom_exhaustion == pytest.approx(8 / 0.5, rel=1e-6)
+    # Three readings over 4 s are not a trend: the forecast needs floors over a span.
+    assert s.seconds_to_headroom_exhaustion is None
+
+
+# --- the exhaustion forecast from snapshots --------------------------------------------------
+
+
+def _neighbour_series(
+    seconds: float, start: float = 1.0, t0: float = 0.0, rate_gib: float = 0.05
+) -> list[Snapshot]:
+    """2 s ticks: vLLM (pid 100) holds 66 GiB; pid 900 grows ``rate_gib``/s from 1 GiB."""
+    out = []
+    t = 0.0
+    while t <= seconds:
+        other = 1 + rate_gib * t
+        procs = (p(100, 66), GpuProcess(900, int(other * GIB), "python3", "/user.slice/job"))
+        out.append(
+            snap(t0 + t, engine(cache_config=cc(100)), start=start, unit=UNIT,
+                 gpus=GpuReading((gpu(0, 80 - 66 - other, *procs),)))
+        )  # fmt: skip
+        t += 2.0
+    return out
+
+
+def test_forecast_names_the_growing_neighbour():
+    s = derive(*_neighbour_series(120))
+    # 13 GiB free at t=0, falling 0.05 GiB/s: 0 at t=260, i.e. ~140 s after the newest tick.
+    assert s.seconds_to_headroom_exhaustion == pytest.approx(140, abs=10)
+    assert s.forecast_cause is sig.Cause.GPU_MEMORY_OVERCOMMIT
+    assert s.seconds_to_exhaustion_gpu_memory_overcommit == s.seconds_to_headroom_exhaustion
+    assert s.seconds_to_exhaustion_allocator_fragmentation is None
+    (f,) = s.forecasts
+    assert f.neighbour is not None and (f.neighbour.pid, f.neighbour.name) == (900, "python3")
+    assert s.headroom_exhaustion_latest_seconds is not None
+    assert s.headroom_exhaustion_latest_seconds >= s.seconds_to_headroom_exhaustion
+
+
+def test_forecast_resets_when_vllm_restarts():
+    before = _neighbour_series(120, start=1.0)
+    after = _neighbour_series(20, start=2.0, t0=130.0)
+    assert derive(*before, *after).seconds_to_headroom_exhaustion is None
+
+
+def test_forecast_is_absent_while_vllm_is_not_ready():
+    h = _neighbour_series(120)
+    h[-1] = Snapshot(h[-1].time_seconds, (ServiceSnapshot("vllm", unit=UNIT),), h[-1].gpus)
+    assert derive(*h).seconds_to_headroom_exhaustion is None
 
 
 def test_running_requests_with_no_token_processed_is_a_stall_and_prefill_is_progress():
@@ -365,3 +412,34 @@ def test_running_requests_with_no_token_processed_is_a_stall_and_prefill_is_prog
         for t in (0, 2, 4, 6)
     ]
     assert derive(*prefill).stall_seconds == 0.0
+
+
+def test_per_engine_work_is_linear_in_the_engines() -> None:
+    """Issue 17 item 5: the latency quantiles looked each engine up by scanning the engine list
+    (8,000 engines made a tick take 22 s). Counted, not timed: engine-key lookups per derive()
+    grow in proportion to the engines, not with their square."""
+    from vllm_guardian.model import EngineMetrics
+
+    def lookups(n: int) -> int:
+        engines = tuple(EngineMetrics("m", str(i), requests_running=1.0) for i in range(n))
+        history = [
+            Snapshot(t, (ServiceSnapshot("vllm", vllm=VllmScrape(engines, True, 1.0, 1)),), None)
+            for t in (0.0, 2.0, 4.0)
+        ]
+        count = 0
+        original = EngineMetrics.key
+
+        def counting(self: EngineMetrics) -> tuple[str, str]:
+            nonlocal count
+            count += 1
+            return original.fget(self)  # type: ignore[attr-defined,no-any-return]
+
+        EngineMetrics.key = property(counting)  # type: ignore[assignment,method-assign]
+        try:
+            sig.derive(history, [ServiceConfig(name="vllm")], SignalsConfig())
+        finally:
+            EngineMetrics.key = original  # type: ignore[method-assign]
+        return count
+
+    small, large = lookups(100), lookups(400)
+    assert large <= 5 * small, f"100 engines: {small} lookups; 400 engines: {large}"

@@ -670,8 +670,7 @@ def test_journal_follow_with_fake_journalctl(tmp_path: Path) -> None:
             "--all",
             "-n",
             "0",
-            "-u",
-            "vllm.service",
+            "--unit=vllm.service",
         ]
         assert (tmp_path / "prefix").read_text().strip() == "yes"
         pid = int((tmp_path / "spawns").read_text().split()[0])

@@ -376,7 +376,13 @@ def test_fake_systemctl_with_real_main_pid(tmp_path: Path, plain_child: Child) -
     assert "sekret" not in state.cmdline
     assert "***" in state.cmdline
     args = (tmp_path / "args").read_text().splitlines()
-    assert args == ["show", "vllm.service", "--property=" + ",".join(SHOW_PROPERTIES), "--no-pager"]
+    assert args == [
+        "show",
+        "--property=" + ",".join(SHOW_PROPERTIES),
+        "--no-pager",
+        "--",  # issue 17: a unit name is never read as an option
+        "vllm.service",
+    ]
 
 
 def test_fake_systemctl_failed_unit(tmp_path: Path) -> None:

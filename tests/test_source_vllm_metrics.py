@@ -193,3 +193,21 @@ def test_disable_log_stats_server_is_reported_clearly(script: Script, http_serve
     assert r.payload is not None and r.payload.stats_enabled is False  # type: ignore[union-attr]
     assert "no vllm:* series" in (r.error or "")
     assert "--disable-log-stats" in (r.hint or "")
+
+
+def test_engines_past_the_cap_are_counted_not_read() -> None:
+    """Issue 17 item 5: 16,000 engines in one body cost minutes; past MAX_ENGINES they are
+    counted and reported (the exported engines_dropped, the reading's hint), the rest read."""
+    from tests.expositions import multi_engine
+    from vllm_guardian.sources.vllm_metrics import MAX_ENGINES
+
+    text = multi_engine(read_fixture("metrics-pressure-07.prom"), MAX_ENGINES + 40)
+    scrape = parse_vllm_metrics(text)
+    assert len(scrape.engines) == MAX_ENGINES
+    assert scrape.engines_dropped == 40
+    assert (
+        parse_vllm_metrics(
+            multi_engine(read_fixture("metrics-pressure-07.prom"), 8)
+        ).engines_dropped
+        == 0
+    )

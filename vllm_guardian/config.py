@@ -40,7 +40,8 @@ def _bounds(
 # --- checks for single values ----------------------------------------------------------------
 
 _SERVICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-_UNIT_NAME = re.compile(r"^[A-Za-z0-9:_.@\\-]+\.(service|scope)$")
+# Not starting with '-': systemctl and journalctl would read such a name as an option.
+_UNIT_NAME = re.compile(r"^[A-Za-z0-9:_.@\\][A-Za-z0-9:_.@\\-]*\.(service|scope)$")
 
 
 def _check_service_name(v: str) -> str | None:
@@ -50,7 +51,10 @@ def _check_service_name(v: str) -> str | None:
 
 
 def _check_url(v: str) -> str | None:
-    parts = urlsplit(v)
+    try:
+        parts = urlsplit(v)
+    except ValueError as e:  # "http://[::1:8000": an unclosed IPv6 bracket
+        return f"is not a URL ({e})"
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return "must be an http:// or https:// base URL with a host, e.g. http://127.0.0.1:8000"
     if parts.query or parts.fragment:
@@ -63,8 +67,18 @@ def _check_url(v: str) -> str | None:
 
 
 def _check_unit(v: str) -> str | None:
+    if v.startswith("-"):
+        return "must not start with '-' (systemctl would read it as an option)"
     if not _UNIT_NAME.match(v):
         return "must be a systemd unit name ending in .service, e.g. vllm.service"
+    return None
+
+
+def _check_path(v: str) -> str | None:
+    if not v.strip():
+        return "must not be empty"
+    if "\0" in v:
+        return "must not contain a NUL character"
     return None
 
 
@@ -242,7 +256,9 @@ class AllocatorSourceConfig:
     # Where the plugin writes: the vLLM drop-in sets VLLM_GUARDIAN_ALLOCATOR_DIR to
     # <directory>/<service> (a RuntimeDirectory= of the vLLM unit, so vLLM's user can write it
     # and it is emptied when vLLM stops). Files here and one directory level down are read.
-    directory: str = "/run/vllm-guardian-allocator"
+    directory: str = field(
+        default="/run/vllm-guardian-allocator", metadata=_bounds(check=_check_path)
+    )
     # The plugin writes every 5 s; a file untouched for six intervals belongs to a process that
     # stopped publishing (hung or gone), and its numbers no longer describe the allocator.
     stale_seconds: float = field(default=30.0, metadata=_bounds(1, 3600))
@@ -284,12 +300,25 @@ class SignalsConfig:
     # The over-capacity estimate (core/capacity.py) reads this long: many finished requests and
     # several of vLLM's stat updates; a saturation shorter than this gives no number.
     capacity_window_seconds: float = field(default=120.0, metadata=_bounds(10, 3600))
+    # The exhaustion forecast (core/forecast.py): free-memory floors per interval over the
+    # window. 5 min of history holds 30 floors: enough for a robust trend, short enough that a
+    # trend that began a minute ago dominates it.
+    forecast_window_seconds: float = field(default=300.0, metadata=_bounds(1, 86400))
+    # One floor per 10 s: five 2 s ticks, so one step's activations never make the floor alone.
+    forecast_interval_seconds: float = field(default=10.0, metadata=_bounds(0.05, 3600))
+    # Nothing is forecast before 5 floors spanning 40 s: a trend, not a burst.
+    forecast_min_intervals: int = field(default=5, metadata=_bounds(3, 10000))
+    forecast_min_span_seconds: float = field(default=40.0, metadata=_bounds(0.1, 86400))
+    # A reading missing this long breaks the series; an older newest reading is stale.
+    forecast_max_gap_seconds: float = field(default=30.0, metadata=_bounds(0.1, 86400))
 
 
 @dataclass(frozen=True)
 class RecorderConfig:
     # One JSON line per tick; None disables the flight recorder.
-    path: str | None = "/var/lib/vllm-guardian/flight.jsonl"
+    path: str | None = field(
+        default="/var/lib/vllm-guardian/flight.jsonl", metadata=_bounds(check=_check_path)
+    )
     # 64 MiB holds hours of ticks at 2 s for one service; old files rotate out.
     max_bytes: int = field(default=64 * _MIB, metadata=_bounds(64 * 1024, 64 * 1024 * _MIB))
     # Rotated files kept beside the live one.
@@ -297,7 +326,10 @@ class RecorderConfig:
 
 
 def _check_http_url(v: str) -> str | None:
-    parts = urlsplit(v)
+    try:
+        parts = urlsplit(v)
+    except ValueError as e:
+        return f"is not a URL ({e})"
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return "must be an http:// or https:// URL"
     return None
@@ -399,6 +431,15 @@ class PolicyConfig:
     max_num_batched_tokens_floor: int = field(default=2048, metadata=_bounds(16, 10**7))
     gpu_memory_utilization_step_ratio: float = field(default=0.05, metadata=_bounds(0.01, 0.5))
     gpu_memory_utilization_floor_ratio: float = field(default=0.70, metadata=_bounds(0.1, 0.99))
+    # Pre-emptive action (policy.preemptive_action): act on an exhaustion forecast whose bound
+    # (the latest the card is expected to run out) is within this horizon and names a cause.
+    # 10 min: a drain plus a model reload fit in it, and a trend that far out is still sharp.
+    forecast_horizon_seconds: float = field(default=600.0, metadata=_bounds(0, 86400))
+    # A quiet moment for the pre-emptive drain: the queue empty and at most this many running.
+    preemptive_quiet_running: int = field(default=2, metadata=_bounds(0, 100000))
+    # A growing neighbour earns a relaunch with a lower --gpu-memory-utilization only after its
+    # forecast has stood this long (a short-lived job is gated around, not restarted for).
+    neighbour_persist_seconds: float = field(default=60.0, metadata=_bounds(0, 86400))
     # The incident bundle captured before a disruptive action must not delay it for longer.
     bundle_timeout_seconds: float = field(default=20.0, metadata=_bounds(1, 600))
     # KV thrash: gate and alert only unless enabled here (issue 22, DESIGN.md §2 "Measured").
@@ -453,9 +494,9 @@ class Config:
     # /metrics, /healthz, /ready/<service>. Loopback: the exporter is not a public endpoint.
     listen: str = field(default="127.0.0.1:9469", metadata=_bounds(check=_check_listen))
     # Where the control socket lives (systemd RuntimeDirectory=).
-    runtime_dir: str = "/run/vllm-guardian"
+    runtime_dir: str = field(default="/run/vllm-guardian", metadata=_bounds(check=_check_path))
     # Where persistent state lives (systemd StateDirectory=).
-    state_dir: str = "/var/lib/vllm-guardian"
+    state_dir: str = field(default="/var/lib/vllm-guardian", metadata=_bounds(check=_check_path))
     sources: SourcesConfig = field(default_factory=SourcesConfig)
     signals: SignalsConfig = field(default_factory=SignalsConfig)
     recorder: RecorderConfig = field(default_factory=RecorderConfig)
@@ -509,7 +550,10 @@ def parse_bytes(text: str) -> int:
     m = _SIZE.match(text)
     if not m:
         raise ValueError(f"{text!r} is not a size (e.g. 512MiB, 2GiB, 1048576)")
-    return int(float(m.group(1)) * _SIZE_FACTORS[m.group(2)])
+    value = float(m.group(1)) * _SIZE_FACTORS[m.group(2)]
+    if not math.isfinite(value) or value > 2**63:
+        raise ValueError(f"{text!r} is too large")
+    return int(value)
 
 
 class _Loader:
@@ -611,8 +655,19 @@ class _Loader:
         if not isinstance(node, yaml.ScalarNode):
             self.err(path, node, f"expected {_type_name(tp)}, got {_describe(node)}")
             return _INVALID
-        raw: Any = yaml.constructor.SafeConstructor().construct_object(node)
+        try:
+            raw: Any = yaml.constructor.SafeConstructor().construct_object(node)
+        except Exception as e:  # PyYAML's constructors raise all sorts
+            # An explicit tag the value does not fit (``!!int abc``, ``!!timestamp x``,
+            # ``!!binary`` junk) or one the safe loader does not know (``!!python/...``).
+            tag = node.tag.removeprefix("tag:yaml.org,2002:")
+            why = getattr(e, "problem", None) or str(e)
+            self.err(path, node, f"{node.value!r} is not a valid {tag} ({why})")
+            return _INVALID
         value: Any
+        if isinstance(raw, int) and not isinstance(raw, bool) and abs(raw) > 2**63:
+            self.err(path, node, f"{node.value[:20]!r}… is too large")
+            return _INVALID
         if tp is bool:
             if not isinstance(raw, bool):
                 self.err(path, node, f"expected true or false, got {node.value!r}")
@@ -800,7 +855,26 @@ def _find(root: yaml.Node, key: str, index: int) -> yaml.Node | None:
 
 
 def parse_config(text: str, filename: str = "<config>") -> Config:
-    """Validate YAML text into a Config, or raise ConfigInvalid with every problem found."""
+    """Validate YAML text into a Config, or raise ConfigInvalid with every problem found.
+
+    Nothing else escapes: a shape no check foresaw (nesting deeper than Python's recursion
+    limit, a value a check cannot handle) is still a ConfigInvalid, never a traceback.
+    """
+    try:
+        return _parse_config(text, filename)
+    except ConfigInvalid:
+        raise
+    except RecursionError:
+        raise ConfigInvalid(
+            filename, [ConfigError("", None, "nested too deeply to be a guardian config")]
+        ) from None
+    except Exception as e:  # reported with its reason; check-config exits 2
+        raise ConfigInvalid(
+            filename, [ConfigError("", None, f"cannot be validated: {type(e).__name__}: {e}")]
+        ) from None
+
+
+def _parse_config(text: str, filename: str) -> Config:
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:

@@ -19,6 +19,7 @@ config and a bad new config keeps the old one, saying why.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import signal
@@ -56,6 +57,7 @@ from vllm_guardian.model import (
     VllmScrape,
 )
 from vllm_guardian.recorder import FlightRecorder, to_jsonable
+from vllm_guardian.redact import redact_text
 from vllm_guardian.sources.base import Collector
 from vllm_guardian.sources.registry import build_collectors
 
@@ -112,6 +114,7 @@ def history_span_seconds(cfg: Config) -> float:
         s.slope_window_seconds,
         2 * s.stall_seconds,
         s.capacity_window_seconds,
+        s.forecast_window_seconds,
     ) + (2 * cfg.interval_seconds)
 
 
@@ -298,7 +301,16 @@ class Guardian:
         self._reload.set()
 
     def reload(self) -> bool:
-        """Re-read the config file; keep the old config if the new one is invalid."""
+        """Re-read the config file; keep the old config if the new one is invalid.
+
+        Never raises: SIGHUP after any edit must not end the daemon."""
+        try:
+            return self._reload_from_file()
+        except Exception:
+            log.exception("reload failed; the guardian keeps running")
+            return False
+
+    def _reload_from_file(self) -> bool:
         if not self.config_path:
             return False
         try:
@@ -306,6 +318,15 @@ class Guardian:
         except ConfigInvalid as e:
             log.error("reload refused, keeping the running config:\n%s", e)
             return False
+        for key in ("listen", "runtime_dir"):  # bound once at start-up
+            if getattr(new, key) != getattr(self.cfg, key):
+                log.warning(
+                    "%s changes need a restart: still %r (the file now says %r)",
+                    key,
+                    getattr(self.cfg, key),
+                    getattr(new, key),
+                )
+                new = dataclasses.replace(new, **{key: getattr(self.cfg, key)})
         if self.healing is not None:
             try:
                 self.healing.reload(new)
@@ -451,16 +472,25 @@ def _install_signals(g: Guardian) -> None:
 
 def _safe_collect(c: Collector) -> Reading:
     try:
-        return c.collect()
+        reading = c.collect()
     except Exception as e:  # the contract says collectors do not raise; this keeps it true
         log.exception("collector %s raised", c.kind.value)
-        return Reading(
+        reading = Reading(
             c.kind,
             c.service,
             None,
             f"internal error: {type(e).__name__}: {e}",
             "a guardian bug: please report it",
         )
+    # A source's error names what it fetched (GET http://user:password@…/metrics); it reaches
+    # the log, `status` and every flight record, so secrets go here, once for every source.
+    if reading.error or reading.hint:
+        reading = dataclasses.replace(
+            reading,
+            error=redact_text(reading.error) if reading.error else reading.error,
+            hint=redact_text(reading.hint) if reading.hint else reading.hint,
+        )
+    return reading
 
 
 def _safe_close(c: Collector) -> None:

@@ -337,6 +337,13 @@ def _service_families(snap: Snapshot, signals: Signals) -> Iterator[Metric]:
                 ss.vllm.malformed_lines,
             )
             f.add(
+                "vllm_scrape_engines_dropped",
+                "Engines of the last vLLM /metrics body past the parser's cap, not read.",
+                ["service"],
+                [svc],
+                ss.vllm.engines_dropped,
+            )
+            f.add(
                 "vllm_scrape_rejected_values",
                 "Values of the last scrape rejected as impossible (NaN, negative, ratio > 1).",
                 ["service"],
@@ -460,6 +467,38 @@ def _service_gauges(f: _Families, sig: ServiceSignals) -> None:
             [svc, str(g.gpu)],
             g.other_memory_bytes,
         )
+    for fc in sig.forecasts:
+        # Absent when there is no significant trend (core/forecast.py): never a sentinel.
+        f.add(
+            "headroom_exhaustion_seconds",
+            "Forecast seconds until this GPU's free-memory floor reaches zero (Theil-Sen trend).",
+            ["service", "gpu"],
+            [svc, str(fc.gpu)],
+            fc.seconds,
+        )
+        f.add(
+            "headroom_exhaustion_latest_seconds",
+            "The forecast's confidence bound: the latest the free memory is expected to run out.",
+            ["service", "gpu"],
+            [svc, str(fc.gpu)],
+            fc.seconds_latest,
+        )
+        f.add(
+            "headroom_exhaustion_cause",
+            "1 for the cause the exhaustion forecast names (none: it alerts only).",
+            ["service", "gpu", "cause"],
+            [svc, str(fc.gpu), fc.cause.value if fc.cause else "none"],
+            1.0,
+        )
+        if fc.neighbour is not None:
+            n = fc.neighbour
+            f.add(
+                "headroom_exhaustion_neighbour_info",
+                "The other process whose growth the forecast blames (empty: not known).",
+                ["service", "gpu", "pid", "command", "cgroup"],
+                [svc, str(fc.gpu), str(n.pid), n.name or "", n.cgroup or ""],
+                1.0,
+            )
 
 
 _ALLOCATOR_GAUGES: tuple[tuple[str, str, str], ...] = (

@@ -21,7 +21,6 @@ lock serialises them with the tick.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import threading
@@ -37,7 +36,6 @@ from vllm_guardian.actuators.bundle import BundleWriter
 from vllm_guardian.actuators.executor import OpRunner, PermitBackend, RestartBackend
 from vllm_guardian.actuators.procmgr import Supervisor
 from vllm_guardian.actuators.systemd import SystemdBackend
-from vllm_guardian.atomicfile import write_atomic
 from vllm_guardian.clock import Clock
 from vllm_guardian.config import Config
 from vllm_guardian.container import container_mode, pod_identity
@@ -54,11 +52,10 @@ from vllm_guardian.model import (
     OpResult,
     Snapshot,
 )
-from vllm_guardian.recorder import from_jsonable, to_jsonable
+from vllm_guardian.recorder import to_jsonable
+from vllm_guardian.statefile import load_state, save_state
 
 log = logging.getLogger("vllm_guardian.healing")
-
-STATE_FORMAT = 1
 
 
 @dataclass(frozen=True)
@@ -73,33 +70,6 @@ class HealingView:
     ]  # (service, action, result, dry) → n
     budget: int
     budget_window_seconds: float
-
-
-def load_state(path: Path) -> policy.PolicyState | None:
-    """The saved policy state, or None. A corrupt file is renamed aside, never fatal."""
-    try:
-        raw = json.loads(path.read_text())
-        if raw.get("format") != STATE_FORMAT:
-            raise ValueError(f"unknown format {raw.get('format')!r}")
-        state: policy.PolicyState = from_jsonable(policy.PolicyState, raw["state"])
-        return state
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        aside = path.with_name(path.name + ".corrupt")
-        try:
-            os.replace(path, aside)
-        except OSError:
-            aside = path
-        log.warning(
-            "policy state %s is unreadable (%s): set aside as %s; starting fresh", path, e, aside
-        )
-        return None
-
-
-def save_state(path: Path, state: policy.PolicyState) -> None:
-    body = {"format": STATE_FORMAT, "state": to_jsonable(state)}
-    write_atomic(path, json.dumps(body, separators=(",", ":")).encode(), 0o600)
 
 
 class Healing:

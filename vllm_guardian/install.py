@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -47,7 +48,8 @@ DEFAULT_UNIT = "vllm.service"
 CONFIG_PATH = "/etc/vllm-guardian/config.yaml"
 STATE_DIR = "/var/lib/vllm-guardian"
 # systemd's own unit-name alphabet; nothing else reaches a file we write or a polkit rule.
-_UNIT = re.compile(r"^[A-Za-z0-9:_.\\-]+(@[A-Za-z0-9:_.\\-]*)?\.service$")
+# Not starting with '-': systemctl would read such a name as an option.
+_UNIT = re.compile(r"^[A-Za-z0-9:_.\\][A-Za-z0-9:_.\\-]*(@[A-Za-z0-9:_.\\-]*)?\.service$")
 
 GUARDIAN_SERVICE = """\
 # vllm-guardian: watches the vLLM services on this host and heals memory pressure.
@@ -347,7 +349,9 @@ def render(
         ),
         File(
             "/etc/polkit-1/rules.d/50-vllm-guardian.rules",
-            POLKIT_RULE.format(user=USER, units=", ".join(f'"{u}"' for u in units)),
+            # JSON string literals are JavaScript ones: a backslash in a systemd-escaped name
+            # (vllm\x2da.service) stays a backslash, a quote could never end the string.
+            POLKIT_RULE.format(user=USER, units=", ".join(json.dumps(u) for u in units)),
         ),
         File("/etc/sysusers.d/vllm-guardian.conf", SYSUSERS.format(user=USER, state=STATE_DIR)),
     ]

@@ -109,6 +109,7 @@ class VllmScrape:
     malformed_lines: int = 0
     rejected_values: int = 0  # NaN/Inf where a finite value is required
     duplicate_series: int = 0
+    engines_dropped: int = 0  # engines past the parser's cap (sources/vllm_metrics.MAX_ENGINES)
 
 
 # --- /health ---------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ _SIMPLE_LINE = re.compile(
     r"^([^{\s#]+)\{([^\n#\\]*)\}[ \t]+(\S+)(?:[ \t]+(\S+))?[ \t]*$", re.MULTILINE
 )
 _ESCAPE = re.compile(r"\\(.)")
+_BLANK = re.compile(r"[ \t]")  # what separates a sample's name from its value
 _ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
 
 
@@ -66,7 +67,7 @@ def _parse_value(text: str) -> float | None:
 
 def _parse_labels(body: str) -> Labels | None:
     """The text between ``{`` and ``}``. None if malformed."""
-    if not body.strip():
+    if not body.strip() or body.strip() == ",":  # {} and {,} are both an empty label set
         return ()
     if "\\" not in body:
         # Fast path: without escapes a value cannot contain '"', so '",' and '="' split exactly.
@@ -275,6 +276,10 @@ class Parser:
             for line in block.split("\n"):
                 if not line:
                     continue
+                if line[0] in " \t":  # leading blanks are allowed before a sample or comment
+                    line = line.lstrip(" \t")
+                    if not line or line[0] == "#":
+                        continue
                 brace = line.find("{")
                 if brace > 0:
                     name = line[:brace]
@@ -303,7 +308,8 @@ class Parser:
                         continue
                     if " " not in name and _NAME.match(name):
                         continue  # an unwanted sample
-                space = line.find(" ")
+                blank = _BLANK.search(line)  # a space or a tab
+                space = blank.start() if blank is not None else -1
                 name = line[:space] if space >= 0 else line
                 if name in wanted:
                     if not self._general(line, samples):

@@ -19,9 +19,10 @@ import json
 import math
 import os
 import threading
+import time
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -175,10 +176,84 @@ class RecordError:
     message: str
 
 
+# A record stamped this far ahead of the reader's clock is not from this world (a clock set
+# years ahead, a tampered line). Generous, so that recordings made under a test's fake clock
+# (a few months ahead) still read; a smaller jump is caught against the records around it.
+MAX_FUTURE_SECONDS = 366 * 86400.0
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"bare {name} is not JSON (the recorder writes it as a string)")
+
+
+def decode_line(line: str) -> dict[str, Any] | str:
+    """One flight-record line → its record, or why it is not one (never raises)."""
+    try:
+        rec = json.loads(line, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        return f"not JSON: {e.msg}"
+    except ValueError as e:
+        return f"not JSON: {e}"
+    except RecursionError:
+        return "nested too deeply to be a flight record"
+    if not isinstance(rec, dict):
+        return "not a JSON object"
+    return rec
+
+
+def _snapshot_time(rec: dict[str, Any], now_seconds: float) -> tuple[float | None, str | None]:
+    snap = rec.get("snapshot")
+    if not isinstance(snap, dict) or "time_seconds" not in snap:
+        return None, None  # not a snapshot record: decoding it says so
+    t = snap["time_seconds"]
+    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t):
+        return None, f"snapshot time {t!r} is not a finite number"
+    if t > now_seconds + MAX_FUTURE_SECONDS:
+        return None, f"snapshot time {t:.0f} is in the future (now {now_seconds:.0f})"
+    return float(t), None
+
+
+def checked_times(
+    records: Iterable[tuple[T, dict[str, Any]]], now_seconds: float
+) -> Iterator[tuple[T, dict[str, Any], str | None]]:
+    """Each (tag, record) with why its snapshot time is unusable, or None.
+
+    Unusable: not a finite number; over :data:`MAX_FUTURE_SECONDS` ahead of ``now_seconds``;
+    before the last accepted record (backwards); or ahead of the record after it while that one
+    follows the last accepted record (a jump forward). One bad stamp would otherwise reorder or
+    stretch the windows that every rate and alert duration is computed over — and a single jump
+    forward would make every later record look like it went backwards. A record is yielded once
+    its successor is seen, so tags may come out in a slightly different order.
+    """
+    last: float | None = None
+    pending: tuple[T, dict[str, Any], float] | None = None
+    for tag, rec in records:
+        t, why = _snapshot_time(rec, now_seconds)
+        if why is not None or t is None:
+            yield tag, rec, why
+            continue
+        if last is not None and t < last:
+            yield tag, rec, f"snapshot time {t:.3f} goes backwards (previous {last:.3f})"
+            continue
+        if pending is not None:
+            ptag, prec, pt = pending
+            if pt > t:
+                yield ptag, prec, f"snapshot time {pt:.3f} jumps ahead of the records after it"
+            else:
+                last = pt
+                yield ptag, prec, None
+        pending = (tag, rec, t)
+    if pending is not None:
+        yield pending[0], pending[1], None
+
+
 def read_records(
-    path: str | Path, include_rotated: bool = True
+    path: str | Path, include_rotated: bool = True, now_seconds: float | None = None
 ) -> Iterator[dict[str, Any] | RecordError]:
-    """Yield each record, oldest file first; a bad line yields a RecordError and reading goes on."""
+    """Yield each record, oldest file first; a bad line yields a RecordError and reading goes on.
+
+    Bad: not JSON (bare NaN/Infinity included), nested too deeply, not an object, or a snapshot
+    time that :func:`checked_times` rejects (``now_seconds``: default the clock)."""
     p = Path(path)
     files: list[Path] = []
     if include_rotated:
@@ -188,22 +263,28 @@ def read_records(
         )
         files.extend(rotated)
     files.append(p)
-    for f in files:
-        if not f.exists():
-            continue
-        with f.open("r", encoding="utf-8", errors="replace") as fh:
-            for n, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield RecordError(str(f), n, f"not JSON: {e.msg}")
-                    continue
-                if not isinstance(rec, dict):
-                    yield RecordError(str(f), n, "not a JSON object")
-                    continue
-                yield rec
+    errors: list[RecordError] = []
+
+    def decoded() -> Iterator[tuple[tuple[str, int], dict[str, Any]]]:
+        for f in files:
+            if not f.exists():
+                continue
+            with f.open("r", encoding="utf-8", errors="replace") as fh:
+                for n, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue
+                    rec = decode_line(line)
+                    if isinstance(rec, str):
+                        errors.append(RecordError(str(f), n, rec))
+                    else:
+                        yield (str(f), n), rec
+
+    now = time.time() if now_seconds is None else now_seconds
+    for (file, n), rec, why in checked_times(decoded(), now):
+        while errors:
+            yield errors.pop(0)
+        yield RecordError(file, n, why) if why is not None else rec
+    yield from errors
 
 
 def snapshot_from_record(rec: dict[str, Any]) -> Snapshot:

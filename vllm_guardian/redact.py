@@ -86,13 +86,28 @@ _FLAG = re.compile(
     rf"(?P<flag>--[A-Za-z][\w.-]*)"
     rf"(?:(?P<eq>=)(?P<v1>{_QUOTED}|{_BARE})|(?P<sp>[ \t]+)(?P<v2>{_QUOTED}|(?!-){_BARE}))"
 )
+# --api-key k1 k2 …: nargs="+", every value up to the next flag (as argparse reads it).
+_MULTI_FLAG = re.compile(
+    rf"(?P<flag>--api[-_]key)(?P<values>(?:[ \t]+(?:{_QUOTED}|(?!-){_BARE}))+)", re.IGNORECASE
+)
+_MULTI_VALUE = re.compile(rf"{_QUOTED}|{_BARE}")
 # NAME=value (shell, env files, Python reprs like ``api_key=...``).
 _ASSIGN = re.compile(rf"(?<![\w.-])(?P<name>[A-Za-z_][A-Za-z0-9_.]*)=(?P<value>{_QUOTED}|{_BARE})")
-# 'api_key': 'x' / "hf_token": "x" / 'api_key': ['a', 'b'] (dict reprs and JSON).
+# 'api_key': 'x' / "hf_token": "x" / 'api_key': ['a', 'b'] (dict reprs and JSON). A value
+# that is itself a mapping is not consumed here: its own keys are looked at in turn, so a secret
+# that is the first key of a nested object ({"extra_config": {"password": …}}) is found.
 _DICT_ITEM = re.compile(
     rf"(?P<q>['\"])(?P<name>[A-Za-z_][\w.-]*)(?P=q)(?P<sep>\s*:\s*)"
-    rf"(?P<value>{_QUOTED}|\[[^\]]*\]|[^\s,}}\]]+)"
+    rf"(?P<value>{_QUOTED}|\[[^\]]*\]|[^\s,{{}}\[\]]+)"
 )
+# {token: x, key: y}: unquoted keys in a flow mapping (YAML, some loggers).
+_FLOW_ITEM = re.compile(
+    rf"(?P<pre>[{{,][ \t]*)(?P<name>[A-Za-z_][\w.-]*)(?P<sep>[ \t]*:[ \t]*)"
+    rf"(?P<value>{_QUOTED}|\[[^\]]*\]|[^\s,{{}}\[\]]+)"
+)
+# A secret key whose value is a whole mapping: {"token": {"value": …}}; the mapping is cut out
+# by counting braces (_secret_mappings), since a regular expression cannot.
+_SECRET_MAPPING_KEY = re.compile(r"(?P<q>['\"]?)(?P<name>[A-Za-z_][\w.-]*)(?P=q)\s*:\s*\{")
 # scheme://user:password@host; the password may itself contain '@' or ':' (greedy to the
 # last '@' before the path).
 _USERINFO = re.compile(r"(?P<pre>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s:/?#@]*):(?P<pw>[^\s/?#]*)@")
@@ -120,14 +135,48 @@ def _quote_like(value: str) -> str:
 
 
 def _inside(value: str) -> str:
-    """A value that is not a secret itself, with any secrets inside its quotes redacted.
+    """A value that is not a secret itself, with any secrets inside its quotes or brackets
+    redacted.
 
-    ``re.sub`` never rescans what a match consumed, so ``CMD="HF_TOKEN=x vllm serve"`` or
-    ``--cmd 'vllm --api-key x'`` would otherwise hide the inner secret from its own pattern.
+    ``re.sub`` never rescans what a match consumed, so ``CMD="HF_TOKEN=x vllm serve"``,
+    ``--cmd 'vllm --api-key x'`` or ``"a": [{"api_key": "x"}]`` would otherwise hide the inner
+    secret from its own pattern.
     """
     if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
         return f"{value[0]}{redact_text(value[1:-1])}{value[0]}"
+    if len(value) >= 2 and value[0] == "[" and value[-1] == "]":
+        return f"[{redact_text(value[1:-1])}]"
     return value
+
+
+def _secret_mappings(text: str) -> str:
+    """``"token": {…}`` → ``"token": {***}`` for a secret key, its braces counted (quotes
+    respected), however deep the mapping; an unclosed one is cut to the end of the text."""
+    out: list[str] = []
+    pos = 0
+    for m in _SECRET_MAPPING_KEY.finditer(text):
+        if m.start() < pos or not is_secret_name(m.group("name")):
+            continue
+        depth, i, quote = 1, m.end(), ""
+        while i < len(text) and depth:
+            c = text[i]
+            if quote:
+                if c == "\\":
+                    i += 1
+                elif c == quote:
+                    quote = ""
+            elif c in "'\"":
+                quote = c
+            elif c == "{":
+                depth += 1
+            elif c == "}":
+                depth -= 1
+            i += 1
+        out.append(text[pos : m.end()])
+        out.append(REDACTED + ("}" if depth == 0 else ""))
+        pos = i
+    out.append(text[pos:])
+    return "".join(out)
 
 
 def _sub_flag(m: re.Match[str]) -> str:
@@ -153,6 +202,13 @@ def _sub_dict_item(m: re.Match[str]) -> str:
     return f"{q}{m.group('name')}{q}{m.group('sep')}{fixed}"
 
 
+def _sub_flow_item(m: re.Match[str]) -> str:
+    value = m.group("value")
+    secret = is_secret_name(m.group("name")) and value not in _NOT_SET
+    fixed = _quote_like(value) if secret else _inside(value)
+    return f"{m.group('pre')}{m.group('name')}{m.group('sep')}{fixed}"
+
+
 def redact_text(text: str) -> str:
     """Replace every secret in ``text`` by ``***``; everything else is left as it was."""
     if not text:
@@ -160,7 +216,16 @@ def redact_text(text: str) -> str:
     text = _USERINFO.sub(lambda m: f"{m.group('pre')}:{REDACTED}@", text)
     text = _AUTH_HEADER.sub(lambda m: f"{m.group('pre')}{REDACTED}", text)
     text = _BEARER.sub(lambda m: f"{m.group('pre')}{REDACTED}", text)
+    if "{" in text:
+        text = _secret_mappings(text)
     text = _DICT_ITEM.sub(_sub_dict_item, text)
+    text = _FLOW_ITEM.sub(_sub_flow_item, text)
+    text = _MULTI_FLAG.sub(
+        lambda m: (
+            m.group("flag") + _MULTI_VALUE.sub(lambda v: _quote_like(v.group(0)), m.group("values"))
+        ),
+        text,
+    )
     text = _FLAG.sub(_sub_flag, text)
     text = _ASSIGN.sub(_sub_assign, text)
     return _KNOWN_TOKENS.sub(REDACTED, text)

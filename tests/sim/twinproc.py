@@ -56,8 +56,8 @@ class TwinProc:
         self.proc.send_signal(signal.SIGTERM)
 
 
-def start(tmp: Path, port: int, *args: str) -> TwinProc:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def start(tmp: Path, port: int, *args: str, env_extra: dict[str, str] | None = None) -> TwinProc:
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env_extra or {})}
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     stderr_path = tmp / f"twin-{port}.log"
     with stderr_path.open("wb") as err:

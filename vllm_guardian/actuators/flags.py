@@ -12,7 +12,9 @@ whitespace and nothing here goes through a shell. The write is atomic (temp file
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,7 @@ ARGS_VARIABLE = "VLLM_GUARDIAN_ARGS"
 
 def _int_range(lo: int, hi: int) -> Callable[[str], str | None]:
     def check(v: str) -> str | None:
-        if not re.fullmatch(r"\d+", v) or not lo <= int(v) <= hi:
+        if not re.fullmatch(r"[0-9]+", v) or not lo <= int(v) <= hi:
             return f"must be an integer in [{lo}, {hi}]"
         return None
 
@@ -33,7 +35,7 @@ def _int_range(lo: int, hi: int) -> Callable[[str], str | None]:
 
 def _float_range(lo: float, hi: float) -> Callable[[str], str | None]:
     def check(v: str) -> str | None:
-        if not re.fullmatch(r"\d+(\.\d+)?", v) or not lo <= float(v) <= hi:
+        if not re.fullmatch(r"[0-9]+(\.[0-9]+)?", v) or not lo <= float(v) <= hi:
             return f"must be a number in [{lo}, {hi}]"
         return None
 
@@ -147,8 +149,32 @@ def write(path: Path, content: FlagsContent) -> None:
     write_atomic(path, render(content).encode(), 0o644)
 
 
+# A real flags file is a few hundred bytes; anything this large was not written by us.
+MAX_FILE_BYTES = 64 * 1024
+
+
 def read(path: Path) -> FlagsContent | None:
+    """The flags file's content; None when there is none. Anything unreadable (not a regular
+    file, not UTF-8, oversized, unreadable) is FlagsRejected with the reason, like a tampered
+    file: the caller starts vLLM with its base flags and says why."""
     try:
-        return parse(path.read_text())
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
+    except OSError as e:
+        raise FlagsRejected(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise FlagsRejected(f"{path} is not a regular file")
+        data = os.read(fd, MAX_FILE_BYTES + 1)
+    except OSError as e:
+        raise FlagsRejected(f"cannot read {path}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_FILE_BYTES:
+        raise FlagsRejected(f"{path} is larger than {MAX_FILE_BYTES // 1024} KiB")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FlagsRejected(f"{path} is not UTF-8 text (byte {e.start})") from None
+    return parse(text)

@@ -9,6 +9,12 @@ group (vLLM drains for ``--shutdown-timeout``), SIGKILL after the stop timeout, 
 
 The command is an argument list, never a shell. Output goes to a log file that the logs source
 follows (``services[].log_file``).
+
+vLLM runs in its own session (setsid), so it outlives a guardian killed with SIGKILL. Each start
+writes a pid file (``<state_dir>/<service>.pid``: the pid and the process's start time from
+``/proc/PID/stat``); the next guardian adopts the process it names when one with that pid *and*
+that start time is still running (a reused pid is never mistaken for it) and supervises it by
+polling, instead of starting a second copy that could not bind the port.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -25,8 +32,55 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from vllm_guardian.actuators import flags as flagsfile
+from vllm_guardian.redact import redact_argv
 
 log = logging.getLogger("vllm_guardian.procmgr")
+
+_POLL_SECONDS = 0.2  # how often an adopted process (not our child: no wait()) is looked at
+
+
+def process_start_ticks(pid: int, proc_root: Path = Path("/proc")) -> int | None:
+    """Field 22 of /proc/PID/stat (start time in clock ticks since boot); None if no such
+    process or a zombie. With the pid it names one process for the life of the machine."""
+    try:
+        text = (proc_root / str(pid) / "stat").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    # comm (field 2) is in parentheses and may hold spaces or ')': split after the last ')'.
+    fields = text[text.rfind(")") + 2 :].split()
+    if len(fields) < 20 or fields[0] in ("Z", "X"):
+        return None
+    try:
+        return int(fields[19])
+    except ValueError:
+        return None
+
+
+class Adopted:
+    """A process a previous guardian started and left running: the part of Popen's interface
+    the supervisor uses, by polling /proc (only a parent may wait() for a process)."""
+
+    def __init__(self, pid: int, start_ticks: int) -> None:
+        self.pid = pid
+        self.start_ticks = start_ticks
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and process_start_ticks(self.pid) != self.start_ticks:
+            self.returncode = -1  # gone; its exit status went to whoever reaped it
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            time.sleep(_POLL_SECONDS)
+        return -1
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # never signal a pid that now names another process
+            os.kill(self.pid, sig)
 
 
 class Supervisor:
@@ -41,6 +95,7 @@ class Supervisor:
         restart_delay_seconds: float = 1.0,
         stop_timeout_seconds: float = 60.0,
         extra_env: Mapping[str, str] | None = None,
+        pid_path: Path | None = None,
         restart_on_clean_exit: bool = True,
         tee_stdout: bool = False,
     ) -> None:
@@ -53,12 +108,16 @@ class Supervisor:
         self.restart_delay_seconds = restart_delay_seconds
         self.stop_timeout_seconds = stop_timeout_seconds
         self.extra_env = dict(extra_env or {})
+        # Beside the flags file (the state directory) unless told otherwise.
+        self.pid_path = pid_path if pid_path is not None else flags_path.with_suffix(".pid")
         self.restart_on_clean_exit = restart_on_clean_exit
         # Container mode: the child's output also goes to our stdout (`kubectl logs`).
         self.tee_stdout = tee_stdout
         self._lock = threading.Lock()
         self._closed = False  # stop() was called: nothing is started again
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: subprocess.Popen[bytes] | Adopted | None = None
+        self._adopt_checked = False
+        self.adopted: int | None = None  # the pid adopted at start, if any
         self._want_running = False
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
@@ -72,7 +131,7 @@ class Supervisor:
         argv = list(self.command)
         try:
             content = flagsfile.read(self.flags_path)
-        except flagsfile.FlagsRejected as e:
+        except (flagsfile.FlagsRejected, OSError, ValueError) as e:  # never stops supervision
             log.error(
                 "%s: flags file %s rejected, starting without it: %s", self.name, self.flags_path, e
             )
@@ -140,7 +199,63 @@ class Supervisor:
                 proc.kill()
                 proc.wait(timeout=10)
             raise OSError("the guardian is stopping")
-        log.info("%s: started pid %d: %s", self.name, proc.pid, " ".join(argv))
+        self._write_pid(proc.pid)
+        log.info("%s: started pid %d: %s", self.name, proc.pid, shlex.join(redact_argv(argv)))
+
+    # --- the pid file: what a restarted guardian adopts ---------------------------------------
+
+    def _write_pid(self, pid: int) -> None:
+        ticks = process_start_ticks(pid)
+        if ticks is None:
+            return
+        try:
+            self.pid_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.pid_path.with_name(f".{self.pid_path.name}.{os.getpid()}")
+            tmp.write_text(f"{pid} {ticks}\n")
+            os.replace(tmp, self.pid_path)
+        except OSError as e:
+            log.error("%s: cannot write %s: %s (a restarted guardian could not adopt pid %d)",
+                      self.name, self.pid_path, e.strerror or e, pid)  # fmt: skip
+
+    def _clear_pid(self, pid: int) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            if int(self.pid_path.read_text().split()[0]) == pid:
+                self.pid_path.unlink()
+
+    def _adoptable(self) -> Adopted | None:
+        """The process the pid file names, if that very process is still running."""
+        try:
+            text = self.pid_path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError) as e:
+            log.warning("%s: pid file %s unreadable (%s): ignored", self.name, self.pid_path, e)
+            return None
+        parts = text.split()
+        if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
+            log.warning("%s: pid file %s is not 'PID START': ignored", self.name, self.pid_path)
+            return None
+        pid, ticks = int(parts[0]), int(parts[1])
+        if pid <= 1 or process_start_ticks(pid) != ticks:
+            return None  # gone, or the pid now names another process
+        return Adopted(pid, ticks)
+
+    def _adopt(self) -> bool:
+        """Once, before the first start: take over a running process a previous guardian left."""
+        if self._adopt_checked:
+            return False
+        self._adopt_checked = True
+        orphan = self._adoptable()
+        if orphan is None:
+            return False
+        with self._lock:
+            self._proc = orphan
+            self.adopted = orphan.pid
+        log.warning(
+            "%s: adopting pid %d, started by a previous guardian and still running "
+            "(not starting a second copy)", self.name, orphan.pid,
+        )  # fmt: skip
+        return True
 
     def _tee(self, proc: subprocess.Popen[bytes]) -> None:
         """Copy the child's output to the log file and to our stdout until it closes. A write
@@ -178,6 +293,8 @@ class Supervisor:
                 proc = self._proc
             if not want:
                 return
+            if proc is None and self._adopt():
+                continue
             if proc is None:
                 try:
                     self._spawn()
@@ -198,6 +315,7 @@ class Supervisor:
                     if code == 0 and not self.restart_on_clean_exit:
                         self._want_running = False
                 want = self._want_running
+            self._clear_pid(proc.pid)
             if want:
                 log.warning(
                     "%s: exited with status %d; restarting in %.1fs",
@@ -207,7 +325,7 @@ class Supervisor:
                 )
                 time.sleep(self.restart_delay_seconds)
 
-    def _terminate(self, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    def _terminate(self, proc: subprocess.Popen[bytes] | Adopted, timeout: float) -> None:
         # SIGTERM to the leader only, like systemd's KillMode=mixed: vLLM's API server drains
         # (--shutdown-timeout) and stops its own workers; a worker that got SIGTERM directly
         # would die at once and abort the in-flight requests the drain is for.
@@ -227,6 +345,10 @@ class Supervisor:
     def restart(self, timeout_seconds: float | None = None) -> tuple[bool, bool, str]:
         """Stop (drain via SIGTERM) and start again. Returns (ok, terminal, detail)."""
         with self._lock:
+            unknown = self._proc is None
+        if unknown:
+            self._adopt()  # an orphan still serving is the one to stop, never a second copy
+        with self._lock:
             proc = self._proc
             self._want_running = False
         if proc is not None and proc.poll() is None:
@@ -238,6 +360,7 @@ class Supervisor:
             self._thread = None
         with self._lock:
             self._proc = None
+            self._adopt_checked = True  # what is running now is ours
             if self._closed:
                 # stop() came while this restart drained the old process: starting a new one
                 # now would leave it running after the guardian is gone.
@@ -260,3 +383,5 @@ class Supervisor:
         if self._thread is not None:
             self._thread.join(timeout=self.restart_delay_seconds + 15)
             self._thread = None
+        if proc is not None:
+            self._clear_pid(proc.pid)

@@ -29,7 +29,8 @@ class SystemdBackend:
 
     def restart(self, timeout_seconds: float) -> tuple[bool, bool, str]:
         """Returns (ok, terminal, detail); never raises."""
-        argv = [self.systemctl, "restart", "--no-ask-password", self.unit]
+        # "--": a unit name can never be read as an option, whatever the config let through.
+        argv = [self.systemctl, "restart", "--no-ask-password", "--", self.unit]
         try:
             proc = subprocess.run(
                 argv, capture_output=True, text=True, timeout=timeout_seconds, check=False

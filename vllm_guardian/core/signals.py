@@ -25,14 +25,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from vllm_guardian.config import ServiceConfig, SignalsConfig
-from vllm_guardian.core.allocator import AllocatorGpuSignals, allocator_fields
+from vllm_guardian.core.allocator import AllocatorGpuSignals, allocator_fields, physical_gpu
 from vllm_guardian.core.capacity import (
     CapacityEstimate,
     CapacitySample,
     CapacitySettings,
     estimate,
 )
+from vllm_guardian.core.forecast import (
+    Forecast,
+    ForecastSettings,
+    MemorySample,
+    Neighbour,
+    forecast,
+)
 from vllm_guardian.model import (
+    Cause,
     EngineMetrics,
     GpuDevice,
     GpuProcess,
@@ -118,8 +126,17 @@ class ServiceSignals:
     recent_log_events: tuple[tuple[LogEventKind, int], ...] = ()
     # XID events on the service's GPUs within the rate window: (gpu, xid, count).
     recent_xid_events: tuple[tuple[int, int, int], ...] = ()
-    # At the current slope, seconds until the headroom reaches zero (None: not falling).
+    # The exhaustion forecast (core/forecast.py) of the service's most urgent GPU: seconds until
+    # its free-memory floor reaches zero (None: no significant trend), and the bound to act on.
     seconds_to_headroom_exhaustion: float | None = None
+    headroom_exhaustion_latest_seconds: float | None = None
+    # Who takes the memory (None: the forecast alerts only), and the same forecast per cause so
+    # rules can carry the cause: at most one of these is set.
+    forecast_cause: Cause | None = None
+    seconds_to_exhaustion_allocator_fragmentation: float | None = None
+    seconds_to_exhaustion_gpu_memory_overcommit: float | None = None
+    seconds_to_exhaustion_prefill_burst: float | None = None
+    forecasts: tuple[Forecast, ...] = ()  # one per GPU with a trend
     # torch's caching allocator, from the in-vLLM plugin (core/allocator.py); None: no plugin.
     allocator: tuple[AllocatorGpuSignals, ...] = ()
     allocator_reserved_bytes: int | None = None
@@ -228,15 +245,6 @@ def _scrape(snap: Snapshot, name: str) -> VllmScrape | None:
     return svc.vllm if svc is not None else None
 
 
-def _engine(scrape: VllmScrape | None, key: tuple[str, str]) -> EngineMetrics | None:
-    if scrape is None:
-        return None
-    for e in scrape.engines:
-        if e.key == key:
-            return e
-    return None
-
-
 _Indexed = tuple[float, float | None, dict[tuple[str, str], EngineMetrics]]  # (t, start, engines)
 
 
@@ -297,10 +305,14 @@ def _latency(
         and first_scrape.process_start_time_seconds != last_scrape.process_start_time_seconds
     )
     out: list[LatencyQuantile] = []
+    # One index per scrape, not a scan of the engine list per engine (quadratic: 8,000 engines
+    # made a tick take 22 s).
+    first_by = {e.key: e for e in first_scrape.engines}
+    last_by = {e.key: e for e in last_scrape.engines}
     for metric, attr in LATENCY_HISTOGRAMS.items():
         summed: dict[float, float] = {}
         for key in keys:
-            f, last = _engine(first_scrape, key), _engine(last_scrape, key)
+            f, last = first_by.get(key), last_by.get(key)
             delta = _histogram_delta(
                 getattr(f, attr) if f else None, getattr(last, attr) if last else None, restarted
             )
@@ -563,10 +575,7 @@ def derive_service(
             headroom_slope_bytes_per_second=slope(slope_points),
             recent_xid_events=_recent_xids(rate_win, indices),
         )
-        headroom = fields["headroom_bytes"]
-        trend = fields["headroom_slope_bytes_per_second"]
-        if isinstance(headroom, int) and isinstance(trend, float) and trend < 0:
-            fields["seconds_to_headroom_exhaustion"] = headroom / -trend
+        fields.update(_forecast_fields(history, svc, cfg, sorted(indices), utilization))
     return replace(base, **fields)  # type: ignore[arg-type]
 
 
@@ -603,6 +612,113 @@ def capacity_samples(window: Sequence[Snapshot], service: str) -> list[CapacityS
             )
         )
     return out
+
+
+def forecast_settings(cfg: SignalsConfig) -> ForecastSettings:
+    return ForecastSettings(
+        interval_seconds=cfg.forecast_interval_seconds,
+        min_intervals=cfg.forecast_min_intervals,
+        min_span_seconds=cfg.forecast_min_span_seconds,
+        max_gap_seconds=cfg.forecast_max_gap_seconds,
+    )
+
+
+def memory_samples(
+    history: Sequence[Snapshot], service: str, gpu: int, utilization: float | None
+) -> list[MemorySample]:
+    """One GPU of a service, per snapshot, as the forecast reads it (None: not observed)."""
+    out: list[MemorySample] = []
+    for snap in history:
+        svc = snap.service(service) or ServiceSnapshot(service)
+        unit = svc.unit
+        ready = svc.health is not None and svc.health.state is HealthState.UP
+        generation: float | None = None
+        if svc.vllm is not None and svc.vllm.process_start_time_seconds is not None:
+            generation = svc.vllm.process_start_time_seconds
+        elif unit is not None and unit.main_pid is not None:
+            generation = float(unit.main_pid)
+        dev = next((d for d in snap.gpus.devices if d.index == gpu), None) if snap.gpus else None
+        free = dev.memory_free_bytes if dev is not None else None
+        mine: int | None = None
+        other: int | None = None
+        neighbours: tuple[Neighbour, ...] = ()
+        if dev is not None and dev.processes is not None:
+            procs = [p for p in dev.processes if p.used_memory_bytes is not None]
+            mine = sum(p.used_memory_bytes or 0 for p in procs if belongs_to(p, unit))
+            others = [p for p in procs if not belongs_to(p, unit)]
+            other = sum(p.used_memory_bytes or 0 for p in others)
+            neighbours = tuple(
+                Neighbour(p.pid, p.used_memory_bytes, p.name, p.cgroup) for p in others
+            )
+        reserved: int | None = None
+        allocated: int | None = None
+        if svc.allocator is not None and svc.allocator.processes:
+            recs = [
+                r
+                for proc in svc.allocator.processes
+                for r in proc.devices
+                if physical_gpu(r, snap.gpus) == gpu
+            ]
+            if recs:
+                reserved = sum(r.reserved_bytes for r in recs)
+                allocated = sum(r.allocated_bytes for r in recs)
+        budget = (
+            int(utilization * dev.memory_total_bytes)
+            if utilization is not None and dev is not None and dev.memory_total_bytes is not None
+            else None
+        )
+        out.append(
+            MemorySample(
+                time_seconds=snap.time_seconds,
+                free_bytes=free,
+                ready=ready,
+                generation=generation,
+                service_bytes=mine,
+                other_bytes=other,
+                reserved_bytes=reserved,
+                allocated_bytes=allocated,
+                budget_bytes=budget,
+                neighbours=neighbours,
+            )
+        )
+    return out
+
+
+_CAUSE_FIELDS = {
+    Cause.ALLOCATOR_FRAGMENTATION: "seconds_to_exhaustion_allocator_fragmentation",
+    Cause.GPU_MEMORY_OVERCOMMIT: "seconds_to_exhaustion_gpu_memory_overcommit",
+    Cause.PREFILL_BURST: "seconds_to_exhaustion_prefill_burst",
+}
+
+
+def _forecast_fields(
+    history: Sequence[Snapshot],
+    svc: ServiceConfig,
+    cfg: SignalsConfig,
+    gpus: Sequence[int],
+    utilization: float | None,
+) -> dict[str, object]:
+    window = _window(history, cfg.forecast_window_seconds)
+    settings = forecast_settings(cfg)
+    now = history[-1].time_seconds
+    found = [
+        f
+        for gpu in gpus
+        if (f := forecast(gpu, memory_samples(window, svc.name, gpu, utilization), now, settings))
+        is not None
+    ]
+    if not found:
+        return {}
+    worst = min(found, key=lambda f: f.seconds)
+    fields: dict[str, object] = {
+        "forecasts": tuple(found),
+        "seconds_to_headroom_exhaustion": worst.seconds,
+        "headroom_exhaustion_latest_seconds": worst.seconds_latest,
+        "forecast_cause": worst.cause,
+    }
+    if worst.cause in _CAUSE_FIELDS:
+        fields[_CAUSE_FIELDS[worst.cause]] = worst.seconds
+    return fields
 
 
 def _recent_log_events(

@@ -385,9 +385,9 @@ def analyze(
         service_pids.add(main_pid)
     unit = _unit_state(unit_doc, b.cmdline, service_pids)
     health = health_probe(b.health)
-    history = _flight_history(b, problems)
+    flight = _flight_history(b, problems)
     first_own = parsed[0][0] if parsed else now
-    history = [s for s in history if s.time_seconds < first_own and s.service(service) is not None]
+    history = [s for s in flight if s.time_seconds < first_own and s.service(service) is not None]
     gpus = GpuReading(tuple(devices), xid_events=tuple(xids)) if b.gpus is not None else None
     own: list[Snapshot] = [
         Snapshot(t, (ServiceSnapshot(service, vllm=scrape),), None) for t, scrape in parsed
@@ -418,6 +418,7 @@ def analyze(
     )
     svc_cfg = ServiceConfig(name=service, gpus=_service_gpus(devices, service_pids))
     sig: ServiceSignals = derive_service(history, svc_cfg, cfg)
+    sig = _with_forecast(sig, flight, svc_cfg)
     flags = parse_launch_flags(b.cmdline or ())
     for bad in flags.unknown_values:
         problems.append(f"cmdline.txt: cannot read {bad}")
@@ -529,6 +530,24 @@ def analyze(
     )
 
 
+def _with_forecast(
+    sig: ServiceSignals, flight: Sequence[Snapshot], svc_cfg: ServiceConfig
+) -> ServiceSignals:
+    """The exhaustion forecast as of the daemon's last tick: its ticks are the dense series a
+    forecast needs (the diagnosis's own two scrapes are not). None without flight records."""
+    ticks = [s for s in flight if s.service(svc_cfg.name) is not None]
+    if not ticks:
+        return sig
+    f = derive_service(ticks, svc_cfg, SignalsConfig())
+    return dataclasses.replace(
+        sig,
+        forecasts=f.forecasts,
+        seconds_to_headroom_exhaustion=f.seconds_to_headroom_exhaustion,
+        headroom_exhaustion_latest_seconds=f.headroom_exhaustion_latest_seconds,
+        forecast_cause=f.forecast_cause,
+    )
+
+
 def _models_max_len(models: dict[str, Any] | None) -> int | None:
     data = (models or {}).get("data")
     if isinstance(data, list):
@@ -574,6 +593,12 @@ def _signals_view(sig: ServiceSignals, scrapes: int, span: float) -> dict[str, A
         "headroom_bytes": sig.headroom_bytes,
         "kv_cache_capacity_tokens": sig.kv_cache_capacity_tokens,
         "gpu_memory_utilization_ratio": sig.gpu_memory_utilization_ratio,
+        # The exhaustion forecast (core/forecast.py), from the daemon's recent ticks: absent
+        # without a significant trend (a live diagnosis of a host without the daemon has none).
+        "headroom_exhaustion_seconds": sig.seconds_to_headroom_exhaustion,
+        "headroom_exhaustion_latest_seconds": sig.headroom_exhaustion_latest_seconds,
+        "headroom_exhaustion_cause": sig.forecast_cause.value if sig.forecast_cause else None,
+        "headroom_exhaustion": [f.describe() for f in sig.forecasts],
     }
 
 

@@ -13,27 +13,39 @@ A tar is never extracted outside a fresh temporary directory: members with absol
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import json
 import os
 import re
 import shutil
 import tarfile
 import tempfile
+import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from vllm_guardian import recorder
+from vllm_guardian.redact import redact_argv, redact_text
+
 FORMAT = 1
+# Bounded work and memory per bundle (docs/bundle.md "Reading limits"): a bundle the policy
+# writes is a few MiB; these stop a crafted one (a 65 KB tar.gz can hold 64 MiB of tiny lines).
 MAX_MEMBER_BYTES = 64 * 1024 * 1024
-MAX_TOTAL_BYTES = 512 * 1024 * 1024
+MAX_TOTAL_BYTES = 256 * 1024 * 1024  # extracted, all members together
 MAX_MEMBERS = 10_000
+MAX_NAME_CHARS = 1024  # a member's path; a longer one is no bundle file
+MAX_READ_BYTES = 160 * 1024 * 1024  # read by the analysis, all files together
 MAX_JSON_BYTES = 16 * 1024 * 1024
 MAX_PROM_BYTES = 32 * 1024 * 1024
 MAX_SCRAPES = 64  # the newest ones; rates need two, a trend a few
+MAX_SCRAPE_TOTAL_BYTES = 64 * 1024 * 1024  # the newest scrapes up to this much
 MAX_JOURNAL_BYTES = 16 * 1024 * 1024  # the tail is kept: the incident is at the end
 MAX_JOURNAL_LINES = 200_000
-MAX_FLIGHT_BYTES = 64 * 1024 * 1024
+MAX_FLIGHT_BYTES = 32 * 1024 * 1024
+MAX_FLIGHT_RECORDS = 2_000  # the newest; the policy's bundle holds 300
 MAX_ALLOCATOR_FILES = 256
 
 _PROM_NAME = re.compile(r"(\d+(?:\.\d+)?)\.prom")
@@ -93,6 +105,7 @@ def safe_extract(archive: Path, dest: Path) -> list[str]:
     """
     problems: list[str] = []
     total = 0
+    seen: set[str] = set()
     dest = dest.resolve()
     try:
         tf = tarfile.open(archive, "r:*")  # noqa: SIM115  # closed below, after the loop
@@ -104,32 +117,44 @@ def safe_extract(archive: Path, dest: Path) -> list[str]:
                 if n >= MAX_MEMBERS:
                     problems.append(f"{archive}: more than {MAX_MEMBERS} members; the rest skipped")
                     break
+                shown = member.name if len(member.name) <= 200 else member.name[:200] + "…"
                 why = _unsafe(member, dest)
+                if why is None and member.isfile():
+                    key = str(PurePosixPath(member.name))
+                    if key in seen:
+                        why = "stored more than once; the first copy is used"
+                    elif total + member.size > MAX_TOTAL_BYTES:
+                        why = f"the bundle exceeds {MAX_TOTAL_BYTES >> 20} MiB"
+                    seen.add(key)
+                if why is None:
+                    try:
+                        total += _extract_one(tf, member, dest)
+                    except OSError as e:  # this member only: the others are still extracted
+                        why = f"cannot be written ({e.strerror or e})"
                 if why is not None:
-                    problems.append(f"{archive}: skipped {member.name!r}: {why}")
-                    continue
-                target = dest.joinpath(*PurePosixPath(member.name).parts)
-                if member.isdir():
-                    target.mkdir(parents=True, exist_ok=True)
-                    continue
-                if total + member.size > MAX_TOTAL_BYTES:
-                    problems.append(
-                        f"{archive}: skipped {member.name!r}: the bundle exceeds {MAX_TOTAL_BYTES >> 20} MiB"
-                    )
-                    continue
-                src = tf.extractfile(member)
-                if src is None:
-                    problems.append(f"{archive}: skipped {member.name!r}: unreadable")
-                    continue
-                target.parent.mkdir(parents=True, exist_ok=True)
-                # O_EXCL + O_NOFOLLOW: never write through something already there.
-                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-                with src, os.fdopen(fd, "wb") as out:
-                    shutil.copyfileobj(src, out, 1 << 20)
-                total += member.size
-        except (tarfile.TarError, OSError, EOFError) as e:
+                    problems.append(f"{archive}: skipped {shown!r}: {why}")
+        except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
             problems.append(f"{archive}: damaged archive, read up to the damage ({e})")
     return problems
+
+
+def _extract_one(tf: tarfile.TarFile, member: tarfile.TarInfo, dest: Path) -> int:
+    """Write one checked member under ``dest``; the bytes written. Raises OSError."""
+    target = dest.joinpath(*PurePosixPath(member.name).parts)
+    if member.isdir():
+        if target.exists() and not target.is_dir():
+            raise FileExistsError(errno.EEXIST, "a file of that name came first")
+        target.mkdir(parents=True, exist_ok=True)
+        return 0
+    src = tf.extractfile(member)
+    if src is None:
+        raise OSError(errno.EIO, "unreadable")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # O_EXCL + O_NOFOLLOW: never write through something already there.
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with src, os.fdopen(fd, "wb") as out:
+        shutil.copyfileobj(src, out, 1 << 20)
+    return member.size
 
 
 def _members(tf: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
@@ -139,6 +164,8 @@ def _members(tf: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
 
 def _unsafe(member: tarfile.TarInfo, dest: Path) -> str | None:
     name = member.name
+    if len(name) > MAX_NAME_CHARS or any(len(p) > 255 for p in PurePosixPath(name).parts):
+        return f"name longer than {MAX_NAME_CHARS} characters (or a part over 255)"
     pure = PurePosixPath(name)
     if name.startswith(("/", "\\")) or pure.is_absolute() or re.match(r"^[A-Za-z]:", name):
         return "absolute path"
@@ -179,6 +206,7 @@ class _Reader:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.problems: list[str] = []
+        self.budget_bytes = MAX_READ_BYTES  # left to read, all files together
 
     def _file(self, rel: str) -> Path | None:
         p = self.root / rel
@@ -191,6 +219,12 @@ class _Reader:
         p = self._file(rel)
         if p is None:
             return None
+        if self.budget_bytes <= 0:
+            self.problems.append(
+                f"{rel}: not read, the bundle's {MAX_READ_BYTES >> 20} MiB are spent"
+            )
+            return None
+        limit = min(limit, self.budget_bytes)
         try:
             size = p.stat().st_size
             with p.open("rb") as fh:
@@ -204,6 +238,7 @@ class _Reader:
         except OSError as e:
             self.problems.append(f"{rel}: unreadable ({e.strerror or e})")
             return None
+        self.budget_bytes -= len(data)
         return data.decode("utf-8", errors="replace")
 
     def json(self, rel: str, want: type) -> Any:
@@ -252,6 +287,18 @@ def _read_dir(root: Path, origin: str) -> Bundle:
         created = manifest.get("created") if isinstance(manifest.get("created"), str) else None
         if created is not None and _iso_seconds(created) is None:
             r.problems.append(f"manifest.json: created {created!r} is not ISO 8601")
+    # The small files first, so a bundle that spends its read budget still has them.
+    small = {
+        name: r.json(name, dict)
+        for name in ("health.json", "model_config.json", "model.safetensors.index.json",
+                     "models.json", "unit.json", "action.json")
+    }  # fmt: skip
+    gpus = r.json("gpus.json", list)
+    if gpus is not None and not all(isinstance(g, dict) for g in gpus):
+        r.problems.append("gpus.json: entries must be objects; the others ignored")
+        gpus = [g for g in gpus if isinstance(g, dict)]
+    cmdline_text = r.text("cmdline.txt", 1024 * 1024)
+    cmdline = tuple(line for line in cmdline_text.splitlines() if line) if cmdline_text else None
     scrapes: list[tuple[float, str]] = []
     mdir = root / "metrics"
     if mdir.is_dir() and not mdir.is_symlink():
@@ -267,19 +314,29 @@ def _read_dir(root: Path, origin: str) -> Bundle:
         if len(named) > MAX_SCRAPES:
             r.problems.append(f"metrics/: {len(named)} scrapes, the newest {MAX_SCRAPES} used")
             named = named[-MAX_SCRAPES:]
-        for t, name in named:
-            body = r.text(f"metrics/{name}", MAX_PROM_BYTES)
+        scrape_bytes = 0
+        for t, name in reversed(named):  # newest first, until the scrapes' share is spent
+            if scrape_bytes >= MAX_SCRAPE_TOTAL_BYTES:
+                r.problems.append(
+                    f"metrics/: over {MAX_SCRAPE_TOTAL_BYTES >> 20} MiB of scrapes; "
+                    f"{name} and older ones not read"
+                )
+                break
+            body = r.text(
+                f"metrics/{name}", min(MAX_PROM_BYTES, MAX_SCRAPE_TOTAL_BYTES - scrape_bytes)
+            )
             if body is not None:
                 scrapes.append((t, body))
-    cmdline_text = r.text("cmdline.txt", 1024 * 1024)
-    cmdline = tuple(line for line in cmdline_text.splitlines() if line) if cmdline_text else None
+                scrape_bytes += len(body)
+        scrapes.reverse()
     journal_text = r.text("journal.log", MAX_JOURNAL_BYTES, tail=True)
     journal: tuple[str, ...] = ()
     if journal_text is not None:
-        lines = journal_text.splitlines()
-        if len(lines) > MAX_JOURNAL_LINES:
-            r.problems.append(f"journal.log: {len(lines)} lines, the last {MAX_JOURNAL_LINES} used")
-            lines = lines[-MAX_JOURNAL_LINES:]
+        lines, more = _last_lines(journal_text, MAX_JOURNAL_LINES)
+        if more:
+            r.problems.append(
+                f"journal.log: over {MAX_JOURNAL_LINES} lines, the last {MAX_JOURNAL_LINES} used"
+            )
         journal = tuple(lines)
     allocator: list[tuple[str, dict[str, Any]]] = []
     adir = root / "allocator"
@@ -288,28 +345,7 @@ def _read_dir(root: Path, origin: str) -> Bundle:
             doc = r.json(f"allocator/{f.name}", dict)
             if doc is not None:
                 allocator.append((f.name, doc))
-    flight: list[dict[str, Any]] = []
-    flight_text = r.text("flight.jsonl", MAX_FLIGHT_BYTES, tail=True)
-    if flight_text:
-        bad = 0
-        for line in flight_text.splitlines():
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                bad += 1
-                continue
-            if isinstance(rec, dict):
-                flight.append(rec)
-            else:
-                bad += 1
-        if bad:
-            r.problems.append(f"flight.jsonl: {bad} unreadable line(s) skipped")
-    gpus = r.json("gpus.json", list)
-    if gpus is not None and not all(isinstance(g, dict) for g in gpus):
-        r.problems.append("gpus.json: entries must be objects; the others ignored")
-        gpus = [g for g in gpus if isinstance(g, dict)]
+    flight = _flight(r)
     return Bundle(
         origin=origin,
         service=service,
@@ -317,19 +353,68 @@ def _read_dir(root: Path, origin: str) -> Bundle:
         created_seconds=_iso_seconds(created),
         manifest=manifest,
         scrapes=tuple(scrapes),
-        health=r.json("health.json", dict),
+        health=small["health.json"],
         gpus=gpus,
         cmdline=cmdline,
-        model_config=r.json("model_config.json", dict),
-        safetensors_index=r.json("model.safetensors.index.json", dict),
-        models=r.json("models.json", dict),
+        model_config=small["model_config.json"],
+        safetensors_index=small["model.safetensors.index.json"],
+        models=small["models.json"],
         journal=journal,
-        unit=r.json("unit.json", dict),
+        unit=small["unit.json"],
         allocator=tuple(allocator),
         flight=tuple(flight),
-        action=r.json("action.json", dict),
+        action=small["action.json"],
         problems=tuple(r.problems),
     )
+
+
+def _last_lines(text: str, n: int) -> tuple[list[str], bool]:
+    """The last ``n`` lines of ``text`` (oldest first) and whether there were more; the work is
+    that of the lines kept, however many tiny lines the text holds."""
+    out: list[str] = []
+    end = len(text)
+    if text.endswith("\n"):
+        end -= 1
+    while end >= 0 and len(out) < n:
+        start = text.rfind("\n", 0, end) + 1
+        out.append(text[start:end].rstrip("\r"))
+        end = start - 1
+    out.reverse()
+    return out, end >= 0
+
+
+def _flight(r: _Reader) -> list[dict[str, Any]]:
+    """The newest flight records, decoded and checked as `replay` checks them (recorder.py)."""
+    text = r.text("flight.jsonl", MAX_FLIGHT_BYTES, tail=True)
+    if not text:
+        return []
+    lines, more = _last_lines(text, MAX_FLIGHT_RECORDS)
+    if more:
+        r.problems.append(
+            f"flight.jsonl: over {MAX_FLIGHT_RECORDS} lines, the newest {MAX_FLIGHT_RECORDS} used"
+        )
+    flight: list[dict[str, Any]] = []
+    bad: dict[str, int] = {}
+    decoded: list[tuple[int, dict[str, Any]]] = []
+    for n, line in enumerate(lines):
+        if not line.strip():
+            continue
+        rec = recorder.decode_line(line)
+        if isinstance(rec, str):
+            bad[rec] = bad.get(rec, 0) + 1
+        else:
+            decoded.append((n, rec))
+    for _, rec, why in recorder.checked_times(decoded, time.time()):
+        if why is not None:
+            why = why.split(" (")[0] if "goes backwards" in why else why
+            bad[why] = bad.get(why, 0) + 1
+        else:
+            flight.append(rec)
+    for why, count in sorted(bad.items(), key=lambda kv: -kv[1])[:5]:
+        r.problems.append(f"flight.jsonl: {count} line(s) skipped: {why}")
+    if len(bad) > 5:
+        r.problems.append(f"flight.jsonl: {sum(bad.values())} line(s) skipped in all")
+    return flight
 
 
 # --- writing ---------------------------------------------------------------------------------
@@ -348,6 +433,17 @@ def write_bundle(b: Bundle, path: str | Path) -> Path:
         return p
     _write_dir(b, p)
     return p
+
+
+def _redacted(value: Any) -> Any:
+    """Every string in a JSON value through redact_text (a record's log messages, errors)."""
+    if isinstance(value, str):
+        return redact_text(value)
+    if isinstance(value, list):
+        return [_redacted(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _redacted(v) for k, v in value.items()}
+    return value
 
 
 def _dump(path: Path, value: object) -> None:
@@ -374,10 +470,16 @@ def _write_dir(b: Bundle, p: Path) -> None:
     ):
         if value is not None:
             _dump(p / name, value)
+    # Sources redact what they read; the writer redacts again, so no path into a bundle (a
+    # bundle read back and saved, a gathering that missed a shape) can carry a secret out.
     if b.cmdline is not None:
-        (p / "cmdline.txt").write_text("".join(a + "\n" for a in b.cmdline), encoding="utf-8")
+        (p / "cmdline.txt").write_text(
+            "".join(a + "\n" for a in redact_argv(b.cmdline)), encoding="utf-8"
+        )
     if b.journal:
-        (p / "journal.log").write_text("".join(line + "\n" for line in b.journal), encoding="utf-8")
+        (p / "journal.log").write_text(
+            "".join(redact_text(line) + "\n" for line in b.journal), encoding="utf-8"
+        )
     if b.allocator:
         (p / "allocator").mkdir(exist_ok=True)
         for name, doc in b.allocator:
@@ -385,4 +487,7 @@ def _write_dir(b: Bundle, p: Path) -> None:
     if b.flight:
         with (p / "flight.jsonl").open("w", encoding="utf-8") as fh:
             for rec in b.flight:
-                fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+                try:
+                    fh.write(json.dumps(_redacted(rec), separators=(",", ":")) + "\n")
+                except RecursionError:  # nested deeper than any record: not written
+                    continue

@@ -159,7 +159,7 @@ class _Gatherer:
             return []
         self.progress(f"reading the journal of {self.svc.unit}")
         argv = [
-            self.opts.journalctl, "-u", self.svc.unit, "--since", f"-{int(self.opts.journal_minutes * 60)}s",
+            self.opts.journalctl, f"--unit={self.svc.unit}", "--since", f"-{int(self.opts.journal_minutes * 60)}s",
             "-o", "cat", "--no-pager", "-q", "--all",
         ]  # fmt: skip
         try:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_guardian.model import Cause
+from vllm_guardian.redact import redact_text
 
 SCHEMA = "vllm-guardian/diagnose"
 SCHEMA_VERSION = 1
@@ -111,7 +112,7 @@ def to_json(r: Report) -> dict[str, Any]:
             "schema": SCHEMA,
             "schema_version": SCHEMA_VERSION,
             "mode": r.mode,
-            "origin": r.origin,
+            "origin": redact_text(r.origin),  # a URL may carry user:password
             "service": r.service,
             "created": r.created,
             "verdict": r.verdict.value,
@@ -164,7 +165,7 @@ def to_json(r: Report) -> dict[str, Any]:
                 "command_line": r.recommendation.command_line,
                 "env_file": r.recommendation.env_file,
             },
-            "problems": list(r.problems),
+            "problems": [redact_text(p) for p in r.problems],
             "exit_code": r.exit_code,
         }
     )
@@ -196,7 +197,7 @@ def _num(v: Any, fmt: str = "{:,.0f}") -> str:
 def render_text(r: Report, verbose: bool = False) -> str:
     """The report for a terminal: verdict and fix first, 80 columns, one screen when it can."""
     out: list[str] = []
-    head = f"vllm-guardian diagnose: {r.service}  ({r.mode}: {r.origin})"
+    head = f"vllm-guardian diagnose: {r.service}  ({r.mode}: {redact_text(r.origin)})"
     out += _wrap(head, "  ", "")
     conf = f" ({r.causes[0].confidence:.0%})" if r.causes else ""
     out.append(f"VERDICT: {r.verdict.value}{conf}")
@@ -238,9 +239,13 @@ def render_text(r: Report, verbose: bool = False) -> str:
             f"preempt/s {_num(s.get('preemptions_per_second'), '{:.2f}')}  "
             f"tok/s {_num(s.get('generation_tokens_per_second'), '{:.0f}')}"
         )
+    if s.get("headroom_exhaustion"):
+        out.append("FORECAST (GPU memory exhaustion)")
+        for line in s["headroom_exhaustion"]:
+            out += _wrap(str(line), "    ", "  ")
     if r.problems:
         out.append("PROBLEMS (partial report)")
-        for p in r.problems if verbose else r.problems[:5]:
+        for p in map(redact_text, r.problems if verbose else r.problems[:5]):
             out += _wrap(p, "    ", "  - ")
         if not verbose and len(r.problems) > 5:
             out.append(f"  … {len(r.problems) - 5} more (--verbose)")

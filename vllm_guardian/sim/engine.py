@@ -19,7 +19,13 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from vllm_guardian.sim.memory import MemoryBreakdown, MemoryModel, step_activation_bytes
+from vllm_guardian.allocator_format import AllocatorStats
+from vllm_guardian.sim.memory import (
+    MemoryBreakdown,
+    MemoryModel,
+    alloc_retry_needed,
+    step_activation_bytes,
+)
 from vllm_guardian.sim.modelspec import ModelSpec
 from vllm_guardian.sim.profiling import (
     GIB,
@@ -144,6 +150,14 @@ class SimEngine:
         self.xid_events: list[XidEvent] = []
         self.busy_seconds = 0.0
         self.last_activation_bytes = 0
+        # What an NVML sample or the allocator plugin would catch: the activations of the step
+        # in flight (the last one run while the engine is busy; 0 once it idles).
+        self.sampled_activation_bytes = 0
+        # torch's caching-allocator counters for the life of the process (the plugin's file).
+        self.alloc_retries = 0
+        self.alloc_ooms = 0
+        self.allocated_peak_bytes = 0
+        self.reserved_peak_bytes = 0
         self._requests: dict[str, SimRequest] = {}
         self._logs: list[LogEvent] = []
         self._profile_result: StartupPlan | StartupFailure | None = None
@@ -231,6 +245,47 @@ class SimEngine:
             return None
         return self.memory.breakdown(self.last_activation_bytes, self.other_bytes(self.now))
 
+    def sampled_breakdown(self) -> MemoryBreakdown | None:
+        """The card as a sample taken now sees it: with the activations of the step in flight."""
+        if self.memory is None:
+            return None
+        return self.memory.breakdown(self.sampled_activation_bytes, self.other_bytes(self.now))
+
+    def allocator_stats(
+        self, pid: int, unix_seconds: float, interval_seconds: float, alloc_conf: str | None
+    ) -> AllocatorStats | None:
+        """torch.cuda.memory_stats() of the engine's process as the plugin publishes it.
+
+        allocated = weights + CUDA graphs + KV pool + the step's activations; reserved adds the
+        stranded split blocks (fragmentation), which are also its inactive-split bytes.
+        None before the engine holds memory (the plugin publishes once CUDA is up).
+        """
+        mem = self.sampled_breakdown()
+        if mem is None:
+            return None
+        allocated = mem.torch_allocated_bytes
+        reserved = mem.torch_reserved_bytes
+        block = 2 * 1024 * 1024  # the caching allocator's large-segment granularity
+        return AllocatorStats(
+            pid=pid,
+            device=0,
+            time_seconds=unix_seconds,
+            interval_seconds=interval_seconds,
+            allocated_bytes=allocated,
+            allocated_peak_bytes=max(self.allocated_peak_bytes, allocated),
+            reserved_bytes=reserved,
+            reserved_peak_bytes=max(self.reserved_peak_bytes, reserved),
+            active_bytes=allocated,
+            active_peak_bytes=max(self.allocated_peak_bytes, allocated),
+            inactive_split_bytes=mem.fragmentation_bytes,
+            inactive_split_peak_bytes=mem.fragmentation_bytes,
+            alloc_retries=self.alloc_retries,
+            ooms=self.alloc_ooms,
+            segments=max(1, reserved // block),
+            alloc_conf=alloc_conf,
+            process_name="VLLM::EngineCore",
+        )
+
     def startup_process_bytes(self) -> int:
         """What the process holds before it is ready: context, then weights as they load."""
         if self.now < STARTUP_IMPORT_SECONDS:
@@ -277,6 +332,8 @@ class SimEngine:
             assert self.scheduler is not None
             idle = not self.scheduler.running and not self.scheduler.waiting
             if idle or self.phase is EnginePhase.HUNG:
+                if idle:
+                    self.sampled_activation_bytes = 0
                 self.now = max(self.now, min(until_seconds, self._next_event_time()))
                 continue
             self._step(deltas)
@@ -469,10 +526,16 @@ class SimEngine:
         mem = self.memory.breakdown(act, self.other_bytes(self.now))
         if mem.over_bytes > 0:
             self.last_activation_bytes = act
+            self.alloc_ooms += 1
             self._oom(mem, act)
             self._fail_all(deltas)
             return
         self.last_activation_bytes = act
+        self.sampled_activation_bytes = act
+        if alloc_retry_needed(mem, self.memory.plan.activation_peak_bytes):
+            self.alloc_retries += 1
+        self.allocated_peak_bytes = max(self.allocated_peak_bytes, mem.torch_allocated_bytes)
+        self.reserved_peak_bytes = max(self.reserved_peak_bytes, mem.torch_reserved_bytes)
         duration = self.model.step_seconds(
             sched.num_tokens,
             sum(c.num_new_tokens for c in sched.chunks if c.num_new_tokens > 1),

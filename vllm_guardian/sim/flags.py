@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from vllm_guardian.allocator_format import ENV_DIR as ALLOCATOR_ENV_DIR
+from vllm_guardian.allocator_format import ENV_INTERVAL as ALLOCATOR_ENV_INTERVAL
 from vllm_guardian.sim.modelspec import ModelSpec, resolve_model
 from vllm_guardian.sim.profiling import GIB, EngineConfig
 from vllm_guardian.sim.scenarios import SCENARIOS, Scenario
@@ -41,6 +43,11 @@ class ServeOptions:
     timeline_file: Path | None
     fault_every_seconds: float | None
     non_default_args: tuple[tuple[str, object], ...]
+    # The allocator plugin's directory (VLLM_GUARDIAN_ALLOCATOR_DIR, as the guardian's drop-in
+    # sets it for vLLM): the twin publishes its allocator stats there like the plugin.
+    allocator_dir: Path | None = None
+    allocator_interval_seconds: float | None = None
+    alloc_conf: str | None = None
 
 
 class FlagError(ValueError):
@@ -216,4 +223,18 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> ServeOp
         timeline_file=ns.sim_timeline_file,
         fault_every_seconds=ns.sim_fault_every,
         non_default_args=non_default,
+        allocator_dir=Path(d) if (d := environ.get(ALLOCATOR_ENV_DIR, "").strip()) else None,
+        allocator_interval_seconds=_allocator_interval(environ),
+        alloc_conf=alloc_conf or None,
     )
+
+
+def _allocator_interval(environ: Mapping[str, str]) -> float | None:
+    raw = environ.get(ALLOCATOR_ENV_INTERVAL, "").strip()
+    try:
+        value = float(raw) if raw else None
+    except ValueError:
+        raise FlagError(f"{ALLOCATOR_ENV_INTERVAL}={raw!r} is not a number of seconds") from None
+    if value is not None and not 0.1 <= value <= 3600:
+        raise FlagError(f"{ALLOCATOR_ENV_INTERVAL}={raw!r} is not 0.1..3600 seconds")
+    return value

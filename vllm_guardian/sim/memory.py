@@ -65,6 +65,11 @@ class MemoryBreakdown:
         )
 
     @property
+    def torch_reserved_bytes(self) -> int:
+        """The caching allocator's reservation: allocated plus the stranded split blocks."""
+        return self.torch_allocated_bytes + self.fragmentation_bytes
+
+    @property
     def used_bytes(self) -> int:
         return self.process_bytes + self.other_processes_bytes
 
@@ -75,6 +80,15 @@ class MemoryBreakdown:
     @property
     def over_bytes(self) -> int:
         return self.used_bytes - self.total_bytes
+
+
+def alloc_retry_needed(mem: MemoryBreakdown, activation_budget_bytes: int) -> bool:
+    """The step fit, but only after the caching allocator freed its cached blocks and retried
+    ``cudaMalloc`` (``num_alloc_retries``): the card's free memory is below one full-batch
+    activation pool (the profile's budget), so the pool the allocator keeps for the next large
+    step no longer fits beside everything else. It happens only near the end of the card,
+    which is what makes retries a late pre-OOM signal."""
+    return mem.over_bytes <= 0 and mem.free_bytes < activation_budget_bytes
 
 
 def unprofiled_bytes(model: ModelSpec, chunks: Iterable[ScheduledChunk]) -> int:

@@ -81,7 +81,8 @@ class Scenario:
     summary: str
     vllm_args: tuple[str, ...] = ()
     load: LoadProfile = STEADY_LOAD
-    fragmentation_creep_factor: float = 1.0
+    # 0: a healthy process's allocator plateaus (steady traffic reuses its split blocks).
+    fragmentation_creep_factor: float = 0.0
     neighbour: Neighbour | None = None
     hang_at_seconds: float | None = None
     death_at_seconds: float | None = None
@@ -183,7 +184,7 @@ SCENARIOS: dict[str, Scenario] = {
             neighbour=Neighbour(
                 start_seconds=20.0,
                 initial_bytes=1 * GIB,
-                growth_bytes_per_second=0.25 * GIB,
+                growth_bytes_per_second=0.1 * GIB,
                 max_bytes=12 * GIB,
             ),
         ),

@@ -33,6 +33,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType
 from typing import Any
 
+from vllm_guardian import allocator_format as fmt
+from vllm_guardian.atomicfile import write_atomic
 from vllm_guardian.gpu_state_format import build_state
 from vllm_guardian.sim.engine import (
     ENGINE_DEAD_MESSAGE,
@@ -178,6 +180,7 @@ class Twin:
         if opts.gpu_state_file is not None:
             self.previous_xids = read_previous_xids(opts.gpu_state_file)
         self._last_gpu_write = -1e9
+        self._last_allocator_write = -1e9
         self._last_busy = (0.0, 0.0)
         self._xids_written = 0
 
@@ -265,7 +268,7 @@ class Twin:
 
     def gpu_reading(self) -> GpuReading:
         e = self.engine
-        mem = e.memory_breakdown()
+        mem = e.sampled_breakdown()  # a sample catches the step in flight: activation peaks show
         processes = []
         if e.phase in (EnginePhase.READY, EnginePhase.HUNG, EnginePhase.DEAD) and mem is not None:
             own = mem.process_bytes if e.phase is not EnginePhase.DEAD else 0
@@ -356,6 +359,29 @@ class Twin:
         write_state_atomically(path, build_state(reading, time.time()))
         self._last_gpu_write = now
 
+    def write_allocator_stats(self) -> None:
+        """Publish the engine's allocator stats as the in-vLLM plugin does (allocator_format).
+
+        Like the plugin, nothing removes the file when the process ends: the guardian's source
+        drops files of dead pids.
+        """
+        out = self.opts.allocator_dir
+        if out is None:
+            return
+        path = out / fmt.file_name(self.pid, 0)
+        interval = self.opts.allocator_interval_seconds or self.opts.gpu_state_interval_seconds
+        now = time.monotonic()
+        if now - self._last_allocator_write < interval:
+            return
+        with self.lock:
+            if self.engine.phase is EnginePhase.DEAD:
+                return  # a dead process publishes nothing more; its last file goes stale
+            rec = self.engine.allocator_stats(self.pid, time.time(), interval, self.opts.alloc_conf)
+        if rec is None:
+            return
+        write_atomic(path, fmt.encode(rec), 0o644)
+        self._last_allocator_write = now
+
     # ---------------------------------------------------------------- metrics
 
     def metrics_text(self) -> str:
@@ -433,6 +459,7 @@ class Twin:
                     forced = opts.scenario.forced_exit_code
                     return forced if forced is not None else opts.exit_code
                 self.write_gpu_state()
+                self.write_allocator_stats()
                 time.sleep(TICK_SECONDS)
         finally:
             self.lifecycle = Lifecycle.STOPPING

@@ -543,8 +543,7 @@ class LogsCollector:
                 "--all",
                 "-n",
                 "0",
-                "-u",
-                service.unit,
+                f"--unit={service.unit}",  # one argument: never read as an option
             ]
             target = self._run_journal
         else:

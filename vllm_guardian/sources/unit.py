@@ -304,9 +304,10 @@ class UnitCollector:
         argv = [
             self._cfg.systemctl,
             "show",
-            unit,
             "--property=" + ",".join(SHOW_PROPERTIES),
             "--no-pager",
+            "--",  # the unit name is never read as an option
+            unit,
         ]
         result = _run(argv, self._cfg.timeout_seconds)
         if isinstance(result, _RunFailure):

@@ -150,12 +150,19 @@ def make_parser() -> VllmParser:
     return VllmParser()
 
 
+# vLLM runs one engine per data-parallel rank; no deployment has hundreds behind one API
+# server. Past this many, a body is read for the first ones only and the rest are counted
+# (a hostile or broken /metrics with 16,000 engines cost 212 s before).
+MAX_ENGINES = 256
+
+
 def parse_vllm_metrics(
     text: str, body_bytes: int | None = None, parser: VllmParser | None = None
 ) -> VllmScrape:
     """Reduce a /metrics body to a VllmScrape. Pure: bad lines and values are counted."""
     result = (parser or VllmParser()).text_parser.parse(text)
     engines: dict[tuple[str, str], _EngineAcc] = {}
+    dropped: set[tuple[str, str]] = set()  # engines past MAX_ENGINES
     duplicates = 0
     rejected = 0
     start_time: float | None = None
@@ -188,6 +195,9 @@ def parse_vllm_metrics(
         key = (model_name, engine)
         acc = engines.get(key)
         if acc is None:
+            if len(engines) >= MAX_ENGINES:
+                dropped.add(key)
+                continue
             acc = engines[key] = _EngineAcc(model_name, engine)
         # Duplicate series (same name and labels twice) keep the first value and are counted.
         if kind == "bucket":
@@ -235,6 +245,7 @@ def parse_vllm_metrics(
         malformed_lines=result.malformed_lines,
         rejected_values=rejected,
         duplicate_series=duplicates,
+        engines_dropped=len(dropped),
     )
 
 
@@ -313,6 +324,15 @@ class VllmMetricsCollector:
                 error="no vllm:* series in /metrics",
                 hint="vLLM was started with --disable-log-stats, or this is not a vLLM server; "
                 "the guardian cannot see KV usage or queues without them",
+            )
+        if scrape.engines_dropped:
+            # Read, but not whole: the reading stands and the hint says what was left out.
+            return Reading(
+                self.kind,
+                self.service,
+                scrape,
+                hint=f"{scrape.engines_dropped} engine(s) past the first {MAX_ENGINES} were not "
+                "read (vllm_guardian_vllm_scrape_engines_dropped)",
             )
         return Reading(self.kind, self.service, scrape)
 

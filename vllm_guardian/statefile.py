@@ -1,0 +1,88 @@
+"""The policy state file: rungs, budget and breaker, saved after every tick and read at start.
+
+Where it sits: the last step of the decide-and-act half (:mod:`vllm_guardian.healing` saves the
+state after each tick and loads it once at start-up). Writes are atomic (``atomicfile.write_atomic``: temp file,
+fsync, rename), so a crash leaves the old state or the new one, never half of either.
+
+Reading never stops start-up: a file that cannot be the state (not JSON, the wrong shape, an
+unknown format, nested deeper than any state, larger than :data:`MAX_STATE_BYTES`, not a
+regular file) is renamed aside to ``<name>.corrupt`` with a warning, and the guardian starts
+fresh — the conservative choice, since a fresh state has no rungs stepped down and a full
+restart budget, and the cooldown after any action it then takes still applies.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+from pathlib import Path
+
+from vllm_guardian.atomicfile import write_atomic
+from vllm_guardian.core import policy
+from vllm_guardian.recorder import from_jsonable, to_jsonable
+
+log = logging.getLogger("vllm_guardian.healing")
+
+STATE_FORMAT = 1
+# A state with 64 services and every list at its cap is a few hundred KiB.
+MAX_STATE_BYTES = 16 * 1024 * 1024
+
+
+class _Unusable(ValueError):
+    """The file exists but cannot be the policy state."""
+
+
+def _read(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _Unusable("not a regular file")
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := os.read(fd, 1 << 20):
+            size += len(chunk)
+            if size > MAX_STATE_BYTES:
+                raise _Unusable(f"larger than {MAX_STATE_BYTES >> 20} MiB")
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def load_state(path: Path) -> policy.PolicyState | None:
+    """The saved policy state, or None. A corrupt file is renamed aside, never fatal."""
+    try:
+        raw = json.loads(_read(path).decode("utf-8"))
+        if not isinstance(raw, dict):
+            raise _Unusable(f"a JSON {type(raw).__name__}, not an object")
+        if raw.get("format") != STATE_FORMAT:
+            raise _Unusable(f"unknown format {raw.get('format')!r}")
+        state: policy.PolicyState = from_jsonable(policy.PolicyState, raw["state"])
+        return state
+    except FileNotFoundError:
+        return None
+    except RecursionError:
+        _set_aside(path, "nested too deeply to be a policy state")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        _set_aside(path, str(e))
+    return None
+
+
+def _set_aside(path: Path, why: str) -> None:
+    aside = path.with_name(path.name + ".corrupt")
+    try:
+        if aside.is_dir() and not aside.is_symlink():
+            aside = path.with_name(f"{path.name}.corrupt.{os.getpid()}")
+        os.replace(path, aside)
+    except OSError:
+        aside = path
+    log.warning(
+        "policy state %s is unreadable (%s): set aside as %s; starting fresh", path, why, aside
+    )
+
+
+def save_state(path: Path, state: policy.PolicyState) -> None:
+    body = {"format": STATE_FORMAT, "state": to_jsonable(state)}
+    write_atomic(path, json.dumps(body, separators=(",", ":")).encode(), 0o600)
