@@ -123,7 +123,8 @@ def test_kv_burst_is_held_at_the_gate() -> None:
     kv = ("--kv-cache-memory-bytes", str(1024**3), "--no-enable-prefix-caching")
     figures = {}
     with twin(*kv, speed=speed) as url:
-        g = GateThread(url)  # the default release rate: 50/s, 8 at once
+        # KV-need admission on (off by default), the default release rate: 50/s, 8 at once.
+        g = GateThread(url, kv_admission=True)
         try:
             for name, target in (("direct", url), ("gate", g.url)):
                 before = preemptions(url)

@@ -148,7 +148,10 @@ class GateConfig:
     # Retry-After on the gate's own 503 and 429.
     retry_after_seconds: int = field(default=2, metadata=_bounds(0, 3600))
     # KV-need admission: admit only what fits in the free KV pool, keeping this share free.
-    kv_admission: bool = True
+    # Off by default: a need of prompt + max_tokens reserved up front held a thrashing twin's
+    # pool at 38 % and served 240 requests where the guardian's own KV watermark gate (which
+    # the gate follows anyway) served 363 (`vllm-guardian demo --scenario kv_thrash`, 75 s).
+    kv_admission: bool = False
     kv_reserve_ratio: float = field(default=0.05, metadata=_bounds(0, 0.99))
     # Output tokens assumed for a request without max_tokens.
     default_output_tokens: int = field(default=256, metadata=_bounds(1, 10**7))

@@ -50,7 +50,7 @@ class Limits:
     release_burst: int = 8
     # 0 turns fairness off; 0.25 lets one key hold at most a quarter of the queue.
     per_key_share_ratio: float = 0.0
-    kv_admission: bool = True
+    kv_admission: bool = False  # the config's default and why: config.GateConfig
     kv_reserve_ratio: float = 0.05
     retry_after_seconds: int = 2
 

@@ -53,7 +53,7 @@ DEFAULTS: dict[str, Any] = {
     "per_key_share": 0.0,
     "key_header": "Authorization",
     "retry_after": 2,
-    "kv_admission": "on",
+    "kv_admission": "off",
     "kv_reserve": 0.05,
     "default_output_tokens": 256,
     "max_body_bytes": 32 * 1024 * 1024,
