@@ -312,7 +312,9 @@ def _scale_fields(obj: Any, speed: float) -> dict[str, Any]:
         if f.name.endswith("_seconds"):
             lo = f.metadata.get("min")
             v = max(lo if lo is not None else 0.0, v / speed)
-        if isinstance(v, tuple):
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            v = _scale_fields(v, speed)  # a nested section (policy.concurrency_relaunch)
+        elif isinstance(v, tuple):
             v = list(v)
         out[f.name] = v
     return out

@@ -115,6 +115,15 @@ CASES = [
     ("- just\n- a list\n", [("", 1, "expected a mapping")]),
     ("services:\n  - name: a\n  bad: [\n", [("", None, "not valid YAML")]),
     ("", [("services", None, "empty")]),
+    (MINIMAL + "fleet:\n  permit: etcd\n", [("fleet.permit", 4, "'none' or 'lease'")]),
+    (
+        MINIMAL + "fleet:\n  permit: lease\n",
+        [("fleet.model", 4, "required with fleet.permit: lease"), ("fleet.pdb", 4, "required")],
+    ),
+    (
+        MINIMAL + "fleet:\n  permit: lease\n  model: Llama_3\n  pdb: p\n",
+        [("fleet.model", 5, "Kubernetes name")],
+    ),
 ]
 
 

@@ -116,6 +116,8 @@ def test_http_endpoints():
     try:
         base = "http://{}:{}".format(*server.address)
         assert requests.get(base + "/healthz", timeout=5).status_code == 503  # no tick yet
+        starting = requests.get(base + "/ready/vllm", timeout=5)  # nothing seen: not ready
+        assert starting.status_code == 503 and starting.json()["reason"] == "starting: no tick yet"
         history = snapshots()
         c.publish(Published(history[-1], signals_for(history), 0.01), monotonic_now=100.0)
         r = requests.get(base + "/metrics", timeout=5)

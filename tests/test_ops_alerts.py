@@ -45,6 +45,7 @@ PENDING_METRICS = {
     "vllm_guardian_actions_total",
     "vllm_guardian_restart_budget_remaining",
     "vllm_guardian_paused",
+    "vllm_guardian_action_in_flight",
 }
 # Present only while the service is saturated and its capacity measurable, so absent from the
 # golden file; tests/test_exposition.py::test_capacity_series renders them.
@@ -121,7 +122,7 @@ PROMQL_WORDS = {
     "min_over_time", "avg_over_time", "le", "instance", "job", "model_name", "service", "host",
     "gpu", "xid", "source", "action", "dry_run", "engine", "irate", "clamp_min", "topk",
     "sort_desc", "absent", "vector", "scalar", "changes", "resets", "quantile", "lever",
-    "severity", "result", "alertstate", "reason", "cause",
+    "severity", "result", "alertstate", "reason", "cause", "model", "kind", "pod", "alertname",
 }  # fmt: skip
 
 

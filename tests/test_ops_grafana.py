@@ -160,7 +160,7 @@ def test_structure():
     rows = [p["title"] for p in panels if p["type"] == "row"]
     assert rows == [
         "Overview", "KV pool and queue", "GPU memory", "Latency and throughput", "Admission gate",
-        "Capacity",
+        "Capacity", "Fleet",
     ]  # fmt: skip
     cells: set[tuple[int, int]] = set()
     for p in panels:

@@ -121,6 +121,7 @@ class Row:
     pool: int | None = None  # KV pool size in tokens
     fail: bool = False  # the in-flight action's result (delivered this row) is a failure
     terminal: bool = False
+    last_true: float | None = None  # alerts held firing: their condition was last true then
 
 
 @dataclass
@@ -193,7 +194,12 @@ class Run:
         )
         out = decide(
             self.state,
-            [alert(a, row.t) for a in row.alerts],
+            [
+                alert(a, row.t)
+                if row.last_true is None
+                else replace(alert(a, row.t), last_true_seconds=row.last_true)
+                for a in row.alerts
+            ],
             snap,
             Signals(row.t, (sig,)),
             row.t,
@@ -264,6 +270,20 @@ def test_dead_engine_is_restarted_once_then_cooldown_then_budget_latches():
     )  # never unlatches by itself
     state, _ = resume(r.state, "vllm", 20001)
     assert not state.service("vllm").breaker_latched
+
+
+def test_an_alert_held_firing_after_the_restart_that_cured_it_is_not_acted_on():
+    # keep_firing_for holds an alert after its condition cleared (VllmEngineStalled: 30 s).
+    # Once our restart made vLLM ready again (t=2), a condition last true at t=1 describes the
+    # instance we replaced: acting on it would restart a healthy engine (found on virtual time,
+    # tests/test_scenarios_vt.py engine_hang_once).
+    r = Run()
+    r.tick(Row(0, alerts=("EngineDead",), health=HealthState.ENGINE_DEAD))
+    r.tick(Row(2))  # the restart's result: ready at 2, cooldown until 102
+    r.tick(Row(150, alerts=("EngineDead",), last_true=1.0))
+    assert len(r.actions) == 1, [d.reason for d in r.decisions]
+    r.tick(Row(160, alerts=("EngineDead",), health=HealthState.ENGINE_DEAD))  # true again now
+    assert [a.kind for a in r.actions] == [ActionKind.RESTART] * 2
 
 
 def test_startup_grace_refused_is_not_dead():

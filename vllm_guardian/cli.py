@@ -137,8 +137,10 @@ def render_status(st: dict[str, Any]) -> str:
             f"  preemptions/s {_fmt(svc.get('preemptions_per_second'), '{:.2f}')}"
             f"  tokens/s {_fmt(svc.get('generation_tokens_per_second'), '{:.1f}')}"
         )
+        by_device = " (by device: NVML's host pids are not visible here)"
         lines.append(
-            f"  GPU memory: service {_fmt_bytes(svc.get('service_memory_bytes'))}"
+            f"  GPU memory{by_device if svc.get('gpu_memory_by_device') else ''}:"
+            f" service {_fmt_bytes(svc.get('service_memory_bytes'))}"
             f"  budget {_fmt_bytes(svc.get('memory_budget_bytes'))}"
             f"  others {_fmt_bytes(svc.get('other_processes_memory_bytes'))}"
             f"  free {_fmt_bytes(svc.get('headroom_bytes'))}"

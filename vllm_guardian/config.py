@@ -181,6 +181,10 @@ class ServiceConfig:
     unit: str | None = field(default=None, metadata=_bounds(check=_check_unit))
     # GPU indices the service uses; None ("auto") = the GPUs its processes hold memory on.
     gpus: tuple[int, ...] | None = field(default=None, metadata=_bounds(0, 1023))
+    # In a container NVML reports host pids the guardian cannot see, so its processes are not
+    # found: true attributes all memory on the service's GPUs (with gpus auto: every GPU the
+    # guardian sees, i.e. the pod's own) to the service. The Helm chart sets it.
+    gpu_memory_by_device: bool = False
     # A plain log file to follow instead of the unit's journal (vLLM run outside systemd).
     log_file: str | None = None
     # The vLLM command (argument list, no shell) for policy.backend "process": the guardian
@@ -447,6 +451,44 @@ class PolicyConfig:
     )
 
 
+def _check_permit(v: str) -> str | None:
+    return None if v in ("none", "lease") else "must be 'none' or 'lease'"
+
+
+_K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def _check_k8s_name(v: str | None) -> str | None:
+    if v is None or _K8S_NAME.match(v):
+        return None
+    return "must be a Kubernetes name: lowercase letters, digits and '-', at most 63"
+
+
+def _check_optional_url(v: str | None) -> str | None:
+    return None if v is None else _check_url(v)
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    # One disruption budget across replicas (README "Run on Kubernetes"): "none" (one host:
+    # every replica acts alone) or "lease" (a voluntary action first takes one of N Lease
+    # permits, N and disruptionsAllowed from the PodDisruptionBudget). Only "lease" imports the
+    # Kubernetes adapter (the `k8s` extra).
+    permit: str = field(default="none", metadata=_bounds(check=_check_permit))
+    # The model's name: the Leases are vllm-guardian-<model>-<k>.
+    model: str | None = field(default=None, metadata=_bounds(check=_check_k8s_name))
+    # The PodDisruptionBudget whose status gates voluntary actions.
+    pdb: str | None = field(default=None, metadata=_bounds(check=_check_k8s_name))
+    # A dead holder frees its permit after this: longer than one action (drain + load).
+    lease_ttl_seconds: float = field(default=900.0, metadata=_bounds(30, 86400))
+    # A voluntary action waits this long for a permit, then gives up (audited) until next due.
+    wait_timeout_seconds: float = field(default=1800.0, metadata=_bounds(0, 86400))
+    # The API server and namespace; null in a pod (the service account's). For tests and
+    # guardians outside the cluster.
+    api_server: str | None = field(default=None, metadata=_bounds(check=_check_optional_url))
+    namespace: str | None = field(default=None, metadata=_bounds(check=_check_k8s_name))
+
+
 @dataclass(frozen=True)
 class Config:
     services: tuple[ServiceConfig, ...] = field(default=(), metadata=_bounds(1, 64))
@@ -463,6 +505,7 @@ class Config:
     recorder: RecorderConfig = field(default_factory=RecorderConfig)
     alerting: AlertingConfig = field(default_factory=AlertingConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    fleet: FleetConfig = field(default_factory=FleetConfig)
 
     @property
     def listen_address(self) -> tuple[str, int]:
@@ -723,6 +766,12 @@ def _cross_checks(cfg: Config, root: yaml.Node, loader: _Loader) -> None:
                     _find(root, "services", i),
                     "required with policy.backend: process",
                 )
+    if cfg.fleet.permit == "lease":
+        fleet = _find_key(root, "fleet")
+        for key in ("model", "pdb"):
+            # Absent, not merely invalid: an invalid value has its own error already.
+            if getattr(cfg.fleet, key) is None and _find_key(fleet, key) is None:
+                loader.err(f"fleet.{key}", fleet, "required with fleet.permit: lease")
     names = [s.name for s in cfg.services]
     for i, s in enumerate(cfg.services):
         if names.count(s.name) > 1 and names.index(s.name) != i:
@@ -792,7 +841,7 @@ def _find_path(root: yaml.Node | None, *steps: str | int) -> yaml.Node | None:
     return node
 
 
-def _find_key(root: yaml.Node, key: str) -> yaml.Node | None:
+def _find_key(root: yaml.Node | None, key: str) -> yaml.Node | None:
     if isinstance(root, yaml.MappingNode):
         for k, v in root.value:
             if k.value == key:

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 from vllm_guardian import __version__
 from vllm_guardian.clock import Clock, SteadyClock, SystemClock
 from vllm_guardian.config import Config, ConfigInvalid, load_config
+from vllm_guardian.container import ConfigWatch, container_mode
 from vllm_guardian.control import ControlServer
 from vllm_guardian.core.allocator import attribute as attribute_allocator
 from vllm_guardian.core.signals import ServiceSignals, Signals, derive
@@ -426,7 +427,16 @@ class Guardian:
             self.healing.start()
         try:
             next_at = self.clock.monotonic()
+            # Container mode: a ConfigMap update reloads the config as SIGHUP does.
+            watch = (
+                ConfigWatch(self.config_path)
+                if self.config_path and container_mode(os.environ)
+                else None
+            )
             while not self._stop.is_set():
+                if watch is not None and watch.changed():
+                    log.info("%s changed: reloading", self.config_path)
+                    self._reload.set()
                 if self._reload.is_set():
                     self._reload.clear()
                     self.notifier.notify("RELOADING=1")

@@ -785,6 +785,13 @@ class ExpositionServer:
             gate = self.collector.gate(name)
             if gate is None:
                 return 404, json.dumps({"error": f"unknown service {name!r}"}).encode(), JSON
+            if self.collector.last_tick_monotonic() is None:
+                # Nothing observed yet: not ready (a pod's readiness probe must not pass
+                # before the guardian has seen vLLM serve).
+                body = json.dumps(
+                    {"service": name, "ready": False, "reason": "starting: no tick yet"}
+                )
+                return 503, body.encode(), JSON
             body = json.dumps({"service": name, "ready": gate.ready, "reason": gate.reason})
             return (200 if gate.ready else 503), body.encode(), JSON
         if path == "/":

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -32,11 +33,12 @@ from vllm_guardian.actuators import flags as flagsfile
 from vllm_guardian.actuators.alerts import AlertDispatcher, load_rules
 from vllm_guardian.actuators.audit import AuditLog
 from vllm_guardian.actuators.bundle import BundleWriter
-from vllm_guardian.actuators.executor import OpRunner, RestartBackend
+from vllm_guardian.actuators.executor import OpRunner, PermitBackend, RestartBackend
 from vllm_guardian.actuators.procmgr import Supervisor
 from vllm_guardian.actuators.systemd import SystemdBackend
 from vllm_guardian.clock import Clock
 from vllm_guardian.config import Config
+from vllm_guardian.container import container_mode, pod_identity
 from vllm_guardian.core import alerting, policy
 from vllm_guardian.core import step as core_step
 from vllm_guardian.core.signals import Signals
@@ -86,7 +88,7 @@ class Healing:
         self.dispatcher = dispatcher or AlertDispatcher(cfg.alerting, clock)
         state_dir = Path(cfg.state_dir)
         self.state_path = state_dir / "policy-state.json"
-        self.audit = AuditLog(state_dir / "audit.jsonl")
+        self.audit = AuditLog(state_dir / "audit.jsonl", identity=pod_identity(os.environ))
         names = [s.name for s in cfg.services]
         self.tick_state = core_step.initial(names, load_state(self.state_path))
         self.supervisors: dict[str, Supervisor] = {}
@@ -103,7 +105,9 @@ class Healing:
         self.bundles = BundleWriter(
             state_dir / "bundles", self._bundle_context, cfg.policy.bundle_timeout_seconds
         )
-        self.runner = OpRunner(clock, state_dir, dict(backends), self._capture_bundle)
+        self.runner = OpRunner(
+            clock, state_dir, dict(backends), self._capture_bundle, self._fleet_permits(cfg)
+        )
         self.settings = self._settings(cfg, self.rules)
         # Each recent action's decisions, for `vllm-guardian restart|relaunch` to follow.
         self.action_log: collections.OrderedDict[int, list[policy.Decision]] = (
@@ -111,11 +115,32 @@ class Healing:
         )
 
     @staticmethod
+    def _fleet_permits(cfg: Config) -> PermitBackend | None:
+        """The Lease adapter, only with fleet.permit: lease (lightkube is imported only here)."""
+        f = cfg.fleet
+        if f.permit != "lease" or f.model is None or f.pdb is None:
+            return None
+        try:
+            from vllm_guardian.actuators.k8s_permit import LeasePermits  # noqa: PLC0415
+
+            holder = pod_identity(os.environ).get("pod") or os.uname().nodename
+            return LeasePermits.connect(
+                f.model, f.pdb, holder, f.lease_ttl_seconds, f.api_server, f.namespace
+            )
+        except Exception as e:  # missing extra, no service account: every permit op says so
+            log.error("fleet.permit is lease but the permit adapter cannot start: %s", e)
+            return None
+
+    @staticmethod
     def _settings(cfg: Config, rules: Sequence[alerting.Rule]) -> core_step.StepSettings:
+        permit = cfg.fleet.wait_timeout_seconds if cfg.fleet.permit == "lease" else None
         return core_step.settings_for(
             rules,
             policy.PolicySettings(
-                cfg.policy, tuple(s.name for s in cfg.services), {r.name: r.signal for r in rules}
+                cfg.policy,
+                tuple(s.name for s in cfg.services),
+                {r.name: r.signal for r in rules},
+                permit_timeout_seconds=permit,
             ),
             cfg.services,
             cfg.signals,
@@ -144,6 +169,7 @@ class Healing:
                     Path(self.cfg.state_dir) / f"{svc.name}.env",
                     log_path,
                     stop_timeout_seconds=self.cfg.policy.drain_timeout_seconds + 30,
+                    tee_stdout=container_mode(os.environ),
                 )
                 self.supervisors[svc.name] = sup
                 out[svc.name] = sup
@@ -159,7 +185,7 @@ class Healing:
 
     def close(self) -> None:
         for sup in self.supervisors.values():
-            sup.stop()
+            sup.stop(sup.stop_timeout_seconds)  # vLLM's own drain, not a default 30 s
         self.dispatcher.close()
 
     # --- what the actuators need ---------------------------------------------------------------

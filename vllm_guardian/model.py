@@ -454,6 +454,8 @@ class Op(StrEnum):
     BUNDLE = "bundle"  # capture the incident bundle (time-boxed)
     WRITE_FLAGS = "write_flags"  # write the guardian-owned flags file (validated)
     RESTART = "restart"  # systemctl restart / the process manager's restart
+    PERMIT = "permit"  # one try for a fleet permit (fleet.permit: lease; actuators/k8s_permit.py)
+    RELEASE_PERMIT = "release_permit"  # give the fleet permit back when the action ends
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from vllm_guardian.core.policy import Decision
@@ -18,13 +18,17 @@ from vllm_guardian.recorder import to_jsonable
 
 
 class AuditLog:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, identity: Mapping[str, str] | None = None) -> None:
         self.path = path
+        # Who wrote the record, in a fleet (container mode: the pod from the downward API).
+        self.identity = dict(identity or {})
         self._lock = threading.Lock()
         self.error: str | None = None
 
     def write(self, decisions: Iterable[Decision]) -> bool:
-        lines = "".join(json.dumps(to_jsonable(d), separators=(",", ":")) + "\n" for d in decisions)
+        lines = "".join(
+            json.dumps(self._record(d), separators=(",", ":")) + "\n" for d in decisions
+        )
         if not lines:
             return True
         with self._lock:
@@ -40,3 +44,9 @@ class AuditLog:
                 return False
         self.error = None
         return True
+
+    def _record(self, d: Decision) -> object:
+        record = to_jsonable(d)
+        if self.identity and isinstance(record, dict):
+            return {**record, **self.identity}
+        return record

@@ -34,6 +34,16 @@ class RestartBackend(Protocol):
         ...
 
 
+class PermitBackend(Protocol):
+    """The fleet permit (fleet.permit: lease; actuators/k8s_permit.py)."""
+
+    def acquire(self, now: float) -> tuple[bool, bool, str]:
+        """One try: (granted, terminal, detail); never raises."""
+        ...
+
+    def release_all(self, now: float) -> tuple[bool, bool, str]: ...
+
+
 Bundle = Callable[[OpRequest], str | None]
 
 
@@ -44,11 +54,13 @@ class OpRunner:
         state_dir: Path,
         backends: dict[str, RestartBackend],
         capture_bundle: Bundle | None = None,
+        permits: PermitBackend | None = None,
     ) -> None:
         self.clock = clock
         self.state_dir = state_dir
         self.backends = backends
         self.capture_bundle = capture_bundle
+        self.permits = permits
         self._results: queue.SimpleQueue[OpResult] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
 
@@ -108,6 +120,12 @@ class OpRunner:
                 return True, False, "not captured (no bundle writer)"
             where = self.capture_bundle(req)
             return (True, False, where) if where else (False, False, "no bundle (see the log)")
+        if req.op in (Op.PERMIT, Op.RELEASE_PERMIT):
+            if self.permits is None:
+                return False, True, "no fleet permit backend (fleet.permit is not lease here)"
+            if req.op is Op.PERMIT:
+                return self.permits.acquire(self.clock.time())
+            return self.permits.release_all(self.clock.time())
         backend = self.backends.get(req.service)
         if backend is None:
             return False, True, "no restart backend for this service (unit or command missing)"

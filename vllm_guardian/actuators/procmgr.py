@@ -25,6 +25,7 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -96,6 +97,7 @@ class Supervisor:
         extra_env: Mapping[str, str] | None = None,
         pid_path: Path | None = None,
         restart_on_clean_exit: bool = True,
+        tee_stdout: bool = False,
     ) -> None:
         """``restart_on_clean_exit=False`` is systemd's ``Restart=on-failure``: an exit with
         status 0 (vLLM's after an engine death) ends supervision until ``start``/``restart``."""
@@ -109,6 +111,8 @@ class Supervisor:
         # Beside the flags file (the state directory) unless told otherwise.
         self.pid_path = pid_path if pid_path is not None else flags_path.with_suffix(".pid")
         self.restart_on_clean_exit = restart_on_clean_exit
+        # Container mode: the child's output also goes to our stdout (`kubectl logs`).
+        self.tee_stdout = tee_stdout
         self._lock = threading.Lock()
         self._closed = False  # stop() was called: nothing is started again
         self._proc: subprocess.Popen[bytes] | Adopted | None = None
@@ -162,14 +166,26 @@ class Supervisor:
 
     def _spawn(self) -> None:
         argv, env = self.argv_and_env()
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        try:
+        if self.tee_stdout:
             proc = subprocess.Popen(
-                argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                argv,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
-        finally:
-            if out is not subprocess.DEVNULL:
-                out.close()  # type: ignore[union-attr]
+            threading.Thread(
+                target=self._tee, args=(proc,), name=f"tee-{self.name}", daemon=True
+            ).start()
+        else:
+            out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+            try:
+                proc = subprocess.Popen(
+                    argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            finally:
+                if out is not subprocess.DEVNULL:
+                    out.close()  # type: ignore[union-attr]
         with self._lock:
             closed = self._closed
             if not closed:
@@ -240,6 +256,35 @@ class Supervisor:
             "(not starting a second copy)", self.name, orphan.pid,
         )  # fmt: skip
         return True
+
+    def _tee(self, proc: subprocess.Popen[bytes]) -> None:
+        """Copy the child's output to the log file and to our stdout until it closes. A write
+        error on either side drops that side, never the child's output pipe (it would block)."""
+        assert proc.stdout is not None
+        log_file = None
+        if self.log_path is not None:
+            try:
+                self.log_path.parent.mkdir(parents=True, exist_ok=True)
+                log_file = open(self.log_path, "ab")  # noqa: SIM115
+            except OSError as e:
+                log.error("%s: cannot open %s: %s", self.name, self.log_path, e)
+        stdout = getattr(sys.stdout, "buffer", None)
+        fd = proc.stdout.fileno()
+        with proc.stdout:
+            for chunk in iter(lambda: os.read(fd, 65536), b""):
+                for sink in (log_file, stdout):
+                    if sink is None:
+                        continue
+                    try:
+                        sink.write(chunk)
+                        sink.flush()
+                    except (OSError, ValueError):
+                        if sink is log_file:
+                            log_file = None
+                        else:
+                            stdout = None
+        if log_file is not None:
+            log_file.close()
 
     def _loop(self) -> None:
         while True:

@@ -9,7 +9,8 @@ back as observations (``Snapshot.op_results``) on a later tick, never assumed. E
 is a decision: audited, recorded in the flight record, and shown by ``replay`` at the tick it
 happened. This is oomd's multi-tick action and controller-runtime's requeue.
 
-The phases of one action::
+The phases of one action (a voluntary one with ``fleet.permit: lease`` first waits in
+AWAITING_PERMIT, front door open, for one of the fleet's permits; it is released at the end)::
 
     PREPARING ──► (vLLM died) AWAITING_SELF_RESTART ──► (its supervisor restarted it) AWAITING_READY
         │                          │ (nobody restarted it)
@@ -36,9 +37,16 @@ from vllm_guardian.model import ActionKind, Cause, Op, OpRequest, OpResult
 
 # A restart call that has not returned this long after its own timeout is a lost call.
 RESTART_CALL_MARGIN_SECONDS = 60.0
+# A fleet permit that was refused ("not now") is asked for again after this.
+PERMIT_RETRY_SECONDS = 15.0
+# One try for a permit is a few API calls.
+PERMIT_CALL_TIMEOUT_SECONDS = 30.0
 
 
 class Phase(StrEnum):
+    # A voluntary action (no crash) with fleet.permit: lease first waits for one of the fleet's
+    # permits (core/permit.py); the front door stays open meanwhile. Released when it ends.
+    AWAITING_PERMIT = "awaiting_permit"
     PREPARING = "preparing"  # the bundle is captured and (relaunch) the flags file written
     AWAITING_SELF_RESTART = "awaiting_self_restart"  # vLLM died: its supervisor may restart it
     DRAINING = "draining"  # front door closed: waiting for the requests in flight to finish
@@ -86,6 +94,9 @@ class ActionProgress:
     notes: tuple[str, ...] = ()  # what happened so far, for the result's detail
     operator: str | None = None  # who asked, when an operator command started it
     orphaned: bool = False  # the guardian restarted while this was under way
+    permit_held: bool = False  # a fleet permit was granted: released when the action ends
+    permit_retry_at: float = 0.0  # AWAITING_PERMIT: when to ask again after a "not now"
+    permit_reason: str = ""  # AWAITING_PERMIT: why the last try was refused
 
 
 @dataclass(frozen=True)
@@ -123,9 +134,32 @@ def start(
     now: float,
     p: PolicyConfig,
     operator: str | None = None,
+    permit_timeout_seconds: float | None = None,
 ) -> tuple[ActionProgress, tuple[OpRequest, ...]]:
     """The first phase: ask for the bundle and (for a relaunch) the flags file. The flags go
-    first: when vLLM is already dying (an OOM), its supervisor's own restart then reads them."""
+    first: when vLLM is already dying (an OOM), its supervisor's own restart then reads them.
+    With ``permit_timeout_seconds`` (a voluntary action, fleet.permit: lease) the first phase
+    is AWAITING_PERMIT instead: one try for a fleet permit, preparing once it is granted."""
+    if permit_timeout_seconds is not None:
+        ask = OpRequest(
+            action_id, service, Op.PERMIT, (), (), PERMIT_CALL_TIMEOUT_SECONDS, reason, cause
+        )
+        waiting = ActionProgress(
+            action_id=action_id,
+            kind=kind,
+            cause=cause,
+            reason=reason,
+            phase=Phase.AWAITING_PERMIT,
+            phase_since=now,
+            deadline=now + permit_timeout_seconds,
+            started_seconds=now,
+            flags=flags,
+            env=env,
+            old_pid=old_pid,
+            waiting_ops=(Op.PERMIT,),
+            operator=operator,
+        )
+        return waiting, (ask,)
     ops: list[OpRequest] = []
     if kind is ActionKind.RELAUNCH:
         ops.append(OpRequest(action_id, service, Op.WRITE_FLAGS, flags, env, 10.0, reason, cause))
@@ -171,6 +205,13 @@ def advance(
         moves.append(Move(phase, why))
 
     def end(ok: bool, terminal: bool, detail: str) -> Advance:
+        if a.permit_held:
+            ops.append(
+                OpRequest(
+                    a.action_id, service, Op.RELEASE_PERMIT, (), (),
+                    PERMIT_CALL_TIMEOUT_SECONDS, a.reason,
+                )
+            )  # fmt: skip
         parts = [*a.notes, detail] if ok else [detail, *a.notes]
         return Advance(None, tuple(moves), tuple(ops), Outcome(ok, terminal, "; ".join(parts)))
 
@@ -187,7 +228,14 @@ def advance(
     if a.orphaned:
         # The guardian died mid-action: the calls it was waiting for died with it.
         a = replace(a, orphaned=False, waiting_ops=())
-        if a.phase is Phase.PREPARING:
+        if a.phase is Phase.AWAITING_PERMIT:
+            # The try died with the guardian: ask again now (a Lease it got meanwhile is found
+            # again as its own: core/permit.plan renews it).
+            a = replace(a, permit_retry_at=now)
+            moves.append(
+                Move(a.phase, "the guardian restarted while waiting for a permit: asking again")
+            )
+        elif a.phase is Phase.PREPARING:
             # Nothing disruptive happened yet: prepare again.
             fresh, again = start(
                 a.action_id, service, a.kind, a.cause, a.reason, a.flags, a.env,
@@ -213,7 +261,29 @@ def advance(
         if r.action_id != a.action_id:
             continue
         a = replace(a, waiting_ops=tuple(o for o in a.waiting_ops if o is not r.op))
-        if r.op is Op.BUNDLE:
+        if r.op is Op.PERMIT and r.ok and a.phase is Phase.AWAITING_PERMIT:
+            waited = now - a.phase_since
+            fresh, prepare = start(
+                a.action_id, service, a.kind, a.cause, a.reason, a.flags, a.env,
+                a.old_pid, now, p, a.operator,
+            )  # fmt: skip
+            ops.extend(prepare)
+            a = replace(
+                fresh,
+                started_seconds=a.started_seconds,
+                permit_held=True,
+                notes=(*a.notes, f"fleet permit after {waited:.0f}s ({r.detail})"),
+            )
+            moves.append(
+                Move(Phase.PREPARING, f"fleet permit granted: {r.detail}; front door closed")
+            )
+        elif r.op is Op.PERMIT and a.phase is Phase.AWAITING_PERMIT:
+            if r.terminal:
+                return end(False, True, f"no fleet permit: {r.detail}")
+            if r.detail != a.permit_reason:  # audited when the reason changes, not every try
+                moves.append(Move(Phase.AWAITING_PERMIT, f"no fleet permit yet: {r.detail}"))
+            a = replace(a, permit_retry_at=now + PERMIT_RETRY_SECONDS, permit_reason=r.detail)
+        elif r.op is Op.BUNDLE:
             a = replace(a, notes=(*a.notes, f"bundle {r.detail}" if r.ok else r.detail))
         elif r.op is Op.WRITE_FLAGS and not r.ok:
             return end(False, r.terminal, f"flags not written, nothing restarted: {r.detail}")
@@ -230,6 +300,27 @@ def advance(
 
     for _ in range(len(Phase) + 1):  # each pass either waits (returns) or moves on
         phase = a.phase
+        if phase is Phase.AWAITING_PERMIT:
+            if Op.PERMIT in a.waiting_ops:
+                if now >= a.deadline + PERMIT_CALL_TIMEOUT_SECONDS:
+                    return end(False, False, "the permit call did not return in time")
+            elif now >= a.deadline:
+                waited = now - a.phase_since
+                return end(
+                    False,
+                    False,
+                    f"no fleet permit within {waited:.0f}s; nothing restarted (last: "
+                    f"{a.permit_reason or 'no answer'})",
+                )
+            elif now >= a.permit_retry_at:
+                ops.append(
+                    OpRequest(
+                        a.action_id, service, Op.PERMIT, (), (),
+                        PERMIT_CALL_TIMEOUT_SECONDS, a.reason, a.cause,
+                    )
+                )  # fmt: skip
+                a = replace(a, waiting_ops=(*a.waiting_ops, Op.PERMIT))
+            break
         if phase is Phase.PREPARING:
             if Op.WRITE_FLAGS in a.waiting_ops and now < a.deadline:
                 break

@@ -180,6 +180,9 @@ class PolicySettings:
     rule_signals: Mapping[str, str] = field(default_factory=dict)  # alertname → signal
     # The longest an action may take before its missing result counts as a failure.
     action_timeout_seconds: float = 3600.0
+    # fleet.permit: lease — a voluntary action first waits this long at most for a fleet
+    # permit (core/phases.py AWAITING_PERMIT); None: no permit (one host, the default).
+    permit_timeout_seconds: float | None = None
 
 
 class DecisionKind(StrEnum):
@@ -371,7 +374,11 @@ class _Ctx:
         flags: tuple[tuple[str, str], ...] = (),
         env: tuple[tuple[str, str], ...] = (),
         operator: str | None = None,
+        voluntary: bool = False,
     ) -> ServiceState:
+        """``voluntary``: nothing has crashed (the replica serves), or an operator asked; with a
+        fleet permit configured, such an action waits for one first (README "Run on
+        Kubernetes")."""
         p = self.settings.policy
         # An operator's explicit command acts although the policy is in dry-run.
         dry = operator is None and (p.dry_run or kind.value in p.dry_run_actions)
@@ -399,11 +406,22 @@ class _Ctx:
                 else ""
             )
             return _finish(self, s, action.id, kind, phases.Outcome(True, False, what), True)
+        permit = self.settings.permit_timeout_seconds if voluntary else None
         progress, ops = phases.start(
             action.id, s.service, kind, cause, reason, flags, env,
-            s.main_pid, self.now, p, operator,
+            s.main_pid, self.now, p, operator, permit,
         )  # fmt: skip
         self.ops.extend(ops)
+        if progress.phase is phases.Phase.AWAITING_PERMIT:
+            self.decide(
+                s,
+                DecisionKind.PHASE,
+                f"voluntary {kind.value}: waiting for a fleet permit (at most {permit:.0f}s); "
+                "front door stays open",
+                action_id=action.id,
+                phase=progress.phase,
+            )
+            return replace(s, action=progress)
         self.decide(
             s,
             DecisionKind.PHASE,
@@ -466,7 +484,11 @@ def decide(
             [
                 a
                 for a in alerts
-                if a.service == name and not _instant(settings.rule_signals.get(a.name, ""))
+                if a.service == name
+                and not _instant(settings.rule_signals.get(a.name, ""))
+                # An alert held firing (keep_firing_for) whose condition was last true before
+                # our last action made vLLM ready again describes the instance we replaced.
+                and not (s.ready_since is not None and a.last_true_seconds < s.ready_since)
             ],
             settings.rule_signals,
         )
@@ -554,6 +576,12 @@ def _advance(
     for m in adv.moves:
         ctx.decide(s, DecisionKind.PHASE, m.why, action_id=action.action_id, phase=m.phase)
     if adv.outcome is None:
+        if (
+            action.phase is phases.Phase.AWAITING_PERMIT
+            and adv.progress is not None
+            and adv.progress.phase is not phases.Phase.AWAITING_PERMIT
+        ):  # the permit is granted: from here on the action holds the front door
+            s = replace(s, gate_open=False, gate_reason=f"{action.kind.value} in progress")
         return replace(s, action=adv.progress)
     detail = adv.outcome.detail
     if action.kind is ActionKind.RELAUNCH and adv.outcome.ok:
@@ -652,7 +680,7 @@ def gate_dry_run(p: PolicyConfig) -> bool:
 
 
 def _gate(ctx: _Ctx, s: ServiceState, sig: ServiceSignals | None) -> ServiceState:
-    if s.action is not None:
+    if s.action is not None and s.action.phase is not phases.Phase.AWAITING_PERMIT:
         return s  # the action holds the front door closed until it ends
     if not s.gate_open and s.gate_reason.startswith(FORECAST_GATE):
         return s  # held by the exhaustion forecast (_preempt opens it)
@@ -978,12 +1006,13 @@ def _act(
             f"{top.cause.value}: {lever.value} {how} down to {value} (rung {rung}){why}; "
             + top.evidence[0].sentence
         )
-        return ctx.act(s, ActionKind.RELAUNCH, top, reason, flags, env)
+        return ctx.act(s, ActionKind.RELAUNCH, top, reason, flags, env, voluntary=not crash)
     flags, env = _flags(s, base, p)
     reason = (
         f"{top.cause.value}: drain and restart with the same flags; " + top.evidence[0].sentence
     )
-    return ctx.act(s, ActionKind.RESTART, top, reason, flags, env)
+    voluntary = not crash and top.cause is not Cause.ENGINE_DEAD
+    return ctx.act(s, ActionKind.RESTART, top, reason, flags, env, voluntary=voluntary)
 
 
 def _maybe_step_up(ctx: _Ctx, s: ServiceState, sig: ServiceSignals | None) -> ServiceState:
@@ -1012,7 +1041,7 @@ def _maybe_step_up(ctx: _Ctx, s: ServiceState, sig: ServiceSignals | None) -> Se
     value = lever_value(lever, rung, base, p) or "the operator's baseline"
     reason = f"stable for {now - quiet_since:.0f}s: {lever.value} one rung up to {value}"
     ctx.decide(s, DecisionKind.STEP_UP, reason)
-    return ctx.act(s, ActionKind.RELAUNCH, None, reason, flags, env)
+    return ctx.act(s, ActionKind.RELAUNCH, None, reason, flags, env, voluntary=True)
 
 
 def published_signals(
@@ -1171,7 +1200,9 @@ def operator_action(
     # Not counted against the restart budget: the budget stops the guardian from restart-looping
     # on its own; a person's explicit restarts are theirs to make (and audited).
     s = replace(s, last_note="")
-    s = ctx.act(s, kind, None, reason, flags, env, operator=who)
+    # An operator's restart is a voluntary disruption too: in a fleet it waits for a permit,
+    # as `kubectl drain` waits for the PodDisruptionBudget.
+    s = ctx.act(s, kind, None, reason, flags, env, operator=who, voluntary=True)
     services = tuple(s if x.service == service else x for x in state.services)
     return PolicyOutput(
         PolicyState(services, ctx.next_id), tuple(ctx.actions), tuple(ctx.decisions),

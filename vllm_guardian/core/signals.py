@@ -117,6 +117,8 @@ class ServiceSignals:
     service_memory_bytes: int | None = None
     memory_over_budget_bytes: int | None = None
     other_processes_memory_bytes: int | None = None
+    # services[].gpu_memory_by_device: memory attributed by device, not by process (a pod)
+    gpu_memory_by_device: bool = False
     headroom_bytes: int | None = None  # least free memory among the service's GPUs
     headroom_slope_bytes_per_second: float | None = None
     log_events: tuple[tuple[LogEventKind, int], ...] = ()  # cumulative since the guardian started
@@ -380,17 +382,26 @@ def _service_gpus(
     if svc.gpus is not None:
         wanted = set(svc.gpus)
         return [d for d in devices if d.index in wanted]
+    if svc.gpu_memory_by_device:  # a pod: every GPU it sees is its own
+        return list(devices)
     return [d for d in devices if d.processes and any(belongs_to(p, unit) for p in d.processes)]
 
 
 def _gpu_signals(
-    devices: Sequence[GpuDevice], unit: UnitState | None, utilization: float | None
+    devices: Sequence[GpuDevice],
+    unit: UnitState | None,
+    utilization: float | None,
+    by_device: bool = False,
 ) -> tuple[ServiceGpuSignals, ...]:
     out = []
     for d in devices:
         mine: int | None = None
         other: int | None = None
-        if d.processes is not None:
+        if by_device:
+            # NVML's pids are the host's (services[].gpu_memory_by_device): the device's
+            # memory in use is the service's, nobody else's.
+            mine, other = d.memory_used_bytes, 0
+        elif d.processes is not None:
             mine_sum = other_sum = 0
             unknown = False
             for p in d.processes:
@@ -538,7 +549,7 @@ def derive_service(
     fields.update(allocator_fields(history, svc.name, cfg.rate_window_seconds))
     if now_snap.gpus is not None:
         devices = _service_gpus(now_snap.gpus.devices, svc, cur.unit)
-        gpus = _gpu_signals(devices, cur.unit, utilization)
+        gpus = _gpu_signals(devices, cur.unit, utilization, svc.gpu_memory_by_device)
         indices = {d.index for d in devices}
         service_mem = _sum_int([g.service_memory_bytes for g in gpus]) if gpus else None
         budget = _sum_int([g.budget_bytes for g in gpus]) if gpus else None
@@ -549,6 +560,7 @@ def derive_service(
         ]
         fields.update(
             gpus=gpus,
+            gpu_memory_by_device=svc.gpu_memory_by_device,
             memory_budget_bytes=budget,
             service_memory_bytes=service_mem,
             memory_over_budget_bytes=(

@@ -1,0 +1,189 @@
+"""Waiting for a fleet permit as the first phase of a voluntary action (core/phases.py, policy).
+
+On virtual time: the action asks for a permit (Op.PERMIT), is refused "not now" (audited once
+per reason, asked again after PERMIT_RETRY_SECONDS), is granted and goes on as any action does,
+or gives up at its deadline having restarted nothing. A granted permit is released whatever way
+the action ends (Op.RELEASE_PERMIT). In the policy, only voluntary actions wait, and the front
+door stays open while they do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from vllm_guardian.config import PolicyConfig
+from vllm_guardian.core import phases
+from vllm_guardian.core.phases import PERMIT_RETRY_SECONDS, Advance, Phase
+from vllm_guardian.model import ActionKind, Cause, Op, OpResult
+
+P = PolicyConfig(
+    drain_timeout_seconds=30,
+    vram_release_timeout_seconds=20,
+    ready_timeout_seconds=100,
+    bundle_timeout_seconds=10,
+)
+WAIT = 300.0
+
+
+def seen(t: float, pid: int = 10, up: bool = True) -> phases.Seen:
+    return phases.Seen(t, 0.0, "gate", up, True, pid, frozenset({pid}), True)
+
+
+def result(op: Op, ok: bool, detail: str, t: float, terminal: bool = False) -> OpResult:
+    return OpResult(1, "vllm", op, ok, terminal, detail, t)
+
+
+def begin(kind: ActionKind = ActionKind.RELAUNCH) -> phases.ActionProgress:
+    a, ops = phases.start(
+        1, "vllm", kind, Cause.KV_CACHE_BLOWOUT, "stable: step up",
+        (("--max-num-seqs", "192"),), (), 10, 0.0, P, None, WAIT,
+    )  # fmt: skip
+    assert a.phase is Phase.AWAITING_PERMIT and a.deadline == WAIT
+    assert [o.op for o in ops] == [Op.PERMIT], "nothing else before the permit"
+    return a
+
+
+def tick(a: phases.ActionProgress, t: float, *results: OpResult, pid: int = 10) -> Advance:
+    return phases.advance(a, "vllm", seen(t, pid), list(results), t, P)
+
+
+def test_granted_then_prepares_and_releases_at_the_end() -> None:
+    a = begin()
+    adv = tick(a, 2, result(Op.PERMIT, True, "pod-a: vllm-guardian-llama-0 is free", 1.5))
+    assert adv.progress is not None and adv.progress.phase is Phase.PREPARING
+    assert adv.progress.permit_held
+    assert {o.op for o in adv.ops} == {Op.WRITE_FLAGS, Op.BUNDLE}
+    assert "fleet permit granted" in adv.moves[0].why
+    a = adv.progress
+    adv = tick(a, 3, result(Op.WRITE_FLAGS, True, "ok", 2.5), result(Op.BUNDLE, True, "/b", 2.5))
+    assert adv.progress is not None and adv.progress.phase is Phase.RESTARTING
+    a = adv.progress
+    adv = tick(a, 9, result(Op.RESTART, True, "restarted", 8.5), pid=11)
+    assert adv.outcome is not None and adv.outcome.ok
+    assert [o.op for o in adv.ops] == [Op.RELEASE_PERMIT]
+    assert "fleet permit after 2s" in adv.outcome.detail
+
+
+def test_not_now_is_audited_once_per_reason_and_asked_again() -> None:
+    a = begin()
+    busy = "pod-a: all 1 permits held: vllm-guardian-llama-0 by pod-b for 800s more"
+    adv = tick(a, 1, result(Op.PERMIT, False, busy, 0.5))
+    assert adv.progress is not None and adv.progress.phase is Phase.AWAITING_PERMIT
+    assert [m.why for m in adv.moves] == [f"no fleet permit yet: {busy}"]
+    assert adv.ops == () and adv.outcome is None
+    a = adv.progress
+    adv = tick(a, 1 + PERMIT_RETRY_SECONDS - 1)
+    assert adv.ops == (), "not before the retry"
+    assert adv.progress is not None
+    adv = tick(adv.progress, 1 + PERMIT_RETRY_SECONDS)
+    assert [o.op for o in adv.ops] == [Op.PERMIT]
+    assert adv.progress is not None
+    adv = tick(adv.progress, 17, result(Op.PERMIT, False, busy, 16.5))
+    assert adv.moves == (), "the same reason again: not audited again"
+    assert adv.progress is not None
+    drain = "pod-a: the PDB allows no disruption now (disruptionsAllowed 0)"
+    adv = tick(replace(adv.progress, permit_retry_at=0), 33, result(Op.PERMIT, False, drain, 32))
+    assert [m.why for m in adv.moves] == [f"no fleet permit yet: {drain}"]
+
+
+@pytest.mark.parametrize(
+    ("last", "terminal", "words"),
+    [
+        (None, False, "no fleet permit within 300s; nothing restarted (last: no answer)"),
+        ("held by pod-b", False, "(last: held by pod-b)"),
+    ],
+)
+def test_the_wait_ends_at_its_deadline_having_restarted_nothing(
+    last: str | None, terminal: bool, words: str
+) -> None:
+    a = begin()
+    adv = tick(a, 1, result(Op.PERMIT, False, last, 0.5)) if last else tick(a, 1, result(Op.PERMIT, False, "", 0.5))  # fmt: skip
+    assert adv.progress is not None
+    a = adv.progress if last else replace(adv.progress, permit_reason="")
+    adv = tick(replace(a, waiting_ops=()), WAIT)
+    assert adv.outcome is not None and not adv.outcome.ok and not adv.outcome.terminal
+    assert words in adv.outcome.detail
+    assert adv.ops == (), "nothing held, nothing to release"
+
+
+def test_a_terminal_refusal_ends_it() -> None:
+    adv = tick(begin(), 1, result(Op.PERMIT, False, "no fleet permit backend", 0.5, terminal=True))
+    assert adv.outcome is not None and adv.outcome.terminal
+    assert "no fleet permit: no fleet permit backend" in adv.outcome.detail
+
+
+def test_a_failure_after_the_grant_still_releases() -> None:
+    a = begin()
+    adv = tick(a, 1, result(Op.PERMIT, True, "granted", 0.5))
+    assert adv.progress is not None
+    adv = tick(adv.progress, 2, result(Op.WRITE_FLAGS, False, "flags rejected", 1.5, terminal=True))
+    assert adv.outcome is not None and not adv.outcome.ok
+    assert [o.op for o in adv.ops] == [Op.RELEASE_PERMIT]
+
+
+def test_a_guardian_restarted_while_waiting_asks_again() -> None:
+    a = replace(begin(), orphaned=True, permit_retry_at=1000.0)
+    adv = tick(a, 50)
+    assert adv.progress is not None and adv.progress.phase is Phase.AWAITING_PERMIT
+    assert [o.op for o in adv.ops] == [Op.PERMIT]
+    assert "asking again" in adv.moves[0].why
+
+
+def test_without_a_permit_timeout_nothing_waits() -> None:
+    a, ops = phases.start(1, "vllm", ActionKind.RESTART, None, "r", (), (), 10, 0.0, P)
+    assert a.phase is Phase.PREPARING and Op.PERMIT not in {o.op for o in ops}
+
+
+# --- in the policy: who waits, and the front door meanwhile ---------------------------------
+
+
+@pytest.fixture
+def permit_run(monkeypatch: pytest.MonkeyPatch) -> type:
+    """tests/test_policy.py's Run, with fleet.permit: lease (300 s) and permits refused while
+    ``refuse`` is set."""
+    import functools
+
+    from tests import test_policy
+    from vllm_guardian.core.policy import PolicySettings
+
+    monkeypatch.setattr(
+        test_policy,
+        "PolicySettings",
+        functools.partial(PolicySettings, permit_timeout_seconds=WAIT),
+    )
+
+    class PermitRun(test_policy.Run):  # type: ignore[misc]
+        refuse = False
+
+        def _step(self, row, results, logs_now):  # type: ignore[no-untyped-def]
+            if self.refuse:
+                results = tuple(
+                    replace(r, ok=False, detail="all 1 permits held") if r.op is Op.PERMIT else r
+                    for r in results
+                )
+            return super()._step(row, results, logs_now)
+
+    return PermitRun
+
+
+def test_a_step_up_waits_for_the_permit_with_the_front_door_open(permit_run: type) -> None:
+    from tests.test_policy import Row, oom
+    from vllm_guardian.core.policy import Lever
+
+    r = permit_run().run(Row(0, logs=(oom(6.0),)), Row(2))  # a crash: no permit
+    assert [d.phase for d in r.decisions if d.phase is Phase.AWAITING_PERMIT] == []
+    assert r.svc.rung(Lever.MAX_NUM_BATCHED_TOKENS) == 1
+    r.refuse = True
+    r.run(Row(500), Row(1002))  # stable: a step up is due, voluntary
+    assert r.svc.action is not None and r.svc.action.phase is Phase.AWAITING_PERMIT
+    assert r.svc.gate_open, "the front door stays open while waiting for a permit"
+    waiting = [d.reason for d in r.decisions if d.phase is Phase.AWAITING_PERMIT]
+    assert any("waiting for a fleet permit" in w for w in waiting), waiting
+    assert any("no fleet permit yet: all 1 permits held" in w for w in waiting), waiting
+    r.refuse = False
+    r.run(Row(1002 + PERMIT_RETRY_SECONDS), Row(1020))
+    assert r.svc.action is None and r.svc.rung(Lever.MAX_NUM_BATCHED_TOKENS) == 0
+    reasons = [d.reason for d in r.decisions if d.what == "phase"]
+    assert any("fleet permit granted" in w for w in reasons), reasons
