@@ -42,6 +42,7 @@ from vllm_guardian.loadtest.report import write_chart
 from vllm_guardian.loadtest.results import StepResult
 from vllm_guardian.loadtest.runner import (
     Limit,
+    forecast_headroom,
     log_violation,
     run_loadtest,
     server_info,
@@ -68,7 +69,7 @@ PREFILL_LOAD = (
     "--ramp", "1,2,4", "--step-seconds", "2", "--prompt-tokens", "6500-7800",
     "--output-tokens", "16-32", "--no-stream",
 )  # fmt: skip
-PREFILL_FLOOR = ("--gpu-headroom-floor", "6GiB")
+PREFILL_FLOOR = ("--gpu-headroom-floor", "4GiB")
 
 Twin = Callable[..., twinproc.TwinProc]
 
@@ -403,3 +404,24 @@ def test_the_chart_or_a_clear_message(tmp_path: Path) -> None:
     else:
         assert problem is None
         assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
+GIB_ = 1024**3
+FORECASTS = [
+    # (c, min GiB, max GiB) of the last two steps → headroom forecast at c=8 (GiB), None: no trend
+    (((2, 10.0, 10.5), (4, 8.0, 8.5)), 4.0),  # falls 2 GiB a step, swings 0.5: a trend
+    (((2, 9.0, 12.0), (4, 8.0, 12.0)), None),  # falls 1 GiB, swings 4: a sampled peak, not a trend
+    (((2, 8.0, 9.0), (4, 8.5, 9.0)), None),  # not falling
+    (((2, 10.0, None), (4, 8.0, None)), 4.0),  # no maximum known: the old straight line
+]
+
+
+@pytest.mark.parametrize(("steps", "expected"), FORECASTS)
+def test_the_headroom_forecast_reads_a_trend_not_a_sampled_peak(steps, expected) -> None:  # type: ignore[no-untyped-def]
+    records = [
+        _step(i, c, gpu_headroom_min_bytes=int(lo * GIB_),
+              gpu_headroom_max_bytes=None if hi is None else int(hi * GIB_))
+        for i, (c, lo, hi) in enumerate(steps, 1)
+    ]  # fmt: skip
+    got = forecast_headroom(records, 8)
+    assert (None if got is None else round(got / GIB_, 3)) == expected

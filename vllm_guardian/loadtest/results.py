@@ -52,6 +52,9 @@ class StepResult:
     gpu_memory_utilization_ratio: float | None
     violations: tuple[tuple[str, str], ...]  # (limit, message)
     complete: bool  # ran its whole duration
+    # The highest headroom reading of the step: with min, the swing one step's activations make
+    # (a reading mid-prefill holds them, one between steps does not).
+    gpu_headroom_max_bytes: int | None = None
 
     @property
     def held(self) -> bool:
@@ -152,6 +155,9 @@ def summarize(
         gpu_memory_used_peak_bytes=int(m) if (m := _max(used)) is not None else None,
         gpu_memory_total_bytes=max(totals) if totals else None,
         gpu_headroom_min_bytes=_min_int([s.headroom_bytes for s in samples]),
+        gpu_headroom_max_bytes=(
+            int(hi) if (hi := _max([s.headroom_bytes for s in samples])) is not None else None
+        ),
         gpu_memory_utilization_ratio=next(
             (
                 s.gpu_memory_utilization_ratio

@@ -492,16 +492,24 @@ def _instant_violations(
 
 def forecast_headroom(records: Sequence[StepResult], next_concurrency: int) -> float | None:
     """Headroom at the next step, extrapolated linearly in concurrency from the last two
-    steps' minimum headroom; None when it is not falling or not known."""
+    steps' minimum headroom; None when it is not falling or not known.
+
+    A step's minimum is a sampled low point of a sawtooth (each engine step holds its
+    activations while it runs), so a fall between two steps smaller than the swing within the
+    last step is sampling, not a trend: no forecast then (core/forecast.py reads floors the
+    same way)."""
     pts = [
-        (r.concurrency, r.gpu_headroom_min_bytes)
+        (r.concurrency, r.gpu_headroom_min_bytes, r.gpu_headroom_max_bytes)
         for r in records
         if r.concurrency is not None and r.gpu_headroom_min_bytes is not None
     ]
     if len(pts) < 2:
         return None
-    (c0, h0), (c1, h1) = pts[-2], pts[-1]
+    (c0, h0, _), (c1, h1, top1) = pts[-2], pts[-1]
     if c1 <= c0 or h1 >= h0:
+        return None
+    swing = (top1 - h1) if top1 is not None else 0
+    if h0 - h1 <= swing:
         return None
     return h1 + (h1 - h0) / (c1 - c0) * (next_concurrency - c1)
 
