@@ -33,7 +33,7 @@ def series(
     served_per_s: float = 2.0,
     arrivals_per_s: float = 2.0,
     aborted_per_s: float = 0.0,
-    running: float = 24.0,
+    running: float | Callable[[float], float] = 24.0,
     backlog: float = 10.0,
     seconds: float = 120.0,
     start: float = 1000.0,
@@ -54,7 +54,9 @@ def series(
             "failed_total": 5.0 + aborted_per_s * t,
             "prompt_tokens_total": 1e5 + served_per_s * 200 * t,
             "generation_tokens_total": 2e5 + served_per_s * 400 * t,
-            "running": running if waiting > 0 or served_per_s > 0 else 0.0,
+            "running": (running(t) if callable(running) else running)
+            if waiting > 0 or served_per_s > 0
+            else 0.0,
             "waiting": max(0.0, waiting),
             "kv_usage_ratio": 0.97 if waiting > 0 else 0.4,
         }
@@ -103,6 +105,21 @@ CASES = [
         None,
     ),
     ("3.3x capacity", series(arrivals_per_s=6.6), "estimated", 3.3, 3),
+    (
+        "2x with room for sequences: no queue, the running count climbs (vLLM V1 admits into "
+        "running up to --max-num-seqs; seen on the real vLLM tier)",
+        series(arrivals_per_s=4.0, waiting_at=idle, running=lambda t: 10.0 + 2.0 * t),
+        "estimated",
+        2.0,
+        2,
+    ),
+    (
+        "healthy with room for sequences: no queue, the running count flat",
+        series(waiting_at=idle, running=lambda t: 10.0 + (1.0 if int(t) % 20 == 0 else 0.0)),
+        "not_saturated",
+        None,
+        None,
+    ),
     (
         "saturated at exactly capacity (a closed loop): 1.0x, one replica",
         series(),
