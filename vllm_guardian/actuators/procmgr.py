@@ -192,12 +192,7 @@ class Supervisor:
                 self._proc = proc
                 self.starts += 1
         if closed:  # stop() came while this process was being started
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+            self._terminate(proc, 10.0)
             raise OSError("the guardian is stopping")
         self._write_pid(proc.pid)
         log.info("%s: started pid %d: %s", self.name, proc.pid, shlex.join(redact_argv(argv)))
