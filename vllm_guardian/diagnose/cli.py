@@ -90,11 +90,20 @@ def _emit(report: Report, as_json: bool, verbose: bool) -> int:
     return report.exit_code
 
 
-def _thresholds(cfg: Config) -> diagnosis.Thresholds:
-    """The daemon's own rule set (shipped rules + ``rules_file``): one classifier's numbers."""
-    rules = load_rules(cfg.alerting)  # raises ConfigInvalid for a bad rules file
+def _read_config(path: str) -> tuple[Config, diagnosis.Thresholds] | None:
+    """The config at ``path`` and the thresholds of its rule set (shipped rules + ``rules_file``:
+    one classifier's numbers), or None after saying what is wrong with either."""
+    try:
+        cfg = load_config(path)
+        rules = load_rules(cfg.alerting)
+    except ConfigInvalid as e:
+        print(f"vllm-guardian diagnose: {path}: {e}", file=sys.stderr)
+        return None
+    except OSError as e:
+        print(f"vllm-guardian diagnose: {path}: {e.strerror or e}", file=sys.stderr)
+        return None
     where = cfg.alerting.rules_file
-    return diagnosis.thresholds_from_rules(
+    return cfg, diagnosis.thresholds_from_rules(
         rules, f"the shipped rules and {where}" if where else "the shipped rules"
     )
 
@@ -116,14 +125,10 @@ def diagnose(argv: Sequence[str]) -> int:
             return EXIT_USAGE
         thresholds = diagnosis.Thresholds()
         if args.config:
-            try:
-                thresholds = _thresholds(load_config(args.config))
-            except ConfigInvalid as e:
-                print(f"vllm-guardian diagnose: {args.config}: {e}", file=sys.stderr)
+            read = _read_config(args.config)
+            if read is None:
                 return EXIT_USAGE
-            except OSError as e:
-                print(f"vllm-guardian diagnose: {args.config}: {e.strerror or e}", file=sys.stderr)
-                return EXIT_USAGE
+            thresholds = read[1]
         try:
             bundle = read_bundle(args.bundle)
         except BundleError as e:
@@ -138,14 +143,10 @@ def diagnose(argv: Sequence[str]) -> int:
         DEFAULT_CONFIG_PATH if not args.url and Path(DEFAULT_CONFIG_PATH).exists() else None
     )
     if config_path:
-        try:
-            cfg = load_config(config_path)
-        except ConfigInvalid as e:
-            print(f"vllm-guardian diagnose: {config_path}: {e}", file=sys.stderr)
+        read = _read_config(config_path)
+        if read is None:
             return EXIT_USAGE
-        except OSError as e:
-            print(f"vllm-guardian diagnose: {config_path}: {e.strerror or e}", file=sys.stderr)
-            return EXIT_USAGE
+        cfg, thresholds = read
         found = cfg.service(args.service) if args.service else cfg.services[0]
         if found is None:
             names = ", ".join(s.name for s in cfg.services)
@@ -156,11 +157,6 @@ def diagnose(argv: Sequence[str]) -> int:
             return EXIT_USAGE
         svc, nvml = found, cfg.sources.nvml
         socket = str(Path(cfg.runtime_dir) / "control.sock")
-        try:
-            thresholds = _thresholds(cfg)
-        except ConfigInvalid as e:
-            print(f"vllm-guardian diagnose: {config_path}: {e}", file=sys.stderr)
-            return EXIT_USAGE
     elif args.url:
         if not args.url.startswith(("http://", "https://")):
             print(
