@@ -6,35 +6,20 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import requests
 
 from tests.conftest import read_fixture
+from tests.sim.conftest import Starter
 from tests.sim.test_exposition import shape
-from tests.sim.twinproc import TwinProc, sse, start, stop
+from tests.sim.twinproc import TwinProc, sse
 from vllm_guardian.sim.load import LoadResult, OutcomeKind, plan_requests, run_load
 from vllm_guardian.sim.scenarios import SCENARIOS, LoadProfile
 
 pytestmark = pytest.mark.slow
 MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
-Starter = Callable[..., TwinProc]
-
-
-@pytest.fixture
-def twin(tmp_path: Path, free_port: int) -> Iterator[Starter]:
-    started: list[TwinProc] = []
-
-    def _start(*args: str) -> TwinProc:
-        t = start(tmp_path, free_port, *args)
-        started.append(t)
-        return t
-
-    yield _start
-    for t in started:
-        stop(t)
 
 
 def refused(port: int) -> bool:

@@ -9,34 +9,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
 
-from tests.sim.twinproc import TwinProc, start, stop
+from tests.sim.conftest import Starter
+from tests.sim.twinproc import TwinProc
 from vllm_guardian.sim.load import OutcomeKind, plan_requests, run_load
 from vllm_guardian.sim.scenarios import SCENARIOS
 
 pytestmark = pytest.mark.slow
 BOUND_SECONDS = 60.0
-Starter = Callable[..., TwinProc]
-
-
-@pytest.fixture
-def twin(tmp_path: Path, free_port: int) -> Iterator[Starter]:
-    started: list[TwinProc] = []
-
-    def _start(*args: str) -> TwinProc:
-        t = start(tmp_path, free_port, *args)
-        started.append(t)
-        return t
-
-    yield _start
-    for t in started:
-        stop(t)
 
 
 def wait_for(what: str, check: Callable[[], Any], seen: Callable[[], object]) -> Any:
