@@ -58,7 +58,6 @@ from vllm_guardian.model import (
     Cause,
     HealthState,
     OpRequest,
-    OpResult,
     Snapshot,
     UnitState,
 )
@@ -461,7 +460,7 @@ def decide(
         s = state.service(name)
         sig = signals.service(name)
         s = _track_process(s, snapshot, name, now)
-        s = _advance(ctx, s, seen(snapshot, sig, name), snapshot.op_results)
+        s = _advance(ctx, s, snapshot, sig)
         if s.paused:
             out.append(
                 s
@@ -562,14 +561,16 @@ def seen(snapshot: Snapshot, sig: ServiceSignals | None, name: str) -> phases.Se
 
 
 def _advance(
-    ctx: _Ctx, s: ServiceState, now_seen: phases.Seen, results: Sequence[OpResult]
+    ctx: _Ctx, s: ServiceState, snapshot: Snapshot, sig: ServiceSignals | None
 ) -> ServiceState:
-    """Move the action under way on by one tick (core/phases.py); record each phase change."""
+    """Move the action under way on by one tick (core/phases.py); record each phase change.
+    What the phases read of the tick is gathered only while an action is under way."""
     if s.action is None:
         return s
     action = s.action
+    results = [r for r in snapshot.op_results if r.service == s.service]
     adv = phases.advance(
-        action, s.service, now_seen, [r for r in results if r.service == s.service],
+        action, s.service, seen(snapshot, sig, s.service), results,
         ctx.now, ctx.settings.policy,
     )  # fmt: skip
     ctx.ops.extend(adv.ops)
