@@ -376,9 +376,7 @@ class Guardian:
             body["dry_run"] = view.dry_run
             body["restart_budget"] = view.budget
             body["recent_decisions"] = to_jsonable(list(self.healing.recent))
-            body["gates"] = {
-                name: to_jsonable(g) for name, g in self.healing.gates(last.signals).items()
-            }
+            body["gates"] = {name: to_jsonable(g) for name, g in self.healing.gates().items()}
         if last.snapshot.gpus is not None:
             body["gpus"] = to_jsonable(last.snapshot.gpus.devices)
         return body

@@ -296,14 +296,10 @@ class Healing:
 
     # --- what others read --------------------------------------------------------------------
 
-    def gates(self, signals: Signals | None = None) -> dict[str, GateState]:
-        """/ready/<service> as the last step decided it."""
+    def gates(self) -> dict[str, GateState]:
+        """/ready/<service> as the last step decided it (what the endpoint answers)."""
         with self._lock:
-            if signals is None:
-                return dict(self._gates)
-            return dict(
-                core_step.gate_states(self.state, signals, policy.gate_dry_run(self.cfg.policy))
-            )
+            return dict(self._gates)
 
     def view(self) -> HealingView:
         with self._lock:
