@@ -19,8 +19,20 @@ from pathlib import Path
 
 import pytest
 
+from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import ServiceConfig, UnitSourceConfig
-from vllm_guardian.model import SourceKind, UnitState
+from vllm_guardian.daemon import unit_may_have_changed
+from vllm_guardian.model import (
+    HealthProbe,
+    HealthState,
+    LogEvent,
+    LogEventKind,
+    LogReading,
+    ServiceSnapshot,
+    Snapshot,
+    SourceKind,
+    UnitState,
+)
 from vllm_guardian.sources.unit import (
     SHOW_PROPERTIES,
     UnitCollector,
@@ -494,3 +506,207 @@ def test_socket_is_really_listening_on_loopback(listening_child: Child) -> None:
     # Sanity check of the fixture itself: the child accepts connections on 127.0.0.1.
     with socket.create_connection(("127.0.0.1", listening_child.port), timeout=2):
         pass
+
+
+# --- what is read when: the kept full read (module docstring of sources/unit.py) -------------
+
+REFRESH_SECONDS = 30.0
+
+
+def _settled_proc(root: Path) -> Path:
+    """A fake /proc with full stat lines (start times), vLLM (100) listening on 8000 via fd 7."""
+    proc = root / "proc"
+    (proc / "net").mkdir(parents=True)
+    (proc / "net" / "tcp").write_text(PROC_NET_TCP)
+    for pid, ppid in [(100, 1), (101, 100), (102, 101)]:
+        _write_stat(proc, pid, ppid, start_ticks=5000 + pid)
+        (proc / str(pid) / "cmdline").write_bytes(b"vllm\0serve\0")
+    os.symlink("socket:[12345]", proc / "100" / "fd" / "7")
+    return proc
+
+
+def _write_stat(proc: Path, pid: int, ppid: int, start_ticks: int) -> None:
+    d = proc / str(pid)
+    (d / "fd").mkdir(parents=True, exist_ok=True)
+    fields = ["S", str(ppid), *["0"] * 17, str(start_ticks), "0", "0"]  # starttime: field 22
+    (d / "stat").write_text(f"{pid} (vllm x) {' '.join(fields)}\n")
+
+
+def _rm_pid(proc: Path, pid: int) -> None:
+    for f in (proc / str(pid) / "fd").iterdir():
+        f.unlink()
+    (proc / str(pid) / "fd").rmdir()
+    for f in (proc / str(pid)).iterdir():
+        f.unlink()
+    (proc / str(pid)).rmdir()
+
+
+def _pid_reused(proc: Path, clock: FakeClock, c: UnitCollector) -> None:
+    _write_stat(proc, 100, 1, start_ticks=999_999)  # same pid, another process
+
+
+def _main_exited_child_took_socket(proc: Path, clock: FakeClock, c: UnitCollector) -> None:
+    _rm_pid(proc, 100)
+    os.symlink("socket:[12345]", proc / "101" / "fd" / "3")
+    _write_stat(proc, 101, 1, start_ticks=5101)  # reparented to init
+
+
+def _socket_replaced(proc: Path, clock: FakeClock, c: UnitCollector) -> None:
+    # The same fd number now names another listening socket (closed and bound again).
+    (proc / "100" / "fd" / "7").unlink()
+    os.symlink("socket:[55555]", proc / "100" / "fd" / "7")
+    (proc / "net" / "tcp").write_text(PROC_NET_TCP.replace(" 12345 ", " 55555 "))
+
+
+def _worker_exited(proc: Path, clock: FakeClock, c: UnitCollector) -> None:
+    _rm_pid(proc, 102)
+
+
+def _refresh_due(proc: Path, clock: FakeClock, c: UnitCollector) -> None:
+    clock.advance(REFRESH_SECONDS)
+
+
+def _invalidated(proc: Path, clock: FakeClock, c: UnitCollector) -> None:
+    c.invalidate()
+
+
+def _a_tick_passes(proc: Path, clock: FakeClock, c: UnitCollector) -> None:
+    clock.advance(REFRESH_SECONDS - 1)
+
+
+CHANGES = {
+    # change between two ticks: (full read on the second tick?, main pid, pids it then reports)
+    "nothing changed, refresh not due": (_a_tick_passes, False, 100, (100, 101, 102)),
+    "refresh due": (_refresh_due, True, 100, (100, 101, 102)),
+    "invalidated (health changed, log event)": (_invalidated, True, 100, (100, 101, 102)),
+    "main pid reused by another process": (_pid_reused, True, 100, (100, 101, 102)),
+    "main exited, its child holds the socket": (
+        _main_exited_child_took_socket, True, 101, (101, 102),
+    ),
+    "main listens on another socket": (_socket_replaced, True, 100, (100, 101, 102)),
+    "a known worker exited": (_worker_exited, True, 100, (100, 101)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", CHANGES)
+def test_by_port_full_read_only_when_something_changed(tmp_path: Path, name: str) -> None:
+    change, full, main_pid, pids = CHANGES[name]
+    proc = _settled_proc(tmp_path)
+    clock = FakeClock()
+    svc = ServiceConfig(name="a", url="http://127.0.0.1:8000")
+    c = UnitCollector(svc, UnitSourceConfig(refresh_seconds=REFRESH_SECONDS), proc, clock)
+    first = c.collect().payload
+    assert isinstance(first, UnitState)
+    assert (first.main_pid, first.pids, c.full_reads) == (100, (100, 101, 102), 1)
+    change(proc, clock, c)
+    second = c.collect().payload
+    assert isinstance(second, UnitState)
+    assert (c.full_reads == 2, second.main_pid, second.pids) == (full, main_pid, pids)
+
+
+def test_by_port_refresh_zero_reads_every_tick(tmp_path: Path) -> None:
+    proc = _settled_proc(tmp_path)
+    svc = ServiceConfig(name="a", url="http://127.0.0.1:8000")
+    c = UnitCollector(svc, UnitSourceConfig(refresh_seconds=0), proc, FakeClock())
+    for _ in range(3):
+        c.collect()
+    assert c.full_reads == 3
+
+
+def test_by_port_nothing_listening_is_read_every_tick(tmp_path: Path) -> None:
+    # vLLM down or still starting: the moment it listens must be seen on that tick.
+    proc = _settled_proc(tmp_path)
+    (proc / "net" / "tcp").write_text(PROC_NET_TCP.replace(":1F40 ", ":1F42 "))
+    svc = ServiceConfig(name="a", url="http://127.0.0.1:8000")
+    c = UnitCollector(svc, UnitSourceConfig(), proc, FakeClock())
+    assert isinstance(c.collect().payload, UnitState)
+    (proc / "net" / "tcp").write_text(PROC_NET_TCP)
+    now = c.collect().payload
+    assert isinstance(now, UnitState)
+    assert (now.main_pid, c.full_reads) == (100, 2)
+
+
+UNIT_STATES = {
+    # what systemctl show says: (kept, so the next tick does not fork systemctl?)
+    "active running": ("active", "running", "100", True),
+    "activating": ("activating", "start", "100", False),
+    "reloading": ("reloading", "reload", "100", False),
+    "deactivating": ("deactivating", "stop-sigterm", "100", False),
+    "failed, no main process": ("failed", "failed", "0", False),
+}
+
+
+@pytest.mark.parametrize("name", UNIT_STATES)
+def test_unit_kept_only_while_active_running(tmp_path: Path, name: str) -> None:
+    active, sub, pid, kept = UNIT_STATES[name]
+    proc = _settled_proc(tmp_path)
+    show = tmp_path / "show.txt"
+    show.write_text(
+        SHOW_RUNNING.format(pid=pid)
+        .replace("ActiveState=active", f"ActiveState={active}")
+        .replace("SubState=running", f"SubState={sub}")
+    )
+    calls = tmp_path / "calls"
+    systemctl = _fake_systemctl(tmp_path, f'echo x >> "{calls}"\ncat "{show}"')
+    clock = FakeClock()
+    c = UnitCollector(
+        ServiceConfig(name="a", unit="vllm.service"),
+        UnitSourceConfig(systemctl=str(systemctl)),
+        proc,
+        clock,
+    )
+    first, second = c.collect().payload, c.collect().payload
+    assert first == second
+    assert isinstance(first, UnitState)
+    assert first.active_state == active
+    assert len(calls.read_text().splitlines()) == (1 if kept else 2)
+
+
+def test_unit_new_main_pid_is_read_at_once(tmp_path: Path) -> None:
+    # systemd restarted vLLM between two ticks: the old main pid is gone, the next tick forks
+    # systemctl again and reports the new one, without waiting for the refresh.
+    proc = _settled_proc(tmp_path)
+    _write_stat(proc, 300, 1, start_ticks=9000)
+    show = tmp_path / "show.txt"
+    show.write_text(SHOW_RUNNING.format(pid=100))
+    systemctl = _fake_systemctl(tmp_path, f'cat "{show}"')
+    c = UnitCollector(
+        ServiceConfig(name="a", unit="vllm.service"),
+        UnitSourceConfig(systemctl=str(systemctl)),
+        proc,
+        FakeClock(),
+    )
+    first = c.collect().payload
+    assert isinstance(first, UnitState)
+    assert first.main_pid == 100
+    _rm_pid(proc, 100)
+    show.write_text(SHOW_RUNNING.format(pid=300).replace("NRestarts=3", "NRestarts=4"))
+    second = c.collect().payload
+    assert isinstance(second, UnitState)
+    assert (second.main_pid, second.n_restarts, second.pids, c.full_reads) == (300, 4, (300,), 2)
+
+
+def _snap(health: HealthState | None, log_events: int = 0) -> Snapshot:
+    logs = LogReading(
+        (), tuple(LogEvent(LogEventKind.CUDA_OOM, 0.0, "x") for _ in range(log_events)), log_events
+    )
+    probe = HealthProbe(health, 200, 0.01) if health is not None else None
+    return Snapshot(1.0, (ServiceSnapshot("a", health=probe, logs=logs),), None)
+
+
+INVALIDATE = {
+    # (previous tick, this tick) → read the unit afresh next tick?
+    "first tick": (None, _snap(HealthState.UP), True),
+    "health steady up": (_snap(HealthState.UP), _snap(HealthState.UP), False),
+    "health went down": (_snap(HealthState.UP), _snap(HealthState.REFUSED), True),
+    "health came back": (_snap(HealthState.REFUSED), _snap(HealthState.UP), True),
+    "health steady refused": (_snap(HealthState.REFUSED), _snap(HealthState.REFUSED), False),
+    "a log event": (_snap(HealthState.UP), _snap(HealthState.UP, log_events=1), True),
+}
+
+
+@pytest.mark.parametrize("name", INVALIDATE)
+def test_daemon_invalidates_the_unit_when_health_or_logs_say_so(name: str) -> None:
+    previous, now, expected = INVALIDATE[name]
+    assert unit_may_have_changed(previous, now, "a") is expected
+    assert unit_may_have_changed(previous, now, "other-service") is False

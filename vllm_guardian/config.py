@@ -239,6 +239,10 @@ class UnitSourceConfig:
     systemctl: str = "systemctl"
     # `systemctl show` answers in milliseconds unless PID 1 is busy.
     timeout_seconds: float = field(default=3.0, metadata=_bounds(0.1, 60))
+    # The unit's properties and process tree change at a restart, which is seen at once (the
+    # main process gone or replaced, health changed, a log event); this full re-read catches
+    # the rest (a reload, a stop in progress, a new worker) within this long. 0: every tick.
+    refresh_seconds: float = field(default=30.0, metadata=_bounds(0, 3600))
 
 
 @dataclass(frozen=True)

@@ -170,6 +170,7 @@ class Guardian:
         readings, statuses = self._collect()
         results = self.healing.take_results() if self.healing is not None else ()
         snapshot = assemble(now, [s.name for s in self.cfg.services], readings, statuses, results)
+        self._invalidate_units(self.history[-1] if self.history else None, snapshot)
         self.history.append(snapshot)
         trim(self.history, history_span_seconds(self.cfg))
         decisions: list[Mapping[str, Any]] = []
@@ -249,6 +250,17 @@ class Guardian:
                 )
             )
         return readings, statuses
+
+    def _invalidate_units(self, previous: Snapshot | None, snapshot: Snapshot) -> None:
+        """The unit source reuses its last full read while the process is unchanged
+        (sources/unit.py); a health change or a log event may mean a restart is under way, so
+        the next tick reads the unit afresh."""
+        for slot in self._slots:
+            invalidate = getattr(slot.collector, "invalidate", None)
+            if invalidate is not None and unit_may_have_changed(
+                previous, snapshot, slot.collector.service
+            ):
+                invalidate()
 
     def _record(self, result: TickResult) -> None:
         if self.recorder is None:
@@ -496,6 +508,22 @@ def _safe_close(c: Collector) -> None:
         c.close()
     except Exception:
         log.exception("closing collector %s failed", c.kind.value)
+
+
+def unit_may_have_changed(
+    previous: Snapshot | None, snapshot: Snapshot, service: str | None
+) -> bool:
+    """Whether this tick saw a sign that ``service``'s process may have changed: its health
+    state differs from the previous tick's, or its log showed an event."""
+    now = next((s for s in snapshot.services if s.name == service), None)
+    if now is None:
+        return False
+    if now.logs is not None and now.logs.recent:
+        return True
+    before = next((s for s in previous.services if s.name == service), None) if previous else None
+    state_now = now.health.state if now.health is not None else None
+    state_before = before.health.state if before is not None and before.health else None
+    return before is None or state_now != state_before
 
 
 def assemble(

@@ -28,6 +28,19 @@ def parse_stat(text: str) -> tuple[int, int] | None:
     return (pid, ppid) if ppid >= 0 else None
 
 
+def parse_start_ticks(text: str) -> int | None:
+    """The process's start time (field 22 of ``/proc/<pid>/stat``, clock ticks since boot), or
+    None when malformed. With the pid it names one process: a reused pid starts later."""
+    _, sep, tail = text.rpartition(")")
+    fields = tail.split()
+    if not sep or len(fields) < 20:
+        return None
+    try:
+        return int(fields[19])
+    except ValueError:
+        return None
+
+
 def parse_ppid(text: str) -> int | None:
     """The parent pid from ``/proc/<pid>/stat``'s text, or None when malformed."""
     parsed = parse_stat(text)

@@ -23,7 +23,7 @@ def build_collectors(cfg: Config, clock: Clock) -> list[Collector]:
         out.append(VllmMetricsCollector(svc, src.vllm_metrics))
         out.append(HealthCollector(svc, src.health, clock))
         if src.unit.enabled:
-            out.append(UnitCollector(svc, src.unit))
+            out.append(UnitCollector(svc, src.unit, clock=clock))
         if src.logs.enabled and (svc.unit or svc.log_file):
             out.append(LogsCollector(svc, src.logs, clock))
         if svc.gate is not None:

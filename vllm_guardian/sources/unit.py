@@ -14,6 +14,29 @@ Either way the main process's command line (secrets redacted) and its descendant
 running vLLM was really started with. Parsers are pure functions over text so tests can feed
 them captured output; an unreadable /proc entry (a process that exits mid-scan, another
 user's process) is skipped, never fatal.
+
+**What is read when.** All of this changes at a restart, not from one tick to the next, and a
+full read is the expensive part of a tick (a ``systemctl show`` fork, or a walk over every
+process's fds and ``stat``). So a full read is kept and, while it still describes the same
+process, reused: each tick checks only that the main PID is alive with the start time it had
+(one ``stat`` read), that the known descendants still exist, and, without a unit, that the
+main PID still holds the listening socket's inode on the same fd (one ``readlink``). The full
+read is done again at once when any of these fails, when the last read found no main process
+or a unit not ``active``/``running`` (down, starting, stopping, failed: read every tick), when
+the daemon calls :meth:`UnitCollector.invalidate` (the service's health changed or its log
+showed an event), and otherwise every ``sources.unit.refresh_seconds`` (30 s).
+
+The staleness this allows, and why no decision depends on it: between full reads, with the main
+process alive and unchanged, a reused reading can miss (a) a ``systemctl reload`` or a stop in
+progress (``reloading``/``deactivating`` with the same main PID), (b) a worker started since the
+read, (c) a restart counter or result changed without a new main process. (a) matters to the
+policy only while health is refused (the start-up grace reads ``activating``/``reloading``), and
+a health change invalidates the reading, so the next tick reads afresh; a stop ends with the main
+process gone, which is seen at once. (b) does not move GPU attribution: NVML's processes carry
+their ancestors and cgroup, and the main PID, which is always checked, is an ancestor of every
+worker. (c) only changes with a new main process (``NRestarts``, ``Result``, ``ExecMainStatus``,
+``ActiveEnterTimestampMonotonic`` are set when the old one exits or a new one starts). Every
+reading is at most ``refresh_seconds`` old in any case.
 """
 
 from __future__ import annotations
@@ -30,9 +53,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from vllm_guardian.clock import Clock, SystemClock
 from vllm_guardian.config import ServiceConfig, UnitSourceConfig
 from vllm_guardian.model import Reading, SourceKind, UnitState
-from vllm_guardian.procfs import parse_stat
+from vllm_guardian.procfs import parse_start_ticks, parse_stat
 from vllm_guardian.redact import redact_argv
 from vllm_guardian.sources.base import failed
 
@@ -120,10 +144,15 @@ def _decode_proc_address(hex_addr: str) -> str:
     return str(ipaddress.ip_address(words))
 
 
-def parse_proc_net_tcp(text: str) -> tuple[TcpSocket, ...]:
-    """Parse /proc/net/tcp or /proc/net/tcp6; malformed rows are skipped."""
+def parse_proc_net_tcp(text: str, port: int | None = None) -> tuple[TcpSocket, ...]:
+    """Parse /proc/net/tcp or /proc/net/tcp6; malformed rows are skipped. With ``port``, only
+    that local port's rows (the others are skipped before they are decoded: a busy server has
+    thousands of connections)."""
     out: list[TcpSocket] = []
+    want = None if port is None else f":{port:04X} "
     for line in text.splitlines()[1:]:  # the first line is the header
+        if want is not None and want not in line:
+            continue
         fields = line.split()
         if len(fields) < 10:
             continue
@@ -218,26 +247,41 @@ def listening_inodes(proc_root: Path, port: int) -> set[int]:
         except OSError:  # tcp6 is absent where IPv6 is disabled
             continue
         inodes.update(
-            s.inode for s in parse_proc_net_tcp(text) if s.listening and s.local_port == port
+            s.inode for s in parse_proc_net_tcp(text, port) if s.listening and s.local_port == port
         )
     inodes.discard(0)
     return inodes
 
 
-def _holds_socket(proc_root: Path, pid: int, inodes: set[int]) -> bool:
+def socket_fd(proc_root: Path, pid: int, inodes: set[int]) -> tuple[str, int] | None:
+    """(fd, inode) of the first of ``pid``'s fds that is one of the socket inodes, or None."""
     fd_dir = proc_root / str(pid) / "fd"
     try:
         fds = os.listdir(fd_dir)
     except OSError:
-        return False
-    targets = {f"socket:[{i}]" for i in inodes}
+        return None
+    targets = {f"socket:[{i}]": i for i in inodes}
     for fd in fds:
         try:
-            if os.readlink(fd_dir / fd) in targets:
-                return True
+            inode = targets.get(os.readlink(fd_dir / fd))
         except OSError:
             continue
-    return False
+        if inode is not None:
+            return fd, inode
+    return None
+
+
+def _holds_socket(proc_root: Path, pid: int, inodes: set[int]) -> bool:
+    return socket_fd(proc_root, pid, inodes) is not None
+
+
+def read_start_ticks(proc_root: Path, pid: int) -> int | None:
+    """The process's start time (clock ticks since boot), or None when it is gone."""
+    try:
+        text = (proc_root / str(pid) / "stat").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    return parse_start_ticks(text)
 
 
 def socket_owners(proc_root: Path, inodes: set[int], hint_pid: int | None = None) -> set[int]:
@@ -271,32 +315,97 @@ def topmost(pids: set[int], parents: Mapping[int, int]) -> int:
 # --- the collector ---------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Kept:
+    """A full read, kept while it still describes the same process (module docstring)."""
+
+    state: UnitState  # main_pid is set
+    start_ticks: int  # the main process's start time: a reused pid has another
+    read_monotonic_seconds: float
+    listener: tuple[str, int] | None  # without a unit: (fd, inode) of the listening socket
+
+
 class UnitCollector:
     """Collector for one service's unit (or, without a unit, its listening process)."""
 
     kind = SourceKind.UNIT
 
     def __init__(
-        self, service: ServiceConfig, cfg: UnitSourceConfig, proc_root: Path = Path("/proc")
+        self,
+        service: ServiceConfig,
+        cfg: UnitSourceConfig,
+        proc_root: Path = Path("/proc"),
+        clock: Clock | None = None,
     ) -> None:
         self.service: str | None = service.name
         self._unit = service.unit
         self._url = service.url
         self._cfg = cfg
         self._proc_root = proc_root
+        self._clock: Clock = clock or SystemClock()
         self.timeout_seconds = cfg.timeout_seconds + _PROC_SCAN_MARGIN_SECONDS
         self._last_listener: int | None = None
+        self._kept: _Kept | None = None
+        self.full_reads = 0  # how many collects read everything (tests, bench)
 
     def collect(self) -> Reading:
         try:
+            kept = self._kept
+            if kept is not None and self._still_valid(kept):
+                return self._reading(kept.state)
+            self._kept = None
+            self.full_reads += 1
             if self._unit is not None:
                 return self._collect_unit(self._unit)
             return self._collect_by_port()
         except Exception as e:  # a source that is down is an observation, never an exception
+            self._kept = None
             return failed(self.kind, self.service, f"unit source failed: {type(e).__name__}: {e}")
+
+    def invalidate(self) -> None:
+        """Read everything afresh at the next collect: the daemon calls this when the service's
+        health changed or its log showed an event (a restart may be under way)."""
+        self._kept = None
 
     def close(self) -> None:
         """Nothing to release: every systemctl call is waited for inside collect()."""
+
+    # -- the kept reading
+
+    def _still_valid(self, kept: _Kept) -> bool:
+        """The cheap per-tick check that the kept full read still describes the process."""
+        age = self._clock.monotonic() - kept.read_monotonic_seconds
+        if not 0 <= age < self._cfg.refresh_seconds:
+            return False
+        main = kept.state.main_pid
+        assert main is not None
+        if read_start_ticks(self._proc_root, main) != kept.start_ticks:
+            return False  # exited, or the pid was reused
+        if kept.listener is not None:
+            fd, inode = kept.listener
+            try:
+                if os.readlink(self._proc_root / str(main) / "fd" / fd) != f"socket:[{inode}]":
+                    return False
+            except OSError:
+                return False
+        return all(os.path.exists(self._proc_root / str(p)) for p in kept.state.pids[1:])
+
+    def _keep(self, state: UnitState, listener: tuple[str, int] | None) -> None:
+        """Keep a full read that found a settled process: a main process and, with a unit,
+        ``active``/``running``. Anything else (down, starting, stopping) is read every tick."""
+        if state.main_pid is None:
+            return
+        if self._unit is not None and (state.active_state, state.sub_state) != (
+            "active",
+            "running",
+        ):
+            return
+        if self._unit is None and listener is None:
+            return
+        start = read_start_ticks(self._proc_root, state.main_pid)
+        if start is None:
+            return
+        self._kept = _Kept(state, start, self._clock.monotonic(), listener)
 
     # -- with a unit
 
@@ -332,8 +441,9 @@ class UnitCollector:
             )
         if "ActiveState" not in props:
             return failed(self.kind, self.service, f"systemctl show {unit} printed no ActiveState")
-        state = unit_state_from_show(unit, props)
-        return self._reading(self._with_processes(state))
+        state = self._with_processes(unit_state_from_show(unit, props))
+        self._keep(state, None)
+        return self._reading(state)
 
     # -- without a unit
 
@@ -376,8 +486,9 @@ class UnitCollector:
         parents = read_parents(self._proc_root)
         main_pid = topmost(owners, parents)
         self._last_listener = main_pid
-        state = dataclasses.replace(empty, main_pid=main_pid)
-        return self._reading(self._with_processes(state, parents))
+        state = self._with_processes(dataclasses.replace(empty, main_pid=main_pid), parents)
+        self._keep(state, socket_fd(self._proc_root, main_pid, inodes))
+        return self._reading(state)
 
     # -- shared
 
