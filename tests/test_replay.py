@@ -20,7 +20,7 @@ from vllm_guardian.model import (
     ServiceSnapshot,
     Snapshot,
 )
-from vllm_guardian.recorder import FlightRecorder
+from vllm_guardian.recorder import KEYFRAME_EVERY, FlightRecorder
 from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,9 +28,11 @@ GOLDEN = Path(__file__).parent / "golden" / "replay-kv-then-oom.jsonl"
 GIB = 1024**3
 
 
-def recording(path: Path) -> None:
-    """Idle, then KV pressure (the real captures), then relief, then a prefill OOM crash."""
-    rec = FlightRecorder(path, 64 * 1024 * 1024, 1)
+def recording(path: Path, keyframe_every: int = KEYFRAME_EVERY) -> None:
+    """Idle, then KV pressure (the real captures), then relief, then a prefill OOM crash.
+
+    31 ticks: with the default, one keyframe and 30 deltas (recorder.py's format 2)."""
+    rec = FlightRecorder(path, 64 * 1024 * 1024, 1, keyframe_every)
     t0 = 1_795_306_000.0
     phases = ["metrics-idle.prom"] * 5 + [
         "metrics-pressure-04.prom",
@@ -156,7 +158,7 @@ def test_hostile_lines_are_reported_and_do_not_change_the_result(tmp_path: Path)
     future or backwards time silently changed its result. Each is now a reported skip, and the
     decisions are those of the clean recording."""
     clean = tmp_path / "clean.jsonl"
-    recording(clean)
+    recording(clean, keyframe_every=1)  # every line whole, so each can be stamped afresh
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"state_dir: {tmp_path}\nservices:\n  - name: vllm\n")
     expected = run_replay(clean, cfg)
@@ -204,3 +206,76 @@ def test_hostile_lines_are_reported_and_do_not_change_the_result(tmp_path: Path)
     ):
         assert why in p.stderr, p.stderr
     assert p.stderr.count("skipped:") == len(hostile), p.stderr
+
+
+def _replay_stderr(flight: Path, cfg: Path) -> tuple[list[dict], str]:  # type: ignore[type-arg]
+    p = subprocess.run(
+        [sys.executable, "-m", "vllm_guardian", "replay", str(flight), "-c", str(cfg), "--json"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    return [json.loads(line) for line in p.stdout.splitlines()], p.stderr
+
+
+def test_delta_recording_replays_as_the_whole_one(tmp_path: Path):
+    """Format 2 (deltas between keyframes) decides exactly as every line written whole, is a
+    fraction of its size, and stray lines between deltas do not break the chain."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"state_dir: {tmp_path}\nservices:\n  - name: vllm\n")
+    whole, deltas = tmp_path / "whole.jsonl", tmp_path / "deltas.jsonl"
+    recording(whole, keyframe_every=1)
+    recording(deltas)
+    assert deltas.stat().st_size < whole.stat().st_size / 3
+    expected = run_replay(whole, cfg)
+    assert run_replay(deltas, cfg) == expected
+    lines = deltas.read_text().splitlines()
+    assert [json.loads(line)["kind"] for line in lines[:3]] == ["key", "delta", "delta"]
+    stray = tmp_path / "stray.jsonl"
+    stray.write_text(
+        "\n".join(x for line in lines for x in (line, "{not json", "[1]", lines[1])) + "\n"
+    )
+    got, err = _replay_stderr(stray, cfg)
+    assert got == expected
+    assert "not JSON" in err and "without the record it applies to" in err
+
+
+def test_a_lost_delta_line_is_an_error_and_reading_resumes_at_the_next_keyframe(
+    tmp_path: Path,
+):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"state_dir: {tmp_path}\nservices:\n  - name: vllm\n")
+    flight = tmp_path / "flight.jsonl"
+    recording(flight, keyframe_every=10)
+    lines = flight.read_text().splitlines()
+    flight.write_text("\n".join(lines[:4] + lines[5:]) + "\n")  # line 5 (a delta) lost
+    _, err = _replay_stderr(flight, cfg)
+    # Lines 6..10 apply to the lost one: each is reported, none is guessed; line 11 is a keyframe.
+    assert err.count("without the record it applies to") == 5, err
+    assert "delta record 6 without the record it applies to (5)" in err
+
+
+def test_old_and_unknown_formats(tmp_path: Path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"state_dir: {tmp_path}\nservices:\n  - name: vllm\n")
+    whole = tmp_path / "whole.jsonl"
+    recording(whole, keyframe_every=1)
+    expected = run_replay(whole, cfg)
+    # Format 1 (before keyframes and deltas): the same records without format/seq/kind.
+    old = tmp_path / "v1.jsonl"
+    v1 = []
+    for line in whole.read_text().splitlines():
+        rec = json.loads(line)
+        for k in ("format", "seq", "kind"):
+            del rec[k]
+        v1.append(json.dumps(rec))
+    old.write_text("\n".join(v1) + "\n")
+    assert run_replay(old, cfg) == expected
+    future = tmp_path / "v3.jsonl"
+    future.write_text(json.dumps({"format": 3, "seq": 1, "kind": "columns"}) + "\n")
+    got, err = _replay_stderr(future, cfg)
+    assert got == []
+    assert "flight record format 3 is not one this version reads (1, 2)" in err

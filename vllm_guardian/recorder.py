@@ -1,10 +1,31 @@
 """The flight recorder: one JSON line per tick, size-bounded with rotation, and its reader.
 
 Where it sits: the last stage of the tick. Each line holds the tick's snapshot, its derived
-signals and (once the policy lands) its decisions, so an incident can be replayed through the
-same pure core (``vllm-guardian replay``). The codec below turns the frozen dataclasses of
+signals and its decisions, so an incident can be replayed through the same pure core
+(``vllm-guardian replay``). The codec below turns the frozen dataclasses of
 :mod:`vllm_guardian.model` into JSON and back using their type hints; ``+Inf`` (histogram
 bounds) travels as the string ``"+Inf"`` because JSON has no infinity.
+
+**Format 2: what the tick saw, not all of it again.** Most of a snapshot is the same as the
+previous tick's (the cache config, idle engines, the histogram buckets no request reached), so
+a line holds the snapshot and signals whole only every :data:`KEYFRAME_EVERY` records (a
+*keyframe*: also the first line of each file and the first after a failed write); the lines in
+between are *deltas*: only the fields that differ from the previous record, found by walking
+the two tick's objects side by side (equal subtrees are skipped with one C-level comparison,
+so a tick costs what changed, not what exists). Each line carries ``seq`` (and a delta ``base``,
+the ``seq`` it applies to): a missing or damaged line breaks the chain until the next keyframe
+with an error that says so, while a stray line inserted between two records does not. The
+reader (:func:`read_records`, :class:`Resolver`) rebuilds every line into the same full record
+format 1 wrote, so replay, diagnose and bundles read either format; a line that names a format
+this version does not know is an error naming it.
+
+Delta encoding, for a value ``new`` against the previous tick's ``old`` (both Python objects):
+a dataclass of the same type becomes ``{field: delta}`` for the fields that changed; a tuple of
+dataclasses of the same length ``{"@": {index: delta}}``; anything else that changed is its JSON
+(wrapped as ``{"=": value}`` when that is an object or a list). Unchanged fields are absent. A
+tuple is first compared whole, so numbers that compare equal inside one (``1``, ``1.0``,
+``True``) count as unchanged: decoding is typed by the model (:func:`from_jsonable`), so they
+read back alike.
 
 Writes never raise into the loop: a full disk or a read-only path disables recording with one
 error on record, and the guardian keeps guarding.
@@ -125,27 +146,147 @@ def from_jsonable(tp: Any, data: Any) -> Any:
     raise TypeError(f"cannot decode {tp}")
 
 
-class FlightRecorder:
-    """Appends JSON lines to ``path``; at ``max_bytes`` rotates path → path.1 → … path.N."""
+FORMAT = 2
+KNOWN_FORMATS = (1, 2)  # 1: every line whole (no "format" key); 2: keyframes and deltas
+# A keyframe a minute at a 1 s interval: a tail of the file (a bundle's) holds one within a
+# minute of records, and a damaged line costs at most this many records.
+KEYFRAME_EVERY = 60
+DELTA_KEYS = ("snapshot", "signals")  # delta-encoded; the record's other keys are whole
 
-    def __init__(self, path: str | Path, max_bytes: int, backups: int) -> None:
+_SAME: Any = object()
+_SCALARS = (str, int, float, bool)
+
+
+def _whole(value: Any) -> Any:
+    j = to_jsonable(value)
+    return {"=": j} if type(j) is dict or type(j) is list else j
+
+
+def delta(new: Any, old: Any) -> Any:
+    """What changed from ``old`` to ``new`` (module docstring), or :data:`_SAME`."""
+    if new is old:
+        return _SAME
+    tp = type(new)
+    if tp is not type(old):
+        return _whole(new)
+    if tp in _SCALARS:
+        return _SAME if new == old else to_jsonable(new)
+    names = _field_names(tp)  # type: ignore[arg-type]  # types are hashable
+    if names is not None:
+        out: dict[str, Any] = {}
+        for n in names:
+            a = getattr(new, n)
+            b = getattr(old, n)
+            if a is b:
+                continue
+            ta = type(a)
+            if ta is type(b) and ta in _SCALARS:  # the common case, without a call
+                if a != b:
+                    out[n] = to_jsonable(a)
+                continue
+            d = delta(a, b)
+            if d is not _SAME:
+                out[n] = d
+        return out if out else _SAME
+    if tp is tuple or tp is list:
+        if new == old:  # one C-level comparison for tuples of numbers (histogram buckets)
+            return _SAME
+        if len(new) != len(old) or not new or _field_names(type(new[0])) is None:  # type: ignore[arg-type]
+            return _whole(new)  # element by element only for records (engines, devices)
+        changed: dict[str, Any] = {}
+        for i, (a, b) in enumerate(zip(new, old, strict=True)):
+            d = delta(a, b)
+            if d is not _SAME:
+                changed[str(i)] = d
+        return {"@": changed} if changed else _SAME
+    return _SAME if new == old else _whole(new)
+
+
+def apply_delta(old: Any, d: Any) -> Any:
+    """``old``'s JSON with delta ``d`` applied (raises ValueError when they do not fit).
+
+    Unchanged subtrees are shared with ``old``, never copied: records are read, not edited."""
+    if type(d) is not dict:
+        return d
+    if len(d) == 1:
+        if "=" in d:
+            return d["="]
+        if "@" in d:
+            if type(old) is not list or type(d["@"]) is not dict:
+                raise ValueError("an element delta for something that is not a list")
+            out = list(old)
+            for k, v in d["@"].items():
+                i = int(k)
+                if not 0 <= i < len(out):
+                    raise ValueError(f"an element delta for index {i} of a {len(out)}-list")
+                out[i] = apply_delta(out[i], v)
+            return out
+    if type(old) is not dict:
+        raise ValueError("a field delta for something that is not an object")
+    new = dict(old)
+    for k, v in d.items():
+        new[k] = apply_delta(old.get(k), v)
+    return new
+
+
+class FlightRecorder:
+    """Appends JSON lines to ``path``; at ``max_bytes`` rotates path → path.1 → … path.N.
+
+    Format 2 (module docstring): a keyframe every ``keyframe_every`` records, deltas between."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        max_bytes: int,
+        backups: int,
+        keyframe_every: int = KEYFRAME_EVERY,
+    ) -> None:
         self.path = Path(path)
         self.max_bytes = max_bytes
         self.backups = backups
+        self.keyframe_every = max(1, keyframe_every)
         self._lock = threading.Lock()
         self.error: str | None = None
         self.records_written = 0
+        self._previous: dict[str, Any] | None = None  # the last written record's own values
+        self._since_keyframe = 0
+        self._seq = 0
+
+    def _line(self, record: dict[str, Any], keyframe: bool) -> bytes:
+        head: dict[str, Any] = {"format": FORMAT, "seq": self._seq}
+        previous = self._previous
+        if keyframe or previous is None:
+            body = {"kind": "key", **record}
+        else:
+            changes = {}
+            for k in DELTA_KEYS:
+                if k in record:
+                    d = delta(record[k], previous[k])
+                    if d is not _SAME:
+                        changes[k] = d
+            rest = {k: v for k, v in record.items() if k not in DELTA_KEYS}
+            body = {"kind": "delta", "base": self._seq - 1, **rest, "delta": changes}
+        return (
+            json.dumps({**head, **to_jsonable(body)}, separators=(",", ":"), allow_nan=False) + "\n"
+        ).encode()
 
     def write(self, record: dict[str, Any]) -> bool:
-        line = (
-            json.dumps(to_jsonable(record), separators=(",", ":"), allow_nan=False) + "\n"
-        ).encode()
         with self._lock:
+            self._seq += 1
+            keyframe = (
+                self._previous is None
+                or self._since_keyframe >= self.keyframe_every
+                or self._previous.keys() != record.keys()
+            )
+            line = self._line(record, keyframe)
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 size = self.path.stat().st_size if self.path.exists() else 0
                 if size and size + len(line) > self.max_bytes:
                     self._rotate()
+                    if not keyframe:  # each file starts with a keyframe: it reads on its own
+                        keyframe = True
+                        line = self._line(record, keyframe)
                 fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
                 try:
                     os.write(fd, line)
@@ -153,9 +294,12 @@ class FlightRecorder:
                     os.close(fd)
             except OSError as e:
                 self.error = f"cannot write flight record to {self.path}: {e.strerror or e}"
+                self._previous = None  # the next line that lands is a keyframe
                 return False
             self.error = None
             self.records_written += 1
+            self._previous = record
+            self._since_keyframe = 1 if keyframe else self._since_keyframe + 1
             return True
 
     def _rotate(self) -> None:
@@ -199,6 +343,58 @@ def decode_line(line: str) -> dict[str, Any] | str:
     if not isinstance(rec, dict):
         return "not a JSON object"
     return rec
+
+
+class Resolver:
+    """Turns a file's decoded lines, in order, into full records (format 1's shape).
+
+    :meth:`feed` gives the full record, or why the line is not one: a format this version does
+    not know, or a delta whose base record is missing (a lost or damaged line: the chain
+    resumes at the next keyframe). A stray line that is not a record does not break the chain:
+    a delta names the record it applies to."""
+
+    def __init__(self) -> None:
+        self._base: dict[str, Any] | None = None
+        self._base_seq: int | None = None
+
+    def feed(self, rec: dict[str, Any]) -> dict[str, Any] | str:
+        fmt = rec.get("format", 1)
+        if fmt == 1 and "format" not in rec:
+            return rec
+        if fmt not in KNOWN_FORMATS or fmt == 1:
+            return (
+                f"flight record format {fmt!r} is not one this version reads "
+                f"({', '.join(map(str, KNOWN_FORMATS))}): written by a newer vllm-guardian?"
+            )
+        seq, kind = rec.get("seq"), rec.get("kind")
+        if isinstance(seq, bool) or not isinstance(seq, int):
+            return "format 2 record without a sequence number"
+        full = {k: v for k, v in rec.items() if k not in ("format", "seq", "kind", "base", "delta")}
+        if kind == "key":
+            self._base, self._base_seq = full, seq
+            return full
+        if kind != "delta":
+            return f"format 2 record of unknown kind {kind!r}"
+        if self._base is None or rec.get("base") != self._base_seq:
+            return (
+                f"delta record {seq} without the record it applies to ({rec.get('base')!r}): "
+                "a line is missing or damaged; reading resumes at the next keyframe"
+            )
+        changes = rec.get("delta")
+        if not isinstance(changes, dict):
+            return "delta record without its changes"
+        try:
+            for k in DELTA_KEYS:
+                full[k] = (
+                    apply_delta(self._base.get(k), changes[k])
+                    if k in changes
+                    else (self._base.get(k))
+                )
+        except (ValueError, TypeError, AttributeError, RecursionError) as e:
+            self._base, self._base_seq = None, None
+            return f"delta record {seq} does not fit the record before it: {e}"
+        self._base, self._base_seq = full, seq
+        return full
 
 
 def _snapshot_time(rec: dict[str, Any], now_seconds: float) -> tuple[float | None, str | None]:
@@ -269,11 +465,14 @@ def read_records(
         for f in files:
             if not f.exists():
                 continue
+            resolver = Resolver()  # each file starts with a keyframe
             with f.open("r", encoding="utf-8", errors="replace") as fh:
                 for n, line in enumerate(fh, 1):
                     if not line.strip():
                         continue
                     rec = decode_line(line)
+                    if not isinstance(rec, str):
+                        rec = resolver.feed(rec)
                     if isinstance(rec, str):
                         errors.append(RecordError(str(f), n, rec))
                     else:

@@ -396,13 +396,19 @@ def _flight(r: _Reader) -> list[dict[str, Any]]:
     flight: list[dict[str, Any]] = []
     bad: dict[str, int] = {}
     decoded: list[tuple[int, dict[str, Any]]] = []
+    resolver = recorder.Resolver()
+    whole_seen = False  # a tail may begin with deltas of a keyframe before it: not an error
     for n, line in enumerate(lines):
         if not line.strip():
             continue
         rec = recorder.decode_line(line)
+        if not isinstance(rec, str):
+            rec = resolver.feed(rec)
         if isinstance(rec, str):
-            bad[rec] = bad.get(rec, 0) + 1
+            if whole_seen or not rec.startswith("delta record"):
+                bad[rec] = bad.get(rec, 0) + 1
         else:
+            whole_seen = True
             decoded.append((n, rec))
     for _, rec, why in recorder.checked_times(decoded, time.time()):
         if why is not None:
