@@ -1,33 +1,49 @@
-"""Benchmark: the guardian's per-tick cost on a large vLLM exposition, against prometheus_client.
+"""Benchmark: the guardian's own footprint per tick, in the configurations users run.
 
-Run: .venv/bin/python bench/tick.py [--seconds 60] [--engines 8]
+Run: .venv/bin/python bench/tick.py [--engines 1,8] [--configs url,unit,nvml] [--seconds 20]
 
-1. Builds an N-engine exposition from the real vLLM 0.32 capture (the ``engine`` label 0..N-1).
-2. Times, in the same run, (a) ``prometheus_client.parser.text_string_to_metric_families`` over
-   it and (b) the guardian's scrape-to-signals work per tick: parse with the daemon's long-lived
-   parser, assemble the snapshot, derive the signals from a full history. (c) is (b) with a
-   fresh parser each time (the first tick after start-up).
-3. Runs ``vllm-guardian run`` at a 1 s interval for ``--seconds`` against a loopback server
-   serving that text, and reports its RSS and CPU share; as a peer, a plain loop that does what
-   a naive exporter would (GET + prometheus_client parse every second) for the same time.
+For each engine count, a stand-in for vLLM (a child process on 127.0.0.1) serves an N-engine
+exposition built from the real vLLM 0.32 captures in tests/fixtures/vllm/ (``engine`` label
+0..N-1), rotating through three captures taken under load so that every scrape's values move as
+they do on a busy server (counters, histograms), and answers /health. Then, per configuration:
 
-Figures are printed as ratios against the peer; nothing here is asserted.
+* ``url``: the service found by its port (no ``unit:``; the unit source reads /proc), NVML off;
+* ``unit``: ``unit: vllm.service``, with a stand-in ``systemctl`` (a shell script printing
+  ``systemctl show``'s answer with the stand-in's pid as MainPID: a real fork and exec per read)
+  and a stand-in ``journalctl`` that follows an empty journal; NVML off;
+* ``nvml``: as ``url``, plus NVML through the fake libnvidia-ml.so.1 (tests/fake_nvml, built
+  with gcc) with one GPU per engine, each holding a process of the stand-in.
+
+it measures, in the same run:
+
+1. **per component**, the guardian's own ``tick()`` in this process for ``--ticks`` ticks on a
+   fake clock that advances 1 s per tick (so every cadence behaves as at a 1 s interval): CPU
+   time per tick of each source (its thread's CPU), of the decision step (signals, alerts,
+   policy), of the flight recorder, of publishing, and of the whole tick (process CPU); and
+   prometheus_client's parse of the same exposition (CPU), so the whole tick's ratio to it is
+   taken on the same host at the same moment;
+2. **the whole daemon**: ``vllm-guardian run`` at a 1 s interval for ``--seconds``, as its own
+   process: CPU share of one core and peak RSS, read from /proc.
+
+Figures are printed as a table; nothing here is asserted. Keep runs short on a shared host.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -35,72 +51,135 @@ sys.path.insert(0, str(ROOT))
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from tests.expositions import multi_engine  # noqa: E402
-from vllm_guardian.config import ServiceConfig, SignalsConfig  # noqa: E402
-from vllm_guardian.core.signals import derive  # noqa: E402
-from vllm_guardian.daemon import assemble  # noqa: E402
-from vllm_guardian.model import Reading, SourceKind  # noqa: E402
-from vllm_guardian.sources.vllm_metrics import VllmParser, parse_vllm_metrics  # noqa: E402
+from tests.nvml_fake import build_fake_nvml  # noqa: E402
+from vllm_guardian.clock import FakeClock  # noqa: E402
+from vllm_guardian.config import parse_config  # noqa: E402
+from vllm_guardian.daemon import Guardian  # noqa: E402
 
-CAPTURE = ROOT / "tests" / "fixtures" / "vllm" / "metrics-under-load-05.prom"
+CAPTURES = [ROOT / "tests" / "fixtures" / "vllm" / f"metrics-under-load-0{k}.prom" for k in (2, 5, 8)]
+CONFIGS = ("url", "unit", "nvml")
+GIB = 1024**3
 
-
-def timeit(fn, repeat: int) -> float:  # type: ignore[no-untyped-def]
-    """Median seconds per call over ``repeat`` calls, after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def cpu_work(text: str, repeat: int) -> dict[str, float]:
-    services = [ServiceConfig(name="vllm")]
-    scfg = SignalsConfig()
-    parser = VllmParser()
-    history: collections.deque = collections.deque(maxlen=int(scfg.slope_window_seconds / 2) + 2)
-    clock = [1_800_000_000.0]
-
-    def guardian_tick() -> None:
-        scrape = parse_vllm_metrics(text, len(text), parser)
-        clock[0] += 2.0
-        snap = assemble(clock[0], ["vllm"], [Reading(SourceKind.VLLM_METRICS, "vllm", scrape)], [])
-        history.append(snap)
-        derive(list(history), services, scfg)
-
-    for _ in range(history.maxlen or 0):  # a full history, as in steady state
-        guardian_tick()
-    reference = timeit(lambda: list(text_string_to_metric_families(text)), max(5, repeat // 10))
-    warm = timeit(guardian_tick, repeat)
-    cold = timeit(lambda: parse_vllm_metrics(text, len(text), VllmParser()), repeat)
-    return {
-        "prometheus_client": reference,
-        "guardian_tick": warm,
-        "guardian_first_tick_parse": cold,
-    }
+# The stand-in for vLLM: serves the expositions in turn on /metrics, 200 on /health.
+STAND_IN = textwrap.dedent(
+    """
+    import sys, itertools
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    bodies = itertools.cycle([open(p, "rb").read() for p in sys.argv[1:]])
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = next(bodies) if self.path == "/metrics" else b""
+            self.send_response(200 if self.path in ("/metrics", "/health") else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        def log_message(self, *a):
+            pass
+    s = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    print(s.server_address[1], flush=True)
+    s.serve_forever()
+    """
+)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    body = b""
+@contextmanager
+def stand_in(texts: list[str], tmp: Path) -> Iterator[tuple[int, int]]:
+    """(pid, port) of a running stand-in for vLLM serving ``texts`` in turn."""
+    paths = []
+    for i, text in enumerate(texts):
+        p = tmp / f"exposition-{i}.prom"
+        p.write_text(text)
+        paths.append(str(p))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STAND_IN, *paths], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        yield proc.pid, port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
-    def do_GET(self) -> None:
-        code = 200 if self.path in ("/metrics", "/health") else 404
-        body = self.body if self.path == "/metrics" else b""
-        self.send_response(code)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
-    def log_message(self, format: str, *args: object) -> None:
-        pass
+def config_text(kind: str, tmp: Path, port: int, pid: int, engines: int, lib: Path | None) -> str:
+    d = tmp / kind
+    d.mkdir(exist_ok=True)
+    systemctl = d / "systemctl"
+    show = (
+        f"MainPID={pid}\nExecMainStatus=0\nResult=success\nNRestarts=0\n"
+        "ControlGroup=/system.slice/vllm.service\nLoadState=loaded\nActiveState=active\n"
+        "SubState=running\nActiveEnterTimestampMonotonic=52889123456\n"
+    )
+    systemctl.write_text(f"#!/bin/sh\ncat <<'EOF'\n{show}EOF\n")
+    journalctl = d / "journalctl"
+    journalctl.write_text("#!/bin/sh\nexec sleep 3600\n")  # an empty journal, followed
+    for f in (systemctl, journalctl):
+        f.chmod(0o755)
+    nvml = "    enabled: false\n"
+    if kind == "nvml":
+        assert lib is not None
+        state = d / "nvml-state.txt"
+        lines = ["driver 550.54.15"]
+        for i in range(engines):
+            lines.append(f"gpu {i} total={80 * GIB} used={70 * GIB} util=90 temp=60 power_mw=500000")
+            lines.append(f"proc {i} compute {pid} {69 * GIB}")
+        state.write_text("\n".join(lines) + "\n")
+        os.environ["FAKE_NVML_STATE"] = str(state)  # read by the fake library (and the child)
+        nvml = f"    backend: nvml\n    library_path: {lib}\n"
+    unit = "    unit: vllm.service\n" if kind == "unit" else ""
+    return (
+        f"interval_seconds: 1\nlisten: 127.0.0.1:0\nruntime_dir: {d}/run\nstate_dir: {d}/state\n"
+        f"recorder:\n  path: {d}/flight.jsonl\n"
+        f"sources:\n  nvml:\n{nvml}  unit:\n    systemctl: {systemctl}\n"
+        f"  logs:\n    journalctl: {journalctl}\n"
+        f"services:\n  - name: vllm\n    url: http://127.0.0.1:{port}\n{unit}"
+    )
+
+
+def _timed(fn: Callable[..., Any], key: str, acc: dict[str, float]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc[key] += time.thread_time() - t
+
+    return wrapper
+
+
+def per_component(cfg_text: str, ticks: int) -> dict[str, float]:
+    """CPU seconds per tick of each part of the guardian's own tick (module docstring)."""
+    cfg = parse_config(cfg_text)
+    clock = FakeClock(time.time())
+    g = Guardian(cfg, clock=clock, notifier=None)
+    acc: dict[str, float] = defaultdict(float)
+    try:
+        for slot in g._slots:  # noqa: SLF001  # a benchmark looks inside
+            c = slot.collector
+            c.collect = _timed(c.collect, c.kind.value, acc)  # type: ignore[method-assign]
+        if g.healing is not None:
+            g.healing.run = _timed(g.healing.run, "step", acc)  # type: ignore[method-assign]
+        g._record = _timed(g._record, "recorder", acc)  # type: ignore[method-assign]  # noqa: SLF001
+        g.exposition.publish = _timed(g.exposition.publish, "publish", acc)  # type: ignore[method-assign]
+        for _ in range(5):  # warm-up: first scrape (cold parser), first full reads
+            g.tick()
+            clock.advance(1.0)
+        acc.clear()
+        t0 = time.process_time()
+        for _ in range(ticks):
+            g.tick()
+            clock.advance(1.0)
+        acc["whole tick"] = time.process_time() - t0
+    finally:
+        g.close()
+    return {k: v / ticks for k, v in acc.items()}
 
 
 def proc_usage(pid: int) -> tuple[float, int]:
     """(CPU seconds, RSS bytes) of a process, from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    cpu = (int(fields[11]) + int(fields[12])) / ticks
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     rss = 0
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -108,19 +187,26 @@ def proc_usage(pid: int) -> tuple[float, int]:
     return cpu, rss
 
 
-def run_process(argv: list[str], seconds: float, env: dict[str, str]) -> tuple[float, int]:
+def whole_daemon(cfg_text: str, tmp: Path, seconds: float) -> tuple[float, int]:
+    """(CPU share of one core, peak RSS bytes) of ``vllm-guardian run`` over ``seconds``."""
+    cfg = tmp / "daemon.yaml"
+    cfg.write_text(cfg_text)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [sys.executable, "-m", "vllm_guardian", "run", "-c", str(cfg)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
-        time.sleep(3)  # start-up (imports) is not the steady state
+        time.sleep(3)  # start-up (imports, first ticks) is not the steady state
         cpu0, _ = proc_usage(proc.pid)
         t0 = time.monotonic()
         peak = 0
         while time.monotonic() - t0 < seconds:
-            time.sleep(1)
-            _, rss = proc_usage(proc.pid)
-            peak = max(peak, rss)
+            time.sleep(0.5)
+            peak = max(peak, proc_usage(proc.pid)[1])
         cpu1, _ = proc_usage(proc.pid)
         return (cpu1 - cpu0) / (time.monotonic() - t0), peak
     finally:
@@ -132,77 +218,78 @@ def run_process(argv: list[str], seconds: float, env: dict[str, str]) -> tuple[f
             proc.wait()
 
 
-PEER = textwrap.dedent(
-    """
-    import sys, time, requests
-    from prometheus_client.parser import text_string_to_metric_families
-    url = sys.argv[1]
-    s = requests.Session()
-    while True:
-        t = time.monotonic()
-        list(text_string_to_metric_families(s.get(url, timeout=5).text))
-        time.sleep(max(0.0, 1.0 - (time.monotonic() - t)))
-    """
-)
+def prometheus_parse_cpu(text: str, repeat: int) -> float:
+    """Median CPU seconds of one prometheus_client parse of ``text``."""
+    list(text_string_to_metric_families(text))
+    times = []
+    for _ in range(repeat):
+        t = time.process_time()
+        list(text_string_to_metric_families(text))
+        times.append(time.process_time() - t)
+    return statistics.median(times)
 
 
-def daemon_usage(text: str, seconds: float) -> dict[str, tuple[float, int]]:
-    handler = type("H", (_Handler,), {"body": text.encode()})
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{httpd.server_address[1]}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            cfg = Path(tmp) / "config.yaml"
-            cfg.write_text(
-                f"interval_seconds: 1\nlisten: 127.0.0.1:0\nruntime_dir: {tmp}/run\nstate_dir: {tmp}\n"
-                f"recorder:\n  path: {tmp}/flight.jsonl\n"
-                "sources:\n  nvml:\n    enabled: false\n  unit:\n    enabled: false\n"
-                f"services:\n  - name: vllm\n    url: {url}\n"
-            )
-            guardian = run_process(
-                [sys.executable, "-m", "vllm_guardian", "run", "-c", str(cfg)], seconds, env
-            )
-        peer = run_process([sys.executable, "-c", PEER, url + "/metrics"], seconds, env)
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-    return {"guardian": guardian, "peer": peer}
+COMPONENTS = ("vllm_metrics", "health", "unit", "logs", "nvml", "allocator", "step", "recorder",
+              "publish")  # fmt: skip
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--engines", type=int, default=8)
-    ap.add_argument("--repeat", type=int, default=200)
-    ap.add_argument("--seconds", type=float, default=60.0, help="daemon run length; 0 skips it")
+    ap.add_argument("--engines", default="1,8", help="engine counts, comma-separated")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="of: " + ", ".join(CONFIGS))
+    ap.add_argument("--ticks", type=int, default=60, help="in-process ticks per configuration")
+    ap.add_argument("--seconds", type=float, default=20.0, help="daemon run; 0 skips it")
     args = ap.parse_args()
-    text = multi_engine(CAPTURE.read_text(), args.engines)
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = set(configs) - set(CONFIGS)
+    if unknown:
+        ap.error(f"unknown configs {sorted(unknown)}: choose from {', '.join(CONFIGS)}")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-tick-") as tmpname:
+        tmp = Path(tmpname)
+        lib = None
+        if "nvml" in configs:
+            if shutil.which("gcc") is None:
+                ap.error("the nvml configuration needs gcc to build the fake libnvidia-ml.so.1")
+            lib = build_fake_nvml(tmp)
+        for engines in [int(e) for e in args.engines.split(",")]:
+            texts = [multi_engine(p.read_text(), engines) for p in CAPTURES]
+            lines = len(texts[1].splitlines())
+            ref = prometheus_parse_cpu(texts[1], 20)
+            print(
+                f"exposition: {engines} engine(s), {lines} lines, {len(texts[1]) / 1024:.0f} KiB; "
+                f"prometheus_client parse: {ref * 1e3:.2f} ms CPU",
+                flush=True,
+            )
+            with stand_in(texts, tmp) as (pid, port):
+                for kind in configs:
+                    text = config_text(kind, tmp, port, pid, engines, lib)
+                    parts = per_component(text, args.ticks)
+                    daemon = whole_daemon(text, tmp / kind, args.seconds) if args.seconds else None
+                    rows.append((engines, kind, ref, parts, daemon))
+                    print(f"  {kind}: whole tick {parts['whole tick'] * 1e3:.2f} ms", flush=True)
+    print()
+    head = ["engines", "config", *COMPONENTS, "whole tick", "parse / tick", "daemon CPU", "RSS"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for engines, kind, ref, parts, daemon in rows:
+        cells = [str(engines), kind]
+        cells += [f"{parts[c] * 1e3:.2f}" if c in parts else "–" for c in COMPONENTS]
+        whole = parts["whole tick"]
+        cells += [f"{whole * 1e3:.2f} ms", f"{ref / whole:.1f}×"]
+        if daemon is not None:
+            cells += [f"{100 * daemon[0]:.2f} %", f"{daemon[1] / 2**20:.1f} MiB"]
+        else:
+            cells += ["–", "–"]
+        print("| " + " | ".join(cells) + " |")
     print(
-        f"exposition: {args.engines} engines, {len(text.splitlines())} lines, {len(text) / 1024:.0f} KiB"
+        "\ncomponents: CPU ms per tick (sources: their thread's CPU); whole tick: process CPU per "
+        "tick in this process; parse / tick: prometheus_client's parse CPU over the whole tick's; "
+        f"daemon: `vllm-guardian run` at a 1 s interval over {args.seconds:.0f} s, CPU share of "
+        "one core and peak RSS."
     )
-    t = cpu_work(text, args.repeat)
-    ref = t["prometheus_client"]
-    print(f"(a) prometheus_client parse:            {ref * 1e3:8.2f} ms")
-    print(
-        f"(b) guardian scrape-to-signals, a tick: {t['guardian_tick'] * 1e3:8.2f} ms   {ref / t['guardian_tick']:5.1f}x cheaper"
-    )
-    print(
-        f"(c) guardian parse, first tick (cold):  {t['guardian_first_tick_parse'] * 1e3:8.2f} ms"
-        f"   {ref / t['guardian_first_tick_parse']:5.1f}x cheaper"
-    )
-    if args.seconds > 0:
-        u = daemon_usage(text, args.seconds)
-        (gcpu, grss), (pcpu, prss) = u["guardian"], u["peer"]
-        print(
-            f"daemon over {args.seconds:.0f}s at 1s interval: CPU {100 * gcpu:.2f}% of a core, peak RSS {grss / 2**20:.1f} MiB"
-        )
-        print(
-            f"peer (GET + prometheus_client parse each 1s): CPU {100 * pcpu:.2f}% of a core, peak RSS {prss / 2**20:.1f} MiB"
-        )
-        print(f"guardian/peer: CPU {gcpu / pcpu:.2f}x, RSS {grss / prss:.2f}x")
     return 0
 
 

@@ -59,6 +59,9 @@ def _field_names(tp: type) -> tuple[str, ...] | None:
     return None
 
 
+_PLAIN = frozenset({str, int, bool, type(None)})  # JSON as they are
+
+
 def to_jsonable(obj: Any) -> Any:
     """Dataclasses → dicts, enums → values, tuples → lists, ±Inf/NaN → strings.
 
@@ -66,19 +69,28 @@ def to_jsonable(obj: Any) -> Any:
     dataclass's field names are looked up once per type.
     """
     tp = type(obj)
-    if tp is str or tp is int or tp is bool or obj is None:
+    if tp in _PLAIN:
         return obj
     if tp is float:
         if math.isfinite(obj):
             return obj
         return "NaN" if math.isnan(obj) else ("+Inf" if obj > 0 else "-Inf")
     if tp is tuple or tp is list:
-        return [to_jsonable(v) for v in obj]
+        # Plain values inline, without a call each (``v - v == 0``: a finite float).
+        return [
+            v if type(v) in _PLAIN or (type(v) is float and v - v == 0.0) else to_jsonable(v)
+            for v in obj
+        ]
     if isinstance(obj, enum.Enum):
         return obj.value
     names = _field_names(tp)  # type: ignore[arg-type]  # types are hashable
     if names is not None:
-        return {n: to_jsonable(getattr(obj, n)) for n in names}
+        out = {}
+        for n in names:
+            v = getattr(obj, n)
+            tv = type(v)
+            out[n] = v if tv in _PLAIN or (tv is float and v - v == 0.0) else to_jsonable(v)
+        return out
     if isinstance(obj, tuple | list):
         return [to_jsonable(v) for v in obj]
     if isinstance(obj, dict):
@@ -256,7 +268,7 @@ class FlightRecorder:
         head: dict[str, Any] = {"format": FORMAT, "seq": self._seq}
         previous = self._previous
         if keyframe or previous is None:
-            body = {"kind": "key", **record}
+            body = {"kind": "key", **to_jsonable(record)}
         else:
             changes = {}
             for k in DELTA_KEYS:
@@ -265,9 +277,10 @@ class FlightRecorder:
                     if d is not _SAME:
                         changes[k] = d
             rest = {k: v for k, v in record.items() if k not in DELTA_KEYS}
-            body = {"kind": "delta", "base": self._seq - 1, **rest, "delta": changes}
+            body = {"kind": "delta", "base": self._seq - 1, **to_jsonable(rest)}
+            body["delta"] = changes  # already JSON: not walked again
         return (
-            json.dumps({**head, **to_jsonable(body)}, separators=(",", ":"), allow_nan=False) + "\n"
+            json.dumps({**head, **body}, separators=(",", ":"), allow_nan=False) + "\n"
         ).encode()
 
     def write(self, record: dict[str, Any]) -> bool:
