@@ -42,6 +42,7 @@ from vllm_guardian.sources.unit import (
     parse_proc_stat,
     parse_systemctl_show,
     port_of,
+    read_listening_rows,
     topmost,
     unit_state_from_show,
 )
@@ -710,3 +711,16 @@ def test_daemon_invalidates_the_unit_when_health_or_logs_say_so(name: str) -> No
     previous, now, expected = INVALIDATE[name]
     assert unit_may_have_changed(previous, now, "a") is expected
     assert unit_may_have_changed(previous, now, "other-service") is False
+
+
+def test_only_the_listening_rows_are_read(tmp_path: Path) -> None:
+    # The kernel lists listening sockets first; the established ones after them (thousands on
+    # a busy server) are not read, so a listener row placed after them is not seen.
+    rows = PROC_NET_TCP.splitlines()
+    established = rows[3]
+    late_listener = rows[2].replace(":1F41 ", ":1F42 ")
+    path = tmp_path / "tcp"
+    path.write_text("\n".join([*rows[:3], *[established] * 5000, late_listener]) + "\n")
+    text = read_listening_rows(path)
+    assert text.splitlines() == rows[:3]
+    assert [s.local_port for s in parse_proc_net_tcp(text)] == [8000, 8001]

@@ -219,9 +219,11 @@ def _pid_dirs(proc_root: Path) -> Iterable[int]:
 
 def read_parents(proc_root: Path) -> dict[int, int]:
     parents: dict[int, int] = {}
+    root = str(proc_root)  # plain strings: a Path per process costs more than the read
     for pid in _pid_dirs(proc_root):
         try:
-            text = (proc_root / str(pid) / "stat").read_text(encoding="utf-8", errors="replace")
+            with open(f"{root}/{pid}/stat", "rb") as fh:
+                text = fh.read().decode("utf-8", errors="replace")
         except OSError:  # exited since listdir, or not ours to read
             continue
         parsed = parse_proc_stat(text)
@@ -239,11 +241,28 @@ def read_cmdline(proc_root: Path, pid: int) -> tuple[str, ...] | None:
     return redact_argv(argv) if argv is not None else None
 
 
+def read_listening_rows(path: Path) -> str:
+    """The header and the listening rows of /proc/net/tcp{,6}, read only as far as they go.
+
+    The kernel lists listening sockets first (``tcp_seq_start``: the listening hash, then the
+    established one), so reading stops at the first row in another state: on a server with
+    thousands of connections the rest is never generated (reading the whole file took seconds
+    on a busy host)."""
+    out: list[str] = []
+    with path.open("r", encoding="utf-8", errors="replace") as fh:
+        for n, line in enumerate(fh):
+            fields = line.split(None, 4)
+            if n > 0 and len(fields) >= 4 and fields[3] != "0A":
+                break
+            out.append(line)
+    return "".join(out)
+
+
 def listening_inodes(proc_root: Path, port: int) -> set[int]:
     inodes: set[int] = set()
     for name in ("tcp", "tcp6"):
         try:
-            text = (proc_root / "net" / name).read_text(encoding="utf-8", errors="replace")
+            text = read_listening_rows(proc_root / "net" / name)
         except OSError:  # tcp6 is absent where IPv6 is disabled
             continue
         inodes.update(
