@@ -56,7 +56,9 @@ from vllm_guardian.clock import FakeClock  # noqa: E402
 from vllm_guardian.config import parse_config  # noqa: E402
 from vllm_guardian.daemon import Guardian  # noqa: E402
 
-CAPTURES = [ROOT / "tests" / "fixtures" / "vllm" / f"metrics-under-load-0{k}.prom" for k in (2, 5, 8)]
+CAPTURES = [
+    ROOT / "tests" / "fixtures" / "vllm" / f"metrics-under-load-0{k}.prom" for k in (2, 5, 8)
+]
 CONFIGS = ("url", "unit", "nvml")
 GIB = 1024**3
 
@@ -122,7 +124,9 @@ def config_text(kind: str, tmp: Path, port: int, pid: int, engines: int, lib: Pa
         state = d / "nvml-state.txt"
         lines = ["driver 550.54.15"]
         for i in range(engines):
-            lines.append(f"gpu {i} total={80 * GIB} used={70 * GIB} util=90 temp=60 power_mw=500000")
+            lines.append(
+                f"gpu {i} total={80 * GIB} used={70 * GIB} util=90 temp=60 power_mw=500000"
+            )
             lines.append(f"proc {i} compute {pid} {69 * GIB}")
         state.write_text("\n".join(lines) + "\n")
         os.environ["FAKE_NVML_STATE"] = str(state)  # read by the fake library (and the child)
@@ -199,8 +203,17 @@ def whole_daemon(cfg_text: str, tmp: Path, seconds: float) -> tuple[float, int]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    flight = Path(cfg_text.split("recorder:\n  path: ", 1)[1].split("\n", 1)[0])
     try:
-        time.sleep(3)  # start-up (imports, first ticks) is not the steady state
+        # Start-up (imports, the first ticks) is not the steady state: measure from the third
+        # recorded tick (on a loaded host start-up alone can take seconds).
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            if flight.exists() and flight.read_bytes().count(b"\n") >= 3:
+                break
+            time.sleep(0.2)
+        else:
+            raise RuntimeError(f"the daemon recorded no 3 ticks within 60 s (exit {proc.poll()})")
         cpu0, _ = proc_usage(proc.pid)
         t0 = time.monotonic()
         peak = 0
