@@ -159,12 +159,12 @@ def per_component(cfg_text: str, ticks: int) -> dict[str, float]:
     g = Guardian(cfg, clock=clock, notifier=None)
     acc: dict[str, float] = defaultdict(float)
     try:
-        for slot in g._slots:  # noqa: SLF001  # a benchmark looks inside
+        for slot in g._slots:  # a benchmark looks inside
             c = slot.collector
             c.collect = _timed(c.collect, c.kind.value, acc)  # type: ignore[method-assign]
         if g.healing is not None:
             g.healing.run = _timed(g.healing.run, "step", acc)  # type: ignore[method-assign]
-        g._record = _timed(g._record, "recorder", acc)  # type: ignore[method-assign]  # noqa: SLF001
+        g._record = _timed(g._record, "recorder", acc)  # type: ignore[method-assign]
         g.exposition.publish = _timed(g.exposition.publish, "publish", acc)  # type: ignore[method-assign]
         for _ in range(5):  # warm-up: first scrape (cold parser), first full reads
             g.tick()
