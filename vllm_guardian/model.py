@@ -7,6 +7,8 @@ Missing values are ``None``, never NaN or a sentinel. Units are in the field nam
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -98,6 +100,40 @@ class EngineMetrics:
         return (self.model_name, self.engine)
 
 
+def _sum_present(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) if present else None
+
+
+def kv_usage_ratio(engines: Sequence[EngineMetrics]) -> float | None:
+    """The KV pool's usage over all engines: weighted by each engine's blocks where every
+    engine reports them, else the fullest engine's."""
+    usages = [
+        (e.kv_cache_usage_ratio, e.cache_config.num_gpu_blocks if e.cache_config else None)
+        for e in engines
+    ]
+    present = [(u, b) for u, b in usages if u is not None]
+    if not present:
+        return None
+    if all(b for _, b in present):
+        total = sum(b for _, b in present if b)
+        return sum(u * b for u, b in present if b) / total
+    return max(u for u, _ in present)
+
+
+@dataclass(frozen=True)
+class EngineSums:
+    """A scrape's counters and gauges summed over its engines (None: no engine reports it)."""
+
+    finished_total: float | None
+    failed_total: float | None
+    prompt_tokens_total: float | None
+    generation_tokens_total: float | None
+    running: float | None
+    waiting: float | None
+    kv_usage_ratio: float | None
+
+
 @dataclass(frozen=True)
 class VllmScrape:
     """What one GET /metrics gave, reduced to the series the guardian uses."""
@@ -110,6 +146,22 @@ class VllmScrape:
     rejected_values: int = 0  # NaN/Inf where a finite value is required
     duplicate_series: int = 0
     engines_dropped: int = 0  # engines past the parser's cap (sources/vllm_metrics.MAX_ENGINES)
+
+    @functools.cached_property
+    def sums(self) -> EngineSums:
+        """Summed once per scrape, not once per tick that reads it: the capacity estimate reads
+        every scrape of its window (two minutes of snapshots) on every tick. Not a field: not
+        recorded, compared or hashed."""
+        e = self.engines
+        return EngineSums(
+            finished_total=_sum_present(x.requests_finished_total for x in e),
+            failed_total=_sum_present(x.requests_failed_total for x in e),
+            prompt_tokens_total=_sum_present(x.prompt_tokens_total for x in e),
+            generation_tokens_total=_sum_present(x.generation_tokens_total for x in e),
+            running=_sum_present(x.requests_running for x in e),
+            waiting=_sum_present(x.requests_waiting for x in e),
+            kv_usage_ratio=kv_usage_ratio(e) if e else None,
+        )
 
 
 # --- /health ---------------------------------------------------------------------------------

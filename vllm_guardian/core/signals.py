@@ -51,6 +51,7 @@ from vllm_guardian.model import (
     Snapshot,
     UnitState,
     VllmScrape,
+    kv_usage_ratio,
 )
 
 QUANTILES = (0.5, 0.99)
@@ -442,18 +443,7 @@ def _headroom(snap: Snapshot, indices: set[int]) -> int | None:
     return min(f for f in free if f is not None)
 
 
-def _kv_usage(engines: Sequence[EngineMetrics]) -> float | None:
-    usages = [
-        (e.kv_cache_usage_ratio, e.cache_config.num_gpu_blocks if e.cache_config else None)
-        for e in engines
-    ]
-    present = [(u, b) for u, b in usages if u is not None]
-    if not present:
-        return None
-    if all(b for _, b in present):
-        total = sum(b for _, b in present if b)
-        return sum(u * b for u, b in present if b) / total
-    return max(u for u, _ in present)
+_kv_usage = kv_usage_ratio  # model.py: also summed once per scrape (VllmScrape.sums)
 
 
 def derive_service(
@@ -588,8 +578,7 @@ def capacity_samples(window: Sequence[Snapshot], service: str) -> list[CapacityS
         if scrape is None:
             out.append(CapacitySample(snap.time_seconds, scraped=False))
             continue
-        e = scrape.engines
-        usage = _kv_usage(e) if e else None
+        sums = scrape.sums  # once per scrape, however many ticks read it
         svc = snap.service(service)
         gate = svc.gate if svc is not None and svc.gate is not None and svc.gate.reachable else None
         out.append(
@@ -598,13 +587,13 @@ def capacity_samples(window: Sequence[Snapshot], service: str) -> list[CapacityS
                 scraped=True,
                 stats_enabled=scrape.stats_enabled,
                 process_start_seconds=scrape.process_start_time_seconds,
-                finished_total=_sum_opt([x.requests_finished_total for x in e]),
-                failed_total=_sum_opt([x.requests_failed_total for x in e]),
-                prompt_tokens_total=_sum_opt([x.prompt_tokens_total for x in e]),
-                generation_tokens_total=_sum_opt([x.generation_tokens_total for x in e]),
-                running=_sum_opt([x.requests_running for x in e]),
-                waiting=_sum_opt([x.requests_waiting for x in e]),
-                kv_usage_ratio=usage,
+                finished_total=sums.finished_total,
+                failed_total=sums.failed_total,
+                prompt_tokens_total=sums.prompt_tokens_total,
+                generation_tokens_total=sums.generation_tokens_total,
+                running=sums.running,
+                waiting=sums.waiting,
+                kv_usage_ratio=sums.kv_usage_ratio,
                 gate_queued=None if gate is None or gate.queued is None else float(gate.queued),
                 gate_rejected_total=(
                     None if gate is None or gate.rejected_total is None else gate.rejected_total
