@@ -8,9 +8,10 @@ Missing values are ``None``, never NaN or a sentinel. Units are in the field nam
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from vllm_guardian.allocator_format import AllocatorStats
 
@@ -402,6 +403,13 @@ class Snapshot:
             if s.name == name:
                 return s
         return None
+
+    @functools.cached_property
+    def memo(self) -> dict[Hashable, Any]:
+        """Values the core derives from this snapshot alone, kept with it so that a window
+        read on every tick (the forecast's five minutes) computes each once. Not a field: not
+        recorded, compared or hashed; a replaced snapshot starts empty."""
+        return {}
 
 
 # --- alerts and causes -----------------------------------------------------------------------

@@ -615,62 +615,71 @@ def forecast_settings(cfg: SignalsConfig) -> ForecastSettings:
 def memory_samples(
     history: Sequence[Snapshot], service: str, gpu: int, utilization: float | None
 ) -> list[MemorySample]:
-    """One GPU of a service, per snapshot, as the forecast reads it (None: not observed)."""
+    """One GPU of a service, per snapshot, as the forecast reads it (None: not observed).
+
+    Each snapshot's sample is computed once and kept in its memo: the window is read whole on
+    every tick."""
     out: list[MemorySample] = []
     for snap in history:
-        svc = snap.service(service) or ServiceSnapshot(service)
-        unit = svc.unit
-        ready = svc.health is not None and svc.health.state is HealthState.UP
-        generation: float | None = None
-        if svc.vllm is not None and svc.vllm.process_start_time_seconds is not None:
-            generation = svc.vllm.process_start_time_seconds
-        elif unit is not None and unit.main_pid is not None:
-            generation = float(unit.main_pid)
-        dev = next((d for d in snap.gpus.devices if d.index == gpu), None) if snap.gpus else None
-        free = dev.memory_free_bytes if dev is not None else None
-        mine: int | None = None
-        other: int | None = None
-        neighbours: tuple[Neighbour, ...] = ()
-        if dev is not None and dev.processes is not None:
-            procs = [p for p in dev.processes if p.used_memory_bytes is not None]
-            mine = sum(p.used_memory_bytes or 0 for p in procs if belongs_to(p, unit))
-            others = [p for p in procs if not belongs_to(p, unit)]
-            other = sum(p.used_memory_bytes or 0 for p in others)
-            neighbours = tuple(
-                Neighbour(p.pid, p.used_memory_bytes, p.name, p.cgroup) for p in others
-            )
-        reserved: int | None = None
-        allocated: int | None = None
-        if svc.allocator is not None and svc.allocator.processes:
-            recs = [
-                r
-                for proc in svc.allocator.processes
-                for r in proc.devices
-                if physical_gpu(r, snap.gpus) == gpu
-            ]
-            if recs:
-                reserved = sum(r.reserved_bytes for r in recs)
-                allocated = sum(r.allocated_bytes for r in recs)
-        budget = (
-            int(utilization * dev.memory_total_bytes)
-            if utilization is not None and dev is not None and dev.memory_total_bytes is not None
-            else None
-        )
-        out.append(
-            MemorySample(
-                time_seconds=snap.time_seconds,
-                free_bytes=free,
-                ready=ready,
-                generation=generation,
-                service_bytes=mine,
-                other_bytes=other,
-                reserved_bytes=reserved,
-                allocated_bytes=allocated,
-                budget_bytes=budget,
-                neighbours=neighbours,
-            )
-        )
+        key = ("memory_sample", service, gpu, utilization)
+        sample = snap.memo.get(key)
+        if sample is None:
+            sample = snap.memo[key] = _memory_sample(snap, service, gpu, utilization)
+        out.append(sample)
     return out
+
+
+def _memory_sample(
+    snap: Snapshot, service: str, gpu: int, utilization: float | None
+) -> MemorySample:
+    svc = snap.service(service) or ServiceSnapshot(service)
+    unit = svc.unit
+    ready = svc.health is not None and svc.health.state is HealthState.UP
+    generation: float | None = None
+    if svc.vllm is not None and svc.vllm.process_start_time_seconds is not None:
+        generation = svc.vllm.process_start_time_seconds
+    elif unit is not None and unit.main_pid is not None:
+        generation = float(unit.main_pid)
+    dev = next((d for d in snap.gpus.devices if d.index == gpu), None) if snap.gpus else None
+    free = dev.memory_free_bytes if dev is not None else None
+    mine: int | None = None
+    other: int | None = None
+    neighbours: tuple[Neighbour, ...] = ()
+    if dev is not None and dev.processes is not None:
+        procs = [p for p in dev.processes if p.used_memory_bytes is not None]
+        mine = sum(p.used_memory_bytes or 0 for p in procs if belongs_to(p, unit))
+        others = [p for p in procs if not belongs_to(p, unit)]
+        other = sum(p.used_memory_bytes or 0 for p in others)
+        neighbours = tuple(Neighbour(p.pid, p.used_memory_bytes, p.name, p.cgroup) for p in others)
+    reserved: int | None = None
+    allocated: int | None = None
+    if svc.allocator is not None and svc.allocator.processes:
+        recs = [
+            r
+            for proc in svc.allocator.processes
+            for r in proc.devices
+            if physical_gpu(r, snap.gpus) == gpu
+        ]
+        if recs:
+            reserved = sum(r.reserved_bytes for r in recs)
+            allocated = sum(r.allocated_bytes for r in recs)
+    budget = (
+        int(utilization * dev.memory_total_bytes)
+        if utilization is not None and dev is not None and dev.memory_total_bytes is not None
+        else None
+    )
+    return MemorySample(
+        time_seconds=snap.time_seconds,
+        free_bytes=free,
+        ready=ready,
+        generation=generation,
+        service_bytes=mine,
+        other_bytes=other,
+        reserved_bytes=reserved,
+        allocated_bytes=allocated,
+        budget_bytes=budget,
+        neighbours=neighbours,
+    )
 
 
 _CAUSE_FIELDS = {
