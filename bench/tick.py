@@ -203,6 +203,8 @@ def whole_daemon(cfg_text: str, tmp: Path, seconds: float) -> tuple[float, int]:
     cfg = tmp / "daemon.yaml"
     cfg.write_text(cfg_text)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    flight = Path(cfg_text.split("recorder:\n  path: ", 1)[1].split("\n", 1)[0])
+    flight.unlink(missing_ok=True)  # the in-process run's records: not this daemon's ticks
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm_guardian", "run", "-c", str(cfg)],
         cwd=ROOT,
@@ -210,7 +212,6 @@ def whole_daemon(cfg_text: str, tmp: Path, seconds: float) -> tuple[float, int]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    flight = Path(cfg_text.split("recorder:\n  path: ", 1)[1].split("\n", 1)[0])
     try:
         # Start-up (imports, the first ticks) is not the steady state: measure from the third
         # recorded tick (on a loaded host start-up alone can take seconds).
