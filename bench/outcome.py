@@ -36,7 +36,8 @@ recover (first fault → the first request sent after it that succeeds), downtim
 not 200 after first ready), goodput (tokens/s of successful requests), p50/p99 latency, p50/p99
 TTFT of successful streams, OOM crashes, actions, final flags, alerts fired. Each cell
 (scenario × operator) runs once per seed: the report gives the median and min–max, and the
-host's load average before and after the cell (``busy`` when it exceeds the core count).
+host's worst load average before and after the cell's runs (``busy`` when it exceeds the core
+count). ``--jobs N`` runs N runs at a time, each in its own process; the report says how many.
 
 Writes ``outcome.md``, ``outcome.json`` and ``outcome.svg`` (failed % per cell, bars at the
 median, whiskers min–max) to ``--out`` (default ``bench/results``; ``-quick`` suffixed for
@@ -47,9 +48,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
+import multiprocessing
 import os
 import random
 import statistics
@@ -352,7 +355,12 @@ def guardian_config(
             {"name": "vllm", "url": url, "command": command, "log_file": str(workdir / "vllm.log")}
             | ({} if gate_port is None else {"gate": gate_section(gate_port, speed)})
         ],
-        "sources": {"nvml": {"backend": "file", "state_file": str(workdir / "gpu.json")}},
+        # The twin publishes allocator stats as the in-vLLM plugin does, where the guardian's
+        # process backend tells it to (<directory>/<service>): fragmentation gets its cause.
+        "sources": {
+            "nvml": {"backend": "file", "state_file": str(workdir / "gpu.json")},
+            "allocator": {"directory": str(workdir / "allocator")},
+        },
         "signals": _scale_fields(SignalsConfig(), speed),
         "alerting": {"default_rules": False, "rules_file": str(workdir / "rules.yaml")},
         "policy": policy,
@@ -711,7 +719,8 @@ def markdown(cells: list[Cell], args: argparse.Namespace, wall_seconds: float) -
             else ""
         )
         + f"; {len(cells)} cells, "
-        f"wall time {wall_seconds / 60:.0f} min on {os.cpu_count()} cores.",
+        f"wall time {wall_seconds / 60:.0f} min on {os.cpu_count()} cores, "
+        f"{args.jobs} run{'s' if args.jobs > 1 else ''} at a time.",
         "",
         *partial_note(cells, args),
         "Each value: median over the seeds (min–max). *Split*: failed in flight at a fault / "
@@ -823,6 +832,39 @@ def _names(
     return names
 
 
+LoadAvg = tuple[float, float, float]
+
+
+def _run_job(
+    scenario: str,
+    operator: str,
+    seed: int,
+    speed: float,
+    duration: float,
+    keep: bool,
+    fault_every: float | None,
+) -> tuple[Run, LoadAvg, LoadAvg]:
+    """One run with the host's load average just before and just after it."""
+    before = os.getloadavg()
+    r = run_one(scenario, operator, seed, speed, duration, keep, fault_every)
+    return r, before, os.getloadavg()
+
+
+def _run_job_json(
+    scenario: str,
+    operator: str,
+    seed: int,
+    speed: float,
+    duration: float,
+    keep: bool,
+    fault_every: float | None,
+) -> tuple[dict[str, Any], LoadAvg, LoadAvg]:
+    """:func:`_run_job` in a worker process: the run as a dict (a class defined in a spawned
+    ``__main__`` does not unpickle in the parent)."""
+    r, before, after = _run_job(scenario, operator, seed, speed, duration, keep, fault_every)
+    return dataclasses.asdict(r), before, after
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -844,6 +886,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a flaky deployment: the twin's --sim-fault-every (mean simulated seconds between "
         "seeded recurrences of the scenario's fault, an engine death where it has none)",
     )
+    ap.add_argument(
+        "--jobs", type=int, default=1,
+        help="runs at a time, each in its own process (default 1; the report says how many)",
+    )  # fmt: skip
     ap.add_argument("--keep", action="store_true", help="keep each run's directory (logs, audit)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args(argv)
@@ -858,34 +904,54 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         raise SystemExit(f"--seeds: {exc}") from exc
     args.duration = args.duration or (20.0 if args.quick else 60.0)
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs: {args.jobs}: at least 1")
     cores = os.cpu_count() or 1
-    cells: list[Cell] = []
+    jobs = [(s, op, seed) for s in scenarios for op in operators for seed in args.seeds]
+    done: dict[tuple[str, str, int], tuple[Run, LoadAvg, LoadAvg]] = {}
     t0 = time.monotonic()
+
+    def report(key: tuple[str, str, int], out: tuple[Run, LoadAvg, LoadAvg]) -> None:
+        done[key] = out
+        r, before, after = out
+        print(f"{r.scenario:<20} {r.operator:<21} seed {r.seed:<3} sent {r.sent:5d} failed {r.failed:5d} "
+              f"({r.failed_pct:5.1f} %: {r.failed_in_flight}/{r.failed_during_outage}/{r.failed_other}) "
+              f"detect {_f(r.time_to_detect_seconds)} recover {_f(r.time_to_recover_seconds)} "
+              f"down {r.downtime_seconds:5.1f}s goodput {r.goodput_tokens_per_second:6.0f} "
+              f"OOMs {r.oom_crashes} restarts {r.restarts} actions {len(r.actions)} [{r.wall_seconds:.0f}s] "
+              f"load {before[0]:.2f} → {after[0]:.2f}{'  BUSY HOST' if max(before[0], after[0]) > cores else ''}",
+              flush=True)  # fmt: skip
+
+    run_args = (args.speed, args.duration, args.keep, args.fault_every)
+    if args.jobs == 1:
+        for key in jobs:
+            report(key, _run_job(*key, *run_args))
+    else:
+        # Each run in a fresh process (spawned, one run each): runs share no threads, ports or
+        # state; ``jobs`` of them at a time, in the matrix's order.
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(
+            args.jobs, mp_context=ctx, max_tasks_per_child=1
+        ) as pool:
+            futures = {pool.submit(_run_job_json, *key, *run_args): key for key in jobs}
+            for fut in concurrent.futures.as_completed(futures):
+                d, before, after = fut.result()
+                report(futures[fut], (Run(**d), before, after))
+    cells: list[Cell] = []
     for s in scenarios:
         for op in operators:
-            before = os.getloadavg()
-            runs = []
-            for seed in args.seeds:
-                r = run_one(s, op, seed, args.speed, args.duration, args.keep, args.fault_every)
-                runs.append(r)
-                print(f"{s:<20} {op:<21} seed {seed:<3} sent {r.sent:5d} failed {r.failed:5d} "
-                      f"({r.failed_pct:5.1f} %: {r.failed_in_flight}/{r.failed_during_outage}/{r.failed_other}) "
-                      f"detect {_f(r.time_to_detect_seconds)} recover {_f(r.time_to_recover_seconds)} "
-                      f"down {r.downtime_seconds:5.1f}s goodput {r.goodput_tokens_per_second:6.0f} "
-                      f"OOMs {r.oom_crashes} restarts {r.restarts} actions {len(r.actions)} [{r.wall_seconds:.0f}s]", flush=True)  # fmt: skip
-            after = os.getloadavg()
+            outs = [done[(s, op, seed)] for seed in args.seeds]
+            # The worst load average seen around any of the cell's runs.
+            before = max((b for _, b, _ in outs), key=lambda x: x[0])
+            after = max((a for _, _, a in outs), key=lambda x: x[0])
             busy = max(before[0], after[0]) > cores
-            cells.append(Cell(s, op, runs, before, after, busy))
-            print(
-                f"  load average {before[0]:.2f} → {after[0]:.2f}{'  BUSY HOST' if busy else ''}",
-                flush=True,
-            )
+            cells.append(Cell(s, op, [r for r, _, _ in outs], before, after, busy))
     wall = time.monotonic() - t0
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = "-quick" if args.quick else ""
     md = markdown(cells, args, wall)
     (args.out / f"outcome{suffix}.md").write_text(md)
-    doc = {"command": args.command, "seeds": args.seeds, "speed": args.speed,
+    doc = {"command": args.command, "seeds": args.seeds, "speed": args.speed, "jobs": args.jobs,
            "duration_seconds": args.duration, "wall_seconds": wall, "cores": cores,
            "cells": [c.to_json() for c in cells]}  # fmt: skip
     (args.out / f"outcome{suffix}.json").write_text(json.dumps(doc, indent=1))

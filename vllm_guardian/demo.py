@@ -157,6 +157,10 @@ def demo_config(
         "--host", "127.0.0.1", "--port", str(vllm_port), "--served-model-name", "demo",
         "--shutdown-timeout", "10", "--sim-scenario", opts.scenario, "--sim-speed", f"{opts.speed:g}",
         "--sim-gpu-state-file", str(gpu_state), "--sim-gpu-state-interval-seconds", "0.5",
+        # One timeline for every twin process of the demo: a one-off fault (a hang, an engine
+        # death) strikes once at its time on the demo's clock, and a restarted twin does not
+        # meet it again (docs/twin.md); memory-driven OOMs recur while their cause persists.
+        "--sim-timeline-file", str(workdir / "timeline.json"),
         *opts.extra_twin_args,
     ]  # fmt: skip
     (workdir / "demo-rules.yaml").write_text(DEMO_RULES)
@@ -174,6 +178,9 @@ def demo_config(
             ],
             "sources": {
                 "nvml": {"backend": "file", "state_file": str(gpu_state)},
+                # The twin publishes allocator stats as the in-vLLM plugin does, where the
+                # guardian tells the process it starts to (<directory>/<service>).
+                "allocator": {"directory": str(workdir / "allocator")},
                 "unit": {"enabled": True},
                 "logs": {"enabled": True},
             },

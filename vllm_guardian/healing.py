@@ -36,6 +36,7 @@ from vllm_guardian.actuators.bundle import BundleWriter
 from vllm_guardian.actuators.executor import OpRunner, PermitBackend, RestartBackend
 from vllm_guardian.actuators.procmgr import Supervisor
 from vllm_guardian.actuators.systemd import SystemdBackend
+from vllm_guardian.allocator_format import ENV_DIR as ALLOCATOR_ENV_DIR
 from vllm_guardian.clock import Clock
 from vllm_guardian.config import Config
 from vllm_guardian.container import container_mode, pod_identity
@@ -170,12 +171,29 @@ class Healing:
                     log_path,
                     stop_timeout_seconds=self.cfg.policy.drain_timeout_seconds + 30,
                     tee_stdout=container_mode(os.environ),
+                    extra_env=self._allocator_env(svc.name),
                 )
                 self.supervisors[svc.name] = sup
                 out[svc.name] = sup
             elif self.cfg.policy.backend == "systemd" and svc.unit:
                 out[svc.name] = SystemdBackend(svc.unit, self.cfg.sources.unit.systemctl)
         return out
+
+    def _allocator_env(self, service: str) -> dict[str, str]:
+        """Where the allocator plugin inside the vLLM we start writes: the directory the
+        allocator source reads, one level per service (what the systemd drop-in's
+        RuntimeDirectory= gives a unit). Created now, so vLLM's first write finds it; if it
+        cannot be created, vLLM runs without the plugin's numbers and the warning says why."""
+        src = self.cfg.sources.allocator
+        if not src.enabled:
+            return {}
+        directory = Path(src.directory) / service
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            log.warning("%s: cannot create the allocator directory %s: %s", service, directory, e)
+            return {}
+        return {ALLOCATOR_ENV_DIR: str(directory)}
 
     # --- lifecycle -------------------------------------------------------------------------------
 
