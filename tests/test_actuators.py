@@ -455,13 +455,19 @@ def test_process_backend_passes_the_allocator_directory(
     from vllm_guardian.config import parse_config
     from vllm_guardian.healing import Healing
 
-    allocator = {k: (v.format(tmp=tmp_path) if isinstance(v, str) else v) for k, v in allocator.items()}
+    allocator = {
+        k: (v.format(tmp=tmp_path) if isinstance(v, str) else v) for k, v in allocator.items()
+    }
     text = json.dumps(
         {
             "state_dir": str(tmp_path / "state"),
             "runtime_dir": str(tmp_path / "run"),
             "services": [
-                {"name": "vllm", "url": "http://127.0.0.1:1", "command": [sys.executable, "-c", "0"]}
+                {
+                    "name": "vllm",
+                    "url": "http://127.0.0.1:1",
+                    "command": [sys.executable, "-c", "0"],
+                }
             ],
             "sources": {"allocator": allocator},
             "policy": {"backend": "process"},

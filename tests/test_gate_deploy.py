@@ -84,6 +84,7 @@ services:
         ("max_body_bytes", "max_body_bytes"),
         ("poll_interval_seconds", "poll_interval"),
         ("kv_poll_interval_seconds", "kv_poll_interval"),
+        ("stall_hold_seconds", "stall_hold"),
         ("metrics_path", "metrics_path"),
         ("shutdown_timeout_seconds", "shutdown_timeout"),
     ],

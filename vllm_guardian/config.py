@@ -160,6 +160,11 @@ class GateConfig:
     # Polls of the guardian's /ready and vLLM's /health; reads of vLLM's /metrics.
     poll_interval_seconds: float = field(default=0.1, metadata=_bounds(0.01, 60))
     kv_poll_interval_seconds: float = field(default=0.5, metadata=_bounds(0.05, 600))
+    # Requests in vLLM and not one token processed for this long (--stall-hold): hold new
+    # requests instead of sending them into a hung engine that still answers /health 200. A
+    # third of signals.stall_seconds, after which the guardian restarts it: a false alarm costs
+    # held requests latency, not failures (gate/progress.py). 0: off.
+    stall_hold_seconds: float = field(default=10.0, metadata=_bounds(0, 3600))
     # Where the gate serves its own metrics (vLLM's /metrics is then read on vLLM itself).
     metrics_path: str = field(default="/metrics", metadata=_bounds(check=_check_metrics_path))
     # In-flight requests get this long to finish on SIGTERM; queued ones get 503 at once.
