@@ -7,6 +7,7 @@ scriptable stub serving real vLLM 0.32 /metrics captures, frozen (hung) and movi
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -88,7 +89,10 @@ def status(g: GateThread) -> dict[str, object]:
     return body
 
 
-def test_a_hung_engine_holds_new_requests_and_a_moving_one_releases_them(stub: Stub) -> None:
+def test_a_hung_engine_holds_new_requests_and_a_moving_one_releases_them(
+    stub: Stub, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="vllm_guardian.gate")
     stub.metrics_text = (FIXTURES / "metrics-under-load-02.prom").read_text()  # frozen: hung
     g = GateThread(stub.url)
     g.gate.follower.progress.hold_after_seconds = 0.5  # type: ignore[union-attr]
@@ -110,6 +114,9 @@ def test_a_hung_engine_holds_new_requests_and_a_moving_one_releases_them(stub: S
             assert held.result(timeout=60).status_code == 200
         assert stub.calls["/v1/echo"] == 1
         assert status(g)["open"] is True
+        said = [r.getMessage() for r in caplog.records if r.name == "vllm_guardian.gate"]
+        assert any("holding new requests: vLLM processed no token" in m for m in said), said
+        assert any(m.startswith("gate open") for m in said), said
     finally:
         g.stop()
 
