@@ -52,7 +52,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import json
-import multiprocessing
 import os
 import random
 import statistics
@@ -601,6 +600,7 @@ class Cell:
     load_before: tuple[float, float, float]
     load_after: tuple[float, float, float]
     busy: bool
+    commit: str | None = None  # the code measured (None: this run's)
 
     def stat(self, name: str) -> tuple[float, float, float] | None:
         """(median, min, max) over the seeds; None when no run has the measure."""
@@ -706,6 +706,45 @@ def partial_note(cells: Sequence[Cell], args: argparse.Namespace) -> list[str]:
     return [f"**Partial run, not the benchmark's result** ({'; '.join(what)}).", ""]
 
 
+def _commit() -> str:
+    """The code measured: the commit, ``+dirty`` when the tree differs from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=30, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=30, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def merge_cells(
+    path: Path, fresh: list[Cell], args: argparse.Namespace
+) -> tuple[list[Cell], dict[str, Any]]:
+    """The earlier run's cells, with the ones run now in their place, in the matrix's order."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--merge {path}: {exc}") from exc
+    for key, now in (("speed", args.speed), ("duration_seconds", args.duration),
+                     ("seeds", args.seeds), ("fault_every", args.fault_every)):  # fmt: skip
+        if old.get(key) != now:
+            raise SystemExit(f"--merge {path}: its {key} is {old.get(key)!r}, this run's {now!r}")
+    by: dict[tuple[str, str], Cell] = {}
+    for d in old["cells"]:
+        runs = [Run(**{k: v for k, v in r.items() if k != "failed_pct"}) for r in d["runs"]]
+        cell = Cell(d["scenario"], d["operator"], runs, tuple(d["load_before"]),
+                    tuple(d["load_after"]), d["busy"], d.get("commit") or old.get("commit"))  # fmt: skip
+        by[(cell.scenario, cell.operator)] = cell
+    for c in fresh:
+        by[(c.scenario, c.operator)] = c
+    cells = [by[(s, o)] for s in ALL for o in OPERATORS if (s, o) in by]
+    source = {"command": old.get("command"), "commit": old.get("commit"),
+              "cells_kept": len(cells) - len(fresh),
+              "cells_run_now": [f"{c.scenario}/{c.operator}" for c in fresh]}  # fmt: skip
+    return cells, source
+
+
 def markdown(cells: list[Cell], args: argparse.Namespace, wall_seconds: float) -> str:
     lines = [
         "# Outcome benchmark",
@@ -720,8 +759,20 @@ def markdown(cells: list[Cell], args: argparse.Namespace, wall_seconds: float) -
         )
         + f"; {len(cells)} cells, "
         f"wall time {wall_seconds / 60:.0f} min on {os.cpu_count()} cores, "
-        f"{args.jobs} run{'s' if args.jobs > 1 else ''} at a time.",
+        f"{args.jobs} run{'s' if args.jobs > 1 else ''} at a time; commit {args.commit}.",
         "",
+        *(
+            [
+                f"**Merged:** {len(cells) - args.merged_from['cells_kept']} cells run by this "
+                f"command (commit {args.commit}: "
+                f"{', '.join(args.merged_from['cells_run_now'])}); the other "
+                f"{args.merged_from['cells_kept']} from `{args.merged_from['command']}` (commit "
+                f"{args.merged_from['commit'] or 'not recorded'}); the wall time is this command's.",
+                "",
+            ]
+            if getattr(args, "merged_from", None)
+            else []
+        ),
         *partial_note(cells, args),
         "Each value: median over the seeds (min–max). *Split*: failed in flight at a fault / "
         "arrived during an outage / other. *Detect*: first fault → the operator's first action or vLLM's restart; "
@@ -850,7 +901,7 @@ def _run_job(
     return r, before, os.getloadavg()
 
 
-def _run_job_json(
+def _run_job_process(
     scenario: str,
     operator: str,
     seed: int,
@@ -858,11 +909,23 @@ def _run_job_json(
     duration: float,
     keep: bool,
     fault_every: float | None,
-) -> tuple[dict[str, Any], LoadAvg, LoadAvg]:
-    """:func:`_run_job` in a worker process: the run as a dict (a class defined in a spawned
-    ``__main__`` does not unpickle in the parent)."""
-    r, before, after = _run_job(scenario, operator, seed, speed, duration, keep, fault_every)
-    return dataclasses.asdict(r), before, after
+) -> tuple[Run, LoadAvg, LoadAvg]:
+    """:func:`_run_job` in a process of its own (``outcome.py --one``), its result in a file."""
+    job = [scenario, operator, seed, speed, duration, keep, fault_every]
+    with tempfile.TemporaryDirectory(prefix="outcome-job-") as tmp:
+        out = Path(tmp) / "run.json"
+        proc = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), "--one", json.dumps(job), "--one-out", str(out)],
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+            check=False, timeout=1800,
+        )  # fmt: skip
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(
+                f"{scenario}/{operator}/{seed}: the run's process exited {proc.returncode}:\n"
+                f"{proc.stderr[-4000:]}"
+            )
+        d, before, after = json.loads(out.read_text())
+    return Run(**d), tuple(before), tuple(after)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -890,9 +953,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--jobs", type=int, default=1,
         help="runs at a time, each in its own process (default 1; the report says how many)",
     )  # fmt: skip
+    ap.add_argument(
+        "--merge", type=Path, default=None, metavar="OUTCOME.json",
+        help="an earlier run's outcome.json (same speed, duration, seeds): its cells not run "
+        "now are kept, the ones run now replace theirs; the report says which came from where",
+    )  # fmt: skip
     ap.add_argument("--keep", action="store_true", help="keep each run's directory (logs, audit)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # one run, for --jobs
+    ap.add_argument("--one-out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.one is not None:
+        r, before, after = _run_job(*json.loads(args.one))
+        args.one_out.write_text(json.dumps([dataclasses.asdict(r), before, after]))
+        return 0
     args.command = " ".join(
         [".venv/bin/python bench/outcome.py", *(sys.argv[1:] if argv is None else argv)]
     )
@@ -927,16 +1001,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for key in jobs:
             report(key, _run_job(*key, *run_args))
     else:
-        # Each run in a fresh process (spawned, one run each): runs share no threads, ports or
-        # state; ``jobs`` of them at a time, in the matrix's order.
-        ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(
-            args.jobs, mp_context=ctx, max_tasks_per_child=1
-        ) as pool:
-            futures = {pool.submit(_run_job_json, *key, *run_args): key for key in jobs}
+        # Each run in a fresh process of this script (``--one``): runs share no threads, ports
+        # or state; ``jobs`` of them at a time, in the matrix's order.
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+            futures = {pool.submit(_run_job_process, *key, *run_args): key for key in jobs}
             for fut in concurrent.futures.as_completed(futures):
-                d, before, after = fut.result()
-                report(futures[fut], (Run(**d), before, after))
+                report(futures[fut], fut.result())
     cells: list[Cell] = []
     for s in scenarios:
         for op in operators:
@@ -947,13 +1017,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             busy = max(before[0], after[0]) > cores
             cells.append(Cell(s, op, [r for r, _, _ in outs], before, after, busy))
     wall = time.monotonic() - t0
+    args.commit = _commit()
+    args.merged_from = None
+    if args.merge is not None:
+        cells, args.merged_from = merge_cells(args.merge, cells, args)
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = "-quick" if args.quick else ""
     md = markdown(cells, args, wall)
     (args.out / f"outcome{suffix}.md").write_text(md)
-    doc = {"command": args.command, "seeds": args.seeds, "speed": args.speed, "jobs": args.jobs,
-           "duration_seconds": args.duration, "wall_seconds": wall, "cores": cores,
-           "cells": [c.to_json() for c in cells]}  # fmt: skip
+    doc = {"command": args.command, "commit": args.commit, "seeds": args.seeds, "speed": args.speed,
+           "jobs": args.jobs, "duration_seconds": args.duration, "fault_every": args.fault_every,
+           "wall_seconds": wall, "cores": cores, "merged_from": args.merged_from,
+           "cells": [c.to_json() | {"commit": c.commit or args.commit} for c in cells]}  # fmt: skip
     (args.out / f"outcome{suffix}.json").write_text(json.dumps(doc, indent=1))
     (args.out / f"outcome{suffix}.svg").write_text(chart_svg(cells))
     print(md)
