@@ -480,6 +480,10 @@ def run_one(
                     request_timeout_seconds=REQUEST_TIMEOUT_SECONDS,
                 )  # fmt: skip
                 outcomes = list(result.outcomes)
+                if keep:  # every request's outcome beside the run's logs, for a post-mortem
+                    (workdir / "requests.jsonl").write_text(
+                        "".join(o.to_json() + "\n" for o in outcomes)
+                    )
             run.downtime_seconds = watch.down
         finally:
             actions: list[tuple[float, str]] = []

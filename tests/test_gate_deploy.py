@@ -205,7 +205,7 @@ def test_without_config_the_flags_defaults_apply() -> None:
     args = gate_cli.build_parser().parse_args(["--upstream", "http://127.0.0.1:8000"])
     s = gate_cli.settings_from_args(args)
     assert (s.listen_host, s.listen_port, s.guardian) == ("127.0.0.1", 8001, None)
-    assert s.limits.max_queue_requests == 256
+    assert s.limits.max_queue_requests == 1024
 
 
 @pytest.mark.parametrize(

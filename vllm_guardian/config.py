@@ -132,8 +132,11 @@ class GateConfig:
     listen: str = field(default="127.0.0.1:8001", metadata=_bounds(check=_check_listen))
     # Follow the guardian's /ready/<service> (its `listen` above); false: vLLM's /health only.
     follow_guardian: bool = True
-    # Requests waiting at most (--max-queue); 0 refuses at once while the gate is closed.
-    max_queue_requests: int = field(default=256, metadata=_bounds(0, 1_000_000))
+    # Requests waiting at most (--max-queue); 0 refuses at once while the gate is closed. Size it
+    # to hold what arrives during a restart: peak requests/s × (model load + drain). 256 turned
+    # 71 of 1,967 requests into 503s across one pre-emptive restart at 8 req/s (bench/outcome.py,
+    # fragmentation_creep); memory is bounded by max_queued_tokens, not by this count.
+    max_queue_requests: int = field(default=1024, metadata=_bounds(0, 1_000_000))
     # Estimated prompt tokens waiting at most (--max-queued-tokens).
     max_queued_tokens: int = field(default=1_000_000, metadata=_bounds(0, 10**10))
     # A held request gets its 503 after this long (--max-wait): a restart with model load fits.

@@ -46,7 +46,7 @@ log = logging.getLogger("vllm_guardian.gate")
 
 @dataclass(frozen=True)
 class Limits:
-    max_queue_requests: int = 256
+    max_queue_requests: int = 1024
     max_queued_tokens: int = 1_000_000
     max_wait_seconds: float = 60.0
     release_rate_per_second: float = 50.0

@@ -45,7 +45,7 @@ DEFAULTS: dict[str, Any] = {
     "listen": ("127.0.0.1", 8001),
     "guardian": None,
     "service": "vllm",
-    "max_queue": 256,
+    "max_queue": 1024,
     "max_queued_tokens": 1_000_000,
     "max_wait": 60.0,
     "release_rate": 50.0,
