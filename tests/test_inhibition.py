@@ -10,8 +10,7 @@ holds back, ``alerts`` what status and the exposition show, ``firing`` what the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -23,7 +22,6 @@ from vllm_guardian.core import step as core_step
 from vllm_guardian.daemon import assemble
 from vllm_guardian.model import (
     ActionKind,
-    Alert,
     AlertState,
     Cause,
     HealthProbe,
@@ -138,7 +136,7 @@ class World:
             self.settings.policy,
         )  # fmt: skip
         assert out.actions, out.decisions
-        self.state = core_step.TickState(out.state, self.state.alerts)
+        self.state = replace(self.state, policy=out.state)
         for req in out.ops:
             self.results.append(
                 OpResult(req.action_id, req.service, req.op, True, False, "ok", self.now)
@@ -173,11 +171,16 @@ class World:
 
     def held(self, name: str) -> list[str]:
         return [
-            t.alert.inhibited_by or "" for fx in self.fx for t in fx.inhibited if t.alert.name == name
+            t.alert.inhibited_by or ""
+            for fx in self.fx
+            for t in fx.inhibited
+            if t.alert.name == name
         ]
 
     def fired(self, name: str) -> bool:
-        return any(a.name == name and a.state is AlertState.FIRING for fx in self.fx for a in fx.alerts)
+        return any(
+            a.name == name and a.state is AlertState.FIRING for fx in self.fx for a in fx.alerts
+        )
 
 
 def planned_restart(w: World, load_ticks: int) -> int:
@@ -336,7 +339,3 @@ def test_shipped_rules_that_are_inhibited() -> None:
         "VllmGuardianMetricsSourceDown",
         "VllmWorkerDiedLogged",
     ]
-
-
-def _names(alerts: Sequence[Alert]) -> list[str]:
-    return [a.name for a in alerts]

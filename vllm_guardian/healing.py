@@ -4,7 +4,9 @@ Where it sits: the daemon collects a snapshot, appends it to the history and cal
 :meth:`Healing.run`, which calls ``step`` (signals → alerts → policy → readiness, all pure)
 and then applies its effects, in order:
 
-1. alert transitions are queued to the sinks (delivery never blocks the tick);
+1. alert transitions are queued to the sinks (delivery never blocks the tick); those the step
+   inhibited (vLLM down because of the guardian's own restart: ``core/inhibition.py``) are not,
+   and firing alerts it inhibits are not re-sent to Alertmanager;
 2. the blocking calls the phases asked for (bundle, flags file, restart) start in the
    background (``actuators/executor.py``); their results enter the next snapshot;
 3. escalations are logged for a person;
@@ -40,7 +42,7 @@ from vllm_guardian.allocator_format import ENV_DIR as ALLOCATOR_ENV_DIR
 from vllm_guardian.clock import Clock
 from vllm_guardian.config import Config
 from vllm_guardian.container import container_mode, pod_identity
-from vllm_guardian.core import alerting, policy
+from vllm_guardian.core import alerting, inhibition, policy
 from vllm_guardian.core import step as core_step
 from vllm_guardian.core.signals import Signals
 from vllm_guardian.model import (
@@ -71,6 +73,8 @@ class HealingView:
     ]  # (service, action, result, dry) → n
     budget: int
     budget_window_seconds: float
+    # Services whose vLLM is down because of the guardian, as the last step saw them.
+    windows: tuple[inhibition.Window, ...] = ()
 
 
 class Healing:
@@ -95,6 +99,7 @@ class Healing:
         self.supervisors: dict[str, Supervisor] = {}
         self._lock = threading.RLock()
         self._gates: dict[str, GateState] = {}
+        self._windows: tuple[inhibition.Window, ...] = ()
         self._actions_total: dict[tuple[str, str, str, bool], int] = {}
         self._saved: policy.PolicyState | None = None
         self._started: dict[int, Action] = {}  # actions under way, for their bundles
@@ -232,13 +237,14 @@ class Healing:
         with self._lock:
             self.tick_state, fx = core_step.step(self.tick_state, history, now, self.settings)
             self._apply(fx)
+            # Inhibited transitions are recorded too: their alert's inhibited_by says why.
             return fx.signals, [to_jsonable(d) for d in fx.decisions] + [
-                {"transition": to_jsonable(t)} for t in fx.transitions
+                {"transition": to_jsonable(t)} for t in (*fx.transitions, *fx.inhibited)
             ]
 
     def _apply(self, fx: core_step.Effects) -> None:
         try:  # queued: a slow webhook never delays the tick
-            self.dispatcher.dispatch(fx.transitions, fx.firing, fx.signals.time_seconds)
+            self.dispatcher.dispatch(fx.transitions, fx.notifying, fx.signals.time_seconds)
         except Exception:  # a sink bug must not stop healing
             log.exception("alert dispatch failed")
         for action in fx.actions:
@@ -259,6 +265,7 @@ class Healing:
             self._count(r.service, r.kind.value, r.ok, r.dry_run)
         self._audit(fx.decisions)
         self._gates = dict(fx.gates)
+        self._windows = fx.windows
         self._save()
 
     def _count(self, service: str, kind: str, ok: bool, dry: bool) -> None:
@@ -330,6 +337,7 @@ class Healing:
                 actions_total=tuple(sorted(self._actions_total.items())),
                 budget=self.cfg.policy.restart_budget,
                 budget_window_seconds=self.cfg.policy.restart_budget_window_seconds,
+                windows=self._windows,
             )
 
     def control(self, cmd: str, service: str | None, **args: Any) -> dict[str, Any]:
