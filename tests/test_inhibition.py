@@ -10,18 +10,25 @@ holds back, ``alerts`` what status and the exposition show, ``firing`` what the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import read_fixture
-from vllm_guardian.actuators.alerts import default_rules_text
+from vllm_guardian.actuators.alert_log import AlertLogSink
+from vllm_guardian.actuators.alerts import AlertDispatcher, default_rules_text
+from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import parse_config
 from vllm_guardian.core import alerting, inhibition, policy
 from vllm_guardian.core import step as core_step
+from vllm_guardian.core.alerting import SinkResult, Transition
 from vllm_guardian.daemon import assemble
+from vllm_guardian.healing import Healing
 from vllm_guardian.model import (
     ActionKind,
+    Alert,
     AlertState,
     Cause,
     HealthProbe,
@@ -65,6 +72,7 @@ class World:
 
     backend: str = "systemd"
     ready_timeout_seconds: float = 900.0
+    extra_rules: str = ""  # an operator's rules file, on top of the shipped rules
     health: HealthState | None = HealthState.UP  # None: refused (not listening)
     pid: int = 100
     now: float = T0
@@ -77,7 +85,10 @@ class World:
             CONFIG.format(command=command, backend=self.backend, ready=self.ready_timeout_seconds)
         )
         self.cfg = cfg
-        rules = alerting.parse_rules(default_rules_text(), "rules.yaml")
+        rules = alerting.merge_rules(
+            alerting.parse_rules(default_rules_text(), "rules.yaml"),
+            alerting.parse_rules(self.extra_rules, "extra.yaml") if self.extra_rules else (),
+        )
         names = tuple(s.name for s in cfg.services)
         self.settings = core_step.settings_for(
             rules,
@@ -339,3 +350,123 @@ def test_shipped_rules_that_are_inhibited() -> None:
         "VllmGuardianMetricsSourceDown",
         "VllmWorkerDiedLogged",
     ]
+
+
+HELD_LONG = """
+rules:
+  - name: ServiceUnreachable
+    signal: vllm_up
+    op: "=="
+    threshold: 0
+    unit: bool
+    for_seconds: 30
+    keep_firing_for_seconds: 120
+    severity: critical
+    summary: "{service} unreachable"
+    runbook: "#engine-dead"
+"""
+
+
+def test_a_held_alert_still_kept_firing_after_a_good_restart_resolves_unannounced() -> None:
+    """An operator's rule on the same signal with keep_firing_for: the restart succeeded, the
+    alert lingers two minutes more and resolves; the sinks hear nothing of it."""
+    w = World(extra_rules=HELD_LONG)
+    planned_restart(w, load_ticks=20)
+    assert w.fired("ServiceUnreachable") and w.delivered("ServiceUnreachable") == []
+    w.health = HealthState.UP
+    fx = w.tick()
+    assert [r.ok for r in fx.results] == [True]
+    still = next(a for a in fx.alerts if a.name == "ServiceUnreachable")
+    assert still.state is AlertState.FIRING and still.inhibited_by is not None
+    for _ in range(30):
+        w.tick()
+    assert not any(a.name == "ServiceUnreachable" for a in w.fx[-1].alerts)
+    assert w.delivered("ServiceUnreachable") == []
+    assert ("firing", "inactive") in [
+        (t.previous.value, t.current.value)
+        for fx in w.fx
+        for t in fx.inhibited
+        if t.alert.name == "ServiceUnreachable"
+    ]
+
+
+def test_the_window_says_whether_vllm_was_serving_when_the_guardian_took_it_down() -> None:
+    """vllm_guardian_vllm_down_expected (what the Prometheus rules join on) is 1 only for a
+    vLLM the guardian took down while it served: a dead engine it restarts still pages there."""
+    planned = World()
+    planned_restart(planned, load_ticks=2)
+    assert [(x.reason.split()[0], x.planned) for x in planned.fx[-1].windows] == [("action", True)]
+    dead = World()
+    dead.tick()
+    dead.health = HealthState.ENGINE_DEAD
+    for _ in range(14):
+        dead.tick()
+    a = dead.state.policy.service("vllm").action
+    assert a is not None
+    dead.run_until("restarting")
+    dead.restart_returns(a.action_id)
+    dead.tick()
+    assert [x.planned for x in dead.fx[-1].windows] == [False]
+
+
+class Recording(AlertLogSink):
+    """A sink that runs inline (as the log sink does) and keeps what it was given."""
+
+    wants_state = True  # like Alertmanager's: handed the firing alerts every tick
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transitions: list[tuple[str, str]] = []
+        self.firing: list[str] = []
+
+    def deliver(
+        self, transitions: Sequence[Transition], alerts: Sequence[Alert], now: float
+    ) -> list[SinkResult]:
+        self.transitions += [(t.alert.name, t.current.value) for t in transitions]
+        self.firing += [a.name for a in alerts]
+        return []
+
+
+def test_the_shell_hands_the_sinks_nothing_inhibited(tmp_path: Path) -> None:
+    """healing.py applies what the step's effects say: the sinks get the delivered transitions
+    and, to re-send, only the firing alerts that are not inhibited."""
+    w = World()
+    planned_restart(w, load_ticks=20)
+    assert w.fired(DEAD)
+    cfg = parse_config(
+        CONFIG.replace("/nonexistent", str(tmp_path)).format(
+            command="", backend="systemd", ready=900
+        )
+    )
+    clock = FakeClock(T0)
+    sink = Recording()
+    dispatcher = AlertDispatcher(cfg.alerting, clock, sinks=[(sink, "recording")])
+    healing = Healing(cfg, clock, [], backends={}, dispatcher=dispatcher)
+    try:
+        for fx in w.fx:  # the calls were answered by the test's world: only the alerts here
+            healing._apply(replace(fx, ops=(), actions=(), results=()))
+    finally:
+        healing.close()
+    assert DEAD not in [n for n, _ in sink.transitions], sink.transitions
+    assert DEAD not in sink.firing
+    assert METRICS_DOWN not in [n for n, _ in sink.transitions]
+    # What the exposition's vllm_guardian_vllm_down_expected reads.
+    assert [(x.service, x.reason, x.planned) for x in healing.view().windows] == [
+        ("vllm", "action 1 awaiting_ready", True)
+    ]
+
+
+def test_status_says_why_an_alert_is_not_delivered() -> None:
+    from vllm_guardian.cli import render_status
+    from vllm_guardian.recorder import to_jsonable
+
+    w = World()
+    planned_restart(w, load_ticks=20)
+    fx = w.fx[-1]
+    st = {"ok": True, "time": w.now, "signals": to_jsonable(fx.signals), "sources": [],
+          "alerts": to_jsonable(fx.alerts)}  # fmt: skip
+    lines = [x for x in render_status(st).splitlines() if x.startswith(f"alert {DEAD}")]
+    assert lines == [
+        f"alert {DEAD} [vllm] firing (inhibited by action 1 awaiting_ready): "
+        "vllm: /health has not answered 200 for a minute"
+    ], render_status(st)
