@@ -271,7 +271,7 @@ def test_inhibited_alerts_and_the_planned_restart_are_series_of_their_own() -> N
             return list(_healing_families(view, 100.0))
 
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(One())  # type: ignore[arg-type]
+    reg.register(One())
     text = generate_latest(reg).decode()
     lines = set(text.splitlines())
     for want in [
