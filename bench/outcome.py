@@ -722,10 +722,15 @@ def _commit() -> str:
     return head + ("+dirty" if dirty else "")
 
 
+def _name(c: Cell) -> str:
+    return f"{c.scenario}/{c.operator}"
+
+
 def merge_cells(
-    path: Path, fresh: list[Cell], args: argparse.Namespace
-) -> tuple[list[Cell], dict[str, Any]]:
-    """The earlier run's cells, with the ones run now in their place, in the matrix's order."""
+    path: Path, fresh: list[Cell], args: argparse.Namespace, this: dict[str, Any]
+) -> tuple[list[Cell], list[dict[str, Any]]]:
+    """The earlier report's cells with the ones run now in their place, in the matrix's order,
+    and the runs (command, commit) each cell's numbers come from, this one (``this``) last."""
     try:
         old = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -740,13 +745,16 @@ def merge_cells(
         cell = Cell(d["scenario"], d["operator"], runs, tuple(d["load_before"]),
                     tuple(d["load_after"]), d["busy"], d.get("commit") or old.get("commit"))  # fmt: skip
         by[(cell.scenario, cell.operator)] = cell
+    sources: list[dict[str, Any]] = old.get("sources") or [
+        {"command": old.get("command"), "commit": old.get("commit"),
+         "wall_seconds": old.get("wall_seconds"), "cells": [_name(c) for c in by.values()]}
+    ]  # fmt: skip
     for c in fresh:
         by[(c.scenario, c.operator)] = c
     cells = [by[(s, o)] for s in ALL for o in OPERATORS if (s, o) in by]
-    source = {"command": old.get("command"), "commit": old.get("commit"),
-              "cells_kept": len(cells) - len(fresh),
-              "cells_run_now": [f"{c.scenario}/{c.operator}" for c in fresh]}  # fmt: skip
-    return cells, source
+    now = {_name(c) for c in fresh}
+    kept = [s | {"cells": [n for n in s["cells"] if n not in now]} for s in sources]
+    return cells, [s for s in kept if s["cells"]] + [this]
 
 
 def markdown(cells: list[Cell], args: argparse.Namespace, wall_seconds: float) -> str:
@@ -767,14 +775,18 @@ def markdown(cells: list[Cell], args: argparse.Namespace, wall_seconds: float) -
         "",
         *(
             [
-                f"**Merged:** {len(cells) - args.merged_from['cells_kept']} cells run by this "
-                f"command (commit {args.commit}: "
-                f"{', '.join(args.merged_from['cells_run_now'])}); the other "
-                f"{args.merged_from['cells_kept']} from `{args.merged_from['command']}` (commit "
-                f"{args.merged_from['commit'] or 'not recorded'}); the wall time is this command's.",
+                f"**Assembled from {len(args.sources)} runs** (`--merge`; each cell's numbers "
+                "come from one run; the wall time above is the last one's):",
+                "",
+                *(
+                    f"- `{s['command']}` (commit {s['commit'] or 'not recorded'}"
+                    + (f", {s['wall_seconds'] / 60:.0f} min" if s.get("wall_seconds") else "")
+                    + f"): {len(s['cells'])} cells: {', '.join(s['cells'])}"
+                    for s in args.sources
+                ),
                 "",
             ]
-            if getattr(args, "merged_from", None)
+            if len(getattr(args, "sources", [])) > 1
             else []
         ),
         *partial_note(cells, args),
@@ -1022,16 +1034,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             cells.append(Cell(s, op, [r for r, _, _ in outs], before, after, busy))
     wall = time.monotonic() - t0
     args.commit = _commit()
-    args.merged_from = None
+    this = {"command": args.command, "commit": args.commit, "wall_seconds": wall,
+            "cells": [_name(c) for c in cells]}  # fmt: skip
+    args.sources = [this]
     if args.merge is not None:
-        cells, args.merged_from = merge_cells(args.merge, cells, args)
+        cells, args.sources = merge_cells(args.merge, cells, args, this)
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = "-quick" if args.quick else ""
     md = markdown(cells, args, wall)
     (args.out / f"outcome{suffix}.md").write_text(md)
     doc = {"command": args.command, "commit": args.commit, "seeds": args.seeds, "speed": args.speed,
            "jobs": args.jobs, "duration_seconds": args.duration, "fault_every": args.fault_every,
-           "wall_seconds": wall, "cores": cores, "merged_from": args.merged_from,
+           "wall_seconds": wall, "cores": cores, "sources": args.sources,
            "cells": [c.to_json() | {"commit": c.commit or args.commit} for c in cells]}  # fmt: skip
     (args.out / f"outcome{suffix}.json").write_text(json.dumps(doc, indent=1))
     (args.out / f"outcome{suffix}.svg").write_text(chart_svg(cells))

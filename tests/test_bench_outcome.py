@@ -114,9 +114,12 @@ def test_the_bench_runs_end_to_end_and_writes_its_report(tmp_path: Path) -> None
     assert [(c["scenario"], c["operator"]) for c in again["cells"]] == [
         ("steady", "unguarded"), ("steady", "guardian+gate")]  # fmt: skip
     assert again["cells"][1]["runs"] == doc["cells"][1]["runs"]
-    assert again["merged_from"]["cells_run_now"] == ["steady/unguarded"]
+    assert [s["cells"] for s in again["sources"]] == [
+        ["steady/guardian+gate"],
+        ["steady/unguarded"],
+    ]
     assert again["jobs"] == 2
-    assert "**Merged:** 1 cells run by this command" in (merged / "outcome.md").read_text()
+    assert "**Assembled from 2 runs**" in (merged / "outcome.md").read_text()
     with pytest.raises(SystemExit, match="duration_seconds"):
         b.main(["--scenarios", "steady", "--operators", "unguarded", "--seeds", "1",
                 "--duration", "3", "--merge", str(tmp_path / "outcome.json"),

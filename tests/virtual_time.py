@@ -294,11 +294,9 @@ class VirtualWorld:
             case.speed,
             case.duration_seconds,
             workdir,
-            extra_twin_args=(
-                *case.twin_args,
-                *(("--sim-timeline-file", str(workdir / "timeline.json")) if case.timeline else ()),
-            ),
+            extra_twin_args=case.twin_args,
             quiet=True,
+            timeline=case.timeline,
             policy=dict(case.policy),
         )
         # Ports are never opened: nothing here listens or connects.

@@ -449,7 +449,8 @@ class PolicyConfig:
     # A quiet moment for the pre-emptive drain: the queue empty and at most this many running.
     preemptive_quiet_running: int = field(default=2, metadata=_bounds(0, 100000))
     # A growing neighbour earns a relaunch with a lower --gpu-memory-utilization only after its
-    # forecast has stood this long (a short-lived job is gated around, not restarted for).
+    # forecast has stood this long (a short-lived job is not restarted for), or at once when the
+    # GPU would run out before then. Meanwhile the neighbour alert pages; nothing is held.
     neighbour_persist_seconds: float = field(default=60.0, metadata=_bounds(0, 86400))
     # The incident bundle captured before a disruptive action must not delay it for longer.
     bundle_timeout_seconds: float = field(default=20.0, metadata=_bounds(1, 600))
