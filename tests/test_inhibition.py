@@ -73,6 +73,7 @@ class World:
     backend: str = "systemd"
     ready_timeout_seconds: float = 900.0
     extra_rules: str = ""  # an operator's rules file, on top of the shipped rules
+    metrics: str = "metrics-idle.prom"  # what vLLM's /metrics shows while it listens
     health: HealthState | None = HealthState.UP  # None: refused (not listening)
     pid: int = 100
     now: float = T0
@@ -110,7 +111,7 @@ class World:
         else:
             out.append(
                 Reading(SourceKind.VLLM_METRICS, "vllm",
-                        parse_vllm_metrics(read_fixture("metrics-idle.prom")))
+                        parse_vllm_metrics(read_fixture(self.metrics)))
             )  # fmt: skip
             code = 200 if self.health is HealthState.UP else 503
             out.append(Reading(SourceKind.HEALTH, "vllm", HealthProbe(self.health, code, 0.01)))
@@ -470,3 +471,27 @@ def test_status_says_why_an_alert_is_not_delivered() -> None:
         f"alert {DEAD} [vllm] firing (inhibited by action 1 awaiting_ready): "
         "vllm: /health has not answered 200 for a minute"
     ], render_status(st)
+
+
+def test_down_in_the_snapshot_of_the_tick_that_restarts_is_not_the_restarts_doing() -> None:
+    """The tick that makes the restart call read its snapshot before deciding: vLLM already
+    refusing there died by itself (an exit 0 while draining), and that still pages."""
+    w = World(metrics="metrics-pressure-07.prom")  # 5 running, 27 waiting: the drain waits
+    for _ in range(3):
+        w.tick()
+    w.operator_restart()
+    w.tick()  # the bundle answers: draining
+    assert w.state.policy.service("vllm").action.phase.value == "draining"  # type: ignore[union-attr]
+    w.health = None  # vLLM exits on its own: the drain sees nothing listening and restarts
+    for _ in range(3):
+        w.tick()
+        a = w.state.policy.service("vllm").action
+        if a is not None and a.phase.value == "restarting":
+            break
+    a = w.state.policy.service("vllm").action
+    assert a is not None and a.phase.value == "restarting", w.state.policy.service("vllm")
+    assert a.stopped_seconds == w.now
+    for _ in range(14):  # the restart call never returns here; vLLM stays down 70 s
+        w.tick()
+    assert ("pending", "firing") in w.delivered(DEAD), (w.delivered(DEAD), w.held(DEAD))
+    assert [x.planned for x in w.fx[-1].windows] == [False]

@@ -20,7 +20,8 @@ Which alerts are inhibited is chosen by what the rule reads, never by its name
 (:func:`inhibitable`): a signal that says vLLM is not serving (``vllm_up``, ``metrics_up``,
 ``source_up.vllm_metrics``, ``source_up.health``) or the cause ``engine_dead``. And only an alert
 that became active inside the window: one that was active before (a dead engine the guardian
-then restarts) is never hidden, nor is one the sinks were already told about.
+then restarts; a snapshot is taken before the tick decides, so what it shows on the tick of the
+restart call is "before") is never hidden, nor is one the sinks were already told about.
 
 When the window closes:
 
@@ -65,6 +66,16 @@ class Window:
     # vLLM was not already down when the window began (the Prometheus rules' series,
     # vllm_guardian_vllm_down_expected, is exported only then: a dead engine still pages there).
     planned: bool = True
+    # An action's window opens with its restart call, decided after that tick's snapshot was
+    # taken: what the snapshot showed then predates the call. A start-up window covers its
+    # first tick (the process backend started vLLM before it).
+    opens_after: bool = False
+
+    def covers(self, active_since_seconds: float) -> bool:
+        """Whether an alert active since then became active inside this window."""
+        if self.opens_after:
+            return active_since_seconds > self.since_seconds
+        return active_since_seconds >= self.since_seconds
 
 
 def windows(
@@ -88,10 +99,9 @@ def windows(
             and a.stopped_seconds is not None
             and now < a.deadline
         ):
-            was_up = s.down_since is None or s.down_since >= a.stopped_seconds
-            found.append(
-                Window(svc.name, f"action {a.action_id} {a.phase.value}", a.stopped_seconds, was_up)
-            )
+            was_up = s.down_since is None or s.down_since > a.stopped_seconds
+            reason = f"action {a.action_id} {a.phase.value}"
+            found.append(Window(svc.name, reason, a.stopped_seconds, was_up, opens_after=True))
         if (
             p.backend == "process"
             and svc.command
@@ -131,7 +141,7 @@ def apply(
     still_settled: set[AlertKey] = set()
     for key, a in alerts.items():
         w = open_windows.get(a.service or "")
-        covers = a.name in can and w is not None and a.active_since_seconds >= w.since_seconds
+        covers = a.name in can and w is not None and w.covers(a.active_since_seconds)
         held: str | None
         if key not in previous:
             held = w.reason if covers and w is not None else None
