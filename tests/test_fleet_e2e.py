@@ -27,7 +27,6 @@ from typing import Any
 import pytest
 import requests
 
-pytest.importorskip("aiohttp")
 try:
     import lightkube  # noqa: F401  # the k8s extra
 except ImportError:
