@@ -279,8 +279,12 @@ def test_client_disconnect_while_queued_leaves_the_queue(gate: GateThread, stub:
     s.close()
     assert wait_for(lambda: gate.gate.admission.queue_depth == 0)  # type: ignore[union-attr]
     stub.ready = True
-    time.sleep(0.1)
-    assert stub.calls.get("/v1/echo", 0) == 0  # never sent
+    # Never sent: a request after it, sent once the gate is open again, is the only one that
+    # reaches the upstream (not a fixed sleep, then a look).
+    assert wait_for(lambda: gate.gate.admission.open)  # type: ignore[union-attr]
+    r = requests.post(f"{gate.url}/v1/echo", data=b"{}", timeout=10)
+    assert r.status_code == 200
+    assert stub.calls.get("/v1/echo", 0) == 1, stub.calls
 
 
 def test_client_disconnect_while_streaming_aborts_upstream(gate: GateThread, stub: Stub):
