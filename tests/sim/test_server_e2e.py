@@ -196,7 +196,7 @@ def test_engine_death_streams_error_then_exit_zero(twin: Starter) -> None:
     # ≥ 1.25 s real, and the test waits for the 503 instead of reading /health once.
     t = twin("--sim-scenario", "exit_zero_death", "--enforce-eager", "--sim-speed", "4",
              "--sim-exit-code", "7")  # fmt: skip
-    t.wait_ready(timeout_seconds=60)
+    t.wait_ready()
     resp = t.post(
         "/v1/completions",
         {"prompt": "x", "max_tokens": 8000, "stream": True, "ignore_eos": True},
@@ -218,7 +218,7 @@ def test_engine_death_streams_error_then_exit_zero(twin: Starter) -> None:
             late = t.post("/v1/completions", {"prompt": "x", "max_tokens": 5})
             break
         time.sleep(0.02)
-    code = t.wait_exit(timeout_seconds=60)
+    code = t.wait_exit()
     assert seen and seen[-1] == 503, (
         f"/health after the death: {seen}; exit {code}\n{t.stderr()[-3000:]}"
     )
