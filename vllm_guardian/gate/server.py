@@ -35,6 +35,8 @@ class GateSettings:
     poll_interval_seconds: float = 0.1
     kv_poll_interval_seconds: float = 0.5
     suspect_seconds: float = 1.0
+    # Requests in vLLM and no token processed this long: hold new ones (gate/progress.py).
+    stall_hold_seconds: float = 10.0
     shutdown_timeout_seconds: float = 5.0
     # Client connections open at once (each also holds one to vLLM while busy); past it the
     # longest-idle one is closed. Idle (head not sent yet, or kept alive): closed after this.
@@ -74,6 +76,7 @@ class Gate:
             poll_interval_seconds=s.poll_interval_seconds,
             kv_poll_interval_seconds=s.kv_poll_interval_seconds,
             suspect_seconds=s.suspect_seconds,
+            stall_hold_seconds=s.stall_hold_seconds,
         )
         self.proxy = GateProxy(s.proxy, self.admission, self.follower, self._session, self.metrics)
         self.admission.start()
