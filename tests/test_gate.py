@@ -5,6 +5,8 @@ running; at the end no task and no file descriptor survives the gate."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import hashlib
 import json
 import os
@@ -16,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.test_gate_support import GateThread, Stub
+from tests.test_gate_support import GateThread, LoopThread, Stub
 from vllm_guardian.gate.admission import Cost, estimate_cost
 
 
@@ -277,8 +279,12 @@ def test_client_disconnect_while_queued_leaves_the_queue(gate: GateThread, stub:
     s.close()
     assert wait_for(lambda: gate.gate.admission.queue_depth == 0)  # type: ignore[union-attr]
     stub.ready = True
-    time.sleep(0.1)
-    assert stub.calls.get("/v1/echo", 0) == 0  # never sent
+    # Never sent: a request after it, sent once the gate is open again, is the only one that
+    # reaches the upstream (not a fixed sleep, then a look).
+    assert wait_for(lambda: gate.gate.admission.open)  # type: ignore[union-attr]
+    r = requests.post(f"{gate.url}/v1/echo", data=b"{}", timeout=10)
+    assert r.status_code == 200
+    assert stub.calls.get("/v1/echo", 0) == 1, stub.calls
 
 
 def test_client_disconnect_while_streaming_aborts_upstream(gate: GateThread, stub: Stub):
@@ -344,3 +350,33 @@ def test_cost_estimate():
     assert estimate_cost(b"not json at all", 256).output_tokens == 0
     long_word = "y" * 400
     assert estimate_cost(json.dumps({"prompt": long_word}).encode(), 0).prompt_tokens == 100
+
+
+# --- the harness ---------------------------------------------------------------------------------
+
+
+def test_a_closed_loop_thread_leaves_no_coroutine_to_the_garbage_collector():
+    """What a test leaves running on a LoopThread ends inside LoopThread.close, not later in
+    whichever test the garbage collector happens to run in (an unraisable exception there)."""
+    lt = LoopThread("harness")
+    ended: list[str] = []
+
+    async def never_started() -> None:
+        ended.append("never_started")
+
+    async def suspended() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            ended.append("suspended")
+            asyncio.get_running_loop().create_task(never_started())  # work scheduled as it ends
+
+    async def start() -> None:
+        asyncio.get_running_loop().create_task(suspended())
+        await asyncio.sleep(0)
+
+    lt.run(start())
+    lt.close()
+    assert ended == ["suspended", "never_started"], ended
+    del lt
+    gc.collect()  # an unraisable exception here fails this test (pyproject's filterwarnings)

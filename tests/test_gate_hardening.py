@@ -17,8 +17,6 @@ from dataclasses import replace
 import pytest
 import requests
 
-pytest.importorskip("aiohttp")
-
 from tests.hostile import Hostility, hostile_server, idle_clients, wait_for
 from tests.test_gate_support import LoopThread, Stub
 from vllm_guardian.gate.follower import METRICS_MAX_BYTES

@@ -14,8 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-pytest.importorskip("aiohttp")
-
 from tests.conftest import VLLM_FIXTURES as FIXTURES
 from tests.hostile import wait_for
 from tests.test_gate_support import GateThread, Stub

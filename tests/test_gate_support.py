@@ -38,9 +38,39 @@ class LoopThread:
         return self.run(get())
 
     def close(self) -> None:
+        """Stop the loop, then end it the way ``asyncio.run`` ends one: cancel every task still
+        on it and run the loop until they have finished, then close it.
+
+        A task left pending on a closed loop is not an error at the time: its coroutine is
+        finalised later, whenever the garbage collector reaches it, inside whatever test runs
+        then. One never started warns "coroutine ... was never awaited"; a suspended one runs
+        its ``finally`` blocks on a closed loop ("Event loop is closed"). pytest reports either
+        as an unraisable exception of that later test (it was seen in test_gate.py's
+        test_cost_estimate, whose teardown tears down the module's gate and stub). Work can be
+        left whenever the loop stops in the iteration in which something scheduled it: on a
+        busy machine, a keep-alive connection's close reaching the stub as it shuts down, or a
+        cancelled handler's cleanup (not reproduced here in a few runs; the test of this
+        method reproduces both kinds deterministically).
+        """
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
-        self.loop.close()
+        assert not self.thread.is_alive(), f"the {self.thread.name} loop did not stop"
+        loop = self.loop
+        for _ in range(10):  # a cancelled task may start another one while it ends
+            left = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            if not left:
+                break
+            for t in left:
+                t.cancel()
+            loop.run_until_complete(asyncio.wait(left, timeout=10))  # one that ignores it
+            for t in left:
+                if t.done() and not t.cancelled():
+                    t.exception()  # retrieved: ending with one is not this harness's concern
+        left = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.run_until_complete(loop.shutdown_default_executor())
+        loop.close()
+        assert not left, f"tasks still pending on the {self.thread.name} loop: {left!r}"
 
 
 class GateThread:

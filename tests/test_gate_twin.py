@@ -27,7 +27,7 @@ from vllm_guardian.sim.scenarios import LoadProfile
 pytestmark = pytest.mark.slow
 
 
-def wait_http(url: str, timeout: float = 30.0) -> None:
+def wait_http(url: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(requests.RequestException):
@@ -108,11 +108,20 @@ def p99(result: LoadResult) -> float:
     return lat[min(len(lat) - 1, int(0.99 * len(lat)))]
 
 
+@pytest.mark.timeout(300)  # the twin's start (≤ 120 s) and two bursts on a busy machine
 def test_kv_burst_is_held_at_the_gate() -> None:
-    """30 requests in 3 s into an 8k-token pool (~16k tokens of work): straight in, vLLM
+    """30 requests in 3 s into a 4k-token pool (~16k tokens of work): straight in, vLLM
     preempts and recomputes; through the gate (KV-need admission) they wait their turn instead:
     fewer preemptions, no failure, every token delivered. Holding costs queueing time, so the
-    gate's p99 is higher than direct (both printed); it must stay far from the time bounds."""
+    gate's p99 is higher than direct (both printed); it must stay far from the time bounds.
+
+    How many preemptions the direct burst causes depends on how close together the twin sees
+    the requests arrive, in simulated time: a client thread that is late by d seconds spreads
+    them by d × speed. With the 8k-token pool this test had, the plan's spread of 2.2 simulated
+    s gave 19 preemptions, 4.4 s (the client under half a second late at speed 5) 13, and 6.6 s
+    9, under the bar of 10: on a busy machine the precondition failed. With 4k tokens, spreads
+    of 2.2, 6.6, 11 and 17.6 simulated s (the plan's arrival times stretched 1-8x) gave 34, 29,
+    15 and 32 (one run of the test itself with the machine's load average above 500: 11)."""
     profile = LoadProfile(
         rate_per_second=10, prompt_tokens_min=100, prompt_tokens_max=200,
         output_tokens_min=300, output_tokens_max=500,
@@ -120,7 +129,8 @@ def test_kv_burst_is_held_at_the_gate() -> None:
     plan = plan_requests(profile, seed=7, max_requests=30, duration_seconds=10)
     wanted = {p.index: p.max_tokens for p in plan}
     speed = 5.0
-    kv = ("--kv-cache-memory-bytes", str(1024**3), "--no-enable-prefix-caching")
+    kv = ("--kv-cache-memory-bytes", str(512 * 1024**2), "--max-model-len", "2048",
+          "--no-enable-prefix-caching")  # fmt: skip
     figures = {}
     with twin(*kv, speed=speed) as url:
         # KV-need admission on (off by default), the default release rate: 50/s, 8 at once.

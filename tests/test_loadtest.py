@@ -88,7 +88,7 @@ def twin(tmp_path: Path) -> Iterator[Twin]:
             "--sim-gpu-state-file", str(tmp_path / f"gpu-{port}.json"), *args,
         )  # fmt: skip
         started.append(t)
-        t.wait_ready(30)
+        t.wait_ready()  # up to 60 s: a twin starting beside a busy neighbour
         return t
 
     yield start

@@ -25,7 +25,7 @@ from tests.httpfixture import Script, serve
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def wait_for(check: Callable[[], bool], timeout: float = 15.0) -> None:
+def wait_for(check: Callable[[], bool], timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -115,8 +115,14 @@ def test_exports_what_vllm_said_and_survives_its_failures(guardian):
     # SIGHUP with a broken config: refused, still running with the old one.
     good = cfg.read_text()
     cfg.write_text("services: oops\n")
+    ticks = value(base, "vllm_guardian_ticks_total") or 0.0
     proc.send_signal(signal.SIGHUP)
-    time.sleep(1.0)
+    # The loop reloads before a tick: two more ticks and the refused reload is behind it.
+    wait_for(
+        lambda: (
+            proc.poll() is not None or (value(base, "vllm_guardian_ticks_total") or 0) >= ticks + 2
+        )
+    )
     assert proc.poll() is None
     assert value(base, "vllm_guardian_requests_waiting", service="vllm") == 0.0
     cfg.write_text(good)

@@ -781,5 +781,7 @@ def test_close_stops_journalctl_children(tmp_path: Path) -> None:
     child = int((tmp_path / "child").read_text())
     t0 = time.monotonic()
     collector.close()
-    assert time.monotonic() - t0 < 3
-    wait_for(lambda: not _alive(child), timeout=3)
+    # SIGTERM reached the group at once; not the SIGKILL that close() sends after 5 s.
+    took = time.monotonic() - t0
+    assert took < 4.5, f"close() took {took:.2f} s"
+    wait_for(lambda: not _alive(child), timeout=30)

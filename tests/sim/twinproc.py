@@ -36,7 +36,7 @@ class TwinProc:
         except requests.ConnectionError:
             return None
 
-    def wait_ready(self, timeout_seconds: float = 20.0) -> None:
+    def wait_ready(self, timeout_seconds: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_seconds
         while time.monotonic() < deadline:
             if self.health() == 200:
@@ -46,7 +46,7 @@ class TwinProc:
             time.sleep(0.05)
         raise AssertionError(f"twin not ready in {timeout_seconds}s:\n{self.stderr()}")
 
-    def wait_exit(self, timeout_seconds: float = 20.0) -> int:
+    def wait_exit(self, timeout_seconds: float = 60.0) -> int:
         return self.proc.wait(timeout=timeout_seconds)
 
     def post(self, path: str, body: dict[str, object], stream: bool = False) -> requests.Response:

@@ -8,9 +8,10 @@ test and stopped (and swept by its marker) by it:
    24 clients, ``ignore_eos``) on a fresh server uncapped and with ``--max-num-seqs 2``
    (0.4x the 5 the pool hosts), and the same seeded load on the twin. Compared: preemptions
    (±12: the real runs spread 64-75 uncapped) and the throughput ratio capped ÷ uncapped,
-   the real one from each run's own schedule under the real engine's fitted step cost (±0.07;
-   wall clock varied 0.43-0.53 between two runs on this shared 2-core VM, so it only has to
-   show a loss).
+   the real one from each run's own schedule under the real engine's fitted step cost: both
+   must show the loss (below 0.85; its size is checked against the study, deterministically,
+   in tests/sim/test_step_cost.py); wall clock varied 0.43-0.53 between two runs on this
+   shared 2-core VM, so it only has to show a loss.
 2. **The over-capacity estimate under overload.** On the uncapped server, after its closed
    loop measured what it serves, an open-loop load at twice that rate (every request sent at
    its time; the client holds them all, so vLLM sees the whole demand): the guardian's
@@ -188,12 +189,17 @@ def test_twin_and_real_server_lose_alike_under_a_low_cap(
     print(REPORT)
     assert abs(real["uncapped"]["preemptions"] - twin_uncapped_pre) <= 12, REPORT
     assert abs(real["cap2"]["preemptions"] - twin_cap_pre) <= 12, REPORT
-    # The schedules compared under the real engine's cost model: ±0.18. The study's modelled
-    # ratio was 0.66 over 3 pairs, but one real run's schedule here gave 0.62 and another 0.52
-    # (the twin: 0.67), so a single pair is compared no closer than that spread; the twin before
-    # its calibration (0.40) is still outside it against the study's value. Wall clock only has
-    # to show a loss: it measured 0.43-0.53 on this shared VM (0.63-0.72 in the study).
-    assert twin_ratio == pytest.approx(modelled_ratio, abs=0.18), REPORT
+    # What one live pair can be trusted to show is the direction: under a cap at 0.4x what the
+    # pool hosts, the real engine's own schedule costs clearly more engine time than uncapped,
+    # and the twin says so too. Its size is not a one-pair number: the uncapped arm's schedule
+    # depends on when 24 closed-loop clients resubmit, which a busy machine moves; the modelled
+    # ratio was 0.66 over the study's 3 pairs, and single runs here gave 0.62 and 0.52 (the twin:
+    # 0.67). Comparing one pair to the twin needed ±0.18, which passes or fails by the machine.
+    # The size is checked where it is deterministic: the twin against the study's values, ±0.05
+    # (tests/sim/test_step_cost.py; the twin before its calibration, 0.40, fails there). Wall
+    # clock only has to show a loss: 0.43-0.53 on this shared VM (0.63-0.72 in the study).
+    assert modelled_ratio < 0.85, REPORT
+    assert twin_ratio < 0.85, REPORT
     assert wall_ratio < 0.9, REPORT
     est = real["open_loop"]
     if est["state"] != "estimated":
