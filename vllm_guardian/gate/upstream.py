@@ -39,6 +39,9 @@ MAX_HEAD_BYTES = 64 * 1024
 # What one read hands to the proxy at most (it writes each piece to its client as it comes).
 READ_BYTES = 256 * 1024
 _NO_BODY_STATUSES = frozenset({204, 304})
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+# A body up to this size goes out in the same write as the head.
+_COALESCE_BYTES = 64 * 1024
 
 
 class UpstreamError(Exception):
@@ -210,14 +213,25 @@ class UpstreamPool:
         lines += [f"{k}: {v}" for k, v in headers]
         if body is not None:
             lines.append(f"Content-Length: {len(body)}")
+        elif method in _BODY_METHODS:
+            lines.append("Content-Length: 0")  # as aiohttp's client did: an empty body, said so
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape")
         conn = await self._take()
+        return await self._exchange(conn, head, body, head_request=method == "HEAD")
+
+    async def _exchange(
+        self, conn: _Conn, head: bytes, body: bytes | None, *, head_request: bool
+    ) -> UpstreamResponse:
         try:
             writer = conn.writer
-            writer.write(head + body if body else head)
+            if body and len(body) > _COALESCE_BYTES:
+                writer.write(head)  # no copy of a large body just to save a write
+                writer.write(body)
+            else:
+                writer.write(head + body if body else head)
             if writer.transport.get_write_buffer_size() > 0:
                 await writer.drain()
-            return await self._read_head(conn, head_request=method == "HEAD")
+            return await self._read_head(conn, head_request=head_request)
         except UpstreamError:
             conn.close()
             raise
