@@ -10,7 +10,8 @@ One exchange, in order:
    503 (+ ``Retry-After``) / 429 in OpenAI's error shape. GETs (``/health``, ``/v1/models``,
    ``/metrics`` …) pass straight through: they cost vLLM nothing and must tell the truth;
 3. the request goes upstream with the client's headers (``Authorization`` included) minus the
-   hop-by-hop ones; bodies are neither decoded nor re-encoded (``auto_decompress`` off);
+   hop-by-hop ones, through the keep-alive pool of ``upstream.py``; bodies are neither decoded
+   nor re-encoded;
 4. nothing is sent to the client until the upstream's first body bytes (or its end) arrive.
    Until then a failed exchange — refused, reset, or vLLM's "going away" 500 (``cannot schedule
    new futures after shutdown``, ``EngineDeadError``): the request never ran — is retried once,
