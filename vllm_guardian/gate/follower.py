@@ -73,7 +73,7 @@ class Follower:
         self._timeout_seconds = max(1.0, 5 * poll_interval_seconds)
         self._timeout = aiohttp.ClientTimeout(total=self._timeout_seconds)
         # The polls of /health and /ready (10 a second by default) on the proxy's lean client:
-        # through aiohttp's they cost the idle gate ~0.7 % of a core (docs/gate.md).
+        # an idle gate took 0.63 % of a core with aiohttp's, 0.43 % with it (docs/gate.md).
         self._health_pool = UpstreamPool(
             self.upstream, connect_timeout_seconds=self._timeout_seconds
         )
