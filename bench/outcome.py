@@ -36,7 +36,8 @@ recover (first fault → the first request sent after it that succeeds), downtim
 not 200 after first ready), goodput (tokens/s of successful requests), p50/p99 latency, p50/p99
 TTFT of successful streams, OOM crashes, actions, final flags, alerts fired. Each cell
 (scenario × operator) runs once per seed: the report gives the median and min–max, and the
-host's load average before and after the cell (``busy`` when it exceeds the core count).
+host's worst load average before and after the cell's runs (``busy`` when it exceeds the core
+count). ``--jobs N`` runs N runs at a time, each in its own process; the report says how many.
 
 Writes ``outcome.md``, ``outcome.json`` and ``outcome.svg`` (failed % per cell, bars at the
 median, whiskers min–max) to ``--out`` (default ``bench/results``; ``-quick`` suffixed for
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -352,7 +354,12 @@ def guardian_config(
             {"name": "vllm", "url": url, "command": command, "log_file": str(workdir / "vllm.log")}
             | ({} if gate_port is None else {"gate": gate_section(gate_port, speed)})
         ],
-        "sources": {"nvml": {"backend": "file", "state_file": str(workdir / "gpu.json")}},
+        # The twin publishes allocator stats as the in-vLLM plugin does, where the guardian's
+        # process backend tells it to (<directory>/<service>): fragmentation gets its cause.
+        "sources": {
+            "nvml": {"backend": "file", "state_file": str(workdir / "gpu.json")},
+            "allocator": {"directory": str(workdir / "allocator")},
+        },
         "signals": _scale_fields(SignalsConfig(), speed),
         "alerting": {"default_rules": False, "rules_file": str(workdir / "rules.yaml")},
         "policy": policy,
@@ -473,6 +480,10 @@ def run_one(
                     request_timeout_seconds=REQUEST_TIMEOUT_SECONDS,
                 )  # fmt: skip
                 outcomes = list(result.outcomes)
+                if keep:  # every request's outcome beside the run's logs, for a post-mortem
+                    (workdir / "requests.jsonl").write_text(
+                        "".join(o.to_json() + "\n" for o in outcomes)
+                    )
             run.downtime_seconds = watch.down
         finally:
             actions: list[tuple[float, str]] = []
@@ -593,6 +604,7 @@ class Cell:
     load_before: tuple[float, float, float]
     load_after: tuple[float, float, float]
     busy: bool
+    commit: str | None = None  # the code measured (None: this run's)
 
     def stat(self, name: str) -> tuple[float, float, float] | None:
         """(median, min, max) over the seeds; None when no run has the measure."""
@@ -698,6 +710,53 @@ def partial_note(cells: Sequence[Cell], args: argparse.Namespace) -> list[str]:
     return [f"**Partial run, not the benchmark's result** ({'; '.join(what)}).", ""]
 
 
+def _commit() -> str:
+    """The code measured: the commit, ``+dirty`` when the tree differs from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=30, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=30, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def _name(c: Cell) -> str:
+    return f"{c.scenario}/{c.operator}"
+
+
+def merge_cells(
+    path: Path, fresh: list[Cell], args: argparse.Namespace, this: dict[str, Any]
+) -> tuple[list[Cell], list[dict[str, Any]]]:
+    """The earlier report's cells with the ones run now in their place, in the matrix's order,
+    and the runs (command, commit) each cell's numbers come from, this one (``this``) last."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--merge {path}: {exc}") from exc
+    for key, now in (("speed", args.speed), ("duration_seconds", args.duration),
+                     ("seeds", args.seeds), ("fault_every", args.fault_every)):  # fmt: skip
+        if old.get(key) != now:
+            raise SystemExit(f"--merge {path}: its {key} is {old.get(key)!r}, this run's {now!r}")
+    by: dict[tuple[str, str], Cell] = {}
+    for d in old["cells"]:
+        runs = [Run(**{k: v for k, v in r.items() if k != "failed_pct"}) for r in d["runs"]]
+        cell = Cell(d["scenario"], d["operator"], runs, tuple(d["load_before"]),
+                    tuple(d["load_after"]), d["busy"], d.get("commit") or old.get("commit"))  # fmt: skip
+        by[(cell.scenario, cell.operator)] = cell
+    sources: list[dict[str, Any]] = old.get("sources") or [
+        {"command": old.get("command"), "commit": old.get("commit"),
+         "wall_seconds": old.get("wall_seconds"), "cells": [_name(c) for c in by.values()]}
+    ]  # fmt: skip
+    for c in fresh:
+        by[(c.scenario, c.operator)] = c
+    cells = [by[(s, o)] for s in ALL for o in OPERATORS if (s, o) in by]
+    now = {_name(c) for c in fresh}
+    kept = [s | {"cells": [n for n in s["cells"] if n not in now]} for s in sources]
+    return cells, [s for s in kept if s["cells"]] + [this]
+
+
 def markdown(cells: list[Cell], args: argparse.Namespace, wall_seconds: float) -> str:
     lines = [
         "# Outcome benchmark",
@@ -711,8 +770,25 @@ def markdown(cells: list[Cell], args: argparse.Namespace, wall_seconds: float) -
             else ""
         )
         + f"; {len(cells)} cells, "
-        f"wall time {wall_seconds / 60:.0f} min on {os.cpu_count()} cores.",
+        f"wall time {wall_seconds / 60:.0f} min on {os.cpu_count()} cores, "
+        f"{args.jobs} run{'s' if args.jobs > 1 else ''} at a time; commit {args.commit}.",
         "",
+        *(
+            [
+                f"**Assembled from {len(args.sources)} runs** (`--merge`; each cell's numbers "
+                "come from one run; the wall time above is the last one's):",
+                "",
+                *(
+                    f"- `{s['command']}` (commit {s['commit'] or 'not recorded'}"
+                    + (f", {s['wall_seconds'] / 60:.0f} min" if s.get("wall_seconds") else "")
+                    + f"): {len(s['cells'])} cells: {', '.join(s['cells'])}"
+                    for s in args.sources
+                ),
+                "",
+            ]
+            if len(getattr(args, "sources", [])) > 1
+            else []
+        ),
         *partial_note(cells, args),
         "Each value: median over the seeds (min–max). *Split*: failed in flight at a fault / "
         "arrived during an outage / other. *Detect*: first fault → the operator's first action or vLLM's restart; "
@@ -823,6 +899,51 @@ def _names(
     return names
 
 
+LoadAvg = tuple[float, float, float]
+
+
+def _run_job(
+    scenario: str,
+    operator: str,
+    seed: int,
+    speed: float,
+    duration: float,
+    keep: bool,
+    fault_every: float | None,
+) -> tuple[Run, LoadAvg, LoadAvg]:
+    """One run with the host's load average just before and just after it."""
+    before = os.getloadavg()
+    r = run_one(scenario, operator, seed, speed, duration, keep, fault_every)
+    return r, before, os.getloadavg()
+
+
+def _run_job_process(
+    scenario: str,
+    operator: str,
+    seed: int,
+    speed: float,
+    duration: float,
+    keep: bool,
+    fault_every: float | None,
+) -> tuple[Run, LoadAvg, LoadAvg]:
+    """:func:`_run_job` in a process of its own (``outcome.py --one``), its result in a file."""
+    job = [scenario, operator, seed, speed, duration, keep, fault_every]
+    with tempfile.TemporaryDirectory(prefix="outcome-job-") as tmp:
+        out = Path(tmp) / "run.json"
+        proc = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), "--one", json.dumps(job), "--one-out", str(out)],
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+            check=False, timeout=1800,
+        )  # fmt: skip
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(
+                f"{scenario}/{operator}/{seed}: the run's process exited {proc.returncode}:\n"
+                f"{proc.stderr[-4000:]}"
+            )
+        d, before, after = json.loads(out.read_text())
+    return Run(**d), tuple(before), tuple(after)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -844,9 +965,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a flaky deployment: the twin's --sim-fault-every (mean simulated seconds between "
         "seeded recurrences of the scenario's fault, an engine death where it has none)",
     )
+    ap.add_argument(
+        "--jobs", type=int, default=1,
+        help="runs at a time, each in its own process (default 1; the report says how many)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--merge", type=Path, default=None, metavar="OUTCOME.json",
+        help="an earlier run's outcome.json (same speed, duration, seeds): its cells not run "
+        "now are kept, the ones run now replace theirs; the report says which came from where",
+    )  # fmt: skip
     ap.add_argument("--keep", action="store_true", help="keep each run's directory (logs, audit)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # one run, for --jobs
+    ap.add_argument("--one-out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.one is not None:
+        r, before, after = _run_job(*json.loads(args.one))
+        args.one_out.write_text(json.dumps([dataclasses.asdict(r), before, after]))
+        return 0
     args.command = " ".join(
         [".venv/bin/python bench/outcome.py", *(sys.argv[1:] if argv is None else argv)]
     )
@@ -858,36 +994,59 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         raise SystemExit(f"--seeds: {exc}") from exc
     args.duration = args.duration or (20.0 if args.quick else 60.0)
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs: {args.jobs}: at least 1")
     cores = os.cpu_count() or 1
-    cells: list[Cell] = []
+    jobs = [(s, op, seed) for s in scenarios for op in operators for seed in args.seeds]
+    done: dict[tuple[str, str, int], tuple[Run, LoadAvg, LoadAvg]] = {}
     t0 = time.monotonic()
+
+    def report(key: tuple[str, str, int], out: tuple[Run, LoadAvg, LoadAvg]) -> None:
+        done[key] = out
+        r, before, after = out
+        print(f"{r.scenario:<20} {r.operator:<21} seed {r.seed:<3} sent {r.sent:5d} failed {r.failed:5d} "
+              f"({r.failed_pct:5.1f} %: {r.failed_in_flight}/{r.failed_during_outage}/{r.failed_other}) "
+              f"detect {_f(r.time_to_detect_seconds)} recover {_f(r.time_to_recover_seconds)} "
+              f"down {r.downtime_seconds:5.1f}s goodput {r.goodput_tokens_per_second:6.0f} "
+              f"OOMs {r.oom_crashes} restarts {r.restarts} actions {len(r.actions)} [{r.wall_seconds:.0f}s] "
+              f"load {before[0]:.2f} → {after[0]:.2f}{'  BUSY HOST' if max(before[0], after[0]) > cores else ''}",
+              flush=True)  # fmt: skip
+
+    run_args = (args.speed, args.duration, args.keep, args.fault_every)
+    if args.jobs == 1:
+        for key in jobs:
+            report(key, _run_job(*key, *run_args))
+    else:
+        # Each run in a fresh process of this script (``--one``): runs share no threads, ports
+        # or state; ``jobs`` of them at a time, in the matrix's order.
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+            futures = {pool.submit(_run_job_process, *key, *run_args): key for key in jobs}
+            for fut in concurrent.futures.as_completed(futures):
+                report(futures[fut], fut.result())
+    cells: list[Cell] = []
     for s in scenarios:
         for op in operators:
-            before = os.getloadavg()
-            runs = []
-            for seed in args.seeds:
-                r = run_one(s, op, seed, args.speed, args.duration, args.keep, args.fault_every)
-                runs.append(r)
-                print(f"{s:<20} {op:<21} seed {seed:<3} sent {r.sent:5d} failed {r.failed:5d} "
-                      f"({r.failed_pct:5.1f} %: {r.failed_in_flight}/{r.failed_during_outage}/{r.failed_other}) "
-                      f"detect {_f(r.time_to_detect_seconds)} recover {_f(r.time_to_recover_seconds)} "
-                      f"down {r.downtime_seconds:5.1f}s goodput {r.goodput_tokens_per_second:6.0f} "
-                      f"OOMs {r.oom_crashes} restarts {r.restarts} actions {len(r.actions)} [{r.wall_seconds:.0f}s]", flush=True)  # fmt: skip
-            after = os.getloadavg()
+            outs = [done[(s, op, seed)] for seed in args.seeds]
+            # The worst load average seen around any of the cell's runs.
+            before = max((b for _, b, _ in outs), key=lambda x: x[0])
+            after = max((a for _, _, a in outs), key=lambda x: x[0])
             busy = max(before[0], after[0]) > cores
-            cells.append(Cell(s, op, runs, before, after, busy))
-            print(
-                f"  load average {before[0]:.2f} → {after[0]:.2f}{'  BUSY HOST' if busy else ''}",
-                flush=True,
-            )
+            cells.append(Cell(s, op, [r for r, _, _ in outs], before, after, busy))
     wall = time.monotonic() - t0
+    args.commit = _commit()
+    this = {"command": args.command, "commit": args.commit, "wall_seconds": wall,
+            "cells": [_name(c) for c in cells]}  # fmt: skip
+    args.sources = [this]
+    if args.merge is not None:
+        cells, args.sources = merge_cells(args.merge, cells, args, this)
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = "-quick" if args.quick else ""
     md = markdown(cells, args, wall)
     (args.out / f"outcome{suffix}.md").write_text(md)
-    doc = {"command": args.command, "seeds": args.seeds, "speed": args.speed,
-           "duration_seconds": args.duration, "wall_seconds": wall, "cores": cores,
-           "cells": [c.to_json() for c in cells]}  # fmt: skip
+    doc = {"command": args.command, "commit": args.commit, "seeds": args.seeds, "speed": args.speed,
+           "jobs": args.jobs, "duration_seconds": args.duration, "fault_every": args.fault_every,
+           "wall_seconds": wall, "cores": cores, "sources": args.sources,
+           "cells": [c.to_json() | {"commit": c.commit or args.commit} for c in cells]}  # fmt: skip
     (args.out / f"outcome{suffix}.json").write_text(json.dumps(doc, indent=1))
     (args.out / f"outcome{suffix}.svg").write_text(chart_svg(cells))
     print(md)

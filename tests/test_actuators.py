@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import sys
@@ -432,3 +433,52 @@ def test_a_corrupt_policy_state_is_set_aside_not_fatal(tmp_path: Path, make, cap
     assert not path.exists()
     assert (tmp_path / "policy-state.json.corrupt").exists()
     assert "set aside" in caplog.text
+
+
+# --- the process backend hands vLLM the allocator plugin's directory ----------------------------
+
+
+@pytest.mark.parametrize(
+    ("allocator", "expected"),
+    [
+        # The plugin inside vLLM writes where the guardian's allocator source reads: one
+        # directory per service below sources.allocator.directory, as the systemd drop-in does.
+        ({"directory": "{tmp}/alloc"}, "{tmp}/alloc/vllm"),
+        # The source is off: vLLM is not told to publish anything.
+        ({"enabled": False, "directory": "{tmp}/alloc"}, None),
+    ],
+)
+def test_process_backend_passes_the_allocator_directory(
+    tmp_path: Path, allocator: dict[str, object], expected: str | None
+) -> None:
+    from vllm_guardian.allocator_format import ENV_DIR
+    from vllm_guardian.config import parse_config
+    from vllm_guardian.healing import Healing
+
+    allocator = {
+        k: (v.format(tmp=tmp_path) if isinstance(v, str) else v) for k, v in allocator.items()
+    }
+    text = json.dumps(
+        {
+            "state_dir": str(tmp_path / "state"),
+            "runtime_dir": str(tmp_path / "run"),
+            "services": [
+                {
+                    "name": "vllm",
+                    "url": "http://127.0.0.1:1",
+                    "command": [sys.executable, "-c", "0"],
+                }
+            ],
+            "sources": {"allocator": allocator},
+            "policy": {"backend": "process"},
+        }
+    )
+    healing = Healing(parse_config(text, "test.yaml"), SystemClock(), [])
+    try:
+        _, env = healing.supervisors["vllm"].argv_and_env()
+        want = None if expected is None else expected.format(tmp=tmp_path)
+        assert env.get(ENV_DIR) == want
+        if want is not None:
+            assert Path(want).is_dir(), "the directory exists before vLLM starts"
+    finally:
+        healing.close()

@@ -102,6 +102,29 @@ def test_the_bench_runs_end_to_end_and_writes_its_report(tmp_path: Path) -> None
     assert "| steady | guardian+gate |" in md and "- steady: " in md
     assert (tmp_path / "outcome.svg").read_text().startswith("<svg")
 
+    # One cell run again (in a worker process, --jobs), merged into the earlier report: the
+    # other cell is kept as it was, the order is the matrix's, the report says where each
+    # came from.
+    merged = tmp_path / "merged"
+    code = b.main(["--scenarios", "steady", "--operators", "unguarded", "--seeds", "1",
+                   "--duration", "4", "--jobs", "2", "--merge", str(tmp_path / "outcome.json"),
+                   "--out", str(merged)])  # fmt: skip
+    assert code == 0
+    again = json.loads((merged / "outcome.json").read_text())
+    assert [(c["scenario"], c["operator"]) for c in again["cells"]] == [
+        ("steady", "unguarded"), ("steady", "guardian+gate")]  # fmt: skip
+    assert again["cells"][1]["runs"] == doc["cells"][1]["runs"]
+    assert [s["cells"] for s in again["sources"]] == [
+        ["steady/guardian+gate"],
+        ["steady/unguarded"],
+    ]
+    assert again["jobs"] == 2
+    assert "**Assembled from 2 runs**" in (merged / "outcome.md").read_text()
+    with pytest.raises(SystemExit, match="duration_seconds"):
+        b.main(["--scenarios", "steady", "--operators", "unguarded", "--seeds", "1",
+                "--duration", "3", "--merge", str(tmp_path / "outcome.json"),
+                "--out", str(merged)])  # fmt: skip
+
 
 def test_a_request_sent_late_by_a_busy_client_is_dated_by_its_real_end() -> None:
     # Scheduled at 95 s, sent late, failed at 101 s: in flight at the fault at 100 s, although

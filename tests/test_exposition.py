@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.scenario import signals_for, snapshots
@@ -229,3 +229,66 @@ def test_listen_binds_the_family_of_its_address(listen: str, url_host: str):
         assert r.status_code == 200 and "vllm_guardian_requests_waiting" in r.text
     finally:
         server.stop()
+
+
+def test_inhibited_alerts_and_the_planned_restart_are_series_of_their_own() -> None:
+    """An alert held during the guardian's own restart keeps its ALERTS-like series and gets a
+    second one saying why it is not delivered; the action's phase and the expected-down flag
+    are what the shipped Prometheus rules join on (alerts/vllm-guardian.rules.yml)."""
+    from prometheus_client.core import Metric
+
+    from vllm_guardian.core import inhibition, phases, policy
+    from vllm_guardian.exposition import _healing_families
+    from vllm_guardian.healing import HealingView
+    from vllm_guardian.model import ActionKind, Alert, AlertState, Severity
+
+    def alert(name: str, held: str | None) -> Alert:
+        return Alert(name, "vllm", (), AlertState.FIRING, Severity.CRITICAL, None, 0.0, 10.0,
+                     70.0, 100.0, inhibited_by=held)  # fmt: skip
+
+    progress = phases.ActionProgress(
+        3, ActionKind.RELAUNCH, None, "r", phases.Phase.AWAITING_READY, 50.0, 900.0, 0.0,
+        stopped_seconds=40.0,
+    )  # fmt: skip
+    state = policy.PolicyState(
+        (policy.ServiceState("vllm", action=progress), policy.ServiceState("other"))
+    )
+    view = HealingView(
+        alerts=(
+            alert("VllmEngineDead", "action 3 awaiting_ready"),
+            alert("VllmCudaOomLogged", None),
+        ),
+        state=state,
+        dry_run=False,
+        actions_total=(),
+        budget=3,
+        budget_window_seconds=3600.0,
+        windows=(inhibition.Window("vllm", "action 3 awaiting_ready", 40.0),),
+    )
+
+    class One:
+        def collect(self) -> list[Metric]:
+            return list(_healing_families(view, 100.0))
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(One())
+    text = generate_latest(reg).decode()
+    lines = set(text.splitlines())
+    for want in [
+        'vllm_guardian_alert{alertname="VllmEngineDead",alertstate="firing",service="vllm",severity="critical"} 1.0',
+        'vllm_guardian_alert{alertname="VllmCudaOomLogged",alertstate="firing",service="vllm",severity="critical"} 1.0',
+        'vllm_guardian_alert_inhibited{alertname="VllmEngineDead",alertstate="firing",inhibited_by="action 3 awaiting_ready",service="vllm",severity="critical"} 1.0',
+        'vllm_guardian_action_in_progress{action="relaunch",phase="awaiting_ready",service="vllm"} 1.0',
+        'vllm_guardian_vllm_down_expected{service="vllm"} 1.0',
+        'vllm_guardian_vllm_down_expected{service="other"} 0.0',
+    ]:
+        assert want in lines, f"{want}\nnot in\n{text}"
+    assert "VllmCudaOomLogged" not in "".join(
+        x for x in lines if x.startswith("vllm_guardian_alert_inhibited{")
+    )
+    assert not any(
+        x.startswith(
+            'vllm_guardian_action_in_progress{action="relaunch",phase="awaiting_ready",service="other"'
+        )
+        for x in lines
+    )

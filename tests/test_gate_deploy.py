@@ -84,6 +84,7 @@ services:
         ("max_body_bytes", "max_body_bytes"),
         ("poll_interval_seconds", "poll_interval"),
         ("kv_poll_interval_seconds", "kv_poll_interval"),
+        ("stall_hold_seconds", "stall_hold"),
         ("metrics_path", "metrics_path"),
         ("shutdown_timeout_seconds", "shutdown_timeout"),
     ],
@@ -204,7 +205,7 @@ def test_without_config_the_flags_defaults_apply() -> None:
     args = gate_cli.build_parser().parse_args(["--upstream", "http://127.0.0.1:8000"])
     s = gate_cli.settings_from_args(args)
     assert (s.listen_host, s.listen_port, s.guardian) == ("127.0.0.1", 8001, None)
-    assert s.limits.max_queue_requests == 256
+    assert s.limits.max_queue_requests == 1024
 
 
 @pytest.mark.parametrize(

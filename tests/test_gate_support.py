@@ -74,6 +74,7 @@ class Stub:
         self.lt = LoopThread("stub")
         self.healthy = True
         self.ready = True  # what /ready/vllm answers (the stub doubles as the guardian)
+        self.metrics_text: str | None = None  # what /metrics answers (None: 404)
         self.calls: dict[str, int] = {}
         self.active = 0
         self.disconnects = 0
@@ -106,6 +107,7 @@ class Stub:
 
         self.lt.run(fresh())
         self.healthy, self.ready = True, True
+        self.metrics_text = None
         self.calls.clear()
         self.disconnects = 0
 
@@ -114,6 +116,10 @@ class Stub:
         self.calls[path] = self.calls.get(path, 0) + 1
         if path == "/health":
             return web.Response(status=200 if self.healthy else 503)
+        if path == "/metrics":
+            if self.metrics_text is None:
+                return web.Response(status=404)
+            return web.Response(text=self.metrics_text, content_type="text/plain")
         if path == "/ready/vllm":
             body = {
                 "service": "vllm",

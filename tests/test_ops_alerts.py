@@ -46,6 +46,10 @@ PENDING_METRICS = {
     "vllm_guardian_restart_budget_remaining",
     "vllm_guardian_paused",
     "vllm_guardian_action_in_flight",
+    # The guardian's own restart (tests/test_exposition.py renders them).
+    "vllm_guardian_alert_inhibited",
+    "vllm_guardian_action_in_progress",
+    "vllm_guardian_vllm_down_expected",
 }
 # Present only while the service is saturated and its capacity measurable, so absent from the
 # golden file; tests/test_exposition.py::test_capacity_series renders them.

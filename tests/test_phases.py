@@ -229,3 +229,28 @@ def test_the_drain_counts_what_the_front_door_has_in_flight(
     sig = ServiceSignals("vllm", HealthState.UP, True, True, True, requests_running=vllm)
     s = policy.seen(snap, sig, "vllm")
     assert (s.in_flight, s.in_flight_from) == expected
+
+
+def test_the_action_remembers_when_the_guardian_took_vllm_down() -> None:
+    """``stopped_seconds`` (what core/inhibition.py opens its window from) is set when the
+    restart call starts, kept through the phases after it; a restart by vLLM's own supervisor
+    after a crash leaves it unset (that outage is not the guardian's doing)."""
+    a, _ = phases.start(1, "vllm", ActionKind.RESTART, None, "r", (), (), 10, 0.0, P)
+    assert a.stopped_seconds is None
+    adv = phases.advance(a, "vllm", seen(T(1, in_flight=0)), [
+        OpResult(1, "vllm", Op.BUNDLE, True, False, "/b", 1.0)], 1.0, P)  # fmt: skip
+    assert adv.progress is not None and adv.progress.phase is Phase.RESTARTING
+    assert adv.progress.stopped_seconds == 1.0
+    adv = phases.advance(adv.progress, "vllm", seen(T(5, up=False, listening=False, pid=None,
+                         gpu_pids=frozenset())), [
+        OpResult(1, "vllm", Op.RESTART, True, False, "restarted", 4.0)], 5.0, P)  # fmt: skip
+    assert adv.progress is not None and adv.progress.phase is Phase.AWAITING_READY
+    assert adv.progress.stopped_seconds == 1.0
+    # vLLM died by itself while preparing; its supervisor started it again.
+    b, _ = phases.start(2, "vllm", ActionKind.RESTART, None, "r", (), (), 10, 0.0, P)
+    bundle = [OpResult(2, "vllm", Op.BUNDLE, True, False, "/b", 1.0)]
+    adv = phases.advance(b, "vllm", seen(T(1, up=False, listening=False, pid=None)), bundle, 1.0, P)
+    assert adv.progress is not None and adv.progress.phase is Phase.AWAITING_SELF_RESTART
+    adv = phases.advance(adv.progress, "vllm", seen(T(3, up=False, pid=11)), [], 3.0, P)
+    assert adv.progress is not None and adv.progress.phase is Phase.AWAITING_READY
+    assert adv.progress.stopped_seconds is None

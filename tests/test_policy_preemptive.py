@@ -90,9 +90,18 @@ CASES = [
     ("fragmentation with the queue unknown is not quiet",
      signals(fc(Cause.ALLOCATOR_FRAGMENTATION, 400, 500), waiting=None, running=None), S0, 100.0,
      (None, None, 0, False, False, True)),
-    ("a new neighbour: gate and page, no restart yet",
+    # Holding requests frees nothing another process takes: the front door stays open (the
+    # neighbour alert pages) until the relaunch, which holds them only for its own length.
+    ("a new neighbour, time to see if it persists: page, no gate, no restart yet",
      signals(fc(Cause.GPU_MEMORY_OVERCOMMIT, 200, neighbour=NB)), S0, 100.0,
-     (None, None, 0, True, True, False)),
+     (None, None, 0, False, False, True)),
+    ("a new neighbour that exhausts the card before it could persist: relaunch now",
+     signals(fc(Cause.GPU_MEMORY_OVERCOMMIT, 30, slope=-100.0 * MIB, neighbour=NB)), S0, 100.0,
+     (ActionKind.RELAUNCH, Lever.GPU_MEMORY_UTILIZATION, 5, True, True, False)),
+    ("a persistent neighbour at the floor: page only, the front door stays open",
+     signals(fc(Cause.GPU_MEMORY_OVERCOMMIT, 200, neighbour=NB)),
+     replace(PERSISTED, rungs=((Lever.GPU_MEMORY_UTILIZATION, 5),)), 100.0,
+     (None, None, 0, False, False, True)),
     ("a persistent neighbour: relaunch with a lower utilization, enough rungs for the horizon",
      signals(fc(Cause.GPU_MEMORY_OVERCOMMIT, 200, slope=-10.0 * MIB, neighbour=NB)), PERSISTED, 100.0,
      (ActionKind.RELAUNCH, Lever.GPU_MEMORY_UTILIZATION, 1, True, True, False)),
@@ -218,19 +227,20 @@ def test_fragmentation_forecast_restarts_once_then_cooldown_then_budget() -> Non
     assert not run.state.service("vllm").breaker_latched  # a forecast never latches
 
 
-def test_neighbour_gate_holds_while_the_forecast_stands_then_opens() -> None:
-    run = Ticks(replace(P, neighbour_persist_seconds=1000))
+def test_a_neighbour_is_not_gated_around_while_its_forecast_stands() -> None:
+    # Measured (bench/outcome.py, noisy_neighbour, guardian+gate): the front door held closed
+    # for the persistence wait, then through the relaunch, outlasted the held requests' wait
+    # and turned 158 of 985 requests into 503s; an idle vLLM frees nothing the neighbour takes.
+    run = Ticks(replace(P, neighbour_persist_seconds=100))  # the card lasts 200 s: time to wait
     nb = signals(fc(Cause.GPU_MEMORY_OVERCOMMIT, 200, neighbour=NB))
     for t in range(0, 20, 2):
-        run.tick(float(t), replace(nb, kv_cache_usage_ratio=0.1))  # KV low: the KV gate would open
+        run.tick(float(t), replace(nb, kv_cache_usage_ratio=0.1))
     s = run.state.service("vllm")
-    assert not s.gate_open and "pid 4242" in s.gate_reason
-    gates = [d for d in run.decisions if d.what == "gate"]
-    assert len(gates) == 1 and gates[0].reason.startswith("CRITICAL: forecast:")
+    assert s.gate_open
+    assert [d for d in run.decisions if d.what == "gate"] == []
     assert run.actions == []
-    run.tick(20.0, replace(signals(), kv_cache_usage_ratio=0.1))
-    assert run.state.service("vllm").gate_open
-    assert [d.what for d in run.decisions][-1] == "ungate"
+    notes = [d.reason for d in run.decisions if d.what == "suppressed"]
+    assert any("pid 4242" in n and "front door stays open" in n for n in notes), notes
 
 
 def test_persistent_neighbour_relaunches_with_lower_utilization() -> None:

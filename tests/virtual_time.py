@@ -29,7 +29,8 @@ So a case here is the same experiment as the real-process demo with the same opt
 the scheduling noise of a busy machine.
 
 Left out, on purpose: the allocator source (the twin has no in-vLLM plugin, so the real source
-reports "no plugin data"), the admission gate (the demo has none) and alert delivery.
+reports "no plugin data"), the admission gate (the demo has none) and alert delivery (what the
+step delivers and what it inhibits is recorded instead).
 
 Why in ``tests/`` and not in the package: the twin stands in for vLLM and must not depend on the
 guardian (this harness imports both), and nothing the product ships runs it.
@@ -126,7 +127,8 @@ class Run:
     decisions: list[policy.Decision] = field(default_factory=list)
     actions: dict[int, Action] = field(default_factory=dict)
     results: list[ActionResult] = field(default_factory=list)
-    alerts: list[tuple[float, str, str]] = field(default_factory=list)  # (t, alert, new state)
+    # (t, alert, new state, why it was not delivered: None when it was)
+    alerts: list[tuple[float, str, str, str | None]] = field(default_factory=list)
     requests: Counter[str] = field(default_factory=Counter)
     twin_starts: list[tuple[float, tuple[str, ...]]] = field(default_factory=list)  # (t, argv)
     twin_exits: list[tuple[float, int]] = field(default_factory=list)  # (t, status)
@@ -145,17 +147,21 @@ class Run:
     @property
     def alerts_fired(self) -> list[str]:
         out: list[str] = []
-        for _, name, state in self.alerts:
+        for _, name, state, _ in self.alerts:
             if state == "firing" and name not in out:
                 out.append(name)
         return out
 
     def golden_rows(self) -> list[dict[str, Any]]:
         """The typed decision log: no wording, only what was decided, when, why (the cause),
-        on which action, with which flags; plus the alerts that fired and resolved."""
+        on which action, with which flags; plus the alerts that fired and resolved, and why a
+        change was not delivered to the sinks (inhibited: vLLM down because of the guardian)."""
         rows: list[dict[str, Any]] = []
-        for t, name, state in self.alerts:
-            rows.append({"t": t, "alert": name, "state": state})
+        for t, name, state, inhibited_by in self.alerts:
+            change: dict[str, Any] = {"t": t, "alert": name, "state": state}
+            if inhibited_by is not None:
+                change["inhibited_by"] = inhibited_by
+            rows.append(change)
         for d in self.decisions:
             a = self.actions.get(d.action_id) if d.action_id is not None else None
             row: dict[str, Any] = {
@@ -288,11 +294,9 @@ class VirtualWorld:
             case.speed,
             case.duration_seconds,
             workdir,
-            extra_twin_args=(
-                *case.twin_args,
-                *(("--sim-timeline-file", str(workdir / "timeline.json")) if case.timeline else ()),
-            ),
+            extra_twin_args=case.twin_args,
             quiet=True,
+            timeline=case.timeline,
             policy=dict(case.policy),
         )
         # Ports are never opened: nothing here listens or connects.
@@ -524,7 +528,9 @@ class VirtualWorld:
         self.state, fx = core_step.step(self.state, list(self.history), now, self.settings)
         t = round(now - T0, 3)
         for tr in fx.transitions:
-            self.run.alerts.append((t, tr.alert.name, tr.current.value))
+            self.run.alerts.append((t, tr.alert.name, tr.current.value, None))
+        for tr in fx.inhibited:
+            self.run.alerts.append((t, tr.alert.name, tr.current.value, tr.alert.inhibited_by))
         for a in fx.actions:
             self.run.actions[a.id] = a
         self.run.decisions.extend(fx.decisions)

@@ -200,7 +200,9 @@ def render_status(st: dict[str, Any]) -> str:
         )
     for a in st.get("alerts") or []:
         lines.append(
-            f"alert {a['name']} [{a['service']}] {a['state']}{' (stale)' if a.get('stale') else ''}: {a.get('summary', '')}"
+            f"alert {a['name']} [{a['service']}] {a['state']}{' (stale)' if a.get('stale') else ''}"
+            + (f" (inhibited by {a['inhibited_by']})" if a.get("inhibited_by") else "")
+            + f": {a.get('summary', '')}"
         )
     down = [s for s in st.get("sources", []) if not s["up"]]
     for s in down:

@@ -132,8 +132,11 @@ class GateConfig:
     listen: str = field(default="127.0.0.1:8001", metadata=_bounds(check=_check_listen))
     # Follow the guardian's /ready/<service> (its `listen` above); false: vLLM's /health only.
     follow_guardian: bool = True
-    # Requests waiting at most (--max-queue); 0 refuses at once while the gate is closed.
-    max_queue_requests: int = field(default=256, metadata=_bounds(0, 1_000_000))
+    # Requests waiting at most (--max-queue); 0 refuses at once while the gate is closed. Size it
+    # to hold what arrives during a restart: peak requests/s × (model load + drain). 256 turned
+    # 71 of 1,967 requests into 503s across one pre-emptive restart at 8 req/s (bench/outcome.py,
+    # fragmentation_creep); memory is bounded by max_queued_tokens, not by this count.
+    max_queue_requests: int = field(default=1024, metadata=_bounds(0, 1_000_000))
     # Estimated prompt tokens waiting at most (--max-queued-tokens).
     max_queued_tokens: int = field(default=1_000_000, metadata=_bounds(0, 10**10))
     # A held request gets its 503 after this long (--max-wait): a restart with model load fits.
@@ -160,6 +163,11 @@ class GateConfig:
     # Polls of the guardian's /ready and vLLM's /health; reads of vLLM's /metrics.
     poll_interval_seconds: float = field(default=0.1, metadata=_bounds(0.01, 60))
     kv_poll_interval_seconds: float = field(default=0.5, metadata=_bounds(0.05, 600))
+    # Requests in vLLM and not one token processed for this long (--stall-hold): hold new
+    # requests instead of sending them into a hung engine that still answers /health 200. A
+    # third of signals.stall_seconds, after which the guardian restarts it: a false alarm costs
+    # held requests latency, not failures (gate/progress.py). 0: off.
+    stall_hold_seconds: float = field(default=10.0, metadata=_bounds(0, 3600))
     # Where the gate serves its own metrics (vLLM's /metrics is then read on vLLM itself).
     metrics_path: str = field(default="/metrics", metadata=_bounds(check=_check_metrics_path))
     # In-flight requests get this long to finish on SIGTERM; queued ones get 503 at once.
@@ -441,7 +449,8 @@ class PolicyConfig:
     # A quiet moment for the pre-emptive drain: the queue empty and at most this many running.
     preemptive_quiet_running: int = field(default=2, metadata=_bounds(0, 100000))
     # A growing neighbour earns a relaunch with a lower --gpu-memory-utilization only after its
-    # forecast has stood this long (a short-lived job is gated around, not restarted for).
+    # forecast has stood this long (a short-lived job is not restarted for), or at once when the
+    # GPU would run out before then. Meanwhile the neighbour alert pages; nothing is held.
     neighbour_persist_seconds: float = field(default=60.0, metadata=_bounds(0, 86400))
     # The incident bundle captured before a disruptive action must not delay it for longer.
     bundle_timeout_seconds: float = field(default=20.0, metadata=_bounds(1, 600))

@@ -121,6 +121,11 @@ class DemoOptions:
     gate: bool = True
     # Policy keys to override (tests use them to shorten stable periods, for instance).
     policy: dict[str, Any] = field(default_factory=dict)
+    # One timeline for every twin process of the demo: a one-off fault (a hang, an engine
+    # death) strikes once at its time on the demo's clock, a restarted twin does not meet it
+    # again, and a neighbour does not vanish with a restart (docs/twin.md). False: every process
+    # meets its scenario from its own start (the virtual-time scenarios' default).
+    timeline: bool = True
 
 
 @dataclass
@@ -157,6 +162,7 @@ def demo_config(
         "--host", "127.0.0.1", "--port", str(vllm_port), "--served-model-name", "demo",
         "--shutdown-timeout", "10", "--sim-scenario", opts.scenario, "--sim-speed", f"{opts.speed:g}",
         "--sim-gpu-state-file", str(gpu_state), "--sim-gpu-state-interval-seconds", "0.5",
+        *(("--sim-timeline-file", str(workdir / "timeline.json")) if opts.timeline else ()),
         *opts.extra_twin_args,
     ]  # fmt: skip
     (workdir / "demo-rules.yaml").write_text(DEMO_RULES)
@@ -174,6 +180,9 @@ def demo_config(
             ],
             "sources": {
                 "nvml": {"backend": "file", "state_file": str(gpu_state)},
+                # The twin publishes allocator stats as the in-vLLM plugin does, where the
+                # guardian tells the process it starts to (<directory>/<service>).
+                "allocator": {"directory": str(workdir / "allocator")},
                 "unit": {"enabled": True},
                 "logs": {"enabled": True},
             },

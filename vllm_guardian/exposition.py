@@ -646,14 +646,45 @@ def _healing_families(view: HealingView, now: float) -> Iterator[Metric]:
         "1 when an alert's signal is missing and its state is held.",
         labels=["service", "alertname"],
     )
+    inhibited = GaugeMetricFamily(
+        f"{NS}_alert_inhibited",
+        "1 for each pending or firing guardian alert whose notifications are held: vLLM is down "
+        "because of the guardian's own restart or first start (inhibited_by says which).",
+        labels=["service", "alertname", "severity", "alertstate", "inhibited_by"],
+    )
     for a in view.alerts:
         if a.state is AlertState.INACTIVE:
             continue
         alert.add_metric([a.service or "", a.name, a.severity.value, a.state.value], 1.0)
         if a.stale:
             stale.add_metric([a.service or "", a.name], 1.0)
+        if a.inhibited_by is not None:
+            inhibited.add_metric(
+                [a.service or "", a.name, a.severity.value, a.state.value, a.inhibited_by], 1.0
+            )
     yield alert
     yield stale
+    yield inhibited
+    in_progress = GaugeMetricFamily(
+        f"{NS}_action_in_progress",
+        "1 for the restart or relaunch under way, with its kind and current phase.",
+        labels=["service", "action", "phase"],
+    )
+    for s in view.state.services:
+        if s.action is not None:
+            in_progress.add_metric([s.service, s.action.kind.value, s.action.phase.value], 1.0)
+    yield in_progress
+    planned = {w.service for w in view.windows if w.planned}
+    expected = GaugeMetricFamily(
+        f"{NS}_vllm_down_expected",
+        "1 while vLLM is down because of the guardian (its restart under way, within the "
+        "phase's deadline, or the first start it made) and was serving or starting when that "
+        "began: the vLLM-down alerts are inhibited. The shipped Prometheus rules use it.",
+        labels=["service"],
+    )
+    for s in view.state.services:
+        expected.add_metric([s.service], 1.0 if s.service in planned else 0.0)
+    yield expected
     f = _Families()
     p = view.state
     for s in p.services:

@@ -4,7 +4,9 @@ Where it sits: the daemon collects a snapshot, appends it to the history and cal
 :meth:`Healing.run`, which calls ``step`` (signals → alerts → policy → readiness, all pure)
 and then applies its effects, in order:
 
-1. alert transitions are queued to the sinks (delivery never blocks the tick);
+1. alert transitions are queued to the sinks (delivery never blocks the tick); those the step
+   inhibited (vLLM down because of the guardian's own restart: ``core/inhibition.py``) are not,
+   and firing alerts it inhibits are not re-sent to Alertmanager;
 2. the blocking calls the phases asked for (bundle, flags file, restart) start in the
    background (``actuators/executor.py``); their results enter the next snapshot;
 3. escalations are logged for a person;
@@ -36,10 +38,11 @@ from vllm_guardian.actuators.bundle import BundleWriter
 from vllm_guardian.actuators.executor import OpRunner, PermitBackend, RestartBackend
 from vllm_guardian.actuators.procmgr import Supervisor
 from vllm_guardian.actuators.systemd import SystemdBackend
+from vllm_guardian.allocator_format import ENV_DIR as ALLOCATOR_ENV_DIR
 from vllm_guardian.clock import Clock
 from vllm_guardian.config import Config
 from vllm_guardian.container import container_mode, pod_identity
-from vllm_guardian.core import alerting, policy
+from vllm_guardian.core import alerting, inhibition, policy
 from vllm_guardian.core import step as core_step
 from vllm_guardian.core.signals import Signals
 from vllm_guardian.model import (
@@ -70,6 +73,8 @@ class HealingView:
     ]  # (service, action, result, dry) → n
     budget: int
     budget_window_seconds: float
+    # Services whose vLLM is down because of the guardian, as the last step saw them.
+    windows: tuple[inhibition.Window, ...] = ()
 
 
 class Healing:
@@ -94,6 +99,7 @@ class Healing:
         self.supervisors: dict[str, Supervisor] = {}
         self._lock = threading.RLock()
         self._gates: dict[str, GateState] = {}
+        self._windows: tuple[inhibition.Window, ...] = ()
         self._actions_total: dict[tuple[str, str, str, bool], int] = {}
         self._saved: policy.PolicyState | None = None
         self._started: dict[int, Action] = {}  # actions under way, for their bundles
@@ -170,12 +176,29 @@ class Healing:
                     log_path,
                     stop_timeout_seconds=self.cfg.policy.drain_timeout_seconds + 30,
                     tee_stdout=container_mode(os.environ),
+                    extra_env=self._allocator_env(svc.name),
                 )
                 self.supervisors[svc.name] = sup
                 out[svc.name] = sup
             elif self.cfg.policy.backend == "systemd" and svc.unit:
                 out[svc.name] = SystemdBackend(svc.unit, self.cfg.sources.unit.systemctl)
         return out
+
+    def _allocator_env(self, service: str) -> dict[str, str]:
+        """Where the allocator plugin inside the vLLM we start writes: the directory the
+        allocator source reads, one level per service (what the systemd drop-in's
+        RuntimeDirectory= gives a unit). Created now, so vLLM's first write finds it; if it
+        cannot be created, vLLM runs without the plugin's numbers and the warning says why."""
+        src = self.cfg.sources.allocator
+        if not src.enabled:
+            return {}
+        directory = Path(src.directory) / service
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            log.warning("%s: cannot create the allocator directory %s: %s", service, directory, e)
+            return {}
+        return {ALLOCATOR_ENV_DIR: str(directory)}
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -214,13 +237,14 @@ class Healing:
         with self._lock:
             self.tick_state, fx = core_step.step(self.tick_state, history, now, self.settings)
             self._apply(fx)
+            # Inhibited transitions are recorded too: their alert's inhibited_by says why.
             return fx.signals, [to_jsonable(d) for d in fx.decisions] + [
-                {"transition": to_jsonable(t)} for t in fx.transitions
+                {"transition": to_jsonable(t)} for t in (*fx.transitions, *fx.inhibited)
             ]
 
     def _apply(self, fx: core_step.Effects) -> None:
         try:  # queued: a slow webhook never delays the tick
-            self.dispatcher.dispatch(fx.transitions, fx.firing, fx.signals.time_seconds)
+            self.dispatcher.dispatch(fx.transitions, fx.notifying, fx.signals.time_seconds)
         except Exception:  # a sink bug must not stop healing
             log.exception("alert dispatch failed")
         for action in fx.actions:
@@ -241,6 +265,7 @@ class Healing:
             self._count(r.service, r.kind.value, r.ok, r.dry_run)
         self._audit(fx.decisions)
         self._gates = dict(fx.gates)
+        self._windows = fx.windows
         self._save()
 
     def _count(self, service: str, kind: str, ok: bool, dry: bool) -> None:
@@ -312,6 +337,7 @@ class Healing:
                 actions_total=tuple(sorted(self._actions_total.items())),
                 budget=self.cfg.policy.restart_budget,
                 budget_window_seconds=self.cfg.policy.restart_budget_window_seconds,
+                windows=self._windows,
             )
 
     def control(self, cmd: str, service: str | None, **args: Any) -> dict[str, Any]:

@@ -403,6 +403,9 @@ class Alert:
     stale: bool = False  # the signal is missing: state held, not resolved
     summary: str = ""
     runbook: str = ""
+    # Why its notifications are held (core/inhibition.py), e.g. "action 3 awaiting_ready":
+    # evaluated and shown as usual, not delivered to the sinks. None: delivered.
+    inhibited_by: str | None = None
 
     @property
     def key(self) -> tuple[str, str | None, tuple[tuple[str, str], ...]]:

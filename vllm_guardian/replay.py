@@ -59,7 +59,7 @@ def replay(snapshots: Iterable[Snapshot], cfg: Config) -> Iterator[ReplayLine]:
         history.append(snap)
         core_step.trim(history, span)
         state, fx = core_step.step(state, list(history), now, settings)
-        for t in fx.transitions:
+        for t in (*fx.transitions, *fx.inhibited):  # inhibited: its alert's inhibited_by is set
             yield ReplayLine(now, "transition", to_jsonable(t))
         pending.extend(fx.ops)
         for d in fx.decisions:

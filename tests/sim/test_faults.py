@@ -20,9 +20,13 @@ EAGER = ("--enforce-eager",)  # start-up 21 simulated seconds for the 8B model
 
 
 def engine(
-    scenario: str, zero: float | None, every: float | None = None, seed: int = 7
+    scenario: str,
+    zero: float | None,
+    every: float | None = None,
+    seed: int = 7,
+    flags: tuple[str, ...] = (),
 ) -> SimEngine:
-    opts = options("--sim-scenario", scenario, *EAGER)
+    opts = options("--sim-scenario", scenario, *EAGER, *flags)
     return SimEngine(
         opts.model, opts.engine, opts.scenario, opts.gpu_memory_bytes, seed,
         scenario_zero_seconds=zero, fault_every_seconds=every,
@@ -72,12 +76,47 @@ def test_a_process_started_before_the_fault_time_meets_it_on_the_runs_clock(
     assert e.faults[0].sim_seconds == pytest.approx(25.0, abs=0.5)
 
 
-def test_memory_driven_failures_recur_in_every_process() -> None:
-    # The neighbour's growth is counted from each process's readiness: a restart does not cure it.
-    e = run(engine("noisy_neighbour", zero=-400.0), 0.0)
+def test_without_a_run_clock_the_neighbour_counts_from_readiness() -> None:
+    # No timeline: the neighbour appears 20 s after this process is ready and grows into the
+    # OOM, in every process.
+    e = run(engine("noisy_neighbour", zero=None), 0.0)
+    assert e.other_bytes(e.now) == 0
     drive(e, plan_requests(e.scenario.load, 0, 3000, 120.0), 120.0)
     assert [f.kind for f in e.faults] == [FaultKind.OOM]
     assert e.death is not None and e.death.exception == "torch.OutOfMemoryError"
+
+
+GIB = 1024**3
+
+
+@pytest.mark.parametrize(
+    ("zero", "other_at_start_gib"),
+    [
+        (-5.0, 0.0),  # scenario time 5 at this start: the neighbour is not there yet
+        (-30.0, 2.0),  # 10 s after it appeared with 1 GiB, growing 0.1 GiB/s
+        (-400.0, 12.0),  # long grown to its cap
+    ],
+)
+def test_on_the_runs_clock_the_neighbour_is_another_process(
+    zero: float, other_at_start_gib: float
+) -> None:
+    # A restart of vLLM does not make a neighbour go away: its memory is where the run's clock
+    # has it, from this process's first instant (and its start-up profile sees it).
+    e = engine("noisy_neighbour", zero=zero)
+    assert e.other_bytes(0.0) == pytest.approx(other_at_start_gib * GIB, rel=1e-6)
+
+
+def test_a_restart_beside_a_grown_neighbour_fails_and_a_lower_utilization_fits() -> None:
+    # 12 GiB held by the neighbour: 0.90 of the card is no longer free at start-up (vLLM's own
+    # check), so the same flags cannot start; 0.70 fits and the capped neighbour never OOMs it.
+    e = engine("noisy_neighbour", zero=-400.0)
+    e.advance(e.startup_seconds + 60)
+    assert e.phase is EnginePhase.FAILED_STARTUP
+    assert e.startup_failure is not None
+    assert "less than desired GPU memory utilization" in e.startup_failure.message
+    e = run(engine("noisy_neighbour", zero=-400.0, flags=("--gpu-memory-utilization", "0.7")), 0.0)
+    drive(e, plan_requests(e.scenario.load, 0, 3000, 120.0), 120.0)
+    assert e.faults == [] and e.phase is EnginePhase.READY
 
 
 def schedule(name: str, seed: int, every: float | None, n: int) -> list[tuple[float, FaultKind]]:

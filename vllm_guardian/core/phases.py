@@ -97,6 +97,10 @@ class ActionProgress:
     permit_held: bool = False  # a fleet permit was granted: released when the action ends
     permit_retry_at: float = 0.0  # AWAITING_PERMIT: when to ask again after a "not now"
     permit_reason: str = ""  # AWAITING_PERMIT: why the last try was refused
+    # When the guardian's restart call began: vLLM is down on purpose from here until it is
+    # ready (core/inhibition.py holds the vLLM-down alerts meanwhile). None: not restarted by
+    # the guardian (yet), e.g. its supervisor restarted it after a crash.
+    stopped_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -223,6 +227,7 @@ def advance(
             now + timeout + RESTART_CALL_MARGIN_SECONDS,
             why,
             waiting_ops=(*a.waiting_ops, Op.RESTART),
+            stopped_seconds=now,
         )
 
     if a.orphaned:

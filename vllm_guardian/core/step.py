@@ -8,11 +8,14 @@ the tests and ``bench/tick.py``. In order:
 2. evaluate the alert rules (``core/alerting.py``) with the policy's own figures of the previous
    tick (budget left, breaker) as extra signals;
 3. decide (``core/policy.py``): gate changes, new actions, the phases of the action under way
-   (``core/phases.py``);
-4. say what ``/ready/<service>`` answers.
+   (``core/phases.py``); the policy reads every alert, inhibited or not;
+4. inhibit (``core/inhibition.py``): the vLLM-down alerts of a service the guardian itself keeps
+   down (its restart under way, the first start its process backend made) are marked, and their
+   transitions held back from the sinks;
+5. say what ``/ready/<service>`` answers.
 
 Everything the shell must do comes back as :class:`Effects`: alert transitions to deliver
-(queued, never waited on), blocking actuator calls to start, escalations to page, decisions to
+(queued, never waited on) and those held back, blocking actuator calls to start, escalations to page, decisions to
 audit, results to count, readiness to publish. The shell applies them in one place
 (``healing.py``).
 """
@@ -25,17 +28,21 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from vllm_guardian.config import ServiceConfig, SignalsConfig
-from vllm_guardian.core import alerting, policy
+from vllm_guardian.core import alerting, inhibition, policy
 from vllm_guardian.core.signals import Signals, derive
 from vllm_guardian.model import Action, ActionResult, Alert, GateState, OpRequest, Snapshot
 
 
 @dataclass(frozen=True)
 class TickState:
-    """What one tick hands to the next: the policy's state and the alert table."""
+    """What one tick hands to the next: the policy's state and the alert table, and what the
+    inhibition remembers of this guardian run (none of it is persisted: a new run starts over)."""
 
     policy: policy.PolicyState
     alerts: Mapping[alerting.AlertKey, Alert] = field(default_factory=lambda: MappingProxyType({}))
+    run_since_seconds: float | None = None  # this run's first tick
+    served: frozenset[str] = frozenset()  # services whose vLLM answered 200 during this run
+    settled: frozenset[alerting.AlertKey] = frozenset()  # inhibited alerts left to resolve quietly
 
 
 @dataclass(frozen=True)
@@ -50,13 +57,19 @@ class StepSettings:
 class Effects:
     signals: Signals
     transitions: tuple[alerting.Transition, ...]  # alert changes to deliver to the sinks
-    firing: tuple[Alert, ...]
-    alerts: tuple[Alert, ...]  # pending and firing, sorted
+    firing: tuple[Alert, ...]  # every firing alert, inhibited or not: what the policy read
+    alerts: tuple[Alert, ...]  # pending and firing, sorted (inhibited_by set where held)
     actions: tuple[Action, ...]  # actions started this tick (escalations: page a person)
     ops: tuple[OpRequest, ...]  # blocking actuator calls to start
     decisions: tuple[policy.Decision, ...]  # for the audit log and the flight record
     results: tuple[ActionResult, ...]  # actions that ended this tick
     gates: tuple[tuple[str, GateState], ...]  # what /ready/<service> answers
+    # Alert changes held back from the sinks (each alert's inhibited_by says why).
+    inhibited: tuple[alerting.Transition, ...] = ()
+    # Firing alerts the sinks may announce and re-send: ``firing`` less the inhibited.
+    notifying: tuple[Alert, ...] = ()
+    # Services whose vLLM is down because of the guardian (core/inhibition.py), by service.
+    windows: tuple[inhibition.Window, ...] = ()
 
 
 def settings_for(
@@ -88,13 +101,22 @@ def step(
     values = alerting.signal_values(
         signals, snapshot, policy.published_signals(state.policy, now, p)
     )
-    alerts, transitions = alerting.evaluate(settings.rules, state.alerts, values, now)
-    current = alerting.sort_alerts(alerts.values())
-    firing = alerting.firing(current)
+    evaluated, transitions = alerting.evaluate(settings.rules, state.alerts, values, now)
+    firing = alerting.firing(evaluated)
     out = policy.decide(state.policy, list(firing), snapshot, signals, now, settings.policy)
+    run_since = state.run_since_seconds if state.run_since_seconds is not None else now
+    up = frozenset(s.service for s in signals.services if s.vllm_up)
+    served = state.served | up
+    windows = inhibition.windows(out.state, settings.services, p, run_since, served, now)
+    held = inhibition.apply(
+        settings.rules, state.alerts, evaluated, transitions, windows, state.settled,
+        inhibition.ended_well(out.results, served - state.served), now,
+    )  # fmt: skip
+    current = alerting.sort_alerts(held.alerts.values())
+    firing = alerting.firing(current)
     effects = Effects(
         signals=signals,
-        transitions=transitions,
+        transitions=held.deliver,
         firing=firing,
         alerts=current,
         actions=out.actions,
@@ -102,8 +124,12 @@ def step(
         decisions=out.decisions,
         results=out.results,
         gates=gate_states(out.state, signals, policy.gate_dry_run(p)),
+        inhibited=held.held,
+        notifying=tuple(a for a in firing if a.inhibited_by is None),
+        windows=tuple(windows[k] for k in sorted(windows)),
     )
-    return TickState(out.state, MappingProxyType(alerts)), effects
+    new = TickState(out.state, MappingProxyType(held.alerts), run_since, served, held.settled)
+    return new, effects
 
 
 def gate_states(

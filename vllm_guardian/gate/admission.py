@@ -32,6 +32,7 @@ import collections
 import enum
 import itertools
 import json
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -40,10 +41,12 @@ from typing import Any
 
 from vllm_guardian.gate.metrics import GateMetrics
 
+log = logging.getLogger("vllm_guardian.gate")
+
 
 @dataclass(frozen=True)
 class Limits:
-    max_queue_requests: int = 256
+    max_queue_requests: int = 1024
     max_queued_tokens: int = 1_000_000
     max_wait_seconds: float = 60.0
     release_rate_per_second: float = 50.0
@@ -214,6 +217,11 @@ class Admission:
     def set_state(self, open_: bool, reason: str) -> None:
         if open_ != self.open:
             self.metrics.set_open(open_)
+            # Once per change, not per poll: the operator's record of when and why it held.
+            if open_:
+                log.info("gate open: new requests pass (%d queued are released)", len(self._queue))
+            else:
+                log.info("gate holding new requests: %s", reason)
         self.open, self.reason = open_, reason
         if open_:
             self._wake.set()

@@ -45,7 +45,7 @@ DEFAULTS: dict[str, Any] = {
     "listen": ("127.0.0.1", 8001),
     "guardian": None,
     "service": "vllm",
-    "max_queue": 256,
+    "max_queue": 1024,
     "max_queued_tokens": 1_000_000,
     "max_wait": 60.0,
     "release_rate": 50.0,
@@ -59,6 +59,7 @@ DEFAULTS: dict[str, Any] = {
     "max_body_bytes": 32 * 1024 * 1024,
     "poll_interval": 0.1,
     "kv_poll_interval": 0.5,
+    "stall_hold": 10.0,
     "metrics_path": "/metrics",
     "shutdown_timeout": 5.0,
     "log_level": "INFO",
@@ -183,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between reads of vLLM's /metrics (default 0.5)",
     )
     o.add_argument(
+        "--stall-hold",
+        type=float,
+        help="hold new requests when requests are in vLLM and no token was processed for this "
+        "many seconds: a hung engine (default 10; 0: off)",
+    )
+    o.add_argument(
         "--metrics-path",
         help="where the gate serves its own metrics (default /metrics; vLLM's /metrics is then reached on vLLM itself)",
     )
@@ -235,6 +242,7 @@ def values_from_config(path: str, service: str) -> dict[str, Any]:
         "max_body_bytes": g.max_body_bytes,
         "poll_interval": g.poll_interval_seconds,
         "kv_poll_interval": g.kv_poll_interval_seconds,
+        "stall_hold": g.stall_hold_seconds,
         "metrics_path": g.metrics_path,
         "shutdown_timeout": g.shutdown_timeout_seconds,
     }
@@ -265,6 +273,8 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
         raise UsageError("--per-key-share and --kv-reserve are ratios in [0, 1)")
     if args.max_wait <= 0 or args.poll_interval <= 0 or args.kv_poll_interval <= 0:
         raise UsageError("--max-wait and the poll intervals must be > 0")
+    if args.stall_hold < 0:
+        raise UsageError("--stall-hold must be >= 0 (0: off)")
     return GateSettings(
         proxy=ProxySettings(
             upstream=args.upstream,
@@ -290,6 +300,7 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
         ),
         poll_interval_seconds=args.poll_interval,
         kv_poll_interval_seconds=args.kv_poll_interval,
+        stall_hold_seconds=args.stall_hold,
         shutdown_timeout_seconds=args.shutdown_timeout,
     )
 

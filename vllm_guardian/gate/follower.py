@@ -15,9 +15,15 @@ the gate (a guardian restart must not take the service down with it). Both polls
 the proxy's own keep-alive client (``upstream.py``): ten a second, they are most of what an
 idle gate does.
 
-Every ``kv_poll_interval_seconds`` it reads vLLM's ``/metrics`` (the pool size from
-``vllm:cache_config_info``, the usage from ``vllm:kv_cache_usage_perc``) with the guardian's
-own parser, in a worker thread so a large exposition never stalls the proxy.
+It reads vLLM's ``/metrics`` with the guardian's own parser, in a worker thread so a large
+exposition never stalls the proxy, for two uses:
+
+* the KV-need admission (when on), every ``kv_poll_interval_seconds``: the pool size from
+  ``vllm:cache_config_info``, the usage from ``vllm:kv_cache_usage_perc``;
+* the progress watch (:mod:`vllm_guardian.gate.progress`; ``stall_hold_seconds`` > 0), at least
+  every tenth of ``stall_hold_seconds`` (1 s at the default): requests in vLLM and no token
+  processed for ``stall_hold_seconds`` holds new requests, until a token is seen or the
+  guardian's restart brings up an engine that processes them.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from urllib.parse import quote
 import aiohttp
 
 from vllm_guardian.gate.admission import Admission
+from vllm_guardian.gate.progress import Progress, ProgressWatch
 from vllm_guardian.gate.upstream import UpstreamError, UpstreamPool
 from vllm_guardian.sources.vllm_metrics import VllmParser, parse_vllm_metrics
 
@@ -57,6 +64,7 @@ class Follower:
         poll_interval_seconds: float,
         kv_poll_interval_seconds: float,
         suspect_seconds: float,
+        stall_hold_seconds: float = 0.0,
     ) -> None:
         self.admission = admission
         self.session = session
@@ -67,6 +75,7 @@ class Follower:
         self.kv_poll_interval_seconds = kv_poll_interval_seconds
         self.suspect_seconds = suspect_seconds
         self._suspect_until: float | None = None
+        self.progress = ProgressWatch(stall_hold_seconds)
         self._parser = VllmParser()
         self._warned_unknown = False
         self._warned_oversize = False
@@ -92,8 +101,8 @@ class Follower:
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._state_loop(), name="gate-follower")]
-        if self.admission.limits.kv_admission:
-            self._tasks.append(loop.create_task(self._kv_loop(), name="gate-kv"))
+        if self.admission.limits.kv_admission or self.progress.hold_after_seconds > 0:
+            self._tasks.append(loop.create_task(self._kv_loop(), name="gate-metrics"))
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -121,8 +130,11 @@ class Follower:
                 self._suspect_until = None
             else:
                 healthy, why = False, "the upstream broke an exchange; waiting for /health"
+        stalled = self.progress.stalled() if healthy else None
         if not healthy:
             self.admission.set_state(False, why)
+        elif stalled is not None:
+            self.admission.set_state(False, stalled)
         elif verdict is not None and not verdict[0]:
             self.admission.set_state(False, f"guardian: {verdict[1]}")
         else:
@@ -182,19 +194,51 @@ class Follower:
             reason = str(json.loads(body).get("reason", reason))
         return status == 200, reason
 
+    @property
+    def metrics_interval_seconds(self) -> float:
+        """How often vLLM's /metrics is read: the KV-need admission's cadence when it is on,
+        else what the progress watch needs (a tenth of its hold, not more often than the KV
+        cadence): one parse a second, not two, on a host with eight engines."""
+        if self.admission.limits.kv_admission:
+            return self.kv_poll_interval_seconds
+        return max(self.kv_poll_interval_seconds, self.progress.hold_after_seconds / 10)
+
     async def _kv_loop(self) -> None:
         while True:
             try:
                 await self.poll_kv()
             except Exception:
+                self.progress.observe(time.monotonic(), None)
                 log.exception("gate: reading vLLM's /metrics failed")
-            await asyncio.sleep(self.kv_poll_interval_seconds)
+            await asyncio.sleep(self.metrics_interval_seconds)
 
     async def poll_kv(self) -> None:
+        """Read vLLM's /metrics once: the KV pool for the admission, progress for the watch.
+        Nothing read (no answer, not 200, over the cap) is no reading: the watch forgets."""
+        body = await self._read_metrics()
+        if body is None:
+            self.progress.observe(time.monotonic(), None)
+            return
+        text = body.decode("utf-8", "replace")
+        scrape = await asyncio.to_thread(parse_vllm_metrics, text, len(body), self._parser)
+        self.progress.observe(time.monotonic(), Progress.of(scrape))
+        if not self.admission.limits.kv_admission:
+            return
+        capacity = 0
+        used = 0.0
+        for e in scrape.engines:
+            cap = e.cache_config.capacity_tokens if e.cache_config is not None else None
+            if cap is None:
+                continue
+            capacity += cap
+            used += (e.kv_cache_usage_ratio or 0.0) * cap
+        self.admission.set_kv(capacity or None, used)
+
+    async def _read_metrics(self) -> bytes | None:
         try:
             async with self.session.get(f"{self.upstream}/metrics", timeout=self._timeout) as r:
                 if r.status != 200:
-                    return
+                    return None
                 chunks: list[bytes] = []
                 size = 0
                 async for chunk in r.content.iter_any():
@@ -207,20 +251,9 @@ class Follower:
                                 METRICS_MAX_BYTES,
                             )
                             self._warned_oversize = True
-                        return
+                        return None
                     chunks.append(chunk)
-                body = b"".join(chunks)
                 self._warned_oversize = False
+                return b"".join(chunks)
         except (aiohttp.ClientError, TimeoutError):
-            return
-        text = body.decode("utf-8", "replace")
-        scrape = await asyncio.to_thread(parse_vllm_metrics, text, len(body), self._parser)
-        capacity = 0
-        used = 0.0
-        for e in scrape.engines:
-            cap = e.cache_config.capacity_tokens if e.cache_config is not None else None
-            if cap is None:
-                continue
-            capacity += cap
-            used += (e.kv_cache_usage_ratio or 0.0) * cap
-        self.admission.set_kv(capacity or None, used)
+            return None

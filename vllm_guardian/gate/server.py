@@ -36,6 +36,8 @@ class GateSettings:
     poll_interval_seconds: float = 0.1
     kv_poll_interval_seconds: float = 0.5
     suspect_seconds: float = 1.0
+    # Requests in vLLM and no token processed this long: hold new ones (gate/progress.py).
+    stall_hold_seconds: float = 10.0
     shutdown_timeout_seconds: float = 5.0
     # Client connections open at once (each also holds one to vLLM while busy); past it the
     # longest-idle one is closed. Idle (head not sent yet, or kept alive): closed after this.
@@ -48,7 +50,7 @@ class Gate:
         self.settings = settings
         self.metrics = GateMetrics(settings.proxy.service)
         self._runner: web.ServerRunner | None = None
-        self._session: aiohttp.ClientSession | None = None  # the follower's polls
+        self._session: aiohttp.ClientSession | None = None  # the follower's /metrics reads
         self._pool: UpstreamPool | None = None  # the proxied exchanges
         self.admission: Admission | None = None
         self.follower: Follower | None = None
@@ -76,6 +78,7 @@ class Gate:
             poll_interval_seconds=s.poll_interval_seconds,
             kv_poll_interval_seconds=s.kv_poll_interval_seconds,
             suspect_seconds=s.suspect_seconds,
+            stall_hold_seconds=s.stall_hold_seconds,
         )
         self._pool = UpstreamPool(
             s.proxy.upstream, connect_timeout_seconds=s.proxy.connect_timeout_seconds

@@ -298,17 +298,21 @@ class SimEngine:
         return non_torch_bytes(self.model) + int(self.model.weights_bytes * load)
 
     def other_bytes(self, t: float) -> int:
-        """Memory other processes hold at simulated time t."""
+        """Memory other processes hold at simulated time t (this engine's clock).
+
+        The neighbour is another process: on the run's clock when the run has one (a timeline
+        or epoch gave ``scenario_zero``), so a restart of vLLM meets it as grown as it is, from
+        the start-up profile on; without one, counted from this process's readiness.
+        """
         nb = self.scenario.neighbour
         if nb is None:
             return 0
         if nb.start_seconds is None:
             return nb.initial_bytes
-        if self.ready_at is None or t < self.ready_at + nb.start_seconds:
+        zero = self.scenario_zero if self.scenario_zero is not None else self.ready_at
+        if zero is None or t < zero + nb.start_seconds:
             return 0
-        grown = nb.initial_bytes + nb.growth_bytes_per_second * (
-            t - self.ready_at - nb.start_seconds
-        )
+        grown = nb.initial_bytes + nb.growth_bytes_per_second * (t - zero - nb.start_seconds)
         return int(min(float(nb.max_bytes or nb.initial_bytes), grown))
 
     def advance(self, until_seconds: float) -> list[RequestDelta]:

@@ -1,0 +1,133 @@
+"""The gate's progress watch: a hung engine (requests in it, no token processed) holds new
+requests at the gate instead of sending them in to wait for their timeout.
+
+The pure watch against a table of readings on a fake clock; then a real gate in front of the
+scriptable stub serving real vLLM 0.32 /metrics captures, frozen (hung) and moving.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+pytest.importorskip("aiohttp")
+
+from tests.conftest import VLLM_FIXTURES as FIXTURES
+from tests.hostile import wait_for
+from tests.test_gate_support import GateThread, Stub
+from vllm_guardian.gate.progress import Progress, ProgressWatch
+from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
+
+# (time, reading as (tokens, requests in the engine) or None for no reading)
+Readings = list[tuple[float, tuple[float, float] | None]]
+
+CASES: list[tuple[str, Readings, bool]] = [
+    ("tokens move every reading", [(0, (100, 4)), (5, (150, 4)), (11, (200, 4))], False),
+    ("frozen with requests inside for the hold", [(0, (100, 4)), (5, (100, 4)), (10, (100, 4))], True),
+    ("frozen, but not yet for the whole hold", [(0, (100, 4)), (5, (100, 4)), (9.9, (100, 4))], False),
+    ("frozen and idle: nothing to process", [(0, (100, 0)), (20, (100, 0))], False),
+    ("idle, then requests arrive and nothing moves", [(0, (100, 0)), (3, (100, 2)), (13, (100, 2))], True),
+    ("a restarted process counts from zero: progress", [(0, (900, 3)), (10, (0, 3)), (15, (0, 3))], False),
+    ("hung, then tokens move again: reopens", [(0, (100, 4)), (12, (100, 4)), (13, (101, 4))], False),
+    ("no reading forgets: never held on missing data", [(0, (100, 4)), (10, None)], False),
+    ("after a gap, frozen counts from the first new reading", [(0, (100, 4)), (5, None), (6, (100, 4)), (15, (100, 4))], False),
+    ("after a gap, the hold is counted again in full", [(0, (100, 4)), (5, None), (6, (100, 4)), (16, (100, 4))], True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "readings", "held"), CASES, ids=[c[0] for c in CASES])
+def test_the_watch_holds_only_a_hung_engine(case: str, readings: Readings, held: bool) -> None:
+    watch = ProgressWatch(hold_after_seconds=10)
+    for now, r in readings:
+        watch.observe(now, None if r is None else Progress(*r))
+    reason = watch.stalled()
+    assert (reason is not None) == held, reason
+    if held:
+        assert "no token" in (reason or "")
+
+
+def test_a_hold_of_zero_turns_the_watch_off() -> None:
+    watch = ProgressWatch(hold_after_seconds=0)
+    for now in (0, 100, 1000):
+        watch.observe(now, Progress(100, 8))
+    assert watch.stalled() is None
+
+
+@pytest.mark.parametrize(
+    ("capture", "expected"),
+    [
+        ("metrics-under-load-02.prom", Progress(4701 + 7745, 31)),
+        ("metrics-idle.prom", Progress(0, 0)),
+    ],
+)
+def test_a_reading_from_a_real_capture(capture: str, expected: Progress) -> None:
+    text = (FIXTURES / capture).read_text()
+    assert Progress.of(parse_vllm_metrics(text, len(text))) == expected
+
+
+def test_an_exposition_without_the_counters_is_no_reading() -> None:
+    text = '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0"} 3\n'
+    assert Progress.of(parse_vllm_metrics(text, len(text))) is None
+
+
+# --- a real gate ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def stub() -> Iterator[Stub]:
+    s = Stub()
+    yield s
+    s.stop()
+
+
+def status(g: GateThread) -> dict[str, object]:
+    body: dict[str, object] = requests.get(g.url + "/gate/status", timeout=60).json()
+    return body
+
+
+def test_a_hung_engine_holds_new_requests_and_a_moving_one_releases_them(
+    stub: Stub, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="vllm_guardian.gate")
+    stub.metrics_text = (FIXTURES / "metrics-under-load-02.prom").read_text()  # frozen: hung
+    g = GateThread(stub.url)
+    g.gate.follower.progress.hold_after_seconds = 0.5  # type: ignore[union-attr]
+    try:
+        seen = wait_for(
+            lambda: ((s := status(g))["open"] is False and "no token" in str(s["reason"]), s),
+            "the gate holds new requests: 31 requests in vLLM and no token processed",
+        )
+        print(seen)
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(
+                requests.post, g.url + "/v1/echo", json={"prompt": "hi", "max_tokens": 1},
+                timeout=60,
+            )  # fmt: skip
+            wait_for(lambda: (status(g)["queue_depth"] == 1, status(g)), "the request is held")
+            assert stub.calls.get("/v1/echo", 0) == 0, "nothing was sent into the hung engine"
+            # The engine moves again (a later capture: more tokens processed): released.
+            stub.metrics_text = (FIXTURES / "metrics-under-load-05.prom").read_text()
+            assert held.result(timeout=60).status_code == 200
+        assert stub.calls["/v1/echo"] == 1
+        assert status(g)["open"] is True
+        said = [r.getMessage() for r in caplog.records if r.name == "vllm_guardian.gate"]
+        assert any("holding new requests: vLLM processed no token" in m for m in said), said
+        assert any(m.startswith("gate open") for m in said), said
+    finally:
+        g.stop()
+
+
+def test_an_upstream_without_metrics_is_served_on_its_health(stub: Stub) -> None:
+    g = GateThread(stub.url)  # the stub answers /metrics with 404
+    g.gate.follower.progress.hold_after_seconds = 0.2  # type: ignore[union-attr]
+    try:
+        wait_for(lambda: (stub.calls.get("/metrics", 0) >= 5, stub.calls), "five /metrics reads")
+        assert status(g)["open"] is True
+        r = requests.post(g.url + "/v1/echo", json={"prompt": "hi", "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200
+    finally:
+        g.stop()
