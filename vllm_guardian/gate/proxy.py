@@ -10,7 +10,8 @@ One exchange, in order:
    503 (+ ``Retry-After``) / 429 in OpenAI's error shape. GETs (``/health``, ``/v1/models``,
    ``/metrics`` …) pass straight through: they cost vLLM nothing and must tell the truth;
 3. the request goes upstream with the client's headers (``Authorization`` included) minus the
-   hop-by-hop ones; bodies are neither decoded nor re-encoded (``auto_decompress`` off);
+   hop-by-hop ones, through the keep-alive pool of ``upstream.py``; bodies are neither decoded
+   nor re-encoded;
 4. nothing is sent to the client until the upstream's first body bytes (or its end) arrive.
    Until then a failed exchange — refused, reset, or vLLM's "going away" 500 (``cannot schedule
    new futures after shutdown``, ``EngineDeadError``): the request never ran — is retried once,
@@ -35,13 +36,13 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
 from vllm_guardian.gate.admission import Admission, Cost, Rejected, Ticket, estimate_cost
 from vllm_guardian.gate.follower import Follower
 from vllm_guardian.gate.metrics import CONTENT_TYPE, GateMetrics
+from vllm_guardian.gate.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger("vllm_guardian.gate")
 
@@ -56,8 +57,6 @@ HOP_BY_HOP = frozenset(
 )  # fmt: skip
 REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}
 RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
-# What aiohttp's client would add on its own; the client's values (or none) are forwarded.
-SKIP_AUTO = frozenset({"User-Agent", "Accept", "Accept-Encoding", "Content-Type"})
 # vLLM's answers that mean "this server is going away, the request was never scheduled"
 # (reference vllm-cpu.md §8): safe to send once more to the next instance.
 DYING_MARKERS = (
@@ -106,6 +105,13 @@ class _BodyTooLarge(Exception):
     pass
 
 
+class _Answer(web.StreamResponse):
+    """A streamed answer whose status line and headers wait for the first body bytes and go
+    out with them in one write: one packet and one wake-up of the client instead of two."""
+
+    _send_headers_immediately = False
+
+
 def _forward_headers(headers: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
     for k, v in headers.items():
@@ -120,15 +126,14 @@ class GateProxy:
         settings: ProxySettings,
         admission: Admission,
         follower: Follower,
-        session: aiohttp.ClientSession,
+        pool: UpstreamPool,
         metrics: GateMetrics,
     ) -> None:
         self.s = settings
         self.admission = admission
         self.follower = follower
-        self.session = session
+        self.pool = pool
         self.metrics = metrics
-        self.upstream = settings.upstream.rstrip("/")
         self.open_exchanges = 0
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
@@ -206,12 +211,12 @@ class GateProxy:
                 raise
             started = time.perf_counter()
         headers = _forward_headers(request.headers, REQUEST_DROP)
-        url = self.upstream + str(request.rel_url)
+        target = str(request.rel_url)
         try:
             retried = False
             while True:
                 try:
-                    return await self._send(request, url, headers, body, started, overhead)
+                    return await self._send(request, target, headers, body, started, overhead)
                 except _UpstreamBroke as e:
                     self.metrics.upstream_error(e.phase)
                     self.follower.suspect()
@@ -251,7 +256,7 @@ class GateProxy:
     async def _send(
         self,
         request: web.BaseRequest,
-        url: str,
+        target: str,
         headers: CIMultiDict[str],
         body: bytes,
         started: float,
@@ -259,39 +264,36 @@ class GateProxy:
     ) -> web.StreamResponse:
         pre_send = overhead + time.perf_counter() - started
         try:
-            up = await self.session.request(
+            up = await self.pool.request(
                 request.method,
-                url,
-                headers=headers,
-                data=body if body or request.body_exists else None,
-                allow_redirects=False,
-                skip_auto_headers=SKIP_AUTO,
+                target,
+                headers.items(),
+                body if body or request.body_exists else None,
             )
-        except (aiohttp.ClientConnectionError, TimeoutError) as e:
-            raise _UpstreamBroke("connect", type(e).__name__) from None
+        except UpstreamError as e:
+            raise _UpstreamBroke(e.phase, str(e)) from None
         try:
             try:
                 if up.status == 500:
-                    first = await up.content.read(DYING_BODY_MAX_BYTES)
+                    first = await self._read_at_most(up, DYING_BODY_MAX_BYTES)
                     if any(m in first for m in DYING_MARKERS):
                         raise _UpstreamBroke(
                             "before_first_byte", first.decode("utf-8", "replace")[:200]
                         )
                 else:
-                    first = await up.content.readany()
-            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
-                raise _UpstreamBroke("before_first_byte", type(e).__name__) from None
+                    first = await up.read()
+            except UpstreamError as e:
+                raise _UpstreamBroke("before_first_byte", str(e)) from None
             t_first = time.perf_counter()
-            resp = web.StreamResponse(
+            resp = _Answer(
                 status=up.status,
                 reason=up.reason,
                 headers=_forward_headers(up.headers, RESPONSE_DROP),
             )
-            if up.content_length is not None and "chunked" not in up.headers.get(
-                "Transfer-Encoding", ""
-            ):
+            if up.content_length is not None:
                 resp.content_length = up.content_length
             try:
+                # Headers go out with the first body bytes, in one write (_Answer).
                 await resp.prepare(request)
                 if first:
                     await resp.write(first)
@@ -300,8 +302,8 @@ class GateProxy:
                 self.metrics.overhead_seconds.observe(pre_send + time.perf_counter() - t_first)
                 while True:
                     try:
-                        chunk = await up.content.readany()
-                    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
+                        chunk = await up.read()
+                    except UpstreamError:
                         # Cut mid-answer: the client's answer is cut too (never replayed).
                         self.metrics.upstream_error("streaming")
                         if request.transport is not None:
@@ -322,7 +324,17 @@ class GateProxy:
         finally:
             # Releasing a finished answer keeps the connection for reuse; closing one that is
             # not finished (client gone, upstream cut) tells vLLM to abort the request.
-            if up.content.at_eof():
-                up.release()
-            else:
-                up.close()
+            up.release()
+
+    @staticmethod
+    async def _read_at_most(up: UpstreamResponse, limit: int) -> bytes:
+        """The body's first ``limit`` bytes at most (all of it when shorter)."""
+        chunks: list[bytes] = []
+        size = 0
+        while size < limit:
+            chunk = await up.read()
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)

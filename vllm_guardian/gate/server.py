@@ -21,6 +21,7 @@ from vllm_guardian.gate.connections import GuardedServer, fit_descriptor_limit
 from vllm_guardian.gate.follower import Follower
 from vllm_guardian.gate.metrics import GateMetrics
 from vllm_guardian.gate.proxy import GateProxy, ProxySettings
+from vllm_guardian.gate.upstream import UpstreamPool
 
 log = logging.getLogger("vllm_guardian.gate")
 
@@ -49,7 +50,8 @@ class Gate:
         self.settings = settings
         self.metrics = GateMetrics(settings.proxy.service)
         self._runner: web.ServerRunner | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession | None = None  # the follower's /metrics reads
+        self._pool: UpstreamPool | None = None  # the proxied exchanges
         self.admission: Admission | None = None
         self.follower: Follower | None = None
         self.proxy: GateProxy | None = None
@@ -78,7 +80,10 @@ class Gate:
             suspect_seconds=s.suspect_seconds,
             stall_hold_seconds=s.stall_hold_seconds,
         )
-        self.proxy = GateProxy(s.proxy, self.admission, self.follower, self._session, self.metrics)
+        self._pool = UpstreamPool(
+            s.proxy.upstream, connect_timeout_seconds=s.proxy.connect_timeout_seconds
+        )
+        self.proxy = GateProxy(s.proxy, self.admission, self.follower, self._pool, self.metrics)
         self.admission.start()
         await self.follower.poll_once()  # know the state before the first request
         self.follower.start()
@@ -115,6 +120,8 @@ class Gate:
             await self.admission.stop()
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._pool is not None:
+            self._pool.close()
         if self._session is not None:
             await self._session.close()
 

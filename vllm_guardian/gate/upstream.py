@@ -1,0 +1,320 @@
+"""The proxy's client to vLLM: keep-alive HTTP/1.1 connections, one request at a time on each.
+
+Where it sits: :class:`~vllm_guardian.gate.proxy.GateProxy` sends every admitted exchange
+through :class:`UpstreamPool` (the follower's polls keep aiohttp's client, which is off the
+hot path). Why not aiohttp's client here: on the bench's stub it cost ~0.14 ms of CPU per
+request against ~0.04 ms for writing the request and reading the answer on a plain asyncio
+stream, a third of the gate's whole CPU per request; and on two shared cores a proxy's tail
+follows its CPU per request (docs/gate.md, "Where the gate's tail goes").
+
+What it does and does not do, on purpose:
+
+* the request goes out in one write: request line, ``Host``, the headers it is given, a
+  ``Content-Length`` when there is a body (or the client sent one), then the body;
+* the answer's framing follows RFC 9112 §6.3: no body for HEAD, 1xx, 204 and 304;
+  ``Transfer-Encoding: chunked`` decoded as it arrives (the proxy re-frames it for its client);
+  ``Content-Length``; otherwise until the upstream closes (that connection is not reused);
+* a connection goes back to the pool only when its answer was read to the end and neither
+  side said ``Connection: close``; an idle one the upstream closed (a restart) is dropped when
+  next taken, before anything is written to it, and one idle longer than
+  ``keepalive_seconds`` is closed instead of reused;
+* errors are one type, :class:`UpstreamError`, with the phase the proxy counts them under; no
+  redirects, cookies, decompression or proxies (the gate forwards, it does not browse).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+import time
+from collections.abc import Iterable
+from urllib.parse import urlsplit
+
+from multidict import CIMultiDict
+
+# An answer's status line and headers: vLLM's are a few hundred bytes.
+MAX_HEAD_BYTES = 64 * 1024
+# What one read hands to the proxy at most (it writes each piece to its client as it comes).
+READ_BYTES = 256 * 1024
+_NO_BODY_STATUSES = frozenset({204, 304})
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+# A body up to this size goes out in the same write as the head.
+_COALESCE_BYTES = 64 * 1024
+
+
+class UpstreamError(Exception):
+    """The exchange with the upstream failed: ``connect`` (no connection), ``before_first_byte``
+    (no complete answer head) or ``streaming`` (the body was cut or malformed)."""
+
+    def __init__(self, phase: str, detail: str) -> None:
+        super().__init__(detail)
+        self.phase = phase
+
+
+class _Conn:
+    __slots__ = ("idle_since", "reader", "writer")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.idle_since = 0.0
+
+    def usable(self, now: float, keepalive_seconds: float) -> bool:
+        return (
+            not self.writer.is_closing()
+            and not self.reader.at_eof()
+            and now - self.idle_since < keepalive_seconds
+        )
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class UpstreamResponse:
+    """One answer's head, and its body read piece by piece with :meth:`read`."""
+
+    def __init__(
+        self,
+        pool: UpstreamPool,
+        conn: _Conn,
+        status: int,
+        reason: str,
+        headers: CIMultiDict[str],
+        *,
+        head_request: bool,
+    ) -> None:
+        self._pool = pool
+        self._conn: _Conn | None = conn
+        self.status = status
+        self.reason = reason
+        self.headers = headers
+        self.chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
+        self.content_length: int | None = None
+        raw_length = headers.get("Content-Length")
+        if not self.chunked and raw_length is not None:
+            try:
+                self.content_length = int(raw_length)
+            except ValueError:
+                raise UpstreamError("before_first_byte", "bad Content-Length") from None
+            if self.content_length < 0:
+                raise UpstreamError("before_first_byte", "bad Content-Length")
+        self._keep = "close" not in headers.get("Connection", "").lower()
+        self._eof = False
+        self._chunk_left = 0  # chunked: bytes left in the current chunk
+        if head_request or status in _NO_BODY_STATUSES or 100 <= status < 200:
+            self._eof = True
+        elif self.chunked:
+            pass
+        elif self.content_length is not None:
+            self._left = self.content_length
+            self._eof = self._left == 0
+        else:
+            self._keep = False  # delimited by the close: the connection ends with it
+            self._left = -1
+
+    def at_eof(self) -> bool:
+        return self._eof
+
+    async def read(self) -> bytes:
+        """The next piece of the body as it arrives; ``b""`` once it is complete."""
+        if self._eof:
+            return b""
+        conn = self._conn
+        if conn is None:
+            raise UpstreamError("streaming", "the connection is closed")
+        try:
+            if self.chunked:
+                return await self._read_chunked(conn.reader)
+            if self._left < 0:  # until the upstream closes
+                data = await conn.reader.read(READ_BYTES)
+                if not data:
+                    self._eof = True
+                return data
+            data = await conn.reader.read(min(self._left, READ_BYTES))
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as e:
+            raise UpstreamError("streaming", type(e).__name__) from None
+        if not data:
+            raise UpstreamError("streaming", "the upstream closed the connection mid-answer")
+        self._left -= len(data)
+        self._eof = self._left == 0
+        return data
+
+    async def _read_chunked(self, reader: asyncio.StreamReader) -> bytes:
+        while self._chunk_left == 0:
+            line = await reader.readuntil(b"\r\n")
+            size = int(line.split(b";", 1)[0].strip(), 16)  # ValueError: malformed
+            if size < 0:
+                raise ValueError("negative chunk size")
+            if size == 0:
+                while (await reader.readuntil(b"\r\n")) != b"\r\n":
+                    pass  # trailers: not forwarded (the proxy re-frames the body)
+                self._eof = True
+                return b""
+            self._chunk_left = size
+        data = await reader.read(min(self._chunk_left, READ_BYTES))
+        if not data:
+            raise asyncio.IncompleteReadError(b"", self._chunk_left)
+        self._chunk_left -= len(data)
+        if self._chunk_left == 0 and await reader.readexactly(2) != b"\r\n":
+            raise ValueError("chunk not followed by CRLF")
+        return data
+
+    def release(self) -> None:
+        """The exchange is over: a complete answer's connection is kept for the next one,
+        any other is closed (for an unfinished answer, how vLLM learns to abort it)."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if self._eof and self._keep:
+            self._pool._put(conn)
+        else:
+            conn.close()
+
+
+class UpstreamPool:
+    """Keep-alive connections to one upstream (``http://`` or ``https://`` base URL)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        connect_timeout_seconds: float = 5.0,
+        keepalive_seconds: float = 30.0,
+        max_idle: int = 256,
+    ) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{base_url!r}: expected http://HOST:PORT")
+        self.host = parts.hostname
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self._ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        default = (parts.scheme, self.port) in (("http", 80), ("https", 443))
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.host_header = host if default else f"{host}:{self.port}"
+        self.base_path = parts.path.rstrip("/")
+        self.connect_timeout_seconds = connect_timeout_seconds
+        self.keepalive_seconds = keepalive_seconds
+        self.max_idle = max_idle
+        self._idle: list[_Conn] = []
+        self._closed = False
+
+    async def request(
+        self,
+        method: str,
+        target: str,
+        headers: Iterable[tuple[str, str]],
+        body: bytes | None,
+    ) -> UpstreamResponse:
+        """Send one request (``target``: path and query, appended to the base URL's path) and
+        read its answer's head. Raises :class:`UpstreamError`."""
+        lines = [f"{method} {self.base_path}{target} HTTP/1.1", f"Host: {self.host_header}"]
+        lines += [f"{k}: {v}" for k, v in headers]
+        if body is not None:
+            lines.append(f"Content-Length: {len(body)}")
+        elif method in _BODY_METHODS:
+            lines.append("Content-Length: 0")  # as aiohttp's client did: an empty body, said so
+        head = ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape")
+        conn = await self._take()
+        return await self._exchange(conn, head, body, head_request=method == "HEAD")
+
+    async def _exchange(
+        self, conn: _Conn, head: bytes, body: bytes | None, *, head_request: bool
+    ) -> UpstreamResponse:
+        try:
+            writer = conn.writer
+            if body and len(body) > _COALESCE_BYTES:
+                writer.write(head)  # no copy of a large body just to save a write
+                writer.write(body)
+            else:
+                writer.write(head + body if body else head)
+            if writer.transport.get_write_buffer_size() > 0:
+                await writer.drain()
+            return await self._read_head(conn, head_request=head_request)
+        except UpstreamError:
+            conn.close()
+            raise
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as e:
+            conn.close()
+            raise UpstreamError("before_first_byte", type(e).__name__) from None
+        except BaseException:  # cancelled: the half-done exchange cannot be reused
+            conn.close()
+            raise
+
+    async def _read_head(self, conn: _Conn, *, head_request: bool) -> UpstreamResponse:
+        while True:
+            try:
+                raw = await conn.reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError as e:
+                if not e.partial:
+                    raise UpstreamError(
+                        "before_first_byte", "the upstream closed the connection"
+                    ) from None
+                raise
+            lines = raw[:-4].decode("utf-8", "surrogateescape").split("\r\n")
+            version, _, rest = lines[0].partition(" ")
+            code, _, reason = rest.partition(" ")
+            if not version.startswith("HTTP/1.") or len(code) != 3 or not code.isdigit():
+                raise UpstreamError("before_first_byte", f"not an HTTP/1 answer: {lines[0][:80]!r}")
+            status = int(code)
+            headers: CIMultiDict[str] = CIMultiDict()
+            for line in lines[1:]:
+                name, sep, value = line.partition(":")
+                if not sep or not name or name != name.strip():
+                    raise UpstreamError("before_first_byte", f"malformed header line {line[:80]!r}")
+                headers.add(name, value.strip(" \t"))
+            if 100 <= status < 200 and status != 101:
+                continue  # an interim answer (100 Continue, 103 Early Hints): the real one follows
+            response = UpstreamResponse(
+                self, conn, status, reason, headers, head_request=head_request
+            )
+            if version == "HTTP/1.0" and "keep-alive" not in headers.get("Connection", "").lower():
+                response._keep = False
+            return response
+
+    async def _take(self) -> _Conn:
+        if self._closed:
+            raise UpstreamError("connect", "the gate is shutting down")
+        now = time.monotonic()
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.usable(now, self.keepalive_seconds):
+                return conn
+            conn.close()
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(
+                    self.host,
+                    self.port,
+                    ssl=self._ssl,
+                    server_hostname=self.host if self._ssl is not None else None,
+                    limit=MAX_HEAD_BYTES,
+                ),
+                self.connect_timeout_seconds,
+            )
+        except (OSError, TimeoutError) as e:
+            raise UpstreamError("connect", type(e).__name__) from None
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return _Conn(reader, writer)
+
+    def _put(self, conn: _Conn) -> None:
+        if self._closed or len(self._idle) >= self.max_idle:
+            conn.close()
+            return
+        conn.idle_since = time.monotonic()
+        self._idle.append(conn)
+
+    @property
+    def idle_connections(self) -> int:
+        return len(self._idle)
+
+    def close(self) -> None:
+        """Close the idle connections; exchanges under way close theirs when they end."""
+        self._closed = True
+        for conn in self._idle:
+            conn.close()
+        self._idle.clear()
