@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument(
         "--kv-admission",
         choices=("on", "off"),
-        help="admit a request only if prompt + max_tokens fits in the free KV pool (on by default; needs vLLM's cache_config_info)",
+        help="admit a request only if prompt + max_tokens fits in the free KV pool (default off; needs vLLM's cache_config_info)",
     )
     k.add_argument("--kv-reserve", type=float, help="share of the pool kept free (default 0.05)")
     k.add_argument(
