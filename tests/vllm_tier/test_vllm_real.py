@@ -30,6 +30,7 @@ import itertools
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -442,7 +443,10 @@ def test_allocator_plugin_loaded_in_every_vllm_process_and_idle(
     assert "'vllm_guardian'" in probe.stdout and "plugin loaded in pid" in probe.stdout, probe
     assert "allocator plugin: not started" not in log  # it raised nothing into vLLM
     alloc = guarded.workdir / "allocator"
-    assert not alloc.exists() or not any(alloc.iterdir())  # idle: not one file written
+    # Idle: not one file written (the guardian's process backend creates the service's
+    # directory, <directory>/<service>, before it starts vLLM: a directory is not a write).
+    written = [p for p in alloc.rglob("*") if not p.is_dir()] if alloc.exists() else []
+    assert written == []
     last = guarded.guardian.last
     assert last is not None
     svc = last.snapshot.service("vllm")
@@ -556,7 +560,14 @@ def test_kv_pressure_is_seen_alerted_gated_and_ungated(guarded: Guarded) -> None
     print("\nreal vLLM under the KV-pressure burst:", json.dumps(real, indent=1))
 
     assert real["ok"] == BURST["n"], results  # KV pressure never fails a request: it queues
-    assert watch.max("kv") >= 0.9
+    # What the guardian saw at its peak: its watch samples the last tick every 0.25 s and can
+    # miss a short peak on a busy host; the gate decision quotes the tick that saw it.
+    quoted = [
+        float(m.group(1)) / 100
+        for d in gates
+        if (m := re.search(r"KV cache usage (\d+)%", d["reason"])) is not None
+    ]
+    assert max([watch.max("kv"), *quoted]) >= 0.9, real
     assert watch.max("waiting") >= 5
     assert real["preemptions"] and real["preemptions"] > 0
     # The KV alerts: on a real server the KV gauge and the preemption rate are sawtooths (see
