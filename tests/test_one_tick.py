@@ -199,3 +199,25 @@ def test_a_guardian_killed_mid_action_finds_the_action_again(tmp_path: Path) -> 
     # Decided once (one "action" record above); an operator's restart does not spend the
     # automatic restart budget at all.
     assert state.restarts == () and state.action is None
+
+
+def test_an_operators_command_closes_the_front_door_at_once(tmp_path: Path) -> None:
+    """/ready/<service> answers 503 from the command on, not from the next tick: the tick after
+    the command may wait on the incident bundle's capture, and a client honouring /ready (a
+    load balancer, the gate) must not be sent in meanwhile (seen on the real vLLM tier: a
+    request sent then got vLLM's 500 at its SIGTERM)."""
+    cfg = parse_config(CONFIG.format(d=tmp_path))
+    clock = FakeClock()
+    world = World()
+    world.clock = clock
+    kinds = (SourceKind.VLLM_METRICS, SourceKind.HEALTH, SourceKind.UNIT, SourceKind.LOGS)
+    g = Guardian(cfg, clock=clock, collectors=[Src(k, world) for k in kinds], healing=False)
+    g.healing = Healing(cfg, clock, g.history, backends={"vllm": world})
+    g.tick()
+    assert g.healing.gates()["vllm"].ready
+    reply = g.healing.control("relaunch", "vllm", sets=[("--max-num-seqs", "24")], who="test")
+    assert reply["ok"], reply
+    gate = g.healing.gates()["vllm"]
+    assert not gate.ready and gate.reason, gate
+    g.healing.runner.join(30)
+    g.close()
