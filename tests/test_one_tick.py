@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tests.conftest import read_fixture
 from vllm_guardian.clock import FakeClock
-from vllm_guardian.config import parse_config
+from vllm_guardian.config import Config, parse_config
 from vllm_guardian.daemon import Guardian
 from vllm_guardian.healing import Healing
 from vllm_guardian.model import (
@@ -94,6 +94,14 @@ class Src:
         pass
 
 
+def guardian_on(cfg: Config, clock: FakeClock, world: World) -> Guardian:
+    """A guardian over ``world`` (its sources and its restart backend), on ``clock``."""
+    kinds = (SourceKind.VLLM_METRICS, SourceKind.HEALTH, SourceKind.UNIT, SourceKind.LOGS)
+    g = Guardian(cfg, clock=clock, collectors=[Src(k, world) for k in kinds], healing=False)
+    g.healing = Healing(cfg, clock, g.history, backends={"vllm": world})
+    return g
+
+
 def test_replay_of_the_daemons_recording_makes_the_same_decisions_phase_by_phase(
     tmp_path: Path,
 ) -> None:
@@ -101,9 +109,7 @@ def test_replay_of_the_daemons_recording_makes_the_same_decisions_phase_by_phase
     clock = FakeClock()
     world = World()
     world.clock = clock
-    kinds = (SourceKind.VLLM_METRICS, SourceKind.HEALTH, SourceKind.UNIT, SourceKind.LOGS)
-    g = Guardian(cfg, clock=clock, collectors=[Src(k, world) for k in kinds], healing=False)
-    g.healing = Healing(cfg, clock, g.history, backends={"vllm": world})
+    g = guardian_on(cfg, clock, world)
     try:
         for i in range(40):
             if i == 10:  # a prefill OOM kills the engine
@@ -160,14 +166,7 @@ def test_a_guardian_killed_mid_action_finds_the_action_again(tmp_path: Path) -> 
     world = World()
     world.clock = clock
     world.metrics = "metrics-pressure-07.prom"  # 5 running, 27 waiting: the drain must wait
-    kinds = (SourceKind.VLLM_METRICS, SourceKind.HEALTH, SourceKind.UNIT, SourceKind.LOGS)
-
-    def guardian() -> Guardian:
-        g = Guardian(cfg, clock=clock, collectors=[Src(k, world) for k in kinds], healing=False)
-        g.healing = Healing(cfg, clock, g.history, backends={"vllm": world})
-        return g
-
-    first = guardian()
+    first = guardian_on(cfg, clock, world)
     first.tick()
     reply = first.healing.control("restart", "vllm", who="test")  # type: ignore[union-attr]
     assert reply["ok"], reply
@@ -179,7 +178,7 @@ def test_a_guardian_killed_mid_action_finds_the_action_again(tmp_path: Path) -> 
     assert phase is not None and phase.phase.value == "draining", phase
     # kill -9: no close(), no save beyond what each tick saved.
     clock.advance(2)
-    second = guardian()
+    second = guardian_on(cfg, clock, world)
     world.metrics = "metrics-idle.prom"  # the requests finish meanwhile
     for _ in range(10):
         second.tick()
@@ -210,9 +209,7 @@ def test_an_operators_command_closes_the_front_door_at_once(tmp_path: Path) -> N
     clock = FakeClock()
     world = World()
     world.clock = clock
-    kinds = (SourceKind.VLLM_METRICS, SourceKind.HEALTH, SourceKind.UNIT, SourceKind.LOGS)
-    g = Guardian(cfg, clock=clock, collectors=[Src(k, world) for k in kinds], healing=False)
-    g.healing = Healing(cfg, clock, g.history, backends={"vllm": world})
+    g = guardian_on(cfg, clock, world)
     g.tick()
     assert g.healing.gates()["vllm"].ready
     reply = g.healing.control("relaunch", "vllm", sets=[("--max-num-seqs", "24")], who="test")
