@@ -300,6 +300,12 @@ def stream_completion(
                     r.error = json.dumps(body)[:300]
                 r.ended = time.monotonic()
                 return r
+            if resp.status_code != 200:
+                # An error answer to a streamed request (a request that reached the API server
+                # after its engine died gets a 500) has no events: its body is the reason.
+                r.error = resp.text[:300]
+                r.ended = time.monotonic()
+                return r
             for line in resp.iter_lines():
                 if not line.startswith(b"data: "):
                     continue
@@ -314,8 +320,6 @@ def stream_completion(
                 if first_token is not None:
                     first_token.set()
                 r.finish_reason = event["choices"][0].get("finish_reason") or r.finish_reason
-            if resp.status_code != 200:
-                r.error = resp.text[:300]
     except (requests.RequestException, ValueError) as e:
         r.error = f"{type(e).__name__}: {e}"[:300]
     r.ended = time.monotonic()
