@@ -139,7 +139,10 @@ def config_text(kind: str, tmp: Path, port: int, pid: int, engines: int, lib: Pa
     return (
         f"interval_seconds: 1\nlisten: 127.0.0.1:0\nruntime_dir: {d}/run\nstate_dir: {d}/state\n"
         f"recorder:\n  path: {d}/flight.jsonl\n"
-        f"sources:\n  nvml:\n{nvml}  unit:\n    systemctl: {systemctl}\n"
+        # The allocator plugin is not part of these configurations: its own directory, absent
+        # (the host's /run/vllm-guardian-allocator may hold other runs' files).
+        f"sources:\n  allocator:\n    directory: {d}/allocator\n"
+        f"  nvml:\n{nvml}  unit:\n    systemctl: {systemctl}\n"
         f"  logs:\n    journalctl: {journalctl}\n"
         f"services:\n  - name: vllm\n    url: http://127.0.0.1:{port}\n{unit}"
     )

@@ -41,7 +41,6 @@ from vllm_guardian.core.forecast import (
 )
 from vllm_guardian.model import (
     Cause,
-    EngineMetrics,
     GpuDevice,
     GpuProcess,
     HealthState,
@@ -246,34 +245,53 @@ def _scrape(snap: Snapshot, name: str) -> VllmScrape | None:
     return svc.vllm if svc is not None else None
 
 
-_Indexed = tuple[float, float | None, dict[tuple[str, str], EngineMetrics]]  # (t, start, engines)
+# The counters whose rates the signals read, in the order _engine_rates returns them.
+_RATE_FIELDS = (
+    "preemptions_total",
+    "generation_tokens_total",
+    "prefix_cache_hits_total",
+    "prefix_cache_queries_total",
+    "prompt_tokens_total",
+    "requests_failed_total",
+)
+_Counters = tuple[float, float | None, dict[tuple[str, str], tuple[float | None, ...]]]
 
 
-def _index(window: Sequence[Snapshot], service: str) -> list[_Indexed]:
-    """The service's scrapes in the window, each with its engines keyed once (not per lookup)."""
-    out: list[_Indexed] = []
-    for snap in window:
-        scrape = _scrape(snap, service)
-        if scrape is not None:
-            out.append(
-                (
-                    snap.time_seconds,
-                    scrape.process_start_time_seconds,
-                    {e.key: e for e in scrape.engines},
-                )
-            )
+def _counters(snap: Snapshot, service: str) -> _Counters | None:
+    """A snapshot's (time, process start, each engine's _RATE_FIELDS) for the service; None
+    without a scrape. Computed once per snapshot (its memo): every tick reads the window."""
+    key = ("counters", service)
+    memo = snap.memo
+    if key in memo:
+        return memo[key]  # type: ignore[no-any-return]
+    scrape = _scrape(snap, service)
+    out: _Counters | None = None
+    if scrape is not None:
+        out = (
+            snap.time_seconds,
+            scrape.process_start_time_seconds,
+            {e.key: tuple([getattr(e, f) for f in _RATE_FIELDS]) for e in scrape.engines},
+        )
+    memo[key] = out
     return out
 
 
-def _engine_rate(indexed: Sequence[_Indexed], key: tuple[str, str], attr: str) -> float | None:
-    points: list[Point] = []
-    for t, start, engines in indexed:
-        e = engines.get(key)
-        if e is not None:
-            v = getattr(e, attr)
-            if v is not None:
-                points.append((t, v, start))
-    return rate(points)
+def _engine_rates(
+    window: Sequence[Snapshot], service: str, keys: Sequence[tuple[str, str]]
+) -> dict[tuple[str, str], tuple[float | None, ...]]:
+    """Each engine's rate of each of _RATE_FIELDS over the window: for one engine and field,
+    the points are the window's scrapes that have the engine and a value for the field."""
+    rows = [c for snap in window if (c := _counters(snap, service)) is not None]
+    out: dict[tuple[str, str], tuple[float | None, ...]] = {}
+    for key in keys:
+        series = [(t, start, v) for t, start, by in rows if (v := by.get(key)) is not None]
+        out[key] = tuple(
+            [
+                rate([(t, x, start) for t, start, v in series if (x := v[i]) is not None])
+                for i in range(len(_RATE_FIELDS))
+            ]
+        )
+    return out
 
 
 def _sum_opt(values: Sequence[float | None]) -> float | None:
@@ -286,9 +304,16 @@ def _histogram_delta(
 ) -> dict[float, float]:
     if last is None:
         return {}
-    cur = dict(last.buckets)
     if first is None or restarted or (first.count or 0) > (last.count or 0):
-        return cur
+        return dict(last.buckets)
+    if len(first.buckets) == len(last.buckets) and all(
+        a[0] == b[0] for a, b in zip(first.buckets, last.buckets, strict=True)
+    ):
+        # The same bounds (the common case): bucket by bucket, without a dict each.
+        return {
+            le: max(0.0, c - p) for (le, c), (_, p) in zip(last.buckets, first.buckets, strict=True)
+        }
+    cur = dict(last.buckets)
     prev = dict(first.buckets)
     return {le: max(0.0, c - prev.get(le, 0.0)) for le, c in cur.items()}
 
@@ -463,13 +488,14 @@ def derive_service(
     )
     fields: dict[str, object] = {}
     rate_win = _window(history, cfg.rate_window_seconds)
-    indexed = _index(rate_win, svc.name)
     utilization: float | None = None
     if scrape is not None and scrape.engines:
         engines = scrape.engines
         keys = [e.key for e in engines]
+        rates = _engine_rates(rate_win, svc.name, keys)  # in the order of _RATE_FIELDS
         per_engine = []
         for e in engines:
+            r = rates[e.key]
             per_engine.append(
                 EngineSignals(
                     e.model_name,
@@ -477,12 +503,12 @@ def derive_service(
                     e.kv_cache_usage_ratio,
                     e.requests_running,
                     e.requests_waiting,
-                    _engine_rate(indexed, e.key, "preemptions_total"),
-                    _engine_rate(indexed, e.key, "generation_tokens_total"),
+                    r[0],
+                    r[1],
                 )
             )
-        hits = _sum_opt([_engine_rate(indexed, k, "prefix_cache_hits_total") for k in keys])
-        queries = _sum_opt([_engine_rate(indexed, k, "prefix_cache_queries_total") for k in keys])
+        hits = _sum_opt([rates[k][2] for k in keys])
+        queries = _sum_opt([rates[k][3] for k in keys])
         if queries:
             prefix_ratio: float | None = (hits or 0.0) / queries
         else:
@@ -511,12 +537,8 @@ def derive_service(
             generation_tokens_per_second=_sum_opt(
                 [p.generation_tokens_per_second for p in per_engine]
             ),
-            prompt_tokens_per_second=_sum_opt(
-                [_engine_rate(indexed, k, "prompt_tokens_total") for k in keys]
-            ),
-            request_failures_per_second=_sum_opt(
-                [_engine_rate(indexed, k, "requests_failed_total") for k in keys]
-            ),
+            prompt_tokens_per_second=_sum_opt([rates[k][4] for k in keys]),
+            request_failures_per_second=_sum_opt([rates[k][5] for k in keys]),
             prefix_cache_hit_ratio=prefix_ratio,
             stall_seconds=stall,
             stalled=None if stall is None else stall >= cfg.stall_seconds,

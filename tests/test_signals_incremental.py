@@ -1,0 +1,122 @@
+"""Signals computed from what each snapshot keeps in its memo (core/signals.py: the counters
+and the per-snapshot samples) are the signals computed afresh: the daemon derives every tick
+over a history whose older snapshots were read before, and whatever changed between two
+scrapes must show exactly as it would in a history read for the first time."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from vllm_guardian.config import ServiceConfig, SignalsConfig
+from vllm_guardian.core import signals as sig
+from vllm_guardian.model import (
+    EngineMetrics,
+    HealthProbe,
+    HealthState,
+    Histogram,
+    ServiceSnapshot,
+    Snapshot,
+    VllmScrape,
+)
+
+SVC = ServiceConfig(name="vllm")
+CFG = SignalsConfig(
+    rate_window_seconds=10, quantile_window_seconds=10, slope_window_seconds=20, stall_seconds=6,
+    capacity_window_seconds=20,
+)  # fmt: skip
+INF = float("inf")
+
+
+def engine(name: str, t: float, scale: float = 1.0, **kw: object) -> EngineMetrics:
+    """An engine under load at time t: every counter moves, the histograms fill."""
+    n = t * scale
+    fields: dict[str, object] = {
+        "requests_running": 3.0,
+        "requests_waiting": 1.0,
+        "kv_cache_usage_ratio": 0.5,
+        "preemptions_total": n // 3,
+        "prompt_tokens_total": 100 * n,
+        "generation_tokens_total": 37 * n + 0.5,
+        "prefix_cache_queries_total": 50 * n,
+        "prefix_cache_hits_total": 20 * n,
+        "requests_finished_total": 2 * n,
+        "requests_failed_total": n // 4,
+        "time_to_first_token": Histogram(((0.1, n), (1.0, 2 * n), (INF, 2 * n)), n, 2 * n),
+        "e2e_request_latency": Histogram(((1.0, n), (INF, 2 * n)), 3 * n, 2 * n),
+    }
+    fields.update(kw)
+    return EngineMetrics("m", name, **fields)  # type: ignore[arg-type]
+
+
+def snap(t: float, *engines: EngineMetrics, start: float | None = 1.0) -> Snapshot:
+    scrape = VllmScrape(engines, True, start, 1) if engines else None
+    return Snapshot(
+        t,
+        (ServiceSnapshot("vllm", vllm=scrape, health=HealthProbe(HealthState.UP, 200, 0.01)),),
+        None,
+    )
+
+
+def steady(t: float) -> Snapshot:
+    return snap(t, engine("0", t), engine("1", t, 2.0))
+
+
+# name → the history, one snapshot per 2 s tick
+HISTORIES: dict[str, list[Snapshot]] = {
+    "steady load on two engines": [steady(t) for t in range(0, 40, 2)],
+    "an engine joins": [steady(t) for t in range(0, 20, 2)]
+    + [snap(t, engine("0", t), engine("1", t, 2.0), engine("2", t)) for t in range(20, 40, 2)],
+    "an engine leaves": [steady(t) for t in range(0, 20, 2)]
+    + [snap(t, engine("0", t)) for t in range(20, 40, 2)],
+    "an engine leaves and comes back": [steady(t) for t in range(0, 12, 2)]
+    + [snap(t, engine("0", t)) for t in range(12, 18, 2)]
+    + [steady(t) for t in range(18, 40, 2)],
+    "a scrape is missing": [steady(t) for t in range(0, 14, 2)]
+    + [snap(14)]
+    + [steady(t) for t in range(16, 40, 2)],
+    "counters reset (a restart: a new start time)": [steady(t) for t in range(0, 20, 2)]
+    + [snap(t, engine("0", t - 20), engine("1", t - 20, 2.0), start=2.0) for t in range(20, 40, 2)],
+    "counters go down without a new start time": [steady(t) for t in range(0, 20, 2)]
+    + [snap(t, engine("0", t - 19), engine("1", t - 19)) for t in range(20, 40, 2)],
+    "a counter disappears then returns": [steady(t) for t in range(0, 12, 2)]
+    + [snap(t, engine("0", t, preemptions_total=None), engine("1", t)) for t in range(12, 20, 2)]
+    + [steady(t) for t in range(20, 40, 2)],
+    "histogram bounds change": [steady(t) for t in range(0, 20, 2)]
+    + [
+        snap(t, engine("0", t, e2e_request_latency=Histogram(((0.5, t), (INF, t)), t, t)))
+        for t in range(20, 40, 2)
+    ],
+}
+
+
+def fresh(history: list[Snapshot]) -> list[Snapshot]:
+    """The same snapshots as new objects: nothing kept in a memo."""
+    return [dataclasses.replace(s) for s in history]
+
+
+@pytest.mark.parametrize("name", list(HISTORIES))
+def test_every_tick_over_a_kept_history_matches_a_fresh_one(name: str) -> None:
+    history = HISTORIES[name]
+    for i in range(1, len(history) + 1):
+        kept = sig.derive(history[:i], [SVC], CFG)  # memos filled by the ticks before
+        assert kept == sig.derive(fresh(history[:i]), [SVC], CFG), f"tick {i - 1} ({name})"
+
+
+def test_a_snapshot_read_in_two_histories_gives_each_its_own_signals() -> None:
+    """The memo holds what one snapshot says, never what its neighbours in one history said:
+    the same snapshots in another history (every other tick) read as that history."""
+    history = HISTORIES["an engine leaves and comes back"]
+    for i in range(1, len(history) + 1):
+        sig.derive(history[:i], [SVC], CFG)
+    sparse = history[::2]
+    assert sig.derive(sparse, [SVC], CFG) == sig.derive(fresh(sparse), [SVC], CFG)
+
+
+def test_rates_follow_the_counters() -> None:
+    """Not only equal to a fresh read: right (the steady history's rates, by hand)."""
+    s = sig.derive(HISTORIES["steady load on two engines"], [SVC], CFG).services[0]
+    assert s.prompt_tokens_per_second == pytest.approx(100 + 200)
+    assert s.generation_tokens_per_second == pytest.approx(37 + 74)
+    assert s.prefix_cache_hit_ratio == pytest.approx(20 / 50)
