@@ -16,6 +16,8 @@ from vllm_guardian.model import (
     HealthProbe,
     HealthState,
     Histogram,
+    LogEventKind,
+    LogReading,
     ServiceSnapshot,
     Snapshot,
     VllmScrape,
@@ -50,13 +52,13 @@ def engine(name: str, t: float, scale: float = 1.0, **kw: object) -> EngineMetri
     return EngineMetrics("m", name, **fields)  # type: ignore[arg-type]
 
 
-def snap(t: float, *engines: EngineMetrics, start: float | None = 1.0) -> Snapshot:
+def snap(
+    t: float, *engines: EngineMetrics, start: float | None = 1.0, ooms: int | None = None
+) -> Snapshot:
     scrape = VllmScrape(engines, True, start, 1) if engines else None
-    return Snapshot(
-        t,
-        (ServiceSnapshot("vllm", vllm=scrape, health=HealthProbe(HealthState.UP, 200, 0.01)),),
-        None,
-    )
+    logs = None if ooms is None else LogReading(((LogEventKind.CUDA_OOM, ooms),), (), 0)
+    health = HealthProbe(HealthState.UP, 200, 0.01)
+    return Snapshot(t, (ServiceSnapshot("vllm", vllm=scrape, health=health, logs=logs),), None)
 
 
 def steady(t: float) -> Snapshot:
@@ -83,6 +85,12 @@ HISTORIES: dict[str, list[Snapshot]] = {
     "a counter disappears then returns": [steady(t) for t in range(0, 12, 2)]
     + [snap(t, engine("0", t, preemptions_total=None), engine("1", t)) for t in range(12, 20, 2)]
     + [steady(t) for t in range(20, 40, 2)],
+    "log events arrive, the count restarts, the journal goes away": [
+        snap(t, engine("0", t), ooms=c)
+        for t, c in zip(
+            range(0, 40, 2), [0, 0, 1, 1, 3, 3, 3, 0, 1, 1, None, None, 2] + [2] * 7, strict=True
+        )
+    ],
     "histogram bounds change": [steady(t) for t in range(0, 20, 2)]
     + [
         snap(t, engine("0", t, e2e_request_latency=Histogram(((0.5, t), (INF, t)), t, t)))

@@ -593,36 +593,43 @@ def derive_service(
 
 def capacity_samples(window: Sequence[Snapshot], service: str) -> list[CapacitySample]:
     """What the capacity estimate reads from each snapshot: vLLM's counters and gauges summed
-    over its engines (a snapshot without a scrape says so)."""
+    over its engines (a snapshot without a scrape says so). Each snapshot's sample is computed
+    once and kept in its memo: the window is read whole on every tick."""
     out = []
+    key = ("capacity_sample", service)
     for snap in window:
-        scrape = _scrape(snap, service)
-        if scrape is None:
-            out.append(CapacitySample(snap.time_seconds, scraped=False))
-            continue
-        sums = scrape.sums  # once per scrape, however many ticks read it
-        svc = snap.service(service)
-        gate = svc.gate if svc is not None and svc.gate is not None and svc.gate.reachable else None
-        out.append(
-            CapacitySample(
-                snap.time_seconds,
-                scraped=True,
-                stats_enabled=scrape.stats_enabled,
-                process_start_seconds=scrape.process_start_time_seconds,
-                finished_total=sums.finished_total,
-                failed_total=sums.failed_total,
-                prompt_tokens_total=sums.prompt_tokens_total,
-                generation_tokens_total=sums.generation_tokens_total,
-                running=sums.running,
-                waiting=sums.waiting,
-                kv_usage_ratio=sums.kv_usage_ratio,
-                gate_queued=None if gate is None or gate.queued is None else float(gate.queued),
-                gate_rejected_total=(
-                    None if gate is None or gate.rejected_total is None else gate.rejected_total
-                ),
-            )
-        )
+        memo = snap.memo
+        sample = memo.get(key)
+        if sample is None:
+            sample = memo[key] = _capacity_sample(snap, service)
+        out.append(sample)
     return out
+
+
+def _capacity_sample(snap: Snapshot, service: str) -> CapacitySample:
+    scrape = _scrape(snap, service)
+    if scrape is None:
+        return CapacitySample(snap.time_seconds, scraped=False)
+    sums = scrape.sums
+    svc = snap.service(service)
+    gate = svc.gate if svc is not None and svc.gate is not None and svc.gate.reachable else None
+    return CapacitySample(
+        snap.time_seconds,
+        scraped=True,
+        stats_enabled=scrape.stats_enabled,
+        process_start_seconds=scrape.process_start_time_seconds,
+        finished_total=sums.finished_total,
+        failed_total=sums.failed_total,
+        prompt_tokens_total=sums.prompt_tokens_total,
+        generation_tokens_total=sums.generation_tokens_total,
+        running=sums.running,
+        waiting=sums.waiting,
+        kv_usage_ratio=sums.kv_usage_ratio,
+        gate_queued=None if gate is None or gate.queued is None else float(gate.queued),
+        gate_rejected_total=(
+            None if gate is None or gate.rejected_total is None else gate.rejected_total
+        ),
+    )
 
 
 def forecast_settings(cfg: SignalsConfig) -> ForecastSettings:
@@ -753,11 +760,16 @@ def _recent_log_events(
     now = history[-1].time_seconds
     out: dict[LogEventKind, int] = {}
     prev: dict[LogEventKind, int] = {}
+    key = ("log_counts", service)
     for snap in history:
-        svc = snap.service(service)
-        if svc is None or svc.logs is None:
+        memo = snap.memo
+        if key in memo:
+            counts = memo[key]
+        else:
+            svc = snap.service(service)
+            counts = memo[key] = None if svc is None or svc.logs is None else dict(svc.logs.counts)
+        if counts is None:
             continue
-        counts = dict(svc.logs.counts)
         if snap.time_seconds >= now - window_seconds - 1e-9:
             for kind, count in counts.items():
                 before = prev.get(kind, 0)
