@@ -43,6 +43,7 @@ No I/O, no clock: the time is the newest sample's, and every threshold is an arg
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -146,7 +147,15 @@ class Forecast:
 
 
 def theil_sen(points: Sequence[tuple[float, float]], confidence: float = 0.95) -> Trend | None:
-    """Median pairwise slope with Sen's distribution-free interval; None under 3 points."""
+    """Median pairwise slope with Sen's distribution-free interval; None under 3 points.
+
+    Quadratic in the points, and read every tick over floors that change once an interval:
+    the last results are kept by their points (a pure function's memo)."""
+    return _theil_sen(tuple(points), confidence)
+
+
+@functools.lru_cache(maxsize=256)
+def _theil_sen(points: tuple[tuple[float, float], ...], confidence: float) -> Trend | None:
     n = len(points)
     if n < 3:
         return None

@@ -648,14 +648,26 @@ def memory_samples(
 
     Each snapshot's sample is computed once and kept in its memo: the window is read whole on
     every tick."""
-    out: list[MemorySample] = []
+    return _memory_columns(history, service, [gpu], utilization)[gpu]
+
+
+def _memory_columns(
+    history: Sequence[Snapshot], service: str, gpus: Sequence[int], utilization: float | None
+) -> dict[int, list[MemorySample]]:
+    """:func:`memory_samples` of several GPUs in one pass over the snapshots."""
+    columns: dict[int, list[MemorySample]] = {gpu: [] for gpu in gpus}
+    key = ("memory_samples", service, utilization)  # → {gpu: MemorySample}
     for snap in history:
-        key = ("memory_sample", service, gpu, utilization)
-        sample = snap.memo.get(key)
-        if sample is None:
-            sample = snap.memo[key] = _memory_sample(snap, service, gpu, utilization)
-        out.append(sample)
-    return out
+        memo = snap.memo
+        per_gpu = memo.get(key)
+        if per_gpu is None:
+            per_gpu = memo[key] = {}
+        for gpu, column in columns.items():
+            sample = per_gpu.get(gpu)
+            if sample is None:
+                sample = per_gpu[gpu] = _memory_sample(snap, service, gpu, utilization)
+            column.append(sample)
+    return columns
 
 
 def _memory_sample(
@@ -728,12 +740,8 @@ def _forecast_fields(
     window = _window(history, cfg.forecast_window_seconds)
     settings = forecast_settings(cfg)
     now = history[-1].time_seconds
-    found = [
-        f
-        for gpu in gpus
-        if (f := forecast(gpu, memory_samples(window, svc.name, gpu, utilization), now, settings))
-        is not None
-    ]
+    columns = _memory_columns(window, svc.name, gpus, utilization)
+    found = [f for gpu in gpus if (f := forecast(gpu, columns[gpu], now, settings)) is not None]
     if not found:
         return {}
     worst = min(found, key=lambda f: f.seconds)
