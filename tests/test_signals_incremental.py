@@ -13,6 +13,8 @@ from vllm_guardian.config import ServiceConfig, SignalsConfig
 from vllm_guardian.core import signals as sig
 from vllm_guardian.model import (
     EngineMetrics,
+    GpuDevice,
+    GpuReading,
     HealthProbe,
     HealthState,
     Histogram,
@@ -99,6 +101,29 @@ HISTORIES: dict[str, list[Snapshot]] = {
 }
 
 
+GIB = 1024**3
+SVC_GPUS = ServiceConfig(name="vllm", gpus=(0, 1))
+
+
+def on_gpus(t: float, *free_gib: float | None) -> Snapshot:
+    """``steady(t)`` with GPUs 0.. holding ``free_gib`` free (None: not read)."""
+    devices = tuple(
+        GpuDevice(i, f"GPU-{i}", "H100", 80 * GIB, None, None if f is None else int(f * GIB))
+        for i, f in enumerate(free_gib)
+    )
+    return dataclasses.replace(steady(t), gpus=GpuReading(devices))
+
+
+# name → a history over the GPUs of SVC_GPUS
+GPU_HISTORIES: dict[str, list[Snapshot]] = {
+    "headroom falls, a GPU is not read, a GPU goes away": [
+        on_gpus(t, 40 - t / 2, 30.0) for t in range(0, 20, 2)
+    ]
+    + [on_gpus(20, 30.0, None), on_gpus(22, 29.0)]
+    + [on_gpus(t, 40 - t, 20 + t / 4) for t in range(24, 40, 2)],
+}
+
+
 def fresh(history: list[Snapshot]) -> list[Snapshot]:
     """The same snapshots as new objects: nothing kept in a memo."""
     return [dataclasses.replace(s) for s in history]
@@ -110,6 +135,15 @@ def test_every_tick_over_a_kept_history_matches_a_fresh_one(name: str) -> None:
     for i in range(1, len(history) + 1):
         kept = sig.derive(history[:i], [SVC], CFG)  # memos filled by the ticks before
         assert kept == sig.derive(fresh(history[:i]), [SVC], CFG), f"tick {i - 1} ({name})"
+
+
+@pytest.mark.parametrize("name", list(GPU_HISTORIES))
+def test_gpu_signals_over_a_kept_history_match_a_fresh_one(name: str) -> None:
+    history = GPU_HISTORIES[name]
+    for i in range(1, len(history) + 1):
+        kept = sig.derive(history[:i], [SVC_GPUS], CFG)
+        assert kept == sig.derive(fresh(history[:i]), [SVC_GPUS], CFG), f"tick {i - 1} ({name})"
+    assert kept.services[0].headroom_slope_bytes_per_second is not None
 
 
 def test_a_snapshot_read_in_two_histories_gives_each_its_own_signals() -> None:

@@ -459,6 +459,17 @@ def _sum_int(values: Sequence[int | None]) -> int | None:
     return sum(v for v in values if v is not None)
 
 
+def _kept_headroom(snap: Snapshot, indices: set[int], frozen: frozenset[int]) -> int | None:
+    """:func:`_headroom`, computed once per snapshot and set of GPUs (``frozen``: the same
+    indices, as the memo's key): the slope's window is read whole on every tick."""
+    key = ("headroom", frozen)
+    memo = snap.memo
+    if key in memo:
+        return memo[key]  # type: ignore[no-any-return]
+    h = memo[key] = _headroom(snap, indices)
+    return h
+
+
 def _headroom(snap: Snapshot, indices: set[int]) -> int | None:
     if snap.gpus is None or not indices:
         return None
@@ -565,10 +576,11 @@ def derive_service(
         indices = {d.index for d in devices}
         service_mem = _sum_int([g.service_memory_bytes for g in gpus]) if gpus else None
         budget = _sum_int([g.budget_bytes for g in gpus]) if gpus else None
+        frozen = frozenset(indices)
         slope_points = [
             (snap.time_seconds, float(h))
             for snap in _window(history, cfg.slope_window_seconds)
-            if (h := _headroom(snap, indices)) is not None
+            if (h := _kept_headroom(snap, indices, frozen)) is not None
         ]
         fields.update(
             gpus=gpus,
