@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -204,11 +205,16 @@ def _per_interval(
         return []
     last_t = samples[-1].time_seconds
     buckets: dict[int, list[float]] = {}
-    for s in samples:
-        v = getattr(s, attr)
+    floor = math.floor
+    for t, v in map(operator.attrgetter("time_seconds", attr), samples):
         if v is None:
             continue
-        buckets.setdefault(math.floor(s.time_seconds / interval_seconds), []).append(float(v))
+        b = floor(t / interval_seconds)
+        values = buckets.get(b)
+        if values is None:
+            buckets[b] = [float(v)]
+        else:
+            values.append(float(v))
     out = []
     for b in sorted(buckets):
         end = (b + 1) * interval_seconds

@@ -666,20 +666,23 @@ def memory_samples(
 def _memory_columns(
     history: Sequence[Snapshot], service: str, gpus: Sequence[int], utilization: float | None
 ) -> dict[int, list[MemorySample]]:
-    """:func:`memory_samples` of several GPUs in one pass over the snapshots."""
-    columns: dict[int, list[MemorySample]] = {gpu: [] for gpu in gpus}
-    key = ("memory_samples", service, utilization)  # → {gpu: MemorySample}
+    """:func:`memory_samples` of several GPUs in one pass over the snapshots: each snapshot
+    keeps its row (one sample per GPU) in its memo, and the rows are turned into columns."""
+    order = tuple(gpus)
+    key = ("memory_samples", service, utilization, order)
+    rows = []
     for snap in history:
         memo = snap.memo
-        per_gpu = memo.get(key)
-        if per_gpu is None:
-            per_gpu = memo[key] = {}
-        for gpu, column in columns.items():
-            sample = per_gpu.get(gpu)
-            if sample is None:
-                sample = per_gpu[gpu] = _memory_sample(snap, service, gpu, utilization)
-            column.append(sample)
-    return columns
+        row = memo.get(key)
+        if row is None:
+            row = memo[key] = tuple(
+                [_memory_sample(snap, service, gpu, utilization) for gpu in order]
+            )
+        rows.append(row)
+    if not rows:
+        return {gpu: [] for gpu in order}
+    columns = zip(*rows, strict=True)
+    return {gpu: list(column) for gpu, column in zip(order, columns, strict=True)}
 
 
 def _memory_sample(
