@@ -14,6 +14,9 @@ they do on a busy server (counters, histograms), and answers /health. Then, per 
 * ``nvml``: as ``url``, plus NVML through the fake libnvidia-ml.so.1 (tests/fake_nvml, built
   with gcc) with one GPU per engine, each holding a process of the stand-in.
 
+The allocator source reads a directory of its own, absent (the plugin is not part of these
+configurations; the host's ``/run/vllm-guardian-allocator`` may hold other runs' files).
+
 it measures, in the same run:
 
 1. **per component**, the guardian's own ``tick()`` in this process for ``--ticks`` ticks on a

@@ -162,3 +162,77 @@ def test_rates_follow_the_counters() -> None:
     assert s.prompt_tokens_per_second == pytest.approx(100 + 200)
     assert s.generation_tokens_per_second == pytest.approx(37 + 74)
     assert s.prefix_cache_hit_ratio == pytest.approx(20 / 50)
+
+
+def _latency_by_dicts(
+    first: VllmScrape, last: VllmScrape, restarted: bool
+) -> tuple[sig.LatencyQuantile, ...]:
+    """The latency quantiles as the signals computed them before the column-wise sums: a dict
+    of bucket deltas per engine, summed by bound (the specification the fast way must meet)."""
+    out = []
+    first_by = {e.key: e for e in first.engines}
+    for metric, attr in sig.LATENCY_HISTOGRAMS.items():
+        summed: dict[float, float] = {}
+        for e in last.engines:
+            f = first_by.get(e.key)
+            cur_h, prev_h = getattr(e, attr), getattr(f, attr) if f else None
+            if cur_h is None:
+                continue
+            cur = dict(cur_h.buckets)
+            if prev_h is None or restarted or (prev_h.count or 0) > (cur_h.count or 0):
+                delta = cur
+            else:
+                prev = dict(prev_h.buckets)
+                delta = {le: max(0.0, c - prev.get(le, 0.0)) for le, c in cur.items()}
+            for le, c in delta.items():
+                summed[le] = summed.get(le, 0.0) + c
+        for q in sig.QUANTILES:
+            v = sig.histogram_quantile(q, sorted(summed.items()))
+            if v is not None:
+                out.append(sig.LatencyQuantile(metric, q, v))
+    return tuple(out)
+
+
+def _h(*counts: float, bounds: tuple[float, ...] = (0.1, 0.5, 1.0, INF)) -> Histogram:
+    return Histogram(tuple(zip(bounds, counts, strict=True)), None, counts[-1])
+
+
+LATENCY_CASES = {
+    "same bounds everywhere": (
+        [_h(1, 2, 3, 4), _h(0, 1, 1, 2)],
+        [_h(2, 5, 9, 9.5), _h(1, 1, 3, 7)],
+    ),
+    "an engine's counts go down (reset)": (
+        [_h(5, 6, 7, 8), _h(1, 1, 1, 1)],
+        [_h(1, 2, 3, 4), _h(2, 2, 3, 3)],
+    ),
+    "a bucket goes down while the count goes up": ([_h(3, 3, 3, 3)], [_h(1, 4, 4, 4)]),
+    "an engine has other bounds": (
+        [_h(1, 2, 3, 4), _h(1, 1, bounds=(2.0, INF))],
+        [_h(2, 3, 4, 5), _h(1, 3, bounds=(2.0, INF))],
+    ),
+    "bounds change between the two scrapes": ([_h(1, 2, 3, 4)], [_h(1, 5, bounds=(0.3, INF))]),
+    "no buckets": ([Histogram((), None, None)], [Histogram((), None, None)]),
+    "the first scrape has no histogram": ([None], [_h(2, 3, 4, 5)]),
+}
+
+
+@pytest.mark.parametrize("restarted", [False, True])
+@pytest.mark.parametrize("name", list(LATENCY_CASES))
+def test_latency_sums_by_column_as_by_dict(name: str, restarted: bool) -> None:
+    firsts, lasts = LATENCY_CASES[name]
+
+    def scrape(hs: list[Histogram | None], start: float) -> VllmScrape:
+        engines = tuple(
+            EngineMetrics("m", str(i), time_to_first_token=h, e2e_request_latency=h)
+            for i, h in enumerate(hs)
+        )
+        return VllmScrape(engines, True, start, 1)
+
+    first, last = scrape(firsts, 1.0), scrape(lasts, 2.0 if restarted else 1.0)
+    window = [
+        Snapshot(t, (ServiceSnapshot("vllm", vllm=s),), None)
+        for t, s in ((0.0, first), (2.0, last))
+    ]
+    keys = [e.key for e in last.engines]
+    assert sig._latency(window, "vllm", keys) == _latency_by_dicts(first, last, restarted)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -41,6 +42,7 @@ from vllm_guardian.core.forecast import (
 )
 from vllm_guardian.model import (
     Cause,
+    EngineMetrics,
     GpuDevice,
     GpuProcess,
     HealthState,
@@ -318,6 +320,45 @@ def _histogram_delta(
     return {le: max(0.0, c - prev.get(le, 0.0)) for le, c in cur.items()}
 
 
+def _delta_columns(
+    first_by: dict[tuple[str, str], EngineMetrics],
+    last_by: dict[tuple[str, str], EngineMetrics],
+    keys: Sequence[tuple[str, str]],
+    attr: str,
+    restarted: bool,
+) -> tuple[tuple[float, ...], list[Sequence[float]]] | None:
+    """:func:`_histogram_delta` of every engine as rows over one tuple of bounds; None when
+    the engines' bounds differ (or repeat), which only the dict-per-engine way reads."""
+    bounds: tuple[float, ...] | None = None
+    rows: list[Sequence[float]] = []
+    for key in keys:
+        e = last_by.get(key)
+        last: Histogram | None = getattr(e, attr) if e else None
+        if last is None or not last.buckets:
+            continue  # no delta: nothing to add
+        last_bounds, last_counts = zip(*last.buckets, strict=True)
+        if bounds is None:
+            if len(set(last_bounds)) != len(last_bounds):
+                return None
+            bounds = last_bounds
+        elif last_bounds != bounds:
+            return None
+        f = first_by.get(key)
+        first: Histogram | None = getattr(f, attr) if f else None
+        if first is None or restarted or (first.count or 0) > (last.count or 0):
+            rows.append(last_counts)
+            continue
+        if not first.buckets:
+            return None
+        first_bounds, first_counts = zip(*first.buckets, strict=True)
+        if first_bounds != bounds:
+            return None
+        rows.append(
+            list(map(max, itertools.repeat(0.0), map(operator.sub, last_counts, first_counts)))
+        )
+    return ((), []) if bounds is None else (bounds, rows)
+
+
 def _latency(
     window: Sequence[Snapshot], service: str, keys: Sequence[tuple[str, str]]
 ) -> tuple[LatencyQuantile, ...]:
@@ -336,15 +377,27 @@ def _latency(
     first_by = {e.key: e for e in first_scrape.engines}
     last_by = {e.key: e for e in last_scrape.engines}
     for metric, attr in LATENCY_HISTOGRAMS.items():
-        summed: dict[float, float] = {}
-        for key in keys:
-            f, last = first_by.get(key), last_by.get(key)
-            delta = _histogram_delta(
-                getattr(f, attr) if f else None, getattr(last, attr) if last else None, restarted
-            )
-            for le, c in delta.items():
-                summed[le] = summed.get(le, 0.0) + c
-        buckets = sorted(summed.items())
+        columns = _delta_columns(first_by, last_by, keys, attr, restarted)
+        if columns is not None:
+            # Every engine's buckets have the same bounds (the common case): the same sums,
+            # added in the same order, a column at a time.
+            bounds, rows = columns
+            acc = [0.0] * len(bounds)
+            for row in rows:
+                acc = list(map(operator.add, acc, row))
+            buckets = sorted(zip(bounds, acc, strict=True))
+        else:
+            summed: dict[float, float] = {}
+            for key in keys:
+                f, last = first_by.get(key), last_by.get(key)
+                delta = _histogram_delta(
+                    getattr(f, attr) if f else None,
+                    getattr(last, attr) if last else None,
+                    restarted,
+                )
+                for le, c in delta.items():
+                    summed[le] = summed.get(le, 0.0) + c
+            buckets = sorted(summed.items())
         for q in QUANTILES:
             v = histogram_quantile(q, buckets)
             if v is not None:

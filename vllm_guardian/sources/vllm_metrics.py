@@ -4,7 +4,9 @@ Where it sits: first stage of the tick (collect). The collector GETs ``<url>/met
 timeout and a body-size cap; :func:`parse_vllm_metrics` (pure) turns the body into a
 :class:`VllmScrape` with one :class:`EngineMetrics` per ``(model_name, engine)``. Rates and
 quantiles are *not* computed here: they need history, which the pure core keeps
-(``core/signals.py``).
+(``core/signals.py``). The collector keeps one :class:`VllmParser` per server: once the
+server's series settle, a scrape is read from its values alone (the parser's plan), with the
+same result as a full parse (tests/test_vllm_metrics_plan.py).
 
 Version tolerance (reference: vllm-surface.md §1.5): KV usage is ``vllm:kv_cache_usage_perc``
 (V1 ≥ 0.9.2) or ``vllm:gpu_cache_usage_perc`` (V0, V1 ≤ 0.11); prefix-cache counters exist in
