@@ -11,7 +11,12 @@ import pytest
 
 from tests.conftest import read_fixture
 from tests.expositions import multi_engine
-from vllm_guardian.sources.vllm_metrics import VllmParser, parse_vllm_metrics
+from vllm_guardian.sources.vllm_metrics import (
+    FULL_PARSES_BEFORE_PAUSE,
+    SCANS_SKIPPED_IN_A_PAUSE,
+    VllmParser,
+    parse_vllm_metrics,
+)
 
 CAPTURES = [read_fixture(f"metrics-under-load-0{k}.prom") for k in (2, 5, 8)]
 
@@ -163,3 +168,23 @@ def test_a_value_the_plan_cannot_judge_goes_to_the_full_parse(
     assert parser.fast_scrapes == fast, "read through the plan"
     parse_vllm_metrics(CAPTURES[1], None, parser)
     assert parser.fast_scrapes == fast + 1, "the plan is still there for the next scrape"
+
+
+def test_a_server_no_plan_fits_is_rarely_scanned_and_read_in_full() -> None:
+    """vLLM V0 exports the prefix-cache hit-rate gauge as -1 with prefix caching off: a value
+    only the full parse reads, on every scrape. Such a server costs a full parse and, past
+    the first few scrapes, only a rare look for a plan; once a plan fits, it is found."""
+    v0 = read_fixture("v0-0.6.6.prom")
+    parser = VllmParser()
+    want = parse_vllm_metrics(v0)
+    assert want.rejected_values == 1
+    for i in range(100):
+        assert parse_vllm_metrics(v0, None, parser) == want, f"scrape {i}"
+    assert parser.fast_scrapes == 0
+    pauses = 100 // (FULL_PARSES_BEFORE_PAUSE + SCANS_SKIPPED_IN_A_PAUSE)
+    assert parser.scans <= 100 - pauses * SCANS_SKIPPED_IN_A_PAUSE, parser.scans
+    # The server's values become readable (prefix caching on): the plan is found again.
+    fixed = _set_value("vllm:gpu_prefix_cache_hit_rate", "0.5")(v0)
+    for _ in range(SCANS_SKIPPED_IN_A_PAUSE + 3):
+        assert parse_vllm_metrics(fixed, None, parser) == parse_vllm_metrics(fixed)
+    assert parser.fast_scrapes > 0

@@ -151,15 +151,20 @@ class VllmParser:
     before it is kept; any value the full parse would treat specially (not finite, negative,
     a ratio over 1, a bad process start time, a timestamp, a ``_`` in a number) sends the
     scrape to the full parse, as does any change of shape (a series appears or disappears, an
-    engine joins). ``fast_scrapes`` counts the scrapes read through the plan.
+    engine joins). ``fast_scrapes`` counts the scrapes read through the plan. A server no plan
+    fits (after FULL_PARSES_BEFORE_PAUSE full parses in a row) is scanned for one again only
+    after SCANS_SKIPPED_IN_A_PAUSE more scrapes, so that it costs a full parse and no more.
     """
 
     def __init__(self) -> None:
         self.text_parser = promtext.Parser(WANTED, ("vllm:",), annotate=_label_info)
         self.plan: _Plan | None = None
         self.fast_scrapes = 0
+        self.scans = 0  # bodies scanned for their shape
         self._last_shape: tuple[object, ...] | None = None
         self._tried: tuple[object, ...] | None = None
+        self._full_in_a_row = 0
+        self._scans_to_skip = 0
 
 
 def _label_info(labels: promtext.Labels) -> _LabelInfo:
@@ -176,6 +181,11 @@ def make_parser() -> VllmParser:
     return VllmParser()
 
 
+# After this many full parses in a row, the next SCANS_SKIPPED_IN_A_PAUSE bodies are parsed
+# without looking for a plan (VllmParser).
+FULL_PARSES_BEFORE_PAUSE = 8
+SCANS_SKIPPED_IN_A_PAUSE = 32
+
 # vLLM runs one engine per data-parallel rank; no deployment has hundreds behind one API
 # server. Past this many, a body is read for the first ones only and the rest are counted
 # (a hostile or broken /metrics with 16,000 engines cost 212 s before).
@@ -191,14 +201,28 @@ def parse_vllm_metrics(
     the plan (:class:`VllmParser`); the result is the same as a full parse's."""
     if parser is None:
         return _full_parse(text, body_bytes, VllmParser())
-    scan = parser.text_parser.scan(text)
+    scan: promtext.Scan | None = None
+    if parser._scans_to_skip:
+        parser._scans_to_skip -= 1
+    else:
+        parser.scans += 1
+        scan = parser.text_parser.scan(text)
     size = len(text.encode()) if body_bytes is None else body_bytes
     if scan is not None and parser.plan is not None and scan.shape == parser.plan.shape:
         fast = parser.plan.apply(scan, size)
         if fast is not None:
             parser.fast_scrapes += 1
+            parser._full_in_a_row = 0
             return fast
     scrape = _full_parse(text, size, parser)
+    if scan is not None:
+        parser._full_in_a_row += 1  # scanned, and read in full all the same
+    if parser._full_in_a_row >= FULL_PARSES_BEFORE_PAUSE:
+        # A server no plan fits (its shape changes every scrape, or it always exports a value
+        # only the full parse reads, as V0's hit-rate gauge at -1): scan it rarely, not on
+        # every scrape for nothing.
+        parser._full_in_a_row = 0
+        parser._scans_to_skip = SCANS_SKIPPED_IN_A_PAUSE
     if (
         scan is not None
         and scan.shape == parser._last_shape  # the second scrape of this shape in a row
