@@ -576,6 +576,26 @@ def test_an_oom_seen_in_cooldown_is_acted_on_once_after_it():
     assert not r.svc.pending  # consumed: it never triggers again
 
 
+def test_the_replaced_instance_dying_of_the_cause_being_handled_is_not_a_new_incident():
+    # A pre-emptive relaunch drains the old instance; the forecast was right and it OOMs before
+    # the drain ends. That OOM is the incident the relaunch handles: remembered, it restarted
+    # the healthy new instance once the cooldown ended (the noisy_neighbour demo on virtual time,
+    # tests/test_scenarios_vt.py noisy_neighbour_demo).
+    r = Run().run(
+        Row(0, logs=(oom(0.2),), running=4),  # relaunch; draining while 4 run
+        Row(1, running=4, logs=(oom(0.2), death()), health=HealthState.ENGINE_DEAD),
+        Row(2, running=0),  # the restart call goes out
+        Row(4),  # its result: ready
+        *(Row(t) for t in range(110, 400, 10)),  # past the cooldown (until 104)
+    )
+    assert [a.kind for a in r.actions] == [ActionKind.RELAUNCH], [
+        (d.time_seconds, d.what, d.reason) for d in r.decisions
+    ]
+    # The new instance OOMing is a new incident.
+    r.tick(Row(405, logs=(oom(0.2),)))
+    assert [a.kind for a in r.actions] == [ActionKind.RELAUNCH] * 2
+
+
 def test_an_exited_unit_that_systemd_does_not_restart_is_restarted():
     r = Run()
     r.tick(Row(0))

@@ -477,7 +477,11 @@ def decide(
         instant = evidence_from_logs(logs, sig)
         if s.action is not None:
             # Our own restart makes vLLM log its engine's death: that is not a new incident.
-            instant = [e for e in instant if e.cause is not Cause.ENGINE_DEAD]
+            # Nor is the instance being replaced dying, before our restart, of the cause the
+            # action handles (a pre-emptive relaunch's forecast coming true during its drain):
+            # remembered, it restarted the healthy new instance after the cooldown.
+            replaced = s.action.cause if s.action.phase in phases.BEFORE_RESTART else None
+            instant = [e for e in instant if e.cause not in (Cause.ENGINE_DEAD, replaced)]
         s = _remember(s, instant, now, settings.policy)
         continuous = evidence_from_alerts(
             [
