@@ -576,7 +576,7 @@ def test_an_oom_seen_in_cooldown_is_acted_on_once_after_it():
     assert not r.svc.pending  # consumed: it never triggers again
 
 
-def test_the_replaced_instance_dying_of_the_cause_being_handled_is_not_a_new_incident():
+def test_the_replaced_instance_dying_of_the_cause_being_handled_is_not_a_new_incident() -> None:
     # A pre-emptive relaunch drains the old instance; the forecast was right and it OOMs before
     # the drain ends. That OOM is the incident the relaunch handles: remembered, it restarted
     # the healthy new instance once the cooldown ended (the noisy_neighbour demo on virtual time,

@@ -19,8 +19,9 @@ The ladder per service (DESIGN.md §3):
    model that does not fit latch a breaker that only ``vllm-guardian resume`` clears.
 
 Guard rails: a destructive action needs an actionable finding (``core/diagnosis.py``),
-nothing happens within the cooldown of the last action or the backoff of a failed one, at
-most one action per service is in flight, and in dry-run everything is decided and recorded
+nothing happens within the cooldown of the last action (except a crash of the instance it
+made ready, within ``early_failure_seconds``: an early failure) or the backoff of a failed one,
+at most one action per service is in flight, and in dry-run everything is decided and recorded
 but the actions are marked ``dry_run`` for the executor to skip.
 """
 
