@@ -39,7 +39,7 @@ from typing import IO, Any, TextIO
 
 from vllm_guardian.config import Config, PolicyConfig, SignalsConfig, parse_config
 from vllm_guardian.daemon import Guardian
-from vllm_guardian.model import ActionKind, AlertState
+from vllm_guardian.model import ActionKind, AlertState, Cause
 
 GIB = 1024**3
 SCENARIOS = (
@@ -431,6 +431,14 @@ def _package_root() -> str:
     return str(Path(__file__).resolve().parent.parent)
 
 
+def kv_gated(audit: Sequence[dict[str, Any]]) -> bool:
+    """The guardian closed /ready for KV pressure at least once (not for a forecast's relaunch)."""
+    return any(
+        d.get("what") == "gate" and d.get("cause") == Cause.CONCURRENCY_OVERCOMMIT.value
+        for d in audit
+    )
+
+
 def _report(g: Guardian, opts: DemoOptions, workdir: Path) -> DemoReport:
     report = DemoReport(opts.scenario, workdir)
     audit = _read_audit(workdir / "state" / "audit.jsonl")
@@ -439,7 +447,7 @@ def _report(g: Guardian, opts: DemoOptions, workdir: Path) -> DemoReport:
     report.causes = sorted(
         {d["cause"] for d in audit if d.get("cause") and d["what"] in ("action", "latch")}
     )
-    report.gated = any(d["what"] == "gate" for d in audit)
+    report.gated = kv_gated(audit)
     fired: list[str] = []
     for path in sorted((workdir / "state").glob("flight.jsonl*")):
         with contextlib.suppress(OSError), path.open() as fh:
