@@ -265,9 +265,12 @@ def forecast(
     if trend is None or not significant(pts, trend, span, cfg):
         return None
     # One step's activations are not a trend: the fall over the window must exceed the
-    # largest swing of the free memory within one interval (the sawtooth's amplitude).
+    # largest swing of the free memory within one interval (the sawtooth's amplitude). The
+    # run's first interval is left out of it: it holds the process's start (a reading taken
+    # while the pool was still being reserved swung 57 GiB and vetoed the twin's neighbour
+    # forecast for the whole window); its floor still counts in the trend.
     tops = dict(peaks(run, cfg.interval_seconds, "free_bytes"))
-    swing = max(tops[t] - v for t, v in pts)
+    swing = max(tops[t] - v for t, v in pts[1:])
     if -trend.slope_per_second * span < swing:
         return None
     level = max(0.0, trend.level_now)
