@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from vllm_guardian.redact import REDACTED, is_secret_name, redact_argv, redact_text
@@ -172,6 +172,9 @@ _FILLER = st.text(alphabet=st.sampled_from("abc XYZ 012 -=:/,'\""), max_size=30)
 
 @settings(max_examples=300, deadline=None)
 @given(secret=_SECRET, template=st.sampled_from(_TEMPLATES), before=_FILLER, after=_FILLER)
+# Found by this test (2026-11-24): an unbalanced quote before a secret's assignment made the
+# quote that opens the secret's value close another name's value, and the secret survived.
+@example(secret="00000000", template='export VLLM_API_KEY="{s}"', before='X="', after="")
 def test_secret_never_survives_redact_text(
     secret: str, template: str, before: str, after: str
 ) -> None:

@@ -93,6 +93,12 @@ _MULTI_FLAG = re.compile(
 _MULTI_VALUE = re.compile(rf"{_QUOTED}|{_BARE}")
 # NAME=value (shell, env files, Python reprs like ``api_key=...``).
 _ASSIGN = re.compile(rf"(?<![\w.-])(?P<name>[A-Za-z_][A-Za-z0-9_.]*)=(?P<value>{_QUOTED}|{_BARE})")
+# The same assignment seen without consuming its value: a second pass finds a secret whose
+# opening quote the first pass took as the closing quote of an earlier, unbalanced value
+# (`X=" export VLLM_API_KEY="x"`: X's value is `" export VLLM_API_KEY="`, and x was left).
+_ASSIGN_AT = re.compile(
+    rf"(?<![\w.-])(?P<name>[A-Za-z_][A-Za-z0-9_.]*)=(?=(?P<value>{_QUOTED}|{_BARE}))"
+)
 # 'api_key': 'x' / "hf_token": "x" / 'api_key': ['a', 'b'] (dict reprs and JSON). A value
 # that is itself a mapping is not consumed here: its own keys are looked at in turn, so a secret
 # that is the first key of a nested object ({"extra_config": {"password": …}}) is found.
@@ -194,6 +200,20 @@ def _sub_assign(m: re.Match[str]) -> str:
     return f"{m.group('name')}={_quote_like(value)}"
 
 
+def _secret_assignments(text: str) -> str:
+    """Every ``SECRET_NAME=value`` in ``text``, wherever it starts, with its value redacted."""
+    out: list[str] = []
+    pos = 0
+    for m in _ASSIGN_AT.finditer(text):
+        value = m.group("value")
+        if m.start() < pos or not is_secret_name(m.group("name")) or value in _NOT_SET:
+            continue
+        out += [text[pos : m.end()], _quote_like(value)]
+        pos = m.end() + len(value)
+    out.append(text[pos:])
+    return "".join(out)
+
+
 def _sub_dict_item(m: re.Match[str]) -> str:
     value = m.group("value")
     secret = is_secret_name(m.group("name")) and value not in _NOT_SET
@@ -228,6 +248,7 @@ def redact_text(text: str) -> str:
     )
     text = _FLAG.sub(_sub_flag, text)
     text = _ASSIGN.sub(_sub_assign, text)
+    text = _secret_assignments(text)
     return _KNOWN_TOKENS.sub(REDACTED, text)
 
 
