@@ -761,9 +761,9 @@ def test_operator_relaunch_drains_in_flight_streams_and_holds_new_work(guarded: 
                 t.start()
             # All four streams are in flight (each got its first token, as the client sees it;
             # the guardian's scrape can time out meanwhile on a busy host) before the command.
-            # Any one would not do: a starved client sent the last of them 1.5 s late, into
-            # the drain (it bypasses /ready, as these streams go straight to vLLM), and it was
-            # cut at the SIGTERM (CI rehearsal beside a hog, 2026-11-24).
+            # Any one would not do: a starved client started three of them 1.45 s after the
+            # first, one had no token yet when the drain began (these streams go straight to
+            # vLLM, past /ready), and it was cut at the SIGTERM (CI rehearsal beside a hog).
             for e in firsts:
                 assert e.wait(120), "not every stream got a first token within 120 s"
             reply = healing.control(
