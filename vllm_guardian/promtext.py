@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -216,27 +216,10 @@ class Parser:
         samples.append(Sample(parsed[0], parsed[1], parsed[2], note))
         return True
 
-    def parse(self, text: str) -> ParseResult:
-        """Return the samples whose *sample name* is wanted, in exposition order.
-
-        A body that does not end in a newline has its last line dropped as malformed: the
-        format requires the final newline, so a missing one means a truncated body.
-        """
-        wanted = self.wanted
-        prefixes = self.prefixes
-        samples: list[Sample] = []
-        malformed = 0
-        if "\r" in text:
-            text = text.replace("\r\n", "\n")
-        if text and not text.endswith("\n"):
-            cut = text.rfind("\n")
-            tail = text[cut + 1 :]
-            if tail.strip() and not tail.lstrip().startswith("#"):
-                malformed += 1
-            text = text[: cut + 1]
-        # "Does any sample start with this prefix?" is one C-level search per prefix.
-        seen = {p for p in prefixes if text.startswith(p) or ("\n" + p) in text}
-        label_cache = self._labels
+    def _sample_blocks(self, text: str, wanted: frozenset[str]) -> Iterator[tuple[int, int]]:
+        """The ``(start, end)`` of each run of sample lines between comment lines, in order,
+        except a run that wholly belongs to a typed family no wanted name starts with: the walk
+        :meth:`parse` and :meth:`scan` share, so the plan sees the lines the parse reads."""
         n = len(text)
         pos = 0
         family: str | None = None  # the family named by the last # TYPE line
@@ -263,6 +246,30 @@ class Parser:
                     lines = text.count("\n", start, end)
                     if text.count("\n" + family, start - 1, end) == lines:
                         continue
+            yield start, end
+
+    def parse(self, text: str) -> ParseResult:
+        """Return the samples whose *sample name* is wanted, in exposition order.
+
+        A body that does not end in a newline has its last line dropped as malformed: the
+        format requires the final newline, so a missing one means a truncated body.
+        """
+        wanted = self.wanted
+        prefixes = self.prefixes
+        samples: list[Sample] = []
+        malformed = 0
+        if "\r" in text:
+            text = text.replace("\r\n", "\n")
+        if text and not text.endswith("\n"):
+            cut = text.rfind("\n")
+            tail = text[cut + 1 :]
+            if tail.strip() and not tail.lstrip().startswith("#"):
+                malformed += 1
+            text = text[: cut + 1]
+        # "Does any sample start with this prefix?" is one C-level search per prefix.
+        seen = {p for p in prefixes if text.startswith(p) or ("\n" + p) in text}
+        label_cache = self._labels
+        for start, end in self._sample_blocks(text, wanted):
             block = text[start:end]
             simple = _SIMPLE_LINE.findall(block)
             if len(simple) == block.count("\n"):
@@ -350,30 +357,7 @@ class Parser:
         heads: list[str] = []
         raw_values: list[str] = []
         sizes: list[int] = []
-        n = len(text)
-        pos = 0
-        family: str | None = None
-        while pos < n:
-            if text.startswith("#", pos):
-                eol = text.find("\n", pos)
-                eol = n if eol < 0 else eol
-                if text.startswith("# TYPE ", pos):
-                    parts = text[pos:eol].split()
-                    family = parts[2] if len(parts) >= 3 else None
-                pos = eol + 1
-                continue
-            end = _next_comment_line(text, pos)
-            end = n if end < 0 else end
-            start, pos = pos, end
-            if family is not None:
-                skippable = self._skippable.get(family)
-                if skippable is None:
-                    skippable = not any(w.startswith(family) for w in wanted)
-                    self._skippable[family] = skippable
-                if skippable and start > 0:
-                    count = text.count("\n", start, end)
-                    if text.count("\n" + family, start - 1, end) == count:
-                        continue
+        for start, end in self._sample_blocks(text, wanted):
             lines = text[start:end].split("\n")
             lines.pop()  # the block ends with a newline
             cut = [line.rpartition(" ") for line in lines]
