@@ -1,8 +1,11 @@
 """The twin's HTTP server and lifecycle: vLLM's OpenAI API on top of ``SimEngine``.
 
 The main thread owns the lifecycle: it advances the engine to ``(now − start) × speed``
-simulated seconds every few milliseconds, hands token deltas to the request threads, writes
-logs and the GPU state file, and handles SIGTERM/SIGINT. Like vLLM 0.32 (vllm-cpu.md §7-8):
+simulated seconds every few milliseconds, hands token deltas to the request handlers, writes
+logs and the GPU state file, and handles SIGTERM/SIGINT. The HTTP server is one asyncio event
+loop (aiohttp) on a second thread: a request is a coroutine waiting on its delta queue, not a
+thread, so thousands in flight (``kv_thrash``) cost sockets rather than threads; the deltas of
+one tick reach their queues in one hand-over to that loop. Like vLLM 0.32 (vllm-cpu.md §7-8):
 the port is bound but not listening during start-up (connection refused); ``/health`` is 200,
 and 503 once the engine is dead, after which the watchdog exits the process within 5 simulated
 seconds (status ``--sim-exit-code``, 0 by default as in vLLM); on SIGTERM with
@@ -218,8 +221,14 @@ class Twin:
 
     def _deliver(self, items: list[tuple[asyncio.Queue[RequestDelta], RequestDelta]]) -> None:
         """Hand deltas to their streams on the server's loop: one wake-up per batch, from
-        any thread (the main loop's tick, or a handler's submit on the loop itself)."""
-        if items and self.loop is not None:
+        any thread (the main loop's tick, or a handler's submit on the loop itself). Without an
+        HTTP server (the virtual-time tests drive the twin in one thread), they are queued at
+        once."""
+        if not items:
+            return
+        if self.loop is None:
+            _put_all(items)
+        else:
             self.loop.call_soon_threadsafe(_put_all, items)
 
     # ---------------------------------------------------------------- requests
