@@ -269,9 +269,12 @@ def stream_completion(
     model: str = MODEL_NAME,
     timeout: float = 180,
     stream: bool = True,
+    first_token: threading.Event | None = None,
 ) -> StreamResult:
     """One completion; ``stream=False`` spares the API server (one core here) the per-token
-    events, so its /metrics stays responsive while the engine is under pressure."""
+    events, so its /metrics stays responsive while the engine is under pressure.
+    ``first_token`` is set when a streamed token arrives: the request is in the engine, seen
+    by the client itself (the server's /metrics can answer too late to show it)."""
     r = StreamResult(started=time.monotonic())
     try:
         with session().post(
@@ -297,6 +300,12 @@ def stream_completion(
                     r.error = json.dumps(body)[:300]
                 r.ended = time.monotonic()
                 return r
+            if resp.status_code != 200:
+                # An error answer to a streamed request (a request that reached the API server
+                # after its engine died gets a 500) has no events: its body is the reason.
+                r.error = resp.text[:300]
+                r.ended = time.monotonic()
+                return r
             for line in resp.iter_lines():
                 if not line.startswith(b"data: "):
                     continue
@@ -308,9 +317,9 @@ def stream_completion(
                     r.error = json.dumps(event["error"])[:300]
                     continue
                 r.chunks += 1
+                if first_token is not None:
+                    first_token.set()
                 r.finish_reason = event["choices"][0].get("finish_reason") or r.finish_reason
-            if resp.status_code != 200:
-                r.error = resp.text[:300]
     except (requests.RequestException, ValueError) as e:
         r.error = f"{type(e).__name__}: {e}"[:300]
     r.ended = time.monotonic()
@@ -325,13 +334,20 @@ def burst(
     model: str = MODEL_NAME,
     seed: int = 0,
     stream: bool = True,
+    first_token: threading.Event | None = None,
 ) -> list[StreamResult]:
-    """``n`` concurrent completions (bounded: one thread each, all joined)."""
+    """``n`` concurrent completions (bounded: one thread each, all joined); ``first_token`` is
+    set when any of them streams its first token."""
     results = [StreamResult() for _ in range(n)]
 
     def one(i: int) -> None:
         results[i] = stream_completion(
-            url, prompt_ids(prompt_tokens, seed + i), max_tokens, model, stream=stream
+            url,
+            prompt_ids(prompt_tokens, seed + i),
+            max_tokens,
+            model,
+            stream=stream,
+            first_token=first_token,
         )
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]

@@ -175,11 +175,18 @@ class Guarded:
         assert self.guardian.healing is not None
         return self.guardian.healing.supervisors["vllm"]
 
-    def running_now(self) -> float:
-        """Requests running on vLLM, as the guardian's last tick saw them."""
-        last = self.guardian.last
-        sig = last.signals.service("vllm") if last is not None else None
-        return (sig.requests_running or 0.0) if sig is not None else 0.0
+    def ticks_after(self, n: int, timeout: float, what: str) -> None:
+        """Wait until the guardian has finished ``n`` more ticks (counted by its ``last``
+        result changing): an absence ("no second restart") is checked over ticks the guardian
+        actually ran, which a busy host slows, not over seconds of wall clock."""
+        seen: list[object] = [self.guardian.last]
+
+        def counted() -> bool:
+            if self.guardian.last is not seen[-1]:
+                seen.append(self.guardian.last)
+            return len(seen) > n
+
+        support.wait_for(counted, timeout, f"{n} guardian ticks ({what})", every=0.05)
 
     def ready_status(self) -> int | None:
         try:
@@ -568,7 +575,10 @@ def test_kv_pressure_is_seen_alerted_gated_and_ungated(guarded: Guarded) -> None
         if (m := re.search(r"KV cache usage (\d+)%", d["reason"])) is not None
     ]
     assert max([watch.max("kv"), *quoted]) >= 0.9, real
-    assert watch.max("waiting") >= 5
+    # Requests wait: how deep the queue gets depends on how fast the API server hands the 36
+    # requests to the engine (22-33 in most runs; 3 in one CI run with the same 16 s burst,
+    # the same KV peak and 40 preemptions), so the claim is that a queue forms, not its depth.
+    assert watch.max("waiting") >= 1, real
     assert real["preemptions"] and real["preemptions"] > 0
     # The KV alerts: on a real server the KV gauge and the preemption rate are sawtooths (see
     # TIER_RULES) and a busy 2-core machine slows the ticks, so which of them hold for their
@@ -651,7 +661,7 @@ def test_twin_matches_the_real_server_side_by_side(guarded: Guarded, tiny_model:
     for name, numbers in (("real", real), ("twin", twin)):
         assert numbers["ok"] == numbers["requests"], (name, numbers)
         assert numbers["kv_usage_max"] >= 0.9, (name, numbers)
-        assert numbers["waiting_max"] >= 5, (name, numbers)
+        assert numbers["waiting_max"] >= 1, (name, numbers)  # see test 3 on the queue's depth
         assert numbers["preemptions"] and numbers["preemptions"] > 0, (name, numbers)
 
 
@@ -721,22 +731,21 @@ def test_operator_relaunch_drains_in_flight_streams_and_holds_new_work(guarded: 
     audit_before = len(guarded.audit())
     client = GateHonouringClient(guarded)
     streams: list[StreamResult] = []
+    streaming = threading.Event()
     try:
         with client.running():
             streamer = threading.Thread(
                 target=lambda: streams.extend(
-                    support.burst(guarded.url, 4, 64, 600, seed=3000, stream=True)
+                    support.burst(
+                        guarded.url, 4, 64, 600, seed=3000, stream=True, first_token=streaming
+                    )
                 ),
                 daemon=True,
             )
             streamer.start()
-            # The streams are in flight (their first tokens arrived) before the command.
-            support.wait_for(
-                lambda: guarded.running_now() >= 1,
-                120,
-                "requests running on vLLM",
-                every=0.2,
-            )
+            # The streams are in flight (their first tokens arrived, as the client sees it;
+            # the guardian's scrape can time out meanwhile on a busy host) before the command.
+            assert streaming.wait(120), "no stream got a first token within 120 s"
             reply = healing.control(
                 "relaunch", "vllm", sets=[("--max-num-seqs", "24")], who="the vllm tier"
             )
@@ -815,12 +824,19 @@ def test_engine_death_is_named_and_restarted_once(guarded: Guarded) -> None:
     assert len(engine) == 1
     # Streams in flight when the engine dies, as in production: each gets an error event.
     streams: list[StreamResult] = []
+    streaming = threading.Event()
     t = threading.Thread(
-        target=lambda: streams.extend(support.burst(guarded.url, 4, 32, 1900, seed=2000)),
+        target=lambda: streams.extend(
+            support.burst(guarded.url, 4, 32, 1900, seed=2000, first_token=streaming)
+        ),
         daemon=True,
     )
     t.start()
-    time.sleep(0.7)
+    # The streams reach the engine before the kill: a first token arrived, as the client sees
+    # it (the guardian's scrape of /metrics can time out meanwhile: seen beside a CPU hog).
+    # Whether one is still running when the engine dies depends on the machine's pace:
+    # reported below, not required.
+    assert streaming.wait(120), "no stream got a first token within 120 s"
     killed_at = time.monotonic()
     os.kill(engine[0], signal.SIGKILL)
     statuses: list[int | None] = []
@@ -844,7 +860,10 @@ def test_engine_death_is_named_and_restarted_once(guarded: Guarded) -> None:
         every=1.0,
     )
     support.wait_for(lambda: support.healthy(guarded.url), 120, "vLLM up again")
-    time.sleep(5)  # a second restart would show by now
+    # A second restart would be decided within the action's cooldown (5 s of wall clock, which
+    # the guardian counts itself) plus a few ticks that see vLLM up: wait for both.
+    time.sleep(5)
+    guarded.ticks_after(10, 120, "after the cooldown, vLLM up")
     decisions = guarded.audit()[audit_before:]
     actions = [d for d in decisions if d["what"] == "action"]
     REPORT["engine_death"] = {
