@@ -596,7 +596,7 @@ class Twin:
         return 0
 
     def _wait_for_streams(self, limit_seconds: float = 2.0) -> None:
-        """Give request threads a moment to write their last chunk before the process ends."""
+        """Give request handlers a moment to write their last chunk before the process ends."""
         deadline = time.monotonic() + limit_seconds
         while time.monotonic() < deadline:
             with self.lock:
@@ -654,7 +654,7 @@ class _Server:
         self.thread.start()
 
     def stop(self) -> None:
-        """Stop serving; requests still open end with the process (as daemon threads did)."""
+        """Stop serving; requests still open end with the process (its exit closes them)."""
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
 
