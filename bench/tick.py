@@ -14,6 +14,9 @@ they do on a busy server (counters, histograms), and answers /health. Then, per 
 * ``nvml``: as ``url``, plus NVML through the fake libnvidia-ml.so.1 (tests/fake_nvml, built
   with gcc) with one GPU per engine, each holding a process of the stand-in.
 
+The allocator source reads a directory of its own, absent (the plugin is not part of these
+configurations; the host's ``/run/vllm-guardian-allocator`` may hold other runs' files).
+
 it measures, in the same run:
 
 1. **per component**, the guardian's own ``tick()`` in this process for ``--ticks`` ticks on a
@@ -21,8 +24,9 @@ it measures, in the same run:
    as many ticks as fill the history the daemon keeps (steady state; about 300 at 1 s): CPU
    time per tick of each source (its thread's CPU), of the decision step (signals, alerts,
    policy), of the flight recorder, of publishing, and of the whole tick (process CPU); and
-   prometheus_client's parse of the same exposition (CPU), so the whole tick's ratio to it is
-   taken on the same host at the same moment;
+   prometheus_client's parse of the same exposition (CPU, the median of ten parses just before
+   and ten just after the configuration's ticks), so the whole tick's ratio to it is taken on
+   the same host at the same moment;
 2. **the whole daemon**: ``vllm-guardian run`` at a 1 s interval for ``--seconds``, as its own
    process: CPU share of one core and peak RSS, read from /proc. A short run has a short
    history (the step's windows fill over 5 minutes), so its CPU share is a lower bound; the
@@ -139,7 +143,10 @@ def config_text(kind: str, tmp: Path, port: int, pid: int, engines: int, lib: Pa
     return (
         f"interval_seconds: 1\nlisten: 127.0.0.1:0\nruntime_dir: {d}/run\nstate_dir: {d}/state\n"
         f"recorder:\n  path: {d}/flight.jsonl\n"
-        f"sources:\n  nvml:\n{nvml}  unit:\n    systemctl: {systemctl}\n"
+        # The allocator plugin is not part of these configurations: its own directory, absent
+        # (the host's /run/vllm-guardian-allocator may hold other runs' files).
+        f"sources:\n  allocator:\n    directory: {d}/allocator\n"
+        f"  nvml:\n{nvml}  unit:\n    systemctl: {systemctl}\n"
         f"  logs:\n    journalctl: {journalctl}\n"
         f"services:\n  - name: vllm\n    url: http://127.0.0.1:{port}\n{unit}"
     )
@@ -239,15 +246,15 @@ def whole_daemon(cfg_text: str, tmp: Path, seconds: float) -> tuple[float, int]:
             proc.wait()
 
 
-def prometheus_parse_cpu(text: str, repeat: int) -> float:
-    """Median CPU seconds of one prometheus_client parse of ``text``."""
+def prometheus_parse_cpu(text: str, repeat: int) -> list[float]:
+    """CPU seconds of each of ``repeat`` prometheus_client parses of ``text``."""
     list(text_string_to_metric_families(text))
     times = []
     for _ in range(repeat):
         t = time.process_time()
         list(text_string_to_metric_families(text))
         times.append(time.process_time() - t)
-    return statistics.median(times)
+    return times
 
 
 COMPONENTS = ("vllm_metrics", "health", "unit", "logs", "nvml", "allocator", "step", "recorder",
@@ -278,19 +285,25 @@ def main() -> int:
         for engines in [int(e) for e in args.engines.split(",")]:
             texts = [multi_engine(p.read_text(), engines) for p in CAPTURES]
             lines = len(texts[1].splitlines())
-            ref = prometheus_parse_cpu(texts[1], 20)
             print(
-                f"exposition: {engines} engine(s), {lines} lines, {len(texts[1]) / 1024:.0f} KiB; "
-                f"prometheus_client parse: {ref * 1e3:.2f} ms CPU",
+                f"exposition: {engines} engine(s), {lines} lines, {len(texts[1]) / 1024:.0f} KiB",
                 flush=True,
             )
             with stand_in(texts, tmp) as (pid, port):
                 for kind in configs:
                     text = config_text(kind, tmp, port, pid, engines, lib)
+                    # The reference on either side of the ticks it is compared with: a load
+                    # that comes or goes during the configuration weighs on both.
+                    before = prometheus_parse_cpu(texts[1], 10)
                     parts = per_component(text, args.ticks)
+                    ref = statistics.median(before + prometheus_parse_cpu(texts[1], 10))
                     daemon = whole_daemon(text, tmp / kind, args.seconds) if args.seconds else None
                     rows.append((engines, kind, ref, parts, daemon))
-                    print(f"  {kind}: whole tick {parts['whole tick'] * 1e3:.2f} ms", flush=True)
+                    print(
+                        f"  {kind}: whole tick {parts['whole tick'] * 1e3:.2f} ms, "
+                        f"prometheus_client parse {ref * 1e3:.2f} ms",
+                        flush=True,
+                    )
     print()
     head = ["engines", "config", *COMPONENTS, "whole tick", "parse / tick", "steady CPU",
             "daemon CPU", "RSS"]  # fmt: skip
@@ -300,7 +313,11 @@ def main() -> int:
         cells = [str(engines), kind]
         cells += [f"{parts[c] * 1e3:.2f}" if c in parts else "–" for c in COMPONENTS]
         whole = parts["whole tick"]
-        cells += [f"{whole * 1e3:.2f} ms", f"{ref / whole:.1f}×", f"{100 * whole:.2f} %"]
+        cells += [
+            f"{whole * 1e3:.2f} ms",
+            f"{ref / whole:.1f}× ({ref * 1e3:.1f} ms)",
+            f"{100 * whole:.2f} %",
+        ]
         if daemon is not None:
             cells += [f"{100 * daemon[0]:.2f} %", f"{daemon[1] / 2**20:.1f} MiB"]
         else:
@@ -308,8 +325,8 @@ def main() -> int:
         print("| " + " | ".join(cells) + " |")
     print(
         "\ncomponents: CPU ms per tick (sources: their thread's CPU); whole tick: process CPU per "
-        "tick in this process at full history; parse / tick: prometheus_client's parse CPU over the "
-        "whole tick's; steady CPU: the whole tick over a 1 s interval, as a share of one core; "
+        "tick in this process at full history; parse / tick: prometheus_client's parse CPU (around "
+        "the configuration's ticks, in brackets) over the whole tick's; steady CPU: the whole tick over a 1 s interval, as a share of one core; "
         f"daemon: `vllm-guardian run` at a 1 s interval over {args.seconds:.0f} s (a short "
         "history: a lower bound), CPU share of one core and peak RSS."
     )

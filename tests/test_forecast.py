@@ -119,6 +119,19 @@ def not_ready_tail(samples: list[MemorySample], seconds: float) -> list[MemorySa
     return [s if s.time_seconds <= t_end - seconds else replace(s, ready=False) for s in samples]
 
 
+def settling(samples: list[MemorySample], reserving_bytes: float) -> list[MemorySample]:
+    """The run's first reading was taken while the process was still reserving its pool
+    (``reserving_bytes`` not yet taken), as a GPU reading a moment older than /health's 200."""
+    first = samples[0]
+    assert first.free_bytes is not None and first.service_bytes is not None
+    early = replace(
+        first,
+        free_bytes=first.free_bytes + int(reserving_bytes),
+        service_bytes=first.service_bytes - int(reserving_bytes),
+    )
+    return [early, *samples[1:]]
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -137,6 +150,11 @@ CASES = [
     Case("steady creep of stranded allocator blocks", record(CREEP, 120), Cause.ALLOCATOR_FRAGMENTATION,
          seconds_left(30.0 * MIB, free_at_zero(CREEP), 120)),
     Case("a neighbour growing", record(NEIGHBOUR, 120), Cause.GPU_MEMORY_OVERCOMMIT,
+         seconds_left(20.0 * MIB, free_at_zero(NEIGHBOUR), 120)),
+    # The neighbour demo's twin: its first ready reading still had 57 GiB free; as the largest
+    # swing within an interval it vetoed every forecast for the whole window (5 min deployed).
+    Case("a neighbour growing, the run's first reading taken mid-reservation",
+         settling(record(NEIGHBOUR, 120), 57 * GIB), Cause.GPU_MEMORY_OVERCOMMIT,
          seconds_left(20.0 * MIB, free_at_zero(NEIGHBOUR), 120)),
     Case("activation peaks growing with the batch", record(PREFILL, 120), Cause.PREFILL_BURST, None),
     Case("creep without the allocator plugin: when, but not who",

@@ -179,3 +179,31 @@ def test_the_gate_source_reports_a_dripping_gate_within_its_deadline():
         port = int(url.rsplit(":", 1)[1])
         obs = finishes(lambda: read_status("127.0.0.1", port, 0.5))
     assert obs.reachable is False and obs.error == "no answer within 0.5s", obs
+
+
+def test_a_cancel_s_fetches_share_one_deadline_thread_and_keep_their_deadlines() -> None:
+    """A collector fetches every tick: its Cancel keeps the deadlines in one thread, not a
+    thread per fetch; each fetch is still cut at its own deadline, and the thread ends with
+    the cut."""
+    cancel = Cancel()
+    script = Script()
+    script.set("/metrics", body=b"vllm:x 1\n")
+
+    def watchers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "httpget-deadlines"]
+
+    before = set(watchers())  # other tests' collectors may still be ending theirs
+    with serve(script) as url:
+        for _ in range(20):
+            resp = fetch(url + "/metrics", deadline_seconds=5, max_body_bytes=1024, cancel=cancel)
+            assert resp.body == b"vllm:x 1\n"
+    mine = cancel._watcher
+    assert mine is not None and mine.is_alive()
+    assert set(watchers()) - before == {mine}, "one thread for the 20 fetches"
+    h = Hostility(mode="drip")
+    with hostile_server(h) as url, pytest.raises(HttpGetError) as e:
+        # a short deadline after the long ones: the thread wakes for it
+        finishes(lambda: fetch(url, deadline_seconds=0.5, max_body_bytes=1 << 20, cancel=cancel))
+    assert e.value.failure is Failure.DEADLINE
+    cancel.cut()
+    wait_for(lambda: (not mine.is_alive(), mine), "the deadline thread ends")

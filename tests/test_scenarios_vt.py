@@ -118,6 +118,28 @@ def check_neighbour(r: Run) -> None:
     assert float(util) in [e.gpu_memory_utilization for e in r.engines[1:]]
 
 
+def check_neighbour_as_demoed(r: Run) -> None:
+    # `vllm-guardian demo --scenario noisy_neighbour`: twin at 4x, one timeline (the neighbour
+    # outlives a restart). A deployed guardian's forecast sees the neighbour's trend and
+    # relaunches low enough before the card runs out. (Its forecast left at wall-clock defaults
+    # needed 160 simulated seconds of trend while the neighbour exhausts the card in ~66, and a
+    # start-up reading vetoed it: the demo showed an OOM, a one-rung relaunch that died at once,
+    # a crash loop in the cooldown; 82 failed requests.)
+    # The forecast comes ~7 s before the card runs out (the neighbour needs 16 s from 1 GiB to
+    # the end of the card at 4x), so the old instance may still OOM in its drain: the requests
+    # in flight then are lost (this harness has no gate: those arriving while it is down fail
+    # too). What must not happen: a relaunch too small, a crash loop, a second action.
+    relaunch = r.started("relaunch")
+    assert [a.cause for a in relaunch] == [Cause.GPU_MEMORY_OVERCOMMIT], r.explain()
+    assert len(r.started()) == 1, r.explain()
+    assert "pre-emptive" in relaunch[0].reason, relaunch[0].reason
+    assert result_of(r, relaunch[0].id) is True
+    assert len(r.twin_exits) <= 1, r.twin_exits  # the relaunched instance never dies
+    util = float(dict(relaunch[0].flags)["--gpu-memory-utilization"])
+    assert r.engines[-1].gpu_memory_utilization == util < BASELINE_GPU_MEMORY_UTILIZATION
+    assert not r.requests.get("timeout"), r.requests
+
+
 def check_startup_overcommit(r: Run) -> None:
     # Another process holds 10 GiB when vLLM starts: it exits 1 at start-up; a lower
     # utilization lets the next one start (not covered by the real-process runs before).
@@ -168,6 +190,8 @@ CASES: list[tuple[Case, Callable[[Run], None]]] = [
     (Case("fragmentation_creep", "fragmentation_creep", 8, 35, FRAGMENTATION, COOL_5),
      check_fragmentation),
     (Case("noisy_neighbour", "noisy_neighbour", 8, 45), check_neighbour),
+    (Case("noisy_neighbour_demo", "noisy_neighbour", 4, 60, timeline=True),
+     check_neighbour_as_demoed),
     (Case("startup_overcommit", "startup_overcommit", 8, 15), check_startup_overcommit),
     (Case("prefix_cache_waste", "prefix_cache_waste", 8, 30), check_nothing),
     (Case("steady", "steady", 8, 40), check_nothing),  # a healthy control: no over-capacity

@@ -518,6 +518,45 @@ def test_nvml_gpus_appear_and_disappear(
     assert nvml_state.calls("nvmlInitWithFlags") == 1  # one session throughout
 
 
+def test_nvml_static_facts_are_read_once_per_session_and_values_every_tick(
+    fake_lib: Path, nvml_state: FakeNvmlState, clock: FakeClock, collectors: list[NvmlCollector]
+) -> None:
+    """A GPU's handle, UUID and name (and the driver's version) do not change within an NVML
+    session: read once per device, again when the device count changes, a device fails, or
+    the session starts over. Memory is read every tick, and every change shows."""
+    c = nvml_collector(fake_lib, clock)
+    collectors.append(c)
+    static = ("nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetUUID", "nvmlDeviceGetName")
+
+    def counts() -> list[int]:
+        return [nvml_state.calls(n) for n in (*static, "nvmlSystemGetDriverVersion")]
+
+    for used in (1, 2, 3):
+        nvml_state.write("driver 1", f"gpu 0 used={used * GIB}", "gpu 1 uuid=GPU-b")
+        reading = gpus(c.collect())
+        assert [d.memory_used_bytes for d in reading.devices] == [used * GIB, 0]
+        assert [d.uuid for d in reading.devices] == ["GPU-fake-0", "GPU-b"]
+    assert counts() == [2, 2, 2, 1]
+    assert nvml_state.calls("nvmlDeviceGetMemoryInfo") == 6
+    # A third GPU: every device is read afresh (indices may now name other GPUs).
+    nvml_state.write("driver 1", "gpu 0 uuid=GPU-x", "gpu 1 uuid=GPU-y", "gpu 2 uuid=GPU-z")
+    assert [d.uuid for d in gpus(c.collect()).devices] == ["GPU-x", "GPU-y", "GPU-z"]
+    assert counts() == [5, 5, 5, 1]
+    # A device that fails is read afresh once it answers again.
+    nvml_state.write("driver 1", "gpu 0 uuid=GPU-x", "gpu 1 lost=1", "gpu 2 uuid=GPU-z")
+    assert [d.error for d in gpus(c.collect()).devices] == [None, "GPU is lost", None]
+    nvml_state.write("driver 1", "gpu 0 uuid=GPU-x", "gpu 1 uuid=GPU-w", "gpu 2 uuid=GPU-z")
+    assert [d.uuid for d in gpus(c.collect()).devices] == ["GPU-x", "GPU-w", "GPU-z"]
+    assert counts()[:3] == [6, 6, 6]
+    # A new session (the driver went away and came back) reads everything again.
+    nvml_state.write("count_rc 9")
+    assert c.collect().error is not None
+    nvml_state.write("driver 2", "gpu 0 uuid=GPU-x")
+    reading = gpus(c.collect())
+    assert (reading.driver_version, reading.devices[0].uuid) == ("2", "GPU-x")
+    assert counts() == [7, 7, 7, 2]
+
+
 def test_nvml_lost_gpu_is_listed_and_others_keep_reporting(
     fake_lib: Path, nvml_state: FakeNvmlState, clock: FakeClock, collectors: list[NvmlCollector]
 ) -> None:

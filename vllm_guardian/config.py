@@ -418,7 +418,9 @@ class PolicyConfig:
     restart_budget: int = field(default=3, metadata=_bounds(1, 100))
     restart_budget_window_seconds: float = field(default=3600.0, metadata=_bounds(60, 7 * 86400))
     # A failure this soon after the service became ready again counts as an early failure; this
-    # many early failures in a row mean restarting does not help: latch and escalate.
+    # many early failures in a row mean restarting does not help: latch and escalate. An early
+    # crash logged by the new instance is acted on within the cooldown (it is not a lagging
+    # counter; waiting leaves vLLM crash-looping with the flags that just failed).
     early_failure_seconds: float = field(default=300.0, metadata=_bounds(0, 86400))
     early_failure_limit: int = field(default=2, metadata=_bounds(1, 100))
     # A failed action waits this long before the next try, doubling up to the maximum.

@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TextIO
 
-from vllm_guardian.config import Config, parse_config
+from vllm_guardian.config import Config, PolicyConfig, SignalsConfig, parse_config
 from vllm_guardian.daemon import Guardian
-from vllm_guardian.model import ActionKind, AlertState
+from vllm_guardian.model import ActionKind, AlertState, Cause
 
 GIB = 1024**3
 SCENARIOS = (
@@ -99,6 +99,24 @@ rules:
     summary: "{service}: /health does not answer 200"
     runbook: "#engine-dead"
 """
+
+
+# The exhaustion forecast and what the policy does with it, at the shipped defaults divided by
+# the twin's speed (as bench/outcome.py does for every key): a trend lives on the twin's clock (a
+# neighbour grows 0.1 GiB per simulated second). Left at their wall-clock defaults, a twin at 4x
+# needed 160 simulated seconds of trend before any forecast, while its neighbour exhausts the
+# card in about 66: the demo never showed the pre-emptive relaunch a deployed guardian makes, only
+# the OOM after it (and the relaunch loop that followed; README "Demo").
+FORECAST_SIGNALS = (
+    "forecast_window_seconds", "forecast_interval_seconds", "forecast_min_span_seconds",
+    "forecast_max_gap_seconds",
+)  # fmt: skip
+FORECAST_POLICY = ("forecast_horizon_seconds", "neighbour_persist_seconds")
+
+
+def on_twin_clock(defaults: object, names: Sequence[str], speed: float) -> dict[str, float]:
+    """``names`` of a config section's shipped ``defaults``, divided by the twin's ``speed``."""
+    return {name: float(getattr(defaults, name)) / speed for name in names}
 
 
 def free_port() -> int:
@@ -187,7 +205,8 @@ def demo_config(
                 "logs": {"enabled": True},
             },
             "signals": {"rate_window_seconds": 10, "quantile_window_seconds": 20, "slope_window_seconds": 20,
-                        "stall_seconds": 8, "capacity_window_seconds": 20},
+                        "stall_seconds": 8, "capacity_window_seconds": 20,
+                        **on_twin_clock(SignalsConfig(), FORECAST_SIGNALS, opts.speed)},
             "alerting": {"rules_file": str(workdir / "demo-rules.yaml")},
             "policy": {
                 "dry_run": False, "backend": "process", "cooldown_seconds": opts.cooldown_seconds,
@@ -195,6 +214,7 @@ def demo_config(
                 "vram_release_timeout_seconds": 10, "backoff_initial_seconds": 5,
                 "pressure_events_to_relaunch": 2, "pressure_window_seconds": 600,
                 "early_failure_seconds": 5, "stable_for_seconds": 3600,
+                **on_twin_clock(PolicyConfig(), FORECAST_POLICY, opts.speed),
                 **opts.policy,
             },
         }
@@ -411,6 +431,14 @@ def _package_root() -> str:
     return str(Path(__file__).resolve().parent.parent)
 
 
+def kv_gated(audit: Sequence[dict[str, Any]]) -> bool:
+    """The guardian closed /ready for KV pressure at least once (not for a forecast's relaunch)."""
+    return any(
+        d.get("what") == "gate" and d.get("cause") == Cause.CONCURRENCY_OVERCOMMIT.value
+        for d in audit
+    )
+
+
 def _report(g: Guardian, opts: DemoOptions, workdir: Path) -> DemoReport:
     report = DemoReport(opts.scenario, workdir)
     audit = _read_audit(workdir / "state" / "audit.jsonl")
@@ -419,7 +447,7 @@ def _report(g: Guardian, opts: DemoOptions, workdir: Path) -> DemoReport:
     report.causes = sorted(
         {d["cause"] for d in audit if d.get("cause") and d["what"] in ("action", "latch")}
     )
-    report.gated = any(d["what"] == "gate" for d in audit)
+    report.gated = kv_gated(audit)
     fired: list[str] = []
     for path in sorted((workdir / "state").glob("flight.jsonl*")):
         with contextlib.suppress(OSError), path.open() as fh:

@@ -21,11 +21,13 @@ from __future__ import annotations
 import contextlib
 import enum
 import http.client
+import itertools
+import math
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -55,18 +57,59 @@ class HttpGetError(Exception):
 
 class Cancel:
     """A collector's kill switch: :meth:`cut` ends the fetch in progress at once and fails
-    every later one, so that shutting down never waits on a server (SIGTERM)."""
+    every later one, so that shutting down never waits on a server (SIGTERM).
+
+    It also keeps its fetches' deadlines: one thread per Cancel (started with the first
+    fetch, ended by :meth:`cut`) shuts a fetch's socket down at its deadline, where a fetch
+    without a Cancel starts a timer thread of its own. A collector fetches every tick: a
+    thread started per fetch cost more CPU than the rest of the exchange (issue 19)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._socks: set[socket.socket] = set()
         self.cut_done = False
+        self._wake = threading.Condition(self._lock)
+        self._deadlines: dict[int, tuple[float, Callable[[], None]]] = {}  # → (monotonic, cut)
+        self._tokens = itertools.count()
+        self._watcher: threading.Thread | None = None
+        self._waiting_until = math.inf  # when the watcher wakes next on its own
 
     def cut(self) -> None:
         with self._lock:
             self.cut_done = True
             for sock in self._socks:
                 _shutdown(sock)
+            self._wake.notify()  # the watcher ends
+
+    def _at_deadline(self, end_monotonic: float, cut: Callable[[], None]) -> int:
+        """Call ``cut`` at ``end_monotonic`` unless :meth:`_clear` comes first."""
+        with self._lock:
+            token = next(self._tokens)
+            self._deadlines[token] = (end_monotonic, cut)
+            if self._watcher is None:
+                self._watcher = threading.Thread(
+                    target=self._watch, name="httpget-deadlines", daemon=True
+                )
+                self._watcher.start()
+            elif end_monotonic < self._waiting_until:
+                self._wake.notify()
+            return token
+
+    def _clear(self, token: int) -> None:
+        with self._lock:
+            self._deadlines.pop(token, None)
+
+    def _watch(self) -> None:
+        with self._lock:
+            while not self.cut_done:
+                now = time.monotonic()
+                for token, (end, cut) in list(self._deadlines.items()):
+                    if end <= now:
+                        del self._deadlines[token]
+                        cut()
+                nearest = min((end for end, _ in self._deadlines.values()), default=math.inf)
+                self._waiting_until = nearest
+                self._wake.wait(None if nearest == math.inf else nearest - now)
 
     def _add(self, sock: socket.socket) -> bool:
         with self._lock:
@@ -131,9 +174,14 @@ def fetch(
     if cancel is not None and cancel.cut_done:
         raise HttpGetError(Failure.CANCELLED, url, "shutting down")
 
-    timer = threading.Timer(deadline_seconds, cut)
-    timer.daemon = True
-    timer.start()
+    timer: threading.Timer | None = None
+    token: int | None = None
+    if cancel is not None:
+        token = cancel._at_deadline(end, cut)
+    else:
+        timer = threading.Timer(deadline_seconds, cut)
+        timer.daemon = True
+        timer.start()
     try:
         conn.connect()
         connected = True
@@ -168,7 +216,10 @@ def fetch(
             raise HttpGetError(Failure.BROKEN, url, f"cannot resolve {parts.hostname}") from None
         raise HttpGetError(Failure.BROKEN, url, _short(e)) from None
     finally:
-        timer.cancel()
+        if timer is not None:
+            timer.cancel()
+        if cancel is not None and token is not None:
+            cancel._clear(token)
         if cancel is not None and conn.sock is not None:
             cancel._remove(conn.sock)
         conn.close()

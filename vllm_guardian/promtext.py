@@ -31,6 +31,8 @@ _LABEL_PAIR = re.compile(
 _SIMPLE_LINE = re.compile(
     r"^([^{\s#]+)\{([^\n#\\]*)\}[ \t]+(\S+)(?:[ \t]+(\S+))?[ \t]*$", re.MULTILINE
 )
+# A Scan's line head that is a sample's name and labels alone (no escapes, no blanks, no '#').
+_HEAD = re.compile(r"([^{\s#]+)(?:\{([^\n#\\]*)\})?\Z")
 _ESCAPE = re.compile(r"\\(.)")
 _BLANK = re.compile(r"[ \t]")  # what separates a sample's name from its value
 _ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
@@ -156,6 +158,19 @@ def _closing_brace(line: str, brace: int) -> int:
             return i
         i += 1
     return -1
+
+
+class Scan(NamedTuple):
+    """A body's lines outside the skipped families, each cut at its last space, not read.
+
+    ``shape`` is everything of the body that :meth:`Parser.parse` reads except what follows
+    each line's last space: two bodies of equal shapes whose lines all read as
+    ``name{labels} value`` (:func:`split_head`) parse to the same samples in the same order,
+    with the values read from ``raw_values`` at the same positions (:meth:`Parser.scan`)."""
+
+    shape: tuple[object, ...]
+    heads: tuple[str, ...]  # each line up to its last space
+    raw_values: tuple[str, ...]  # and after it
 
 
 class Parser:
@@ -318,6 +333,70 @@ class Parser:
                 if (space < 0 or not _NAME.match(name.strip() or "-")) and not line.isspace():
                     malformed += 1  # not even a metric name: garbage
         return ParseResult(tuple(samples), malformed, frozenset(seen))
+
+    def scan(self, text: str) -> Scan | None:
+        """The sample lines :meth:`parse` would read, split but not interpreted; None when a
+        line needs more than the common shape (escapes, exemplars, blanks, a truncated body),
+        which only :meth:`parse` reads.
+
+        It walks the body exactly as :meth:`parse` does (the same blocks skipped), so a
+        caller that has parsed a body of the same :attr:`Scan.shape` before can reuse what it
+        derived from it and read only the values (sources/vllm_metrics.py does)."""
+        if "\r" in text or (text and not text.endswith("\n")):
+            return None
+        prefixes = self.prefixes
+        seen = frozenset(p for p in prefixes if text.startswith(p) or ("\n" + p) in text)
+        wanted = self.wanted
+        heads: list[str] = []
+        raw_values: list[str] = []
+        sizes: list[int] = []
+        n = len(text)
+        pos = 0
+        family: str | None = None
+        while pos < n:
+            if text.startswith("#", pos):
+                eol = text.find("\n", pos)
+                eol = n if eol < 0 else eol
+                if text.startswith("# TYPE ", pos):
+                    parts = text[pos:eol].split()
+                    family = parts[2] if len(parts) >= 3 else None
+                pos = eol + 1
+                continue
+            end = _next_comment_line(text, pos)
+            end = n if end < 0 else end
+            start, pos = pos, end
+            if family is not None:
+                skippable = self._skippable.get(family)
+                if skippable is None:
+                    skippable = not any(w.startswith(family) for w in wanted)
+                    self._skippable[family] = skippable
+                if skippable and start > 0:
+                    count = text.count("\n", start, end)
+                    if text.count("\n" + family, start - 1, end) == count:
+                        continue
+            lines = text[start:end].split("\n")
+            lines.pop()  # the block ends with a newline
+            cut = [line.rpartition(" ") for line in lines]
+            heads += [c[0] for c in cut]
+            raw_values += [c[2] for c in cut]
+            sizes.append(len(lines))
+        return Scan((seen, tuple(sizes), tuple(heads)), tuple(heads), tuple(raw_values))
+
+    @staticmethod
+    def split_head(head: str) -> tuple[str, str] | None:
+        """A :class:`Scan` line head as ``(name, label text)`` when it is just a sample's name
+        and labels without escapes; None for anything else (a timestamp, a blank, an exemplar),
+        which only :meth:`parse` reads."""
+        m = _HEAD.match(head)
+        return None if m is None else (m.group(1), m.group(2) or "")
+
+    def label_set(self, body: str) -> tuple[Labels, object] | None:
+        """The parsed labels of a label text (without braces) and its note, cached; None if
+        malformed."""
+        entry = self._labels.get(body, _MISS)
+        if entry is _MISS:
+            entry = self._label_set(body)
+        return entry  # type: ignore[return-value]
 
 
 _MISS = object()

@@ -77,10 +77,20 @@ def to_jsonable(obj: Any) -> Any:
         return "NaN" if math.isnan(obj) else ("+Inf" if obj > 0 else "-Inf")
     if tp is tuple or tp is list:
         # Plain values inline, without a call each (``v - v == 0``: a finite float).
-        return [
-            v if type(v) in _PLAIN or (type(v) is float and v - v == 0.0) else to_jsonable(v)
-            for v in obj
-        ]
+        out_list = []
+        for v in obj:
+            tv = type(v)
+            if tv in _PLAIN or (tv is float and v - v == 0.0):
+                out_list.append(v)
+            elif tv is tuple and len(v) == 2 and type(v[1]) is float and v[1] - v[1] == 0.0:
+                # A histogram bucket (le, count): le may be +Inf, count is a finite float.
+                le = v[0]
+                out_list.append(
+                    [le if type(le) is float and le - le == 0.0 else to_jsonable(le), v[1]]
+                )
+            else:
+                out_list.append(to_jsonable(v))
+        return out_list
     if isinstance(obj, enum.Enum):
         return obj.value
     names = _field_names(tp)  # type: ignore[arg-type]  # types are hashable

@@ -24,8 +24,9 @@
  * Events are delivered like the real driver: only those that happen after the event set
  * was created (seq above the highest seq present at creation), each once, in seq order.
  *
- * If FAKE_NVML_CALLS names a file, every entry point appends its name there, so a test can
- * count how often the guardian called nvmlInitWithFlags.
+ * If FAKE_NVML_CALLS names a file, the session's entry points (init, shutdown, count, event
+ * set), the driver version and the per-device handle, UUID, name and memory calls append
+ * their name there, so a test can count how often the guardian called them.
  *
  * Build: gcc -shared -fPIC -O2 -o libnvidia-ml.so.1 fake_nvml.c
  * -DFAKE_NVML_VARIANT='"-b"' appends "-b" to the driver version, so a test can tell which
@@ -252,6 +253,7 @@ const char *nvmlErrorString(int rc) {
 }
 
 int nvmlSystemGetDriverVersion(char *buf, unsigned int len) {
+    log_call("nvmlSystemGetDriverVersion");
     state_t s;
     if (!g_initialized) return E_UNINITIALIZED;
     if (load(&s) != 0) return E_DRIVER_NOT_LOADED;
@@ -272,6 +274,7 @@ int nvmlDeviceGetCount_v2(unsigned int *count) {
 }
 
 int nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *h) {
+    log_call("nvmlDeviceGetHandleByIndex_v2");
     state_t s;
     if (!g_initialized) return E_UNINITIALIZED;
     if (load(&s) != 0) return E_DRIVER_NOT_LOADED;
@@ -296,6 +299,7 @@ static int copy_str(const char *src, char *buf, unsigned int len) {
 }
 
 int nvmlDeviceGetUUID(nvmlDevice_t h, char *buf, unsigned int len) {
+    log_call("nvmlDeviceGetUUID");
     state_t s;
     gpu_t *g;
     int rc = device(h, &s, &g, 0);
@@ -303,6 +307,7 @@ int nvmlDeviceGetUUID(nvmlDevice_t h, char *buf, unsigned int len) {
 }
 
 int nvmlDeviceGetName(nvmlDevice_t h, char *buf, unsigned int len) {
+    log_call("nvmlDeviceGetName");
     state_t s;
     gpu_t *g;
     int rc = device(h, &s, &g, 0);
@@ -310,6 +315,7 @@ int nvmlDeviceGetName(nvmlDevice_t h, char *buf, unsigned int len) {
 }
 
 int nvmlDeviceGetMemoryInfo(nvmlDevice_t h, nvmlMemory_t *m) {
+    log_call("nvmlDeviceGetMemoryInfo");
     state_t s;
     gpu_t *g;
     int rc = device(h, &s, &g, 0);

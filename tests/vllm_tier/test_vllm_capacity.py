@@ -55,6 +55,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
 SHAPE_A_FLAGS = ("--max-model-len", "1024", "--num-gpu-blocks-override", "16")
 REQUESTS, CLIENTS, PROMPT_TOKENS = 96, 24, 200
+STARVED_BELOW = 3.0  # sequences per engine step, uncapped: below, the load did not reach vLLM
 REPORT: dict[str, object] = {}
 
 
@@ -168,6 +169,9 @@ def run_closed_loop(url: str) -> dict[str, float]:
         "preemptions": preemptions,
         "steps": delta["vllm:iteration_tokens_total_count"],
         "modelled_seconds": modelled,
+        # How many of the 24 clients' requests the engine ran at once, on average: ~5 uncapped
+        # (the pool hosts 5), < 2 at cap 2.
+        "sequences_per_step": sequence_steps / max(1.0, delta["vllm:iteration_tokens_total_count"]),
     }
 
 
@@ -178,6 +182,14 @@ def test_twin_and_real_server_lose_alike_under_a_low_cap(
     for arm, flags in (("uncapped", ()), ("cap2", ("--max-num-seqs", "2"))):
         with serve(vllm_venv, tiny_model, tmp_path, *flags) as server:
             real[arm] = run_closed_loop(server.url)
+            if arm == "uncapped" and real[arm]["sequences_per_step"] < STARVED_BELOW:
+                # The load never reached the engine: seen once in a soak beside a CPU hog and
+                # other work (1.3 sequences a step, 14,440 steps against the usual 3,700, 11
+                # preemptions; vLLM's own log: "Running: 1 reqs, Waiting: 0" while 24 clients
+                # had requests out). That measures the host, not the engine; the closed loop
+                # runs once more on the same server, and both runs are reported.
+                real["uncapped_starved"] = real[arm]
+                real[arm] = run_closed_loop(server.url)
             if arm == "uncapped":
                 real["open_loop"] = over_capacity(server.url, real[arm]["requests_per_second"])
     twin_uncapped, twin_uncapped_pre = closed_loop(None)
@@ -193,6 +205,12 @@ def test_twin_and_real_server_lose_alike_under_a_low_cap(
         twin_preemptions={"uncapped": twin_uncapped_pre, "cap2": twin_cap_pre},
     )
     print(REPORT)
+    starved = float(real["uncapped"]["sequences_per_step"])  # type: ignore[arg-type]
+    assert starved >= STARVED_BELOW, (
+        f"twice, the 24 clients kept only {starved:.1f} sequences a step in the uncapped engine "
+        "(about 5 when their load reaches it): the host starved the client or the API server",
+        REPORT,
+    )
     assert abs(real["uncapped"]["preemptions"] - twin_uncapped_pre) <= 12, REPORT
     assert abs(real["cap2"]["preemptions"] - twin_cap_pre) <= 12, REPORT
     # What one live pair can be trusted to show is the direction: under a cap at 0.4x what the

@@ -574,6 +574,7 @@ def test_kv_pressure_is_seen_alerted_gated_and_ungated(guarded: Guarded) -> None
         for d in gates
         if (m := re.search(r"KV cache usage (\d+)%", d["reason"])) is not None
     ]
+    real["gate_quoted_kv_max"] = max(quoted, default=0.0)
     assert max([watch.max("kv"), *quoted]) >= 0.9, real
     # Requests wait: how deep the queue gets depends on how fast the API server hands the 36
     # requests to the engine (22-33 in most runs; 3 in one CI run with the same 16 s burst,
@@ -658,6 +659,19 @@ def test_twin_matches_the_real_server_side_by_side(guarded: Guarded, tiny_model:
     assert not only_real and not only_twin and not differ, REPORT["families"]
     # The same qualitative behaviour: every request served, the pool saturates, requests wait,
     # running ones are preempted.
+    # The real server's peaks are read from both of its observers, the test's sampler and the
+    # guardian's ticks (and the KV its gate decision quoted): the KV gauge is a sawtooth and one observer's scrapes can miss its top
+    # when /metrics answers late (a soak beside a hog: the sampler's peak 0.645 while vLLM's
+    # own log said 96.8 % and the guardian saw >= 0.9).
+    real = {
+        **real,
+        "kv_usage_max": max(
+            real["kv_usage_max"],
+            real.get("guardian_kv_max") or 0.0,
+            real.get("gate_quoted_kv_max") or 0.0,
+        ),
+        "waiting_max": max(real["waiting_max"], real.get("guardian_waiting_max") or 0.0),
+    }
     for name, numbers in (("real", real), ("twin", twin)):
         assert numbers["ok"] == numbers["requests"], (name, numbers)
         assert numbers["kv_usage_max"] >= 0.9, (name, numbers)

@@ -43,7 +43,9 @@ No I/O, no clock: the time is the newest sample's, and every threshold is an arg
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -146,7 +148,15 @@ class Forecast:
 
 
 def theil_sen(points: Sequence[tuple[float, float]], confidence: float = 0.95) -> Trend | None:
-    """Median pairwise slope with Sen's distribution-free interval; None under 3 points."""
+    """Median pairwise slope with Sen's distribution-free interval; None under 3 points.
+
+    Quadratic in the points, and read every tick over floors that change once an interval:
+    the last results are kept by their points (a pure function's memo)."""
+    return _theil_sen(tuple(points), confidence)
+
+
+@functools.lru_cache(maxsize=256)
+def _theil_sen(points: tuple[tuple[float, float], ...], confidence: float) -> Trend | None:
     n = len(points)
     if n < 3:
         return None
@@ -195,11 +205,16 @@ def _per_interval(
         return []
     last_t = samples[-1].time_seconds
     buckets: dict[int, list[float]] = {}
-    for s in samples:
-        v = getattr(s, attr)
+    floor = math.floor
+    for t, v in map(operator.attrgetter("time_seconds", attr), samples):
         if v is None:
             continue
-        buckets.setdefault(math.floor(s.time_seconds / interval_seconds), []).append(float(v))
+        b = floor(t / interval_seconds)
+        values = buckets.get(b)
+        if values is None:
+            buckets[b] = [float(v)]
+        else:
+            values.append(float(v))
     out = []
     for b in sorted(buckets):
         end = (b + 1) * interval_seconds
@@ -250,9 +265,12 @@ def forecast(
     if trend is None or not significant(pts, trend, span, cfg):
         return None
     # One step's activations are not a trend: the fall over the window must exceed the
-    # largest swing of the free memory within one interval (the sawtooth's amplitude).
+    # largest swing of the free memory within one interval (the sawtooth's amplitude). The
+    # run's first interval is left out of it: it holds the process's start (a reading taken
+    # while the pool was still being reserved swung 57 GiB and vetoed the twin's neighbour
+    # forecast for the whole window); its floor still counts in the trend.
     tops = dict(peaks(run, cfg.interval_seconds, "free_bytes"))
-    swing = max(tops[t] - v for t, v in pts)
+    swing = max(tops[t] - v for t, v in pts[1:])
     if -trend.slope_per_second * span < swing:
         return None
     level = max(0.0, trend.level_now)

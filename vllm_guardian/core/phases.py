@@ -55,6 +55,12 @@ class Phase(StrEnum):
     AWAITING_READY = "awaiting_ready"  # /health 200 and a fresh scrape after the restart
 
 
+# The front door is closed and the instance that was running when the action began is still
+# the one vLLM's logs speak of. (AWAITING_PERMIT is not here: it still serves, and a crash
+# while it waits for a permit is news.)
+BEFORE_RESTART = frozenset({Phase.PREPARING, Phase.DRAINING, Phase.RESTARTING})
+
+
 @dataclass(frozen=True)
 class Seen:
     """What this tick shows of one service, as far as the phases care."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -246,34 +247,53 @@ def _scrape(snap: Snapshot, name: str) -> VllmScrape | None:
     return svc.vllm if svc is not None else None
 
 
-_Indexed = tuple[float, float | None, dict[tuple[str, str], EngineMetrics]]  # (t, start, engines)
+# The counters whose rates the signals read, in the order _engine_rates returns them.
+_RATE_FIELDS = (
+    "preemptions_total",
+    "generation_tokens_total",
+    "prefix_cache_hits_total",
+    "prefix_cache_queries_total",
+    "prompt_tokens_total",
+    "requests_failed_total",
+)
+_Counters = tuple[float, float | None, dict[tuple[str, str], tuple[float | None, ...]]]
 
 
-def _index(window: Sequence[Snapshot], service: str) -> list[_Indexed]:
-    """The service's scrapes in the window, each with its engines keyed once (not per lookup)."""
-    out: list[_Indexed] = []
-    for snap in window:
-        scrape = _scrape(snap, service)
-        if scrape is not None:
-            out.append(
-                (
-                    snap.time_seconds,
-                    scrape.process_start_time_seconds,
-                    {e.key: e for e in scrape.engines},
-                )
-            )
+def _counters(snap: Snapshot, service: str) -> _Counters | None:
+    """A snapshot's (time, process start, each engine's _RATE_FIELDS) for the service; None
+    without a scrape. Computed once per snapshot (its memo): every tick reads the window."""
+    key = ("counters", service)
+    memo = snap.memo
+    if key in memo:
+        return memo[key]  # type: ignore[no-any-return]
+    scrape = _scrape(snap, service)
+    out: _Counters | None = None
+    if scrape is not None:
+        out = (
+            snap.time_seconds,
+            scrape.process_start_time_seconds,
+            {e.key: tuple([getattr(e, f) for f in _RATE_FIELDS]) for e in scrape.engines},
+        )
+    memo[key] = out
     return out
 
 
-def _engine_rate(indexed: Sequence[_Indexed], key: tuple[str, str], attr: str) -> float | None:
-    points: list[Point] = []
-    for t, start, engines in indexed:
-        e = engines.get(key)
-        if e is not None:
-            v = getattr(e, attr)
-            if v is not None:
-                points.append((t, v, start))
-    return rate(points)
+def _engine_rates(
+    window: Sequence[Snapshot], service: str, keys: Sequence[tuple[str, str]]
+) -> dict[tuple[str, str], tuple[float | None, ...]]:
+    """Each engine's rate of each of _RATE_FIELDS over the window: for one engine and field,
+    the points are the window's scrapes that have the engine and a value for the field."""
+    rows = [c for snap in window if (c := _counters(snap, service)) is not None]
+    out: dict[tuple[str, str], tuple[float | None, ...]] = {}
+    for key in keys:
+        series = [(t, start, v) for t, start, by in rows if (v := by.get(key)) is not None]
+        out[key] = tuple(
+            [
+                rate([(t, x, start) for t, start, v in series if (x := v[i]) is not None])
+                for i in range(len(_RATE_FIELDS))
+            ]
+        )
+    return out
 
 
 def _sum_opt(values: Sequence[float | None]) -> float | None:
@@ -286,11 +306,57 @@ def _histogram_delta(
 ) -> dict[float, float]:
     if last is None:
         return {}
-    cur = dict(last.buckets)
     if first is None or restarted or (first.count or 0) > (last.count or 0):
-        return cur
+        return dict(last.buckets)
+    if len(first.buckets) == len(last.buckets) and all(
+        a[0] == b[0] for a, b in zip(first.buckets, last.buckets, strict=True)
+    ):
+        # The same bounds (the common case): bucket by bucket, without a dict each.
+        return {
+            le: max(0.0, c - p) for (le, c), (_, p) in zip(last.buckets, first.buckets, strict=True)
+        }
+    cur = dict(last.buckets)
     prev = dict(first.buckets)
     return {le: max(0.0, c - prev.get(le, 0.0)) for le, c in cur.items()}
+
+
+def _delta_columns(
+    first_by: dict[tuple[str, str], EngineMetrics],
+    last_by: dict[tuple[str, str], EngineMetrics],
+    keys: Sequence[tuple[str, str]],
+    attr: str,
+    restarted: bool,
+) -> tuple[tuple[float, ...], list[Sequence[float]]] | None:
+    """:func:`_histogram_delta` of every engine as rows over one tuple of bounds; None when
+    the engines' bounds differ (or repeat), which only the dict-per-engine way reads."""
+    bounds: tuple[float, ...] | None = None
+    rows: list[Sequence[float]] = []
+    for key in keys:
+        e = last_by.get(key)
+        last: Histogram | None = getattr(e, attr) if e else None
+        if last is None or not last.buckets:
+            continue  # no delta: nothing to add
+        last_bounds, last_counts = zip(*last.buckets, strict=True)
+        if bounds is None:
+            if len(set(last_bounds)) != len(last_bounds):
+                return None
+            bounds = last_bounds
+        elif last_bounds != bounds:
+            return None
+        f = first_by.get(key)
+        first: Histogram | None = getattr(f, attr) if f else None
+        if first is None or restarted or (first.count or 0) > (last.count or 0):
+            rows.append(last_counts)
+            continue
+        if not first.buckets:
+            return None
+        first_bounds, first_counts = zip(*first.buckets, strict=True)
+        if first_bounds != bounds:
+            return None
+        rows.append(
+            list(map(max, itertools.repeat(0.0), map(operator.sub, last_counts, first_counts)))
+        )
+    return ((), []) if bounds is None else (bounds, rows)
 
 
 def _latency(
@@ -311,15 +377,27 @@ def _latency(
     first_by = {e.key: e for e in first_scrape.engines}
     last_by = {e.key: e for e in last_scrape.engines}
     for metric, attr in LATENCY_HISTOGRAMS.items():
-        summed: dict[float, float] = {}
-        for key in keys:
-            f, last = first_by.get(key), last_by.get(key)
-            delta = _histogram_delta(
-                getattr(f, attr) if f else None, getattr(last, attr) if last else None, restarted
-            )
-            for le, c in delta.items():
-                summed[le] = summed.get(le, 0.0) + c
-        buckets = sorted(summed.items())
+        columns = _delta_columns(first_by, last_by, keys, attr, restarted)
+        if columns is not None:
+            # Every engine's buckets have the same bounds (the common case): the same sums,
+            # added in the same order, a column at a time.
+            bounds, rows = columns
+            acc = [0.0] * len(bounds)
+            for row in rows:
+                acc = list(map(operator.add, acc, row))
+            buckets = sorted(zip(bounds, acc, strict=True))
+        else:
+            summed: dict[float, float] = {}
+            for key in keys:
+                f, last = first_by.get(key), last_by.get(key)
+                delta = _histogram_delta(
+                    getattr(f, attr) if f else None,
+                    getattr(last, attr) if last else None,
+                    restarted,
+                )
+                for le, c in delta.items():
+                    summed[le] = summed.get(le, 0.0) + c
+            buckets = sorted(summed.items())
         for q in QUANTILES:
             v = histogram_quantile(q, buckets)
             if v is not None:
@@ -434,6 +512,17 @@ def _sum_int(values: Sequence[int | None]) -> int | None:
     return sum(v for v in values if v is not None)
 
 
+def _kept_headroom(snap: Snapshot, indices: set[int], frozen: frozenset[int]) -> int | None:
+    """:func:`_headroom`, computed once per snapshot and set of GPUs (``frozen``: the same
+    indices, as the memo's key): the slope's window is read whole on every tick."""
+    key = ("headroom", frozen)
+    memo = snap.memo
+    if key in memo:
+        return memo[key]  # type: ignore[no-any-return]
+    h = memo[key] = _headroom(snap, indices)
+    return h
+
+
 def _headroom(snap: Snapshot, indices: set[int]) -> int | None:
     if snap.gpus is None or not indices:
         return None
@@ -463,13 +552,14 @@ def derive_service(
     )
     fields: dict[str, object] = {}
     rate_win = _window(history, cfg.rate_window_seconds)
-    indexed = _index(rate_win, svc.name)
     utilization: float | None = None
     if scrape is not None and scrape.engines:
         engines = scrape.engines
         keys = [e.key for e in engines]
+        rates = _engine_rates(rate_win, svc.name, keys)  # in the order of _RATE_FIELDS
         per_engine = []
         for e in engines:
+            r = rates[e.key]
             per_engine.append(
                 EngineSignals(
                     e.model_name,
@@ -477,12 +567,12 @@ def derive_service(
                     e.kv_cache_usage_ratio,
                     e.requests_running,
                     e.requests_waiting,
-                    _engine_rate(indexed, e.key, "preemptions_total"),
-                    _engine_rate(indexed, e.key, "generation_tokens_total"),
+                    r[0],
+                    r[1],
                 )
             )
-        hits = _sum_opt([_engine_rate(indexed, k, "prefix_cache_hits_total") for k in keys])
-        queries = _sum_opt([_engine_rate(indexed, k, "prefix_cache_queries_total") for k in keys])
+        hits = _sum_opt([rates[k][2] for k in keys])
+        queries = _sum_opt([rates[k][3] for k in keys])
         if queries:
             prefix_ratio: float | None = (hits or 0.0) / queries
         else:
@@ -511,12 +601,8 @@ def derive_service(
             generation_tokens_per_second=_sum_opt(
                 [p.generation_tokens_per_second for p in per_engine]
             ),
-            prompt_tokens_per_second=_sum_opt(
-                [_engine_rate(indexed, k, "prompt_tokens_total") for k in keys]
-            ),
-            request_failures_per_second=_sum_opt(
-                [_engine_rate(indexed, k, "requests_failed_total") for k in keys]
-            ),
+            prompt_tokens_per_second=_sum_opt([rates[k][4] for k in keys]),
+            request_failures_per_second=_sum_opt([rates[k][5] for k in keys]),
             prefix_cache_hit_ratio=prefix_ratio,
             stall_seconds=stall,
             stalled=None if stall is None else stall >= cfg.stall_seconds,
@@ -543,10 +629,11 @@ def derive_service(
         indices = {d.index for d in devices}
         service_mem = _sum_int([g.service_memory_bytes for g in gpus]) if gpus else None
         budget = _sum_int([g.budget_bytes for g in gpus]) if gpus else None
+        frozen = frozenset(indices)
         slope_points = [
             (snap.time_seconds, float(h))
             for snap in _window(history, cfg.slope_window_seconds)
-            if (h := _headroom(snap, indices)) is not None
+            if (h := _kept_headroom(snap, indices, frozen)) is not None
         ]
         fields.update(
             gpus=gpus,
@@ -571,36 +658,43 @@ def derive_service(
 
 def capacity_samples(window: Sequence[Snapshot], service: str) -> list[CapacitySample]:
     """What the capacity estimate reads from each snapshot: vLLM's counters and gauges summed
-    over its engines (a snapshot without a scrape says so)."""
+    over its engines (a snapshot without a scrape says so). Each snapshot's sample is computed
+    once and kept in its memo: the window is read whole on every tick."""
     out = []
+    key = ("capacity_sample", service)
     for snap in window:
-        scrape = _scrape(snap, service)
-        if scrape is None:
-            out.append(CapacitySample(snap.time_seconds, scraped=False))
-            continue
-        sums = scrape.sums  # once per scrape, however many ticks read it
-        svc = snap.service(service)
-        gate = svc.gate if svc is not None and svc.gate is not None and svc.gate.reachable else None
-        out.append(
-            CapacitySample(
-                snap.time_seconds,
-                scraped=True,
-                stats_enabled=scrape.stats_enabled,
-                process_start_seconds=scrape.process_start_time_seconds,
-                finished_total=sums.finished_total,
-                failed_total=sums.failed_total,
-                prompt_tokens_total=sums.prompt_tokens_total,
-                generation_tokens_total=sums.generation_tokens_total,
-                running=sums.running,
-                waiting=sums.waiting,
-                kv_usage_ratio=sums.kv_usage_ratio,
-                gate_queued=None if gate is None or gate.queued is None else float(gate.queued),
-                gate_rejected_total=(
-                    None if gate is None or gate.rejected_total is None else gate.rejected_total
-                ),
-            )
-        )
+        memo = snap.memo
+        sample = memo.get(key)
+        if sample is None:
+            sample = memo[key] = _capacity_sample(snap, service)
+        out.append(sample)
     return out
+
+
+def _capacity_sample(snap: Snapshot, service: str) -> CapacitySample:
+    scrape = _scrape(snap, service)
+    if scrape is None:
+        return CapacitySample(snap.time_seconds, scraped=False)
+    sums = scrape.sums
+    svc = snap.service(service)
+    gate = svc.gate if svc is not None and svc.gate is not None and svc.gate.reachable else None
+    return CapacitySample(
+        snap.time_seconds,
+        scraped=True,
+        stats_enabled=scrape.stats_enabled,
+        process_start_seconds=scrape.process_start_time_seconds,
+        finished_total=sums.finished_total,
+        failed_total=sums.failed_total,
+        prompt_tokens_total=sums.prompt_tokens_total,
+        generation_tokens_total=sums.generation_tokens_total,
+        running=sums.running,
+        waiting=sums.waiting,
+        kv_usage_ratio=sums.kv_usage_ratio,
+        gate_queued=None if gate is None or gate.queued is None else float(gate.queued),
+        gate_rejected_total=(
+            None if gate is None or gate.rejected_total is None else gate.rejected_total
+        ),
+    )
 
 
 def forecast_settings(cfg: SignalsConfig) -> ForecastSettings:
@@ -619,14 +713,29 @@ def memory_samples(
 
     Each snapshot's sample is computed once and kept in its memo: the window is read whole on
     every tick."""
-    out: list[MemorySample] = []
+    return _memory_columns(history, service, [gpu], utilization)[gpu]
+
+
+def _memory_columns(
+    history: Sequence[Snapshot], service: str, gpus: Sequence[int], utilization: float | None
+) -> dict[int, list[MemorySample]]:
+    """:func:`memory_samples` of several GPUs in one pass over the snapshots: each snapshot
+    keeps its row (one sample per GPU) in its memo, and the rows are turned into columns."""
+    order = tuple(gpus)
+    key = ("memory_samples", service, utilization, order)
+    rows = []
     for snap in history:
-        key = ("memory_sample", service, gpu, utilization)
-        sample = snap.memo.get(key)
-        if sample is None:
-            sample = snap.memo[key] = _memory_sample(snap, service, gpu, utilization)
-        out.append(sample)
-    return out
+        memo = snap.memo
+        row = memo.get(key)
+        if row is None:
+            row = memo[key] = tuple(
+                [_memory_sample(snap, service, gpu, utilization) for gpu in order]
+            )
+        rows.append(row)
+    if not rows:
+        return {gpu: [] for gpu in order}
+    columns = zip(*rows, strict=True)
+    return {gpu: list(column) for gpu, column in zip(order, columns, strict=True)}
 
 
 def _memory_sample(
@@ -699,12 +808,8 @@ def _forecast_fields(
     window = _window(history, cfg.forecast_window_seconds)
     settings = forecast_settings(cfg)
     now = history[-1].time_seconds
-    found = [
-        f
-        for gpu in gpus
-        if (f := forecast(gpu, memory_samples(window, svc.name, gpu, utilization), now, settings))
-        is not None
-    ]
+    columns = _memory_columns(window, svc.name, gpus, utilization)
+    found = [f for gpu in gpus if (f := forecast(gpu, columns[gpu], now, settings)) is not None]
     if not found:
         return {}
     worst = min(found, key=lambda f: f.seconds)
@@ -731,11 +836,16 @@ def _recent_log_events(
     now = history[-1].time_seconds
     out: dict[LogEventKind, int] = {}
     prev: dict[LogEventKind, int] = {}
+    key = ("log_counts", service)
     for snap in history:
-        svc = snap.service(service)
-        if svc is None or svc.logs is None:
+        memo = snap.memo
+        if key in memo:
+            counts = memo[key]
+        else:
+            svc = snap.service(service)
+            counts = memo[key] = None if svc is None or svc.logs is None else dict(svc.logs.counts)
+        if counts is None:
             continue
-        counts = dict(svc.logs.counts)
         if snap.time_seconds >= now - window_seconds - 1e-9:
             for kind, count in counts.items():
                 before = prev.get(kind, 0)

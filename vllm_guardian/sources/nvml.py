@@ -16,6 +16,14 @@ Two backends sit behind one small interface (:class:`_Backend`), chosen by
 Both return the same reading; the collector then fills each GPU process's ``name``,
 ``cgroup`` and ``ancestors`` from ``/proc`` so the core can attribute it to a service.
 
+What is read when (``nvml`` backend): a GPU's handle, UUID and name, and the driver's
+version, do not change within an NVML session (the driver fixes its devices' indices at init),
+so they are read once per session and device, and again when the device count changes or a
+call on the device fails; memory, utilisation, temperature, power, remapped rows, retired
+pages and the process lists (what the policy reads) are read on every tick, as are the XID
+events. The staleness this allows is none that a decision reads: the core keys devices by
+index, never by UUID or name; a GPU that fails keeps its last UUID and name in its reading.
+
 Nothing here raises into the tick: every failure becomes a ``failed(...)`` Reading with an
 error and a hint a person can act on, and a GPU that cannot be read is listed with its
 ``error`` set while the other GPUs keep reporting.
@@ -327,6 +335,11 @@ class _NvmlBackend:
         self._initialized = False
         self._event_set: Any = None
         self._registered: set[int] = set()  # handle addresses already offered to the event set
+        # What does not change within a session (see _read_device): per index, the handle,
+        # UUID and name; the device count they were read under; the driver's version.
+        self._static: dict[int, tuple[Any, str, str]] = {}
+        self._static_count: int | None = None
+        self._driver: str | None = None
         self._init_failures = 0
         self._next_init_monotonic: float | None = None
         self._last_init_failure: _Failure | None = None
@@ -425,6 +438,9 @@ class _NvmlBackend:
                 log.debug("nvmlShutdown: %s", e)
         self._initialized = False
         self._registered.clear()
+        self._static.clear()
+        self._static_count = None
+        self._driver = None
 
     def close(self) -> None:
         self._end_session()
@@ -439,11 +455,15 @@ class _NvmlBackend:
             # next collect re-initialises and backs off if that fails.
             self._end_session()
             return _Failure(f"NVML device count failed: {e}", _nvml_hint(e))
-        driver: str | None
-        try:
-            driver = _text(pynvml.nvmlSystemGetDriverVersion())
-        except pynvml.NVMLError:
-            driver = None
+        if count != self._static_count:  # a GPU came or went: read every device afresh
+            self._static.clear()
+            self._static_count = count
+        driver = self._driver
+        if driver is None:
+            try:
+                driver = self._driver = _text(pynvml.nvmlSystemGetDriverVersion())
+            except pynvml.NVMLError:
+                driver = None
         devices: list[GpuDevice] = []
         by_address: dict[int, int] = {}
         for index in range(count):
@@ -460,15 +480,24 @@ class _NvmlBackend:
         )
 
     def _read_device(self, index: int) -> tuple[GpuDevice, Any]:
-        try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        except pynvml.NVMLError as e:
-            return _unreadable(index, None, None, str(e)), None
+        """One GPU's reading. Its handle, UUID and name are read once per session and index
+        (NVML fixes both for a session) and again after the device count changes or any call
+        on the device fails; everything else is read every tick."""
+        static = self._static.get(index)
         uuid: str | None = None
         name: str | None = None
+        if static is not None:
+            handle, uuid, name = static
+        else:
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            except pynvml.NVMLError as e:
+                return _unreadable(index, None, None, str(e)), None
         try:
-            uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
-            name = _text(pynvml.nvmlDeviceGetName(handle))
+            if static is None:
+                uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+                name = _text(pynvml.nvmlDeviceGetName(handle))
+                self._static[index] = (handle, uuid, name)
             mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
             util = self._optional(pynvml.nvmlDeviceGetUtilizationRates, handle)
             temp = self._optional(
@@ -479,8 +508,10 @@ class _NvmlBackend:
             retired = self._optional(pynvml.nvmlDeviceGetRetiredPagesPendingStatus, handle)
             processes = self._processes(handle)
         except pynvml.NVMLError as e:
+            self._static.pop(index, None)
             return _unreadable(index, uuid, name, str(e)), handle
         except _DeviceFault as e:
+            self._static.pop(index, None)
             return _unreadable(index, uuid, name, e.message), handle
         device = GpuDevice(
             index=index,
