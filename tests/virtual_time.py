@@ -41,11 +41,11 @@ from __future__ import annotations
 import io
 import json
 import signal
+from asyncio import Queue, QueueEmpty
 from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from queue import Empty, SimpleQueue
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -239,7 +239,7 @@ class VirtualTwin(Twin):
         self.http_stats = HttpStats(self.started_at)
         self.runtime_registry = CollectorRegistry()
         self.runtime_registry.register(_StartTime(self.started_at))
-        self.requests: dict[str, tuple[PlannedRequest, SimpleQueue[RequestDelta], float]] = {}
+        self.requests: dict[str, tuple[PlannedRequest, Queue[RequestDelta], float]] = {}
 
     def sim_now(self) -> float:
         return (self.clock.time() - self.started_at) * self.opts.speed
@@ -330,7 +330,7 @@ class VirtualWorld:
         self.gpu_written_at = -1e18
         self.xids_written = 0
         self.xid_seq: dict[str, int] = {}
-        self.inflight: dict[int, tuple[VirtualTwin, str, SimpleQueue[RequestDelta], float]] = {}
+        self.inflight: dict[int, tuple[VirtualTwin, str, Queue[RequestDelta], float]] = {}
         profile = SCENARIOS[case.scenario].load
         self.plan = deque(
             plan_requests(profile, LOAD_SEED, 100_000, case.duration_seconds * case.speed)
@@ -454,7 +454,7 @@ class VirtualWorld:
             while kind is None:
                 try:
                     d = q.get_nowait()
-                except Empty:
+                except QueueEmpty:
                     break
                 if d.request_id == "":  # the twin cut the stream (drain timed out)
                     kind = OutcomeKind.INCOMPLETE

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import threading
@@ -277,3 +278,77 @@ def test_xid_fault_is_published_in_the_gpu_state_file(twin: Starter, tmp_path: P
     assert [(x["seq"], x["xid"]) for x in dev["xid_events"]] == [(1, 48)]
     assert "uncorrectable ECC error encountered" in t.stderr()
     assert not Path(f"{state}.tmp").exists()
+
+
+def test_many_requests_in_flight_hold_no_twin_thread_each_and_a_killed_twin_cuts_them(
+    twin: Starter,
+) -> None:
+    # The twin serves from one event loop: 300 open requests are 300 sockets, not 300 threads
+    # (a thread per connection starved a 2-core host at kv_thrash's ~2,000 in flight).
+    t = twin("--enforce-eager", "--sim-speed", "1", "--enable-server-load-tracking")
+    t.wait_ready()
+    n = 300
+    plan = [
+        dataclasses.replace(p, at_seconds=0.002 * p.index, max_tokens=4000, stream=p.index % 2 == 0)
+        for p in plan_requests(LoadProfile(1.0, 8, 16, 1, 1), 0, n, 1000.0)
+    ]
+    results: list[LoadResult] = []
+    load = threading.Thread(
+        target=lambda: results.append(
+            run_load(t.url, plan, model=MODEL, max_in_flight=2048, max_duration_seconds=30.0,
+                     request_timeout_seconds=60.0)
+        ),
+        daemon=True,
+    )  # fmt: skip
+    load.start()
+    seen: list[int] = []
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:
+        seen.append(requests.get(f"{t.url}/load", timeout=10).json()["server_load"])
+        if seen[-1] >= n:
+            break
+        time.sleep(0.1)
+    assert seen[-1] == n, f"server_load over time: {seen}"
+    threads = len(list(Path(f"/proc/{t.proc.pid}/task").iterdir()))
+    assert threads <= 4, f"the twin holds {threads} threads for {n} requests in flight"
+    # A twin that dies (no drain, no error event): streams end cut short, unary requests
+    # lose their connection before any answer.
+    t.proc.kill()
+    load.join(timeout=60.0)
+    assert not load.is_alive()
+    kinds = {(o.index % 2 == 0, o.kind) for o in results[0].outcomes}
+    assert kinds == {(True, OutcomeKind.INCOMPLETE), (False, OutcomeKind.CONNECTION_ERROR)}, kinds
+
+
+def test_a_drain_that_times_out_cuts_streams_without_done(twin: Starter) -> None:
+    t = twin("--enforce-eager", "--shutdown-timeout", "1", "--sim-speed", "1",
+             "--enable-server-load-tracking")  # fmt: skip
+    t.wait_ready()
+    plan = [
+        dataclasses.replace(p, at_seconds=0.0, max_tokens=8000, stream=p.index == 0)
+        for p in plan_requests(LoadProfile(1.0, 8, 16, 1, 1), 0, 2, 1000.0)
+    ]
+    results: list[LoadResult] = []
+    load = threading.Thread(
+        target=lambda: results.append(
+            run_load(t.url, plan, model=MODEL, max_duration_seconds=5.0,
+                     request_timeout_seconds=60.0)
+        ),
+        daemon=True,
+    )  # fmt: skip
+    load.start()
+    seen: list[int] = []
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:
+        seen.append(requests.get(f"{t.url}/load", timeout=10).json()["server_load"])
+        if seen[-1] >= 2:
+            break
+        time.sleep(0.05)
+    assert seen[-1] == 2, f"server_load over time: {seen}"
+    t.sigterm()
+    assert t.wait_exit() == 0
+    load.join(timeout=60.0)
+    assert not load.is_alive()
+    kinds = [o.kind for o in results[0].outcomes]
+    assert kinds == [OutcomeKind.INCOMPLETE, OutcomeKind.CONNECTION_ERROR], t.stderr()[-3000:]
+    assert "force killing remaining processes" in t.stderr()

@@ -1,15 +1,17 @@
 """An open-loop load generator for the twin (or a real vLLM), loopback only.
 
-``plan_requests`` turns a ``LoadProfile`` into a seeded, bounded list of arrivals (Poisson,
-plus bursts) with prompt/output lengths and shared prefixes; it is pure, so the simulation
-tests feed the same plan straight into the engine. ``run_load`` sends that plan over HTTP on
-its schedule, whether or not earlier requests have finished (open loop), and records every
-request's outcome: ok, HTTP error, error event in the stream, connection error, latency,
+``plan_requests`` turns a ``LoadProfile`` into a seeded, bounded list of arrivals (Poisson, plus
+bursts) with prompt/output lengths and shared prefixes; it is pure, so the simulation tests feed
+the same plan straight into the engine. ``run_load`` sends that plan over HTTP on its schedule,
+whether or not earlier requests have finished (open loop), from one asyncio event loop (aiohttp)
+rather than a thread per request, so thousands in flight cost sockets, not threads; it records
+every request's outcome: ok, HTTP error, error event in the stream, connection error, latency,
 tokens. The window (``max_duration_seconds``) bounds when requests are *sent*; every request
-sent gets its whole ``request_timeout_seconds`` to finish, so the run ends after the window
-once the last answer is in, and a healthy server fails none. Each planned request may say
-whether it streams (``PlannedRequest.stream``; None: the run's default). It refuses any host
-that is not a loopback address.
+sent gets its whole ``request_timeout_seconds`` to finish, so the run ends after the window once
+the last answer is in, and a healthy server fails none. ``send_one`` is the same request,
+blocking (``requests``), for callers that hold their own threads (the load test). Each planned
+request may say whether it streams (``PlannedRequest.stream``; None: the run's default). It
+refuses any host that is not a loopback address.
 
 Prompts are made of whitespace-separated words and the twin counts one token per word, so a
 planned prompt of N tokens is N tokens on the twin.
@@ -17,6 +19,7 @@ planned prompt of N tokens is N tokens on the twin.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import ipaddress
 import json
@@ -25,10 +28,10 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from urllib.parse import urlsplit
 
+import aiohttp
 import requests
 
 from vllm_guardian.sim.scenarios import LoadProfile
@@ -224,11 +227,136 @@ def send_one(
         return outcome(kind, None, type(exc).__name__)
 
 
-def _reporter(cb: Callable[[RequestOutcome], None]) -> Callable[[Future[RequestOutcome]], None]:
-    def done(f: Future[RequestOutcome]) -> None:
-        cb(f.result())
+async def _send_one_async(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    planned: PlannedRequest,
+    model: str,
+    stream: bool,
+    timeout_seconds: float,
+    scheduled_seconds: float,
+    load_start: float,
+) -> RequestOutcome:
+    """``send_one`` on the event loop: the same body, outcome kinds and time bounds (connect,
+    and each read, within ``timeout_seconds``, as ``requests`` bounds them)."""
+    body = {
+        "model": model,
+        "prompt": planned.prompt,
+        "max_tokens": planned.max_tokens,
+        "stream": stream,
+        "ignore_eos": True,
+    }
+    start = time.monotonic()
+    ttft: float | None = None
+    tokens = 0
+    finish: str | None = None
+    answered = False  # the status line came: a failure after it is a cut answer
 
-    return done
+    def outcome(kind: OutcomeKind, status: int | None, error: str | None) -> RequestOutcome:
+        now = time.monotonic()
+        return RequestOutcome(
+            planned.index, kind, scheduled_seconds, now - start, ttft, status,
+            planned.prompt_tokens, tokens, finish, error, now - load_start,
+        )  # fmt: skip
+
+    timeout = aiohttp.ClientTimeout(
+        total=None, connect=timeout_seconds, sock_connect=timeout_seconds,
+        sock_read=timeout_seconds,
+    )  # fmt: skip
+    try:
+        async with session.post(f"{base_url}/v1/completions", json=body, timeout=timeout) as resp:
+            answered = True
+            if resp.status != 200:
+                text = (await resp.read()).decode("utf-8", "replace")
+                return outcome(OutcomeKind.HTTP_ERROR, resp.status, text[:500])
+            if not stream:
+                data = json.loads(await resp.read())
+                tokens = int(data["usage"]["completion_tokens"])
+                finish = data["choices"][0]["finish_reason"]
+                return outcome(OutcomeKind.OK, 200, None)
+            done = False
+            async for raw in resp.content:
+                line = raw.decode("utf-8", "replace").rstrip("\r\n")
+                if not line.startswith("data: "):
+                    continue
+                event = line[6:]
+                if event == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(event)
+                if "error" in chunk:
+                    return outcome(
+                        OutcomeKind.STREAM_ERROR, 200, str(chunk["error"].get("message"))
+                    )
+                choice = chunk["choices"][0]
+                if choice.get("text"):
+                    tokens += 1
+                    if ttft is None:
+                        ttft = time.monotonic() - start
+                finish = choice.get("finish_reason") or finish
+            kind = OutcomeKind.OK if done else OutcomeKind.INCOMPLETE
+            return outcome(kind, 200, None)
+    except TimeoutError as exc:  # aiohttp's ServerTimeoutError is one
+        return outcome(OutcomeKind.TIMEOUT, None, type(exc).__name__)
+    except (aiohttp.ClientError, OSError) as exc:
+        # After the status line, a connection that ends early is an answer cut short (as
+        # requests' ChunkedEncodingError was); before it, the server was not reached or dropped us.
+        if answered:
+            return outcome(OutcomeKind.INCOMPLETE, 200, type(exc).__name__)
+        return outcome(OutcomeKind.CONNECTION_ERROR, None, type(exc).__name__)
+
+
+def _not_sent(p: PlannedRequest, scheduled_seconds: float) -> RequestOutcome:
+    return RequestOutcome(
+        p.index, OutcomeKind.NOT_SENT, scheduled_seconds, None, None, None, p.prompt_tokens, 0,
+        None, None,
+    )  # fmt: skip
+
+
+async def _run_load_async(
+    base_url: str,
+    plan: list[PlannedRequest],
+    model: str,
+    speed: float,
+    stream: bool,
+    max_duration_seconds: float,
+    max_in_flight: int,
+    request_timeout_seconds: float,
+    stop: threading.Event,
+    on_outcome: Callable[[RequestOutcome], None] | None,
+) -> LoadResult:
+    start = time.monotonic()
+    deadline = start + max_duration_seconds
+    slots = asyncio.Semaphore(max_in_flight)
+    tasks: list[asyncio.Task[RequestOutcome]] = []
+    skipped: list[RequestOutcome] = []
+
+    async def one(p: PlannedRequest, streams: bool, scheduled: float) -> RequestOutcome:
+        async with slots:  # over max_in_flight, a request waits client-side, unseen by vLLM
+            out = await _send_one_async(
+                session, base_url, p, model, streams, request_timeout_seconds, scheduled, start
+            )
+        if on_outcome is not None:
+            on_outcome(out)
+        return out
+
+    # One connection per request, closed after it (as the thread-per-request client did): a
+    # pooled connection to a server that restarted would fail a request the server never saw.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for p in plan:
+            due = start + p.at_seconds / speed
+            while not stop.is_set() and time.monotonic() < due < deadline:
+                # Sleep in short steps so that ``stop`` (a threading.Event) is seen promptly.
+                await asyncio.sleep(min(0.05, due - time.monotonic()))
+            if due >= deadline or stop.is_set():
+                skipped.append(_not_sent(p, due - start))
+                continue
+            streams = stream if p.stream is None else p.stream
+            tasks.append(asyncio.create_task(one(p, streams, due - start)))
+        outcomes = await asyncio.gather(*tasks)
+    all_outcomes = sorted([*outcomes, *skipped], key=lambda o: o.index)
+    return LoadResult(tuple(all_outcomes), time.monotonic() - start)
 
 
 def run_load(
@@ -246,35 +374,13 @@ def run_load(
 ) -> LoadResult:
     """Send ``plan`` open-loop (arrival times divided by ``speed``) for ``max_duration_seconds``,
     then wait for the requests sent, each bounded by ``request_timeout_seconds`` (not by the
-    window). ``on_outcome`` is called with each sent request's outcome as soon as it is known."""
+    window). ``on_outcome`` is called with each sent request's outcome as soon as it is known.
+
+    The requests run on one asyncio event loop in the calling thread (not a thread each): at
+    most ``max_in_flight`` are open at once, the rest wait client-side."""
     require_loopback(base_url)
-    stop = stop or threading.Event()
-    start = time.monotonic()
-    deadline = start + max_duration_seconds
-    futures: list[Future[RequestOutcome]] = []
-    skipped: list[RequestOutcome] = []
-    with ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="load") as pool:
-        for p in plan:
-            due = start + p.at_seconds / speed
-            if due >= deadline or stop.is_set():
-                skipped.append(
-                    RequestOutcome(p.index, OutcomeKind.NOT_SENT, due - start, None, None, None,
-                                   p.prompt_tokens, 0, None, None)
-                )  # fmt: skip
-                continue
-            if stop.wait(max(0.0, due - time.monotonic())):
-                skipped.append(
-                    RequestOutcome(p.index, OutcomeKind.NOT_SENT, due - start, None, None, None,
-                                   p.prompt_tokens, 0, None, None)
-                )  # fmt: skip
-                continue
-            streams = stream if p.stream is None else p.stream
-            fut = pool.submit(
-                send_one, base_url, p, model, streams, request_timeout_seconds, due - start, start
-            )
-            if on_outcome is not None:
-                fut.add_done_callback(_reporter(on_outcome))
-            futures.append(fut)
-        outcomes = [f.result() for f in futures]
-    all_outcomes = sorted([*outcomes, *skipped], key=lambda o: o.index)
-    return LoadResult(tuple(all_outcomes), time.monotonic() - start)
+    run = _run_load_async(
+        base_url, plan, model, speed, stream, max_duration_seconds, max_in_flight,
+        request_timeout_seconds, stop or threading.Event(), on_outcome,
+    )  # fmt: skip
+    return asyncio.run(run)

@@ -1,8 +1,11 @@
 """The twin's HTTP server and lifecycle: vLLM's OpenAI API on top of ``SimEngine``.
 
 The main thread owns the lifecycle: it advances the engine to ``(now − start) × speed``
-simulated seconds every few milliseconds, hands token deltas to the request threads, writes
-logs and the GPU state file, and handles SIGTERM/SIGINT. Like vLLM 0.32 (vllm-cpu.md §7-8):
+simulated seconds every few milliseconds, hands token deltas to the request handlers, writes
+logs and the GPU state file, and handles SIGTERM/SIGINT. The HTTP server is one asyncio event
+loop (aiohttp) on a second thread: a request is a coroutine waiting on its delta queue, not a
+thread, so thousands in flight (``kv_thrash``) cost sockets rather than threads; the deltas of
+one tick reach their queues in one hand-over to that loop. Like vLLM 0.32 (vllm-cpu.md §7-8):
 the port is bound but not listening during start-up (connection refused); ``/health`` is 200,
 and 503 once the engine is dead, after which the watchdog exits the process within 5 simulated
 seconds (status ``--sim-exit-code``, 0 by default as in vLLM); on SIGTERM with
@@ -20,18 +23,22 @@ simulated rather than wall time.
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import http
 import itertools
 import json
+import logging
 import os
-import queue
 import signal
+import socket
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType
 from typing import Any
+
+from aiohttp import web
 
 from vllm_guardian import allocator_format as fmt
 from vllm_guardian.atomicfile import write_atomic
@@ -168,7 +175,9 @@ class Twin:
         self._faults_written = 0
         self.lock = threading.Lock()
         self.lifecycle = Lifecycle.STARTING
-        self.streams: dict[str, queue.SimpleQueue[RequestDelta]] = {}
+        self.streams: dict[str, asyncio.Queue[RequestDelta]] = {}
+        # The HTTP server's event loop (its own thread): deltas reach the streams through it.
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.http_stats = HttpStats(self.wall0)
         self.runtime_registry = make_runtime_registry()
         self.server_load = 0
@@ -200,19 +209,33 @@ class Twin:
         self.log.write(logs, time.time())
 
     def _dispatch(self, deltas: list[RequestDelta]) -> None:
+        out: list[tuple[asyncio.Queue[RequestDelta], RequestDelta]] = []
         for d in deltas:
             q = self.streams.get(d.request_id)
             if q is None:
                 continue
-            q.put(d)
+            out.append((q, d))
             if d.finish_reason is not None or d.error is not None:
                 del self.streams[d.request_id]
+        self._deliver(out)
+
+    def _deliver(self, items: list[tuple[asyncio.Queue[RequestDelta], RequestDelta]]) -> None:
+        """Hand deltas to their streams on the server's loop: one wake-up per batch, from
+        any thread (the main loop's tick, or a handler's submit on the loop itself). Without an
+        HTTP server (the virtual-time tests drive the twin in one thread), they are queued at
+        once."""
+        if not items:
+            return
+        if self.loop is None:
+            _put_all(items)
+        else:
+            self.loop.call_soon_threadsafe(_put_all, items)
 
     # ---------------------------------------------------------------- requests
 
     def submit(
         self, body: dict[str, Any], chat: bool
-    ) -> tuple[str, int, queue.SimpleQueue[RequestDelta]]:
+    ) -> tuple[str, int, asyncio.Queue[RequestDelta]]:
         """Validate and queue a request; returns (id, prompt tokens, its delta queue)."""
         cfg = self.opts.engine
         if self.lifecycle in (Lifecycle.DRAINING, Lifecycle.STOPPING):
@@ -246,7 +269,7 @@ class Twin:
             max_tokens = max_tokens_raw
         max_tokens = min(max_tokens, room)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        q: queue.SimpleQueue[RequestDelta] = queue.SimpleQueue()
+        q: asyncio.Queue[RequestDelta] = asyncio.Queue()
         with self.lock:
             # Catch the engine up before the new request joins, and hand what those steps
             # produced to their streams: dropping these deltas lost tokens, and a finish among
@@ -425,12 +448,9 @@ class Twin:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         host = opts.host if opts.host is not None else "0.0.0.0"  # noqa: S104 (vLLM's default)
-        server = ThreadingHTTPServer((host, opts.port), make_handler(self), bind_and_activate=False)
-        server.daemon_threads = True
-        # uvicorn listens with a backlog of 2048; http.server's default of 5 refuses a burst of
-        # connections that vLLM would accept, which made load tests fail where vLLM would not.
-        server.request_queue_size = 2048
-        serve_thread: threading.Thread | None = None
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server: _Server | None = None
         self.log.info(
             Proc.API_SERVER,
             "api_utils.py:286",
@@ -439,7 +459,7 @@ class Twin:
         )
         try:
             # Bound but not listening: connections are refused until the engine is ready.
-            server.server_bind()
+            sock.bind((host, opts.port))
             while True:
                 self.tick()
                 e = self.engine
@@ -449,7 +469,7 @@ class Twin:
                     self.write_gpu_state(force=True, process_gone=True)
                     return 1
                 if self.lifecycle is Lifecycle.STARTING and e.phase is not EnginePhase.STARTING:
-                    serve_thread = self._start_serving(server)
+                    server = self._start_serving(sock)
                 if self.signal_received is not None:
                     code = self._shutdown()
                     if code is not None:
@@ -463,18 +483,18 @@ class Twin:
                 time.sleep(TICK_SECONDS)
         finally:
             self.lifecycle = Lifecycle.STOPPING
-            if serve_thread is not None:
-                server.shutdown()
-            server.server_close()
+            if server is not None:
+                server.stop()
+            sock.close()
             if (
                 opts.gpu_state_file is not None
                 and self.engine.phase is not EnginePhase.FAILED_STARTUP
             ):
                 self.write_gpu_state(force=True, process_gone=True)
 
-    def _start_serving(self, server: ThreadingHTTPServer) -> threading.Thread:
+    def _start_serving(self, sock: socket.socket) -> _Server:
         now = time.time()
-        host, port = server.server_address[:2]
+        host, port = sock.getsockname()[:2]
         self.log.info(
             Proc.API_SERVER, "entry.py:140", f"Starting vLLM server on http://{host!s}:{port}", now
         )
@@ -483,11 +503,7 @@ class Twin:
             self.log.info(
                 Proc.API_SERVER, "launcher.py:195", f"Route: {path}, Methods: {method}", now
             )
-        server.server_activate()
-        thread = threading.Thread(
-            target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        )
-        thread.start()
+        server = _Server(self, sock)
         self.log.raw(f"INFO:     Started server process [{self.pid}]")
         self.log.raw("INFO:     Waiting for application startup.")
         self.log.raw("INFO:     Application startup complete.")
@@ -495,7 +511,7 @@ class Twin:
         self.ready_wall = now
         self.write_gpu_state(force=True)
         self.write_timeline()
-        return thread
+        return server
 
     def _shutdown(self) -> int | None:
         """Handle SIGTERM/SIGINT; returns the exit status once the drain is over."""
@@ -551,8 +567,7 @@ class Twin:
                 self.drain_deadline_sim is not None and self.engine.now >= self.drain_deadline_sim
             )
             if unfinished and timed_out:
-                for rid in list(self.streams):
-                    self.streams.pop(rid).put(_CUT)
+                self._deliver([(self.streams.pop(rid), _CUT) for rid in list(self.streams)])
                 self.log.warning(
                     Proc.API_SERVER,
                     "utils.py:648",
@@ -581,7 +596,7 @@ class Twin:
         return 0
 
     def _wait_for_streams(self, limit_seconds: float = 2.0) -> None:
-        """Give request threads a moment to write their last chunk before the process ends."""
+        """Give request handlers a moment to write their last chunk before the process ends."""
         deadline = time.monotonic() + limit_seconds
         while time.monotonic() < deadline:
             with self.lock:
@@ -601,49 +616,79 @@ class Twin:
         self.log.raw(f"INFO:     Finished server process [{self.pid}]")
 
 
-# -------------------------------------------------------------------- the request handler
+# -------------------------------------------------------------------- the HTTP server
 
 
-def make_handler(twin: Twin) -> type[BaseHTTPRequestHandler]:
-    class Handler(_Handler):
-        pass
-
-    Handler.twin = twin
-    return Handler
+def _put_all(items: list[tuple[asyncio.Queue[RequestDelta], RequestDelta]]) -> None:
+    for q, d in items:
+        q.put_nowait(d)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    twin: Twin
-    protocol_version = "HTTP/1.1"
-    server_version = "uvicorn"
-    # uvicorn runs on asyncio/uvloop, whose TCP transports set TCP_NODELAY; without it the
-    # headers and the body (two sends here) meet the client's delayed ACK: +40 ms per answer.
-    disable_nagle_algorithm = True
-    sys_version = ""
+class _Cut(Exception):
+    """The answer ends here with the connection closed: no terminating chunk, no [DONE]."""
 
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # access lines are written by _access() in uvicorn's format
 
-    def send_response(self, code: int, message: str | None = None) -> None:
-        super().send_response(code, message)
+class _Server:
+    """The twin's HTTP server: one asyncio event loop (aiohttp) on its own thread, listening on
+    the socket ``run`` bound, each connection a coroutine rather than a thread (thousands of
+    requests in flight cost sockets, not threads). Handlers wait on their delta queues; the
+    engine keeps ticking on the main thread."""
+
+    def __init__(self, twin: Twin, sock: socket.socket) -> None:
+        self.twin = twin
+        self.loop = asyncio.new_event_loop()
+        twin.loop = self.loop
+        # aiohttp's own logging (a handler's traceback) must not reach the twin's vLLM log,
+        # which the guardian reads.
+        aiohttp_log = logging.getLogger("aiohttp")
+        aiohttp_log.addHandler(logging.NullHandler())
+        aiohttp_log.propagate = False
+        app = web.Application(client_max_size=1 << 30)
+        handler = _Handler(twin)
+        app.router.add_route("*", "/{tail:.*}", handler.handle)
         # uvicorn writes its access line when the response starts, not when it ends: a twin
         # that exits right after a drain's last answer must not lose that answer's line (a
         # test counts vLLM's POST lines against the answers its clients got).
-        self._access(code)
+        app.on_response_prepare.append(handler.access)
+        self.runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # uvicorn listens with a backlog of 2048; a small backlog refuses a burst of
+        # connections that vLLM would accept, which made load tests fail where vLLM would not.
+        self.loop.run_until_complete(self.runner.setup())
+        self.loop.run_until_complete(web.SockSite(self.runner, sock, backlog=2048).start())
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
 
-    def _access(self, status: int) -> None:
-        phrase = self.responses.get(status, ("",))[0]
-        host, port = self.client_address[:2]
+    def stop(self) -> None:
+        """Stop serving; requests still open end with the process (its exit closes them)."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+
+
+class _Handler:
+    """Every route, as vLLM 0.32's API server answers it (bodies, status codes, headers)."""
+
+    def __init__(self, twin: Twin) -> None:
+        self.twin = twin
+
+    async def access(self, request: web.Request, response: web.StreamResponse) -> None:
+        """The access line, in uvicorn's format, as the response's status line goes out."""
+        status = response.status
+        phrase = _PHRASES.get(status, "")
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        host, port = (peer[0], peer[1]) if peer else ("-", 0)
         self.twin.log.raw(
-            f'INFO:     {host}:{port} - "{self.command} {self.path} HTTP/1.1" {status} {phrase}'
+            f'INFO:     {host}:{port} - "{request.method} {request.raw_path} HTTP/1.1" '
+            f"{status} {phrase}"
         )
 
-    def _observe(self, status: int, req_bytes: int, resp_bytes: int, start: float) -> None:
-        path = self.path.split("?")[0]
+    def _observe(
+        self, request: web.Request, status: int, req_bytes: int, resp_bytes: int, start: float
+    ) -> None:
+        path = request.raw_path.split("?")[0]
         with self.twin.lock:
             self.twin.http_stats.observe(
                 path,
-                self.command,
+                request.method,
                 status,
                 req_bytes,
                 resp_bytes,
@@ -651,37 +696,34 @@ class _Handler(BaseHTTPRequestHandler):
                 time.time(),
             )
 
-    def _send(self, status: int, body: bytes, content_type: str = "application/json") -> int:
-        self.send_response(status)
-        self.send_header("content-type", content_type)
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-        return len(body)
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        if request.method == "GET":
+            return self._get(request)
+        if request.method == "POST":
+            return await self._post(request)
+        # Another method on any route: vLLM's router (FastAPI) answers 405.
+        return _send(405, json.dumps({"detail": "Method Not Allowed"}).encode())
 
-    def _json(self, status: int, obj: object) -> int:
-        return self._send(status, json.dumps(obj).encode())
-
-    def do_GET(self) -> None:
+    def _get(self, request: web.Request) -> web.Response:
         start = time.monotonic()
-        path = self.path.split("?")[0]
+        path = request.raw_path.split("?")[0]
         twin = self.twin
         if path in ("/health", "/ping"):
             status = 503 if twin.engine.death is not None else 200
-            n = self._send(status, b"")
+            resp = _send(status, b"")
         elif path in ("/metrics", "/metrics/"):
-            n = self._send(
+            status = 200
+            resp = _send(
                 200, twin.metrics_text().encode(), "text/plain; version=0.0.4; charset=utf-8"
             )
-            status = 200
         elif path == "/version":
-            status, n = 200, self._json(200, {"version": VLLM_VERSION})
+            status, resp = 200, _json(200, {"version": VLLM_VERSION})
         elif path == "/sim/clock":
-            status, n = 200, self._json(200, twin.clock_view())
+            status, resp = 200, _json(200, twin.clock_view())
         elif path == "/load":
-            status, n = (
+            status, resp = (
                 200,
-                self._json(
+                _json(
                     200,
                     {
                         "server_load": twin.server_load
@@ -703,29 +745,31 @@ class _Handler(BaseHTTPRequestHandler):
                                 "allow_fine_tuning": False, "organization": "*", "group": None,
                                 "is_blocking": False}],
             }  # fmt: skip
-            status, n = 200, self._json(200, {"object": "list", "data": [card]})
+            status, resp = 200, _json(200, {"object": "list", "data": [card]})
         elif path in ("/v1/completions", "/v1/chat/completions"):
-            status, n = 405, self._json(405, {"detail": "Method Not Allowed"})
+            status, resp = 405, _json(405, {"detail": "Method Not Allowed"})
         else:
-            status, n = 404, self._json(404, {"detail": "Not Found"})
-        self._observe(status, 0, n, start)
+            status, resp = 404, _json(404, {"detail": "Not Found"})
+        self._observe(request, status, 0, _length(resp), start)
+        return resp
 
-    def do_POST(self) -> None:
+    async def _post(self, request: web.Request) -> web.StreamResponse:
         start = time.monotonic()
-        path = self.path.split("?")[0]
-        length = int(self.headers.get("content-length") or 0)
-        raw = self.rfile.read(length) if length else b""
+        path = request.raw_path.split("?")[0]
+        raw = await request.read()
+        length = len(raw)
         if path == "/ping":
             status = 503 if self.twin.engine.death is not None else 200
-            self._observe(status, length, self._send(status, b""), start)
-            return
+            self._observe(request, status, length, 0, start)
+            return _send(status, b"")
         if path not in ("/v1/completions", "/v1/chat/completions"):
             status = (
                 405 if path in ("/health", "/metrics", "/version", "/load", "/v1/models") else 404
             )
             detail = "Method Not Allowed" if status == 405 else "Not Found"
-            self._observe(status, length, self._json(status, {"detail": detail}), start)
-            return
+            resp = _json(status, {"detail": detail})
+            self._observe(request, status, length, _length(resp), start)
+            return resp
         chat = path == "/v1/chat/completions"
         try:
             body = json.loads(raw or b"{}")
@@ -734,48 +778,57 @@ class _Handler(BaseHTTPRequestHandler):
             rid, prompt_tokens, q = self.twin.submit(body, chat)
         except json.JSONDecodeError as exc:
             err = ApiError(400, f"invalid JSON: {exc}", "BadRequestError")
-            self._observe(400, length, self._json(400, err.body), start)
-            return
+            resp = _json(400, err.body)
+            self._observe(request, 400, length, _length(resp), start)
+            return resp
         except ApiError as err:
-            self._observe(err.status, length, self._json(err.status, err.body), start)
-            return
+            resp = _json(err.status, err.body)
+            self._observe(request, err.status, length, _length(resp), start)
+            return resp
         with self.twin.lock:
             self.twin.server_load += 1
         try:
             if body.get("stream"):
-                n = self._stream(rid, prompt_tokens, q, chat, body)
-            else:
-                n = self._unary(rid, prompt_tokens, q, chat)
-            self._observe(200 if n >= 0 else 500, length, abs(n), start)
-        except (BrokenPipeError, ConnectionResetError):
+                sresp, n = await self._stream(request, rid, prompt_tokens, q, chat, body)
+                self._observe(request, 200, length, n, start)
+                return sresp
+            resp = await self._unary(rid, prompt_tokens, q, chat)
+            await resp.prepare(request)
+            await resp.write_eof()
+            self._observe(request, resp.status, length, _length(resp), start)
+            return resp
+        except _Cut:
+            # A drain that timed out: the connection just ends (no status line for a unary
+            # answer, no terminating chunk and no [DONE] for a stream).
+            if request.transport is not None:
+                request.transport.abort()
+            raise
+        except ConnectionError:  # the client went away
             self.twin.abort(rid)
-            self.close_connection = True
+            raise
         finally:
             with self.twin.lock:
                 self.twin.server_load -= 1
 
     # ------------------------------------------------------------ generation
 
-    def _next(self, q: queue.SimpleQueue[RequestDelta]) -> RequestDelta:
-        while True:
-            try:
-                return q.get(timeout=0.5)
-            except queue.Empty:
-                if self.twin.lifecycle is Lifecycle.STOPPING:
-                    return _CUT
+    async def _next(self, q: asyncio.Queue[RequestDelta]) -> RequestDelta:
+        # No polling: a drain that timed out delivers _CUT, and once the main loop stops the
+        # event loop stops with it (the process is ending; its exit closes what is still open).
+        d = await q.get()
+        if d is _CUT:
+            raise _Cut
+        return d
 
-    def _unary(
-        self, rid: str, prompt_tokens: int, q: queue.SimpleQueue[RequestDelta], chat: bool
-    ) -> int:
+    async def _unary(
+        self, rid: str, prompt_tokens: int, q: asyncio.Queue[RequestDelta], chat: bool
+    ) -> web.Response:
         tokens = 0
         while True:
-            d = self._next(q)
-            if d is _CUT:
-                self.close_connection = True
-                return 0
+            d = await self._next(q)
             if d.error is not None:
                 err = ApiError(500, d.error, "InternalServerError")
-                return -self._json(500, err.body)
+                return _json(500, err.body)
             tokens += d.new_tokens
             if d.finish_reason is not None:
                 break
@@ -797,32 +850,35 @@ class _Handler(BaseHTTPRequestHandler):
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
                       "stop_reason": None, "prompt_logprobs": None}  # fmt: skip
             obj = "text_completion"
-        return self._json(200, {"id": rid, "object": obj, "created": int(time.time()), "model": model,
-                                "choices": [choice], "usage": usage, "system_fingerprint": None,
-                                "kv_transfer_params": None})  # fmt: skip
+        return _json(200, {"id": rid, "object": obj, "created": int(time.time()), "model": model,
+                           "choices": [choice], "usage": usage, "system_fingerprint": None,
+                           "kv_transfer_params": None})  # fmt: skip
 
-    def _stream(
+    async def _stream(
         self,
+        request: web.Request,
         rid: str,
         prompt_tokens: int,
-        q: queue.SimpleQueue[RequestDelta],
+        q: asyncio.Queue[RequestDelta],
         chat: bool,
         body: dict[str, Any],
-    ) -> int:
-        self.send_response(200)
-        self.send_header("content-type", "text/event-stream; charset=utf-8")
-        self.send_header("transfer-encoding", "chunked")
-        self.end_headers()
+    ) -> tuple[web.StreamResponse, int]:
+        resp = web.StreamResponse(
+            status=200,
+            headers={"content-type": "text/event-stream; charset=utf-8", "server": "uvicorn"},
+        )
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
         model = self.twin.opts.engine.served_model_name
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         sent = 0
         tokens = 0
 
-        def event(payload: object) -> None:
+        async def event(payload: object) -> None:
             nonlocal sent
             data = f"data: {json.dumps(payload)}\n\n".encode()
-            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            await resp.write(data)  # one chunk per event, as uvicorn sends them
             sent += len(data)
 
         def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
@@ -847,15 +903,11 @@ class _Handler(BaseHTTPRequestHandler):
             return {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
 
         if chat:
-            event(chunk(None, None))
+            await event(chunk(None, None))
         while True:
-            d = self._next(q)
-            if d is _CUT:
-                # A drain that timed out: no error event, no [DONE], the connection just ends.
-                self.close_connection = True
-                return sent
+            d = await self._next(q)
             if d.error is not None:
-                event(
+                await event(
                     {
                         "error": {
                             "message": d.error,
@@ -869,21 +921,39 @@ class _Handler(BaseHTTPRequestHandler):
             for i in range(d.new_tokens):
                 last = i == d.new_tokens - 1
                 finish = d.finish_reason.value if (last and d.finish_reason is not None) else None
-                event(chunk(_TOKEN_TEXT, finish))
+                await event(chunk(_TOKEN_TEXT, finish))
             tokens += d.new_tokens
             if d.finish_reason is not None:
                 if d.new_tokens == 0:
-                    event(chunk("", d.finish_reason.value))
+                    await event(chunk("", d.finish_reason.value))
                 break
         opts = body.get("stream_options")
         if isinstance(opts, dict) and opts.get("include_usage"):
-            event({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-                   "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + tokens,
-                             "completion_tokens": tokens}})  # fmt: skip
+            await event({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+                         "usage": {"prompt_tokens": prompt_tokens,
+                                   "total_tokens": prompt_tokens + tokens,
+                                   "completion_tokens": tokens}})  # fmt: skip
         data = b"data: [DONE]\n\n"
-        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n0\r\n\r\n")
-        self.wfile.flush()
-        return sent + len(data)
+        await resp.write(data)
+        await resp.write_eof()
+        return resp, sent + len(data)
+
+
+_PHRASES = {s.value: s.phrase for s in http.HTTPStatus}
+
+
+def _send(status: int, body: bytes, content_type: str = "application/json") -> web.Response:
+    return web.Response(
+        status=status, body=body, headers={"content-type": content_type, "server": "uvicorn"}
+    )
+
+
+def _json(status: int, obj: object) -> web.Response:
+    return _send(status, json.dumps(obj).encode())
+
+
+def _length(resp: web.Response) -> int:
+    return len(resp.body) if isinstance(resp.body, bytes) else 0
 
 
 _TOKEN_TEXT = " tok"  # noqa: S105 (generated text, not a secret)
