@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.sim.helpers import options
@@ -71,6 +73,8 @@ def test_sim_flags() -> None:
     assert opts.gpu_memory_bytes == 40 << 30
     assert opts.shutdown_timeout_seconds == 30
     assert ("shutdown_timeout", 30) in opts.non_default_args
+    assert opts.exit_hold_file is None
+    assert options("--sim-exit-hold-file", "/run/x").exit_hold_file == Path("/run/x")
 
 
 def test_rejected_combinations() -> None:

@@ -189,21 +189,22 @@ def test_sigterm_without_timeout_aborts(twin: Starter) -> None:
     assert t.wait_exit() == 0
 
 
-def test_engine_death_streams_error_then_exit_zero(twin: Starter) -> None:
+def test_engine_death_streams_error_then_exit_zero(twin: Starter, tmp_path: Path) -> None:
     # Between the death (/health 503, new requests 500) and the watchdog's exit lie at most 5
-    # simulated seconds. At --sim-speed 20 that was 0.25 s real: on a busy machine the client
-    # read /health after the exit (refused: no 503, no late 500), or the twin's own loop,
-    # starved that long, stepped over death and exit in one advance. At 4 the window is
-    # ≥ 1.25 s real, and the test waits for the 503 instead of reading /health once.
-    t = twin("--sim-scenario", "exit_zero_death", "--enforce-eager", "--sim-speed", "4",
-             "--sim-exit-code", "7")  # fmt: skip
+    # simulated seconds: 1.25 s real at --sim-speed 4, and nothing at all when a busy host
+    # starves the twin (its clock then steps over death and exit in one advance) or this test.
+    # --sim-exit-hold-file holds the exit until the test has seen the dead engine; the file,
+    # once there, lets it go.
+    release = tmp_path / "release-exit"
+    t = twin("--sim-scenario", "exit_zero_death", "--enforce-eager", "--sim-speed", "10",
+             "--sim-exit-code", "7", "--sim-exit-hold-file", str(release))  # fmt: skip
     t.wait_ready()
     resp = t.post(
         "/v1/completions",
         {"prompt": "x", "max_tokens": 8000, "stream": True, "ignore_eos": True},
         stream=True,
     )
-    events = list(sse(resp))  # death at 30 s simulated, 7.5 s real
+    events = list(sse(resp))  # death at 30 s simulated, 3 s real
     assert events[-1] == "[DONE]"
     err = events[-2]
     assert isinstance(err, dict)
@@ -211,21 +212,32 @@ def test_engine_death_streams_error_then_exit_zero(twin: Starter) -> None:
                             "for the root cause.", "type": "InternalServerError", "param": None,
                             "code": 500}  # fmt: skip
     seen: list[int | None] = []
-    late: requests.Response | None = None
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline and t.proc.poll() is None:
         seen.append(t.health())
         if seen[-1] == 503:
-            late = t.post("/v1/completions", {"prompt": "x", "max_tokens": 5})
             break
         time.sleep(0.02)
-    code = t.wait_exit()
     assert seen and seen[-1] == 503, (
-        f"/health after the death: {seen}; exit {code}\n{t.stderr()[-3000:]}"
+        f"/health after the death: {seen}; exit {t.proc.poll()}\n{t.stderr()[-3000:]}"
     )
-    assert late is not None and late.status_code == 500, late
+    late = t.post("/v1/completions", {"prompt": "x", "max_tokens": 5})
+    assert late.status_code == 500, late.text
+    # The watchdog's tick (≤ 5 simulated seconds after the death) passes; the exit is held.
+    clock: dict[str, object] = {}
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and t.proc.poll() is None:
+        clock = requests.get(f"{t.url}/sim/clock", timeout=5).json()
+        death = [f for f in clock["faults"] if f["kind"] == "death"]  # type: ignore[attr-defined]
+        if death and clock["scenario_seconds"] >= death[0]["scenario_seconds"] + 10:  # type: ignore[operator]
+            break
+        time.sleep(0.05)
+    assert t.proc.poll() is None, f"exited {t.proc.poll()} while held\n{t.stderr()[-3000:]}"
+    assert clock["phase"] == "dead", clock
+    release.touch()
+    code = t.wait_exit()
     assert code == 0  # exit_zero_death exits 0 whatever --sim-exit-code says
-    # The exit is the watchdog's (≤ 5 simulated seconds after the death), not a crash.
+    # The exit is the watchdog's, not a crash.
     assert "[shutdown] API server: shutdown triggered" in t.stderr()
 
 

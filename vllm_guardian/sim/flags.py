@@ -48,6 +48,8 @@ class ServeOptions:
     allocator_dir: Path | None = None
     allocator_interval_seconds: float | None = None
     alloc_conf: str | None = None
+    # Twin-only: after the engine's death, the watchdog's exit waits until this file exists.
+    exit_hold_file: Path | None = None
 
 
 class FlagError(ValueError):
@@ -99,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--sim-gpu-memory-gib", type=float, default=80.0)
     sim.add_argument(
         "--sim-exit-code", type=int, default=0, help="exit status after engine death (vLLM: 0)"
+    )
+    sim.add_argument(
+        "--sim-exit-hold-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="after the engine's death, hold the watchdog's exit until PATH exists (a test "
+        "looks at the dead engine, /health 503 and new requests 500, at leisure)",
     )
     sim.add_argument("--sim-gpu-state-file", type=Path, default=None)
     sim.add_argument("--sim-gpu-state-interval-seconds", type=float, default=1.0)
@@ -226,6 +236,7 @@ def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> ServeOp
         allocator_dir=Path(d) if (d := environ.get(ALLOCATOR_ENV_DIR, "").strip()) else None,
         allocator_interval_seconds=_allocator_interval(environ),
         alloc_conf=alloc_conf or None,
+        exit_hold_file=ns.sim_exit_hold_file,
     )
 
 

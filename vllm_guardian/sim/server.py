@@ -8,7 +8,8 @@ thread, so thousands in flight (``kv_thrash``) cost sockets rather than threads;
 one tick reach their queues in one hand-over to that loop. Like vLLM 0.32 (vllm-cpu.md §7-8):
 the port is bound but not listening during start-up (connection refused); ``/health`` is 200,
 and 503 once the engine is dead, after which the watchdog exits the process within 5 simulated
-seconds (status ``--sim-exit-code``, 0 by default as in vLLM); on SIGTERM with
+seconds (status ``--sim-exit-code``, 0 by default as in vLLM; ``--sim-exit-hold-file`` holds
+that exit until its file exists, so a test can look at the dead engine); on SIGTERM with
 ``--shutdown-timeout N`` in-flight requests run for up to N simulated seconds while new ones
 get HTTP 500 and ``/health`` stays 200; with 0 they end at once with ``finish_reason: abort``.
 Requests still running when a drain times out are cut without ``[DONE]`` (vLLM leaves them
@@ -474,7 +475,7 @@ class Twin:
                     code = self._shutdown()
                     if code is not None:
                         return code
-                if e.exit_due():
+                if e.exit_due() and self._exit_released():
                     self._watchdog_exit()
                     forced = opts.scenario.forced_exit_code
                     return forced if forced is not None else opts.exit_code
@@ -491,6 +492,11 @@ class Twin:
                 and self.engine.phase is not EnginePhase.FAILED_STARTUP
             ):
                 self.write_gpu_state(force=True, process_gone=True)
+
+    def _exit_released(self) -> bool:
+        """The watchdog's exit may go ahead: no ``--sim-exit-hold-file``, or it exists."""
+        hold = self.opts.exit_hold_file
+        return hold is None or hold.exists()
 
     def _start_serving(self, sock: socket.socket) -> _Server:
         now = time.time()
