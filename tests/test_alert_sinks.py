@@ -247,7 +247,8 @@ def alertmanager(tmp_path: Path, free_port: int) -> Iterator[str]:
         if os.environ.get("VLLM_GUARDIAN_REQUIRE_TOOLS"):
             pytest.fail("prometheus-alertmanager is not installed (VLLM_GUARDIAN_REQUIRE_TOOLS)")
         pytest.skip(
-            "prometheus-alertmanager not installed (apt-get install prometheus-alertmanager)"
+            "prometheus-alertmanager not installed: the webhook sink is tested against the real "
+            "one (apt-get install prometheus-alertmanager; scripts/test installs it)"
         )
     (tmp_path / "am.yml").write_text(AM_CONFIG)
     url = f"http://127.0.0.1:{free_port}"

@@ -32,7 +32,11 @@ try:
 except ImportError:
     if os.environ.get("VLLM_GUARDIAN_REQUIRE_TOOLS"):
         raise
-    pytest.skip("the k8s extra (pip install 'vllm-guardian[k8s]')", allow_module_level=True)
+    pytest.skip(
+        "lightkube is not installed: the Kubernetes permit needs the k8s extra "
+        "(pip install 'vllm-guardian[k8s]'; scripts/test installs it)",
+        allow_module_level=True,
+    )
 
 from tests.fake_apiserver import FakeCluster, fake_apiserver
 from tests.test_gate_support import GateThread

@@ -36,7 +36,9 @@ VALUES = {"defaults": None, "example": EXAMPLE}
 def required(what: str) -> None:
     if os.environ.get("VLLM_GUARDIAN_REQUIRE_TOOLS"):
         pytest.fail(f"{what} is required here (scripts/test installs it)")
-    pytest.skip(f"{what} not installed")
+    pytest.skip(
+        f"{what} not installed: the chart is checked by the real tool (scripts/test installs it)"
+    )
 
 
 def helm() -> str:
@@ -513,7 +515,10 @@ def test_the_guardians_requirements_fit_vllms_environment() -> None:
     if not (venv / "bin" / "python").exists():
         if os.environ.get("VLLM_GUARDIAN_REQUIRE_VLLM"):
             pytest.fail(f"vLLM's venv {venv} is missing (scripts/vllm-setup)")
-        pytest.skip("vLLM's venv not installed (scripts/vllm-setup)")
+        pytest.skip(
+            "vLLM's venv not installed: the guardian's requirements are checked against vLLM "
+            "0.32's environment (scripts/vllm-setup; scripts/test runs it)"
+        )
     script = r"""
 import importlib.metadata as m, json, sys, tomllib
 from packaging.requirements import Requirement
@@ -557,7 +562,10 @@ def test_the_images_pip_install_moves_no_vllm_package(tmp_path: Path) -> None:
     if not (venv / "bin" / "python").exists() or not ours:
         if os.environ.get("VLLM_GUARDIAN_REQUIRE_VLLM"):
             pytest.fail(f"{venv} or {wheels} missing (scripts/vllm-setup, scripts/test)")
-        pytest.skip("vLLM's venv or the image wheels not there (scripts/test builds them)")
+        pytest.skip(
+            "vLLM's venv or the image wheels not there: pip resolves the image's install in "
+            "vLLM 0.32's environment, offline (scripts/vllm-setup and scripts/test build them)"
+        )
     report = tmp_path / "report.json"
     proc = subprocess.run(
         [str(venv / "bin" / "python"), "-m", "pip", "install", "--dry-run", "--quiet",

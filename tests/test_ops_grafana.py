@@ -31,8 +31,11 @@ def require(name: str) -> str:
     path = shutil.which(name)
     if path is None:
         if os.environ.get("VLLM_GUARDIAN_REQUIRE_TOOLS"):
-            pytest.fail(f"{name} is required here")
-        pytest.skip(f"{name} not installed")
+            pytest.fail(f"{name} is required here (apt-get install npm)")
+        pytest.skip(
+            f"{name} not installed: it builds the dashboard's schema from @grafana/schema "
+            "(apt-get install npm; scripts/test installs it)"
+        )
     return path
 
 

@@ -33,7 +33,10 @@ def require_torch() -> ModuleType:
     except ImportError:
         if os.environ.get("VLLM_GUARDIAN_REQUIRE_TORCH"):
             pytest.fail("torch is required here (scripts/test installs it in .venv-plugin)")
-        pytest.skip("torch not installed: scripts/test runs this in .venv-plugin")
+        pytest.skip(
+            "torch not installed here (the daemon's venv never has it): scripts/test runs this "
+            "file again in .venv-plugin, with torch, where a missing torch fails"
+        )
     return torch
 
 

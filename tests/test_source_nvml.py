@@ -49,7 +49,13 @@ GIB = 1024**3
 @pytest.fixture(scope="session")
 def fake_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("gcc") is None:
-        pytest.skip("gcc is not installed: cannot build the fake libnvidia-ml.so.1")
+        why = (
+            "gcc is not installed: cannot build the fake libnvidia-ml.so.1 the NVML source is "
+            "tested against (apt-get install gcc libc6-dev; scripts/test installs them)"
+        )
+        if os.environ.get("VLLM_GUARDIAN_REQUIRE_TOOLS"):
+            pytest.fail(why)
+        pytest.skip(why)
     return build_fake_nvml(tmp_path_factory.mktemp("fake_nvml"))
 
 
@@ -926,7 +932,10 @@ def test_nvml_default_library_lookup(
         assert result == {"found": True, "error": None, "hint": None, "devices": 2}
         return
     if result["found"]:
-        pytest.skip("this host has a real libnvidia-ml.so.1 on the loader path")
+        pytest.skip(
+            "this host has a real libnvidia-ml.so.1 on the loader path, so NVML's absence "
+            "cannot be seen here (the CI hosts have none; the case runs there)"
+        )
     assert result["devices"] is None
     assert result["error"].startswith(
         "NVML init failed: NVML Shared Library Not Found; next init retry at "
