@@ -31,8 +31,9 @@ class TwinProc:
         return self.stderr_path.read_text(errors="replace")
 
     def health(self) -> int | None:
+        """/health's status; None while refused. A slow answer is waited for (a busy host)."""
         try:
-            return requests.get(f"{self.url}/health", timeout=1.0).status_code
+            return requests.get(f"{self.url}/health", timeout=10.0).status_code
         except requests.ConnectionError:
             return None
 
