@@ -130,3 +130,32 @@ def test_an_interrupted_soak_leaves_no_process_behind(dummy: Path, how: str, sta
             except subprocess.TimeoutExpired:
                 os.killpg(soak.pid, signal.SIGKILL)
                 soak.wait()
+
+
+LEAKY = """
+import subprocess
+from pathlib import Path
+
+
+def test_leaves_a_sleeper_behind():
+    sleeper = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    (Path(__file__).parent / "sleeper.pid").write_text(str(sleeper.pid))
+"""
+
+
+def test_a_run_that_leaves_a_process_behind_is_named_and_swept(dummy: Path) -> None:
+    (dummy / "test_dummy.py").write_text(LEAKY)
+    env = {**os.environ, "SOAK_HOGS": "0", "SOAK_PYTHON": sys.executable, "TMPDIR": str(dummy)}
+    soak = subprocess.run(
+        [str(REPO / "scripts" / "soak"), "1", str(dummy / "test_dummy.py")],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    out = soak.stdout + soak.stderr
+    assert soak.returncode == 0, out  # the test passed; a leak is reported, not a failure
+    sleeper = int((dummy / "sleeper.pid").read_text())
+    assert "run 1 left processes behind" in out, out
+    assert f"killed {sleeper}: sleep 600" in out, out
+    deadline = time.monotonic() + 30
+    while alive(sleeper) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(sleeper), out
