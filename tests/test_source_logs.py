@@ -302,6 +302,28 @@ MATCH_CASES: list[tuple[str, tuple[LogEventKind, dict[str, str]] | None]] = [
         "force killing remaining process EngineCore pid 11972",
         None,
     ),
+    # uvicorn's access log (INFO) carries the path a client chose: any client that reaches
+    # vLLM's port must not be able to fake an engine death or an OOM (a restart, a relaunch,
+    # the restart budget spent, then the breaker latched)
+    ('INFO:     10.0.0.7:51234 - "GET /EngineDeadError HTTP/1.1" 404 Not Found', None),
+    ('INFO:     10.0.0.7:51234 - "GET /CUBLAS_STATUS_ALLOC_FAILED HTTP/1.1" 404 Not Found', None),
+    (
+        'INFO:     10.0.0.7:51234 - "POST /v1/completions?x=torch.OutOfMemoryError:%20CUDA%20out'
+        '%20of%20memory.%20Tried%20to%20allocate HTTP/1.1" 400 Bad Request',
+        None,
+    ),
+    (
+        '(APIServer pid=7) INFO:     10.0.0.7:51234 - "GET /engine%20core%20exited%20unexpectedly'
+        ' HTTP/1.1" 404 Not Found',
+        None,
+    ),
+    ('DEBUG:    10.0.0.7:51234 - "GET /EngineDeadError HTTP/1.1" 404 Not Found', None),
+    # ... while uvicorn's ERROR lines and the traceback under them still count
+    (
+        "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack "
+        "trace (above) for the root cause.",
+        (K.ENGINE_DEAD, {"signature": "EngineDeadError"}),
+    ),
     ("", None),
 ]
 

@@ -10,9 +10,10 @@ are redacted and truncated: they end up in alerts, ``status`` and the flight rec
 
 Counting rules (why a count is a number of *incidents*, not of lines):
 
-* Lines logged at INFO or DEBUG are never matched. Every signature is logged at WARNING or
-  above or printed as a traceback line, and INFO lines can carry user text (request logging),
-  which must not be able to fake an OOM.
+* Lines logged at INFO or DEBUG are never matched, in vLLM's format or uvicorn's (``INFO:``).
+  Every signature is logged at WARNING or above or printed as a traceback line, and INFO lines
+  can carry user text (request logging, and uvicorn's access log with the path a client
+  chose), which must not be able to fake an OOM or an engine death.
 * vLLM reports one failure several times: the worker prints the OOM traceback, EngineCore
   re-raises it as ``Worker failed with error 'CUDA out of memory…'``, the API server logs
   ``EngineDeadError`` once per in-flight request. A match whose *dedup key* equals that of the
@@ -79,6 +80,10 @@ LOG_PREFIX = re.compile(
     r"(?P<ts>\d\d-\d\d \d\d:\d\d:\d\d)(?:\.\d+)? \[?(?P<src>[^\]\s]+:\d+)\]? (?P<msg>.*)$"
 )
 _QUIET_LEVELS = frozenset({"DEBUG", "INFO"})
+# uvicorn's own format (``%(levelprefix)s %(message)s``: the level, a colon, padding), used for
+# its access log and lifecycle lines, possibly after vLLM's process prefix. Its access lines
+# carry the request path, which any client that reaches vLLM's port chooses.
+_UVICORN_QUIET = re.compile(r"^(?:\(\S+ pid=\d+\) )?(?:TRACE|DEBUG|INFO): ")
 
 _SIZE = r"[\d.]+ ?(?:bytes|[KMGTP]i?B|B)"
 _SIZE_PARTS = re.compile(r"([\d.]+) ?(bytes|B|KiB|MiB|GiB|TiB|PiB|KB|MB|GB|TB|PB)")
@@ -294,6 +299,8 @@ def match_line(line: str) -> tuple[LogEventKind, Details] | None:
     """
     prefix = LOG_PREFIX.match(line)
     if prefix is not None and prefix.group("lvl") in _QUIET_LEVELS:
+        return None
+    if _UVICORN_QUIET.match(line):
         return None
     return _match_body(line)
 
