@@ -24,9 +24,14 @@ it measures, in the same run:
    as many ticks as fill the history the daemon keeps (steady state; about 300 at 1 s): CPU
    time per tick of each source (its thread's CPU), of the decision step (signals, alerts,
    policy), of the flight recorder, of publishing, and of the whole tick (process CPU); and
-   prometheus_client's parse of the same exposition (CPU, the median of ten parses just before
-   and ten just after the configuration's ticks), so the whole tick's ratio to it is taken on
-   the same host at the same moment;
+   the whole tick's ratio to prometheus_client's parse of the same exposition, taken on the
+   same host at the same moment. The ticks run in rounds of one unit-source refresh period
+   (30 ticks: every round holds one full unit read, a ``systemctl`` fork and a /proc walk),
+   with three parses before the first round and after each one; each round's ratio is the
+   median of the parses on either side of it over the round's whole-tick CPU per tick, and the
+   ratio printed is the median over the rounds (their range and the ratio of the means are
+   printed too): a load that comes or goes weighs on both sides of a round's ratio, and one
+   round caught by a burst of load on the host does not decide the figure;
 2. **the whole daemon**: ``vllm-guardian run`` at a 1 s interval for ``--seconds``, as its own
    process: CPU share of one core and peak RSS, read from /proc. A short run has a short
    history (the step's windows fill over 5 minutes), so its CPU share is a lower bound; the
@@ -68,6 +73,7 @@ CAPTURES = [
     ROOT / "tests" / "fixtures" / "vllm" / f"metrics-under-load-0{k}.prom" for k in (2, 5, 8)
 ]
 CONFIGS = ("url", "unit", "nvml")
+PARSES_BETWEEN_ROUNDS = 3
 GIB = 1024**3
 
 # The stand-in for vLLM: serves the expositions in turn on /metrics, 200 on /health.
@@ -163,12 +169,17 @@ def _timed(fn: Callable[..., Any], key: str, acc: dict[str, float]) -> Callable[
     return wrapper
 
 
-def per_component(cfg_text: str, ticks: int) -> dict[str, float]:
-    """CPU seconds per tick of each part of the guardian's own tick (module docstring)."""
+def per_component(cfg_text: str, ticks: int, reference: str) -> dict[str, Any]:
+    """CPU seconds per tick of each part of the guardian's own tick, and the whole tick's ratio
+    to prometheus_client's parse of ``reference`` taken round by round (module docstring)."""
     cfg = parse_config(cfg_text)
     clock = FakeClock(time.time())
     g = Guardian(cfg, clock=clock, notifier=None)
     acc: dict[str, float] = defaultdict(float)
+    # A round spans one refresh period of the unit source, so every round holds exactly one full
+    # unit read (a systemctl fork, a /proc walk): no round is spared the periodic costs.
+    round_ticks = max(1, int(cfg.sources.unit.refresh_seconds / cfg.interval_seconds))
+    rounds = max(1, -(-ticks // round_ticks))
     try:
         for slot in g._slots:  # a benchmark looks inside
             c = slot.collector
@@ -184,14 +195,30 @@ def per_component(cfg_text: str, ticks: int) -> dict[str, float]:
             g.tick()
             clock.advance(1.0)
         acc.clear()
-        t0 = time.process_time()
-        for _ in range(ticks):
-            g.tick()
-            clock.advance(1.0)
-        acc["whole tick"] = time.process_time() - t0
+        parses = [prometheus_parse_cpu(reference, PARSES_BETWEEN_ROUNDS)]
+        round_whole: list[float] = []
+        for _ in range(rounds):
+            t0 = time.process_time()
+            for _ in range(round_ticks):
+                g.tick()
+                clock.advance(1.0)
+            round_whole.append((time.process_time() - t0) / round_ticks)
+            parses.append(prometheus_parse_cpu(reference, PARSES_BETWEEN_ROUNDS))
     finally:
         g.close()
-    return {k: v / ticks for k, v in acc.items()}
+    n = rounds * round_ticks
+    out: dict[str, Any] = {k: v / n for k, v in acc.items()}
+    out["whole tick"] = statistics.fmean(round_whole)
+    # Each round against the parses just before and just after it: a load that comes or goes
+    # weighs on both sides of that round's ratio.
+    refs = [statistics.median(parses[i] + parses[i + 1]) for i in range(rounds)]
+    ratios = sorted(r / w for r, w in zip(refs, round_whole, strict=True))
+    out["parse"] = statistics.median(p for ps in parses for p in ps)
+    out["ratio"] = statistics.median(ratios)
+    out["ratio range"] = (ratios[0], ratios[-1])
+    out["ratio of means"] = statistics.fmean(refs) / out["whole tick"]
+    out["rounds"] = (rounds, round_ticks)
+    return out
 
 
 def proc_usage(pid: int) -> tuple[float, int]:
@@ -267,7 +294,12 @@ def main() -> int:
     )
     ap.add_argument("--engines", default="1,8", help="engine counts, comma-separated")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="of: " + ", ".join(CONFIGS))
-    ap.add_argument("--ticks", type=int, default=60, help="in-process ticks per configuration")
+    ap.add_argument(
+        "--ticks",
+        type=int,
+        default=300,
+        help="in-process ticks per configuration (whole rounds of the unit source's refresh)",
+    )
     ap.add_argument("--seconds", type=float, default=20.0, help="daemon run; 0 skips it")
     args = ap.parse_args()
     configs = [c for c in args.configs.split(",") if c]
@@ -292,16 +324,15 @@ def main() -> int:
             with stand_in(texts, tmp) as (pid, port):
                 for kind in configs:
                     text = config_text(kind, tmp, port, pid, engines, lib)
-                    # The reference on either side of the ticks it is compared with: a load
-                    # that comes or goes during the configuration weighs on both.
-                    before = prometheus_parse_cpu(texts[1], 10)
-                    parts = per_component(text, args.ticks)
-                    ref = statistics.median(before + prometheus_parse_cpu(texts[1], 10))
+                    parts = per_component(text, args.ticks, texts[1])
                     daemon = whole_daemon(text, tmp / kind, args.seconds) if args.seconds else None
-                    rows.append((engines, kind, ref, parts, daemon))
+                    rows.append((engines, kind, parts, daemon))
+                    (lo, hi), (rounds, round_ticks) = parts["ratio range"], parts["rounds"]
                     print(
                         f"  {kind}: whole tick {parts['whole tick'] * 1e3:.2f} ms, "
-                        f"prometheus_client parse {ref * 1e3:.2f} ms",
+                        f"prometheus_client parse {parts['parse'] * 1e3:.2f} ms; parse / tick "
+                        f"in {rounds} rounds of {round_ticks} ticks: median {parts['ratio']:.1f}×"
+                        f" ({lo:.1f}× to {hi:.1f}×), of the means {parts['ratio of means']:.1f}×",
                         flush=True,
                     )
     print()
@@ -309,13 +340,13 @@ def main() -> int:
             "daemon CPU", "RSS"]  # fmt: skip
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
-    for engines, kind, ref, parts, daemon in rows:
+    for engines, kind, parts, daemon in rows:
         cells = [str(engines), kind]
         cells += [f"{parts[c] * 1e3:.2f}" if c in parts else "–" for c in COMPONENTS]
         whole = parts["whole tick"]
         cells += [
             f"{whole * 1e3:.2f} ms",
-            f"{ref / whole:.1f}× ({ref * 1e3:.1f} ms)",
+            f"{parts['ratio']:.1f}× ({parts['parse'] * 1e3:.1f} ms)",
             f"{100 * whole:.2f} %",
         ]
         if daemon is not None:
@@ -325,8 +356,10 @@ def main() -> int:
         print("| " + " | ".join(cells) + " |")
     print(
         "\ncomponents: CPU ms per tick (sources: their thread's CPU); whole tick: process CPU per "
-        "tick in this process at full history; parse / tick: prometheus_client's parse CPU (around "
-        "the configuration's ticks, in brackets) over the whole tick's; steady CPU: the whole tick over a 1 s interval, as a share of one core; "
+        "tick in this process at full history; parse / tick: the median over the rounds of "
+        "prometheus_client's parse CPU (around the round) over the round's whole tick (the "
+        "median parse in brackets); steady CPU: the whole tick over a 1 s interval, as a share "
+        "of one core; "
         f"daemon: `vllm-guardian run` at a 1 s interval over {args.seconds:.0f} s (a short "
         "history: a lower bound), CPU share of one core and peak RSS."
     )
