@@ -450,11 +450,13 @@ def test_parse_journal_line() -> None:
 # --- the collector, following a file ----------------------------------------------------------
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+def wait_for(
+    predicate: Callable[[], bool], timeout: float = 5.0, seen: Callable[[], object] = lambda: ""
+) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
+            raise AssertionError(f"condition not reached in {timeout:g} s; saw {seen()!r}")
         time.sleep(0.05)
 
 
@@ -785,3 +787,112 @@ def test_close_stops_journalctl_children(tmp_path: Path) -> None:
     took = time.monotonic() - t0
     assert took < 4.5, f"close() took {took:.2f} s"
     wait_for(lambda: not _alive(child), timeout=30)
+
+
+# --- a restarted journalctl resumes after the last entry it handed over ----------------------
+
+
+def _cursor_entry(message: str, ts_us: int, cursor: str) -> str:
+    return json.dumps({"MESSAGE": message, "__REALTIME_TIMESTAMP": str(ts_us), "__CURSOR": cursor})
+
+
+def _journalctl_by_run(tmp_path: Path, by_args: str, first_run: str, later_runs: str) -> Path:
+    """A fake journalctl that appends its arguments (one run a line) to ``runs``, then runs
+    ``by_args`` (a ``case "$*"`` body chosen on them), then ``first_run`` on its first run and
+    ``later_runs`` after."""
+    path = tmp_path / "journalctl"
+    path.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> "{tmp_path}/runs"\n'
+        f'case "$*" in\n{by_args}\nesac\n'
+        f'if [ "$(wc -l < "{tmp_path}/runs")" -eq 1 ]; then\n{first_run}\nfi\n'
+        f"{later_runs}\n"
+    )
+    path.chmod(0o755)
+    return path
+
+
+def _runs(tmp_path: Path) -> list[str]:
+    runs = tmp_path / "runs"
+    return runs.read_text().splitlines() if runs.exists() else []
+
+
+def test_restarted_journalctl_resumes_after_the_last_entry(tmp_path: Path) -> None:
+    """journalctl exits (journald restarted, a crash); whatever the unit logged before it is
+    running again is read from the entry after the last one handed over, not lost to ``-n 0``.
+    Here the OOM is logged in that gap: a journalctl started with ``-n 0`` never prints it."""
+    first = tmp_path / "first.jsonl"
+    first.write_text(
+        _cursor_entry(
+            "(APIServer pid=5) INFO 05-19 10:00:00 [api_server.py:1] Starting vLLM",
+            1_700_000_000_000_000,
+            "s=1;i=1",
+        )
+        + "\n"
+    )
+    gap = tmp_path / "gap.jsonl"
+    gap.write_text(
+        _cursor_entry(OOM_LINE.format(n=9).strip(), 1_700_000_001_000_000, "s=1;i=2") + "\n"
+    )
+    now = tmp_path / "now.jsonl"
+    now.write_text(
+        _cursor_entry(
+            "(APIServer pid=5) INFO 05-19 10:00:05 [api_server.py:1] still serving",
+            1_700_000_005_000_000,
+            "s=1;i=3",
+        )
+        + "\n"
+    )
+    journalctl = _journalctl_by_run(
+        tmp_path,
+        f'  *"--after-cursor=s=1;i=1"*) cat "{gap}" "{now}"; exec sleep 60 ;;',
+        f'  cat "{first}"; exit 1',
+        f'cat "{now}"; exec sleep 60',  # from now on (-n 0): the gap is behind it
+    )
+    collector = LogsCollector(
+        ServiceConfig(name="a", unit="vllm.service"),
+        LogsSourceConfig(journalctl=str(journalctl)),
+        FakeClock(),
+    )
+    try:
+        g = Gathered(collector)
+        # Two lines read: the first run's, then the second run's first (the OOM when it resumes
+        # after the cursor, the line logged now when it starts from now).
+        wait_for(
+            lambda: g.poll() is not None and g.reading is not None and g.reading.lines_total >= 2,
+            timeout=60,
+            seen=lambda: (g.reading, _runs(tmp_path)),
+        )
+        runs = _runs(tmp_path)
+        assert [k for k, _ in g.events] == [K.CUDA_OOM], (g.events, runs)
+        assert runs[0] == "-f -o json --all -n 0 --unit=vllm.service", runs
+        assert runs[1] == "-f -o json --all --after-cursor=s=1;i=1 --unit=vllm.service", runs
+    finally:
+        collector.close()
+
+
+def test_a_cursor_journalctl_rejects_is_dropped(tmp_path: Path) -> None:
+    """A cursor journalctl cannot seek to (a journal vacuumed or replaced) must not keep every
+    restart failing: a run started from a cursor that hands over no entry is followed by one
+    started from now, as at the guardian's start."""
+    first = tmp_path / "first.jsonl"
+    first.write_text(_cursor_entry("a line", 1_700_000_000_000_000, "s=1;i=1") + "\n")
+    journalctl = _journalctl_by_run(
+        tmp_path,
+        '  *--after-cursor=*) echo "Failed to seek to cursor: Invalid argument" >&2; exit 1 ;;',
+        f'  cat "{first}"; exit 1',
+        "exec sleep 60",
+    )
+    collector = LogsCollector(
+        ServiceConfig(name="a", unit="vllm.service"),
+        LogsSourceConfig(journalctl=str(journalctl)),
+        FakeClock(),
+    )
+    try:
+        # Restarts back off 1 s, then 2 s: the third run starts about 3 s in.
+        wait_for(lambda: len(_runs(tmp_path)) >= 3, timeout=60, seen=lambda: _runs(tmp_path))
+        runs = _runs(tmp_path)
+        assert runs[1] == "-f -o json --all --after-cursor=s=1;i=1 --unit=vllm.service", runs
+        assert runs[2] == "-f -o json --all -n 0 --unit=vllm.service", runs
+    finally:
+        collector.close()
