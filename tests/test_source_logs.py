@@ -434,6 +434,14 @@ def test_parse_journal_line() -> None:
     assert e is not None
     assert e.message == "hello"
     assert e.time_seconds == pytest.approx(1700000000.123456)
+    assert e.cursor is None
+    e = parse_journal_line(json.dumps({"MESSAGE": None, "__CURSOR": "s=ab;i=2f"}))
+    assert e is not None
+    assert (e.message, e.cursor) == (None, "s=ab;i=2f")  # a null message still moves the cursor
+    for bad in ("", 7, None):
+        e = parse_journal_line(json.dumps({"MESSAGE": "x", "__CURSOR": bad}))
+        assert e is not None
+        assert e.cursor is None, bad
     raw = list(b"\x1b[31mERROR\x1b[0m caf\xc3\xa9 \xff")
     e = parse_journal_line(json.dumps({"MESSAGE": raw}))
     assert e is not None
