@@ -10,7 +10,9 @@ they do on a busy server (counters, histograms), and answers /health. Then, per 
 * ``url``: the service found by its port (no ``unit:``; the unit source reads /proc), NVML off;
 * ``unit``: ``unit: vllm.service``, with a stand-in ``systemctl`` (a shell script printing
   ``systemctl show``'s answer with the stand-in's pid as MainPID: a real fork and exec per read)
-  and a stand-in ``journalctl`` that follows an empty journal; NVML off;
+  and a stand-in ``journalctl`` following the stand-in's journal (``tail -F`` of a file of
+  ``journalctl -o json`` entries: one uvicorn access line per request the stand-in answers, as
+  vLLM logs the guardian's own scrapes and probes); NVML off;
 * ``nvml``: as ``url``, plus NVML through the fake libnvidia-ml.so.1 (tests/fake_nvml, built
   with gcc) with one GPU per engine, each holding a process of the stand-in.
 
@@ -76,12 +78,29 @@ CONFIGS = ("url", "unit", "nvml")
 PARSES_BETWEEN_ROUNDS = 3
 GIB = 1024**3
 
-# The stand-in for vLLM: serves the expositions in turn on /metrics, 200 on /health.
+# The stand-in for vLLM: serves the expositions in turn on /metrics, 200 on /health, and logs
+# every request as uvicorn's access log does ("INFO:     host:port - "GET /metrics HTTP/1.1" 200
+# OK"), one journal entry a request in ``journalctl -o json``'s form (the fields a unit's stdout
+# line carries), appended to the file the stand-in journalctl follows: the guardian's own scrapes
+# are in vLLM's journal, one line each, and the logs source reads them as it would there.
 STAND_IN = textwrap.dedent(
     """
-    import sys, itertools
+    import sys, itertools, json, os, time
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-    bodies = itertools.cycle([open(p, "rb").read() for p in sys.argv[1:]])
+    journal = open(sys.argv[1], "a", buffering=1)
+    bodies = itertools.cycle([open(p, "rb").read() for p in sys.argv[2:]])
+    seq = itertools.count(1)
+    FIELDS = {
+        "_BOOT_ID": "6c1b7e7f5d0e4c4a9d3f2b1a0e9d8c7b", "_MACHINE_ID": "0f" * 16,
+        "_HOSTNAME": "gpu-node-1", "PRIORITY": "6", "SYSLOG_FACILITY": "3", "_UID": "997",
+        "_GID": "997", "_CAP_EFFECTIVE": "0", "_TRANSPORT": "stdout", "SYSLOG_IDENTIFIER": "vllm",
+        "_COMM": "python3", "_EXE": "/usr/bin/python3.12",
+        "_CMDLINE": "/opt/vllm/bin/python3 /opt/vllm/bin/vllm serve /models/Qwen3-32B "
+        "--tensor-parallel-size 8 --gpu-memory-utilization 0.9 --max-num-seqs 256 --port 8000",
+        "_SYSTEMD_CGROUP": "/system.slice/vllm.service", "_SYSTEMD_UNIT": "vllm.service",
+        "_SYSTEMD_SLICE": "system.slice", "_SYSTEMD_INVOCATION_ID": "a1" * 16,
+        "_STREAM_ID": "b2" * 16, "_PID": str(os.getpid()),
+    }
     class H(BaseHTTPRequestHandler):
         def do_GET(self):
             body = next(bodies) if self.path == "/metrics" else b""
@@ -89,6 +108,16 @@ STAND_IN = textwrap.dedent(
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+        def log_request(self, code="-", size="-"):
+            n, now = next(seq), time.time()
+            host, port = self.client_address[:2]
+            journal.write(json.dumps({
+                "__CURSOR": f"s=6c1b7e7f;i={n:x};b=6c1b7e7f;m={n:x};t={int(now * 1e6):x}",
+                "__REALTIME_TIMESTAMP": str(int(now * 1e6)),
+                "__MONOTONIC_TIMESTAMP": str(int(time.monotonic() * 1e6)),
+                **FIELDS,
+                "MESSAGE": f'INFO:     {host}:{port} - "{self.requestline}" {code} OK',
+            }) + "\\n")
         def log_message(self, *a):
             pass
     s = ThreadingHTTPServer(("127.0.0.1", 0), H)
@@ -96,6 +125,11 @@ STAND_IN = textwrap.dedent(
     s.serve_forever()
     """
 )
+
+
+def journal_file(tmp: Path) -> Path:
+    """The stand-in's journal: an entry per request, followed by the stand-in journalctl."""
+    return tmp / "journal.jsonl"
 
 
 @contextmanager
@@ -106,8 +140,11 @@ def stand_in(texts: list[str], tmp: Path) -> Iterator[tuple[int, int]]:
         p = tmp / f"exposition-{i}.prom"
         p.write_text(text)
         paths.append(str(p))
+    journal_file(tmp).touch()
     proc = subprocess.Popen(
-        [sys.executable, "-c", STAND_IN, *paths], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", STAND_IN, str(journal_file(tmp)), *paths],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout is not None
@@ -129,7 +166,8 @@ def config_text(kind: str, tmp: Path, port: int, pid: int, engines: int, lib: Pa
     )
     systemctl.write_text(f"#!/bin/sh\ncat <<'EOF'\n{show}EOF\n")
     journalctl = d / "journalctl"
-    journalctl.write_text("#!/bin/sh\nexec sleep 3600\n")  # an empty journal, followed
+    # The stand-in's journal from now on (-n 0), followed.
+    journalctl.write_text(f"#!/bin/sh\nexec tail -n 0 -F {journal_file(tmp)}\n")
     for f in (systemctl, journalctl):
         f.chmod(0o755)
     nvml = "    enabled: false\n"
@@ -195,6 +233,14 @@ def per_component(cfg_text: str, ticks: int, reference: str) -> dict[str, Any]:
             g.tick()
             clock.advance(1.0)
         acc.clear()
+        # The logs source's reader thread (journalctl's output: JSON, the matcher) works between
+        # collects; its CPU is part of the "logs" column.
+        readers = [
+            time.pthread_getcpuclockid(t.ident)
+            for slot in g._slots
+            if (t := getattr(slot.collector, "_thread", None)) is not None and t.ident is not None
+        ]
+        reader_cpu = sum(time.clock_gettime(c) for c in readers)
         parses = [prometheus_parse_cpu(reference, PARSES_BETWEEN_ROUNDS)]
         round_whole: list[float] = []
         for _ in range(rounds):
@@ -202,8 +248,12 @@ def per_component(cfg_text: str, ticks: int, reference: str) -> dict[str, Any]:
             for _ in range(round_ticks):
                 g.tick()
                 clock.advance(1.0)
+            if readers:
+                time.sleep(0.1)  # the reader thread's work on the round's last lines is its own
             round_whole.append((time.process_time() - t0) / round_ticks)
             parses.append(prometheus_parse_cpu(reference, PARSES_BETWEEN_ROUNDS))
+        if readers:
+            acc["logs"] += sum(time.clock_gettime(c) for c in readers) - reader_cpu
     finally:
         g.close()
     n = rounds * round_ticks
@@ -274,13 +324,14 @@ def whole_daemon(cfg_text: str, tmp: Path, seconds: float) -> tuple[float, int]:
 
 
 def prometheus_parse_cpu(text: str, repeat: int) -> list[float]:
-    """CPU seconds of each of ``repeat`` prometheus_client parses of ``text``."""
+    """CPU seconds of each of ``repeat`` prometheus_client parses of ``text`` (this thread's:
+    a guardian's threads working meanwhile are not the parse's)."""
     list(text_string_to_metric_families(text))
     times = []
     for _ in range(repeat):
-        t = time.process_time()
+        t = time.thread_time()
         list(text_string_to_metric_families(text))
-        times.append(time.process_time() - t)
+        times.append(time.thread_time() - t)
     return times
 
 
