@@ -904,3 +904,174 @@ def test_a_cursor_journalctl_rejects_is_dropped(tmp_path: Path) -> None:
         assert runs[2] == "-f -o json --all -n 0 --unit=vllm.service", runs
     finally:
         collector.close()
+
+
+# --- journalctl's output: entries split across writes, bursts, exits ------------------------
+
+
+def _step_journalctl(tmp_path: Path, steps: list[str]) -> Path:
+    """A fake journalctl that runs ``steps`` in turn (shell), each after the test creates
+    ``go-N``, and creates ``done-N`` after each; it then stays (a journal followed)."""
+    body = []
+    for i, step in enumerate(steps):
+        body.append(f'while [ ! -e "{tmp_path}/go-{i}" ]; do sleep 0.02; done')
+        body.append(step)
+        body.append(f'touch "{tmp_path}/done-{i}"')
+    path = tmp_path / "journalctl"
+    path.write_text("#!/bin/sh\n" + "\n".join(body) + "\nexec sleep 60\n")
+    path.chmod(0o755)
+    return path
+
+
+def _run_step(tmp_path: Path, i: int) -> None:
+    (tmp_path / f"go-{i}").touch()
+    wait_for((tmp_path / f"done-{i}").exists, timeout=60)
+
+
+def _following(collector: LogsCollector) -> None:
+    """Wait until the collector holds the journalctl it started."""
+    wait_for(lambda: collector._proc is not None, timeout=60)  # a test looks inside
+
+
+def _printf(tmp_path: Path, name: str, data: str) -> str:
+    """A step that writes ``data`` (no newline added) to stdout."""
+    (tmp_path / name).write_text(data)
+    return f'cat "{tmp_path / name}"'
+
+
+def test_an_entry_split_across_ticks_is_read_whole(tmp_path: Path) -> None:
+    """journalctl writes an entry in two parts with a tick in between: the first part waits for
+    the rest; it is neither parsed alone (a line that cannot be matched) nor lost."""
+    oom = _entry(OOM_LINE.format(n=3).strip(), 1_700_000_001_000_000)
+    cut = len(oom) // 2
+    journalctl = _step_journalctl(
+        tmp_path,
+        [_printf(tmp_path, "a", oom[:cut]), _printf(tmp_path, "b", oom[cut:] + "\n")],
+    )
+    collector = LogsCollector(
+        ServiceConfig(name="a", unit="vllm.service"),
+        LogsSourceConfig(journalctl=str(journalctl)),
+        FakeClock(),
+    )
+    try:
+        g = Gathered(collector)
+        _following(collector)
+        _run_step(tmp_path, 0)
+        g.poll()  # the first half is in the pipe now
+        assert g.reading is not None
+        assert (g.reading.lines_total, g.events) == (0, [])
+        _run_step(tmp_path, 1)
+        wait_for(
+            lambda: g.poll() is not None and g.reading is not None and g.reading.lines_total >= 1,
+            timeout=60,
+            seen=lambda: g.reading,
+        )
+        assert (g.reading.lines_total, [k for k, _ in g.events]) == (1, [K.CUDA_OOM])
+    finally:
+        collector.close()
+
+
+def test_an_entry_too_long_is_counted_once_across_reads(tmp_path: Path) -> None:
+    """An entry at least 8 × max_line_bytes + 64 KiB long cannot be parsed: it counts as one
+    line, however many reads and ticks it spans, and the entry after it is read as usual."""
+    cfg = LogsSourceConfig(max_line_bytes=1024)
+    limit = 8 * 1024 + 64 * 1024
+    # An OOM padded past the limit: read whole, it would count as an OOM.
+    huge = _entry(OOM_LINE.format(n=99) + "x" * (2 * limit), 1_700_000_000_000_000) + "\n"
+    oom = _entry(OOM_LINE.format(n=4).strip(), 1_700_000_001_000_000) + "\n"
+    third = len(huge) // 3
+    journalctl = _step_journalctl(
+        tmp_path,
+        [
+            _printf(tmp_path, "h1", huge[:third]),
+            _printf(tmp_path, "h2", huge[third : 2 * third]),
+            _printf(tmp_path, "h3", huge[2 * third :] + oom),
+        ],
+    )
+    collector = LogsCollector(
+        ServiceConfig(name="a", unit="vllm.service"),
+        LogsSourceConfig(journalctl=str(journalctl), max_line_bytes=cfg.max_line_bytes),
+        FakeClock(),
+    )
+    try:
+        g = Gathered(collector)
+        _following(collector)
+        for i in range(3):
+            _run_step(tmp_path, i)
+            g.poll()
+        wait_for(
+            lambda: g.poll() is not None and g.reading is not None and g.reading.lines_total >= 2,
+            timeout=60,
+            seen=lambda: g.reading,
+        )
+        assert g.reading is not None
+        assert g.reading.lines_total == 2
+        assert [m for _, m in g.events] == [OOM_LINE.format(n=4).strip()]
+    finally:
+        collector.close()
+
+
+def test_a_burst_larger_than_the_pipe_is_read_whole(tmp_path: Path) -> None:
+    """Far more than a pipe holds between two ticks: journalctl waits on the pipe, nothing is
+    lost, every entry is counted once (distinct OOMs are distinct incidents)."""
+    n = 3000
+    burst = "".join(
+        _entry(OOM_LINE.format(n=i + 1).strip(), 1_700_000_000_000_000 + i) + "\n" for i in range(n)
+    )
+    assert len(burst) > 4 * 65536
+    journalctl = _step_journalctl(tmp_path, [_printf(tmp_path, "burst", burst)])
+    collector = LogsCollector(
+        ServiceConfig(name="a", unit="vllm.service"),
+        LogsSourceConfig(journalctl=str(journalctl), recent_events=n),
+        FakeClock(),
+    )
+    try:
+        g = Gathered(collector)
+        _following(collector)
+        (tmp_path / "go-0").touch()
+        wait_for(
+            lambda: g.poll() is not None and g.reading is not None and g.reading.lines_total >= n,
+            timeout=60,
+            seen=lambda: g.reading.lines_total if g.reading else None,
+        )
+        assert g.reading is not None
+        assert g.reading.lines_total == n
+        assert dict(g.reading.counts)[K.CUDA_OOM] == n
+        assert [m for _, m in g.events] == [OOM_LINE.format(n=i + 1).strip() for i in range(n)]
+    finally:
+        collector.close()
+
+
+def test_journalctl_exiting_mid_entry(tmp_path: Path) -> None:
+    """journalctl writes an entry and half of the next, then exits: the entry is read, the half
+    counts as one line that cannot be matched, and the source says journalctl exited."""
+    oom = _entry(OOM_LINE.format(n=5).strip(), 1_700_000_001_000_000) + "\n"
+    half = _entry(OOM_LINE.format(n=6).strip(), 1_700_000_002_000_000)[:100]
+    journalctl = _fake_journalctl(
+        tmp_path,
+        f'[ -e "{tmp_path}/ran" ] && exec sleep 60\n'  # a restart stays up
+        f'touch "{tmp_path}/ran"\ncat "{tmp_path / "out"}"\nexit 3',
+    )
+    (tmp_path / "out").write_text(oom + half)
+    collector = LogsCollector(
+        ServiceConfig(name="a", unit="vllm.service"),
+        LogsSourceConfig(journalctl=str(journalctl)),
+        FakeClock(),
+    )
+    try:
+        wait_for(lambda: collector.collect().error is not None, timeout=60)
+        assert "exited with status 3" in (collector.collect().error or "")
+        # Up again after the restart: what the first run wrote is handed out.
+        got: list[LogReading] = []
+
+        def up() -> bool:
+            payload = collector.collect().payload
+            if isinstance(payload, LogReading):
+                got.append(payload)
+            return bool(got)
+
+        wait_for(up, timeout=60)
+        assert got[0].lines_total == 2
+        assert [e.message for e in got[0].recent] == [OOM_LINE.format(n=5).strip()]
+    finally:
+        collector.close()
