@@ -166,6 +166,11 @@ class DemoReport:
     capacity: str = ""
 
 
+# The demo's wait without a processed token before the guardian restarts a stalled engine (the
+# shipped 30 s is long to watch); the gate's progress watch holds new requests after a third.
+DEMO_STALL_SECONDS = 8.0
+
+
 def demo_config(
     opts: DemoOptions,
     workdir: Path,
@@ -194,7 +199,11 @@ def demo_config(
             "services": [
                 {"name": "vllm", "url": f"http://127.0.0.1:{vllm_port}", "command": twin,
                  "log_file": str(workdir / "vllm.log"),
-                 **({"gate": {"listen": f"127.0.0.1:{gate_port}"}} if gate_port else {})}
+                 **({"gate": {"listen": f"127.0.0.1:{gate_port}",
+                              # The progress watch holds new requests after a third of the
+                              # guardian's stall wait, as the shipped defaults do (10 of 30 s).
+                              "stall_hold_seconds": DEMO_STALL_SECONDS / 3}}
+                    if gate_port else {})}
             ],
             "sources": {
                 "nvml": {"backend": "file", "state_file": str(gpu_state)},
@@ -205,7 +214,7 @@ def demo_config(
                 "logs": {"enabled": True},
             },
             "signals": {"rate_window_seconds": 10, "quantile_window_seconds": 20, "slope_window_seconds": 20,
-                        "stall_seconds": 8, "capacity_window_seconds": 20,
+                        "stall_seconds": DEMO_STALL_SECONDS, "capacity_window_seconds": 20,
                         **on_twin_clock(SignalsConfig(), FORECAST_SIGNALS, opts.speed)},
             "alerting": {"rules_file": str(workdir / "demo-rules.yaml")},
             "policy": {
