@@ -10,7 +10,9 @@ they do on a busy server (counters, histograms), and answers /health. Then, per 
 * ``url``: the service found by its port (no ``unit:``; the unit source reads /proc), NVML off;
 * ``unit``: ``unit: vllm.service``, with a stand-in ``systemctl`` (a shell script printing
   ``systemctl show``'s answer with the stand-in's pid as MainPID: a real fork and exec per read)
-  and a stand-in ``journalctl`` that follows an empty journal; NVML off;
+  and a stand-in ``journalctl`` following the stand-in's journal (``tail -F`` of a file of
+  ``journalctl -o json`` entries: one uvicorn access line per request the stand-in answers, as
+  vLLM logs the guardian's own scrapes and probes); NVML off;
 * ``nvml``: as ``url``, plus NVML through the fake libnvidia-ml.so.1 (tests/fake_nvml, built
   with gcc) with one GPU per engine, each holding a process of the stand-in.
 
@@ -24,9 +26,14 @@ it measures, in the same run:
    as many ticks as fill the history the daemon keeps (steady state; about 300 at 1 s): CPU
    time per tick of each source (its thread's CPU), of the decision step (signals, alerts,
    policy), of the flight recorder, of publishing, and of the whole tick (process CPU); and
-   prometheus_client's parse of the same exposition (CPU, the median of ten parses just before
-   and ten just after the configuration's ticks), so the whole tick's ratio to it is taken on
-   the same host at the same moment;
+   the whole tick's ratio to prometheus_client's parse of the same exposition, taken on the
+   same host at the same moment. The ticks run in rounds of one unit-source refresh period
+   (30 ticks: every round holds one full unit read, a ``systemctl`` fork and a /proc walk),
+   with three parses before the first round and after each one; each round's ratio is the
+   median of the parses on either side of it over the round's whole-tick CPU per tick, and the
+   ratio printed is the median over the rounds (their range and the ratio of the means are
+   printed too): a load that comes or goes weighs on both sides of a round's ratio, and one
+   round caught by a burst of load on the host does not decide the figure;
 2. **the whole daemon**: ``vllm-guardian run`` at a 1 s interval for ``--seconds``, as its own
    process: CPU share of one core and peak RSS, read from /proc. A short run has a short
    history (the step's windows fill over 5 minutes), so its CPU share is a lower bound; the
@@ -68,14 +75,32 @@ CAPTURES = [
     ROOT / "tests" / "fixtures" / "vllm" / f"metrics-under-load-0{k}.prom" for k in (2, 5, 8)
 ]
 CONFIGS = ("url", "unit", "nvml")
+PARSES_BETWEEN_ROUNDS = 3
 GIB = 1024**3
 
-# The stand-in for vLLM: serves the expositions in turn on /metrics, 200 on /health.
+# The stand-in for vLLM: serves the expositions in turn on /metrics, 200 on /health, and logs
+# every request as uvicorn's access log does ("INFO:     host:port - "GET /metrics HTTP/1.1" 200
+# OK"), one journal entry a request in ``journalctl -o json``'s form (the fields a unit's stdout
+# line carries), appended to the file the stand-in journalctl follows: the guardian's own scrapes
+# are in vLLM's journal, one line each, and the logs source reads them as it would there.
 STAND_IN = textwrap.dedent(
     """
-    import sys, itertools
+    import sys, itertools, json, os, time
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-    bodies = itertools.cycle([open(p, "rb").read() for p in sys.argv[1:]])
+    journal = open(sys.argv[1], "a", buffering=1)
+    bodies = itertools.cycle([open(p, "rb").read() for p in sys.argv[2:]])
+    seq = itertools.count(1)
+    FIELDS = {
+        "_BOOT_ID": "6c1b7e7f5d0e4c4a9d3f2b1a0e9d8c7b", "_MACHINE_ID": "0f" * 16,
+        "_HOSTNAME": "gpu-node-1", "PRIORITY": "6", "SYSLOG_FACILITY": "3", "_UID": "997",
+        "_GID": "997", "_CAP_EFFECTIVE": "0", "_TRANSPORT": "stdout", "SYSLOG_IDENTIFIER": "vllm",
+        "_COMM": "python3", "_EXE": "/usr/bin/python3.12",
+        "_CMDLINE": "/opt/vllm/bin/python3 /opt/vllm/bin/vllm serve /models/Qwen3-32B "
+        "--tensor-parallel-size 8 --gpu-memory-utilization 0.9 --max-num-seqs 256 --port 8000",
+        "_SYSTEMD_CGROUP": "/system.slice/vllm.service", "_SYSTEMD_UNIT": "vllm.service",
+        "_SYSTEMD_SLICE": "system.slice", "_SYSTEMD_INVOCATION_ID": "a1" * 16,
+        "_STREAM_ID": "b2" * 16, "_PID": str(os.getpid()),
+    }
     class H(BaseHTTPRequestHandler):
         def do_GET(self):
             body = next(bodies) if self.path == "/metrics" else b""
@@ -83,6 +108,16 @@ STAND_IN = textwrap.dedent(
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+        def log_request(self, code="-", size="-"):
+            n, now = next(seq), time.time()
+            host, port = self.client_address[:2]
+            journal.write(json.dumps({
+                "__CURSOR": f"s=6c1b7e7f;i={n:x};b=6c1b7e7f;m={n:x};t={int(now * 1e6):x}",
+                "__REALTIME_TIMESTAMP": str(int(now * 1e6)),
+                "__MONOTONIC_TIMESTAMP": str(int(time.monotonic() * 1e6)),
+                **FIELDS,
+                "MESSAGE": f'INFO:     {host}:{port} - "{self.requestline}" {code} OK',
+            }) + "\\n")
         def log_message(self, *a):
             pass
     s = ThreadingHTTPServer(("127.0.0.1", 0), H)
@@ -90,6 +125,11 @@ STAND_IN = textwrap.dedent(
     s.serve_forever()
     """
 )
+
+
+def journal_file(tmp: Path) -> Path:
+    """The stand-in's journal: an entry per request, followed by the stand-in journalctl."""
+    return tmp / "journal.jsonl"
 
 
 @contextmanager
@@ -100,8 +140,11 @@ def stand_in(texts: list[str], tmp: Path) -> Iterator[tuple[int, int]]:
         p = tmp / f"exposition-{i}.prom"
         p.write_text(text)
         paths.append(str(p))
+    journal_file(tmp).touch()
     proc = subprocess.Popen(
-        [sys.executable, "-c", STAND_IN, *paths], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", STAND_IN, str(journal_file(tmp)), *paths],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout is not None
@@ -123,7 +166,8 @@ def config_text(kind: str, tmp: Path, port: int, pid: int, engines: int, lib: Pa
     )
     systemctl.write_text(f"#!/bin/sh\ncat <<'EOF'\n{show}EOF\n")
     journalctl = d / "journalctl"
-    journalctl.write_text("#!/bin/sh\nexec sleep 3600\n")  # an empty journal, followed
+    # The stand-in's journal from now on (-n 0), followed.
+    journalctl.write_text(f"#!/bin/sh\nexec tail -n 0 -F {journal_file(tmp)}\n")
     for f in (systemctl, journalctl):
         f.chmod(0o755)
     nvml = "    enabled: false\n"
@@ -163,12 +207,17 @@ def _timed(fn: Callable[..., Any], key: str, acc: dict[str, float]) -> Callable[
     return wrapper
 
 
-def per_component(cfg_text: str, ticks: int) -> dict[str, float]:
-    """CPU seconds per tick of each part of the guardian's own tick (module docstring)."""
+def per_component(cfg_text: str, ticks: int, reference: str) -> dict[str, Any]:
+    """CPU seconds per tick of each part of the guardian's own tick, and the whole tick's ratio
+    to prometheus_client's parse of ``reference`` taken round by round (module docstring)."""
     cfg = parse_config(cfg_text)
     clock = FakeClock(time.time())
     g = Guardian(cfg, clock=clock, notifier=None)
     acc: dict[str, float] = defaultdict(float)
+    # A round spans one refresh period of the unit source, so every round holds exactly one full
+    # unit read (a systemctl fork, a /proc walk): no round is spared the periodic costs.
+    round_ticks = max(1, int(cfg.sources.unit.refresh_seconds / cfg.interval_seconds))
+    rounds = max(1, -(-ticks // round_ticks))
     try:
         for slot in g._slots:  # a benchmark looks inside
             c = slot.collector
@@ -184,14 +233,42 @@ def per_component(cfg_text: str, ticks: int) -> dict[str, float]:
             g.tick()
             clock.advance(1.0)
         acc.clear()
-        t0 = time.process_time()
-        for _ in range(ticks):
-            g.tick()
-            clock.advance(1.0)
-        acc["whole tick"] = time.process_time() - t0
+        # The logs source's reader thread (journalctl's output: JSON, the matcher) works between
+        # collects; its CPU is part of the "logs" column.
+        readers = [
+            time.pthread_getcpuclockid(t.ident)
+            for slot in g._slots
+            if (t := getattr(slot.collector, "_thread", None)) is not None and t.ident is not None
+        ]
+        reader_cpu = sum(time.clock_gettime(c) for c in readers)
+        parses = [prometheus_parse_cpu(reference, PARSES_BETWEEN_ROUNDS)]
+        round_whole: list[float] = []
+        for _ in range(rounds):
+            t0 = time.process_time()
+            for _ in range(round_ticks):
+                g.tick()
+                clock.advance(1.0)
+            if readers:
+                time.sleep(0.1)  # the reader thread's work on the round's last lines is its own
+            round_whole.append((time.process_time() - t0) / round_ticks)
+            parses.append(prometheus_parse_cpu(reference, PARSES_BETWEEN_ROUNDS))
+        if readers:
+            acc["logs"] += sum(time.clock_gettime(c) for c in readers) - reader_cpu
     finally:
         g.close()
-    return {k: v / ticks for k, v in acc.items()}
+    n = rounds * round_ticks
+    out: dict[str, Any] = {k: v / n for k, v in acc.items()}
+    out["whole tick"] = statistics.fmean(round_whole)
+    # Each round against the parses just before and just after it: a load that comes or goes
+    # weighs on both sides of that round's ratio.
+    refs = [statistics.median(parses[i] + parses[i + 1]) for i in range(rounds)]
+    ratios = sorted(r / w for r, w in zip(refs, round_whole, strict=True))
+    out["parse"] = statistics.median(p for ps in parses for p in ps)
+    out["ratio"] = statistics.median(ratios)
+    out["ratio range"] = (ratios[0], ratios[-1])
+    out["ratio of means"] = statistics.fmean(refs) / out["whole tick"]
+    out["rounds"] = (rounds, round_ticks)
+    return out
 
 
 def proc_usage(pid: int) -> tuple[float, int]:
@@ -247,13 +324,14 @@ def whole_daemon(cfg_text: str, tmp: Path, seconds: float) -> tuple[float, int]:
 
 
 def prometheus_parse_cpu(text: str, repeat: int) -> list[float]:
-    """CPU seconds of each of ``repeat`` prometheus_client parses of ``text``."""
+    """CPU seconds of each of ``repeat`` prometheus_client parses of ``text`` (this thread's:
+    a guardian's threads working meanwhile are not the parse's)."""
     list(text_string_to_metric_families(text))
     times = []
     for _ in range(repeat):
-        t = time.process_time()
+        t = time.thread_time()
         list(text_string_to_metric_families(text))
-        times.append(time.process_time() - t)
+        times.append(time.thread_time() - t)
     return times
 
 
@@ -267,7 +345,12 @@ def main() -> int:
     )
     ap.add_argument("--engines", default="1,8", help="engine counts, comma-separated")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="of: " + ", ".join(CONFIGS))
-    ap.add_argument("--ticks", type=int, default=60, help="in-process ticks per configuration")
+    ap.add_argument(
+        "--ticks",
+        type=int,
+        default=300,
+        help="in-process ticks per configuration (whole rounds of the unit source's refresh)",
+    )
     ap.add_argument("--seconds", type=float, default=20.0, help="daemon run; 0 skips it")
     args = ap.parse_args()
     configs = [c for c in args.configs.split(",") if c]
@@ -292,16 +375,15 @@ def main() -> int:
             with stand_in(texts, tmp) as (pid, port):
                 for kind in configs:
                     text = config_text(kind, tmp, port, pid, engines, lib)
-                    # The reference on either side of the ticks it is compared with: a load
-                    # that comes or goes during the configuration weighs on both.
-                    before = prometheus_parse_cpu(texts[1], 10)
-                    parts = per_component(text, args.ticks)
-                    ref = statistics.median(before + prometheus_parse_cpu(texts[1], 10))
+                    parts = per_component(text, args.ticks, texts[1])
                     daemon = whole_daemon(text, tmp / kind, args.seconds) if args.seconds else None
-                    rows.append((engines, kind, ref, parts, daemon))
+                    rows.append((engines, kind, parts, daemon))
+                    (lo, hi), (rounds, round_ticks) = parts["ratio range"], parts["rounds"]
                     print(
                         f"  {kind}: whole tick {parts['whole tick'] * 1e3:.2f} ms, "
-                        f"prometheus_client parse {ref * 1e3:.2f} ms",
+                        f"prometheus_client parse {parts['parse'] * 1e3:.2f} ms; parse / tick "
+                        f"in {rounds} rounds of {round_ticks} ticks: median {parts['ratio']:.1f}×"
+                        f" ({lo:.1f}× to {hi:.1f}×), of the means {parts['ratio of means']:.1f}×",
                         flush=True,
                     )
     print()
@@ -309,13 +391,13 @@ def main() -> int:
             "daemon CPU", "RSS"]  # fmt: skip
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
-    for engines, kind, ref, parts, daemon in rows:
+    for engines, kind, parts, daemon in rows:
         cells = [str(engines), kind]
         cells += [f"{parts[c] * 1e3:.2f}" if c in parts else "–" for c in COMPONENTS]
         whole = parts["whole tick"]
         cells += [
             f"{whole * 1e3:.2f} ms",
-            f"{ref / whole:.1f}× ({ref * 1e3:.1f} ms)",
+            f"{parts['ratio']:.1f}× ({parts['parse'] * 1e3:.1f} ms)",
             f"{100 * whole:.2f} %",
         ]
         if daemon is not None:
@@ -325,8 +407,10 @@ def main() -> int:
         print("| " + " | ".join(cells) + " |")
     print(
         "\ncomponents: CPU ms per tick (sources: their thread's CPU); whole tick: process CPU per "
-        "tick in this process at full history; parse / tick: prometheus_client's parse CPU (around "
-        "the configuration's ticks, in brackets) over the whole tick's; steady CPU: the whole tick over a 1 s interval, as a share of one core; "
+        "tick in this process at full history; parse / tick: the median over the rounds of "
+        "prometheus_client's parse CPU (around the round) over the round's whole tick (the "
+        "median parse in brackets); steady CPU: the whole tick over a 1 s interval, as a share "
+        "of one core; "
         f"daemon: `vllm-guardian run` at a 1 s interval over {args.seconds:.0f} s (a short "
         "history: a lower bound), CPU share of one core and peak RSS."
     )

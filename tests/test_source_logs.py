@@ -302,6 +302,28 @@ MATCH_CASES: list[tuple[str, tuple[LogEventKind, dict[str, str]] | None]] = [
         "force killing remaining process EngineCore pid 11972",
         None,
     ),
+    # uvicorn's access log (INFO) carries the path a client chose: any client that reaches
+    # vLLM's port must not be able to fake an engine death or an OOM (a restart, a relaunch,
+    # the restart budget spent, then the breaker latched)
+    ('INFO:     10.0.0.7:51234 - "GET /EngineDeadError HTTP/1.1" 404 Not Found', None),
+    ('INFO:     10.0.0.7:51234 - "GET /CUBLAS_STATUS_ALLOC_FAILED HTTP/1.1" 404 Not Found', None),
+    (
+        'INFO:     10.0.0.7:51234 - "POST /v1/completions?x=torch.OutOfMemoryError:%20CUDA%20out'
+        '%20of%20memory.%20Tried%20to%20allocate HTTP/1.1" 400 Bad Request',
+        None,
+    ),
+    (
+        '(APIServer pid=7) INFO:     10.0.0.7:51234 - "GET /engine%20core%20exited%20unexpectedly'
+        ' HTTP/1.1" 404 Not Found',
+        None,
+    ),
+    ('DEBUG:    10.0.0.7:51234 - "GET /EngineDeadError HTTP/1.1" 404 Not Found', None),
+    # ... while uvicorn's ERROR lines and the traceback under them still count
+    (
+        "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack "
+        "trace (above) for the root cause.",
+        (K.ENGINE_DEAD, {"signature": "EngineDeadError"}),
+    ),
     ("", None),
 ]
 
@@ -434,6 +456,14 @@ def test_parse_journal_line() -> None:
     assert e is not None
     assert e.message == "hello"
     assert e.time_seconds == pytest.approx(1700000000.123456)
+    assert e.cursor is None
+    e = parse_journal_line(json.dumps({"MESSAGE": None, "__CURSOR": "s=ab;i=2f"}))
+    assert e is not None
+    assert (e.message, e.cursor) == (None, "s=ab;i=2f")  # a null message still moves the cursor
+    for bad in ("", 7, None):
+        e = parse_journal_line(json.dumps({"MESSAGE": "x", "__CURSOR": bad}))
+        assert e is not None
+        assert e.cursor is None, bad
     raw = list(b"\x1b[31mERROR\x1b[0m caf\xc3\xa9 \xff")
     e = parse_journal_line(json.dumps({"MESSAGE": raw}))
     assert e is not None
@@ -450,11 +480,13 @@ def test_parse_journal_line() -> None:
 # --- the collector, following a file ----------------------------------------------------------
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+def wait_for(
+    predicate: Callable[[], bool], timeout: float = 5.0, seen: Callable[[], object] = lambda: ""
+) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
+            raise AssertionError(f"condition not reached in {timeout:g} s; saw {seen()!r}")
         time.sleep(0.05)
 
 
@@ -785,3 +817,283 @@ def test_close_stops_journalctl_children(tmp_path: Path) -> None:
     took = time.monotonic() - t0
     assert took < 4.5, f"close() took {took:.2f} s"
     wait_for(lambda: not _alive(child), timeout=30)
+
+
+# --- a restarted journalctl resumes after the last entry it handed over ----------------------
+
+
+def _cursor_entry(message: str, ts_us: int, cursor: str) -> str:
+    return json.dumps({"MESSAGE": message, "__REALTIME_TIMESTAMP": str(ts_us), "__CURSOR": cursor})
+
+
+def _journalctl_by_run(tmp_path: Path, by_args: str, first_run: str, later_runs: str) -> Path:
+    """A fake journalctl that appends its arguments (one run a line) to ``runs``, then runs
+    ``by_args`` (a ``case "$*"`` body chosen on them), then ``first_run`` on its first run and
+    ``later_runs`` after."""
+    path = tmp_path / "journalctl"
+    path.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> "{tmp_path}/runs"\n'
+        f'case "$*" in\n{by_args}\nesac\n'
+        f'if [ "$(wc -l < "{tmp_path}/runs")" -eq 1 ]; then\n{first_run}\nfi\n'
+        f"{later_runs}\n"
+    )
+    path.chmod(0o755)
+    return path
+
+
+def _runs(tmp_path: Path) -> list[str]:
+    runs = tmp_path / "runs"
+    return runs.read_text().splitlines() if runs.exists() else []
+
+
+def test_restarted_journalctl_resumes_after_the_last_entry(tmp_path: Path) -> None:
+    """journalctl exits (journald restarted, a crash); whatever the unit logged before it is
+    running again is read from the entry after the last one handed over, not lost to ``-n 0``.
+    Here the OOM is logged in that gap: a journalctl started with ``-n 0`` never prints it."""
+    first = tmp_path / "first.jsonl"
+    first.write_text(
+        _cursor_entry(
+            "(APIServer pid=5) INFO 05-19 10:00:00 [api_server.py:1] Starting vLLM",
+            1_700_000_000_000_000,
+            "s=1;i=1",
+        )
+        + "\n"
+    )
+    gap = tmp_path / "gap.jsonl"
+    gap.write_text(
+        _cursor_entry(OOM_LINE.format(n=9).strip(), 1_700_000_001_000_000, "s=1;i=2") + "\n"
+    )
+    now = tmp_path / "now.jsonl"
+    now.write_text(
+        _cursor_entry(
+            "(APIServer pid=5) INFO 05-19 10:00:05 [api_server.py:1] still serving",
+            1_700_000_005_000_000,
+            "s=1;i=3",
+        )
+        + "\n"
+    )
+    journalctl = _journalctl_by_run(
+        tmp_path,
+        f'  *"--after-cursor=s=1;i=1"*) cat "{gap}" "{now}"; exec sleep 60 ;;',
+        f'  cat "{first}"; exit 1',
+        f'cat "{now}"; exec sleep 60',  # from now on (-n 0): the gap is behind it
+    )
+    collector = LogsCollector(
+        ServiceConfig(name="a", unit="vllm.service"),
+        LogsSourceConfig(journalctl=str(journalctl)),
+        FakeClock(),
+    )
+    try:
+        g = Gathered(collector)
+        # Two lines read: the first run's, then the second run's first (the OOM when it resumes
+        # after the cursor, the line logged now when it starts from now).
+        wait_for(
+            lambda: g.poll() is not None and g.reading is not None and g.reading.lines_total >= 2,
+            timeout=60,
+            seen=lambda: (g.reading, _runs(tmp_path)),
+        )
+        runs = _runs(tmp_path)
+        assert [k for k, _ in g.events] == [K.CUDA_OOM], (g.events, runs)
+        assert runs[0] == "-f -o json --all -n 0 --unit=vllm.service", runs
+        assert runs[1] == "-f -o json --all --after-cursor=s=1;i=1 --unit=vllm.service", runs
+    finally:
+        collector.close()
+
+
+def test_a_cursor_journalctl_rejects_is_dropped(tmp_path: Path) -> None:
+    """A cursor journalctl cannot seek to (a journal vacuumed or replaced) must not keep every
+    restart failing: a run started from a cursor that hands over no entry is followed by one
+    started from now, as at the guardian's start."""
+    first = tmp_path / "first.jsonl"
+    first.write_text(_cursor_entry("a line", 1_700_000_000_000_000, "s=1;i=1") + "\n")
+    journalctl = _journalctl_by_run(
+        tmp_path,
+        '  *--after-cursor=*) echo "Failed to seek to cursor: Invalid argument" >&2; exit 1 ;;',
+        f'  cat "{first}"; exit 1',
+        "exec sleep 60",
+    )
+    collector = LogsCollector(
+        ServiceConfig(name="a", unit="vllm.service"),
+        LogsSourceConfig(journalctl=str(journalctl)),
+        FakeClock(),
+    )
+    try:
+        # Restarts back off 1 s, then 2 s: the third run starts about 3 s in.
+        wait_for(lambda: len(_runs(tmp_path)) >= 3, timeout=60, seen=lambda: _runs(tmp_path))
+        runs = _runs(tmp_path)
+        assert runs[1] == "-f -o json --all --after-cursor=s=1;i=1 --unit=vllm.service", runs
+        assert runs[2] == "-f -o json --all -n 0 --unit=vllm.service", runs
+    finally:
+        collector.close()
+
+
+# --- journalctl's output: entries split across writes, bursts, exits ------------------------
+
+
+def _step_journalctl(tmp_path: Path, steps: list[str]) -> Path:
+    """A fake journalctl that runs ``steps`` in turn (shell), each after the test creates
+    ``go-N``, and creates ``done-N`` after each; it then stays (a journal followed)."""
+    body = []
+    for i, step in enumerate(steps):
+        body.append(f'while [ ! -e "{tmp_path}/go-{i}" ]; do sleep 0.02; done')
+        body.append(step)
+        body.append(f'touch "{tmp_path}/done-{i}"')
+    path = tmp_path / "journalctl"
+    path.write_text("#!/bin/sh\n" + "\n".join(body) + "\nexec sleep 60\n")
+    path.chmod(0o755)
+    return path
+
+
+def _run_step(tmp_path: Path, i: int) -> None:
+    (tmp_path / f"go-{i}").touch()
+    wait_for((tmp_path / f"done-{i}").exists, timeout=60)
+
+
+def _following(collector: LogsCollector) -> None:
+    """Wait until the collector holds the journalctl it started."""
+    wait_for(lambda: collector._proc is not None, timeout=60)  # a test looks inside
+
+
+def _printf(tmp_path: Path, name: str, data: str) -> str:
+    """A step that writes ``data`` (no newline added) to stdout."""
+    (tmp_path / name).write_text(data)
+    return f'cat "{tmp_path / name}"'
+
+
+def test_an_entry_split_across_ticks_is_read_whole(tmp_path: Path) -> None:
+    """journalctl writes an entry in two parts with a tick in between: the first part waits for
+    the rest; it is neither parsed alone (a line that cannot be matched) nor lost."""
+    oom = _entry(OOM_LINE.format(n=3).strip(), 1_700_000_001_000_000)
+    cut = len(oom) // 2
+    journalctl = _step_journalctl(
+        tmp_path,
+        [_printf(tmp_path, "a", oom[:cut]), _printf(tmp_path, "b", oom[cut:] + "\n")],
+    )
+    collector = LogsCollector(
+        ServiceConfig(name="a", unit="vllm.service"),
+        LogsSourceConfig(journalctl=str(journalctl)),
+        FakeClock(),
+    )
+    try:
+        g = Gathered(collector)
+        _following(collector)
+        _run_step(tmp_path, 0)
+        g.poll()  # the first half is in the pipe now
+        assert g.reading is not None
+        assert (g.reading.lines_total, g.events) == (0, [])
+        _run_step(tmp_path, 1)
+        wait_for(
+            lambda: g.poll() is not None and g.reading is not None and g.reading.lines_total >= 1,
+            timeout=60,
+            seen=lambda: g.reading,
+        )
+        assert (g.reading.lines_total, [k for k, _ in g.events]) == (1, [K.CUDA_OOM])
+    finally:
+        collector.close()
+
+
+def test_an_entry_too_long_is_counted_once_across_reads(tmp_path: Path) -> None:
+    """An entry at least 8 × max_line_bytes + 64 KiB long cannot be parsed: it counts as one
+    line, however many reads and ticks it spans, and the entry after it is read as usual."""
+    cfg = LogsSourceConfig(max_line_bytes=1024)
+    limit = 8 * 1024 + 64 * 1024
+    # An OOM padded past the limit: read whole, it would count as an OOM.
+    huge = _entry(OOM_LINE.format(n=99) + "x" * (2 * limit), 1_700_000_000_000_000) + "\n"
+    oom = _entry(OOM_LINE.format(n=4).strip(), 1_700_000_001_000_000) + "\n"
+    third = len(huge) // 3
+    journalctl = _step_journalctl(
+        tmp_path,
+        [
+            _printf(tmp_path, "h1", huge[:third]),
+            _printf(tmp_path, "h2", huge[third : 2 * third]),
+            _printf(tmp_path, "h3", huge[2 * third :] + oom),
+        ],
+    )
+    collector = LogsCollector(
+        ServiceConfig(name="a", unit="vllm.service"),
+        LogsSourceConfig(journalctl=str(journalctl), max_line_bytes=cfg.max_line_bytes),
+        FakeClock(),
+    )
+    try:
+        g = Gathered(collector)
+        _following(collector)
+        for i in range(3):
+            _run_step(tmp_path, i)
+            g.poll()
+        wait_for(
+            lambda: g.poll() is not None and g.reading is not None and g.reading.lines_total >= 2,
+            timeout=60,
+            seen=lambda: g.reading,
+        )
+        assert g.reading is not None
+        assert g.reading.lines_total == 2
+        assert [m for _, m in g.events] == [OOM_LINE.format(n=4).strip()]
+    finally:
+        collector.close()
+
+
+def test_a_burst_larger_than_the_pipe_is_read_whole(tmp_path: Path) -> None:
+    """Far more than a pipe holds between two ticks: journalctl waits on the pipe, nothing is
+    lost, every entry is counted once (distinct OOMs are distinct incidents)."""
+    n = 3000
+    burst = "".join(
+        _entry(OOM_LINE.format(n=i + 1).strip(), 1_700_000_000_000_000 + i) + "\n" for i in range(n)
+    )
+    assert len(burst) > 4 * 65536
+    journalctl = _step_journalctl(tmp_path, [_printf(tmp_path, "burst", burst)])
+    collector = LogsCollector(
+        ServiceConfig(name="a", unit="vllm.service"),
+        LogsSourceConfig(journalctl=str(journalctl), recent_events=n),
+        FakeClock(),
+    )
+    try:
+        g = Gathered(collector)
+        _following(collector)
+        (tmp_path / "go-0").touch()
+        wait_for(
+            lambda: g.poll() is not None and g.reading is not None and g.reading.lines_total >= n,
+            timeout=60,
+            seen=lambda: g.reading.lines_total if g.reading else None,
+        )
+        assert g.reading is not None
+        assert g.reading.lines_total == n
+        assert dict(g.reading.counts)[K.CUDA_OOM] == n
+        assert [m for _, m in g.events] == [OOM_LINE.format(n=i + 1).strip() for i in range(n)]
+    finally:
+        collector.close()
+
+
+def test_journalctl_exiting_mid_entry(tmp_path: Path) -> None:
+    """journalctl writes an entry and half of the next, then exits: the entry is read, the half
+    counts as one line that cannot be matched, and the source says journalctl exited."""
+    oom = _entry(OOM_LINE.format(n=5).strip(), 1_700_000_001_000_000) + "\n"
+    half = _entry(OOM_LINE.format(n=6).strip(), 1_700_000_002_000_000)[:100]
+    journalctl = _fake_journalctl(
+        tmp_path,
+        f'[ -e "{tmp_path}/ran" ] && exec sleep 60\n'  # a restart stays up
+        f'touch "{tmp_path}/ran"\ncat "{tmp_path / "out"}"\nexit 3',
+    )
+    (tmp_path / "out").write_text(oom + half)
+    collector = LogsCollector(
+        ServiceConfig(name="a", unit="vllm.service"),
+        LogsSourceConfig(journalctl=str(journalctl)),
+        FakeClock(),
+    )
+    try:
+        wait_for(lambda: collector.collect().error is not None, timeout=60)
+        assert "exited with status 3" in (collector.collect().error or "")
+        # Up again after the restart: what the first run wrote is handed out.
+        got: list[LogReading] = []
+
+        def up() -> bool:
+            payload = collector.collect().payload
+            if isinstance(payload, LogReading):
+                got.append(payload)
+            return bool(got)
+
+        wait_for(up, timeout=60)
+        assert got[0].lines_total == 2
+        assert [e.message for e in got[0].recent] == [OOM_LINE.format(n=5).strip()]
+    finally:
+        collector.close()

@@ -1,18 +1,26 @@
 """The logs source: vLLM's own account of what went wrong, counted per signature.
 
 A reader thread per service follows either the unit's journal (``journalctl -f -o json``) or
-a plain log file (like ``tail -F``) and feeds every line to :func:`match_line`, which knows
+a plain log file (like ``tail -F``), from the guardian's start on (``-n 0``; a file from its
+end), and feeds every line to :func:`match_line`, which knows
 the vLLM log signatures of reference/vllm-surface.md §6: CUDA OOMs, start-up sizing failures,
 engine death, hung workers, V0 preemption warnings. Once per tick :meth:`LogsCollector.collect`
 hands out cumulative counts per kind and the events that are new since the previous tick;
 it only copies state under a lock, so it never waits on the journal. Messages kept in events
 are redacted and truncated: they end up in alerts, ``status`` and the flight recorder.
 
+A journalctl that exits (journald restarted, a crash) is restarted with backoff, and resumes
+after the last entry it handed over (``--after-cursor``, the entry's ``__CURSOR``): what the unit
+logged while it was down is read, not lost. A cursor journalctl cannot seek to (it says so on
+stderr: a journal vacuumed or replaced) is dropped when that run handed nothing over, and the
+next run starts from now, as at the start.
+
 Counting rules (why a count is a number of *incidents*, not of lines):
 
-* Lines logged at INFO or DEBUG are never matched. Every signature is logged at WARNING or
-  above or printed as a traceback line, and INFO lines can carry user text (request logging),
-  which must not be able to fake an OOM.
+* Lines logged at INFO or DEBUG are never matched, in vLLM's format or uvicorn's (``INFO:``).
+  Every signature is logged at WARNING or above or printed as a traceback line, and INFO lines
+  can carry user text (request logging, and uvicorn's access log with the path a client
+  chose), which must not be able to fake an OOM or an engine death.
 * vLLM reports one failure several times: the worker prints the OOM traceback, EngineCore
   re-raises it as ``Worker failed with error 'CUDA out of memory…'``, the API server logs
   ``EngineDeadError`` once per in-flight request. A match whose *dedup key* equals that of the
@@ -79,6 +87,10 @@ LOG_PREFIX = re.compile(
     r"(?P<ts>\d\d-\d\d \d\d:\d\d:\d\d)(?:\.\d+)? \[?(?P<src>[^\]\s]+:\d+)\]? (?P<msg>.*)$"
 )
 _QUIET_LEVELS = frozenset({"DEBUG", "INFO"})
+# uvicorn's own format (``%(levelprefix)s %(message)s``: the level, a colon, padding), used for
+# its access log and lifecycle lines, possibly after vLLM's process prefix. Its access lines
+# carry the request path, which any client that reaches vLLM's port chooses.
+_UVICORN_QUIET = re.compile(r"^(?:\(\S+ pid=\d+\) )?(?:TRACE|DEBUG|INFO): ")
 
 _SIZE = r"[\d.]+ ?(?:bytes|[KMGTP]i?B|B)"
 _SIZE_PARTS = re.compile(r"([\d.]+) ?(bytes|B|KiB|MiB|GiB|TiB|PiB|KB|MB|GB|TB|PB)")
@@ -295,6 +307,8 @@ def match_line(line: str) -> tuple[LogEventKind, Details] | None:
     prefix = LOG_PREFIX.match(line)
     if prefix is not None and prefix.group("lvl") in _QUIET_LEVELS:
         return None
+    if _UVICORN_QUIET.match(line):
+        return None
     return _match_body(line)
 
 
@@ -410,6 +424,7 @@ class LineSplitter:
 class JournalEntry:
     message: str | None  # None: journalctl printed null (a field over 4096 bytes)
     time_seconds: float | None
+    cursor: str | None = None  # where a restarted journalctl resumes (--after-cursor)
 
 
 def parse_journal_line(raw: bytes | str) -> JournalEntry | None:
@@ -431,7 +446,8 @@ def parse_journal_line(raw: bytes | str) -> JournalEntry | None:
     raw_ts = obj.get("__REALTIME_TIMESTAMP")
     if isinstance(raw_ts, str | int) and str(raw_ts).isdigit():
         ts = int(raw_ts) / 1e6
-    return JournalEntry(text, ts)
+    cursor = obj.get("__CURSOR")
+    return JournalEntry(text, ts, cursor if isinstance(cursor, str) and cursor else None)
 
 
 # --- following a file like tail -F ----------------------------------------------------------
@@ -532,7 +548,7 @@ class LogsCollector:
             self._follower = FileFollower(Path(service.log_file), cfg.max_line_bytes)
             target = self._run_file
         elif service.unit:
-            self._argv = [
+            self._argv_head = [
                 *(journal_argv_prefix or ()),
                 cfg.journalctl,
                 "-f",
@@ -541,10 +557,11 @@ class LogsCollector:
                 # Without --all, journalctl prints messages over 4 KiB as null, and vLLM's fatal
                 # errors (with their config dumps) are exactly those.
                 "--all",
-                "-n",
-                "0",
-                f"--unit={service.unit}",  # one argument: never read as an option
             ]
+            self._unit_arg = f"--unit={service.unit}"  # one argument: never read as an option
+            # The last entry handed over (its __CURSOR): a restarted journalctl resumes after it.
+            # Only the reader thread touches it.
+            self._cursor: str | None = None
             target = self._run_journal
         else:
             self._down = (
@@ -657,12 +674,18 @@ class LogsCollector:
             with self._lock:
                 self._proc, self._stderr, self._down = proc, stderr, None
                 stopping = self._stop.is_set()
+            from_cursor = self._cursor
             try:
                 if not stopping:
                     self._read_journal(proc)
             finally:
                 _terminate(proc)
                 tail = _tail(stderr)
+                if from_cursor is not None and self._cursor == from_cursor and "cursor" in tail:
+                    # journalctl could not resume there ("Failed to seek to cursor": a journal
+                    # vacuumed or replaced) and handed nothing over: the next run starts from
+                    # now, or every restart would fail the same way.
+                    self._cursor = None
                 with self._lock:
                     self._proc, self._stderr = None, None
                     if not self._stop.is_set():
@@ -673,11 +696,17 @@ class LogsCollector:
                             f"{_JOURNAL_GROUP_HINT}",
                         )
 
+    def _journal_argv(self) -> list[str]:
+        """From the entry after the last one handed over, or (at the start, or when no cursor
+        is known) from now on: only lines logged while the guardian runs count."""
+        where = ["-n", "0"] if self._cursor is None else [f"--after-cursor={self._cursor}"]
+        return [*self._argv_head, *where, self._unit_arg]
+
     def _spawn_journal(self, stderr: IO[bytes]) -> subprocess.Popen[bytes] | None:
         tool = self._cfg.journalctl
         try:
             return subprocess.Popen(
-                self._argv,
+                self._journal_argv(),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=stderr,
@@ -685,7 +714,7 @@ class LogsCollector:
             )
         except FileNotFoundError:
             self._set_down(
-                f"{self._argv[0]} not found",
+                f"{self._argv_head[0]} not found",
                 f"install journalctl or set sources.logs.journalctl to its path (now {tool!r}), "
                 "or follow a file with services[].log_file",
             )
@@ -709,12 +738,14 @@ class LogsCollector:
             entry = parse_journal_line(raw)
             if entry is None or entry.message is None:
                 self._feed([""])  # a line was logged; its text cannot be matched
-                continue
-            lines = [
-                truncate_utf8(line, self._cfg.max_line_bytes)
-                for line in entry.message.splitlines() or [""]
-            ]
-            self._feed(lines, entry.time_seconds)
+            else:
+                lines = [
+                    truncate_utf8(line, self._cfg.max_line_bytes)
+                    for line in entry.message.splitlines() or [""]
+                ]
+                self._feed(lines, entry.time_seconds)
+            if entry is not None and entry.cursor is not None:
+                self._cursor = entry.cursor
 
 
 def _tail(f: IO[bytes]) -> str:
