@@ -58,6 +58,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 SHAPE_A_FLAGS = ("--max-model-len", "1024", "--num-gpu-blocks-override", "16")
 REQUESTS, CLIENTS, PROMPT_TOKENS = 96, 24, 200
 STARVED_BELOW = 3.0  # sequences per engine step, uncapped: below, the load did not reach vLLM
+STARVED_RETRIES = 3  # closed loops run again when one did not reach vLLM (~30 s each)
 REPORT: dict[str, object] = {}
 
 
@@ -195,14 +196,23 @@ def test_twin_and_real_server_lose_alike_under_a_low_cap(
     for arm, flags in (("uncapped", ()), ("cap2", ("--max-num-seqs", "2"))):
         with serve(vllm_venv, tiny_model, tmp_path, *flags) as server:
             real[arm] = apart(run_closed_loop, server.url)
-            if arm == "uncapped" and real[arm]["sequences_per_step"] < STARVED_BELOW:
-                # The load never reached the engine: seen once in a soak beside a CPU hog and
-                # other work (1.3 sequences a step, 14,440 steps against the usual 3,700, 11
-                # preemptions; vLLM's own log: "Running: 1 reqs, Waiting: 0" while 24 clients
-                # had requests out). That measures the host, not the engine; the closed loop
-                # runs once more on the same server, and both runs are reported.
-                real["uncapped_starved"] = real[arm]
+            starved_runs: list[dict[str, Any]] = []
+            while (
+                arm == "uncapped"
+                and real[arm]["sequences_per_step"] < STARVED_BELOW
+                and len(starved_runs) < STARVED_RETRIES
+            ):
+                # The load never reached the engine: seen in soaks and a CI rehearsal beside a
+                # CPU hog and other work (1.3 to 2.2 sequences a step, 8,300 to 14,440 steps
+                # against the usual 3,700; vLLM's own log: "Running: 1 reqs, Waiting: 0" while
+                # 24 clients had requests out). That measures the host, not the engine: the API
+                # server, on the busy core, hands requests to the engine slower than the engine
+                # steps. The closed loop (20-35 s) runs again on the same server, and every run
+                # is reported.
+                starved_runs.append(real[arm])
                 real[arm] = apart(run_closed_loop, server.url)
+            if starved_runs:
+                real["uncapped_starved"] = {str(i): r for i, r in enumerate(starved_runs)}
             if arm == "uncapped":
                 real["open_loop"] = REPORT["open_loop"] = apart(
                     over_capacity, server.url, real[arm]["requests_per_second"]
@@ -222,7 +232,8 @@ def test_twin_and_real_server_lose_alike_under_a_low_cap(
     print(REPORT)
     starved = float(real["uncapped"]["sequences_per_step"])  # type: ignore[arg-type]
     assert starved >= STARVED_BELOW, (
-        f"twice, the 24 clients kept only {starved:.1f} sequences a step in the uncapped engine "
+        f"{STARVED_RETRIES + 1} times, the 24 clients kept only {starved:.1f} sequences a step "
+        "in the uncapped engine "
         "(about 5 when their load reaches it): the host starved the client or the API server",
         REPORT,
     )
