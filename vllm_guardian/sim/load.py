@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -159,6 +160,62 @@ def _sse_events(resp: requests.Response) -> Iterator[str]:
             yield line[6:]
 
 
+def _body(planned: PlannedRequest, model: str, stream: bool) -> dict[str, object]:
+    return {
+        "model": model,
+        "prompt": planned.prompt,
+        "max_tokens": planned.max_tokens,
+        "stream": stream,
+        "ignore_eos": True,
+    }
+
+
+class _Answer:
+    """What one request's answer has shown so far (tokens, the first token's time, the finish
+    reason), read the same way by the blocking and the event-loop sender."""
+
+    def __init__(
+        self, planned: PlannedRequest, scheduled_seconds: float, load_start: float | None
+    ) -> None:
+        self.planned = planned
+        self.scheduled_seconds = scheduled_seconds
+        self.load_start = load_start
+        self.start = time.monotonic()
+        self.ttft: float | None = None
+        self.tokens = 0
+        self.finish: str | None = None
+        self.done = False  # a stream's [DONE] came
+
+    def unary(self, data: Any) -> None:
+        self.tokens = int(data["usage"]["completion_tokens"])
+        self.finish = data["choices"][0]["finish_reason"]
+
+    def event(self, event: str) -> str | None:
+        """One SSE event's data; the message of an error event, else None."""
+        if event == "[DONE]":
+            self.done = True
+            return None
+        chunk = json.loads(event)
+        if "error" in chunk:
+            return str(chunk["error"].get("message"))
+        choice = chunk["choices"][0]
+        if choice.get("text"):
+            self.tokens += 1
+            if self.ttft is None:
+                self.ttft = time.monotonic() - self.start
+        self.finish = choice.get("finish_reason") or self.finish
+        return None
+
+    def outcome(self, kind: OutcomeKind, status: int | None, error: str | None) -> RequestOutcome:
+        now = time.monotonic()
+        p = self.planned
+        return RequestOutcome(
+            p.index, kind, self.scheduled_seconds, now - self.start, self.ttft, status,
+            p.prompt_tokens, self.tokens, self.finish, error,
+            None if self.load_start is None else now - self.load_start,
+        )  # fmt: skip
+
+
 def send_one(
     base_url: str,
     planned: PlannedRequest,
@@ -169,54 +226,27 @@ def send_one(
     load_start: float | None = None,
 ) -> RequestOutcome:
     """One request; ``load_start`` (monotonic) dates its end relative to the load's start."""
-    body = {
-        "model": model,
-        "prompt": planned.prompt,
-        "max_tokens": planned.max_tokens,
-        "stream": stream,
-        "ignore_eos": True,
-    }
-    start = time.monotonic()
-    ttft: float | None = None
-    tokens = 0
-    finish: str | None = None
-
-    def outcome(kind: OutcomeKind, status: int | None, error: str | None) -> RequestOutcome:
-        now = time.monotonic()
-        return RequestOutcome(
-            planned.index, kind, scheduled_seconds, now - start, ttft, status,
-            planned.prompt_tokens, tokens, finish, error,
-            None if load_start is None else now - load_start,
-        )  # fmt: skip
-
+    answer = _Answer(planned, scheduled_seconds, load_start)
+    outcome = answer.outcome
     try:
         with requests.post(
-            f"{base_url}/v1/completions", json=body, stream=stream, timeout=timeout_seconds
+            f"{base_url}/v1/completions",
+            json=_body(planned, model, stream),
+            stream=stream,
+            timeout=timeout_seconds,
         ) as resp:
             if resp.status_code != 200:
                 return outcome(OutcomeKind.HTTP_ERROR, resp.status_code, resp.text[:500])
             if not stream:
-                data = resp.json()
-                tokens = int(data["usage"]["completion_tokens"])
-                finish = data["choices"][0]["finish_reason"]
+                answer.unary(resp.json())
                 return outcome(OutcomeKind.OK, 200, None)
-            done = False
             for event in _sse_events(resp):
-                if event == "[DONE]":
-                    done = True
+                error = answer.event(event)
+                if error is not None:
+                    return outcome(OutcomeKind.STREAM_ERROR, 200, error)
+                if answer.done:
                     break
-                chunk = json.loads(event)
-                if "error" in chunk:
-                    return outcome(
-                        OutcomeKind.STREAM_ERROR, 200, str(chunk["error"].get("message"))
-                    )
-                choice = chunk["choices"][0]
-                if choice.get("text"):
-                    tokens += 1
-                    if ttft is None:
-                        ttft = time.monotonic() - start
-                finish = choice.get("finish_reason") or finish
-            kind = OutcomeKind.OK if done else OutcomeKind.INCOMPLETE
+            kind = OutcomeKind.OK if answer.done else OutcomeKind.INCOMPLETE
             return outcome(kind, 200, None)
     except requests.exceptions.ChunkedEncodingError as exc:
         return outcome(OutcomeKind.INCOMPLETE, 200, type(exc).__name__)
@@ -239,62 +269,34 @@ async def _send_one_async(
 ) -> RequestOutcome:
     """``send_one`` on the event loop: the same body, outcome kinds and time bounds (connect,
     and each read, within ``timeout_seconds``, as ``requests`` bounds them)."""
-    body = {
-        "model": model,
-        "prompt": planned.prompt,
-        "max_tokens": planned.max_tokens,
-        "stream": stream,
-        "ignore_eos": True,
-    }
-    start = time.monotonic()
-    ttft: float | None = None
-    tokens = 0
-    finish: str | None = None
+    answer = _Answer(planned, scheduled_seconds, load_start)
+    outcome = answer.outcome
     answered = False  # the status line came: a failure after it is a cut answer
-
-    def outcome(kind: OutcomeKind, status: int | None, error: str | None) -> RequestOutcome:
-        now = time.monotonic()
-        return RequestOutcome(
-            planned.index, kind, scheduled_seconds, now - start, ttft, status,
-            planned.prompt_tokens, tokens, finish, error, now - load_start,
-        )  # fmt: skip
-
     timeout = aiohttp.ClientTimeout(
         total=None, connect=timeout_seconds, sock_connect=timeout_seconds,
         sock_read=timeout_seconds,
     )  # fmt: skip
     try:
-        async with session.post(f"{base_url}/v1/completions", json=body, timeout=timeout) as resp:
+        async with session.post(
+            f"{base_url}/v1/completions", json=_body(planned, model, stream), timeout=timeout
+        ) as resp:
             answered = True
             if resp.status != 200:
                 text = (await resp.read()).decode("utf-8", "replace")
                 return outcome(OutcomeKind.HTTP_ERROR, resp.status, text[:500])
             if not stream:
-                data = json.loads(await resp.read())
-                tokens = int(data["usage"]["completion_tokens"])
-                finish = data["choices"][0]["finish_reason"]
+                answer.unary(json.loads(await resp.read()))
                 return outcome(OutcomeKind.OK, 200, None)
-            done = False
             async for raw in resp.content:
                 line = raw.decode("utf-8", "replace").rstrip("\r\n")
                 if not line.startswith("data: "):
                     continue
-                event = line[6:]
-                if event == "[DONE]":
-                    done = True
+                error = answer.event(line[6:])
+                if error is not None:
+                    return outcome(OutcomeKind.STREAM_ERROR, 200, error)
+                if answer.done:
                     break
-                chunk = json.loads(event)
-                if "error" in chunk:
-                    return outcome(
-                        OutcomeKind.STREAM_ERROR, 200, str(chunk["error"].get("message"))
-                    )
-                choice = chunk["choices"][0]
-                if choice.get("text"):
-                    tokens += 1
-                    if ttft is None:
-                        ttft = time.monotonic() - start
-                finish = choice.get("finish_reason") or finish
-            kind = OutcomeKind.OK if done else OutcomeKind.INCOMPLETE
+            kind = OutcomeKind.OK if answer.done else OutcomeKind.INCOMPLETE
             return outcome(kind, 200, None)
     except TimeoutError as exc:  # aiohttp's ServerTimeoutError is one
         return outcome(OutcomeKind.TIMEOUT, None, type(exc).__name__)
