@@ -236,3 +236,130 @@ def test_latency_sums_by_column_as_by_dict(name: str, restarted: bool) -> None:
     ]
     keys = [e.key for e in last.engines]
     assert sig._latency(window, "vllm", keys) == _latency_by_dicts(first, last, restarted)
+
+
+# --- the rates, windows and log counts against the plain readings they replace ---------------
+
+
+def _engine_rates_point_by_point(
+    window: list[Snapshot], keys: list[tuple[str, str]]
+) -> dict[tuple[str, str], tuple[float | None, ...]]:
+    """Each engine's rates as the signals read them before each snapshot kept its increases:
+    for one engine and field, a series of the window's scrapes that have both, and
+    ``rate()`` over it (the specification the kept increases must meet, to the last bit)."""
+    out = {}
+    for key in keys:
+        values = []
+        for field in sig._RATE_FIELDS:
+            points: list[sig.Point] = []
+            for s in window:
+                scrape = s.services[0].vllm
+                e = next((e for e in scrape.engines if e.key == key), None) if scrape else None
+                v = getattr(e, field) if e is not None else None
+                if scrape is not None and v is not None:
+                    points.append((s.time_seconds, v, scrape.process_start_time_seconds))
+            values.append(sig.rate(points))
+        out[key] = tuple(values)
+    return out
+
+
+def _window_by_scan(history: list[Snapshot], seconds: float) -> list[Snapshot]:
+    now = history[-1].time_seconds
+    start = next((i for i, s in enumerate(history) if s.time_seconds >= now - seconds - 1e-9), 0)
+    return history[start:]
+
+
+def _recent_log_events_by_scan(
+    history: list[Snapshot], seconds: float
+) -> tuple[tuple[LogEventKind, int], ...]:
+    """Every snapshot of the history walked, the window's counted (the specification)."""
+    now = history[-1].time_seconds
+    out: dict[LogEventKind, int] = {}
+    prev: dict[LogEventKind, int] = {}
+    for s in history:
+        logs = s.services[0].logs
+        if logs is None:
+            continue
+        counts = dict(logs.counts)
+        if s.time_seconds >= now - seconds - 1e-9:
+            for kind, count in counts.items():
+                before = prev.get(kind, 0)
+                new = count - before if count >= before else count
+                if new > 0:
+                    out[kind] = out.get(kind, 0) + new
+        prev = counts
+    return tuple(sorted(out.items()))
+
+
+def _logs(t: float, **counts: int) -> Snapshot:
+    reading = LogReading(tuple((LogEventKind(k), n) for k, n in counts.items()), (), 0)
+    return dataclasses.replace(steady(t), services=(ServiceSnapshot("vllm", logs=reading),))
+
+
+RATE_HISTORIES: dict[str, list[Snapshot]] = {
+    **HISTORIES,
+    "the engines listed in another order": [steady(t) for t in range(0, 20, 2)]
+    + [snap(t, engine("1", t, 2.0), engine("0", t)) for t in range(20, 40, 2)],
+    "two scrapes at the same time (no span)": [steady(0), steady(0)],
+    "a fractional counter that rounds": [
+        snap(t / 10, engine("0", t / 10, 0.1 + t / 7)) for t in range(0, 60, 3)
+    ],
+    "a restart with counters that only go up": [steady(t) for t in range(0, 20, 2)]
+    + [snap(t, engine("0", t + 5), engine("1", t + 5, 2.0), start=9.0) for t in range(20, 40, 2)],
+}
+LOG_HISTORIES: dict[str, list[Snapshot]] = {
+    "events, then a restart of the counting back to the same count": [
+        _logs(t, cuda_oom=c) for t, c in zip(range(0, 40, 2), [0, 1, 3, 3, 0, 3] + [3] * 14, strict=True)
+    ],
+    "a kind appears, another disappears": [_logs(t, cuda_oom=1) for t in range(0, 10, 2)]
+    + [_logs(t, engine_dead=t) for t in range(10, 40, 2)],
+    "no journal before the window, then counts": [
+        dataclasses.replace(_logs(t), services=(ServiceSnapshot("vllm"),)) for t in range(0, 30, 2)
+    ]
+    + [_logs(t, cuda_oom=t // 4) for t in range(30, 40, 2)],
+    "the journal goes away inside the window": [_logs(t, cuda_oom=t) for t in range(0, 30, 2)]
+    + [
+        dataclasses.replace(_logs(t), services=(ServiceSnapshot("vllm"),)) for t in range(30, 40, 2)
+    ],
+}
+
+
+@pytest.mark.parametrize("name", list(RATE_HISTORIES))
+def test_engine_rates_equal_the_point_by_point_rates(name: str) -> None:
+    """Exactly, not approximately: the same increases added in the same order (a last-bit
+    difference could move a threshold's decision)."""
+    history = RATE_HISTORIES[name]
+    for i in range(1, len(history) + 1):
+        window = _window_by_scan(history[:i], CFG.rate_window_seconds)
+        scrape = window[-1].services[0].vllm
+        keys = [e.key for e in scrape.engines] if scrape is not None else [("m", "0")]
+        got = sig._engine_rates(window, "vllm", keys)
+        assert got == _engine_rates_point_by_point(window, keys), f"tick {i - 1} ({name})"
+
+
+def test_a_steady_window_reads_the_kept_increases() -> None:
+    """The kept increases are used where they apply (else the test above proves nothing
+    about them), and not where an engine comes or goes."""
+    history = RATE_HISTORIES["steady load on two engines"]
+    keys = [e.key for e in history[-1].services[0].vllm.engines]  # type: ignore[union-attr]
+    assert sig._kept_rates(history[-6:], "vllm", keys) is not None
+    joined = RATE_HISTORIES["an engine joins"][6:14]
+    keys = [e.key for e in joined[-1].services[0].vllm.engines]  # type: ignore[union-attr]
+    assert sig._kept_rates(joined, "vllm", keys) is None
+
+
+@pytest.mark.parametrize("seconds", [0.0, 1.0, 3.0, 10.0, 100.0, -5.0])
+@pytest.mark.parametrize("name", list(RATE_HISTORIES))
+def test_a_window_is_the_scan_from_the_oldest(name: str, seconds: float) -> None:
+    history = RATE_HISTORIES[name]
+    for i in range(1, len(history) + 1):
+        assert list(sig._window(history[:i], seconds)) == _window_by_scan(history[:i], seconds)
+
+
+@pytest.mark.parametrize("seconds", [0.0, 4.0, 10.0, 100.0, -5.0])
+@pytest.mark.parametrize("name", list(LOG_HISTORIES) + list(HISTORIES))
+def test_recent_log_events_equal_a_walk_of_the_whole_history(name: str, seconds: float) -> None:
+    history = LOG_HISTORIES.get(name) or HISTORIES[name]
+    for i in range(1, len(history) + 1):
+        got = sig._recent_log_events(history[:i], seconds, "vllm")
+        assert got == _recent_log_events_by_scan(history[:i], seconds), f"tick {i - 1} ({name})"

@@ -233,13 +233,24 @@ def slope(points: Sequence[tuple[float, float]]) -> float | None:
 
 
 def _window(history: Sequence[Snapshot], seconds: float) -> Sequence[Snapshot]:
-    now = history[-1].time_seconds
-    start = 0
-    for i, snap in enumerate(history):
-        if snap.time_seconds >= now - seconds - 1e-9:
-            start = i
-            break
-    return history[start:]
+    """The snapshots from ``seconds`` before the newest on (the whole history when it is
+    shorter). Found by bisection: a history is in time order (the daemon's steady clock; replay
+    drops a record that goes backwards; :func:`vllm_guardian.core.step.trim` relies on it too),
+    and the first snapshot at or after the cut is the one a scan from the oldest would find."""
+    start = _first_from(history, history[-1].time_seconds - seconds - 1e-9)
+    return history[start:] if start < len(history) else history
+
+
+def _first_from(history: Sequence[Snapshot], cut: float) -> int:
+    """The index of the first snapshot at or after ``cut`` (``len(history)``: none is)."""
+    lo, hi = 0, len(history)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if history[mid].time_seconds >= cut:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def _scrape(snap: Snapshot, name: str) -> VllmScrape | None:
@@ -278,11 +289,72 @@ def _counters(snap: Snapshot, service: str) -> _Counters | None:
     return out
 
 
+_Steps = tuple[tuple[tuple[str, str], ...], tuple[float | None, ...]]
+
+
+def _steps(snap: Snapshot, row: _Counters, before: _Counters, service: str) -> _Steps:
+    """Each engine's increase of each of _RATE_FIELDS from the row ``before`` to ``snap``'s
+    ``row``, counted as :func:`increase` counts one pair of points (a decrease or a new process
+    start counts from zero): (the row's engines in order, the increases flat in that order, None
+    where either row lacks the value). Kept in ``snap``'s memo with the row it was taken against:
+    the same snapshot in another history, after another row, is counted afresh."""
+    key = ("rate_steps", service)
+    memo = snap.memo
+    kept = memo.get(key)
+    if kept is not None and kept[0] is before:
+        return kept[1]  # type: ignore[no-any-return]
+    _, prev_start, prev_by = before
+    _, cur_start, cur_by = row
+    restarted = prev_start is not None and cur_start is not None and cur_start != prev_start
+    flat: list[float | None] = []
+    absent = (None,) * len(_RATE_FIELDS)
+    for engine_key, cur in cur_by.items():
+        prev = prev_by.get(engine_key, absent)
+        for c, p in zip(cur, prev, strict=True):
+            if c is None or p is None:
+                flat.append(None)
+            else:
+                flat.append(c if (c < p or restarted) else c - p)
+    steps: _Steps = (tuple(cur_by), tuple(flat))
+    memo[key] = (before, steps)
+    return steps
+
+
+def _kept_rates(
+    window: Sequence[Snapshot], service: str, keys: Sequence[tuple[str, str]]
+) -> dict[tuple[str, str], tuple[float | None, ...]] | None:
+    """:func:`_engine_rates` from the increases each snapshot keeps (:func:`_steps`), when every
+    scrape in the window has the engines of ``keys``, in that order, each with every value (the
+    steady state): each series is then every scrape of the window, and its increase the same
+    sum of the same steps, added in the same order, as :func:`increase` adds them. None
+    otherwise (an engine came or went, a value is missing): the caller reads point by point."""
+    pairs = [(snap, c) for snap in window if (c := _counters(snap, service)) is not None]
+    if len(pairs) < 2:
+        return None
+    order = tuple(keys)
+    width = len(_RATE_FIELDS)
+    acc: list[float] = [0.0] * (len(order) * width)
+    for (_, before), (snap, row) in itertools.pairwise(pairs):
+        row_order, flat = _steps(snap, row, before, service)
+        if row_order != order or None in flat:
+            return None
+        acc = list(map(operator.add, acc, flat))  # no None: checked above
+    span = pairs[-1][1][0] - pairs[0][1][0]
+    if span <= 0:
+        return dict.fromkeys(order, (None,) * width)
+    return {
+        k: tuple([v / span for v in acc[i * width : (i + 1) * width]]) for i, k in enumerate(order)
+    }
+
+
 def _engine_rates(
     window: Sequence[Snapshot], service: str, keys: Sequence[tuple[str, str]]
 ) -> dict[tuple[str, str], tuple[float | None, ...]]:
     """Each engine's rate of each of _RATE_FIELDS over the window: for one engine and field,
     the points are the window's scrapes that have the engine and a value for the field."""
+    kept = _kept_rates(window, service, keys)
+    if kept is not None:
+        return kept
     rows = [c for snap in window if (c := _counters(snap, service)) is not None]
     out: dict[tuple[str, str], tuple[float | None, ...]] = {}
     for key in keys:
@@ -832,24 +904,40 @@ def _recent_log_events(
     Each snapshot's new events are its cumulative count minus the previous snapshot's (a drop
     means the guardian restarted its counting). Before the first snapshot there were none: the
     guardian follows the journal from its own start.
+
+    Only the window is read, and the last counts before it (the history is in time order, as
+    :func:`_window` says); a snapshot whose counts equal the previous ones adds nothing (every
+    kind's difference is zero), so it is passed over with one comparison.
     """
-    now = history[-1].time_seconds
-    out: dict[LogEventKind, int] = {}
-    prev: dict[LogEventKind, int] = {}
     key = ("log_counts", service)
-    for snap in history:
+
+    def counts_of(snap: Snapshot) -> dict[LogEventKind, int] | None:
         memo = snap.memo
         if key in memo:
-            counts = memo[key]
-        else:
-            svc = snap.service(service)
-            counts = memo[key] = None if svc is None or svc.logs is None else dict(svc.logs.counts)
+            return memo[key]  # type: ignore[no-any-return]
+        svc = snap.service(service)
+        counts = memo[key] = None if svc is None or svc.logs is None else dict(svc.logs.counts)
+        return counts
+
+    start = _first_from(history, history[-1].time_seconds - window_seconds - 1e-9)
+    first = next((i for i in range(start, len(history)) if counts_of(history[i]) is not None), None)
+    if first is None:
+        return ()  # no counts within the window (no journal followed): nothing counted
+    prev: dict[LogEventKind, int] = {}
+    for i in range(start - 1, -1, -1):
+        before = counts_of(history[i])
+        if before is not None:
+            prev = before
+            break
+    out: dict[LogEventKind, int] = {}
+    for i in range(first, len(history)):
+        counts = counts_of(history[i])
         if counts is None:
             continue
-        if snap.time_seconds >= now - window_seconds - 1e-9:
+        if counts != prev:
             for kind, count in counts.items():
-                before = prev.get(kind, 0)
-                new = count - before if count >= before else count
+                before_count = prev.get(kind, 0)
+                new = count - before_count if count >= before_count else count
                 if new > 0:
                     out[kind] = out.get(kind, 0) + new
         prev = counts
