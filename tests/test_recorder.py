@@ -1,4 +1,4 @@
-"""The flight recorder's delta encoding (format 2): what a delta line holds, and that the reader
+"""The flight recorder's delta encoding (formats 2 and 3): what a delta line holds, and that the reader
 rebuilds exactly the JSON a whole line would have held, for every kind of change."""
 
 from __future__ import annotations
@@ -50,11 +50,29 @@ PAIRS: dict[str, tuple[Any, Any, Any]] = {
     "None to a value": (engine(), engine(requests_waiting=3.0), {"requests_waiting": 3.0}),
     "a value to None": (engine(requests_waiting=3.0), engine(), {"requests_waiting": None}),
     "None to a histogram": (engine(), engine(time_to_first_token=H1), None),
+    # A histogram whose bounds stay: its new counts only (format 3).
     "one bucket": (H1, Histogram(((0.1, 1.0), (1.0, 4.0), (INF, 5.0)), 3.0, 5.0),
-                   {"buckets": {"=": [[0.1, 1.0], [1.0, 4.0], ["+Inf", 5.0]]},
-                    "sum": 3.0, "count": 5.0}),
+                   {"buckets": {"#": [1.0, 4.0, 5.0]}, "sum": 3.0, "count": 5.0}),
+    "integer counts": (H1, Histogram(((0.1, 1), (1.0, 4), (INF, 5)), 2.5, 4.0),
+                       {"buckets": {"#": [1, 4, 5]}}),
     "bucket count changes": (H1, Histogram(((INF, 4.0),), 2.5, 4.0),
                              {"buckets": {"=": [["+Inf", 4.0]]}}),
+    "a bound moves": (H1, Histogram(((0.2, 1.0), (1.0, 3.0), (INF, 4.0)), 2.5, 4.0),
+                      {"buckets": {"=": [[0.2, 1.0], [1.0, 3.0], ["+Inf", 4.0]]}}),
+    "a NaN count": (H1, Histogram(((0.1, 1.0), (1.0, math.nan), (INF, 4.0)), 2.5, 4.0),
+                    {"buckets": {"=": [[0.1, 1.0], [1.0, "NaN"], ["+Inf", 4.0]]}}),
+    "an infinite count": (H1, Histogram(((0.1, 1.0), (1.0, 3.0), (INF, INF)), 2.5, 4.0),
+                          {"buckets": {"=": [[0.1, 1.0], [1.0, 3.0], ["+Inf", "+Inf"]]}}),
+    "counts too large to add up": ((("a", 1e308), ("b", 1.0)), (("a", 1e308), ("b", 1e308)),
+                                   {"=": [["a", 1e308], ["b", 1e308]]}),
+    "a boolean count": ((("a", 1), ("b", 1)), (("a", True), ("b", 2)),
+                        {"=": [["a", True], ["b", 2]]}),
+    "pairs become triples": ((("a", 1), ("b", 2)), (("a", 1, 0), ("b", 3, 0)),
+                             {"=": [["a", 1, 0], ["b", 3, 0]]}),
+    "triples become pairs": ((("a", 1, 0), ("b", 2, 0)), (("a", 1), ("b", 3)),
+                             {"=": [["a", 1], ["b", 3]]}),
+    "a pair among other things": ((("a", 1), 5), (("a", 2), 5), {"=": [["a", 2], 5]}),
+    "pairs of records": (((engine(), 1.0),), ((engine(), 2.0),), {"#": [2.0]}),
     "infinite and NaN values": (engine(), engine(requests_running=INF, requests_waiting=math.nan),
                                 {"requests_running": "+Inf", "requests_waiting": "NaN"}),
     "an enum": (HealthProbe(HealthState.UP, 200, 0.1), HealthProbe(HealthState.REFUSED, None, 0.1),
@@ -90,7 +108,9 @@ def test_numbers_equal_inside_a_tuple_are_unchanged() -> None:
 
 
 @pytest.mark.parametrize(("old", "d"), [(None, {"@": {"0": 1}}), ([1], {"@": {"5": 2}}),
-                                        (3, {"x": 1})])  # fmt: skip
+                                        (3, {"x": 1}), (None, {"#": [1]}), ([[1, 2]], {"#": 3}),
+                                        ([[1, 2]], {"#": [1, 2]}), ([[1, 2, 3]], {"#": [1]}),
+                                        ([5], {"#": [1]})])  # fmt: skip
 def test_a_delta_that_does_not_fit_is_an_error(old: Any, d: Any) -> None:
     with pytest.raises(ValueError):
         apply_delta(old, d)

@@ -31,7 +31,7 @@ GIB = 1024**3
 def recording(path: Path, keyframe_every: int = KEYFRAME_EVERY) -> None:
     """Idle, then KV pressure (the real captures), then relief, then a prefill OOM crash.
 
-    31 ticks: with the default, one keyframe and 30 deltas (recorder.py's format 2)."""
+    31 ticks: with the default, one keyframe and 30 deltas (recorder.py's format 3)."""
     rec = FlightRecorder(path, 64 * 1024 * 1024, 1, keyframe_every)
     t0 = 1_795_306_000.0
     phases = ["metrics-idle.prom"] * 5 + [
@@ -274,8 +274,17 @@ def test_old_and_unknown_formats(tmp_path: Path):
         v1.append(json.dumps(rec))
     old.write_text("\n".join(v1) + "\n")
     assert run_replay(old, cfg) == expected
-    future = tmp_path / "v3.jsonl"
-    future.write_text(json.dumps({"format": 3, "seq": 1, "kind": "columns"}) + "\n")
+    # Format 2 (keyframes and deltas, before the histogram counts' own form): its lines are
+    # format 3's without that form, and read the same.
+    deltas = tmp_path / "deltas.jsonl"
+    recording(deltas)
+    v2 = tmp_path / "v2.jsonl"
+    lines = [json.loads(line) for line in deltas.read_text().splitlines()]
+    assert all(rec["format"] == 3 for rec in lines)
+    v2.write_text("".join(json.dumps({**rec, "format": 2}) + "\n" for rec in lines))
+    assert run_replay(v2, cfg) == expected
+    future = tmp_path / "v4.jsonl"
+    future.write_text(json.dumps({"format": 4, "seq": 1, "kind": "columns"}) + "\n")
     got, err = _replay_stderr(future, cfg)
     assert got == []
-    assert "flight record format 3 is not one this version reads (1, 2)" in err
+    assert "flight record format 4 is not one this version reads (1, 2, 3)" in err

@@ -6,7 +6,7 @@ signals and its decisions, so an incident can be replayed through the same pure 
 :mod:`vllm_guardian.model` into JSON and back using their type hints; ``+Inf`` (histogram
 bounds) travels as the string ``"+Inf"`` because JSON has no infinity.
 
-**Format 2: what the tick saw, not all of it again.** Most of a snapshot is the same as the
+**Formats 2 and 3: what the tick saw, not all of it again.** Most of a snapshot is the same as the
 previous tick's (the cache config, idle engines, the histogram buckets no request reached), so
 a line holds the snapshot and signals whole only every :data:`KEYFRAME_EVERY` records (a
 *keyframe*: also the first line of each file and the first after a failed write); the lines in
@@ -22,8 +22,11 @@ this version does not know is an error naming it.
 Delta encoding, for a value ``new`` against the previous tick's ``old`` (both Python objects):
 a dataclass of the same type becomes ``{field: delta}`` for the fields that changed; a tuple of
 dataclasses of the same length ``{"@": {index: delta}}``; anything else that changed is its JSON
-(wrapped as ``{"=": value}`` when that is an object or a list). Unchanged fields are absent. A
-tuple is first compared whole, so numbers that compare equal inside one (``1``, ``1.0``,
+(wrapped as ``{"=": value}`` when that is an object or a list); format 3 adds one form, for a
+tuple of pairs whose first items are the old tuple's (a histogram's buckets that kept their
+bounds, the common change under load: only the counts moved), ``{"#": [second items]}``, which
+costs a C-level pass over the buckets instead of a list per bucket and holds half the numbers.
+Unchanged fields are absent. A tuple is first compared whole, so numbers that compare equal inside one (``1``, ``1.0``,
 ``True``) count as unchanged: decoding is typed by the model (:func:`from_jsonable`), so they
 read back alike.
 
@@ -38,6 +41,7 @@ import enum
 import functools
 import json
 import math
+import operator
 import os
 import threading
 import time
@@ -168,8 +172,10 @@ def from_jsonable(tp: Any, data: Any) -> Any:
     raise TypeError(f"cannot decode {tp}")
 
 
-FORMAT = 2
-KNOWN_FORMATS = (1, 2)  # 1: every line whole (no "format" key); 2: keyframes and deltas
+FORMAT = 3
+# 1: every line whole (no "format" key); 2: keyframes and deltas; 3: 2 and new histogram counts
+# ({"#": ...}), so that a reader that knows only 2 says the file is newer instead of misreading
+KNOWN_FORMATS = (1, 2, 3)
 # A keyframe a minute at a 1 s interval: a tail of the file (a bundle's) holds one within a
 # minute of records, and a damaged line costs at most this many records.
 KEYFRAME_EVERY = 60
@@ -213,7 +219,12 @@ def delta(new: Any, old: Any) -> Any:
     if tp is tuple or tp is list:
         if new == old:  # one C-level comparison for tuples of numbers (histogram buckets)
             return _SAME
-        if len(new) != len(old) or not new or _field_names(type(new[0])) is None:  # type: ignore[arg-type]
+        if len(new) != len(old) or not new:
+            return _whole(new)
+        if type(new[0]) is tuple:
+            seconds = _new_seconds(new, old)
+            return _whole(new) if seconds is None else {"#": seconds}
+        if _field_names(type(new[0])) is None:  # type: ignore[arg-type]
             return _whole(new)  # element by element only for records (engines, devices)
         changed: dict[str, Any] = {}
         for i, (a, b) in enumerate(zip(new, old, strict=True)):
@@ -222,6 +233,28 @@ def delta(new: Any, old: Any) -> Any:
                 changed[str(i)] = d
         return {"@": changed} if changed else _SAME
     return _SAME if new == old else _whole(new)
+
+
+_FIRST = operator.itemgetter(0)
+_SECOND = operator.itemgetter(1)
+_NUMBERS = frozenset({float, int})
+
+
+def _new_seconds(new: tuple[Any, ...], old: tuple[Any, ...]) -> list[Any] | None:
+    """The second items of ``new``'s pairs when its first items are ``old``'s pairs' (a
+    histogram whose buckets kept their bounds: only the counts moved) and each is a finite
+    number (JSON as it is); None otherwise. Each test is one pass in C over the tuple."""
+    if set(map(type, new)) != {tuple} or set(map(type, old)) != {tuple}:
+        return None
+    if set(map(len, new)) != {2} or set(map(len, old)) != {2}:
+        return None
+    if list(map(_FIRST, new)) != list(map(_FIRST, old)):
+        return None
+    seconds = list(map(_SECOND, new))
+    if not set(map(type, seconds)) <= _NUMBERS:
+        return None
+    total = sum(seconds)
+    return seconds if total - total == 0 else None  # an infinity or NaN makes the sum one
 
 
 def apply_delta(old: Any, d: Any) -> Any:
@@ -243,6 +276,13 @@ def apply_delta(old: Any, d: Any) -> Any:
                     raise ValueError(f"an element delta for index {i} of a {len(out)}-list")
                 out[i] = apply_delta(out[i], v)
             return out
+        if "#" in d:
+            seconds = d["#"]
+            if type(old) is not list or type(seconds) is not list or len(old) != len(seconds):
+                raise ValueError("new second items for something that is not a list as long")
+            if any(type(pair) is not list or len(pair) != 2 for pair in old):
+                raise ValueError("new second items for a list that is not of pairs")
+            return [[pair[0], v] for pair, v in zip(old, seconds, strict=True)]
     if type(old) is not dict:
         raise ValueError("a field delta for something that is not an object")
     new = dict(old)
@@ -254,7 +294,7 @@ def apply_delta(old: Any, d: Any) -> Any:
 class FlightRecorder:
     """Appends JSON lines to ``path``; at ``max_bytes`` rotates path → path.1 → … path.N.
 
-    Format 2 (module docstring): a keyframe every ``keyframe_every`` records, deltas between."""
+    Format 3 (module docstring): a keyframe every ``keyframe_every`` records, deltas between."""
 
     def __init__(
         self,
@@ -391,13 +431,13 @@ class Resolver:
             )
         seq, kind = rec.get("seq"), rec.get("kind")
         if isinstance(seq, bool) or not isinstance(seq, int):
-            return "format 2 record without a sequence number"
+            return f"format {fmt} record without a sequence number"
         full = {k: v for k, v in rec.items() if k not in ("format", "seq", "kind", "base", "delta")}
         if kind == "key":
             self._base, self._base_seq = full, seq
             return full
         if kind != "delta":
-            return f"format 2 record of unknown kind {kind!r}"
+            return f"format {fmt} record of unknown kind {kind!r}"
         if self._base is None or rec.get("base") != self._base_seq:
             return (
                 f"delta record {seq} without the record it applies to ({rec.get('base')!r}): "
