@@ -5,7 +5,8 @@ Run: .venv/bin/python bench/tick.py [--engines 1,8] [--configs url,unit,nvml] [-
 For each engine count, a stand-in for vLLM (a child process on 127.0.0.1) serves an N-engine
 exposition built from the real vLLM 0.32 captures in tests/fixtures/vllm/ (``engine`` label
 0..N-1), rotating through three captures taken under load so that every scrape's values move as
-they do on a busy server (counters, histograms), and answers /health. Then, per configuration:
+they do on a busy server (counters, histograms), and answers /health, over HTTP/1.1 with
+keep-alive as uvicorn serves vLLM's API (the guardian keeps one connection per source). Then, per configuration:
 
 * ``url``: the service found by its port (no ``unit:``; the unit source reads /proc), NVML off;
 * ``unit``: ``unit: vllm.service``, with a stand-in ``systemctl`` (a shell script printing
@@ -102,6 +103,7 @@ STAND_IN = textwrap.dedent(
         "_STREAM_ID": "b2" * 16, "_PID": str(os.getpid()),
     }
     class H(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as uvicorn serves vLLM's API
         def do_GET(self):
             body = next(bodies) if self.path == "/metrics" else b""
             self.send_response(200 if self.path in ("/metrics", "/health") else 404)

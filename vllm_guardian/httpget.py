@@ -23,6 +23,7 @@ import enum
 import http.client
 import itertools
 import math
+import select
 import socket
 import ssl
 import threading
@@ -135,6 +136,58 @@ class HttpResponse:
         return next((v for k, v in self.headers if k.lower() == low), None)
 
 
+class KeepAlive:
+    """One connection kept open between a collector's GETs to one server (HTTP/1.1 keep-alive),
+    so that a fetch every tick costs a request, not a connection (issue 19).
+
+    A kept connection is only reused for a GET, only after its previous answer was read whole
+    and the server did not say it would close; one found closed (readable while idle: the
+    server's end-of-stream, as when vLLM restarted or its keep-alive timeout passed) is
+    dropped before use. A reused connection that fails before any answer arrives (reset,
+    closed, a broken pipe: the server went away while it sat idle) is retried once on a fresh
+    connection, within the same total deadline: GET is idempotent, and the answer is then the
+    fresh connection's, as it would have been without keeping one. Any other failure (a
+    deadline, a cut, a malformed answer) closes the connection, and the next fetch connects
+    afresh: a hung server is bounded exactly as without keep-alive."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: tuple[tuple[str, str, int | None], http.client.HTTPConnection] | None = None
+        self._closed = False
+
+    def take(self, key: tuple[str, str, int | None]) -> http.client.HTTPConnection | None:
+        """The idle connection to ``key`` if it is still open; None: connect afresh."""
+        with self._lock:
+            idle, self._idle = self._idle, None
+        if idle is None:
+            return None
+        kept_key, conn = idle
+        if kept_key != key or conn.sock is None or _readable(conn.sock):
+            conn.close()
+            return None
+        return conn
+
+    def put(self, key: tuple[str, str, int | None], conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            if not self._closed and self._idle is None:
+                self._idle = (key, conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        """Close the idle connection; later answers are not kept (shutting down)."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, None
+        if idle is not None:
+            idle[1].close()
+
+
+# A kept connection the server closed while it sat idle fails in one of these ways, before an
+# answer arrives (http.client.RemoteDisconnected is a ConnectionResetError).
+_STALE = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
+
+
 def fetch(
     url: str,
     *,
@@ -145,8 +198,11 @@ def fetch(
     headers: Mapping[str, str] | None = None,
     oversize: Oversize = Oversize.FAIL,
     cancel: Cancel | None = None,
+    keep_alive: KeepAlive | None = None,
 ) -> HttpResponse:
-    """One request, finished (or failed with :class:`HttpGetError`) within ``deadline_seconds``."""
+    """One request, finished (or failed with :class:`HttpGetError`) within ``deadline_seconds``.
+
+    ``keep_alive``: reuse a connection between GETs (:class:`KeepAlive`)."""
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -155,21 +211,27 @@ def fetch(
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise HttpGetError(Failure.BAD_URL, url, "not an http(s) URL with a host")
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    conn: http.client.HTTPConnection
-    if parts.scheme == "https":
-        conn = http.client.HTTPSConnection(
-            parts.hostname, port, timeout=deadline_seconds, context=ssl.create_default_context()
-        )
-    else:
-        conn = http.client.HTTPConnection(parts.hostname, port, timeout=deadline_seconds)
+    host = parts.hostname
+    key = (parts.scheme, host, port)
+    keep = keep_alive if method == "GET" else None
+
+    def connection(timeout: float) -> http.client.HTTPConnection:
+        if parts.scheme == "https":
+            return http.client.HTTPSConnection(
+                host, port, timeout=timeout, context=ssl.create_default_context()
+            )
+        return http.client.HTTPConnection(host, port, timeout=timeout)
+
     end = time.monotonic() + deadline_seconds
     expired = threading.Event()
-    connected = False
+    # The socket in use: the deadline and a cut shut it down (kept here, not read from the
+    # connection, which lets go of its socket when the answer says it will close).
+    in_use: list[socket.socket] = []
 
     def cut() -> None:
         expired.set()
-        if conn.sock is not None:
-            _shutdown(conn.sock)
+        for sock in list(in_use):
+            _shutdown(sock)
 
     if cancel is not None and cancel.cut_done:
         raise HttpGetError(Failure.CANCELLED, url, "shutting down")
@@ -182,21 +244,47 @@ def fetch(
         timer = threading.Timer(deadline_seconds, cut)
         timer.daemon = True
         timer.start()
+    conn = keep.take(key) if keep is not None else None
+    reused = conn is not None
+    connected = reused
+    answered = False
+    kept = False
     try:
-        conn.connect()
-        connected = True
-        if cancel is not None and conn.sock is not None and not cancel._add(conn.sock):
-            raise HttpGetError(Failure.CANCELLED, url, "shutting down")
-        if conn.sock is not None:
-            conn.sock.settimeout(max(0.001, end - time.monotonic()))
-        conn.request(method, target, body=body, headers=dict(headers or {}))
-        resp = conn.getresponse()
-        answer = _read(resp, url, max_body_bytes, oversize)
-        if expired.is_set() or (
-            cancel is not None and cancel.cut_done
-        ):  # a cut can look like a clean end
-            raise TimeoutError
-        return answer
+        while True:
+            try:
+                if conn is None:
+                    conn = connection(max(0.001, end - time.monotonic()))
+                    conn.connect()
+                    connected = True
+                sock = conn.sock
+                if sock is not None:
+                    in_use.append(sock)
+                    if cancel is not None and not cancel._add(sock):
+                        raise HttpGetError(Failure.CANCELLED, url, "shutting down")
+                    if expired.is_set():  # the deadline passed while there was no socket to cut
+                        raise TimeoutError
+                    sock.settimeout(max(0.001, end - time.monotonic()))
+                conn.request(method, target, body=body, headers=dict(headers or {}))
+                resp = conn.getresponse()
+                answered = True
+                answer = _read(resp, url, max_body_bytes, oversize)
+                if expired.is_set() or (
+                    cancel is not None and cancel.cut_done
+                ):  # a cut can look like a clean end
+                    raise TimeoutError
+                if keep is not None and not resp.will_close and not answer.truncated:
+                    keep.put(key, conn)
+                    kept = True
+                return answer
+            except _STALE:
+                if not reused or answered or expired.is_set():
+                    raise
+                if cancel is not None and cancel.cut_done:
+                    raise
+                # A kept connection the server closed while idle: once more, afresh.
+                if conn is not None:
+                    _forget(conn, in_use, cancel)
+                conn, reused = None, False
     except HttpGetError:
         raise
     except ConnectionRefusedError:
@@ -220,9 +308,30 @@ def fetch(
             timer.cancel()
         if cancel is not None and token is not None:
             cancel._clear(token)
-        if cancel is not None and conn.sock is not None:
-            cancel._remove(conn.sock)
-        conn.close()
+        if cancel is not None:
+            for sock in in_use:
+                cancel._remove(sock)
+        if conn is not None and not kept:
+            conn.close()
+
+
+def _forget(
+    conn: http.client.HTTPConnection, in_use: list[socket.socket], cancel: Cancel | None
+) -> None:
+    """Close a connection that failed and stop tracking its socket."""
+    for sock in in_use:
+        if cancel is not None:
+            cancel._remove(sock)
+    in_use.clear()
+    conn.close()
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether an idle connection's socket has something to read: on a connection whose last
+    answer was read whole, that is the server's end-of-stream (or bytes nobody asked for)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _read(

@@ -48,6 +48,9 @@ class HealthCollector:
         self._last_deep_monotonic: float | None = None
         self._last_deep: DeepProbe | None = None
         self._cancel = httpget.Cancel()
+        # One connection kept between /health probes (httpget.KeepAlive: a restarted vLLM's
+        # closed connection is dropped or retried once afresh; a hung one is bounded as ever).
+        self._keep_alive = httpget.KeepAlive()
 
     def collect(self) -> Reading:
         url = self._base + "/health"
@@ -57,6 +60,7 @@ class HealthCollector:
             resp = httpget.fetch(
                 url,
                 cancel=self._cancel,
+                keep_alive=self._keep_alive,
                 deadline_seconds=0.9 * timeout,  # under the tick's wait: this error shows
                 max_body_bytes=HEALTH_MAX_BODY_BYTES,
                 oversize=httpget.Oversize.TRUNCATE,
@@ -143,9 +147,11 @@ class HealthCollector:
     def interrupt(self) -> None:
         """Shutting down: end the fetch in progress now (SIGTERM never waits on vLLM)."""
         self._cancel.cut()
+        self._keep_alive.close()
 
     def close(self) -> None:
-        self._cancel.cut()  # one connection per fetch: nothing else is held
+        self._cancel.cut()
+        self._keep_alive.close()  # the connection kept between probes
 
 
 def _short(e: BaseException) -> str:

@@ -566,6 +566,9 @@ class VllmMetricsCollector:
         self._max_body_bytes = cfg.max_body_bytes
         self._parser = make_parser()
         self._cancel = httpget.Cancel()
+        # One connection kept between scrapes (httpget.KeepAlive: a restarted vLLM's closed
+        # connection is dropped or retried once afresh; a hung one is bounded as ever).
+        self._keep_alive = httpget.KeepAlive()
 
     def collect(self) -> Reading:
         try:
@@ -607,6 +610,7 @@ class VllmMetricsCollector:
             resp = httpget.fetch(
                 self._url,
                 cancel=self._cancel,
+                keep_alive=self._keep_alive,
                 # a little under the tick's wait, so that this source's own error is what shows
                 deadline_seconds=0.9 * self.timeout_seconds,
                 max_body_bytes=self._max_body_bytes,
@@ -621,9 +625,11 @@ class VllmMetricsCollector:
     def interrupt(self) -> None:
         """Shutting down: end the fetch in progress now (SIGTERM never waits on vLLM)."""
         self._cancel.cut()
+        self._keep_alive.close()
 
     def close(self) -> None:
-        self._cancel.cut()  # one connection per fetch: nothing else is held
+        self._cancel.cut()
+        self._keep_alive.close()  # the connection kept between scrapes
 
     def _describe(self, e: httpget.HttpGetError) -> tuple[str, str | None]:
         url, timeout_seconds = self._url, self.timeout_seconds
