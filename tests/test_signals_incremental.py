@@ -309,7 +309,8 @@ RATE_HISTORIES: dict[str, list[Snapshot]] = {
 }
 LOG_HISTORIES: dict[str, list[Snapshot]] = {
     "events, then a restart of the counting back to the same count": [
-        _logs(t, cuda_oom=c) for t, c in zip(range(0, 40, 2), [0, 1, 3, 3, 0, 3] + [3] * 14, strict=True)
+        _logs(t, cuda_oom=c)
+        for t, c in zip(range(0, 40, 2), [0, 1, 3, 3, 0, 3] + [3] * 14, strict=True)
     ],
     "a kind appears, another disappears": [_logs(t, cuda_oom=1) for t in range(0, 10, 2)]
     + [_logs(t, engine_dead=t) for t in range(10, 40, 2)],
