@@ -563,6 +563,10 @@ def _worker_exited(proc: Path, clock: FakeClock, c: UnitCollector) -> None:
     _rm_pid(proc, 102)
 
 
+def _worker_pid_reused(proc: Path, clock: FakeClock, c: UnitCollector) -> None:
+    _write_stat(proc, 102, 1, start_ticks=999_999)  # the worker exited; another process has 102
+
+
 def _refresh_due(proc: Path, clock: FakeClock, c: UnitCollector) -> None:
     clock.advance(REFRESH_SECONDS)
 
@@ -586,6 +590,7 @@ CHANGES = {
     ),
     "main listens on another socket": (_socket_replaced, True, 100, (100, 101, 102)),
     "a known worker exited": (_worker_exited, True, 100, (100, 101)),
+    "a known worker's pid reused by another process": (_worker_pid_reused, True, 100, (100, 101)),
 }  # fmt: skip
 
 

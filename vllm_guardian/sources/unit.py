@@ -19,7 +19,8 @@ user's process) is skipped, never fatal.
 full read is the expensive part of a tick (a ``systemctl show`` fork, or a walk over every
 process's fds and ``stat``). So a full read is kept and, while it still describes the same
 process, reused: each tick checks only that the main PID is alive with the start time it had
-(one ``stat`` read), that the known descendants still exist, and, without a unit, that the
+(one ``stat`` read), that the known descendants still run with theirs, and, without a unit,
+that the
 main PID still holds the listening socket's inode on the same fd (one ``readlink``). The full
 read is done again at once when any of these fails, when the last read found no main process
 or a unit not ``active``/``running`` (down, starting, stopping, failed: read every tick), when
@@ -340,6 +341,7 @@ class _Kept:
 
     state: UnitState  # main_pid is set
     start_ticks: int  # the main process's start time: a reused pid has another
+    descendant_start_ticks: tuple[int | None, ...]  # the same for state.pids[1:]
     read_monotonic_seconds: float
     listener: tuple[str, int] | None  # without a unit: (fd, inode) of the listening socket
 
@@ -407,7 +409,12 @@ class UnitCollector:
                     return False
             except OSError:
                 return False
-        return all(os.path.exists(self._proc_root / str(p)) for p in kept.state.pids[1:])
+        # Each known descendant by its start time too: a pid the kernel handed to another
+        # process (32k pids by default) must not stay listed as vLLM's until the refresh.
+        return all(
+            read_start_ticks(self._proc_root, p) == t
+            for p, t in zip(kept.state.pids[1:], kept.descendant_start_ticks, strict=True)
+        )
 
     def _keep(self, state: UnitState, listener: tuple[str, int] | None) -> None:
         """Keep a full read that found a settled process: a main process and, with a unit,
@@ -424,7 +431,10 @@ class UnitCollector:
         start = read_start_ticks(self._proc_root, state.main_pid)
         if start is None:
             return
-        self._kept = _Kept(state, start, self._clock.monotonic(), listener)
+        descendants = tuple(read_start_ticks(self._proc_root, p) for p in state.pids[1:])
+        if None in descendants:
+            return  # one exited since the read: read again next tick
+        self._kept = _Kept(state, start, descendants, self._clock.monotonic(), listener)
 
     # -- with a unit
 
