@@ -20,8 +20,7 @@ full read is the expensive part of a tick (a ``systemctl show`` fork, or a walk 
 process's fds and ``stat``). So a full read is kept and, while it still describes the same
 process, reused: each tick checks only that the main PID is alive with the start time it had
 (one ``stat`` read), that the known descendants still run with theirs, and, without a unit,
-that the
-main PID still holds the listening socket's inode on the same fd (one ``readlink``). The full
+that the main PID still holds the listening socket's inode on the same fd (one ``readlink``). The full
 read is done again at once when any of these fails, when the last read found no main process
 or a unit not ``active``/``running`` (down, starting, stopping, failed: read every tick), when
 the daemon calls :meth:`UnitCollector.invalidate` (the service's health changed or its log
