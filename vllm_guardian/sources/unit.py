@@ -356,8 +356,13 @@ class UnitCollector:
         cfg: UnitSourceConfig,
         proc_root: Path = Path("/proc"),
         clock: Clock | None = None,
+        pid_file: Path | None = None,
     ) -> None:
+        """``pid_file``: the guardian's own supervisor's (process backend), naming the vLLM it
+        started as ``PID START_TICKS``; without a unit it is how a vLLM that does not listen
+        yet (loading) is seen."""
         self.service: str | None = service.name
+        self._pid_file = pid_file
         self._unit = service.unit
         self._url = service.url
         self._cfg = cfg
@@ -500,8 +505,13 @@ class UnitCollector:
         )
         if not inodes:
             # Nothing listens: vLLM is down, or still starting (it listens only once ready).
+            # One the guardian's supervisor started is seen by its pid file meanwhile, as
+            # systemd's MainPID shows a unit's process from its start.
             self._last_listener = None
-            return self._reading(empty)
+            started = self._started_by_supervisor()
+            if started is None:
+                return self._reading(empty)
+            return self._reading(self._with_processes(dataclasses.replace(empty, main_pid=started)))
         owners = socket_owners(self._proc_root, inodes, self._last_listener)
         if not owners:
             return failed(
@@ -517,6 +527,22 @@ class UnitCollector:
         state = self._with_processes(dataclasses.replace(empty, main_pid=main_pid), parents)
         self._keep(state, socket_fd(self._proc_root, main_pid, inodes))
         return self._reading(state)
+
+    def _started_by_supervisor(self) -> int | None:
+        """The pid the supervisor's pid file names, if that very process (pid and start time)
+        still runs; None without a file, or when it is unreadable, stale or malformed."""
+        if self._pid_file is None:
+            return None
+        try:
+            parts = self._pid_file.read_text(encoding="utf-8").split()
+        except (OSError, UnicodeDecodeError):
+            return None
+        if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
+            return None
+        pid, ticks = int(parts[0]), int(parts[1])
+        if pid <= 1 or read_start_ticks(self._proc_root, pid) != ticks:
+            return None
+        return pid
 
     # -- shared
 
