@@ -62,7 +62,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import requests
 import yaml
@@ -161,14 +161,34 @@ def twin_command(
     ]  # fmt: skip
 
 
-class StartWatch:
+class _Watcher:
+    """A thread that runs ``_run`` from ``with`` until the block ends (``_stop`` set)."""
+
+    join_seconds = 5.0
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join(timeout=self.join_seconds)
+
+
+class StartWatch(_Watcher):
     """Notes when a supervisor starts vLLM again (its ``starts`` count grows), every 0.1 s."""
 
     def __init__(self, sup: Supervisor) -> None:
         self.sup = sup
         self.restarts_unix_seconds: list[float] = []
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
+        super().__init__()
 
     def _run(self) -> None:
         seen = self.sup.starts
@@ -177,16 +197,8 @@ class StartWatch:
             self.restarts_unix_seconds += [time.time()] * max(0, now - max(seen, 1))
             seen = max(seen, now)
 
-    def __enter__(self) -> StartWatch:
-        self._t.start()
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._t.join(timeout=5)
-
-
-class HealthWatch:
+class HealthWatch(_Watcher):
     """Polls /health; downtime counts from the first 200 on."""
 
     def __init__(self, url: str, period: float) -> None:
@@ -194,8 +206,7 @@ class HealthWatch:
         self.period = period
         self.down = 0.0
         self._up_once = False
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
+        super().__init__()
 
     def _run(self) -> None:
         last = time.monotonic()
@@ -212,17 +223,11 @@ class HealthWatch:
             last = now
             self._stop.wait(self.period)
 
-    def __enter__(self) -> HealthWatch:
-        self._t.start()
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._t.join(timeout=5)
-
-
-class Sidecar:
+class Sidecar(_Watcher):
     """The runbook's threshold sidecar, with its clock divided by the twin's speed."""
+
+    join_seconds = 30.0  # a restart it started finishes first
 
     def __init__(self, url: str, sup: Supervisor, speed: float) -> None:
         self.url = url
@@ -232,8 +237,7 @@ class Sidecar:
         self.wait = 60.0 / speed
         self.events: collections.deque[float] = collections.deque()
         self.actions: list[tuple[float, str]] = []
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
+        super().__init__()
 
     def _sample(self) -> tuple[float, float, float] | None:
         try:
@@ -269,23 +273,14 @@ class Sidecar:
                 self.sup.restart()
                 self.events.clear()
 
-    def __enter__(self) -> Sidecar:
-        self._t.start()
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._t.join(timeout=30)
-
-
-class AlertLog:
+class AlertLog(_Watcher):
     """Reads the guardian's /metrics every 0.25 s and remembers which alerts fired."""
 
     def __init__(self, url: str) -> None:
         self.url = url + "/metrics"
         self.fired: set[str] = set()
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
+        super().__init__()
 
     def _run(self) -> None:
         while not self._stop.wait(0.25):
@@ -297,14 +292,6 @@ class AlertLog:
                 if line.startswith("vllm_guardian_alert{") and 'alertstate="firing"' in line:
                     name = line.split('alertname="', 1)[1].split('"', 1)[0]
                     self.fired.add(name)
-
-    def __enter__(self) -> AlertLog:
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._t.join(timeout=5)
 
 
 def _scale_fields(obj: Any, speed: float) -> dict[str, Any]:

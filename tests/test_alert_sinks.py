@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import subprocess
 import threading
 import time
@@ -18,6 +16,7 @@ from typing import Any
 import pytest
 import requests
 
+from tests import hostneeds
 from tests.httpfixture import Script
 from vllm_guardian.actuators.alert_log import AlertLogSink, format_transition
 from vllm_guardian.actuators.alertmanager import AlertmanagerSink
@@ -242,14 +241,12 @@ receivers: [{name: "null"}]
 
 @pytest.fixture
 def alertmanager(tmp_path: Path, free_port: int) -> Iterator[str]:
-    exe = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
-    if exe is None:
-        if os.environ.get("VLLM_GUARDIAN_REQUIRE_TOOLS"):
-            pytest.fail("prometheus-alertmanager is not installed (VLLM_GUARDIAN_REQUIRE_TOOLS)")
-        pytest.skip(
-            "prometheus-alertmanager not installed: the webhook sink is tested against the real "
-            "one (apt-get install prometheus-alertmanager; scripts/test installs it)"
-        )
+    exe = hostneeds.tool(
+        "prometheus-alertmanager",
+        "the webhook sink is tested against the real one "
+        "(apt-get install prometheus-alertmanager; scripts/test installs it)",
+        "alertmanager",
+    )
     (tmp_path / "am.yml").write_text(AM_CONFIG)
     url = f"http://127.0.0.1:{free_port}"
     proc = subprocess.Popen(

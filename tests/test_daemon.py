@@ -293,3 +293,57 @@ def test_a_wall_clock_step_moves_no_window(tmp_path):
     rec = [r for r in read_records(tmp_path / "flight.jsonl") if isinstance(r, dict)][-1]
     assert rec["wall_time"] - rec["time"] == 7200.0  # the record keeps the host's clock too
     g.close()
+
+
+class Kept:
+    """A collector that says whether it was closed (a real logs source loses the events it has
+    not handed to a tick, and its journal position, when it is closed and rebuilt)."""
+
+    kind = SourceKind.LOGS
+    timeout_seconds = 1.0
+
+    def __init__(self, service: str) -> None:
+        self.service = service
+        self.closed = False
+
+    def collect(self) -> Reading:
+        return Reading(source=self.kind, service=self.service, payload=None, error="test")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_reload_that_leaves_the_sources_alone_keeps_the_collectors(tmp_path):
+    """Reloading for an alert rule or a healing threshold must not rebuild the sources: the
+    logs source would drop the events not yet counted (an OOM line in the last second) and
+    restart its journal. A change to what the sources read rebuilds them."""
+    path = tmp_path / "c.yaml"
+    base = CONFIG.format(recorder=tmp_path / "f.jsonl")
+    path.write_text(base)
+    built: list[Kept] = []
+
+    def factory(cfg, clock):
+        made = [Kept(s.name) for s in cfg.services]
+        built.extend(made)
+        return made
+
+    g = Guardian(
+        parse_config(path.read_text()),
+        clock=FakeClock(),
+        config_path=str(path),
+        notifier=Recorded(),
+        collector_factory=factory,
+    )
+    first = built[0]
+    path.write_text(base + "signals:\n  rate_window_seconds: 45\n")
+    assert g.reload() is True
+    assert g.cfg.signals.rate_window_seconds == 45
+    assert len(built) == 1 and not first.closed, "an unrelated change rebuilt the sources"
+    path.write_text(
+        base
+        + "signals:\n  rate_window_seconds: 45\nsources:\n  vllm_metrics:\n    timeout_seconds: 3\n"
+    )
+    assert g.reload() is True
+    assert len(built) == 2 and first.closed and not built[1].closed
+    g.close()
+    assert built[1].closed

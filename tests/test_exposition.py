@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ import requests
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests import hostneeds
 from tests.scenario import signals_for, snapshots
 from vllm_guardian.exposition import (
     ExpositionServer,
@@ -90,17 +90,12 @@ def test_missing_values_are_absent_not_zero():
     assert not [line for line in text.splitlines() if line.endswith(("NaN", "Inf"))]
 
 
-def promtool() -> str | None:
-    path = shutil.which("promtool")
-    if path is None and os.environ.get("VLLM_GUARDIAN_REQUIRE_TOOLS"):
-        pytest.fail("promtool is required here (apt-get install prometheus)")
-    return path
-
-
 def test_promtool_check_metrics():
-    tool = promtool()
-    if tool is None:
-        pytest.skip("promtool not installed (CI installs Debian's prometheus package)")
+    tool = hostneeds.tool(
+        "promtool",
+        "the exposition is checked by Prometheus's own linter "
+        "(apt-get install prometheus; scripts/test installs it)",
+    )
     proc = subprocess.run(
         [tool, "check", "metrics"], input=render(), capture_output=True, text=True, timeout=30
     )

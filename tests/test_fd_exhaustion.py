@@ -20,10 +20,10 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NoReturn
 
 import pytest
 
+from tests import hostneeds
 from tests.conftest import read_fixture
 from tests.hostile import idle_clients, wait_for
 from tests.httpfixture import Script, serve
@@ -34,24 +34,17 @@ ATTACKERS = 1100
 NOFILE = 256
 
 
-def cannot(why: str) -> NoReturn:
-    """This host cannot run the test: a failure where CI requires it, else a skip."""
-    if os.environ.get("VLLM_GUARDIAN_REQUIRE_TOOLS"):
-        pytest.fail(why)
-    pytest.skip(why)
-
-
 @pytest.fixture
 def daemon(tmp_path: Path, free_port: int) -> Iterator[tuple[subprocess.Popen[bytes], Path, str]]:
     if shutil.which("prlimit") is None:
-        cannot(
+        hostneeds.cannot_run(
             "prlimit not installed: it caps the daemon's descriptors (util-linux; Debian has it)"
         )
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = ATTACKERS + 200
     if soft < need:  # the attacking side (this test) needs the descriptors
         if hard != resource.RLIM_INFINITY and hard < need:
-            cannot(
+            hostneeds.cannot_run(
                 f"the attacking side needs {need} descriptors, and this process may open only "
                 f"{hard} (raise the hard limit: ulimit -Hn)"
             )

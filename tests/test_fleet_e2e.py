@@ -27,10 +27,12 @@ from typing import Any
 import pytest
 import requests
 
+from tests import hostneeds
+
 try:
     import lightkube  # noqa: F401  # the k8s extra
 except ImportError:
-    if os.environ.get("VLLM_GUARDIAN_REQUIRE_TOOLS"):
+    if hostneeds.required():
         raise
     pytest.skip(
         "lightkube is not installed: the Kubernetes permit needs the k8s extra "

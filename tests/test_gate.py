@@ -232,6 +232,64 @@ def test_queue_full_and_per_key_limit(gate: GateThread, stub: Stub):
         assert [f.result().status_code for f in same_key + others] == [200] * 4
 
 
+def _closures(g: GateThread) -> list[str]:
+    """Every reason the gate closes for from now on (a spy on the admission's state)."""
+    adm = g.gate.admission
+    assert adm is not None
+    seen: list[str] = []
+    real = adm.set_state
+
+    def spy(open_: bool, reason: str) -> None:
+        if not open_ and adm.open:
+            seen.append(reason)
+        real(open_, reason)
+
+    adm.set_state = spy  # type: ignore[method-assign]
+    return seen
+
+
+def test_one_slow_health_answer_does_not_close_the_gate(gate: GateThread, stub: Stub):
+    # vLLM answers /health on the event loop that serves the requests: busy, it answers late.
+    # Past the poll's 1 s timeout, once, while the requests still pass: no reason to hold them.
+    closures = _closures(gate)
+    try:
+        stub.health_delay_seconds, stub.slow_health_answers = 1.5, 1
+        before = stub.calls.get("/health", 0)
+        assert wait_for(lambda: stub.calls.get("/health", 0) >= before + 10, 30), stub.calls
+        assert stub.slow_health_answers == 0
+        assert closures == [], closures
+        assert requests.post(f"{gate.url}/v1/echo", data=b"{}", timeout=10).status_code == 200
+    finally:
+        del gate.gate.admission.set_state  # type: ignore[union-attr]
+
+
+def test_a_silent_health_closes_the_gate_after_the_grace(gate: GateThread, stub: Stub):
+    closures = _closures(gate)
+    grace = gate.settings.health_grace_seconds
+    try:
+        stub.health_delay_seconds, stub.slow_health_answers = 1.5, 10_000
+        silent_from = time.monotonic()
+        assert wait_for(lambda: bool(closures), grace + 30), "the gate never closed"
+        waited = time.monotonic() - silent_from
+        assert waited >= grace, (waited, closures)  # never sooner than the grace
+        assert len(closures) == 1 and "silent for" in closures[0], closures
+        assert "within 1 s" in closures[0], closures
+    finally:
+        stub.slow_health_answers = 0
+        del gate.gate.admission.set_state  # type: ignore[union-attr]
+    assert wait_for(lambda: gate.gate.admission.open, 30)  # type: ignore[union-attr]
+
+
+def test_a_failing_health_answer_closes_the_gate_without_grace(gate: GateThread, stub: Stub):
+    closures = _closures(gate)
+    try:
+        stub.healthy = False  # 503: vLLM says it is not healthy; no grace for a clear answer
+        assert wait_for(lambda: bool(closures), 10), "the gate never closed"
+        assert closures == ["vLLM /health answers 503"], closures
+    finally:
+        del gate.gate.admission.set_state  # type: ignore[union-attr]
+
+
 def test_upstream_down_longer_than_the_wait_limit(gate: GateThread, stub: Stub):
     stub.healthy = False
     assert wait_for(lambda: not gate.gate.admission.open)  # type: ignore[union-attr]

@@ -103,6 +103,8 @@ class Stub:
     def __init__(self) -> None:
         self.lt = LoopThread("stub")
         self.healthy = True
+        self.slow_health_answers = 0  # the next N /health answers come after health_delay_seconds
+        self.health_delay_seconds = 0.0
         self.ready = True  # what /ready/vllm answers (the stub doubles as the guardian)
         self.metrics_text: str | None = None  # what /metrics answers (None: 404)
         self.calls: dict[str, int] = {}
@@ -137,6 +139,7 @@ class Stub:
 
         self.lt.run(fresh())
         self.healthy, self.ready = True, True
+        self.slow_health_answers, self.health_delay_seconds = 0, 0.0
         self.metrics_text = None
         self.calls.clear()
         self.disconnects = 0
@@ -145,6 +148,9 @@ class Stub:
         path = request.path
         self.calls[path] = self.calls.get(path, 0) + 1
         if path == "/health":
+            if self.slow_health_answers > 0:
+                self.slow_health_answers -= 1
+                await asyncio.sleep(self.health_delay_seconds)
             return web.Response(status=200 if self.healthy else 503)
         if path == "/metrics":
             if self.metrics_text is None:

@@ -8,7 +8,6 @@ against a real cluster.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -18,10 +17,12 @@ from datetime import UTC, datetime
 
 import pytest
 
+from tests import hostneeds
+
 try:
     import lightkube  # noqa: F401  # the k8s extra
 except ImportError:
-    if os.environ.get("VLLM_GUARDIAN_REQUIRE_TOOLS"):
+    if hostneeds.required():
         raise
     pytest.skip(
         "lightkube is not installed: the Kubernetes permit needs the k8s extra "

@@ -17,7 +17,6 @@ from __future__ import annotations
 import http.server
 import io
 import json
-import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -26,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from tests import hostneeds
 from tests.sim import twinproc
 from vllm_guardian.config import ConfigInvalid
 from vllm_guardian.demo import free_port
@@ -402,13 +402,10 @@ def test_the_chart_is_a_png(tmp_path: Path) -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        why = (
+        hostneeds.cannot_run(
             "matplotlib not installed: `loadtest --chart` draws with it (pip install "
             "'vllm-guardian[loadtest]'; scripts/test installs it)"
         )
-        if os.environ.get("VLLM_GUARDIAN_REQUIRE_TOOLS"):
-            pytest.fail(why)
-        pytest.skip(why)
     steps = [_step(1, 1, output_tokens_per_second=100.0), _step(2, 2)]
     assert write_chart(steps, tmp_path / "c.png") is None
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -26,6 +25,7 @@ import pytest
 import requests
 import yaml
 
+from tests import hostneeds
 from tests.conftest import read_fixture
 from tests.httpfixture import Script, serve
 from vllm_guardian.config import PolicyConfig, SignalsConfig
@@ -68,15 +68,11 @@ FORECAST_METRICS = {
 
 
 def tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        if os.environ.get("VLLM_GUARDIAN_REQUIRE_TOOLS"):
-            pytest.fail(f"{name} is required here (Debian's prometheus / prometheus-alertmanager)")
-        pytest.skip(
-            f"{name} not installed: the rules and alerts are checked by the real tool "
-            "(apt-get install prometheus prometheus-alertmanager; scripts/test installs them)"
-        )
-    return path
+    return hostneeds.tool(
+        name,
+        "the rules and alerts are checked by the real tool "
+        "(apt-get install prometheus prometheus-alertmanager; scripts/test installs them)",
+    )
 
 
 def rules() -> list[dict[str, Any]]:

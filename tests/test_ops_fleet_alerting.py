@@ -7,13 +7,13 @@ and resolves receivers for label sets the rules produce.
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests import hostneeds
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "alertmanager-fleet.yml"
@@ -21,15 +21,11 @@ RULES = ROOT / "alerts" / "vllm-guardian.rules.yml"
 
 
 def amtool() -> str:
-    path = shutil.which("amtool")
-    if path is None:
-        if os.environ.get("VLLM_GUARDIAN_REQUIRE_TOOLS"):
-            pytest.fail("amtool is required here (Debian's prometheus-alertmanager)")
-        pytest.skip(
-            "amtool not installed: the fleet's Alertmanager example is checked by the real one "
-            "(apt-get install prometheus-alertmanager; scripts/test installs it)"
-        )
-    return path
+    return hostneeds.tool(
+        "amtool",
+        "the fleet's Alertmanager example is checked by the real one "
+        "(apt-get install prometheus-alertmanager; scripts/test installs it)",
+    )
 
 
 def test_amtool_accepts_the_example() -> None:

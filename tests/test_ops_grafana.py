@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests import hostneeds
 from tests.test_ops_alerts import known_metrics, metric_names
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,15 +28,11 @@ TYPES = "node_modules/@grafana/schema/dist/types/raw/dashboard/x/types.gen.d.ts"
 
 
 def require(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        if os.environ.get("VLLM_GUARDIAN_REQUIRE_TOOLS"):
-            pytest.fail(f"{name} is required here (apt-get install npm)")
-        pytest.skip(
-            f"{name} not installed: it builds the dashboard's schema from @grafana/schema "
-            "(apt-get install npm; scripts/test installs it)"
-        )
-    return path
+    return hostneeds.tool(
+        name,
+        "it builds the dashboard's schema from @grafana/schema "
+        "(apt-get install npm; scripts/test installs it)",
+    )
 
 
 def dashboard() -> dict[str, Any]:
@@ -72,7 +68,7 @@ def schema_errors(dash: dict[str, Any]) -> list[str]:
         pytest.importorskip(
             "jsonschema", reason="jsonschema not installed (scripts/test installs it)"
         )
-        if not os.environ.get("VLLM_GUARDIAN_REQUIRE_TOOLS")
+        if not hostneeds.required()
         else __import__("jsonschema")
     )
     s = schema()

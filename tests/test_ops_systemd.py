@@ -7,7 +7,6 @@ The committed files under ``systemd/`` must equal what ``vllm-guardian install``
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import hostneeds
 from vllm_guardian import install
 from vllm_guardian.config import GateConfig, PolicyConfig, SignalsConfig
 
@@ -25,15 +25,11 @@ SECURITY_THRESHOLD = 20
 
 
 def tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        if os.environ.get("VLLM_GUARDIAN_REQUIRE_TOOLS"):
-            pytest.fail(f"{name} is required here (Debian's systemd package)")
-        pytest.skip(
-            f"{name} not installed: the units are checked by systemd's own tools "
-            "(Debian's systemd package; scripts/test's host has it)"
-        )
-    return path
+    return hostneeds.tool(
+        name,
+        "the units are checked by systemd's own tools "
+        "(Debian's systemd package; scripts/test's host has it)",
+    )
 
 
 def keys(text: str) -> dict[str, list[str]]:

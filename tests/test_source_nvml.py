@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import hostneeds
 from tests.nvml_fake import FakeNvmlState, build_fake_nvml, make_proc_entry
 from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import NvmlSourceConfig
@@ -48,14 +48,11 @@ GIB = 1024**3
 
 @pytest.fixture(scope="session")
 def fake_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if shutil.which("gcc") is None:
-        why = (
-            "gcc is not installed: cannot build the fake libnvidia-ml.so.1 the NVML source is "
-            "tested against (apt-get install gcc libc6-dev; scripts/test installs them)"
-        )
-        if os.environ.get("VLLM_GUARDIAN_REQUIRE_TOOLS"):
-            pytest.fail(why)
-        pytest.skip(why)
+    hostneeds.tool(
+        "gcc",
+        "cannot build the fake libnvidia-ml.so.1 the NVML source is tested against "
+        "(apt-get install gcc libc6-dev; scripts/test installs them)",
+    )
     return build_fake_nvml(tmp_path_factory.mktemp("fake_nvml"))
 
 

@@ -563,6 +563,10 @@ def _worker_exited(proc: Path, clock: FakeClock, c: UnitCollector) -> None:
     _rm_pid(proc, 102)
 
 
+def _worker_pid_reused(proc: Path, clock: FakeClock, c: UnitCollector) -> None:
+    _write_stat(proc, 102, 1, start_ticks=999_999)  # the worker exited; another process has 102
+
+
 def _refresh_due(proc: Path, clock: FakeClock, c: UnitCollector) -> None:
     clock.advance(REFRESH_SECONDS)
 
@@ -586,6 +590,7 @@ CHANGES = {
     ),
     "main listens on another socket": (_socket_replaced, True, 100, (100, 101, 102)),
     "a known worker exited": (_worker_exited, True, 100, (100, 101)),
+    "a known worker's pid reused by another process": (_worker_pid_reused, True, 100, (100, 101)),
 }  # fmt: skip
 
 
@@ -724,3 +729,44 @@ def test_only_the_listening_rows_are_read(tmp_path: Path) -> None:
     text = read_listening_rows(path)
     assert text.splitlines() == rows[:3]
     assert [s.local_port for s in parse_proc_net_tcp(text)] == [8000, 8001]
+
+
+# --- the process backend: vLLM that the guardian's supervisor started, still loading ----------
+
+NOT_LISTENING = PROC_NET_TCP.replace(" 0A ", " 07 ")  # the port's socket closed: nothing listens
+
+PID_FILES: dict[str, tuple[str | None, int | None]] = {
+    # what <state_dir>/<service>.pid holds: (its text, the main pid the source then reports)
+    "no pid file (not started by the guardian)": (None, None),
+    "the process the supervisor started, loading": ("100 5100\n", 100),
+    "that pid, now another process (start time differs)": ("100 4242\n", None),
+    "a pid that no longer runs": ("4321 5100\n", None),
+    "not 'PID START'": ("garbage\n", None),
+}
+
+
+@pytest.mark.parametrize("name", PID_FILES)
+def test_by_port_sees_the_process_its_supervisor_started_before_it_listens(
+    tmp_path: Path, name: str
+) -> None:
+    """vLLM listens only once loaded (minutes on a real model). Without a unit, the port is how
+    the source finds it, so a vLLM the process backend restarted was invisible while loading:
+    the policy, waiting for the supervisor's restart, saw nobody restart it, killed the loading
+    process and started another. The supervisor's pid file (pid and start time) names it."""
+    text, main = PID_FILES[name]
+    proc = _settled_proc(tmp_path)
+    (proc / "net" / "tcp").write_text(NOT_LISTENING)
+    pid_file = tmp_path / "state" / "a.pid"
+    if text is not None:
+        pid_file.parent.mkdir()
+        pid_file.write_text(text)
+    svc = ServiceConfig(name="a", url="http://127.0.0.1:8000")
+    c = UnitCollector(svc, UnitSourceConfig(), proc, FakeClock(), pid_file=pid_file)
+    for _ in range(2):  # read afresh every tick while nothing listens
+        reading = c.collect()
+        assert reading.error is None, reading.error
+        state = reading.payload
+        assert isinstance(state, UnitState)
+        assert state.main_pid == main
+        assert state.pids == ((100, 101, 102) if main else ())
+    assert c.full_reads == 2

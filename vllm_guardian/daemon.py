@@ -106,6 +106,16 @@ class TickResult:
     duration_seconds: float = 0.0
 
 
+def _sources_unchanged(old: Config, new: Config) -> bool:
+    """The collectors built from ``new`` would be those built from ``old``: the factory
+    (``sources.registry.build_collectors``) reads the services, ``sources`` and the interval."""
+    return (
+        old.services == new.services
+        and old.sources == new.sources
+        and old.interval_seconds == new.interval_seconds
+    )
+
+
 def history_span_seconds(cfg: Config) -> float:
     s = cfg.signals
     return max(
@@ -345,12 +355,17 @@ class Guardian:
             except ConfigInvalid as e:
                 log.error("reload refused, keeping the running config:\n%s", e)
                 return False
-        old_slots = self._slots
+        old_cfg, old_slots = self.cfg, self._slots
         self.cfg = new
-        self._slots = [_SourceSlot(c) for c in self._factory(new, self.clock)]
-        self._pool._max_workers = max(self._pool._max_workers, 2 * len(self._slots))
-        for slot in old_slots:
-            _safe_close(slot.collector)
+        if _sources_unchanged(old_cfg, new):
+            # Kept, with any collect in flight: a rebuilt logs source would drop the events it
+            # has not handed to a tick yet and restart its journal.
+            log.info("config reload: what the sources read is unchanged; they keep running")
+        else:
+            self._slots = [_SourceSlot(c) for c in self._factory(new, self.clock)]
+            self._pool._max_workers = max(self._pool._max_workers, 2 * len(self._slots))
+            for slot in old_slots:
+                _safe_close(slot.collector)
         self.exposition.set_services([s.name for s in new.services])
         if new.recorder.path:
             self.recorder = FlightRecorder(

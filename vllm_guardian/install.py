@@ -51,7 +51,36 @@ STATE_DIR = "/var/lib/vllm-guardian"
 # Not starting with '-': systemctl would read such a name as an option.
 _UNIT = re.compile(r"^[A-Za-z0-9:_.\\][A-Za-z0-9:_.\\-]*(@[A-Za-z0-9:_.\\-]*)?\.service$")
 
-GUARDIAN_SERVICE = """\
+# The sandbox both units share (the kernel, namespaces, system calls, address families) and
+# their [Install] section; each unit sets its own file-system and device access above it.
+_SANDBOX_AND_INSTALL = """\
+ProtectKernelTunables=yes
+ProtectKernelModules=yes
+ProtectKernelLogs=yes
+ProtectControlGroups=yes
+ProtectClock=yes
+ProtectHostname=yes
+RestrictNamespaces=yes
+RestrictRealtime=yes
+RestrictSUIDSGID=yes
+LockPersonality=yes
+MemoryDenyWriteExecute=yes
+RemoveIPC=yes
+KeyringMode=private
+SystemCallArchitectures=native
+SystemCallFilter=@system-service
+SystemCallFilter=~@privileged @resources
+SystemCallErrorNumber=EPERM
+# AF_NETLINK: glibc's getaddrinfo(AI_ADDRCONFIG) asks the kernel which addresses exist.
+RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+GUARDIAN_SERVICE = (
+    """\
 # vllm-guardian: watches the vLLM services on this host and heals memory pressure.
 # Installed by `vllm-guardian install`; local changes belong in
 # /etc/systemd/system/vllm-guardian.service.d/*.conf (systemctl edit vllm-guardian).
@@ -110,31 +139,12 @@ PrivateDevices=no
 DevicePolicy=closed
 DeviceAllow=char-nvidia-frontend rw
 DeviceAllow=char-nvidia-caps r
-ProtectKernelTunables=yes
-ProtectKernelModules=yes
-ProtectKernelLogs=yes
-ProtectControlGroups=yes
-ProtectClock=yes
-ProtectHostname=yes
-RestrictNamespaces=yes
-RestrictRealtime=yes
-RestrictSUIDSGID=yes
-LockPersonality=yes
-MemoryDenyWriteExecute=yes
-RemoveIPC=yes
-KeyringMode=private
-SystemCallArchitectures=native
-SystemCallFilter=@system-service
-SystemCallFilter=~@privileged @resources
-SystemCallErrorNumber=EPERM
-# AF_NETLINK: glibc's getaddrinfo(AI_ADDRCONFIG) asks the kernel which addresses exist.
-RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK
-
-[Install]
-WantedBy=multi-user.target
 """
+    + _SANDBOX_AND_INSTALL
+)
 
-GATE_SERVICE = """\
+GATE_SERVICE = (
+    """\
 # vllm-guardian's admission gate for one service: %i is the service's name in the guardian's
 # config, whose gate: section holds the settings (listen address, queue, KV admission, rates).
 # Installed by `vllm-guardian install`; one instance per gated service:
@@ -184,29 +194,9 @@ DevicePolicy=closed
 PrivateUsers=yes
 ProtectProc=invisible
 ProcSubset=pid
-ProtectKernelTunables=yes
-ProtectKernelModules=yes
-ProtectKernelLogs=yes
-ProtectControlGroups=yes
-ProtectClock=yes
-ProtectHostname=yes
-RestrictNamespaces=yes
-RestrictRealtime=yes
-RestrictSUIDSGID=yes
-LockPersonality=yes
-MemoryDenyWriteExecute=yes
-RemoveIPC=yes
-KeyringMode=private
-SystemCallArchitectures=native
-SystemCallFilter=@system-service
-SystemCallFilter=~@privileged @resources
-SystemCallErrorNumber=EPERM
-# AF_NETLINK: glibc's getaddrinfo(AI_ADDRCONFIG) asks the kernel which addresses exist.
-RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK
-
-[Install]
-WantedBy=multi-user.target
 """
+    + _SANDBOX_AND_INSTALL
+)
 
 GATE_DROPIN = """\
 # Installed by `vllm-guardian install` for the gate of service {service}; removed by uninstall.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import socket
 import threading
@@ -13,6 +14,7 @@ import pytest
 import requests
 
 from tests.conftest import read_fixture
+from tests.hostile import wait_for
 from tests.sim.conftest import Starter
 from tests.sim.test_exposition import shape
 from tests.sim.twinproc import TwinProc, sse
@@ -27,6 +29,16 @@ def refused(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(1.0)
         return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def bound(port: int) -> bool:
+    """Someone holds ``port`` on 127.0.0.1: a bind without SO_REUSEADDR fails."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+        return False
 
 
 def watch_health(
@@ -45,9 +57,14 @@ def watch_health(
 def test_startup_refuses_then_serves_the_openai_api(twin: Starter) -> None:
     t = twin("--sim-model", "tiny", "--served-model-name", "tiny-llama", "--max-model-len", "4096",
              "--sim-speed", "10")  # fmt: skip
-    time.sleep(0.3)
-    assert refused(t.port)  # bound, not listening: like vLLM during start-up
+    # Like vLLM during start-up: the port is bound (no one else can take it) but not listening,
+    # so a client's connection is refused until the engine is ready. Both at once, while the
+    # twin is still loading (its start-up takes >= 0.8 s of wall time at this speed).
+    wait_for(lambda: (bound(t.port), "free"), "the twin bound its port")
+    assert refused(t.port)
+    assert t.proc.poll() is None
     t.wait_ready()
+    assert not refused(t.port)
     models = requests.get(f"{t.url}/v1/models", timeout=5).json()
     assert models["data"][0]["id"] == "tiny-llama"
     assert models["data"][0]["max_model_len"] == 4096

@@ -4,8 +4,11 @@ Everything here runs in the test process (the daemon's .venv); vLLM itself runs 
 ``scripts/vllm-setup`` builds outside the repository. Recipe: ../shared/reference/vllm-cpu.md.
 
 Process hygiene: every vLLM process a test starts carries ``VLLM_GUARDIAN_TIER_RUN=<run id>`` in
-its environment (the API server, its EngineCore and the Worker, which is reparented to PID 1
-when EngineCore dies), so :func:`sweep` finds and kills all of them by that marker, whichever
+its environment, and every vLLM is a session leader (the test's Popen and the guardian's process
+manager both start a new session). EngineCore and its Worker rename themselves, which hides the
+marker in /proc/<pid>/environ, but they stay in vLLM's session, also when the Worker is
+reparented to PID 1 after EngineCore dies: a :class:`Census` records the sessions of marked
+processes while the run lasts, so :func:`sweep` finds and kills all of them, whichever
 supervisor started them, and :func:`leftovers` proves none is left.
 """
 
@@ -162,8 +165,21 @@ def _state(pid: str) -> str:
     return stat.rsplit(")", 1)[1].split()[0]
 
 
+def session_id_of(pid: str) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[3])
+
+
 def marked(run_id: str) -> list[int]:
-    """Live (not zombie) processes carrying this run's marker."""
+    """Live (not zombie) processes whose /proc/<pid>/environ shows this run's marker.
+
+    Not every process of the run: vLLM renames EngineCore and its Worker (setproctitle), and the
+    rename overwrites the memory /proc/<pid>/environ reads, so the marker vanishes from them
+    while they run. :class:`Census` finds those through their session.
+    """
     needle = f"{MARKER}={run_id}".encode()
     return [
         int(p)
@@ -172,23 +188,123 @@ def marked(run_id: str) -> list[int]:
     ]
 
 
-def sweep(run_id: str) -> list[str]:
-    """SIGKILL every live process of this run (by its marker, never by name); says which."""
+class Census:
+    """Every process of one run, the renamed ones included, as long as the run lasts.
+
+    Every vLLM the tier starts (directly, or through the guardian's process manager) is a
+    session leader carrying the marker, and EngineCore and its Worker stay in its session, also
+    after they lose the marker to their rename and after a dead parent leaves them to PID 1. The
+    census records, twice a second, the session of every marked process; a member of the run
+    is then any live process that is marked or in one of those sessions.
+    """
+
+    def __init__(self, run_id: str, every_seconds: float = 0.5) -> None:
+        self.run_id = run_id
+        self.sessions: set[int] = set()
+        self._every = every_seconds
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="vllm-census", daemon=True)
+
+    def start(self) -> Census:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> Census:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def look(self) -> None:
+        for pid in marked(self.run_id):
+            sid = session_id_of(str(pid))
+            if sid is not None and sid > 1:
+                self.sessions.add(sid)
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            self.look()
+            self._stop.wait(self._every)
+
+    def members(self) -> list[int]:
+        self.look()
+        found = set(marked(self.run_id))
+        for p in os.listdir("/proc"):
+            if (
+                p.isdigit()
+                and session_id_of(p) in self.sessions
+                and _state(p) not in ("Z", "X", "?")
+            ):
+                found.add(int(p))
+        found.discard(os.getpid())  # never this test process, whatever its session
+        return sorted(found)
+
+
+def _members(run_id: str, census: Census | None) -> list[int]:
+    return census.members() if census is not None else marked(run_id)
+
+
+def sweep(run_id: str, census: Census | None = None) -> list[str]:
+    """SIGKILL every live process of this run (by its marker and, given a census, its sessions;
+    never by name); says which."""
     out = []
-    for pid in marked(run_id):
+    for pid in _members(run_id, census):
         out.append(f"{pid} {' '.join(cmdline(pid))[:80]}")
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
     return out
 
 
-def leftovers(run_id: str, wait_seconds: float = 10.0) -> list[int]:
+def leftovers(run_id: str, wait_seconds: float = 10.0, census: Census | None = None) -> list[int]:
     deadline = time.monotonic() + wait_seconds
     while True:
-        left = marked(run_id)
+        left = _members(run_id, census)
         if not left or time.monotonic() >= deadline:
             return left
         time.sleep(0.2)
+
+
+def descendants(pid: int) -> list[tuple[int, str]]:
+    """Every live process below ``pid``, with its command line (vLLM renames its processes,
+    and the rename overwrites the memory /proc/<pid>/environ shows, so the marker cannot find
+    EngineCore or its Worker while they run; the process tree can)."""
+    out: list[tuple[int, str]] = []
+    todo = [pid]
+    while todo:
+        for child in children(todo.pop()):
+            out.append(child)
+            todo.append(child[0])
+    return out
+
+
+def lower_engine_priority(api_server_pid: int, nice: int = 19) -> list[str]:
+    """Every thread of the processes below vLLM's API server (EngineCore, its Worker) at
+    ``nice``: says which.
+
+    On a GPU host the engine's step runs on the GPU and the API server has a core to itself. On
+    two shared cores, with one taken by another process, the tiny model's engine steps faster
+    than the API server can hand it requests and take its outputs: vLLM then ran one or two
+    sequences a step while 24 clients had requests out (issue 18: all six closed loops of two
+    CI rehearsals beside a CPU hog, 1.0-2.6 sequences a step against ~5). Behind the API server
+    and the clients, the engine takes the CPU they leave, and the load that reaches it is the
+    load the test sent. A nice value is per thread on Linux, so each thread is reniced; threads
+    made later inherit their creator's.
+    """
+    done = []
+    for pid, cmd in descendants(api_server_pid):
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+        done.append(f"{pid} {cmd[:40]}")
+    return done
 
 
 def children(pid: int) -> list[tuple[int, str]]:

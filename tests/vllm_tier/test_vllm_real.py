@@ -255,6 +255,7 @@ def guarded(
         guardian_port,
     )
     start = time.monotonic()
+    census = support.Census(run_id).start()
     thread.start()
     try:
         support.wait_for(lambda: support.healthy(g.url), 240, "vLLM /health 200")
@@ -265,8 +266,9 @@ def guarded(
     finally:
         guardian.request_stop()
         thread.join(timeout=90)
-        swept = support.sweep(run_id)
-        left = support.leftovers(run_id)
+        swept = support.sweep(run_id, census)
+        left = support.leftovers(run_id, census=census)
+        census.stop()
         REPORT["module_seconds"] = round(time.monotonic() - start, 1)
         REPORT["swept_at_teardown"] = swept
         lock.close()

@@ -9,7 +9,13 @@ Every ``poll_interval_seconds`` it asks, concurrently,
   is refused or answers 503 at once, so the gate does not wait for the next tick to notice.
 
 The gate is open when vLLM answers 200 and the guardian (if any, and reachable) says ready,
-and no exchange saw the upstream die in the last ``suspect_seconds``. An unreachable guardian
+and no exchange saw the upstream die in the last ``suspect_seconds``. A ``/health`` that does
+not answer within the poll's timeout (1 s at the default interval) is not a "no": vLLM's API
+server answers it on the same event loop as the requests, so a busy server is slow to answer it
+while it serves. An open gate stays open through ``health_grace_seconds`` of such silence and
+closes when it lasts longer; a refused connection or a non-200 answer closes it at once, as
+before. (A single slow answer closed the gate, and on a busy host held new requests for up to
+20 s while vLLM served; a hung engine that still answers is the progress watch's case.) An unreachable guardian
 does not close the gate: the service keeps serving on vLLM's own health, as it would without
 the gate (a guardian restart must not take the service down with it). Both polls go through
 the proxy's own keep-alive client (``upstream.py``): ten a second, they are most of what an
@@ -65,6 +71,7 @@ class Follower:
         kv_poll_interval_seconds: float,
         suspect_seconds: float,
         stall_hold_seconds: float = 0.0,
+        health_grace_seconds: float = 3.0,
     ) -> None:
         self.admission = admission
         self.session = session
@@ -75,6 +82,8 @@ class Follower:
         self.kv_poll_interval_seconds = kv_poll_interval_seconds
         self.suspect_seconds = suspect_seconds
         self._suspect_until: float | None = None
+        self.health_grace_seconds = health_grace_seconds
+        self._silent_since: float | None = None  # when /health stopped answering in time
         self.progress = ProgressWatch(stall_hold_seconds)
         self._parser = VllmParser()
         self._warned_unknown = False
@@ -123,6 +132,7 @@ class Follower:
     async def poll_once(self) -> None:
         (healthy, why), verdict = await asyncio.gather(self._health(), self._guardian_ready())
         self.polls += 1
+        healthy, why = self._through_silence(healthy, why, time.monotonic())
         self.upstream_healthy = healthy
         self.guardian_ready = verdict[0] if verdict is not None else None
         if self._suspect_until is not None:
@@ -139,6 +149,19 @@ class Follower:
             self.admission.set_state(False, f"guardian: {verdict[1]}")
         else:
             self.admission.set_state(True, "open")
+
+    def _through_silence(self, healthy: bool | None, why: str, now: float) -> tuple[bool, str]:
+        """``healthy`` None (no answer in time): still healthy if the last answer was, for
+        ``health_grace_seconds`` from the first silent poll; then not."""
+        if healthy is not None:
+            self._silent_since = None
+            return healthy, why
+        if self._silent_since is None:
+            self._silent_since = now
+        silent = now - self._silent_since
+        if self.upstream_healthy and silent < self.health_grace_seconds:
+            return True, "open"
+        return False, f"{why}, silent for {silent:.1f} s"
 
     async def _state_loop(self) -> None:
         while True:
@@ -163,13 +186,18 @@ class Follower:
             finally:
                 up.release()  # a longer body than that: its connection is closed, not read on
 
-    async def _health(self) -> tuple[bool, str]:
+    async def _health(self) -> tuple[bool | None, str]:
+        """(True, _) 200; (False, why) refused, broken or not 200; (None, why) no answer in
+        time, which :meth:`_through_silence` judges."""
         try:
             status, _ = await self._get_small(self._health_pool, "/health")
         except UpstreamError as e:
+            if e.phase == "connect" and str(e) == "TimeoutError":
+                # The listen backlog is full (a busy server accepts late), not refused: silence.
+                return None, f"vLLM does not accept a connection within {self._timeout_seconds:g} s"
             return False, f"vLLM does not answer /health ({e})"
         except TimeoutError:
-            return False, "vLLM does not answer /health (TimeoutError)"
+            return None, f"vLLM does not answer /health within {self._timeout_seconds:g} s"
         if status == 200:
             return True, "open"
         return False, f"vLLM /health answers {status}"

@@ -36,6 +36,9 @@ class GateSettings:
     poll_interval_seconds: float = 0.1
     kv_poll_interval_seconds: float = 0.5
     suspect_seconds: float = 1.0
+    # An open gate stays open while /health is silent (no answer in time) for this long: a busy
+    # vLLM answers it late while it serves (follower.py).
+    health_grace_seconds: float = 3.0
     # Requests in vLLM and no token processed this long: hold new ones (gate/progress.py).
     stall_hold_seconds: float = 10.0
     shutdown_timeout_seconds: float = 5.0
@@ -78,6 +81,7 @@ class Gate:
             poll_interval_seconds=s.poll_interval_seconds,
             kv_poll_interval_seconds=s.kv_poll_interval_seconds,
             suspect_seconds=s.suspect_seconds,
+            health_grace_seconds=s.health_grace_seconds,
             stall_hold_seconds=s.stall_hold_seconds,
         )
         self._pool = UpstreamPool(

@@ -3,6 +3,8 @@ config section under ``sources:`` and its tests."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from vllm_guardian.clock import Clock
 from vllm_guardian.config import Config
 from vllm_guardian.sources.allocator import AllocatorCollector
@@ -23,7 +25,11 @@ def build_collectors(cfg: Config, clock: Clock) -> list[Collector]:
         out.append(VllmMetricsCollector(svc, src.vllm_metrics))
         out.append(HealthCollector(svc, src.health, clock))
         if src.unit.enabled:
-            out.append(UnitCollector(svc, src.unit, clock=clock))
+            # The process backend's supervisor writes the pid of the vLLM it starts here
+            # (actuators/procmgr.py, healing.py): how a loading vLLM is seen without a unit.
+            supervised = cfg.policy.backend == "process" and bool(svc.command)
+            pid_file = Path(cfg.state_dir) / f"{svc.name}.pid" if supervised else None
+            out.append(UnitCollector(svc, src.unit, clock=clock, pid_file=pid_file))
         if src.logs.enabled and (svc.unit or svc.log_file):
             out.append(LogsCollector(svc, src.logs, clock))
         if svc.gate is not None:

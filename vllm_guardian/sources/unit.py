@@ -19,8 +19,8 @@ user's process) is skipped, never fatal.
 full read is the expensive part of a tick (a ``systemctl show`` fork, or a walk over every
 process's fds and ``stat``). So a full read is kept and, while it still describes the same
 process, reused: each tick checks only that the main PID is alive with the start time it had
-(one ``stat`` read), that the known descendants still exist, and, without a unit, that the
-main PID still holds the listening socket's inode on the same fd (one ``readlink``). The full
+(one ``stat`` read), that the known descendants still run with theirs, and, without a unit,
+that the main PID still holds the listening socket's inode on the same fd (one ``readlink``). The full
 read is done again at once when any of these fails, when the last read found no main process
 or a unit not ``active``/``running`` (down, starting, stopping, failed: read every tick), when
 the daemon calls :meth:`UnitCollector.invalidate` (the service's health changed or its log
@@ -340,6 +340,7 @@ class _Kept:
 
     state: UnitState  # main_pid is set
     start_ticks: int  # the main process's start time: a reused pid has another
+    descendant_start_ticks: tuple[int | None, ...]  # the same for state.pids[1:]
     read_monotonic_seconds: float
     listener: tuple[str, int] | None  # without a unit: (fd, inode) of the listening socket
 
@@ -355,8 +356,13 @@ class UnitCollector:
         cfg: UnitSourceConfig,
         proc_root: Path = Path("/proc"),
         clock: Clock | None = None,
+        pid_file: Path | None = None,
     ) -> None:
+        """``pid_file``: the guardian's own supervisor's (process backend), naming the vLLM it
+        started as ``PID START_TICKS``; without a unit it is how a vLLM that does not listen
+        yet (loading) is seen."""
         self.service: str | None = service.name
+        self._pid_file = pid_file
         self._unit = service.unit
         self._url = service.url
         self._cfg = cfg
@@ -407,7 +413,12 @@ class UnitCollector:
                     return False
             except OSError:
                 return False
-        return all(os.path.exists(self._proc_root / str(p)) for p in kept.state.pids[1:])
+        # Each known descendant by its start time too: a pid the kernel handed to another
+        # process (32k pids by default) must not stay listed as vLLM's until the refresh.
+        return all(
+            read_start_ticks(self._proc_root, p) == t
+            for p, t in zip(kept.state.pids[1:], kept.descendant_start_ticks, strict=True)
+        )
 
     def _keep(self, state: UnitState, listener: tuple[str, int] | None) -> None:
         """Keep a full read that found a settled process: a main process and, with a unit,
@@ -424,7 +435,10 @@ class UnitCollector:
         start = read_start_ticks(self._proc_root, state.main_pid)
         if start is None:
             return
-        self._kept = _Kept(state, start, self._clock.monotonic(), listener)
+        descendants = tuple(read_start_ticks(self._proc_root, p) for p in state.pids[1:])
+        if None in descendants:
+            return  # one exited since the read: read again next tick
+        self._kept = _Kept(state, start, descendants, self._clock.monotonic(), listener)
 
     # -- with a unit
 
@@ -491,8 +505,13 @@ class UnitCollector:
         )
         if not inodes:
             # Nothing listens: vLLM is down, or still starting (it listens only once ready).
+            # One the guardian's supervisor started is seen by its pid file meanwhile, as
+            # systemd's MainPID shows a unit's process from its start.
             self._last_listener = None
-            return self._reading(empty)
+            started = self._started_by_supervisor()
+            if started is None:
+                return self._reading(empty)
+            return self._reading(self._with_processes(dataclasses.replace(empty, main_pid=started)))
         owners = socket_owners(self._proc_root, inodes, self._last_listener)
         if not owners:
             return failed(
@@ -508,6 +527,22 @@ class UnitCollector:
         state = self._with_processes(dataclasses.replace(empty, main_pid=main_pid), parents)
         self._keep(state, socket_fd(self._proc_root, main_pid, inodes))
         return self._reading(state)
+
+    def _started_by_supervisor(self) -> int | None:
+        """The pid the supervisor's pid file names, if that very process (pid and start time)
+        still runs; None without a file, or when it is unreadable, stale or malformed."""
+        if self._pid_file is None:
+            return None
+        try:
+            parts = self._pid_file.read_text(encoding="utf-8").split()
+        except (OSError, UnicodeDecodeError):
+            return None
+        if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
+            return None
+        pid, ticks = int(parts[0]), int(parts[1])
+        if pid <= 1 or read_start_ticks(self._proc_root, pid) != ticks:
+            return None
+        return pid
 
     # -- shared
 

@@ -1,0 +1,79 @@
+"""The `vllm` tier's process hygiene: a renamed vLLM child is found and stopped.
+
+vLLM's EngineCore and Worker rename themselves with setproctitle, which overwrites the memory
+/proc/<pid>/environ shows, so the run's marker vanishes from them. Stand-ins made the same way
+(the vLLM venv's Python and its setproctitle, in a session of their own like every vLLM the
+tier starts): a child renamed under a living parent, and one left to PID 1 by a parent that
+exited. The census must find and kill both; the marker alone finds neither.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.vllm_tier import support
+
+pytestmark = pytest.mark.vllm
+
+CHILD = textwrap.dedent(
+    """
+    import sys, time, setproctitle
+    setproctitle.setproctitle("VLLM::EngineCore")
+    open(sys.argv[1], "w").close()
+    time.sleep(600)
+    """
+)
+PARENT = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+    while not os.path.exists(sys.argv[3]):  # the census has seen this session
+        time.sleep(0.05)
+    if sys.argv[4] == "exit":
+        os._exit(0)  # the child goes to PID 1, as a Worker does when EngineCore dies
+    time.sleep(600)
+    """
+)
+
+
+@pytest.mark.parametrize("parent", ["lives", "exit"])
+def test_the_census_finds_and_kills_a_renamed_child(tmp_path: Path, parent: str) -> None:
+    venv = support.vllm_venv_or_skip()
+    run_id = uuid.uuid4().hex
+    ready, seen = tmp_path / "ready", tmp_path / "seen"
+    env = {support.MARKER: run_id, "PATH": "/usr/bin:/bin"}
+    proc = subprocess.Popen(
+        [str(venv / "bin" / "python"), "-c", PARENT, CHILD, str(ready), str(seen), parent],
+        env=env,
+        start_new_session=True,
+    )
+    with support.Census(run_id) as census:
+        try:
+            support.wait_for(ready.exists, 60, "the child renamed itself")
+            support.wait_for(lambda: proc.pid in census.sessions, 30, "the census saw the session")
+            seen.touch()
+            if parent == "exit":
+                proc.wait(timeout=30)
+            renamed = [p for p, cmd in _in_session(proc.pid) if cmd.startswith("VLLM::")]
+            assert len(renamed) == 1, _in_session(proc.pid)
+            assert renamed[0] not in support.marked(run_id)  # the rename hid the marker
+            assert renamed[0] in census.members()
+        finally:
+            swept = support.sweep(run_id, census)
+            left = support.leftovers(run_id, census=census)
+            proc.wait(timeout=30)
+    assert not left, left
+    assert any("VLLM::EngineCore" in line for line in swept), swept
+
+
+def _in_session(sid: int) -> list[tuple[int, str]]:
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit() and support.session_id_of(p.name) == sid:
+            out.append((int(p.name), " ".join(support.cmdline(int(p.name)))))
+    return out
