@@ -24,6 +24,8 @@ class Hostility:
     chunk: bytes = b"# x\n" * 16384  # endless: what each chunk carries (64 KiB)
     served: list[int] = field(default_factory=list)  # bytes sent per finished connection
     accepted: int = 0  # connections accepted so far
+    head_extra: str = ""  # more head lines, e.g. "Connection: close\r\n"
+    head_at_once: bool = False  # drip: the head in one packet, only the body a byte at a time
 
 
 def _serve_one(conn: socket.socket, h: Hostility, stop: threading.Event) -> None:
@@ -34,10 +36,12 @@ def _serve_one(conn: socket.socket, h: Hostility, stop: threading.Event) -> None
             conn.recv(65536)  # the request head; its content does not matter
         if h.mode == "drip":
             payload = (
-                f"HTTP/1.1 {h.status} OK\r\nContent-Type: text/plain\r\n"
+                f"HTTP/1.1 {h.status} OK\r\nContent-Type: text/plain\r\n{h.head_extra}"
                 "Content-Length: 100000\r\n\r\n"
             ).encode() + b"#" * 100000
-            for i in range(len(payload)):
+            start = payload.index(b"\r\n\r\n") + 4 if h.head_at_once else 0
+            conn.sendall(payload[:start])
+            for i in range(start, len(payload)):
                 if stop.wait(h.interval_seconds):
                     return
                 conn.sendall(payload[i : i + 1])

@@ -68,6 +68,22 @@ def test_a_hostile_server_ends_in_a_named_failure(mode: str, oversize: Oversize,
     assert e.value.failure is failure, e.value
 
 
+def test_a_dripping_answer_that_says_it_closes_is_cut_at_the_deadline_too():
+    """http.client lets go of a connection whose answer says it will close (the body is read
+    through the answer): the deadline still cuts the socket in use, not the connection's."""
+    h = Hostility(mode="drip", interval_seconds=0.05, head_extra="Connection: close\r\n",
+                  head_at_once=True)  # fmt: skip
+    with hostile_server(h) as url:
+        with pytest.raises(HttpGetError) as e:
+            finishes(lambda: fetch(url, deadline_seconds=0.5, max_body_bytes=1 << 20))
+        assert e.value.failure is Failure.DEADLINE
+        with pytest.raises(HttpGetError) as e:
+            finishes(
+                lambda: fetch(url, deadline_seconds=0.5, max_body_bytes=1 << 20, cancel=Cancel())
+            )
+        assert e.value.failure is Failure.DEADLINE
+
+
 def test_an_endless_body_is_cut_at_the_cap_when_truncating():
     with hostile_server(Hostility(mode="endless")) as url:
         resp = finishes(
