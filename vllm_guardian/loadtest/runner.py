@@ -406,7 +406,9 @@ class Watcher:
         svc = ServiceSnapshot(
             SERVICE, vllm=vllm, health=health, unit=self._unit(), logs=log_reading
         )
-        return Snapshot(time.time(), (svc,), gpus)
+        # The steady clock, as the daemon stamps its snapshots: the signals find their windows
+        # by bisection, which needs times in order (a wall clock stepped back by NTP is not).
+        return Snapshot(time.monotonic(), (svc,), gpus)
 
     def close(self) -> None:
         for c in [*self.collectors, *(x for x in (self.gpu, self.logs) if x is not None)]:
