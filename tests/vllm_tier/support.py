@@ -194,8 +194,10 @@ class Census:
     Every vLLM the tier starts (directly, or through the guardian's process manager) is a
     session leader carrying the marker, and EngineCore and its Worker stay in its session, also
     after they lose the marker to their rename and after a dead parent leaves them to PID 1. The
-    census records, twice a second, the session of every marked process; a member of the run
-    is then any live process that is marked or in one of those sessions.
+    census records, twice a second, the session of every marked process that leads one; a
+    member of the run is then any live process that is marked or in one of those sessions.
+    Never the test process's own session: a CI rehearsal lost its runner (scripts/test, and
+    .ci/run above it) when a marked helper inside pytest's session made that session a target.
     """
 
     def __init__(self, run_id: str, every_seconds: float = 0.5) -> None:
@@ -220,9 +222,14 @@ class Census:
         self.stop()
 
     def look(self) -> None:
+        # Only the sessions that a marked process leads: a vLLM is started as a session
+        # leader. A marked process inside someone else's session (a short helper the test
+        # ran with the marker in its environment) must never make that session, which may be
+        # pytest's own and its callers' (scripts/test, CI), a target of the sweep.
+        own = os.getsid(0)
         for pid in marked(self.run_id):
             sid = session_id_of(str(pid))
-            if sid is not None and sid > 1:
+            if sid is not None and sid == pid and sid > 1 and sid != own:
                 self.sessions.add(sid)
 
     def _watch(self) -> None:

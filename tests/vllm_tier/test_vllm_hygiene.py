@@ -9,7 +9,9 @@ exited. The census must find and kill both; the marker alone finds neither.
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import textwrap
 import uuid
 from pathlib import Path
@@ -77,3 +79,23 @@ def _in_session(sid: int) -> list[tuple[int, str]]:
         if p.name.isdigit() and support.session_id_of(p.name) == sid:
             out.append((int(p.name), " ".join(support.cmdline(int(p.name)))))
     return out
+
+
+def test_a_marked_helper_in_this_session_never_makes_it_a_target() -> None:
+    """A process the test runs with the marker but without a session of its own (a short
+    helper) shares pytest's session, and with it scripts/test and CI's runner: the census
+    must never record that session, or the sweep kills the runner (it did, in a rehearsal)."""
+    run_id = uuid.uuid4().hex
+    helper = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        env={support.MARKER: run_id, "PATH": "/usr/bin:/bin"},
+    )
+    try:
+        with support.Census(run_id) as census:
+            support.wait_for(lambda: helper.pid in support.marked(run_id), 30, "the helper runs")
+            census.look()
+            assert os.getsid(0) not in census.sessions, census.sessions
+            assert census.members() == [helper.pid]  # the helper itself, by its marker
+    finally:
+        helper.kill()
+        helper.wait(timeout=30)
