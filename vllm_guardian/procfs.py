@@ -57,3 +57,12 @@ def parse_cgroup(text: str) -> str | None:
         if line.startswith("0::"):
             return line[3:].strip() or None
     return None
+
+
+def parse_pid_file(text: str) -> tuple[int, int] | None:
+    """A supervisor's pid file, ``PID START_TICKS`` (procmgr writes it; the unit source reads
+    it): the pair, or None when it is not exactly two decimal numbers."""
+    parts = text.split()
+    if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
+        return None
+    return int(parts[0]), int(parts[1])

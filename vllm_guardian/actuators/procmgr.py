@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from vllm_guardian.actuators import flags as flagsfile
+from vllm_guardian.procfs import parse_pid_file
 from vllm_guardian.redact import redact_argv
 
 log = logging.getLogger("vllm_guardian.procmgr")
@@ -226,11 +227,11 @@ class Supervisor:
         except (OSError, UnicodeDecodeError) as e:
             log.warning("%s: pid file %s unreadable (%s): ignored", self.name, self.pid_path, e)
             return None
-        parts = text.split()
-        if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
+        named = parse_pid_file(text)
+        if named is None:
             log.warning("%s: pid file %s is not 'PID START': ignored", self.name, self.pid_path)
             return None
-        pid, ticks = int(parts[0]), int(parts[1])
+        pid, ticks = named
         if pid <= 1 or process_start_ticks(pid) != ticks:
             return None  # gone, or the pid now names another process
         return Adopted(pid, ticks)

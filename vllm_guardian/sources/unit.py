@@ -56,7 +56,7 @@ from urllib.parse import urlsplit
 from vllm_guardian.clock import Clock, SystemClock
 from vllm_guardian.config import ServiceConfig, UnitSourceConfig
 from vllm_guardian.model import Reading, SourceKind, UnitState
-from vllm_guardian.procfs import parse_start_ticks, parse_stat
+from vllm_guardian.procfs import parse_pid_file, parse_start_ticks, parse_stat
 from vllm_guardian.redact import redact_argv
 from vllm_guardian.sources.base import failed
 
@@ -534,12 +534,12 @@ class UnitCollector:
         if self._pid_file is None:
             return None
         try:
-            parts = self._pid_file.read_text(encoding="utf-8").split()
+            named = parse_pid_file(self._pid_file.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError):
             return None
-        if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
+        if named is None:
             return None
-        pid, ticks = int(parts[0]), int(parts[1])
+        pid, ticks = named
         if pid <= 1 or read_start_ticks(self._proc_root, pid) != ticks:
             return None
         return pid
