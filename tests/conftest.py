@@ -10,6 +10,14 @@ import pytest
 
 from tests.httpfixture import Script, serve
 
+# A test's timeout strikes in its own phases, never while pytest reports (tests/timeouts.py).
+from tests.timeouts import (  # noqa: F401  (hooks: pytest finds them in this module)
+    pytest_runtest_call,
+    pytest_runtest_setup,
+    pytest_runtest_teardown,
+    pytest_timeout_set_timer,
+)
+
 FIXTURES = Path(__file__).parent / "fixtures"
 VLLM_FIXTURES = FIXTURES / "vllm"
 
