@@ -79,13 +79,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     if cfg is None:
         return EXIT_CONFIG
     from vllm_guardian.daemon import Guardian  # noqa: PLC0415  # keeps check-config light
+    from vllm_guardian.instancelock import AlreadyRunning, acquire  # noqa: PLC0415
 
-    guardian = Guardian(cfg, config_path=args.config)
+    # Before anything is read, started or unlinked: a second guardian on these directories
+    # would take over the first one's control socket, vLLM and pid files.
     try:
-        return guardian.run()
-    except OSError as e:
+        held = acquire(Path(cfg.state_dir), Path(cfg.runtime_dir))
+    except AlreadyRunning as e:
         logging.getLogger("vllm_guardian").error("cannot start: %s", e)
         return EXIT_FAIL
+    try:
+        guardian = Guardian(cfg, config_path=args.config)
+        try:
+            return guardian.run()
+        except OSError as e:
+            logging.getLogger("vllm_guardian").error("cannot start: %s", e)
+            return EXIT_FAIL
+    finally:
+        held.release()
 
 
 def _socket_path(args: argparse.Namespace) -> Path:
