@@ -95,7 +95,8 @@ class Healing:
         self.state_path = state_dir / "policy-state.json"
         self.audit = AuditLog(state_dir / "audit.jsonl", identity=pod_identity(os.environ))
         names = [s.name for s in cfg.services]
-        self.tick_state = core_step.initial(names, load_state(self.state_path))
+        self.settings = self._settings(cfg, self.rules)
+        self.tick_state = core_step.initial(names, self._restore(self.state_path))
         self.supervisors: dict[str, Supervisor] = {}
         self._lock = threading.RLock()
         self._gates: dict[str, GateState] = {}
@@ -114,11 +115,26 @@ class Healing:
         self.runner = OpRunner(
             clock, state_dir, dict(backends), self._capture_bundle, self._fleet_permits(cfg)
         )
-        self.settings = self._settings(cfg, self.rules)
         # Each recent action's decisions, for `vllm-guardian restart|relaunch` to follow.
         self.action_log: collections.OrderedDict[int, list[policy.Decision]] = (
             collections.OrderedDict()
         )
+
+    def _restore(self, path: Path) -> policy.PolicyState | None:
+        """The saved state, its times bounded by this clock (a guardian whose clock ran ahead
+        saved them: policy.bound_saved_times)."""
+        saved = load_state(path)
+        if saved is None:
+            return None
+        bounded, notes = policy.bound_saved_times(saved, self.clock.time(), self.settings.policy)
+        if notes:
+            log.warning(
+                "policy state %s: saved times lie ahead of this clock (the guardian that saved "
+                "it ran on a clock ahead?); bounded by now plus their durations: %s",
+                path,
+                "; ".join(notes),
+            )
+        return bounded
 
     @staticmethod
     def _fleet_permits(cfg: Config) -> PermitBackend | None:

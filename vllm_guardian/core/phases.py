@@ -61,6 +61,25 @@ class Phase(StrEnum):
 BEFORE_RESTART = frozenset({Phase.PREPARING, Phase.DRAINING, Phase.RESTARTING})
 
 
+def phase_limit_seconds(
+    phase: Phase, p: PolicyConfig, permit_timeout_seconds: float | None = None
+) -> float:
+    """How long an action may stay in ``phase``: its deadline is this after it entered it.
+    The one table: :func:`start` and :func:`advance` set deadlines from it, and a restored
+    action's deadline is bounded by it (a saved state from a clock that ran ahead)."""
+    if phase is Phase.AWAITING_PERMIT:
+        return permit_timeout_seconds or 0.0
+    if phase is Phase.PREPARING:
+        return p.bundle_timeout_seconds + 10.0
+    if phase in (Phase.AWAITING_SELF_RESTART, Phase.AWAITING_VRAM):
+        return p.vram_release_timeout_seconds
+    if phase is Phase.DRAINING:
+        return p.drain_timeout_seconds
+    if phase is Phase.RESTARTING:  # the call's own timeout, then a lost call
+        return p.drain_timeout_seconds + p.ready_timeout_seconds + RESTART_CALL_MARGIN_SECONDS
+    return p.ready_timeout_seconds  # AWAITING_READY
+
+
 @dataclass(frozen=True)
 class Seen:
     """What this tick shows of one service, as far as the phases care."""
@@ -161,7 +180,7 @@ def start(
             reason=reason,
             phase=Phase.AWAITING_PERMIT,
             phase_since=now,
-            deadline=now + permit_timeout_seconds,
+            deadline=now + phase_limit_seconds(Phase.AWAITING_PERMIT, p, permit_timeout_seconds),
             started_seconds=now,
             flags=flags,
             env=env,
@@ -185,7 +204,7 @@ def start(
         reason=reason,
         phase=Phase.PREPARING,
         phase_since=now,
-        deadline=now + p.bundle_timeout_seconds + 10.0,
+        deadline=now + phase_limit_seconds(Phase.PREPARING, p),
         started_seconds=now,
         flags=flags,
         env=env,
@@ -209,8 +228,9 @@ def advance(
     moves: list[Move] = []
     ops: list[OpRequest] = []
 
-    def go(phase: Phase, deadline: float, why: str, **kw: object) -> None:
+    def go(phase: Phase, why: str, **kw: object) -> None:
         nonlocal a
+        deadline = now + phase_limit_seconds(phase, p)
         a = replace(a, phase=phase, phase_since=now, deadline=deadline, **kw)  # type: ignore[arg-type]
         moves.append(Move(phase, why))
 
@@ -230,7 +250,6 @@ def advance(
         ops.append(OpRequest(a.action_id, service, Op.RESTART, a.flags, a.env, timeout, a.reason))
         go(
             Phase.RESTARTING,
-            now + timeout + RESTART_CALL_MARGIN_SECONDS,
             why,
             waiting_ops=(*a.waiting_ops, Op.RESTART),
             stopped_seconds=now,
@@ -261,7 +280,6 @@ def advance(
         if a.phase is Phase.RESTARTING:
             go(
                 Phase.AWAITING_READY,
-                now + p.ready_timeout_seconds,
                 "the guardian restarted during the restart call: waiting for vLLM to be ready",
                 ready_after=now,
             )
@@ -305,9 +323,9 @@ def advance(
                 return end(False, r.terminal, r.detail)
             a = replace(a, notes=(*a.notes, r.detail), ready_after=r.finished_seconds)
             if a.old_pid is not None:
-                go(Phase.AWAITING_VRAM, now + p.vram_release_timeout_seconds, "restart returned")
+                go(Phase.AWAITING_VRAM, "restart returned")
             else:
-                go(Phase.AWAITING_READY, now + p.ready_timeout_seconds, "restart returned")
+                go(Phase.AWAITING_READY, "restart returned")
 
     for _ in range(len(Phase) + 1):  # each pass either waits (returns) or moves on
         phase = a.phase
@@ -349,11 +367,10 @@ def advance(
                 # answers (503, hung) is restarted by nobody but us.
                 go(
                     Phase.AWAITING_SELF_RESTART,
-                    now + p.vram_release_timeout_seconds,
                     "vLLM is down: waiting for its supervisor to start it again",
                 )
             else:
-                go(Phase.DRAINING, now + p.drain_timeout_seconds, "front door closed")
+                go(Phase.DRAINING, "front door closed")
         elif phase is Phase.AWAITING_SELF_RESTART:
             if seen.main_pid is not None and seen.main_pid != a.old_pid:
                 a = replace(
@@ -361,12 +378,11 @@ def advance(
                 )
                 go(
                     Phase.AWAITING_READY,
-                    now + p.ready_timeout_seconds,
                     f"its supervisor started vLLM again (pid {seen.main_pid})",
                     ready_after=now,
                 )
             elif now >= a.deadline:
-                go(Phase.DRAINING, now + p.drain_timeout_seconds, "nobody restarted it")
+                go(Phase.DRAINING, "nobody restarted it")
             else:
                 break
         elif phase is Phase.DRAINING:
@@ -409,7 +425,6 @@ def advance(
             if seen.gpu_pids is None or a.old_pid not in seen.gpu_pids:
                 go(
                     Phase.AWAITING_READY,
-                    now + p.ready_timeout_seconds,
                     "the old instance's GPU memory is free"
                     if seen.gpu_pids is not None
                     else "GPU processes not visible: not waiting on them",
