@@ -81,6 +81,48 @@ FIXTURES = Path(__file__).parent / "fixtures" / "logs"
         ),
         ('{"password": "p", "user": "u"}', '{"password": "***", "user": "u"}'),
         ("{'api_key': None}", "{'api_key': None}"),
+        # a Python repr assigning a list: every key goes, the line stays whole
+        ("api_key=['a1', 'b2'] port=1", "api_key=[***] port=1"),
+        ("args(api_key=['a1','b2'], tokenizer='t')", "args(api_key=[***], tokenizer='t')"),
+        # short names for passwords and signatures
+        ("pwd=hunter2 user=u", "pwd=*** user=u"),
+        ("PGPASSWORD=x", "PGPASSWORD=***"),
+        # secrets in a URL's query: only the value goes; the parameters after it stay
+        ("https://h/x?token=abc&a=b", "https://h/x?token=***&a=b"),
+        ("https://h/x?api-key=abc", "https://h/x?api-key=***"),
+        (
+            "https://acct.blob/c?sv=2020&sig=abc%2Bd&se=1",
+            "https://acct.blob/c?sv=2020&sig=***&se=1",
+        ),
+        (
+            "https://b.s3.amazonaws.com/o?X-Amz-Signature=abc&X-Amz-Date=2",
+            "https://b.s3.amazonaws.com/o?X-Amz-Signature=***&X-Amz-Date=2",
+        ),
+        ("https://h/x?access_token=abc#top", "https://h/x?access_token=***#top"),
+        ("https://h/x?page=2&size=3", "https://h/x?page=2&size=3"),
+        # webhooks whose path is the secret: the host stays
+        (
+            "POST https://hooks.slack.com/services/T000/B000/XXXXsecret failed",
+            "POST https://hooks.slack.com/services/*** failed",
+        ),
+        (
+            "https://discord.com/api/webhooks/123/tok-en_abc",
+            "https://discord.com/api/webhooks/***",
+        ),
+        (
+            "https://acme.webhook.office.com/webhookb2/a@b/IncomingWebhook/c/d",
+            "https://acme.webhook.office.com/webhookb2/***",
+        ),
+        # cookies and API-key headers
+        ("Cookie: session=abc; theme=dark", "Cookie: ***"),
+        ("Set-Cookie: sid=abc; Path=/", "Set-Cookie: ***"),
+        ("{'Cookie': 'sid=abc'}", "{'Cookie': '***'}"),
+        ("X-Api-Key: abc123", "X-Api-Key: ***"),
+        # tokens recognised by their prefix (GitHub, Slack, GitLab)
+        ("ghp_" + "a1B2c3D4e5" * 4 + " x", "*** x"),
+        ("github_pat_11ABCDEFG0123456789_abcdefghij", "***"),
+        ("xoxb-1234-5678-abcdefghij", "***"),
+        ("glpat-abcdefghij0123456789", "***"),
         # nothing to do
         ("", ""),
         (
@@ -262,6 +304,16 @@ SECRET_SHAPES: list[tuple[str, list[str]]] = [
     ("dict-repr-nested", ["vllm", "serve", "m", f"non-default args: {{'hf_overrides': {{'token': '{SECRET}'}}}}"]),
     ("flow-mapping", ["vllm", "serve", "m", f"hf_overrides: {{token: {SECRET}}}"]),
     ("bearer", ["curl", "-H", f"Authorization: Bearer {SECRET}", "http://127.0.0.1:8000"]),
+    ("py-list-assign", ["vllm", "serve", "m", f"args: api_key=['k1', '{SECRET}'] port=1"]),
+    ("pwd", ["env", f"pwd={SECRET}", "vllm"]),
+    ("query-token", ["curl", f"https://h.example/x?token={SECRET}&a=b"]),
+    ("query-api-key", ["curl", f"https://h.example/x?api-key={SECRET}"]),
+    ("query-sig", ["curl", f"https://acct.blob.example/c?sv=1&sig={SECRET}&se=2"]),
+    ("query-amz-signature", ["curl", f"https://b.s3.amazonaws.com/o?X-Amz-Signature={SECRET}"]),
+    ("slack-webhook-path", ["curl", f"https://hooks.slack.com/services/T0/B0/{SECRET}"]),
+    ("cookie", ["curl", "-H", f"Cookie: session={SECRET}; theme=dark", "http://127.0.0.1"]),
+    ("github-token", ["git", "clone", f"https://x-access:ghp_{SECRET * 3}@github.com/o/r"]),
+    ("github-token-bare", ["echo", f"ghp_{SECRET * 3}"]),
 ]  # fmt: skip
 _SHAPE_IDS = [name for name, _ in SECRET_SHAPES]
 _SHAPES = [argv for _, argv in SECRET_SHAPES]
@@ -439,3 +491,137 @@ def test_exit_diagnose_report(tmp_path: Path, fmt: str) -> None:
     for f in saved.rglob("*"):
         if f.is_file():
             assert SECRET not in f.read_text(errors="replace"), f
+
+
+# --- the alert sinks' targets: a webhook URL is often a secret itself --------------------------
+# Each is a sink URL carrying SECRET; the sink fails (nothing listens, or the transport says
+# what requests says for a host it cannot reach) and the dispatcher logs the target and the
+# error once. Neither may carry the secret.
+
+
+def _dead_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+SINK_URLS: list[tuple[str, str]] = [
+    ("userinfo", "http://admin:{s}@127.0.0.1:{port}/hook"),
+    ("query-token", "http://127.0.0.1:{port}/hook?token={s}&channel=ops"),
+    ("query-api-key", "http://127.0.0.1:{port}/hook?api-key={s}"),
+    ("query-sig", "http://127.0.0.1:{port}/hook?sv=1&sig={s}"),
+    ("slack-path", "https://hooks.slack.com/services/T0/B0/{s}"),
+    ("discord-path", "https://discord.com/api/webhooks/1/{s}"),
+]
+
+
+@pytest.mark.parametrize("sink", ["webhook", "alertmanager"])
+@pytest.mark.parametrize("url", [u for _, u in SINK_URLS], ids=[n for n, _ in SINK_URLS])
+def test_exit_alert_sink_log_lines(
+    url: str, sink: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dispatcher logs `alert sink webhook <target> failing: <error>`; requests' errors
+    quote the URL's path and query (`Max retries exceeded with url: /hook?token=…`)."""
+    import logging
+    import time
+
+    import requests
+
+    from vllm_guardian.actuators.alerts import AlertDispatcher
+    from vllm_guardian.clock import FakeClock
+    from vllm_guardian.config import AlertingConfig
+    from vllm_guardian.core.alerting import Transition
+    from vllm_guardian.model import Alert, AlertState, Severity
+
+    target = url.format(s=SECRET, port=_dead_port())
+    if "127.0.0.1" not in target:
+        # A host this machine cannot reach: requests' own words for it, at the transport
+        # boundary (no network here; the message is the one requests raises).
+        def unreachable(self: requests.Session, method: str, u: str, **kw: object) -> None:
+            split = u.split("/", 3)
+            raise requests.ConnectionError(
+                f"HTTPSConnectionPool(host='{split[2]}', port=443): Max retries exceeded with "
+                f'url: /{split[3]} (Caused by NameResolutionError("Failed to resolve"))'
+            )
+
+        monkeypatch.setattr(requests.Session, "request", unreachable)
+    cfg = (
+        AlertingConfig(webhooks=(target,), timeout_seconds=2)
+        if sink == "webhook"
+        else AlertingConfig(alertmanager_url=target, timeout_seconds=2)
+    )
+    a = Alert(
+        name="VllmDown", service="vllm", labels=(), state=AlertState.FIRING,
+        severity=Severity.CRITICAL, cause=None, value=1.0, active_since_seconds=0.0,
+        firing_since_seconds=0.0, last_true_seconds=0.0, summary="down", runbook="#down",
+    )  # fmt: skip
+    t = Transition(a, AlertState.PENDING, AlertState.FIRING, resolved=False)
+    caplog.set_level(logging.INFO)
+    d = AlertDispatcher(cfg, FakeClock())
+    try:
+        d.dispatch([t], [a])
+        deadline = time.monotonic() + 60
+        while "failing" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+            d.dispatch([], [a])
+    finally:
+        d.close()
+    print(caplog.text)
+    assert f"alert sink {sink}" in caplog.text and "failing" in caplog.text
+    assert SECRET not in caplog.text and REDACTED in caplog.text
+
+
+def test_exit_audit_log(tmp_path: Path) -> None:
+    """Each decision's reason and evidence may quote a log line or an operator's words."""
+    from vllm_guardian.actuators.audit import AuditLog
+    from vllm_guardian.core.policy import Decision, DecisionKind
+
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    decisions = [
+        Decision(1.0, "vllm", DecisionKind.SUPPRESSED, " ".join(argv), evidence=(" ".join(argv),))
+        for argv in _SHAPES
+    ]
+    assert audit.write(decisions)
+    text = (tmp_path / "audit.jsonl").read_text()
+    assert len(text.splitlines()) == len(_SHAPES)
+    assert SECRET not in text and REDACTED in text, text
+
+
+def test_exit_check_config_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`check-config` shows each service's URL and the alert sinks it will send to."""
+    from vllm_guardian.cli import main
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        f"state_dir: {tmp_path}\nruntime_dir: {tmp_path / 'run'}\n"
+        "services:\n"
+        f"  - name: vllm\n    url: http://admin:{SECRET}@127.0.0.1:8000\n"
+        "    gate:\n      listen: 127.0.0.1:8001\n"
+        "alerting:\n"
+        "  webhooks:\n"
+        + "".join(f"    - {u.format(s=SECRET, port=1)}\n" for _, u in SINK_URLS)
+        + f"  alertmanager_url: http://am:{SECRET}@127.0.0.1:9093\n"
+    )
+    assert main(["check-config", "-c", str(cfg)]) == 0
+    out = capsys.readouterr()
+    print(out.out)
+    assert "127.0.0.1:8000" in out.out and "hooks.slack.com" in out.out
+    assert "127.0.0.1:9093" in out.out
+    assert SECRET not in out.out + out.err
+
+
+def test_exit_incident_bundle_written_by_the_guardian(tmp_path: Path) -> None:
+    """The bundle before an action fetches /metrics; a failed fetch names the URL."""
+    from vllm_guardian.actuators.bundle import BundleWriter
+    from vllm_guardian.config import ServiceConfig
+    from vllm_guardian.model import Action, ActionKind
+
+    svc = ServiceConfig(name="vllm", url=f"http://admin:{SECRET}@127.0.0.1:{_dead_port()}")
+    writer = BundleWriter(tmp_path / "bundles", lambda name: (svc, []), 5.0)
+    path = writer.capture(Action(1, "vllm", ActionKind.RESTART, None, "r", (), False))
+    texts = {f.name: f.read_text() for f in path.rglob("*") if f.is_file()}
+    print(texts)
+    assert "127.0.0.1" in texts["ERROR.txt"]
+    assert all(SECRET not in t for t in texts.values())

@@ -63,13 +63,21 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         f"{args.config}: OK ({len(cfg.services)} service(s): {names}; listen {cfg.listen}; "
         f"{len(rules)} alert rules; policy {mode})"
     )
+    from vllm_guardian.redact import redact_text  # noqa: PLC0415
+
+    # URLs are shown redacted: user:password, ?token=, a webhook whose path is its secret.
     for s in cfg.services:
+        url = redact_text(s.url)
         if s.gate is not None:
             print(
-                f"  gate for {s.name}: clients on {s.gate.listen} -> {s.url} (vllm-guardian-gate@{s.name}.service)"
+                f"  gate for {s.name}: clients on {s.gate.listen} -> {url} (vllm-guardian-gate@{s.name}.service)"
             )
         else:
-            print(f"  {s.name}: no gate: section, clients reach {s.url} directly")
+            print(f"  {s.name}: no gate: section, clients reach {url} directly")
+    sinks = ["log"] + [f"webhook {redact_text(u)}" for u in cfg.alerting.webhooks]
+    if cfg.alerting.alertmanager_url:
+        sinks.append(f"alertmanager {redact_text(cfg.alerting.alertmanager_url)}")
+    print(f"  alert sinks: {', '.join(sinks)}")
     return EXIT_OK
 
 

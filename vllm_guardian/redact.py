@@ -16,18 +16,30 @@ What counts as a secret, and why:
   a secret (``--ssl-keyfile``, ``--api-key-file``, ``--eos-token-id``) are paths or numbers and
   are kept, because the guardian needs them to explain a configuration;
 * quoted dict/JSON keys with such names (vLLM logs ``non-default args: {'api_key': ...}``);
-* the password in URL userinfo, ``Authorization:`` header values, ``Bearer`` tokens, and
-  tokens recognisable by their prefix (Hugging Face ``hf_…``, OpenAI-style ``sk-…``).
+* the password in URL userinfo, a secret query parameter's value (``?token=``, ``&sig=``,
+  ``X-Amz-Signature=``; the parameters around it stay), the path of a webhook whose path is its
+  secret (Slack ``hooks.slack.com/services/…``, Discord, Microsoft Teams: the host stays);
+* ``Authorization:``, ``Cookie:``/``Set-Cookie:`` and API-key header values, ``Bearer``
+  tokens, and tokens recognisable by their prefix (Hugging Face ``hf_…``, OpenAI-style
+  ``sk-…``, GitHub ``ghp_…``/``github_pat_…``, Slack ``xoxb-…``, GitLab ``glpat-…``).
+
+A name part that *is* one of the short words ``pwd``, ``sig``, ``signature`` or
+``passphrase`` is a secret too (``pwd=``, ``&sig=``): whole parts only, since ``sig`` inside a
+word (``design``, ``sigterm``) is not.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit
 
 REDACTED = "***"
 
 _SECRET_WORDS = ("password", "passwd", "credential", "secret", "token", "key")
+# Secret only as a whole name part (as substrings they are everywhere: "design", "signal").
+_SECRET_PARTS = frozenset({"pwd", "sig", "signature", "passphrase"})
 
 # Name parts that contain a secret word but name something else.
 _BENIGN_PARTS = frozenset(
@@ -65,7 +77,9 @@ def is_secret_name(name: str) -> bool:
     """Whether a flag or variable name (``--hf-token``, ``VLLM_API_KEY``) carries a secret."""
     parts = [p for p in re.split(r"[-_.]+", name.strip("-").lower()) if p]
     for i, part in enumerate(parts):
-        if part in _BENIGN_PARTS or not any(w in part for w in _SECRET_WORDS):
+        if part in _BENIGN_PARTS or not (
+            part in _SECRET_PARTS or any(w in part for w in _SECRET_WORDS)
+        ):
             continue
         if i + 1 < len(parts) and parts[i + 1] in _QUALIFIERS_AFTER:
             continue
@@ -92,12 +106,25 @@ _MULTI_FLAG = re.compile(
 )
 _MULTI_VALUE = re.compile(rf"{_QUOTED}|{_BARE}")
 # NAME=value (shell, env files, Python reprs like ``api_key=...``).
-_ASSIGN = re.compile(rf"(?<![\w.-])(?P<name>[A-Za-z_][A-Za-z0-9_.]*)=(?P<value>{_QUOTED}|{_BARE})")
+# A Python list (``api_key=['a', 'b']``) is one value. A name after ``?``/``&`` is a URL's query
+# parameter: _QUERY's, whose value ends at the next ``&``.
+_ASSIGN = re.compile(
+    rf"(?<![\w.?&-])(?P<name>[A-Za-z_][A-Za-z0-9_.]*)=(?P<value>{_QUOTED}|\[[^\]]*\]|{_BARE})"
+)
 # The same assignment seen without consuming its value: a second pass finds a secret whose
 # opening quote the first pass took as the closing quote of an earlier, unbalanced value
 # (`X=" export VLLM_API_KEY="x"`: X's value is `" export VLLM_API_KEY="`, and x was left).
 _ASSIGN_AT = re.compile(
-    rf"(?<![\w.-])(?P<name>[A-Za-z_][A-Za-z0-9_.]*)=(?=(?P<value>{_QUOTED}|{_BARE}))"
+    rf"(?<![\w.?&-])(?P<name>[A-Za-z_][A-Za-z0-9_.]*)=(?=(?P<value>{_QUOTED}|\[[^\]]*\]|{_BARE}))"
+)
+# ?token=…&a=b, &sig=…, ?X-Amz-Signature=…: a query parameter's value ends at '&' or '#'.
+_QUERY = re.compile(r"(?P<pre>[?&](?P<name>[A-Za-z_][\w.-]*)=)(?P<value>[^&#\s'\"<>]*)")
+# Webhooks whose path is the secret: https://hooks.slack.com/services/T…/B…/XXXX.
+_SECRET_PATH = re.compile(
+    r"(?P<pre>\bhttps?://(?:hooks\.slack\.com/(?:services|workflows|triggers)/"
+    r"|(?:[\w-]+\.)?discord(?:app)?\.com/api/webhooks/"
+    r"|[\w.-]*webhook\.office\.com/webhookb2/))(?P<path>[^\s'\"?#<>]+)",
+    re.IGNORECASE,
 )
 # 'api_key': 'x' / "hf_token": "x" / 'api_key': ['a', 'b'] (dict reprs and JSON). A value
 # that is itself a mapping is not consumed here: its own keys are looked at in turn, so a secret
@@ -119,12 +146,20 @@ _SECRET_MAPPING_KEY = re.compile(r"(?P<q>['\"]?)(?P<name>[A-Za-z_][\w.-]*)(?P=q)
 _USERINFO = re.compile(r"(?P<pre>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s:/?#@]*):(?P<pw>[^\s/?#]*)@")
 # Authorization: <scheme> <credentials>, as a header or in a dict repr.
 _AUTH_HEADER = re.compile(
-    r"(?P<pre>\b(?:proxy-)?authorization['\"]?\s*[:=]\s*['\"]?"
+    r"(?P<pre>\b(?:(?:proxy-)?authorization|x-api-key|api-key|x-auth-token)['\"]?\s*[:=]\s*['\"]?"
     r"(?:(?:bearer|basic|token|digest|apikey)\s+)?)(?P<cred>[^\s'\",;]+)",
     re.IGNORECASE,
 )
+# Cookie: a=1; b=2: the whole value (every cookie may be a session), to the line's end or quote.
+_COOKIE_HEADER = re.compile(
+    r"(?P<pre>\b(?:set-)?cookie['\"]?\s*:\s*['\"]?)(?P<cred>[^\r\n'\"]+)", re.IGNORECASE
+)
 _BEARER = re.compile(r"(?P<pre>\bbearer\s+)(?P<cred>[^\s'\",;]+)", re.IGNORECASE)
-_KNOWN_TOKENS = re.compile(r"\bhf_[A-Za-z0-9]{20,}|\bsk-[A-Za-z0-9_-]{20,}")
+_KNOWN_TOKENS = re.compile(
+    r"\bhf_[A-Za-z0-9]{20,}|\bsk-[A-Za-z0-9_-]{20,}"
+    r"|\bgh[pousr]_[A-Za-z0-9]{30,}|\bgithub_pat_[A-Za-z0-9_]{22,}"
+    r"|\bxox[abposr]-[A-Za-z0-9-]{10,}|\bglpat-[A-Za-z0-9_-]{20,}"
+)
 
 
 # Values that say "no secret configured"; keeping them tells a reader that none was set.
@@ -214,6 +249,13 @@ def _secret_assignments(text: str) -> str:
     return "".join(out)
 
 
+def _sub_query(m: re.Match[str]) -> str:
+    value = m.group("value")
+    if not value or value == REDACTED or not is_secret_name(m.group("name")):
+        return m.group(0)
+    return f"{m.group('pre')}{REDACTED}"
+
+
 def _sub_dict_item(m: re.Match[str]) -> str:
     value = m.group("value")
     secret = is_secret_name(m.group("name")) and value not in _NOT_SET
@@ -234,6 +276,9 @@ def redact_text(text: str) -> str:
     if not text:
         return text
     text = _USERINFO.sub(lambda m: f"{m.group('pre')}:{REDACTED}@", text)
+    text = _SECRET_PATH.sub(lambda m: f"{m.group('pre')}{REDACTED}", text)
+    text = _QUERY.sub(_sub_query, text)
+    text = _COOKIE_HEADER.sub(lambda m: f"{m.group('pre')}{REDACTED}", text)
     text = _AUTH_HEADER.sub(lambda m: f"{m.group('pre')}{REDACTED}", text)
     text = _BEARER.sub(lambda m: f"{m.group('pre')}{REDACTED}", text)
     if "{" in text:
@@ -250,6 +295,34 @@ def redact_text(text: str) -> str:
     text = _ASSIGN.sub(_sub_assign, text)
     text = _secret_assignments(text)
     return _KNOWN_TOKENS.sub(REDACTED, text)
+
+
+def redact_json(value: Any) -> Any:
+    """Every string in a JSON value through :func:`redact_text` (a record's reasons, log lines,
+    errors); keys are names the guardian chose and stay."""
+    if isinstance(value, str):
+        return redact_text(value)
+    if isinstance(value, list):
+        return [redact_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: redact_json(v) for k, v in value.items()}
+    return value
+
+
+def redact_url_in(text: str, url: str) -> str:
+    """``text`` (an HTTP library's error about ``url``) without the secrets of ``url``: the
+    library quotes the whole URL, or only its path and query (``Max retries exceeded with url:
+    /services/T/B/XXXX``), where a host-specific shape (a Slack webhook) is no longer
+    recognisable; both are replaced by their redacted forms, then the rest is redacted."""
+    shown = redact_text(url)
+    if shown != url:
+        text = text.replace(url, shown)
+        raw, safe = urlsplit(url), urlsplit(shown)
+        raw_tail = raw.path + (f"?{raw.query}" if raw.query else "")
+        safe_tail = safe.path + (f"?{safe.query}" if safe.query else "")
+        if raw_tail not in ("", "/") and raw_tail != safe_tail:
+            text = text.replace(raw_tail, safe_tail)
+    return redact_text(text)
 
 
 def _looks_like_flag(item: str) -> bool:

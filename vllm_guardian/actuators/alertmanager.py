@@ -20,6 +20,7 @@ import requests
 from vllm_guardian.actuators.webhook import iso8601, starts_at
 from vllm_guardian.core.alerting import AlertKey, SinkResult, Transition
 from vllm_guardian.model import Alert, AlertState
+from vllm_guardian.redact import redact_text, redact_url_in
 
 # Prometheus's own factor: endsAt = now + 4 × resend interval for a firing alert.
 ENDS_AT_RESENDS = 4
@@ -68,6 +69,7 @@ class AlertmanagerSink:
         session: requests.Session | None = None,
     ) -> None:
         self.url = base_url.rstrip("/") + "/api/v2/alerts"
+        self.target = redact_text(self.url)  # what logs and results show (userinfo, ?token=)
         self.timeout_seconds = timeout_seconds
         self.resend_seconds = resend_seconds
         self.runbook_base = runbook_base
@@ -125,22 +127,22 @@ class AlertmanagerSink:
             text = resp.text[:200]
             resp.close()
         except requests.RequestException as e:
-            return SinkResult(
-                self.name, self.url, False, len(body), time.monotonic() - start, error=str(e)
-            )
+            error = redact_url_in(str(e), self.url)
+            took = time.monotonic() - start
+            return SinkResult(self.name, self.target, False, len(body), took, error=error)
         except Exception as e:  # never raise into the tick, whatever the library does
-            return SinkResult(
-                self.name, self.url, False, len(body), time.monotonic() - start, error=repr(e)
-            )
+            error = redact_url_in(repr(e), self.url)
+            took = time.monotonic() - start
+            return SinkResult(self.name, self.target, False, len(body), took, error=error)
         ok = 200 <= resp.status_code < 300
         return SinkResult(
             self.name,
-            self.url,
+            self.target,
             ok,
             len(body),
             time.monotonic() - start,
             resp.status_code,
-            None if ok else f"HTTP {resp.status_code}: {text}",
+            None if ok else f"HTTP {resp.status_code}: {redact_text(text)}",
         )
 
     def close(self) -> None:

@@ -96,11 +96,15 @@ class AlertDispatcher:
         self.clock = clock
         self.dropped_total = 0  # transitions dropped from a full backlog, ever
         if sinks is None:
+            # Each target is what the sink's results name (redacted: a webhook's URL is often
+            # its secret); the log below matches results to their sink by it.
             built: list[tuple[Sink, str]] = [(AlertLogSink(), "log")]
-            built += [(WebhookSink(u, cfg.timeout_seconds), u) for u in cfg.webhooks]
+            for u in cfg.webhooks:
+                hook = WebhookSink(u, cfg.timeout_seconds)
+                built.append((hook, hook.target))
             if cfg.alertmanager_url:
                 am = AlertmanagerSink(cfg.alertmanager_url, cfg.timeout_seconds, cfg.resend_seconds)
-                built.append((am, cfg.alertmanager_url))
+                built.append((am, am.target))
             sinks = built
         self.slots = [
             _Slot(

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from vllm_guardian.core.policy import Decision
 from vllm_guardian.recorder import to_jsonable
+from vllm_guardian.redact import redact_json
 
 
 class AuditLog:
@@ -46,7 +47,8 @@ class AuditLog:
         return True
 
     def _record(self, d: Decision) -> object:
-        record = to_jsonable(d)
+        # A reason or an evidence line may quote a log line or an operator's words.
+        record = redact_json(to_jsonable(d))
         if self.identity and isinstance(record, dict):
             return {**record, **self.identity}
         return record

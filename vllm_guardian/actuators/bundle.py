@@ -24,6 +24,7 @@ from vllm_guardian.config import ServiceConfig
 from vllm_guardian.core.signals import belongs_to
 from vllm_guardian.model import Action, GpuDevice, Snapshot, UnitState, XidEvent
 from vllm_guardian.recorder import to_jsonable
+from vllm_guardian.redact import redact_text
 
 log = logging.getLogger("vllm_guardian.bundle")
 
@@ -114,15 +115,15 @@ class BundleWriter:
                     (path / "metrics" / "ERROR.txt").write_text(
                         "/metrics body over 32 MiB: cut there\n"
                     )
-            except httpget.HttpGetError as e:
-                (path / "metrics" / "ERROR.txt").write_text(f"{e}\n")
+            except httpget.HttpGetError as e:  # names the URL, which may carry user:password
+                (path / "metrics" / "ERROR.txt").write_text(f"{redact_text(str(e))}\n")
         latest = history[-1] if history else None
         ss = latest.service(action.service) if latest is not None else None
         if ss is not None and ss.health is not None:
             h = ss.health
             health = {
                 "status_code": h.status_code,
-                "error": h.error,
+                "error": redact_text(h.error) if h.error else h.error,
                 "latency_seconds": h.latency_seconds,
             }
             (path / "health.json").write_text(json.dumps(health) + "\n")

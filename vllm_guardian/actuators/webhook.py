@@ -17,6 +17,7 @@ import requests
 
 from vllm_guardian.core.alerting import SinkResult, Transition
 from vllm_guardian.model import Alert
+from vllm_guardian.redact import redact_text, redact_url_in
 
 
 def iso8601(t: float) -> str:
@@ -58,6 +59,9 @@ class WebhookSink:
         self, url: str, timeout_seconds: float, session: requests.Session | None = None
     ) -> None:
         self.url = url
+        # What logs and results show: a webhook's URL often is its secret (a Slack path, a
+        # ?token=), and requests' errors quote it (redact.redact_url_in).
+        self.target = redact_text(url)
         self.timeout_seconds = timeout_seconds
         self.session = session or requests.Session()
 
@@ -77,17 +81,19 @@ class WebhookSink:
             )
             resp.close()
         except requests.RequestException as e:
+            error = redact_url_in(_reason(e), self.url)
             return SinkResult(
-                self.name, self.url, False, 1, time.monotonic() - start, error=_reason(e)
+                self.name, self.target, False, 1, time.monotonic() - start, error=error
             )
         except Exception as e:  # never raise into the tick, whatever the library does
+            error = redact_url_in(repr(e), self.url)
             return SinkResult(
-                self.name, self.url, False, 1, time.monotonic() - start, error=repr(e)
+                self.name, self.target, False, 1, time.monotonic() - start, error=error
             )
         ok = 200 <= resp.status_code < 300
         return SinkResult(
             self.name,
-            self.url,
+            self.target,
             ok,
             1,
             time.monotonic() - start,

@@ -28,7 +28,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from vllm_guardian import recorder
-from vllm_guardian.redact import redact_argv, redact_text
+from vllm_guardian.redact import redact_argv, redact_json, redact_text
 
 FORMAT = 1
 # Bounded work and memory per bundle (docs/bundle.md "Reading limits"): a bundle the policy
@@ -441,17 +441,6 @@ def write_bundle(b: Bundle, path: str | Path) -> Path:
     return p
 
 
-def _redacted(value: Any) -> Any:
-    """Every string in a JSON value through redact_text (a record's log messages, errors)."""
-    if isinstance(value, str):
-        return redact_text(value)
-    if isinstance(value, list):
-        return [_redacted(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _redacted(v) for k, v in value.items()}
-    return value
-
-
 def _dump(path: Path, value: object) -> None:
     path.write_text(json.dumps(value, indent=2, sort_keys=False) + "\n", encoding="utf-8")
 
@@ -494,6 +483,6 @@ def _write_dir(b: Bundle, p: Path) -> None:
         with (p / "flight.jsonl").open("w", encoding="utf-8") as fh:
             for rec in b.flight:
                 try:
-                    fh.write(json.dumps(_redacted(rec), separators=(",", ":")) + "\n")
+                    fh.write(json.dumps(redact_json(rec), separators=(",", ":")) + "\n")
                 except RecursionError:  # nested deeper than any record: not written
                     continue
