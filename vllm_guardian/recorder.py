@@ -42,7 +42,6 @@ import functools
 import json
 import math
 import operator
-import os
 import threading
 import time
 import types
@@ -51,6 +50,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from vllm_guardian.appendfile import append_lines
 from vllm_guardian.model import Snapshot
 
 T = TypeVar("T")
@@ -350,11 +350,8 @@ class FlightRecorder:
                     if not keyframe:  # each file starts with a keyframe: it reads on its own
                         keyframe = True
                         line = self._line(record, keyframe)
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
-                try:
-                    os.write(fd, line)
-                finally:
-                    os.close(fd)
+                # The whole line or none (a full disk): a cut record must not swallow the next.
+                append_lines(self.path, line)
             except OSError as e:
                 self.error = f"cannot write flight record to {self.path}: {e.strerror or e}"
                 self._previous = None  # the next line that lands is a keyframe
@@ -406,6 +403,31 @@ def decode_line(line: str) -> dict[str, Any] | str:
     if not isinstance(rec, dict):
         return "not a JSON object"
     return rec
+
+
+# How every record of format 2 and later begins (json.dumps of the head, no spaces).
+_RECORD_START = '{"format":'
+_MAX_RESYNC_TRIES = 16
+
+
+def split_cut(line: str) -> tuple[str, str] | None:
+    """A line that is not a record but holds a whole one after a cut one: before writes were
+    whole lines or none (appendfile.py), a record cut by a full disk had the next one appended
+    to it on the same line. ``(why the cut part is skipped, the whole record's text)``, or None.
+    Inside a record a string never holds ``{"format":`` unescaped, so each place it appears
+    past the start is where a record may begin."""
+    i = line.find(_RECORD_START, 1)
+    for _ in range(_MAX_RESYNC_TRIES):
+        if i == -1:
+            break
+        if isinstance(decode_line(line[i:]), dict):
+            return (
+                f"a cut record ({i} bytes: a short write, a full disk?) with the next record "
+                "glued to it: the cut part is skipped, the record after it read",
+                line[i:],
+            )
+        i = line.find(_RECORD_START, i + 1)
+    return None
 
 
 class Resolver:
@@ -534,6 +556,9 @@ def read_records(
                     if not line.strip():
                         continue
                     rec = decode_line(line)
+                    if isinstance(rec, str) and (cut := split_cut(line)) is not None:
+                        errors.append(RecordError(str(f), n, cut[0]))
+                        rec = decode_line(cut[1])
                     if not isinstance(rec, str):
                         rec = resolver.feed(rec)
                     if isinstance(rec, str):

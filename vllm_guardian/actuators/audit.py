@@ -8,11 +8,11 @@ has an answer. Never raises: a write error is returned and logged once by the ca
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from vllm_guardian.appendfile import append_lines
 from vllm_guardian.core.policy import Decision
 from vllm_guardian.recorder import to_jsonable
 from vllm_guardian.redact import redact_json
@@ -33,13 +33,8 @@ class AuditLog:
         if not lines:
             return True
         with self._lock:
-            try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
-                try:
-                    os.write(fd, lines.encode())
-                finally:
-                    os.close(fd)
+            try:  # whole lines or none: a record cut by a full disk must not swallow the next
+                append_lines(self.path, lines.encode())
             except OSError as e:
                 self.error = f"cannot write the audit log {self.path}: {e.strerror or e}"
                 return False

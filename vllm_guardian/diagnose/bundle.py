@@ -402,6 +402,9 @@ def _flight(r: _Reader) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         rec = recorder.decode_line(line)
+        if isinstance(rec, str) and (cut := recorder.split_cut(line)) is not None:
+            bad[cut[0]] = bad.get(cut[0], 0) + 1
+            rec = recorder.decode_line(cut[1])
         if not isinstance(rec, str):
             rec = resolver.feed(rec)
         if isinstance(rec, str):
