@@ -6,6 +6,7 @@ back, or serves garbage; SIGHUP with a bad config keeps the old one; SIGTERM sto
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -209,4 +210,35 @@ def test_sighup_with_a_hostile_config_or_a_new_listen_keeps_the_daemon(guardian,
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     reader.join(timeout=30)
+    assert "Traceback" not in "".join(lines)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_sighup_with_a_config_that_is_not_a_regular_file_keeps_the_daemon(guardian, kind):
+    """A FIFO put in place of the config used to hang the main loop on SIGHUP (the read waits
+    for a writer forever): no tick, no SIGTERM. The reload is refused, naming why."""
+    proc, base, _, cfg = guardian
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")))
+    reader.start()
+    wait_for(lambda: value(base, "vllm_guardian_requests_waiting", service="vllm") is not None)
+    cfg.unlink()
+    if kind == "fifo":
+        os.mkfifo(cfg)
+    else:
+        cfg.mkdir()
+    try:
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 60
+        while not any("not a regular file" in line for line in list(lines)):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, "".join(lines)
+    finally:
+        if kind == "fifo" and proc.poll() is None:  # unblock a reader stuck on it
+            with contextlib.suppress(OSError):
+                os.close(os.open(cfg, os.O_WRONLY | os.O_NONBLOCK))
+    reader.join(timeout=30)
+    print("".join(lines))
     assert "Traceback" not in "".join(lines)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import math
+import os
 import re
+import stat
 import types
 import typing
 from collections.abc import Callable
@@ -916,14 +918,38 @@ def _parse_config(text: str, filename: str) -> Config:
 
 
 def read_text(path: str | Path) -> str:
-    """A config-like file's text; an unreadable or non-UTF-8 file is a ConfigInvalid naming it."""
+    """A config-like file's text; an unreadable or non-UTF-8 file, or one that is not a regular
+    file, is a ConfigInvalid naming it. A FIFO put in its place would block the read until a
+    writer came (the main loop, on SIGHUP): it is opened without blocking and refused."""
     p = Path(path)
+
+    def invalid(why: str) -> ConfigInvalid:
+        return ConfigInvalid(str(p), [ConfigError("", None, why)])
+
     try:
-        return p.read_text(encoding="utf-8")
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
-        raise ConfigInvalid(str(p), [ConfigError("", None, f"cannot read: {e.strerror}")]) from None
+        raise invalid(f"cannot read: {e.strerror}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise invalid(f"not a regular file ({_file_kind(mode)}): refusing to read it")
+        with os.fdopen(os.dup(fd), encoding="utf-8") as fh:  # as Path.read_text reads
+            return fh.read()
+    except OSError as e:
+        raise invalid(f"cannot read: {e.strerror}") from None
     except UnicodeDecodeError:
-        raise ConfigInvalid(str(p), [ConfigError("", None, "not UTF-8 text")]) from None
+        raise invalid("not UTF-8 text") from None
+    finally:
+        os.close(fd)
+
+
+def _file_kind(mode: int) -> str:
+    kinds = (
+        (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+    )  # fmt: skip
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
 def load_config(path: str | Path) -> Config:
