@@ -249,6 +249,72 @@ def test_supervisor_on_failure_leaves_a_clean_exit_down(
         sup.stop()
 
 
+# A command that exits at once is restarted after a delay that doubles up to a cap (it was
+# restarted about once a second, forever); one that stayed up a while starts the doubling over.
+# (what happened to the previous run, its delay before → the delay before the next start)
+RESTART_DELAYS = [
+    ("first quick exit", 0.0, None, 1.0),
+    ("second quick exit", 0.5, 1.0, 2.0),
+    ("doubling", 3.0, 8.0, 16.0),
+    ("at the cap", 1.0, 40.0, 60.0),
+    ("stays at the cap", 1.0, 60.0, 60.0),
+    ("up for long enough: over", 120.0, 60.0, 1.0),
+    ("up a while, not long enough", 119.0, 16.0, 32.0),
+]
+
+
+@pytest.mark.parametrize(
+    ("ran", "before", "expected"),
+    [r[1:] for r in RESTART_DELAYS],
+    ids=[r[0] for r in RESTART_DELAYS],
+)
+def test_restart_delay_backs_off_for_quick_exits(
+    ran: float, before: float | None, expected: float
+) -> None:
+    from vllm_guardian.actuators.procmgr import next_restart_delay
+
+    got = next_restart_delay(
+        ran, before, initial_seconds=1.0, max_seconds=60.0, stable_seconds=120.0
+    )
+    assert got == expected
+
+
+def test_a_command_that_exits_at_once_is_restarted_with_backoff(tmp_path: Path) -> None:
+    """A real command, on a fake clock: the supervisor measures how long each run lasted on
+    the clock it is given, so every run is quick until the clock is moved on while one runs."""
+    from vllm_guardian.clock import FakeClock
+
+    clock = FakeClock()
+    stay = tmp_path / "stay"
+    sup = Supervisor(
+        "svc",
+        ["sh", "-c", f"test -e {stay} && exec sleep 600; exit 1"],
+        tmp_path / "none.env",
+        tmp_path / "log",
+        restart_delay_seconds=0.02,
+        restart_delay_max_seconds=0.16,
+        stable_seconds=120.0,
+        clock=clock,
+    )
+    try:
+        sup.start()
+        wait_until(lambda: len(sup.delays) >= 6, timeout=60)
+        print("delays:", sup.delays)
+        assert sup.delays[:6] == [0.02, 0.04, 0.08, 0.16, 0.16, 0.16]
+        stay.touch()  # the next run stays up...
+        wait_until(lambda: sup.pid is not None and sup.starts >= 7, timeout=60)
+        long_run = sup.pid
+        before = len(sup.delays)
+        clock.advance(121.0)  # ...long enough on the supervisor's clock
+        stay.unlink()
+        os.kill(long_run, 9)
+        wait_until(lambda: len(sup.delays) >= before + 3, timeout=60)
+        print("delays:", sup.delays)
+        assert sup.delays[before : before + 3] == [0.02, 0.04, 0.08]
+    finally:
+        sup.stop(timeout_seconds=5)
+
+
 # --- systemd ---------------------------------------------------------------------------------
 
 

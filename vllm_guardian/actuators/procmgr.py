@@ -32,12 +32,31 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from vllm_guardian.actuators import flags as flagsfile
+from vllm_guardian.clock import Clock, SystemClock
 from vllm_guardian.procfs import parse_pid_file
 from vllm_guardian.redact import redact_argv
 
 log = logging.getLogger("vllm_guardian.procmgr")
 
 _POLL_SECONDS = 0.2  # how often an adopted process (not our child: no wait()) is looked at
+
+
+def next_restart_delay(
+    ran_seconds: float,
+    previous_seconds: float | None,
+    initial_seconds: float,
+    max_seconds: float,
+    stable_seconds: float,
+) -> float:
+    """The wait before starting a command again after it exited, having run ``ran_seconds``.
+
+    A run shorter than ``stable_seconds`` (a command that fails at once: a bad flag, a port in
+    use, a missing model) doubles the previous wait, up to ``max_seconds``; a run that lasted
+    that long starts over at ``initial_seconds``. A fixed wait restarted a command that exits
+    at once about once a second, forever (systemd's RestartSteps/RestartMaxDelaySec)."""
+    if previous_seconds is None or ran_seconds >= stable_seconds:
+        return initial_seconds
+    return min(max_seconds, max(initial_seconds, 2 * previous_seconds))
 
 
 def process_start_ticks(pid: int, proc_root: Path = Path("/proc")) -> int | None:
@@ -99,14 +118,26 @@ class Supervisor:
         pid_path: Path | None = None,
         restart_on_clean_exit: bool = True,
         tee_stdout: bool = False,
+        restart_delay_max_seconds: float = 60.0,
+        stable_seconds: float = 120.0,
+        clock: Clock | None = None,
     ) -> None:
         """``restart_on_clean_exit=False`` is systemd's ``Restart=on-failure``: an exit with
-        status 0 (vLLM's after an engine death) ends supervision until ``start``/``restart``."""
+        status 0 (vLLM's after an engine death) ends supervision until ``start``/``restart``.
+        A command that exits within ``stable_seconds`` of its start waits twice as long as the
+        last time before the next start (from ``restart_delay_seconds`` up to
+        ``restart_delay_max_seconds``: :func:`next_restart_delay`), measured on ``clock``."""
         self.name = name
         self.command = tuple(command)
         self.flags_path = flags_path
         self.log_path = log_path
         self.restart_delay_seconds = restart_delay_seconds
+        self.restart_delay_max_seconds = max(restart_delay_max_seconds, restart_delay_seconds)
+        self.stable_seconds = stable_seconds
+        self._clock: Clock = clock or SystemClock()
+        self._delay: float | None = None  # the last wait before a start; None: none yet
+        self._started_monotonic = 0.0  # when the process supervised now started (or was adopted)
+        self.delays: list[float] = []  # each wait before a start again, oldest first
         self.stop_timeout_seconds = stop_timeout_seconds
         self.extra_env = dict(extra_env or {})
         # Beside the flags file (the state directory) unless told otherwise.
@@ -192,6 +223,7 @@ class Supervisor:
             if not closed:
                 self._proc = proc
                 self.starts += 1
+                self._started_monotonic = self._clock.monotonic()
         if closed:  # stop() came while this process was being started
             self._terminate(proc, 10.0)
             raise OSError("the guardian is stopping")
@@ -247,6 +279,7 @@ class Supervisor:
         with self._lock:
             self._proc = orphan
             self.adopted = orphan.pid
+            self._started_monotonic = self._clock.monotonic()  # how long it ran before: unknown
         log.warning(
             "%s: adopting pid %d, started by a previous guardian and still running "
             "(not starting a second copy)", self.name, orphan.pid,
@@ -313,13 +346,28 @@ class Supervisor:
                 want = self._want_running
             self._clear_pid(proc.pid)
             if want:
+                ran = self._clock.monotonic() - self._started_monotonic
+                self._delay = next_restart_delay(
+                    ran, self._delay, self.restart_delay_seconds,
+                    self.restart_delay_max_seconds, self.stable_seconds,
+                )  # fmt: skip
+                self.delays.append(self._delay)
                 log.warning(
-                    "%s: exited with status %d; restarting in %.1fs",
-                    self.name,
-                    code,
-                    self.restart_delay_seconds,
-                )
-                time.sleep(self.restart_delay_seconds)
+                    "%s: exited with status %d after %.1fs; restarting in %.1fs%s",
+                    self.name, code, ran, self._delay,
+                    " (it exits soon after each start: waiting longer each time)"
+                    if ran < self.stable_seconds and self._delay > self.restart_delay_seconds
+                    else "",
+                )  # fmt: skip
+                self._pause(self._delay)
+
+    def _pause(self, seconds: float) -> None:
+        """Wait before the next start; stop() ends the wait at once."""
+        self._wake.clear()
+        with self._lock:
+            want = self._want_running
+        if want:
+            self._wake.wait(seconds)
 
     def _terminate(self, proc: subprocess.Popen[bytes] | Adopted, timeout: float) -> None:
         # SIGTERM to the leader only, like systemd's KillMode=mixed: vLLM's API server drains
@@ -357,6 +405,7 @@ class Supervisor:
         with self._lock:
             self._proc = None
             self._adopt_checked = True  # what is running now is ours
+            self._delay = None  # asked for: a fresh start, and a fresh backoff after it
             if self._closed:
                 # stop() came while this restart drained the old process: starting a new one
                 # now would leave it running after the guardian is gone.
