@@ -1,4 +1,4 @@
-"""The gate under hostile clients and a hostile upstream (issue 17, items 1 and 4, and smalls).
+"""The gate under hostile clients and a hostile upstream.
 
 Real gates on 127.0.0.1 in front of the scriptable stub (tests/test_gate_support.py) or a
 hostile server (tests/hostile.py); real sockets that send half a request and wait.
@@ -45,6 +45,10 @@ class Running:
             )
             or 0.0
         )
+
+    def sample(self, name: str, **labels: str) -> float:
+        value = self.gate.metrics.registry.get_sample_value(name, {"service": "vllm", **labels})
+        return value or 0.0
 
     def stop(self) -> None:
         self.lt.run(self.gate.stop())
@@ -209,3 +213,68 @@ def test_with_every_slot_busy_a_new_connection_is_closed_at_once(stub: Stub):
             s.close()
         g.stop()
         stub.reset()
+
+
+CHUNKED_HEAD = (
+    b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n"
+)
+# (what the client sends at once, what it sends once the gate reads its body, the phase counted)
+MALFORMED = [
+    (b"GARBAGE\r\n\r\n", b"", "head"),
+    (b"GET /gate/status HTTP/1.1\r\nHost x\r\n\r\n", b"", "head"),
+    (b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", b"", "head"),
+    (b"GET /gate/status HTTP/1.1\r\nHost: x\r\nX: " + b"a" * 20000 + b"\r\n\r\n", b"", "head"),
+    # A good request, then garbage on the same connection (aiohttp's own rule logs only a
+    # connection's first request at DEBUG).
+    (b"GET /gate/status HTTP/1.1\r\nHost: x\r\n\r\nGARBAGE\r\n\r\n", b"", "head"),
+    (CHUNKED_HEAD, b"ZZ\r\n{}\r\n0\r\n\r\n", "body"),  # a chunk size that is not hex
+    (
+        b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\n"
+        b"Content-Length: 10\r\n\r\nnot gzip !",
+        b"",
+        "body",
+    ),
+]
+
+
+def test_malformed_requests_are_counted_and_logged_once_without_a_traceback(
+    stub: Stub, caplog: pytest.LogCaptureFixture
+):
+    g = Running(stub.url, malformed_log_interval_seconds=3600.0)
+    caplog.clear()  # what the gate logged as it started
+    rounds = 5
+    try:
+        with caplog.at_level(logging.DEBUG):
+            for _ in range(rounds):
+                for first, later, _phase in MALFORMED:
+                    s = socket.create_connection(("127.0.0.1", g.gate.port), timeout=60)
+                    try:
+                        s.sendall(first)
+                        if later:  # the head is read and the proxy reads the body: then the rest
+                            wait_for(
+                                lambda: (
+                                    g.gate.proxy is not None and g.gate.proxy.open_exchanges == 1,
+                                    None,
+                                ),
+                                "the body being read",
+                            )
+                            s.sendall(later)
+                        answer = b""
+                        while chunk := s.recv(65536):
+                            answer += chunk
+                    finally:
+                        s.close()
+                    last = answer[answer.rfind(b"HTTP/1.") :]  # the answer to the bad one
+                    assert last.split(b" ", 2)[1:2] == [b"400"], answer[:300]
+        assert post_echo(g.url).status_code == 200
+    finally:
+        g.stop()
+    traced = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.exc_info]
+    assert traced == [], traced
+    loud = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(loud) == 1 and "malformed" in loud[0], loud
+    for phase in ("head", "body"):
+        expected = rounds * sum(1 for *_, p in MALFORMED if p == phase)
+        got = g.sample("vllm_guardian_gate_malformed_requests_total", phase=phase)
+        assert got == expected, (phase, got, expected)

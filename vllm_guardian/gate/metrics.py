@@ -113,7 +113,16 @@ class GateMetrics:
             ["service", "reason"],
             registry=r,
         )
+        self._malformed = Counter(
+            f"{NS}_malformed_requests",
+            "Requests the gate could not parse and answered 400 itself, by where the fault was: "
+            "the request head (aiohttp's parser), or the body's framing or encoding (body).",
+            ["service", "phase"],
+            registry=r,
+        )
         self._service = service
+        for phase in ("head", "body"):
+            self._malformed.labels(service, phase)
         for reason in ("idle_timeout", "evicted", "over_cap"):
             self._connections_closed.labels(service, reason)
         # Every known label value from the start, so rate() sees a 0 before the first event.
@@ -141,6 +150,9 @@ class GateMetrics:
 
     def client_disconnect(self, phase: str) -> None:
         self.client_disconnects.labels(self._service, phase).inc()
+
+    def malformed(self, phase: str) -> None:
+        self._malformed.labels(self._service, phase).inc()
 
     def connection_closed(self, reason: str) -> None:
         self._connections_closed.labels(self._service, reason).inc()

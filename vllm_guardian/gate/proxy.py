@@ -35,8 +35,10 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 
 from vllm_guardian.gate.admission import Admission, Cost, Rejected, Ticket, estimate_cost
@@ -105,6 +107,16 @@ class _BodyTooLarge(Exception):
     pass
 
 
+class _BodyMalformed(Exception):
+    """The body's framing or encoding is broken (a bad chunk, gzip that is not gzip)."""
+
+
+class MalformedSink(Protocol):
+    """Where the proxy reports a malformed body (connections.MalformedRequests)."""
+
+    def note(self, phase: str, peer: str | None, detail: str) -> None: ...
+
+
 class _Answer(web.StreamResponse):
     """A streamed answer whose status line and headers wait for the first body bytes and go
     out with them in one write: one packet and one wake-up of the client instead of two."""
@@ -128,8 +140,10 @@ class GateProxy:
         follower: Follower,
         pool: UpstreamPool,
         metrics: GateMetrics,
+        malformed: MalformedSink,
     ) -> None:
         self.s = settings
+        self.malformed = malformed
         self.admission = admission
         self.follower = follower
         self.pool = pool
@@ -183,6 +197,11 @@ class GateProxy:
                 "BadRequestError",
             )
             resp.force_close()  # the rest of the body is not read: the connection cannot be reused
+            return resp
+        except _BodyMalformed as e:
+            self.malformed.note("body", request.remote, str(e))
+            resp = openai_error(400, "the gate could not read the request body", "BadRequestError")
+            resp.force_close()
             return resp
         ticket: Ticket | None = None
         cost: Cost | None = None
@@ -246,11 +265,17 @@ class GateProxy:
             return b""
         chunks: list[bytes] = []
         size = 0
-        async for chunk in request.content.iter_any():
-            size += len(chunk)
-            if size > limit:
-                raise _BodyTooLarge
-            chunks.append(chunk)
+        try:
+            async for chunk in request.content.iter_any():
+                size += len(chunk)
+                if size > limit:
+                    raise _BodyTooLarge
+                chunks.append(chunk)
+        except RequestPayloadError as e:
+            # Nothing more of a broken body is read: marked ended, or aiohttp would read it
+            # again once the answer is out (its lingering close) and log its error as ERROR.
+            request.content.feed_eof()
+            raise _BodyMalformed(str(e)) from None
         return b"".join(chunks)
 
     async def _send(
