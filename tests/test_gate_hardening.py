@@ -6,6 +6,7 @@ hostile server (tests/hostile.py); real sockets that send half a request and wai
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
@@ -17,18 +18,22 @@ from dataclasses import replace
 import pytest
 import requests
 
-from tests.hostile import Hostility, hostile_server, idle_clients, wait_for
+from tests.hostile import Hostility, hostile_server, idle_clients, partial_bodies, wait_for
 from tests.test_gate_support import LoopThread, Stub
+from vllm_guardian.gate.body import BodyBudget, NoRoom
 from vllm_guardian.gate.follower import METRICS_MAX_BYTES
+from vllm_guardian.gate.metrics import GateMetrics
 from vllm_guardian.gate.proxy import ProxySettings
 from vllm_guardian.gate.server import Gate, GateSettings
 
 
 class Running:
-    def __init__(self, upstream: str, **settings: object) -> None:
+    def __init__(
+        self, upstream: str, proxy: dict[str, object] | None = None, **settings: object
+    ) -> None:
         self.lt = LoopThread("gate")
         base = GateSettings(
-            proxy=ProxySettings(upstream=upstream),
+            proxy=replace(ProxySettings(upstream=upstream), **(proxy or {})),  # type: ignore[arg-type]
             listen_port=0,
             poll_interval_seconds=0.05,
             kv_poll_interval_seconds=3600,  # the tests call poll_kv themselves
@@ -278,3 +283,154 @@ def test_malformed_requests_are_counted_and_logged_once_without_a_traceback(
         expected = rounds * sum(1 for *_, p in MALFORMED if p == phase)
         got = g.sample("vllm_guardian_gate_malformed_requests_total", phase=phase)
         assert got == expected, (phase, got, expected)
+
+
+# --- request bodies: deadline, rate floor, the gate-wide budget ---------------------------------
+
+
+def body_head(content_length: int) -> bytes:
+    return (
+        b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {content_length}\r\n\r\n".encode()
+    )
+
+
+def served(url: str, count: int) -> tuple[int, list[str]]:
+    """How many of ``count`` normal POSTs got 200, and what the others got."""
+    ok, other = 0, []
+    for _ in range(count):
+        try:
+            r = post_echo(url)
+        except requests.RequestException as e:
+            other.append(type(e).__name__)
+            continue
+        if r.status_code == 200:
+            ok += 1
+        else:
+            other.append(f"{r.status_code} {r.text[:100]}")
+    return ok, other
+
+
+def test_normal_requests_are_served_while_hundreds_of_bodies_never_come(stub: Stub):
+    # Each attacker's head is complete and announces a body that never comes: the gate is
+    # reading it, so the connection is not idle; at the cap it must still make room.
+    g = Running(
+        stub.url,
+        proxy={"body_timeout_seconds": 600.0, "body_min_rate_bytes_per_second": 0},
+        max_connections=32,
+        idle_timeout_seconds=600,
+    )
+    try:
+        with idle_clients("127.0.0.1", g.gate.port, 300, head=body_head(1000)):
+            ok, other = served(g.url, 20)
+            assert (ok, other) == (20, []), other
+            assert g.closed("evicted") >= 300 - 32, g.closed("evicted")
+    finally:
+        g.stop()
+
+
+@pytest.mark.parametrize(
+    ("proxy", "drip_interval_seconds", "reason"),
+    [
+        # Ten bytes of a thousand, then nothing: the whole body is due within 1 s.
+        ({"body_timeout_seconds": 1.0, "body_min_rate_bytes_per_second": 0}, None, "body_timeout"),
+        # A byte every 50 ms (20 B/s) against a floor of 1,000 B/s per half-second window; the
+        # deadline is far away, so only the floor can cut it.
+        (
+            {"body_timeout_seconds": 600.0, "body_min_rate_bytes_per_second": 1000,
+             "body_rate_window_seconds": 0.5},
+            0.05,
+            "body_too_slow",
+        ),
+    ],
+    ids=["deadline", "rate-floor"],
+)  # fmt: skip
+def test_a_body_too_slow_is_cut_with_408(
+    stub: Stub, proxy: dict[str, object], drip_interval_seconds: float | None, reason: str
+):
+    g = Running(stub.url, proxy=proxy, idle_timeout_seconds=600)
+    try:
+        with partial_bodies(
+            "127.0.0.1", g.gate.port, 1, body_head(1000), b"{" + b" " * 9, drip_interval_seconds
+        ) as (client,):
+            wait_for(lambda: (client.answered(), client.answer[:300]), "an answer")
+        assert client.status == 408, client.answer[:300]
+        assert b"\r\nConnection: close\r\n" in client.answer, client.answer[:300]
+        assert client.error()["type"] == "RequestTimeoutError", client.error()
+        for r in ("body_timeout", "body_too_slow"):
+            want = 1.0 if r == reason else 0.0
+            assert g.sample("vllm_guardian_gate_rejected_total", reason=r) == want, r
+        wait_for(
+            lambda: (
+                g.sample("vllm_guardian_gate_body_bytes") == 0,
+                g.sample("vllm_guardian_gate_body_bytes"),
+            ),
+            "the body's bytes given back",
+        )
+        assert post_echo(g.url).status_code == 200
+    finally:
+        g.stop()
+
+
+def test_bodies_being_read_stay_within_the_gate_wide_budget(stub: Stub):
+    budget = 1024 * 1024
+    g = Running(
+        stub.url,
+        proxy={
+            "max_body_bytes": 512 * 1024,
+            "body_budget_bytes": budget,
+            "body_budget_wait_seconds": 0.5,
+            "body_timeout_seconds": 600.0,
+            "body_min_rate_bytes_per_second": 0,
+        },
+        idle_timeout_seconds=600,
+    )
+    assert g.gate.proxy is not None
+    bodies = g.gate.proxy.bodies
+    try:
+        # Ten clients each send 300 KiB of a 400 KiB body and stop: 3 MiB, three times the budget.
+        with partial_bodies(
+            "127.0.0.1", g.gate.port, 10, body_head(400 * 1024), b" " * (300 * 1024)
+        ) as clients:
+            wait_for(
+                lambda: (g.sample("vllm_guardian_gate_rejected_total", reason="body_budget") >= 5,
+                         (bodies.held_bytes, [c.status for c in clients])),
+                "the budget refuses bodies past it",
+            )  # fmt: skip
+            assert bodies.held_bytes <= budget
+            for c in clients:
+                if c.closed.is_set() and c.status is not None:
+                    assert c.status == 503 and "budget" in str(c.error()["message"]), c.answer
+        assert budget / 2 <= bodies.peak_bytes <= budget, bodies.peak_bytes
+        wait_for(lambda: (bodies.held_bytes == 0, bodies.held_bytes), "every body's bytes back")
+        assert g.sample("vllm_guardian_gate_body_bytes") == 0
+        assert post_echo(g.url).status_code == 200
+    finally:
+        g.stop()
+
+
+def test_the_body_budget_grants_in_order_and_leaves_nothing_behind():
+    async def scenario() -> list[object]:
+        budget = BodyBudget(100, GateMetrics("vllm"))
+        seen: list[object] = []
+        assert await budget.take(80, 60) == 0.0
+        b = asyncio.ensure_future(budget.take(50, 60))
+        c = asyncio.ensure_future(budget.take(10, 60))  # fits, but waits behind b: first come
+        await asyncio.sleep(0)
+        seen.append((b.done(), c.done(), budget.held_bytes))
+        budget.give(80)
+        await asyncio.gather(b, c)
+        seen.append(budget.held_bytes)
+        try:  # no room, and none given back: refused after its wait
+            await budget.take(41, 0.01)
+        except NoRoom:
+            seen.append("no room")
+        d = asyncio.ensure_future(budget.take(41, 60))
+        await asyncio.sleep(0)
+        d.cancel()  # a client gone while it waited
+        await asyncio.gather(d, return_exceptions=True)
+        budget.give(60)
+        seen.append((budget.held_bytes, budget.peak_bytes, len(budget._waiters)))
+        return seen
+
+    assert asyncio.run(scenario()) == [(False, False, 80), 60, "no room", (0, 80, 0)]

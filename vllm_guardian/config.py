@@ -160,6 +160,17 @@ class GateConfig:
     default_output_tokens: int = field(default=256, metadata=_bounds(1, 10**7))
     # Bodies are held in memory (a held request may be sent twice); larger ones get 413.
     max_body_bytes: int = field(default=32 * _MIB, metadata=_bounds(1024, 1024 * _MIB))
+    # A body must arrive whole within this long of its head (408 past it): a client that
+    # announces a body and sends none held its connection for ever.
+    body_timeout_seconds: float = field(default=30.0, metadata=_bounds(1, 3600))
+    # ...and at no less than this rate over each 5 s (408 below it; 0: no floor), so a body
+    # trickled in to stay under the deadline is cut within 5 s. A real client sends its body
+    # at link speed; 1 KiB/s is what a trickle stays under.
+    body_min_rate_bytes_per_second: int = field(default=1024, metadata=_bounds(0, 1024 * _MIB))
+    # Bodies held at once, all requests together (read, queued, being sent): a body that would
+    # pass it waits up to 2 s, then gets 503. At least max_body_bytes; 40 unfinished 30 MiB
+    # bodies held a gate at 1.2 GB without it.
+    body_budget_bytes: int = field(default=256 * _MIB, metadata=_bounds(1024, 1024**4))
     # Polls of the guardian's /ready and vLLM's /health; reads of vLLM's /metrics.
     poll_interval_seconds: float = field(default=0.1, metadata=_bounds(0.01, 60))
     kv_poll_interval_seconds: float = field(default=0.5, metadata=_bounds(0.05, 600))
@@ -823,7 +834,8 @@ def _url_socket(url: str) -> tuple[str, int]:
 
 
 def _gate_checks(cfg: Config, root: yaml.Node, loader: _Loader) -> None:
-    """A gate's listen address must not be vLLM's, the guardian's or another gate's."""
+    """A gate's listen address must not be vLLM's, the guardian's or another gate's; its body
+    budget must hold its largest body."""
     taken: list[tuple[str, tuple[str, int]]] = [("the guardian's listen", cfg.listen_address)]
     taken += [(f"services[{i}].url", _url_socket(s.url)) for i, s in enumerate(cfg.services)]
     for i, s in enumerate(cfg.services):
@@ -839,6 +851,17 @@ def _gate_checks(cfg: Config, root: yaml.Node, loader: _Loader) -> None:
                 )
                 break
         taken.append((f"services[{i}].gate.listen", mine))
+        if s.gate.body_budget_bytes < s.gate.max_body_bytes:
+            section = _find_path(root, "services", i, "gate")
+            # The budget's line, or (left at its default) the line that raised max_body_bytes.
+            where = _find_key(section, "body_budget_bytes") or _find_key(section, "max_body_bytes")
+            loader.err(
+                f"services[{i}].gate.body_budget_bytes",
+                where or section,
+                f"must be at least max_body_bytes ({_show_bytes(s.gate.max_body_bytes)}), "
+                f"got {_show_bytes(s.gate.body_budget_bytes)}: a body of the largest size "
+                "allowed must fit",
+            )
 
 
 def _find_path(root: yaml.Node | None, *steps: str | int) -> yaml.Node | None:

@@ -143,7 +143,7 @@ def _message_tokens(messages: Any) -> int:
     return total + 2 if total else 0
 
 
-def estimate_cost(body: bytes, default_output_tokens: int) -> Cost:
+def estimate_cost(body: bytes | bytearray, default_output_tokens: int) -> Cost:
     """Prompt tokens estimated from an OpenAI-style JSON body, plus the output it may produce."""
     try:
         doc = json.loads(body) if body else None

@@ -57,6 +57,9 @@ DEFAULTS: dict[str, Any] = {
     "kv_reserve": 0.05,
     "default_output_tokens": 256,
     "max_body_bytes": 32 * 1024 * 1024,
+    "body_timeout": 30.0,
+    "body_min_rate": 1024,
+    "body_budget_bytes": 256 * 1024 * 1024,
     "poll_interval": 0.1,
     "kv_poll_interval": 0.5,
     "stall_hold": 10.0,
@@ -174,6 +177,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest request body (default 32 MiB; over it: 413)",
     )
     o.add_argument(
+        "--body-timeout",
+        type=float,
+        help="seconds a request body may take to arrive whole (default 30; past it: 408)",
+    )
+    o.add_argument(
+        "--body-min-rate",
+        type=int,
+        help="bytes/s a request body must keep up over each 5 s (default 1024; 0: none; below it: 408)",
+    )
+    o.add_argument(
+        "--body-budget-bytes",
+        type=int,
+        help="bytes of request bodies held at once, all requests together (default 256 MiB, at "
+        "least --max-body-bytes); a body that would pass it waits up to 2 s, then gets 503",
+    )
+    o.add_argument(
         "--poll-interval",
         type=float,
         help="seconds between polls of /ready and /health (default 0.1)",
@@ -240,6 +259,9 @@ def values_from_config(path: str, service: str) -> dict[str, Any]:
         "kv_reserve": g.kv_reserve_ratio,
         "default_output_tokens": g.default_output_tokens,
         "max_body_bytes": g.max_body_bytes,
+        "body_timeout": g.body_timeout_seconds,
+        "body_min_rate": g.body_min_rate_bytes_per_second,
+        "body_budget_bytes": g.body_budget_bytes,
         "poll_interval": g.poll_interval_seconds,
         "kv_poll_interval": g.kv_poll_interval_seconds,
         "stall_hold": g.stall_hold_seconds,
@@ -275,11 +297,21 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
         raise UsageError("--max-wait and the poll intervals must be > 0")
     if args.stall_hold < 0:
         raise UsageError("--stall-hold must be >= 0 (0: off)")
+    if args.body_timeout <= 0 or args.body_min_rate < 0:
+        raise UsageError("--body-timeout must be > 0 and --body-min-rate >= 0 (0: no floor)")
+    if args.body_budget_bytes < args.max_body_bytes:
+        raise UsageError(
+            f"--body-budget-bytes ({args.body_budget_bytes}) must be at least --max-body-bytes "
+            f"({args.max_body_bytes}): a body of the largest size allowed must fit"
+        )
     return GateSettings(
         proxy=ProxySettings(
             upstream=args.upstream,
             service=args.service,
             max_body_bytes=args.max_body_bytes,
+            body_timeout_seconds=args.body_timeout,
+            body_min_rate_bytes_per_second=args.body_min_rate,
+            body_budget_bytes=args.body_budget_bytes,
             default_output_tokens=args.default_output_tokens,
             key_header=args.key_header,
             metrics_path=args.metrics_path,

@@ -4,14 +4,16 @@ Where it sits: between the listening socket and the proxy. aiohttp's server has 
 for a request head, so a client that sends half a request holds its connection (and a
 descriptor) forever; ~1,000 of them and a normal POST got no answer at all. Here:
 
-* a connection is *busy* from the moment its request head has been read (the proxy's handler
-  runs) until its answer is done, and *idle* otherwise (sending its head, or kept alive
-  between requests);
+* a connection is *busy* from the moment its request body has been read (the proxy says so)
+  until its answer is done, *reading* while the proxy waits for its body (the body's own
+  deadline and rate floor apply: ``body.py``), and *idle* otherwise (sending its head, or
+  kept alive between requests);
 * an idle connection is closed after ``idle_timeout_seconds``: the request-head deadline and
   the keep-alive limit in one;
-* at ``max_connections`` open, a new connection closes the connection idle the longest; when
-  every connection is busy, the new one is closed at once. A real client sends its head in one
-  packet and becomes busy at once, so it is served during an attack of any size;
+* at ``max_connections`` open, a new connection closes the one that has waited for its client
+  the longest (idle, or reading a body); when every connection is busy, the new one is closed
+  at once. A real client sends its head and body at once and becomes busy at once, so it is
+  served during an attack of any size, heads that never end or bodies that never come;
 * a request the gate cannot parse gets a 400 in OpenAI's error shape and is counted
   (:class:`MalformedRequests`), never logged with a traceback: any client can send them.
 """
@@ -35,7 +37,8 @@ from vllm_guardian.gate.proxy import openai_error
 
 log = logging.getLogger("vllm_guardian.gate")
 
-Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+# The proxy's handler: the request, and what to call once its body is read.
+Handler = Callable[[web.BaseRequest, Callable[[], None]], Awaitable[web.StreamResponse]]
 
 
 class MalformedRequests:
@@ -112,12 +115,17 @@ class _Protocol(RequestHandler):
 
 
 class _Conn:
-    __slots__ = ("busy", "idle_since", "transport")
+    __slots__ = ("busy", "idle_since", "reading", "transport")
 
     def __init__(self, transport: asyncio.Transport, now: float) -> None:
         self.transport = transport
         self.busy = 0
-        self.idle_since = now
+        self.reading = False  # busy, but still waiting for its request body
+        self.idle_since = now  # since when it waits for its client (idle, or reading)
+
+    @property
+    def waiting_for_client(self) -> bool:
+        return not self.busy or self.reading
 
 
 class GuardedServer(web.Server):
@@ -149,7 +157,7 @@ class GuardedServer(web.Server):
         super().connection_made(handler, transport)
         now = time.monotonic()
         if len(self._conns) >= self.max_connections:
-            idle = [(c.idle_since, h) for h, c in self._conns.items() if not c.busy]
+            idle = [(c.idle_since, h) for h, c in self._conns.items() if c.waiting_for_client]
             if not idle:
                 self._metrics.connection_closed("over_cap")
                 transport.abort()
@@ -174,11 +182,19 @@ class GuardedServer(web.Server):
         conn = self._conns.get(request.protocol)
         if conn is not None:
             conn.busy += 1
+            conn.reading = True
+            conn.idle_since = time.monotonic()
+
+        def body_read() -> None:
+            if conn is not None:
+                conn.reading = False
+
         try:
-            return await self._inner(request)
+            return await self._inner(request, body_read)
         finally:
             if conn is not None:
                 conn.busy -= 1
+                conn.reading = False
                 conn.idle_since = time.monotonic()
 
     async def _reap(self) -> None:

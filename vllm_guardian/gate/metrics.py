@@ -80,7 +80,7 @@ class GateMetrics:
         ).labels(*s)
         self._rejected = Counter(
             f"{NS}_rejected",
-            "Requests answered by the gate itself (503 or 429), by reason.",
+            "Requests answered by the gate itself (503, 429, 413, 408 or 400), by reason.",
             ["service", "reason"],
             registry=r,
         )
@@ -102,6 +102,13 @@ class GateMetrics:
             ["service", "phase"],
             registry=r,
         )
+        self.body_bytes = Gauge(
+            f"{NS}_body_bytes",
+            "Bytes of request bodies the gate holds now (being read, queued or being sent), "
+            "within its body budget.",
+            ["service"],
+            registry=r,
+        ).labels(*s)
         self.connections = Gauge(
             f"{NS}_connections", "Client connections open now.", ["service"], registry=r
         ).labels(*s)
@@ -127,7 +134,8 @@ class GateMetrics:
             self._connections_closed.labels(service, reason)
         # Every known label value from the start, so rate() sees a 0 before the first event.
         for reason in ("queue_full", "queued_tokens_full", "per_key_limit", "wait_timeout",
-                       "too_large", "too_deep", "shutdown"):  # fmt: skip
+                       "too_large", "too_deep", "shutdown", "body_timeout", "body_too_slow",
+                       "body_budget"):  # fmt: skip
             self._rejected.labels(service, reason)
         for phase in ("connect", "before_first_byte", "streaming"):
             self.upstream_errors.labels(service, phase)

@@ -2,9 +2,12 @@
 
 One exchange, in order:
 
-1. the request body is read, at most ``max_body_bytes`` (413 past it, before reading it when
-   ``Content-Length`` says so). It is kept in memory on purpose: a held request must be sent
-   later, possibly twice, and its prompt is what the KV estimate reads;
+1. the request body is read (``body.py``): at most ``max_body_bytes`` (413 past it, before
+   reading it when ``Content-Length`` says so), whole within ``body_timeout_seconds`` and no
+   slower than the rate floor (408), within the gate-wide body budget (503). It is kept in
+   memory on purpose: a held request must be sent later, possibly twice, and its prompt is
+   what the KV estimate reads. Once it is read the connection counts as busy (until then the
+   connection guard may close it to make room: ``connections.py``);
 2. a POST (work for vLLM) goes through :class:`~vllm_guardian.gate.admission.Admission`: it
    waits in the FIFO queue while the gate is closed or the KV pool is short, or gets an honest
    503 (+ ``Retry-After``) / 429 in OpenAI's error shape. GETs (``/health``, ``/v1/models``,
@@ -33,15 +36,23 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 
 from vllm_guardian.gate.admission import Admission, Cost, Rejected, Ticket, estimate_cost
+from vllm_guardian.gate.body import (
+    BodyBudget,
+    BodyLimits,
+    BodyMalformed,
+    BodyRefusal,
+    BodyRefused,
+    HeldBody,
+    read_body,
+)
 from vllm_guardian.gate.follower import Follower
 from vllm_guardian.gate.metrics import CONTENT_TYPE, GateMetrics
 from vllm_guardian.gate.upstream import UpstreamError, UpstreamPool, UpstreamResponse
@@ -79,6 +90,26 @@ class ProxySettings:
     key_header: str = "Authorization"
     metrics_path: str = "/metrics"
     connect_timeout_seconds: float = 5.0
+    # A request body must arrive whole within body_timeout_seconds of its head, and at no less
+    # than body_min_rate_bytes_per_second over each body_rate_window_seconds (0: no floor);
+    # else 408. All bodies held at once (being read, queued or being sent) stay within
+    # body_budget_bytes: a read that would pass it waits up to body_budget_wait_seconds for
+    # room, then gets 503 (gate/body.py).
+    body_timeout_seconds: float = 30.0
+    body_min_rate_bytes_per_second: int = 1024
+    body_rate_window_seconds: float = 5.0
+    body_budget_bytes: int = 256 * 1024 * 1024
+    body_budget_wait_seconds: float = 2.0
+
+    @property
+    def body_limits(self) -> BodyLimits:
+        return BodyLimits(
+            max_bytes=self.max_body_bytes,
+            timeout_seconds=self.body_timeout_seconds,
+            min_rate_bytes_per_second=self.body_min_rate_bytes_per_second,
+            rate_window_seconds=self.body_rate_window_seconds,
+            budget_wait_seconds=self.body_budget_wait_seconds,
+        )
 
 
 def openai_error(
@@ -101,14 +132,6 @@ class _UpstreamBroke(Exception):
     def __init__(self, phase: str, detail: str) -> None:
         super().__init__(detail)
         self.phase = phase
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-class _BodyMalformed(Exception):
-    """The body's framing or encoding is broken (a bad chunk, gzip that is not gzip)."""
 
 
 class MalformedSink(Protocol):
@@ -149,8 +172,14 @@ class GateProxy:
         self.pool = pool
         self.metrics = metrics
         self.open_exchanges = 0
+        self.bodies = BodyBudget(settings.body_budget_bytes, metrics)
+        self._body_limits = settings.body_limits
 
-    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def handle(
+        self, request: web.BaseRequest, body_read: Callable[[], None] = lambda: None
+    ) -> web.StreamResponse:
+        """One exchange; ``body_read`` is called once the request's body is in (the connection
+        guard's cue that this connection is now busy, not waiting for its client)."""
         path = request.rel_url.path
         if request.method == "GET" and path == self.s.metrics_path:
             return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -158,9 +187,45 @@ class GateProxy:
             return web.json_response(self.status())
         self.open_exchanges += 1
         try:
-            return await self._exchange(request)
+            try:
+                held = await self._read_body(request)
+            except BodyRefused as e:
+                return self._refuse_body(e)
+            except BodyMalformed as e:
+                self.malformed.note("body", request.remote, str(e))
+                resp = openai_error(
+                    400, "the gate could not read the request body", "BadRequestError"
+                )
+                resp.force_close()
+                return resp
+            body_read()
+            try:
+                return await self._exchange(request, held.data)
+            finally:
+                held.release()
         finally:
             self.open_exchanges -= 1
+
+    async def _read_body(self, request: web.BaseRequest) -> HeldBody:
+        if not request.body_exists:
+            return HeldBody(bytearray(), self.bodies)
+        return await read_body(
+            request.content, request.content_length, self._body_limits, self.bodies
+        )
+
+    def _refuse_body(self, e: BodyRefused) -> web.Response:
+        self.metrics.rejected.labels(e.refusal.value).inc()
+        if e.refusal is BodyRefusal.BUDGET:
+            resp = openai_error(
+                503, e.message, "ServiceUnavailableError",
+                retry_after_seconds=self.admission.limits.retry_after_seconds,
+            )  # fmt: skip
+        elif e.refusal is BodyRefusal.TOO_LARGE:
+            resp = openai_error(413, e.message, "BadRequestError")
+        else:
+            resp = openai_error(408, e.message, "RequestTimeoutError")
+        resp.force_close()  # the rest of the body is not read: the connection cannot be reused
+        return resp
 
     def status(self) -> dict[str, object]:
         """``GET /gate/status``: what the guardian's gate source reads (docs/gate.md, "Status")."""
@@ -185,24 +250,8 @@ class GateProxy:
             "rejected_total": m.total("rejected"),
         }
 
-    async def _exchange(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def _exchange(self, request: web.BaseRequest, body: bytearray) -> web.StreamResponse:
         started = time.perf_counter()
-        try:
-            body = await self._read_body(request)
-        except _BodyTooLarge:
-            self.metrics.rejected.labels("too_large").inc()
-            resp = openai_error(
-                413,
-                f"request body larger than the gate's limit of {self.s.max_body_bytes} bytes",
-                "BadRequestError",
-            )
-            resp.force_close()  # the rest of the body is not read: the connection cannot be reused
-            return resp
-        except _BodyMalformed as e:
-            self.malformed.note("body", request.remote, str(e))
-            resp = openai_error(400, "the gate could not read the request body", "BadRequestError")
-            resp.force_close()
-            return resp
         ticket: Ticket | None = None
         cost: Cost | None = None
         key = request.headers.get(self.s.key_header, "")
@@ -257,33 +306,12 @@ class GateProxy:
             if ticket is not None:
                 self.admission.release(ticket)
 
-    async def _read_body(self, request: web.BaseRequest) -> bytes:
-        limit = self.s.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise _BodyTooLarge
-        if not request.body_exists:
-            return b""
-        chunks: list[bytes] = []
-        size = 0
-        try:
-            async for chunk in request.content.iter_any():
-                size += len(chunk)
-                if size > limit:
-                    raise _BodyTooLarge
-                chunks.append(chunk)
-        except RequestPayloadError as e:
-            # Nothing more of a broken body is read: marked ended, or aiohttp would read it
-            # again once the answer is out (its lingering close) and log its error as ERROR.
-            request.content.feed_eof()
-            raise _BodyMalformed(str(e)) from None
-        return b"".join(chunks)
-
     async def _send(
         self,
         request: web.BaseRequest,
         target: str,
         headers: CIMultiDict[str],
-        body: bytes,
+        body: bytearray,
         started: float,
         overhead: float,
     ) -> web.StreamResponse:
