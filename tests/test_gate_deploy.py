@@ -78,6 +78,7 @@ services:
         ("release_burst", "release_burst"),
         ("per_key_share_ratio", "per_key_share"),
         ("key_header", "key_header"),
+        ("known_keys_sha256", "known_keys_sha256"),
         ("retry_after_seconds", "retry_after"),
         ("kv_reserve_ratio", "kv_reserve"),
         ("default_output_tokens", "default_output_tokens"),
@@ -99,6 +100,9 @@ def test_config_defaults_are_the_flags_defaults(field: str, flag: str) -> None:
 def test_listen_and_kv_defaults_agree() -> None:
     assert GateConfig().listen_address == gate_cli.DEFAULTS["listen"]
     assert ("on" if GateConfig().kv_admission else "off") == gate_cli.DEFAULTS["kv_admission"]
+    assert ("on" if GateConfig().trust_key_header else "off") == gate_cli.DEFAULTS[
+        "trust_key_header"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -111,6 +115,13 @@ def test_listen_and_kv_defaults_agree() -> None:
          "services[0].gate.max_wait_seconds", "must be >= 0.1"),
         ("      listen: 127.0.0.1:8001\n      per_key_share_ratio: 2\n", 7,
          "services[0].gate.per_key_share_ratio", "must be <= 1"),
+        ("      listen: 127.0.0.1:8001\n      per_key_share_ratio: 0.25\n", 7,
+         "services[0].gate.per_key_share_ratio", "needs known_keys_sha256 or trust_key_header"),
+        ("      listen: 127.0.0.1:8001\n      known_keys_sha256: [sk-secret]\n", 7,
+         "services[0].gate.known_keys_sha256[0]", "64 lowercase hex digits"),
+        (f"      listen: 127.0.0.1:8001\n      known_keys_sha256: ['{'a' * 64}']\n"
+         "      trust_key_header: true\n", 8,
+         "services[0].gate.trust_key_header", "exclude each other"),
         ("      listen: 127.0.0.1:8001\n      kv_admission: maybe\n", 7,
          "services[0].gate.kv_admission", "expected true or false"),
         ("      listen: 127.0.0.1:8001\n      max_queue: 5\n", 7,
@@ -207,6 +218,24 @@ def test_the_body_bounds_come_from_the_config_and_the_flags(tmp_path: Path) -> N
     )
     with pytest.raises(gate_cli.UsageError, match="--body-budget-bytes"):
         gate_cli.settings_from_args(args)
+
+
+def test_who_counts_as_one_client_comes_from_the_config_and_the_flags(tmp_path: Path) -> None:
+    digest = "b" * 64
+    p = tmp_path / "config.yaml"
+    extra = f"      per_key_share_ratio: 0.25\n      known_keys_sha256: ['{digest}']\n"
+    p.write_text(config_text("http://127.0.0.1:8000", "127.0.0.1:8123", extra))
+    args = gate_cli.build_parser().parse_args(["-c", str(p), "--service", "vllm"])
+    s = gate_cli.settings_from_args(args)
+    assert s.proxy.known_keys_sha256 == frozenset({digest})
+    assert s.proxy.trust_key_header is False and s.limits.per_key_share_ratio == 0.25
+    flags = ["--upstream", "http://127.0.0.1:8000", "--per-key-share", "0.25"]
+    with pytest.raises(gate_cli.UsageError, match="--known-key-sha256 or --trust-key-header"):
+        gate_cli.settings_from_args(gate_cli.build_parser().parse_args(flags))
+    trusted = gate_cli.settings_from_args(
+        gate_cli.build_parser().parse_args([*flags, "--trust-key-header", "on"])
+    )
+    assert trusted.proxy.trust_key_header is True
 
 
 def test_flags_override_the_config(config_file: Path) -> None:

@@ -7,12 +7,14 @@ hostile server (tests/hostile.py); real sockets that send half a request and wai
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import socket
 import struct
 import traceback
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -20,6 +22,7 @@ import requests
 
 from tests.hostile import Hostility, hostile_server, idle_clients, partial_bodies, wait_for
 from tests.test_gate_support import LoopThread, Stub
+from vllm_guardian.gate.admission import Limits
 from vllm_guardian.gate.body import BodyBudget, NoRoom
 from vllm_guardian.gate.follower import METRICS_MAX_BYTES
 from vllm_guardian.gate.metrics import GateMetrics
@@ -434,3 +437,53 @@ def test_the_body_budget_grants_in_order_and_leaves_nothing_behind():
         return seen
 
     assert asyncio.run(scenario()) == [(False, False, 80), 60, "no room", (0, 80, 0)]
+
+
+# --- fairness: who counts as one client ---------------------------------------------------------
+
+
+def sha256_hex(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@pytest.mark.parametrize(
+    "attacker_headers",
+    [
+        lambda i: {"Authorization": f"Bearer rotated-{i}"},  # a fresh key per request
+        lambda i: {},  # no key at all
+    ],
+    ids=["rotating-authorization", "no-authorization"],
+)
+def test_an_attacker_rotating_keys_cannot_starve_a_known_key(stub: Stub, attacker_headers):
+    victim = {"Authorization": "Bearer sk-victim"}
+    g = Running(
+        stub.url,
+        proxy={"known_keys_sha256": frozenset({sha256_hex(victim["Authorization"])})},
+        guardian=stub.url,
+        limits=Limits(max_queue_requests=8, per_key_share_ratio=0.25, release_rate_per_second=0),
+    )
+    adm = g.gate.admission
+    assert adm is not None
+
+    def post(headers: dict[str, str]) -> int:
+        r = requests.post(g.url + "/v1/echo", data=b"{}", headers=headers, timeout=120)
+        return r.status_code
+
+    try:
+        stub.ready = False  # the guardian holds the service: everything queues
+        wait_for(lambda: (not adm.open, adm.reason), "the gate closed")
+        with ThreadPoolExecutor(12) as pool:
+            attack = [pool.submit(post, attacker_headers(i)) for i in range(8)]
+            wait_for(
+                lambda: (sum(f.done() for f in attack) == 6 and adm.queue_depth == 2,
+                         (adm.queue_depth, [f.result() for f in attack if f.done()])),
+                "the attacker held to one share of the queue",
+            )  # fmt: skip
+            served = [pool.submit(post, victim) for _ in range(2)]
+            wait_for(lambda: (adm.queue_depth == 4, adm.queue_depth), "the victim queued")
+            stub.ready = True
+            assert [f.result() for f in served] == [200, 200]
+            assert sorted(f.result() for f in attack) == [200] * 2 + [429] * 6
+    finally:
+        stub.ready = True
+        g.stop()

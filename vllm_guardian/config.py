@@ -117,6 +117,12 @@ def _check_metrics_path(v: str) -> str | None:
     return None
 
 
+def _check_sha256(v: str) -> str | None:
+    if not re.fullmatch(r"[0-9a-f]{64}", v):
+        return "must be a SHA-256 digest: 64 lowercase hex digits (sha256sum's output)"
+    return None
+
+
 def _check_header_name(v: str) -> str | None:
     if not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+", v):
         return "must be an HTTP header name, e.g. Authorization"
@@ -145,9 +151,18 @@ class GateConfig:
     # so a reopening does not cause the next spike.
     release_rate_per_second: float = field(default=50.0, metadata=_bounds(0, 100_000))
     release_burst: int = field(default=8, metadata=_bounds(1, 100_000))
-    # Fairness: the share of the queue one key may hold (0: off); over it a client gets 429.
+    # Fairness: the share of the queue one client may hold (0: off); over it a client gets 429.
+    # Needs known_keys_sha256 or trust_key_header: who counts as one client.
     per_key_share_ratio: float = field(default=0.0, metadata=_bounds(0, 1))
     key_header: str = field(default="Authorization", metadata=_bounds(check=_check_header_name))
+    # A request whose key_header value has one of these SHA-256 digests (hex, e.g.
+    # `printf %s 'Bearer sk-…' | sha256sum`) is a client of its own; every other request (no
+    # header, or any other value) counts as one client together, so a fresh value per request
+    # buys no fresh share. Digests keep the keys themselves out of this file.
+    known_keys_sha256: tuple[str, ...] = field(default=(), metadata=_bounds(check=_check_sha256))
+    # Or every value of key_header is a client of its own: only when a proxy in front of the
+    # gate authenticates clients and sets that header itself (overwriting a client's own).
+    trust_key_header: bool = False
     # Retry-After on the gate's own 503 and 429.
     retry_after_seconds: int = field(default=2, metadata=_bounds(0, 3600))
     # KV-need admission: admit only what fits in the free KV pool, keeping this share free.
@@ -851,6 +866,7 @@ def _gate_checks(cfg: Config, root: yaml.Node, loader: _Loader) -> None:
                 )
                 break
         taken.append((f"services[{i}].gate.listen", mine))
+        _gate_key_checks(s.gate, i, root, loader)
         if s.gate.body_budget_bytes < s.gate.max_body_bytes:
             section = _find_path(root, "services", i, "gate")
             # The budget's line, or (left at its default) the line that raised max_body_bytes.
@@ -862,6 +878,25 @@ def _gate_checks(cfg: Config, root: yaml.Node, loader: _Loader) -> None:
                 f"got {_show_bytes(s.gate.body_budget_bytes)}: a body of the largest size "
                 "allowed must fit",
             )
+
+
+def _gate_key_checks(g: GateConfig, i: int, root: yaml.Node, loader: _Loader) -> None:
+    """The per-key share needs to know who a client is, in one way."""
+    section = _find_path(root, "services", i, "gate")
+    if g.trust_key_header and g.known_keys_sha256:
+        loader.err(
+            f"services[{i}].gate.trust_key_header",
+            _find_key(section, "trust_key_header") or section,
+            "and known_keys_sha256 exclude each other: trusting the header makes every value a "
+            "client of its own",
+        )
+    elif g.per_key_share_ratio > 0 and not (g.trust_key_header or g.known_keys_sha256):
+        loader.err(
+            f"services[{i}].gate.per_key_share_ratio",
+            _find_key(section, "per_key_share_ratio") or section,
+            "needs known_keys_sha256 or trust_key_header: without either every request counts "
+            f"as one client (a fresh {g.key_header} value per request must not buy a fresh share)",
+        )
 
 
 def _find_path(root: yaml.Node | None, *steps: str | int) -> yaml.Node | None:

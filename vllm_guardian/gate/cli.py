@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -52,6 +53,8 @@ DEFAULTS: dict[str, Any] = {
     "release_burst": 8,
     "per_key_share": 0.0,
     "key_header": "Authorization",
+    "known_keys_sha256": (),
+    "trust_key_header": "off",
     "retry_after": 2,
     "kv_admission": "off",
     "kv_reserve": 0.05,
@@ -154,6 +157,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="the header that names a client for --per-key-share (default Authorization)",
     )
     q.add_argument(
+        "--known-key-sha256",
+        dest="known_keys_sha256",
+        action="append",
+        metavar="HEX",
+        help="SHA-256 of a --key-header value that is a client of its own (repeat it); every "
+        "other request counts as one client together",
+    )
+    q.add_argument(
+        "--trust-key-header",
+        choices=("on", "off"),
+        help="every --key-header value is a client of its own: only when a proxy in front "
+        "authenticates clients and sets that header itself (default off)",
+    )
+    q.add_argument(
         "--retry-after",
         type=int,
         help="Retry-After seconds on the gate's 503 and 429 (default 2)",
@@ -254,6 +271,8 @@ def values_from_config(path: str, service: str) -> dict[str, Any]:
         "release_burst": g.release_burst,
         "per_key_share": g.per_key_share_ratio,
         "key_header": g.key_header,
+        "known_keys_sha256": g.known_keys_sha256,
+        "trust_key_header": "on" if g.trust_key_header else "off",
         "retry_after": g.retry_after_seconds,
         "kv_admission": "on" if g.kv_admission else "off",
         "kv_reserve": g.kv_reserve_ratio,
@@ -297,6 +316,17 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
         raise UsageError("--max-wait and the poll intervals must be > 0")
     if args.stall_hold < 0:
         raise UsageError("--stall-hold must be >= 0 (0: off)")
+    known = frozenset(k.lower() for k in args.known_keys_sha256)
+    if any(not re.fullmatch(r"[0-9a-f]{64}", k) for k in known):
+        raise UsageError("--known-key-sha256 takes a SHA-256 digest: 64 hex digits")
+    trust = args.trust_key_header == "on"
+    if trust and known:
+        raise UsageError("--trust-key-header on and --known-key-sha256 exclude each other")
+    if args.per_key_share > 0 and not (trust or known):
+        raise UsageError(
+            "--per-key-share needs --known-key-sha256 or --trust-key-header on: without either "
+            "every request counts as one client"
+        )
     if args.body_timeout <= 0 or args.body_min_rate < 0:
         raise UsageError("--body-timeout must be > 0 and --body-min-rate >= 0 (0: no floor)")
     if args.body_budget_bytes < args.max_body_bytes:
@@ -314,6 +344,8 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
             body_budget_bytes=args.body_budget_bytes,
             default_output_tokens=args.default_output_tokens,
             key_header=args.key_header,
+            known_keys_sha256=known,
+            trust_key_header=trust,
             metrics_path=args.metrics_path,
         ),
         listen_host=host,

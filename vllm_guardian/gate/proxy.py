@@ -33,6 +33,7 @@ hop-by-hop) and bytes.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -79,6 +80,9 @@ DYING_MARKERS = (
 )
 DYING_BODY_MAX_BYTES = 64 * 1024
 STATUS_PATH = "/gate/status"
+# The one client every request without a vouched-for key counts as (no header value can hold a
+# newline, so no client can name it).
+UNKNOWN_KEY = "\n(unknown)"
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,13 @@ class ProxySettings:
     body_rate_window_seconds: float = 5.0
     body_budget_bytes: int = 256 * 1024 * 1024
     body_budget_wait_seconds: float = 2.0
+    # Who counts as one client for the per-key share (Limits.per_key_share_ratio): a value of
+    # key_header whose SHA-256 (hex) is listed here is a client of its own; with
+    # trust_key_header every value is (an auth proxy in front sets the header, the operator
+    # vouches for it). Every other request — no header, or a value not vouched for — counts as
+    # one client, UNKNOWN_KEY: a fresh value per request cannot buy a fresh share.
+    known_keys_sha256: frozenset[str] = frozenset()
+    trust_key_header: bool = False
 
     @property
     def body_limits(self) -> BodyLimits:
@@ -227,6 +238,18 @@ class GateProxy:
         resp.force_close()  # the rest of the body is not read: the connection cannot be reused
         return resp
 
+    def client_key(self, value: str | None) -> str:
+        """The client a request counts as for the per-key share (see ProxySettings)."""
+        if value is None:
+            return UNKNOWN_KEY
+        if self.s.trust_key_header:
+            return value
+        if self.s.known_keys_sha256:
+            digest = hashlib.sha256(value.encode("utf-8", "surrogateescape")).hexdigest()
+            if digest in self.s.known_keys_sha256:
+                return value
+        return UNKNOWN_KEY
+
     def status(self) -> dict[str, object]:
         """``GET /gate/status``: what the guardian's gate source reads (docs/gate.md, "Status")."""
         a, m = self.admission, self.metrics
@@ -254,7 +277,7 @@ class GateProxy:
         started = time.perf_counter()
         ticket: Ticket | None = None
         cost: Cost | None = None
-        key = request.headers.get(self.s.key_header, "")
+        key = self.client_key(request.headers.get(self.s.key_header))
         overhead = 0.0
         if request.method == "POST":
             try:
