@@ -112,6 +112,19 @@ def test_an_idle_connection_is_closed_at_the_deadline(stub: Stub):
         g.stop()
 
 
+def test_a_head_dripped_a_byte_at_a_time_is_closed_at_the_idle_deadline(stub: Stub):
+    # Bytes keep coming, but the head is never complete: the deadline counts from the connection's
+    # start, not from its last byte (240 bytes at one per 50 ms could not finish in 0.5 s).
+    g = Running(stub.url, idle_timeout_seconds=0.5)
+    try:
+        with partial_bodies("127.0.0.1", g.gate.port, 1, b"", HALF_POST * 3, 0.05) as (client,):
+            wait_for(lambda: (client.closed.is_set(), client.answer[:200]), "the drip cut off")
+        assert g.closed("idle_timeout") == 1
+        assert post_echo(g.url).status_code == 200
+    finally:
+        g.stop()
+
+
 def test_a_prompt_nested_900_deep_gets_400_not_a_traceback(
     stub: Stub, caplog: pytest.LogCaptureFixture
 ):

@@ -403,7 +403,7 @@ def _check_backend(v: str) -> str | None:
 @dataclass(frozen=True)
 class ConcurrencyRelaunchConfig:
     """Whether KV thrash (``concurrency_overcommit``) may relaunch vLLM with a lower
-    ``--max-num-seqs``. Off: measured on vLLM 0.32 (DESIGN.md §2), a cap at about what the
+    ``--max-num-seqs``. Off: measured on vLLM 0.32, a cap at about what the
     pool hosts gains at most 2-3 %, one below it costs 5-34 %, and the relaunch itself fails
     requests; the gate and the over-capacity alert are the levers."""
 
@@ -431,7 +431,7 @@ class PolicyConfig:
     # guardian runs services[].command itself, as the demo does; hosts without systemd).
     backend: str = field(default="systemd", metadata=_bounds(check=_check_backend))
     # Admission gate: /ready/<service> answers 503 above the high watermark and 200 again below
-    # the low one; the band keeps it from flapping (Envoy's overload manager, DESIGN.md §3).
+    # the low one; the band keeps it from flapping (as Envoy's overload manager does).
     kv_high_watermark_ratio: float = field(default=0.90, metadata=_bounds(0.05, 1.0))
     kv_low_watermark_ratio: float = field(default=0.80, metadata=_bounds(0.0, 1.0))
     # A closed gate stays closed at least this long: a real vLLM's KV gauge swings between
@@ -467,7 +467,7 @@ class PolicyConfig:
     # After a restart: wait for the old instance's GPU memory to be freed, then for /health.
     vram_release_timeout_seconds: float = field(default=120.0, metadata=_bounds(0, 3600))
     ready_timeout_seconds: float = field(default=900.0, metadata=_bounds(10, 7200))
-    # Levers (multiplicative decrease, with floors; DESIGN.md §3 and the issue's table).
+    # Levers (multiplicative decrease, with floors).
     max_num_seqs_factor_ratio: float = field(default=0.75, metadata=_bounds(0.1, 0.99))
     max_num_seqs_floor: int = field(default=8, metadata=_bounds(1, 100000))
     max_num_batched_tokens_factor_ratio: float = field(default=0.5, metadata=_bounds(0.1, 0.99))
@@ -486,7 +486,7 @@ class PolicyConfig:
     neighbour_persist_seconds: float = field(default=60.0, metadata=_bounds(0, 86400))
     # The incident bundle captured before a disruptive action must not delay it for longer.
     bundle_timeout_seconds: float = field(default=20.0, metadata=_bounds(1, 600))
-    # KV thrash: gate and alert only unless enabled here (issue 22, DESIGN.md §2 "Measured").
+    # KV thrash: gate and alert only unless enabled here.
     concurrency_relaunch: ConcurrencyRelaunchConfig = field(
         default_factory=ConcurrencyRelaunchConfig
     )
