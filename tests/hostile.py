@@ -1,13 +1,15 @@
-"""Hostile peers on 127.0.0.1, for the hardening tests (issue 17).
+"""Hostile peers on 127.0.0.1, for the hardening tests.
 
 :func:`hostile_server` is an HTTP server that misbehaves on purpose: it drips its answer a byte
 at a time, or sends a body that never ends. :func:`idle_clients` opens many connections that
-send half a request and then say nothing. Everything opened here is closed on exit.
+send half a request and then say nothing; :func:`partial_bodies` sends request heads and only
+part of their bodies, at once or a byte at a time. Everything opened here is closed on exit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -116,6 +118,111 @@ def idle_clients(
                 pass  # refused or reset: the server defends itself; the attack goes on
         yield socks
     finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class PartialBody:
+    """One client of :func:`partial_bodies`: what the server answered before it closed."""
+
+    answer: bytes = b""
+    closed: threading.Event = field(default_factory=threading.Event)  # the server hung up
+
+    @property
+    def status(self) -> int | None:
+        line = self.answer.split(b"\r\n", 1)[0].split(b" ")
+        return int(line[1]) if len(line) > 1 and line[1].isdigit() else None
+
+    def answered(self) -> bool:
+        """Whether a whole answer (head and its Content-Length of body) has arrived."""
+        head, sep, body = self.answer.partition(b"\r\n\r\n")
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if sep and name.strip().lower() == b"content-length":
+                return len(body) >= int(value)
+        return False
+
+    def error(self) -> dict[str, object]:
+        body = self.answer.split(b"\r\n\r\n", 1)[1]
+        return json.loads(body)["error"]  # type: ignore[no-any-return]
+
+
+def _send_partial(
+    host: str,
+    port: int,
+    head: bytes,
+    body: bytes,
+    drip_interval_seconds: float | None,
+    stop: threading.Event,
+    out: PartialBody,
+    socks: list[socket.socket],
+) -> None:
+    try:
+        s = socket.create_connection((host, port), timeout=60)
+    except OSError:
+        out.closed.set()
+        return
+    socks.append(s)
+    try:
+        s.sendall(head)
+        if drip_interval_seconds is None:
+            s.sendall(body)
+        else:
+            for i in range(len(body)):
+                if stop.wait(drip_interval_seconds):
+                    break
+                s.sendall(body[i : i + 1])
+    except OSError:
+        pass  # the server answered and hung up before taking it all: read what it said
+    try:
+        while not stop.is_set():
+            try:
+                chunk = s.recv(65536)
+            except TimeoutError:
+                continue
+            if not chunk:
+                break
+            out.answer += chunk
+    except OSError:
+        pass  # reset, or closed by the test at its end
+    finally:
+        out.closed.set()
+
+
+@contextmanager
+def partial_bodies(
+    host: str,
+    port: int,
+    count: int,
+    head: bytes,
+    body: bytes,
+    drip_interval_seconds: float | None = None,
+) -> Iterator[list[PartialBody]]:
+    """``count`` connections, each in a thread: ``head``, then ``body`` (at once, or a byte per
+    ``drip_interval_seconds``), then nothing more; each keeps what the server answers."""
+    stop = threading.Event()
+    clients = [PartialBody() for _ in range(count)]
+    socks: list[socket.socket] = []
+    threads = [
+        threading.Thread(
+            target=_send_partial,
+            args=(host, port, head, body, drip_interval_seconds, stop, c, socks),
+            daemon=True,
+        )
+        for c in clients
+    ]
+    for t in threads:
+        t.start()
+    try:
+        yield clients
+    finally:
+        stop.set()
+        for s in list(socks):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+        for t in threads:
+            t.join(timeout=90)
         for s in socks:
             s.close()
 

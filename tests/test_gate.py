@@ -49,6 +49,7 @@ def gate_env(stub: Stub) -> Iterator[GateThread]:
     g = GateThread(
         stub.url, guardian=stub.url, max_queue_requests=4, max_wait_seconds=1.5,
         release_rate_per_second=0, per_key_share_ratio=0.5, kv_admission=False,
+        proxy={"trust_key_header": True},  # each Authorization value is a client here
     )  # fmt: skip
     baseline_tasks = {t.get_name() for t in g.lt.tasks()}
     yield g

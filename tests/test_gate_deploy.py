@@ -78,10 +78,14 @@ services:
         ("release_burst", "release_burst"),
         ("per_key_share_ratio", "per_key_share"),
         ("key_header", "key_header"),
+        ("known_keys_sha256", "known_keys_sha256"),
         ("retry_after_seconds", "retry_after"),
         ("kv_reserve_ratio", "kv_reserve"),
         ("default_output_tokens", "default_output_tokens"),
         ("max_body_bytes", "max_body_bytes"),
+        ("body_timeout_seconds", "body_timeout"),
+        ("body_min_rate_bytes_per_second", "body_min_rate"),
+        ("body_budget_bytes", "body_budget_bytes"),
         ("poll_interval_seconds", "poll_interval"),
         ("kv_poll_interval_seconds", "kv_poll_interval"),
         ("stall_hold_seconds", "stall_hold"),
@@ -96,6 +100,9 @@ def test_config_defaults_are_the_flags_defaults(field: str, flag: str) -> None:
 def test_listen_and_kv_defaults_agree() -> None:
     assert GateConfig().listen_address == gate_cli.DEFAULTS["listen"]
     assert ("on" if GateConfig().kv_admission else "off") == gate_cli.DEFAULTS["kv_admission"]
+    assert ("on" if GateConfig().trust_key_header else "off") == gate_cli.DEFAULTS[
+        "trust_key_header"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -108,6 +115,13 @@ def test_listen_and_kv_defaults_agree() -> None:
          "services[0].gate.max_wait_seconds", "must be >= 0.1"),
         ("      listen: 127.0.0.1:8001\n      per_key_share_ratio: 2\n", 7,
          "services[0].gate.per_key_share_ratio", "must be <= 1"),
+        ("      listen: 127.0.0.1:8001\n      per_key_share_ratio: 0.25\n", 7,
+         "services[0].gate.per_key_share_ratio", "needs known_keys_sha256 or trust_key_header"),
+        ("      listen: 127.0.0.1:8001\n      known_keys_sha256: [sk-secret]\n", 7,
+         "services[0].gate.known_keys_sha256[0]", "64 lowercase hex digits"),
+        (f"      listen: 127.0.0.1:8001\n      known_keys_sha256: ['{'a' * 64}']\n"
+         "      trust_key_header: true\n", 8,
+         "services[0].gate.trust_key_header", "exclude each other"),
         ("      listen: 127.0.0.1:8001\n      kv_admission: maybe\n", 7,
          "services[0].gate.kv_admission", "expected true or false"),
         ("      listen: 127.0.0.1:8001\n      max_queue: 5\n", 7,
@@ -116,6 +130,12 @@ def test_listen_and_kv_defaults_agree() -> None:
          "services[0].gate.key_header", "HTTP header name"),
         ("      listen: 127.0.0.1:8001\n      metrics_path: metrics\n", 7,
          "services[0].gate.metrics_path", "starting with '/'"),
+        ("      listen: 127.0.0.1:8001\n      body_timeout_seconds: 0\n", 7,
+         "services[0].gate.body_timeout_seconds", "must be >= 1"),
+        ("      listen: 127.0.0.1:8001\n      max_body_bytes: 64MiB\n      body_budget_bytes: 32MiB\n",
+         8, "services[0].gate.body_budget_bytes", "at least max_body_bytes (64MiB)"),
+        ("      listen: 127.0.0.1:8001\n      max_body_bytes: 512MiB\n", 7,
+         "services[0].gate.body_budget_bytes", "at least max_body_bytes (512MiB)"),
     ],
 )  # fmt: skip
 def test_bad_gate_sections_are_named_with_key_and_line(
@@ -180,6 +200,42 @@ def test_gate_runs_from_the_config(config_file: Path) -> None:
     assert s.limits.max_queue_requests == 7
     assert s.limits.kv_admission is False
     assert s.limits.max_wait_seconds == 9
+
+
+def test_the_body_bounds_come_from_the_config_and_the_flags(tmp_path: Path) -> None:
+    p = tmp_path / "config.yaml"
+    extra = "      body_timeout_seconds: 12\n      body_min_rate_bytes_per_second: 4096\n"
+    p.write_text(config_text("http://127.0.0.1:8000", "127.0.0.1:8123", extra))
+    args = gate_cli.build_parser().parse_args(
+        ["-c", str(p), "--service", "vllm", "--body-budget-bytes", str(64 * 1024 * 1024)]
+    )
+    proxy = gate_cli.settings_from_args(args).proxy
+    assert proxy.body_timeout_seconds == 12
+    assert proxy.body_min_rate_bytes_per_second == 4096
+    assert proxy.body_budget_bytes == 64 * 1024 * 1024
+    args = gate_cli.build_parser().parse_args(
+        ["--upstream", "http://127.0.0.1:8000", "--body-budget-bytes", "1024"]
+    )
+    with pytest.raises(gate_cli.UsageError, match="--body-budget-bytes"):
+        gate_cli.settings_from_args(args)
+
+
+def test_who_counts_as_one_client_comes_from_the_config_and_the_flags(tmp_path: Path) -> None:
+    digest = "b" * 64
+    p = tmp_path / "config.yaml"
+    extra = f"      per_key_share_ratio: 0.25\n      known_keys_sha256: ['{digest}']\n"
+    p.write_text(config_text("http://127.0.0.1:8000", "127.0.0.1:8123", extra))
+    args = gate_cli.build_parser().parse_args(["-c", str(p), "--service", "vllm"])
+    s = gate_cli.settings_from_args(args)
+    assert s.proxy.known_keys_sha256 == frozenset({digest})
+    assert s.proxy.trust_key_header is False and s.limits.per_key_share_ratio == 0.25
+    flags = ["--upstream", "http://127.0.0.1:8000", "--per-key-share", "0.25"]
+    with pytest.raises(gate_cli.UsageError, match="--known-key-sha256 or --trust-key-header"):
+        gate_cli.settings_from_args(gate_cli.build_parser().parse_args(flags))
+    trusted = gate_cli.settings_from_args(
+        gate_cli.build_parser().parse_args([*flags, "--trust-key-header", "on"])
+    )
+    assert trusted.proxy.trust_key_header is True
 
 
 def test_flags_override_the_config(config_file: Path) -> None:

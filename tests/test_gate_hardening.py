@@ -1,4 +1,4 @@
-"""The gate under hostile clients and a hostile upstream (issue 17, items 1 and 4, and smalls).
+"""The gate under hostile clients and a hostile upstream.
 
 Real gates on 127.0.0.1 in front of the scriptable stub (tests/test_gate_support.py) or a
 hostile server (tests/hostile.py); real sockets that send half a request and wait.
@@ -6,29 +6,37 @@ hostile server (tests/hostile.py); real sockets that send half a request and wai
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
 import logging
 import socket
 import struct
 import traceback
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
 import requests
 
-from tests.hostile import Hostility, hostile_server, idle_clients, wait_for
+from tests.hostile import Hostility, hostile_server, idle_clients, partial_bodies, wait_for
 from tests.test_gate_support import LoopThread, Stub
+from vllm_guardian.gate.admission import Limits
+from vllm_guardian.gate.body import BodyBudget, NoRoom
 from vllm_guardian.gate.follower import METRICS_MAX_BYTES
+from vllm_guardian.gate.metrics import GateMetrics
 from vllm_guardian.gate.proxy import ProxySettings
 from vllm_guardian.gate.server import Gate, GateSettings
 
 
 class Running:
-    def __init__(self, upstream: str, **settings: object) -> None:
+    def __init__(
+        self, upstream: str, proxy: dict[str, object] | None = None, **settings: object
+    ) -> None:
         self.lt = LoopThread("gate")
         base = GateSettings(
-            proxy=ProxySettings(upstream=upstream),
+            proxy=replace(ProxySettings(upstream=upstream), **(proxy or {})),  # type: ignore[arg-type]
             listen_port=0,
             poll_interval_seconds=0.05,
             kv_poll_interval_seconds=3600,  # the tests call poll_kv themselves
@@ -45,6 +53,10 @@ class Running:
             )
             or 0.0
         )
+
+    def sample(self, name: str, **labels: str) -> float:
+        value = self.gate.metrics.registry.get_sample_value(name, {"service": "vllm", **labels})
+        return value or 0.0
 
     def stop(self) -> None:
         self.lt.run(self.gate.stop())
@@ -95,6 +107,19 @@ def test_an_idle_connection_is_closed_at_the_deadline(stub: Stub):
             sock.settimeout(60)
             assert sock.recv(1024) == b""
         wait_for(lambda: (g.closed("idle_timeout") == 1, g.closed("idle_timeout")), "counted")
+        assert post_echo(g.url).status_code == 200
+    finally:
+        g.stop()
+
+
+def test_a_head_dripped_a_byte_at_a_time_is_closed_at_the_idle_deadline(stub: Stub):
+    # Bytes keep coming, but the head is never complete: the deadline counts from the connection's
+    # start, not from its last byte (240 bytes at one per 50 ms could not finish in 0.5 s).
+    g = Running(stub.url, idle_timeout_seconds=0.5)
+    try:
+        with partial_bodies("127.0.0.1", g.gate.port, 1, b"", HALF_POST * 3, 0.05) as (client,):
+            wait_for(lambda: (client.closed.is_set(), client.answer[:200]), "the drip cut off")
+        assert g.closed("idle_timeout") == 1
         assert post_echo(g.url).status_code == 200
     finally:
         g.stop()
@@ -209,3 +234,269 @@ def test_with_every_slot_busy_a_new_connection_is_closed_at_once(stub: Stub):
             s.close()
         g.stop()
         stub.reset()
+
+
+CHUNKED_HEAD = (
+    b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n"
+)
+# (what the client sends at once, what it sends once the gate reads its body, the phase counted)
+MALFORMED = [
+    (b"GARBAGE\r\n\r\n", b"", "head"),
+    (b"GET /gate/status HTTP/1.1\r\nHost x\r\n\r\n", b"", "head"),
+    (b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", b"", "head"),
+    (b"GET /gate/status HTTP/1.1\r\nHost: x\r\nX: " + b"a" * 20000 + b"\r\n\r\n", b"", "head"),
+    # A good request, then garbage on the same connection (aiohttp's own rule logs only a
+    # connection's first request at DEBUG).
+    (b"GET /gate/status HTTP/1.1\r\nHost: x\r\n\r\nGARBAGE\r\n\r\n", b"", "head"),
+    (CHUNKED_HEAD, b"ZZ\r\n{}\r\n0\r\n\r\n", "body"),  # a chunk size that is not hex
+    (
+        b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\n"
+        b"Content-Length: 10\r\n\r\nnot gzip !",
+        b"",
+        "body",
+    ),
+]
+
+
+def test_malformed_requests_are_counted_and_logged_once_without_a_traceback(
+    stub: Stub, caplog: pytest.LogCaptureFixture
+):
+    g = Running(stub.url, malformed_log_interval_seconds=3600.0)
+    caplog.clear()  # what the gate logged as it started
+    rounds = 5
+    try:
+        with caplog.at_level(logging.DEBUG):
+            for _ in range(rounds):
+                for first, later, _phase in MALFORMED:
+                    s = socket.create_connection(("127.0.0.1", g.gate.port), timeout=60)
+                    try:
+                        s.sendall(first)
+                        if later:  # the head is read and the proxy reads the body: then the rest
+                            wait_for(
+                                lambda: (
+                                    g.gate.proxy is not None and g.gate.proxy.open_exchanges == 1,
+                                    None,
+                                ),
+                                "the body being read",
+                            )
+                            s.sendall(later)
+                        answer = b""
+                        while chunk := s.recv(65536):
+                            answer += chunk
+                    finally:
+                        s.close()
+                    last = answer[answer.rfind(b"HTTP/1.") :]  # the answer to the bad one
+                    assert last.split(b" ", 2)[1:2] == [b"400"], answer[:300]
+        assert post_echo(g.url).status_code == 200
+    finally:
+        g.stop()
+    traced = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.exc_info]
+    assert traced == [], traced
+    loud = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(loud) == 1 and "malformed" in loud[0], loud
+    for phase in ("head", "body"):
+        expected = rounds * sum(1 for *_, p in MALFORMED if p == phase)
+        got = g.sample("vllm_guardian_gate_malformed_requests_total", phase=phase)
+        assert got == expected, (phase, got, expected)
+
+
+# --- request bodies: deadline, rate floor, the gate-wide budget ---------------------------------
+
+
+def body_head(content_length: int) -> bytes:
+    return (
+        b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {content_length}\r\n\r\n".encode()
+    )
+
+
+def served(url: str, count: int) -> tuple[int, list[str]]:
+    """How many of ``count`` normal POSTs got 200, and what the others got."""
+    ok, other = 0, []
+    for _ in range(count):
+        try:
+            r = post_echo(url)
+        except requests.RequestException as e:
+            other.append(type(e).__name__)
+            continue
+        if r.status_code == 200:
+            ok += 1
+        else:
+            other.append(f"{r.status_code} {r.text[:100]}")
+    return ok, other
+
+
+def test_normal_requests_are_served_while_hundreds_of_bodies_never_come(stub: Stub):
+    # Each attacker's head is complete and announces a body that never comes: the gate is
+    # reading it, so the connection is not idle; at the cap it must still make room.
+    g = Running(
+        stub.url,
+        proxy={"body_timeout_seconds": 600.0, "body_min_rate_bytes_per_second": 0},
+        max_connections=32,
+        idle_timeout_seconds=600,
+    )
+    try:
+        with idle_clients("127.0.0.1", g.gate.port, 300, head=body_head(1000)):
+            ok, other = served(g.url, 20)
+            assert (ok, other) == (20, []), other
+            assert g.closed("evicted") >= 300 - 32, g.closed("evicted")
+    finally:
+        g.stop()
+
+
+@pytest.mark.parametrize(
+    ("proxy", "drip_interval_seconds", "reason"),
+    [
+        # Ten bytes of a thousand, then nothing: the whole body is due within 1 s.
+        ({"body_timeout_seconds": 1.0, "body_min_rate_bytes_per_second": 0}, None, "body_timeout"),
+        # A byte every 50 ms (20 B/s) against a floor of 1,000 B/s per half-second window; the
+        # deadline is far away, so only the floor can cut it.
+        (
+            {"body_timeout_seconds": 600.0, "body_min_rate_bytes_per_second": 1000,
+             "body_rate_window_seconds": 0.5},
+            0.05,
+            "body_too_slow",
+        ),
+    ],
+    ids=["deadline", "rate-floor"],
+)  # fmt: skip
+def test_a_body_too_slow_is_cut_with_408(
+    stub: Stub, proxy: dict[str, object], drip_interval_seconds: float | None, reason: str
+):
+    g = Running(stub.url, proxy=proxy, idle_timeout_seconds=600)
+    try:
+        with partial_bodies(
+            "127.0.0.1", g.gate.port, 1, body_head(1000), b"{" + b" " * 9, drip_interval_seconds
+        ) as (client,):
+            wait_for(lambda: (client.answered(), client.answer[:300]), "an answer")
+        assert client.status == 408, client.answer[:300]
+        assert b"\r\nConnection: close\r\n" in client.answer, client.answer[:300]
+        assert client.error()["type"] == "RequestTimeoutError", client.error()
+        for r in ("body_timeout", "body_too_slow"):
+            want = 1.0 if r == reason else 0.0
+            assert g.sample("vllm_guardian_gate_rejected_total", reason=r) == want, r
+        wait_for(
+            lambda: (
+                g.sample("vllm_guardian_gate_body_bytes") == 0,
+                g.sample("vllm_guardian_gate_body_bytes"),
+            ),
+            "the body's bytes given back",
+        )
+        assert post_echo(g.url).status_code == 200
+    finally:
+        g.stop()
+
+
+def test_bodies_being_read_stay_within_the_gate_wide_budget(stub: Stub):
+    budget = 1024 * 1024
+    g = Running(
+        stub.url,
+        proxy={
+            "max_body_bytes": 512 * 1024,
+            "body_budget_bytes": budget,
+            "body_budget_wait_seconds": 0.5,
+            "body_timeout_seconds": 600.0,
+            "body_min_rate_bytes_per_second": 0,
+        },
+        idle_timeout_seconds=600,
+    )
+    assert g.gate.proxy is not None
+    bodies = g.gate.proxy.bodies
+    try:
+        # Ten clients each send 300 KiB of a 400 KiB body and stop: 3 MiB, three times the budget.
+        with partial_bodies(
+            "127.0.0.1", g.gate.port, 10, body_head(400 * 1024), b" " * (300 * 1024)
+        ) as clients:
+            wait_for(
+                lambda: (g.sample("vllm_guardian_gate_rejected_total", reason="body_budget") >= 5,
+                         (bodies.held_bytes, [c.status for c in clients])),
+                "the budget refuses bodies past it",
+            )  # fmt: skip
+            assert bodies.held_bytes <= budget
+            for c in clients:
+                if c.closed.is_set() and c.status is not None:
+                    assert c.status == 503 and "budget" in str(c.error()["message"]), c.answer
+        assert budget / 2 <= bodies.peak_bytes <= budget, bodies.peak_bytes
+        wait_for(lambda: (bodies.held_bytes == 0, bodies.held_bytes), "every body's bytes back")
+        assert g.sample("vllm_guardian_gate_body_bytes") == 0
+        assert post_echo(g.url).status_code == 200
+    finally:
+        g.stop()
+
+
+def test_the_body_budget_grants_in_order_and_leaves_nothing_behind():
+    async def scenario() -> list[object]:
+        budget = BodyBudget(100, GateMetrics("vllm"))
+        seen: list[object] = []
+        assert await budget.take(80, 60) == 0.0
+        b = asyncio.ensure_future(budget.take(50, 60))
+        c = asyncio.ensure_future(budget.take(10, 60))  # fits, but waits behind b: first come
+        await asyncio.sleep(0)
+        seen.append((b.done(), c.done(), budget.held_bytes))
+        budget.give(80)
+        await asyncio.gather(b, c)
+        seen.append(budget.held_bytes)
+        try:  # no room, and none given back: refused after its wait
+            await budget.take(41, 0.01)
+        except NoRoom:
+            seen.append("no room")
+        d = asyncio.ensure_future(budget.take(41, 60))
+        await asyncio.sleep(0)
+        d.cancel()  # a client gone while it waited
+        await asyncio.gather(d, return_exceptions=True)
+        budget.give(60)
+        seen.append((budget.held_bytes, budget.peak_bytes, len(budget._waiters)))
+        return seen
+
+    assert asyncio.run(scenario()) == [(False, False, 80), 60, "no room", (0, 80, 0)]
+
+
+# --- fairness: who counts as one client ---------------------------------------------------------
+
+
+def sha256_hex(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@pytest.mark.parametrize(
+    "attacker_headers",
+    [
+        lambda i: {"Authorization": f"Bearer rotated-{i}"},  # a fresh key per request
+        lambda i: {},  # no key at all
+    ],
+    ids=["rotating-authorization", "no-authorization"],
+)
+def test_an_attacker_rotating_keys_cannot_starve_a_known_key(stub: Stub, attacker_headers):
+    victim = {"Authorization": "Bearer sk-victim"}
+    g = Running(
+        stub.url,
+        proxy={"known_keys_sha256": frozenset({sha256_hex(victim["Authorization"])})},
+        guardian=stub.url,
+        limits=Limits(max_queue_requests=8, per_key_share_ratio=0.25, release_rate_per_second=0),
+    )
+    adm = g.gate.admission
+    assert adm is not None
+
+    def post(headers: dict[str, str]) -> int:
+        r = requests.post(g.url + "/v1/echo", data=b"{}", headers=headers, timeout=120)
+        return r.status_code
+
+    try:
+        stub.ready = False  # the guardian holds the service: everything queues
+        wait_for(lambda: (not adm.open, adm.reason), "the gate closed")
+        with ThreadPoolExecutor(12) as pool:
+            attack = [pool.submit(post, attacker_headers(i)) for i in range(8)]
+            wait_for(
+                lambda: (sum(f.done() for f in attack) == 6 and adm.queue_depth == 2,
+                         (adm.queue_depth, [f.result() for f in attack if f.done()])),
+                "the attacker held to one share of the queue",
+            )  # fmt: skip
+            served = [pool.submit(post, victim) for _ in range(2)]
+            wait_for(lambda: (adm.queue_depth == 4, adm.queue_depth), "the victim queued")
+            stub.ready = True
+            assert [f.result() for f in served] == [200, 200]
+            assert sorted(f.result() for f in attack) == [200] * 2 + [429] * 6
+    finally:
+        stub.ready = True
+        g.stop()

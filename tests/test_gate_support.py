@@ -76,10 +76,18 @@ class LoopThread:
 class GateThread:
     """One gate on its own loop thread."""
 
-    def __init__(self, upstream: str, guardian: str | None = None, **limits: Any) -> None:
+    def __init__(
+        self,
+        upstream: str,
+        guardian: str | None = None,
+        proxy: dict[str, Any] | None = None,
+        **limits: Any,
+    ) -> None:
         self.lt = LoopThread("gate")
         self.settings = GateSettings(
-            proxy=ProxySettings(upstream=upstream, max_body_bytes=8 * 1024 * 1024),
+            proxy=replace(
+                ProxySettings(upstream=upstream, max_body_bytes=8 * 1024 * 1024), **(proxy or {})
+            ),
             listen_port=0,
             guardian=guardian,
             limits=replace(Limits(), **limits),

@@ -1,4 +1,4 @@
-"""Every listener of the guardian survives hostile clients (issue 17, items 1 and 2).
+"""Every listener of the guardian survives hostile clients.
 
 The guardian's endpoint (/metrics, /healthz, /ready) and the control socket, each real, on
 127.0.0.1 or a Unix socket in tmp_path, against real sockets that send half a request and
@@ -50,7 +50,7 @@ def test_the_endpoint_serves_scrapes_while_hundreds_of_clients_sit_idle():
             assert [scrape(server), scrape(server, "/healthz"), scrape(server, "/ready/vllm")] == [
                 200,
                 503,  # no tick yet: /healthz says so, but it answers
-                503,  # no tick yet: not ready before the guardian has seen vLLM (fleet, issue 21)
+                503,  # no tick yet: not ready before the guardian has seen vLLM
             ]
             open_now = server.http.open_connections()
             assert open_now <= 16 + 1, open_now
@@ -140,7 +140,7 @@ def raw(path: Path, data: bytes, timeout_seconds: float = 60) -> bytes:
     ("request_bytes", "error"),
     [
         (b"x" * (MAX_REQUEST_BYTES + 10), "request too large"),
-        (b"[" * 100_000 + b"\n", "bad request"),
+        (b"[" * 60_000 + b"\n", "bad request"),  # deep, and under 64 KiB
         (b'{"a":' * 5000 + b"1" + b"}" * 5000 + b"\n", "bad request"),
         (b"\xff\xfe\n", "bad request"),
         (b"[1, 2]\n", "request must be a JSON object"),
@@ -153,7 +153,48 @@ def test_control_answers_garbage_with_an_error_and_keeps_serving(
     server, _ = control(tmp_path)
     try:
         answer = raw(server.path, request_bytes)
-        assert answer == b"" or error in json.loads(answer)["error"], answer[:200]
+        assert error in json.loads(answer)["error"], answer[:200]
+        assert request(server.path, {"cmd": "status"}) == {"ok": True, "echo": "status"}
+    finally:
+        server.stop()
+
+
+def exchange(path: Path, data: bytes) -> bytes:
+    """One request as a plain client sends it: all of it, then read the answer to the end. A
+    reset (the server closing with the request unread) is raised, not forgiven."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(60)
+    try:
+        s.connect(str(path))
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"x" * (MAX_REQUEST_BYTES + 10),
+        b"x" * (4 * 1024 * 1024),
+        b'{"cmd": "status", "pad": "' + b"x" * (2 * MAX_REQUEST_BYTES) + b'"}\n',
+    ],
+    ids=["just-over-no-newline", "4MiB-no-newline", "128KiB-json-line"],
+)
+def test_control_a_request_over_64KiB_gets_the_json_error_not_a_reset(
+    tmp_path: Path, request_bytes: bytes
+):
+    server, seen = control(tmp_path)
+    try:
+        answer = json.loads(exchange(server.path, request_bytes))
+        assert answer["ok"] is False and "request too large" in answer["error"], answer
+        assert seen == []
+        big = {"cmd": "status", "pad": "x" * (2 * MAX_REQUEST_BYTES)}
+        answer = request(server.path, big, timeout_seconds=60)  # the client the CLI uses
+        assert answer["ok"] is False and "request too large" in answer["error"], answer
         assert request(server.path, {"cmd": "status"}) == {"ok": True, "echo": "status"}
     finally:
         server.stop()

@@ -119,6 +119,12 @@ def _check_metrics_path(v: str) -> str | None:
     return None
 
 
+def _check_sha256(v: str) -> str | None:
+    if not re.fullmatch(r"[0-9a-f]{64}", v):
+        return "must be a SHA-256 digest: 64 lowercase hex digits (sha256sum's output)"
+    return None
+
+
 def _check_header_name(v: str) -> str | None:
     if not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+", v):
         return "must be an HTTP header name, e.g. Authorization"
@@ -147,9 +153,18 @@ class GateConfig:
     # so a reopening does not cause the next spike.
     release_rate_per_second: float = field(default=50.0, metadata=_bounds(0, 100_000))
     release_burst: int = field(default=8, metadata=_bounds(1, 100_000))
-    # Fairness: the share of the queue one key may hold (0: off); over it a client gets 429.
+    # Fairness: the share of the queue one client may hold (0: off); over it a client gets 429.
+    # Needs known_keys_sha256 or trust_key_header: who counts as one client.
     per_key_share_ratio: float = field(default=0.0, metadata=_bounds(0, 1))
     key_header: str = field(default="Authorization", metadata=_bounds(check=_check_header_name))
+    # A request whose key_header value has one of these SHA-256 digests (hex, e.g.
+    # `printf %s 'Bearer sk-…' | sha256sum`) is a client of its own; every other request (no
+    # header, or any other value) counts as one client together, so a fresh value per request
+    # buys no fresh share. Digests keep the keys themselves out of this file.
+    known_keys_sha256: tuple[str, ...] = field(default=(), metadata=_bounds(check=_check_sha256))
+    # Or every value of key_header is a client of its own: only when a proxy in front of the
+    # gate authenticates clients and sets that header itself (overwriting a client's own).
+    trust_key_header: bool = False
     # Retry-After on the gate's own 503 and 429.
     retry_after_seconds: int = field(default=2, metadata=_bounds(0, 3600))
     # KV-need admission: admit only what fits in the free KV pool, keeping this share free.
@@ -162,6 +177,17 @@ class GateConfig:
     default_output_tokens: int = field(default=256, metadata=_bounds(1, 10**7))
     # Bodies are held in memory (a held request may be sent twice); larger ones get 413.
     max_body_bytes: int = field(default=32 * _MIB, metadata=_bounds(1024, 1024 * _MIB))
+    # A body must arrive whole within this long of its head (408 past it): a client that
+    # announces a body and sends none held its connection for ever.
+    body_timeout_seconds: float = field(default=30.0, metadata=_bounds(1, 3600))
+    # ...and at no less than this rate over each 5 s (408 below it; 0: no floor), so a body
+    # trickled in to stay under the deadline is cut within 5 s. A real client sends its body
+    # at link speed; 1 KiB/s is what a trickle stays under.
+    body_min_rate_bytes_per_second: int = field(default=1024, metadata=_bounds(0, 1024 * _MIB))
+    # Bodies held at once, all requests together (read, queued, being sent): a body that would
+    # pass it waits up to 2 s, then gets 503. At least max_body_bytes; 40 unfinished 30 MiB
+    # bodies held a gate at 1.2 GB without it.
+    body_budget_bytes: int = field(default=256 * _MIB, metadata=_bounds(1024, 1024**4))
     # Polls of the guardian's /ready and vLLM's /health; reads of vLLM's /metrics.
     poll_interval_seconds: float = field(default=0.1, metadata=_bounds(0.01, 60))
     kv_poll_interval_seconds: float = field(default=0.5, metadata=_bounds(0.05, 600))
@@ -379,7 +405,7 @@ def _check_backend(v: str) -> str | None:
 @dataclass(frozen=True)
 class ConcurrencyRelaunchConfig:
     """Whether KV thrash (``concurrency_overcommit``) may relaunch vLLM with a lower
-    ``--max-num-seqs``. Off: measured on vLLM 0.32 (DESIGN.md §2), a cap at about what the
+    ``--max-num-seqs``. Off: measured on vLLM 0.32, a cap at about what the
     pool hosts gains at most 2-3 %, one below it costs 5-34 %, and the relaunch itself fails
     requests; the gate and the over-capacity alert are the levers."""
 
@@ -407,7 +433,7 @@ class PolicyConfig:
     # guardian runs services[].command itself, as the demo does; hosts without systemd).
     backend: str = field(default="systemd", metadata=_bounds(check=_check_backend))
     # Admission gate: /ready/<service> answers 503 above the high watermark and 200 again below
-    # the low one; the band keeps it from flapping (Envoy's overload manager, DESIGN.md §3).
+    # the low one; the band keeps it from flapping (as Envoy's overload manager does).
     kv_high_watermark_ratio: float = field(default=0.90, metadata=_bounds(0.05, 1.0))
     kv_low_watermark_ratio: float = field(default=0.80, metadata=_bounds(0.0, 1.0))
     # A closed gate stays closed at least this long: a real vLLM's KV gauge swings between
@@ -443,7 +469,7 @@ class PolicyConfig:
     # After a restart: wait for the old instance's GPU memory to be freed, then for /health.
     vram_release_timeout_seconds: float = field(default=120.0, metadata=_bounds(0, 3600))
     ready_timeout_seconds: float = field(default=900.0, metadata=_bounds(10, 7200))
-    # Levers (multiplicative decrease, with floors; DESIGN.md §3 and the issue's table).
+    # Levers (multiplicative decrease, with floors).
     max_num_seqs_factor_ratio: float = field(default=0.75, metadata=_bounds(0.1, 0.99))
     max_num_seqs_floor: int = field(default=8, metadata=_bounds(1, 100000))
     max_num_batched_tokens_factor_ratio: float = field(default=0.5, metadata=_bounds(0.1, 0.99))
@@ -462,7 +488,7 @@ class PolicyConfig:
     neighbour_persist_seconds: float = field(default=60.0, metadata=_bounds(0, 86400))
     # The incident bundle captured before a disruptive action must not delay it for longer.
     bundle_timeout_seconds: float = field(default=20.0, metadata=_bounds(1, 600))
-    # KV thrash: gate and alert only unless enabled here (issue 22, DESIGN.md §2 "Measured").
+    # KV thrash: gate and alert only unless enabled here.
     concurrency_relaunch: ConcurrencyRelaunchConfig = field(
         default_factory=ConcurrencyRelaunchConfig
     )
@@ -825,7 +851,8 @@ def _url_socket(url: str) -> tuple[str, int]:
 
 
 def _gate_checks(cfg: Config, root: yaml.Node, loader: _Loader) -> None:
-    """A gate's listen address must not be vLLM's, the guardian's or another gate's."""
+    """A gate's listen address must not be vLLM's, the guardian's or another gate's; its body
+    budget must hold its largest body."""
     taken: list[tuple[str, tuple[str, int]]] = [("the guardian's listen", cfg.listen_address)]
     taken += [(f"services[{i}].url", _url_socket(s.url)) for i, s in enumerate(cfg.services)]
     for i, s in enumerate(cfg.services):
@@ -841,6 +868,37 @@ def _gate_checks(cfg: Config, root: yaml.Node, loader: _Loader) -> None:
                 )
                 break
         taken.append((f"services[{i}].gate.listen", mine))
+        _gate_key_checks(s.gate, i, root, loader)
+        if s.gate.body_budget_bytes < s.gate.max_body_bytes:
+            section = _find_path(root, "services", i, "gate")
+            # The budget's line, or (left at its default) the line that raised max_body_bytes.
+            where = _find_key(section, "body_budget_bytes") or _find_key(section, "max_body_bytes")
+            loader.err(
+                f"services[{i}].gate.body_budget_bytes",
+                where or section,
+                f"must be at least max_body_bytes ({_show_bytes(s.gate.max_body_bytes)}), "
+                f"got {_show_bytes(s.gate.body_budget_bytes)}: a body of the largest size "
+                "allowed must fit",
+            )
+
+
+def _gate_key_checks(g: GateConfig, i: int, root: yaml.Node, loader: _Loader) -> None:
+    """The per-key share needs to know who a client is, in one way."""
+    section = _find_path(root, "services", i, "gate")
+    if g.trust_key_header and g.known_keys_sha256:
+        loader.err(
+            f"services[{i}].gate.trust_key_header",
+            _find_key(section, "trust_key_header") or section,
+            "and known_keys_sha256 exclude each other: trusting the header makes every value a "
+            "client of its own",
+        )
+    elif g.per_key_share_ratio > 0 and not (g.trust_key_header or g.known_keys_sha256):
+        loader.err(
+            f"services[{i}].gate.per_key_share_ratio",
+            _find_key(section, "per_key_share_ratio") or section,
+            "needs known_keys_sha256 or trust_key_header: without either every request counts "
+            f"as one client (a fresh {g.key_header} value per request must not buy a fresh share)",
+        )
 
 
 def _find_path(root: yaml.Node | None, *steps: str | int) -> yaml.Node | None:

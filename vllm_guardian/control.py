@@ -32,6 +32,15 @@ class _BadRequest(Exception):
     pass
 
 
+class _TooLarge(_BadRequest):
+    """The request line is over MAX_REQUEST_BYTES; ``ended``: its newline was read too (else the
+    rest of it is still on its way)."""
+
+    def __init__(self, message: str, *, ended: bool) -> None:
+        super().__init__(message)
+        self.ended = ended
+
+
 @dataclass
 class _Client:
     sock: socket.socket
@@ -115,14 +124,23 @@ class ControlServer:
     def _one(self, client: _Client) -> None:
         conn = client.sock
         try:
+            deadline = client.opened_monotonic + REQUEST_DEADLINE_SECONDS
+            unread = False
             try:
-                line = _read_line(conn, time.monotonic() + REQUEST_DEADLINE_SECONDS)
+                line = _read_line(conn, deadline)
                 client.reading = False
                 response = self._answer(line)
             except _BadRequest as e:
                 response = {"ok": False, "error": str(e)}
+                unread = isinstance(e, _TooLarge) and not e.ended
             conn.settimeout(ANSWER_DEADLINE_SECONDS)
             conn.sendall((json.dumps(response) + "\n").encode())
+            if unread:
+                # Closing with the rest of the request unread would reset the connection, and
+                # the client, still sending, would never read the answer: end our side, then
+                # read and drop the rest of its line (within its deadline) before closing.
+                conn.shutdown(socket.SHUT_WR)
+                _discard_line(conn, deadline)
         except OSError:
             pass  # the client left or was cut: that client only
         except Exception:  # never end the server over one client
@@ -178,8 +196,23 @@ def _read_line(conn: socket.socket, deadline_monotonic: float) -> bytes:
             break
         buf += chunk
         if len(buf) > MAX_REQUEST_BYTES and b"\n" not in buf[:MAX_REQUEST_BYTES]:
-            raise _BadRequest(f"request too large (over {MAX_REQUEST_BYTES} bytes)")
+            raise _TooLarge(
+                f"request too large (over {MAX_REQUEST_BYTES} bytes)", ended=b"\n" in buf
+            )
     return buf.split(b"\n", 1)[0]
+
+
+def _discard_line(conn: socket.socket, deadline_monotonic: float) -> None:
+    """Read and drop what the client still sends, up to its newline or end, until the
+    deadline (nothing is kept: a client that sends more only costs this thread that time)."""
+    while (left := deadline_monotonic - time.monotonic()) > 0:
+        conn.settimeout(left)
+        try:
+            chunk = conn.recv(65536)
+        except TimeoutError:
+            return
+        if not chunk or b"\n" in chunk:
+            return
 
 
 class ControlError(Exception):

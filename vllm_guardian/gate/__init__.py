@@ -16,6 +16,8 @@ daemon reads the gate's ``GET /gate/status`` with the standard library
 * ``admission.py`` — the queue, its bounds, the KV-need estimate (asyncio only);
 * ``follower.py`` — opens and closes the gate from the guardian's and vLLM's answers;
 * ``proxy.py`` — the pass-through, holds, retries and the gate's own error answers;
+* ``body.py`` — request bodies: deadline, rate floor, the gate-wide byte budget;
+* ``connections.py`` — the cap on client connections, idle deadlines, malformed requests;
 * ``metrics.py`` — the ``vllm_guardian_gate_*`` series;
 * ``server.py`` — one gate assembled; ``cli.py`` — ``vllm-guardian gate`` (config, flags,
   sd_notify).

@@ -10,7 +10,8 @@ The rules, in the order they apply:
 * while the gate is open, the queue is empty and the request's KV need fits, it goes through at
   once (the fast path; nothing is counted against the release rate);
 * otherwise it waits in one FIFO queue, bounded by request count, by queued prompt tokens and
-  per key (fairness: one client cannot take more than its share of the queue); past a bound it
+  per key (fairness: one client cannot take more than its share of the queue; who counts as
+  one client is the proxy's ``client_key``); past a bound it
   is refused at once (503, or 429 for the per-key bound);
 * a dispatcher releases the head of the queue, in order, while the gate is open and the head's
   KV need fits, at most ``release_rate_per_second`` (with a small burst) so that a reopening
@@ -51,7 +52,7 @@ class Limits:
     max_wait_seconds: float = 60.0
     release_rate_per_second: float = 50.0
     release_burst: int = 8
-    # 0 turns fairness off; 0.25 lets one key hold at most a quarter of the queue.
+    # 0 turns fairness off; 0.25 lets one client hold at most a quarter of the queue.
     per_key_share_ratio: float = 0.0
     kv_admission: bool = False  # the config's default and why: config.GateConfig
     kv_reserve_ratio: float = 0.05
@@ -143,7 +144,7 @@ def _message_tokens(messages: Any) -> int:
     return total + 2 if total else 0
 
 
-def estimate_cost(body: bytes, default_output_tokens: int) -> Cost:
+def estimate_cost(body: bytes | bytearray, default_output_tokens: int) -> Cost:
     """Prompt tokens estimated from an OpenAI-style JSON body, plus the output it may produce."""
     try:
         doc = json.loads(body) if body else None

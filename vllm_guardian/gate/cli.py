@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -52,11 +53,16 @@ DEFAULTS: dict[str, Any] = {
     "release_burst": 8,
     "per_key_share": 0.0,
     "key_header": "Authorization",
+    "known_keys_sha256": (),
+    "trust_key_header": "off",
     "retry_after": 2,
     "kv_admission": "off",
     "kv_reserve": 0.05,
     "default_output_tokens": 256,
     "max_body_bytes": 32 * 1024 * 1024,
+    "body_timeout": 30.0,
+    "body_min_rate": 1024,
+    "body_budget_bytes": 256 * 1024 * 1024,
     "poll_interval": 0.1,
     "kv_poll_interval": 0.5,
     "stall_hold": 10.0,
@@ -151,6 +157,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="the header that names a client for --per-key-share (default Authorization)",
     )
     q.add_argument(
+        "--known-key-sha256",
+        dest="known_keys_sha256",
+        action="append",
+        metavar="HEX",
+        help="SHA-256 of a --key-header value that is a client of its own (repeat it); every "
+        "other request counts as one client together",
+    )
+    q.add_argument(
+        "--trust-key-header",
+        choices=("on", "off"),
+        help="every --key-header value is a client of its own: only when a proxy in front "
+        "authenticates clients and sets that header itself (default off)",
+    )
+    q.add_argument(
         "--retry-after",
         type=int,
         help="Retry-After seconds on the gate's 503 and 429 (default 2)",
@@ -172,6 +192,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-body-bytes",
         type=int,
         help="largest request body (default 32 MiB; over it: 413)",
+    )
+    o.add_argument(
+        "--body-timeout",
+        type=float,
+        help="seconds a request body may take to arrive whole (default 30; past it: 408)",
+    )
+    o.add_argument(
+        "--body-min-rate",
+        type=int,
+        help="bytes/s a request body must keep up over each 5 s (default 1024; 0: none; below it: 408)",
+    )
+    o.add_argument(
+        "--body-budget-bytes",
+        type=int,
+        help="bytes of request bodies held at once, all requests together (default 256 MiB, at "
+        "least --max-body-bytes); a body that would pass it waits up to 2 s, then gets 503",
     )
     o.add_argument(
         "--poll-interval",
@@ -235,11 +271,16 @@ def values_from_config(path: str, service: str) -> dict[str, Any]:
         "release_burst": g.release_burst,
         "per_key_share": g.per_key_share_ratio,
         "key_header": g.key_header,
+        "known_keys_sha256": g.known_keys_sha256,
+        "trust_key_header": "on" if g.trust_key_header else "off",
         "retry_after": g.retry_after_seconds,
         "kv_admission": "on" if g.kv_admission else "off",
         "kv_reserve": g.kv_reserve_ratio,
         "default_output_tokens": g.default_output_tokens,
         "max_body_bytes": g.max_body_bytes,
+        "body_timeout": g.body_timeout_seconds,
+        "body_min_rate": g.body_min_rate_bytes_per_second,
+        "body_budget_bytes": g.body_budget_bytes,
         "poll_interval": g.poll_interval_seconds,
         "kv_poll_interval": g.kv_poll_interval_seconds,
         "stall_hold": g.stall_hold_seconds,
@@ -275,13 +316,36 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
         raise UsageError("--max-wait and the poll intervals must be > 0")
     if args.stall_hold < 0:
         raise UsageError("--stall-hold must be >= 0 (0: off)")
+    known = frozenset(k.lower() for k in args.known_keys_sha256)
+    if any(not re.fullmatch(r"[0-9a-f]{64}", k) for k in known):
+        raise UsageError("--known-key-sha256 takes a SHA-256 digest: 64 hex digits")
+    trust = args.trust_key_header == "on"
+    if trust and known:
+        raise UsageError("--trust-key-header on and --known-key-sha256 exclude each other")
+    if args.per_key_share > 0 and not (trust or known):
+        raise UsageError(
+            "--per-key-share needs --known-key-sha256 or --trust-key-header on: without either "
+            "every request counts as one client"
+        )
+    if args.body_timeout <= 0 or args.body_min_rate < 0:
+        raise UsageError("--body-timeout must be > 0 and --body-min-rate >= 0 (0: no floor)")
+    if args.body_budget_bytes < args.max_body_bytes:
+        raise UsageError(
+            f"--body-budget-bytes ({args.body_budget_bytes}) must be at least --max-body-bytes "
+            f"({args.max_body_bytes}): a body of the largest size allowed must fit"
+        )
     return GateSettings(
         proxy=ProxySettings(
             upstream=args.upstream,
             service=args.service,
             max_body_bytes=args.max_body_bytes,
+            body_timeout_seconds=args.body_timeout,
+            body_min_rate_bytes_per_second=args.body_min_rate,
+            body_budget_bytes=args.body_budget_bytes,
             default_output_tokens=args.default_output_tokens,
             key_header=args.key_header,
+            known_keys_sha256=known,
+            trust_key_header=trust,
             metrics_path=args.metrics_path,
         ),
         listen_host=host,

@@ -4,40 +4,128 @@ Where it sits: between the listening socket and the proxy. aiohttp's server has 
 for a request head, so a client that sends half a request holds its connection (and a
 descriptor) forever; ~1,000 of them and a normal POST got no answer at all. Here:
 
-* a connection is *busy* from the moment its request head has been read (the proxy's handler
-  runs) until its answer is done, and *idle* otherwise (sending its head, or kept alive
-  between requests);
+* a connection is *busy* from the moment its request body has been read (the proxy says so)
+  until its answer is done, *reading* while the proxy waits for its body (the body's own
+  deadline and rate floor apply: ``body.py``), and *idle* otherwise (sending its head, or
+  kept alive between requests);
 * an idle connection is closed after ``idle_timeout_seconds``: the request-head deadline and
   the keep-alive limit in one;
-* at ``max_connections`` open, a new connection closes the connection idle the longest; when
-  every connection is busy, the new one is closed at once. A real client sends its head in one
-  packet and becomes busy at once, so it is served during an attack of any size.
+* at ``max_connections`` open, a new connection closes the one that has waited for its client
+  the longest (idle, or reading a body); when every connection is busy, the new one is closed
+  at once. A real client sends its head and body at once and becomes busy at once, so it is
+  served during an attack of any size, heads that never end or bodies that never come;
+* a request the gate cannot parse gets a 400 in OpenAI's error shape and is counted
+  (:class:`MalformedRequests`), never logged with a traceback: any client can send them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import math
 import resource
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 
 from vllm_guardian.gate.metrics import GateMetrics
+from vllm_guardian.gate.proxy import openai_error
 
-Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+log = logging.getLogger("vllm_guardian.gate")
+
+# The proxy's handler: the request, and what to call once its body is read.
+Handler = Callable[[web.BaseRequest, Callable[[], None]], Awaitable[web.StreamResponse]]
+
+
+class MalformedRequests:
+    """Requests the gate could not parse: counted by phase (``head``: aiohttp's parser refused
+    the request head; ``body``: its framing or encoding broke while the proxy read it), each
+    logged at DEBUG, and at most one WARNING line per ``log_interval_seconds`` saying how many
+    there were. Never a traceback: a malformed request is the client's doing, and any client
+    could otherwise fill the log."""
+
+    def __init__(
+        self,
+        metrics: GateMetrics,
+        log_interval_seconds: float,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._metrics = metrics
+        self._interval_seconds = log_interval_seconds
+        self._now = monotonic
+        self._next_warning_monotonic = -math.inf
+        self._unreported = 0
+
+    def note(self, phase: str, peer: str | None, detail: str) -> None:
+        self._metrics.malformed(phase)
+        what = (detail.strip().splitlines() or ["?"])[0][:200]
+        log.debug("gate: malformed request (%s) from %s: %s", phase, peer, what)
+        self._unreported += 1
+        now = self._now()
+        if now < self._next_warning_monotonic:
+            return
+        log.warning(
+            "gate: %d malformed request(s) answered 400 (the latest from %s: %s); at most one "
+            "such line per %g s, all are counted in vllm_guardian_gate_malformed_requests_total",
+            self._unreported, peer, what, self._interval_seconds,
+        )  # fmt: skip
+        self._unreported = 0
+        self._next_warning_monotonic = now + self._interval_seconds
+
+
+class _Protocol(RequestHandler):
+    """aiohttp's connection handler, with malformed requests answered quietly (see above)."""
+
+    def __init__(self, manager: GuardedServer, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._malformed = manager.malformed
+
+    def data_received(self, data: bytes) -> None:
+        queued = len(self._messages)
+        super().data_received(data)
+        # aiohttp's parser, failing in the middle of a body (a chunk size that is not hex),
+        # drops that body without telling its reader and queues a 400 for after the handler:
+        # the handler would wait for the rest forever. Tell the reader instead.
+        request = self._current_request
+        if request is None or len(self._messages) <= queued:
+            return
+        message = self._messages[-1][0]
+        if isinstance(message, _ErrInfo) and not request.content.is_eof():
+            request.content.set_exception(RequestPayloadError(message.message))
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if status >= 500:  # the gate's own fault: aiohttp's ERROR with its traceback
+            return super().handle_error(request, status, exc, message)
+        self._malformed.note("head", request.remote, message or str(exc or ""))
+        if request.writer.output_size > 0:
+            raise ConnectionError("an answer was already started: the connection is closed")
+        resp = openai_error(status, "the gate could not parse the request", "BadRequestError")
+        resp.force_close()
+        return resp
 
 
 class _Conn:
-    __slots__ = ("busy", "idle_since", "transport")
+    __slots__ = ("busy", "idle_since", "reading", "transport")
 
     def __init__(self, transport: asyncio.Transport, now: float) -> None:
         self.transport = transport
         self.busy = 0
-        self.idle_since = now
+        self.reading = False  # busy, but still waiting for its request body
+        self.idle_since = now  # since when it waits for its client (idle, or reading)
+
+    @property
+    def waiting_for_client(self) -> bool:
+        return not self.busy or self.reading
 
 
 class GuardedServer(web.Server):
@@ -50,6 +138,7 @@ class GuardedServer(web.Server):
         max_connections: int,
         idle_timeout_seconds: float,
         metrics: GateMetrics,
+        malformed: MalformedRequests,
         **kwargs: Any,
     ) -> None:
         super().__init__(self._guarded, **kwargs)
@@ -57,14 +146,18 @@ class GuardedServer(web.Server):
         self.max_connections = max_connections
         self.idle_timeout_seconds = idle_timeout_seconds
         self._metrics = metrics
+        self.malformed = malformed
         self._conns: dict[RequestHandler, _Conn] = {}
         self._reaper = self._loop.create_task(self._reap(), name="gate-connection-reaper")
+
+    def __call__(self) -> RequestHandler:
+        return _Protocol(self, loop=self._loop, **self._kwargs)
 
     def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
         super().connection_made(handler, transport)
         now = time.monotonic()
         if len(self._conns) >= self.max_connections:
-            idle = [(c.idle_since, h) for h, c in self._conns.items() if not c.busy]
+            idle = [(c.idle_since, h) for h, c in self._conns.items() if c.waiting_for_client]
             if not idle:
                 self._metrics.connection_closed("over_cap")
                 transport.abort()
@@ -89,11 +182,19 @@ class GuardedServer(web.Server):
         conn = self._conns.get(request.protocol)
         if conn is not None:
             conn.busy += 1
+            conn.reading = True
+            conn.idle_since = time.monotonic()
+
+        def body_read() -> None:
+            if conn is not None:
+                conn.reading = False
+
         try:
-            return await self._inner(request)
+            return await self._inner(request, body_read)
         finally:
             if conn is not None:
                 conn.busy -= 1
+                conn.reading = False
                 conn.idle_since = time.monotonic()
 
     async def _reap(self) -> None:

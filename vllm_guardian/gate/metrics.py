@@ -80,7 +80,7 @@ class GateMetrics:
         ).labels(*s)
         self._rejected = Counter(
             f"{NS}_rejected",
-            "Requests answered by the gate itself (503 or 429), by reason.",
+            "Requests answered by the gate itself (503, 429, 413, 408 or 400), by reason.",
             ["service", "reason"],
             registry=r,
         )
@@ -102,6 +102,13 @@ class GateMetrics:
             ["service", "phase"],
             registry=r,
         )
+        self.body_bytes = Gauge(
+            f"{NS}_body_bytes",
+            "Bytes of request bodies the gate holds now (being read, queued or being sent), "
+            "within its body budget.",
+            ["service"],
+            registry=r,
+        ).labels(*s)
         self.connections = Gauge(
             f"{NS}_connections", "Client connections open now.", ["service"], registry=r
         ).labels(*s)
@@ -113,12 +120,22 @@ class GateMetrics:
             ["service", "reason"],
             registry=r,
         )
+        self._malformed = Counter(
+            f"{NS}_malformed_requests",
+            "Requests the gate could not parse and answered 400 itself, by where the fault was: "
+            "the request head (aiohttp's parser), or the body's framing or encoding (body).",
+            ["service", "phase"],
+            registry=r,
+        )
         self._service = service
+        for phase in ("head", "body"):
+            self._malformed.labels(service, phase)
         for reason in ("idle_timeout", "evicted", "over_cap"):
             self._connections_closed.labels(service, reason)
         # Every known label value from the start, so rate() sees a 0 before the first event.
         for reason in ("queue_full", "queued_tokens_full", "per_key_limit", "wait_timeout",
-                       "too_large", "too_deep", "shutdown"):  # fmt: skip
+                       "too_large", "too_deep", "shutdown", "body_timeout", "body_too_slow",
+                       "body_budget"):  # fmt: skip
             self._rejected.labels(service, reason)
         for phase in ("connect", "before_first_byte", "streaming"):
             self.upstream_errors.labels(service, phase)
@@ -141,6 +158,9 @@ class GateMetrics:
 
     def client_disconnect(self, phase: str) -> None:
         self.client_disconnects.labels(self._service, phase).inc()
+
+    def malformed(self, phase: str) -> None:
+        self._malformed.labels(self._service, phase).inc()
 
     def connection_closed(self, reason: str) -> None:
         self._connections_closed.labels(self._service, reason).inc()

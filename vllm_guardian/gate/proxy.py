@@ -2,9 +2,12 @@
 
 One exchange, in order:
 
-1. the request body is read, at most ``max_body_bytes`` (413 past it, before reading it when
-   ``Content-Length`` says so). It is kept in memory on purpose: a held request must be sent
-   later, possibly twice, and its prompt is what the KV estimate reads;
+1. the request body is read (``body.py``): at most ``max_body_bytes`` (413 past it, before
+   reading it when ``Content-Length`` says so), whole within ``body_timeout_seconds`` and no
+   slower than the rate floor (408), within the gate-wide body budget (503). It is kept in
+   memory on purpose: a held request must be sent later, possibly twice, and its prompt is
+   what the KV estimate reads. Once it is read the connection counts as busy (until then the
+   connection guard may close it to make room: ``connections.py``);
 2. a POST (work for vLLM) goes through :class:`~vllm_guardian.gate.admission.Admission`: it
    waits in the FIFO queue while the gate is closed or the KV pool is short, or gets an honest
    503 (+ ``Retry-After``) / 429 in OpenAI's error shape. GETs (``/health``, ``/v1/models``,
@@ -30,16 +33,27 @@ hop-by-hop) and bytes.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from aiohttp import web
 from multidict import CIMultiDict
 
 from vllm_guardian.gate.admission import Admission, Cost, Rejected, Ticket, estimate_cost
+from vllm_guardian.gate.body import (
+    BodyBudget,
+    BodyLimits,
+    BodyMalformed,
+    BodyRefusal,
+    BodyRefused,
+    HeldBody,
+    read_body,
+)
 from vllm_guardian.gate.follower import Follower
 from vllm_guardian.gate.metrics import CONTENT_TYPE, GateMetrics
 from vllm_guardian.gate.upstream import UpstreamError, UpstreamPool, UpstreamResponse
@@ -66,6 +80,9 @@ DYING_MARKERS = (
 )
 DYING_BODY_MAX_BYTES = 64 * 1024
 STATUS_PATH = "/gate/status"
+# The one client every request without a vouched-for key counts as (no header value can hold a
+# newline, so no client can name it).
+UNKNOWN_KEY = "\n(unknown)"
 
 
 @dataclass(frozen=True)
@@ -77,6 +94,33 @@ class ProxySettings:
     key_header: str = "Authorization"
     metrics_path: str = "/metrics"
     connect_timeout_seconds: float = 5.0
+    # A request body must arrive whole within body_timeout_seconds of its head, and at no less
+    # than body_min_rate_bytes_per_second over each body_rate_window_seconds (0: no floor);
+    # else 408. All bodies held at once (being read, queued or being sent) stay within
+    # body_budget_bytes: a read that would pass it waits up to body_budget_wait_seconds for
+    # room, then gets 503 (gate/body.py).
+    body_timeout_seconds: float = 30.0
+    body_min_rate_bytes_per_second: int = 1024
+    body_rate_window_seconds: float = 5.0
+    body_budget_bytes: int = 256 * 1024 * 1024
+    body_budget_wait_seconds: float = 2.0
+    # Who counts as one client for the per-key share (Limits.per_key_share_ratio): a value of
+    # key_header whose SHA-256 (hex) is listed here is a client of its own; with
+    # trust_key_header every value is (an auth proxy in front sets the header, the operator
+    # vouches for it). Every other request — no header, or a value not vouched for — counts as
+    # one client, UNKNOWN_KEY: a fresh value per request cannot buy a fresh share.
+    known_keys_sha256: frozenset[str] = frozenset()
+    trust_key_header: bool = False
+
+    @property
+    def body_limits(self) -> BodyLimits:
+        return BodyLimits(
+            max_bytes=self.max_body_bytes,
+            timeout_seconds=self.body_timeout_seconds,
+            min_rate_bytes_per_second=self.body_min_rate_bytes_per_second,
+            rate_window_seconds=self.body_rate_window_seconds,
+            budget_wait_seconds=self.body_budget_wait_seconds,
+        )
 
 
 def openai_error(
@@ -101,8 +145,10 @@ class _UpstreamBroke(Exception):
         self.phase = phase
 
 
-class _BodyTooLarge(Exception):
-    pass
+class MalformedSink(Protocol):
+    """Where the proxy reports a malformed body (connections.MalformedRequests)."""
+
+    def note(self, phase: str, peer: str | None, detail: str) -> None: ...
 
 
 class _Answer(web.StreamResponse):
@@ -128,15 +174,23 @@ class GateProxy:
         follower: Follower,
         pool: UpstreamPool,
         metrics: GateMetrics,
+        malformed: MalformedSink,
     ) -> None:
         self.s = settings
+        self.malformed = malformed
         self.admission = admission
         self.follower = follower
         self.pool = pool
         self.metrics = metrics
         self.open_exchanges = 0
+        self.bodies = BodyBudget(settings.body_budget_bytes, metrics)
+        self._body_limits = settings.body_limits
 
-    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def handle(
+        self, request: web.BaseRequest, body_read: Callable[[], None] = lambda: None
+    ) -> web.StreamResponse:
+        """One exchange; ``body_read`` is called once the request's body is in (the connection
+        guard's cue that this connection is now busy, not waiting for its client)."""
         path = request.rel_url.path
         if request.method == "GET" and path == self.s.metrics_path:
             return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -144,9 +198,57 @@ class GateProxy:
             return web.json_response(self.status())
         self.open_exchanges += 1
         try:
-            return await self._exchange(request)
+            try:
+                held = await self._read_body(request)
+            except BodyRefused as e:
+                return self._refuse_body(e)
+            except BodyMalformed as e:
+                self.malformed.note("body", request.remote, str(e))
+                resp = openai_error(
+                    400, "the gate could not read the request body", "BadRequestError"
+                )
+                resp.force_close()
+                return resp
+            body_read()
+            try:
+                return await self._exchange(request, held.data)
+            finally:
+                held.release()
         finally:
             self.open_exchanges -= 1
+
+    async def _read_body(self, request: web.BaseRequest) -> HeldBody:
+        if not request.body_exists:
+            return HeldBody(bytearray(), self.bodies)
+        return await read_body(
+            request.content, request.content_length, self._body_limits, self.bodies
+        )
+
+    def _refuse_body(self, e: BodyRefused) -> web.Response:
+        self.metrics.rejected.labels(e.refusal.value).inc()
+        if e.refusal is BodyRefusal.BUDGET:
+            resp = openai_error(
+                503, e.message, "ServiceUnavailableError",
+                retry_after_seconds=self.admission.limits.retry_after_seconds,
+            )  # fmt: skip
+        elif e.refusal is BodyRefusal.TOO_LARGE:
+            resp = openai_error(413, e.message, "BadRequestError")
+        else:
+            resp = openai_error(408, e.message, "RequestTimeoutError")
+        resp.force_close()  # the rest of the body is not read: the connection cannot be reused
+        return resp
+
+    def client_key(self, value: str | None) -> str:
+        """The client a request counts as for the per-key share (see ProxySettings)."""
+        if value is None:
+            return UNKNOWN_KEY
+        if self.s.trust_key_header:
+            return value
+        if self.s.known_keys_sha256:
+            digest = hashlib.sha256(value.encode("utf-8", "surrogateescape")).hexdigest()
+            if digest in self.s.known_keys_sha256:
+                return value
+        return UNKNOWN_KEY
 
     def status(self) -> dict[str, object]:
         """``GET /gate/status``: what the guardian's gate source reads (docs/gate.md, "Status")."""
@@ -171,22 +273,11 @@ class GateProxy:
             "rejected_total": m.total("rejected"),
         }
 
-    async def _exchange(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def _exchange(self, request: web.BaseRequest, body: bytearray) -> web.StreamResponse:
         started = time.perf_counter()
-        try:
-            body = await self._read_body(request)
-        except _BodyTooLarge:
-            self.metrics.rejected.labels("too_large").inc()
-            resp = openai_error(
-                413,
-                f"request body larger than the gate's limit of {self.s.max_body_bytes} bytes",
-                "BadRequestError",
-            )
-            resp.force_close()  # the rest of the body is not read: the connection cannot be reused
-            return resp
         ticket: Ticket | None = None
         cost: Cost | None = None
-        key = request.headers.get(self.s.key_header, "")
+        key = self.client_key(request.headers.get(self.s.key_header))
         overhead = 0.0
         if request.method == "POST":
             try:
@@ -238,27 +329,12 @@ class GateProxy:
             if ticket is not None:
                 self.admission.release(ticket)
 
-    async def _read_body(self, request: web.BaseRequest) -> bytes:
-        limit = self.s.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise _BodyTooLarge
-        if not request.body_exists:
-            return b""
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in request.content.iter_any():
-            size += len(chunk)
-            if size > limit:
-                raise _BodyTooLarge
-            chunks.append(chunk)
-        return b"".join(chunks)
-
     async def _send(
         self,
         request: web.BaseRequest,
         target: str,
         headers: CIMultiDict[str],
-        body: bytes,
+        body: bytearray,
         started: float,
         overhead: float,
     ) -> web.StreamResponse:

@@ -17,7 +17,11 @@ import aiohttp
 from aiohttp import web
 
 from vllm_guardian.gate.admission import Admission, Limits
-from vllm_guardian.gate.connections import GuardedServer, fit_descriptor_limit
+from vllm_guardian.gate.connections import (
+    GuardedServer,
+    MalformedRequests,
+    fit_descriptor_limit,
+)
 from vllm_guardian.gate.follower import Follower
 from vllm_guardian.gate.metrics import GateMetrics
 from vllm_guardian.gate.proxy import GateProxy, ProxySettings
@@ -46,6 +50,8 @@ class GateSettings:
     # longest-idle one is closed. Idle (head not sent yet, or kept alive): closed after this.
     max_connections: int = 4096
     idle_timeout_seconds: float = 15.0
+    # Malformed requests: counted, and at most one WARNING line per this long (connections.py).
+    malformed_log_interval_seconds: float = 60.0
 
 
 class Gate:
@@ -87,7 +93,10 @@ class Gate:
         self._pool = UpstreamPool(
             s.proxy.upstream, connect_timeout_seconds=s.proxy.connect_timeout_seconds
         )
-        self.proxy = GateProxy(s.proxy, self.admission, self.follower, self._pool, self.metrics)
+        malformed = MalformedRequests(self.metrics, s.malformed_log_interval_seconds)
+        self.proxy = GateProxy(
+            s.proxy, self.admission, self.follower, self._pool, self.metrics, malformed
+        )
         self.admission.start()
         await self.follower.poll_once()  # know the state before the first request
         self.follower.start()
@@ -99,6 +108,7 @@ class Gate:
             max_connections=cap,
             idle_timeout_seconds=s.idle_timeout_seconds,
             metrics=self.metrics,
+            malformed=malformed,
             handler_cancellation=True,
             access_log=None,
             keepalive_timeout=2 * s.idle_timeout_seconds,  # the guard closes them first

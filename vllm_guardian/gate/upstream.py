@@ -205,7 +205,7 @@ class UpstreamPool:
         method: str,
         target: str,
         headers: Iterable[tuple[str, str]],
-        body: bytes | None,
+        body: bytes | bytearray | None,
     ) -> UpstreamResponse:
         """Send one request (``target``: path and query, appended to the base URL's path) and
         read its answer's head. Raises :class:`UpstreamError`."""
@@ -220,7 +220,7 @@ class UpstreamPool:
         return await self._exchange(conn, head, body, head_request=method == "HEAD")
 
     async def _exchange(
-        self, conn: _Conn, head: bytes, body: bytes | None, *, head_request: bool
+        self, conn: _Conn, head: bytes, body: bytes | bytearray | None, *, head_request: bool
     ) -> UpstreamResponse:
         try:
             writer = conn.writer
