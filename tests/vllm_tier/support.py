@@ -36,6 +36,8 @@ CACHE = Path(os.environ.get("VLLM_GUARDIAN_CI_CACHE", "/var/cache/vllm-guardian-
 VENV = Path(os.environ.get("VLLM_GUARDIAN_VLLM_VENV", str(CACHE / f"vllm-{VERSION}")))
 MODEL_NAME = "tiny-llama"
 MARKER = "VLLM_GUARDIAN_TIER_RUN"
+# Its sitecustomize asks Linux for the AMX tile state in every vLLM process the tier starts.
+AMX_SITE = Path(__file__).resolve().parent / "amx"
 HERE = Path(__file__).parent
 
 
@@ -125,6 +127,9 @@ def vllm_env(run_id: str, workdir: Path) -> dict[str, str]:
         "PYTHONUNBUFFERED": "1",  # the guardian's log source must see lines as they happen
         "VLLM_LOGGING_CONFIG_PATH": str(logging_config(workdir / "vllm-logging.json")),
         "VLLM_GUARDIAN_ALLOCATOR_DIR": str(workdir / "allocator"),
+        # Each process asks for the AMX tile state before vLLM's bf16 attention kernel runs a
+        # tile instruction; without it, on an AMX CPU, the worker dies of SIGILL (amx/sitecustomize.py).
+        "PYTHONPATH": str(AMX_SITE),
     }
 
 

@@ -304,6 +304,25 @@ def _sum(text: str, name: str, **match: str) -> float | None:
     return total
 
 
+# --- 0. the server the tier starts serves its first request --------------------------------
+
+
+def test_a_short_first_request_is_served_by_a_fresh_server(guarded: Guarded) -> None:
+    """The first request a fresh server gets is a 3-token prompt, as the relaunch test's client
+    sends. On a CPU with AMX, vLLM 0.32's bf16 attention kernel runs AMX tile instructions
+    without asking Linux for them; unless a large enough matmul (oneDNN asks) ran first in that
+    process, the worker died of SIGILL ("Worker proc VllmWorker-0 died unexpectedly (exit code:
+    -4)"), every time, and the guardian rightly restarted it. The tier's vLLMs ask at start
+    (tests/vllm_tier/amx/sitecustomize.py); this is the request that killed them before."""
+    r = support.session().post(
+        guarded.url + "/v1/completions",
+        json={"model": MODEL_NAME, "prompt": [17, 18, 19], "max_tokens": 4},
+        timeout=120,
+    )
+    died = [line for line in guarded.log().splitlines() if "died unexpectedly" in line]
+    assert r.status_code == 200 and not died, (r.status_code, r.text[:300], died)
+
+
 # --- 1. the source reads what the server says ----------------------------------------------
 
 
