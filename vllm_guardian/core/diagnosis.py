@@ -188,6 +188,14 @@ def classify_startup_oom(event: LogEvent, signals: ServiceSignals | None) -> Evi
     )
 
 
+# vLLM's header in front of a log line, left out where a sentence quotes the line.
+_HEADER = re.compile(r"^(?:\([^\s()]+ pid=\d+\) )?(?:[A-Z]+ \d\d-\d\d \d\d:\d\d:\d\d\S* \S+ )?")
+
+
+def _quote(ev: LogEvent) -> str:
+    return _HEADER.sub("", ev.message, count=1)[:200]
+
+
 def evidence_from_logs(
     events: Iterable[LogEvent], signals: ServiceSignals | None
 ) -> list[Evidence]:
@@ -217,7 +225,7 @@ def evidence_from_logs(
                 Evidence(
                     Cause.GPU_MEMORY_OVERCOMMIT,
                     f"log:{ev.kind.value}",
-                    ev.message[:200],
+                    _quote(ev),
                     unambiguous=True,
                 )
             )
@@ -226,15 +234,13 @@ def evidence_from_logs(
                 Evidence(
                     Cause.GPU_HARDWARE_FAULT,
                     "log:gpu_hardware_error",
-                    ev.message[:200],
+                    _quote(ev),
                     unambiguous=True,
                 )
             )
         elif ev.kind in _DEATH_KINDS:
             out.append(
-                Evidence(
-                    Cause.ENGINE_DEAD, f"log:{ev.kind.value}", ev.message[:200], unambiguous=True
-                )
+                Evidence(Cause.ENGINE_DEAD, f"log:{ev.kind.value}", _quote(ev), unambiguous=True)
             )
         elif ev.kind is LogEventKind.NON_TORCH_OOM:
             out.append(
@@ -250,7 +256,7 @@ def evidence_from_logs(
                 Evidence(
                     Cause.KV_CACHE_BLOWOUT,
                     f"log:{ev.kind.value}",
-                    ev.message[:200],
+                    _quote(ev),
                     unambiguous=True,
                 )
             )
