@@ -41,6 +41,9 @@ Which lines are evidence (a client must not be able to write one):
 * Xids come from NVML (sources/nvml.py) with their own rules; a kernel line quoted in vLLM's
   log is text like any other.
 
+Even an engine line can quote a request (a request id, a grammar): no log line alone makes the
+policy act or ``diagnose`` name a cause. ``core/diagnosis.corroborated`` is that rule.
+
 Counting rules (why a count is a number of *incidents*, not of lines):
 * vLLM reports one failure several times: the worker prints the OOM traceback, EngineCore
   re-raises it as ``Worker failed with error 'CUDA out of memory…'``, the API server logs
