@@ -136,6 +136,10 @@ HOSTILE_LINES = [
     "(EngineCore_DP0 pid=4120) ERROR 11-22 00:07:30 [dump_input.py:79] Dumping scheduler output "
     "for model execution: SchedulerOutput(scheduled_new_reqs=[NewRequestData(req_id=chatcmpl-1,"
     "sampling_params=SamplingParams(n=1, stop=['" + OOM_21 + "'])])",
+    # the API server's coloured header, and one a request wrote in colour mid-line
+    "\x1b[0;36m(APIServer pid=4119)\x1b[0;0m \x1b[31mERROR\x1b[0m \x1b[90m11-22 00:07:30\x1b[0m "
+    "\x1b[90m[serving.py:274]\x1b[0m Error with model " + OOM_21,
+    "x\x1b[0;36m" + ENGINE + OOM_21,
     # an engine process's INFO line
     "(EngineCore_DP0 pid=4120) INFO 11-22 00:07:30 [core.py:1007] " + OOM_21,
 ]
@@ -345,6 +349,12 @@ MATCH_CASES: list[tuple[str, tuple[LogEventKind, dict[str, str]] | None]] = [
     (
         ENGINE + "TimeoutError: RPC call to execute_model timed out.",
         (K.EXECUTE_TIMEOUT, {"method": "execute_model"}),
+    ),
+    # VLLM_LOGGING_COLOR=1 (vLLM's ColoredFormatter): colours around the header's parts
+    (
+        "\x1b[0;36m(EngineCore_DP0 pid=4120)\x1b[0;0m \x1b[31mERROR\x1b[0m \x1b[90m11-22 00:07:30"
+        "\x1b[0m \x1b[90m[core.py:1007]\x1b[0m " + OOM_20,
+        (K.CUDA_OOM, OOM_20_DETAILS),
     ),
     # vLLM before 0.11 put the process in front of a child's raw output instead
     ("(VllmWorker-0 pid=7) " + OOM_20, (K.CUDA_OOM, OOM_20_DETAILS)),

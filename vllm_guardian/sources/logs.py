@@ -116,6 +116,8 @@ LOG_PREFIX = re.compile(
     r"^(?:\((?P<proc>[^\s()]+) pid=(?P<pid>\d+)\) )?(?P<lvl>DEBUG|INFO|WARNING|ERROR|CRITICAL) "
     r"(?P<ts>\d\d-\d\d \d\d:\d\d:\d\d)(?:\.\d+)? \[?(?P<src>[^\]\s]+):\d+\]? (?P<msg>.*)$"
 )
+# Colours (vLLM's ColoredFormatter, when forced or on a terminal): around the header's parts.
+_SGR = re.compile(r"\x1b\[[0-9;]*m")
 # A process prefix alone: vLLM before 0.11 prefixed everything a child process wrote.
 _PROC_PREFIX = re.compile(r"^\((?P<proc>[^\s()]+) pid=\d+\) (?P<msg>.*)$")
 _QUIET_LEVELS = frozenset({"DEBUG", "INFO"})
@@ -368,6 +370,8 @@ class Origin:
 def line_origin(line: str) -> Origin | None:
     """Who wrote ``line``, if it is a writer whose lines can be evidence; None for everything
     else (the API server's serving code, uvicorn, bare lines, a header not at the start)."""
+    if "\x1b" in line:
+        line = _SGR.sub("", line)  # VLLM_LOGGING_COLOR=1: the header's colours
     m = LOG_PREFIX.match(line)
     if m is not None:
         proc, level, msg = m.group("proc"), m.group("lvl"), m.group("msg")
