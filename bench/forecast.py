@@ -67,6 +67,7 @@ from vllm_guardian.sim.engine import EnginePhase, SimEngine  # noqa: E402
 from vllm_guardian.sim.flags import parse_serve_args  # noqa: E402
 from vllm_guardian.sim.load import plan_requests  # noqa: E402
 from vllm_guardian.sim.scenarios import SCENARIOS  # noqa: E402
+from vllm_guardian.sim.vllm_log import format_line  # noqa: E402
 from vllm_guardian.sources.logs import match_line  # noqa: E402
 
 TICK = 2.0
@@ -156,7 +157,7 @@ class Service:
             elif d.finish_reason is not None:
                 self.served += 1
         for ev in e.take_logs():
-            m = match_line(ev.message)
+            m = match_line(format_line(ev, self.pid, self.offset + ev.sim_seconds))
             if m is not None:
                 kind, details = m
                 self.new_logs.append(

@@ -20,7 +20,7 @@ from vllm_guardian.actuators.systemd import SystemdBackend
 from vllm_guardian.clock import SystemClock
 from vllm_guardian.core.policy import Lever, PolicyState, ServiceState
 from vllm_guardian.healing import load_state, save_state
-from vllm_guardian.model import Op, OpRequest, OpResult
+from vllm_guardian.model import Cause, Op, OpRequest, OpResult
 
 # --- the flags file --------------------------------------------------------------------------
 
@@ -461,6 +461,36 @@ def test_policy_state_round_trip_and_corrupt_file_set_aside(tmp_path: Path):
     assert load_state(path) is None
     assert (tmp_path / "policy-state.json.corrupt").read_text() == "{not json"
     assert not path.exists()
+
+
+def test_a_state_saved_before_log_items_keeps_its_breaker(tmp_path: Path):
+    """Log evidence was saved as plain tuples (`pending`); an upgrade reads the rest of that
+    state (a latched breaker stays latched) and drops those items: nothing agreed with them."""
+    from vllm_guardian.core.policy import LogItem
+
+    path = tmp_path / "policy-state.json"
+    old = {
+        "format": 1,
+        "state": {
+            "services": [
+                {
+                    "service": "vllm",
+                    "breaker_latched": True,
+                    "breaker_reason": "GPU hardware fault",
+                    "pending": [["prefill_burst", "log:cuda_oom", "CUDA OOM", 12.0]],
+                }
+            ],
+            "next_action_id": 3,
+        },
+    }
+    path.write_text(json.dumps(old))
+    state = load_state(path)
+    assert state is not None and state.service("vllm").breaker_latched
+    assert state.service("vllm").log_items == ()
+    item = LogItem(Cause.PREFILL_BURST, "log:cuda_oom", "CUDA OOM", 12.0, ("health:engine_dead",))
+    new = PolicyState((ServiceState("vllm", log_items=(item,), structural_at=12.0),), 3)
+    save_state(path, new)
+    assert load_state(path) == new
 
 
 def test_concurrent_saves_leave_a_readable_file(tmp_path: Path):

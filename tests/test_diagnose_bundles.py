@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.test_source_logs import HOSTILE_LINES, HOSTILE_TEXT, OOM_21, model_error
 from vllm_guardian.cli import main
 from vllm_guardian.diagnose.analyze import analyze
 from vllm_guardian.diagnose.bundle import read_bundle
@@ -178,3 +180,37 @@ def test_diagnose_reads_the_operators_rules_file(tmp_path: Path) -> None:
     mine = verdict("-c", str(cfg))
     assert mine["verdict"] == "healthy", mine["causes"]
     assert any(str(rules) in n for n in mine["notes"]), mine["notes"]  # type: ignore[union-attr]
+
+
+# A request's text in vLLM's log, beside a vLLM that is up (/health 200, the unit running): no
+# cause. The first are lines the logs source never reads as evidence; the last are engine lines
+# quoting a request id a client chose (--enable-request-id-headers takes X-Request-Id), which
+# it does read: no verdict either, a log line alone names no cause (core/diagnosis.corroborated).
+QUOTED_ID = "(EngineCore_DP0 pid=4300) ERROR 11-22 00:07:30 [core.py:2056] Unexpected error pre-processing request chatcmpl-"
+HOSTILE_JOURNALS = [
+    ("a request's text in the API server's lines", HOSTILE_LINES, False),
+    (
+        "vLLM's sizing line in a model name (it would make the KV pool 0.01 GiB)",
+        [model_error("Available KV cache memory: 0.01 GiB"), model_error("# GPU blocks: 1")],
+        False,
+    ),
+    ("an engine line quoting a request id", [QUOTED_ID + t for t in HOSTILE_TEXT], True),
+    ("... an OOM's numbers in it", [QUOTED_ID + OOM_21], True),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "lines", "noted"), HOSTILE_JOURNALS, ids=[x[0] for x in HOSTILE_JOURNALS]
+)
+def test_hostile_request_text_names_no_cause(
+    tmp_path: Path, name: str, lines: list[str], noted: bool
+) -> None:
+    b = tmp_path / "b"
+    shutil.copytree(BUNDLES / "prefill_burst", b)  # a model config and a card: a KV budget
+    (b / "health.json").write_text(json.dumps({"status_code": 200, "latency_seconds": 0.004}))
+    (b / "journal.log").write_text("".join(line.replace("\n", "\\n") + "\n" for line in lines))
+    doc = to_json(analyze(read_bundle(b)))
+    assert (doc["verdict"], doc["causes"]) == ("healthy", []), (name, doc["causes"])
+    assert doc["kv_budget"]["kv_pool_source"] == "estimated"  # type: ignore[index]
+    notes = [n for n in doc["notes"] if "log lines alone name no cause" in n]  # type: ignore[union-attr]
+    assert bool(notes) is noted, doc["notes"]

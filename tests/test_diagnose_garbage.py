@@ -17,6 +17,7 @@ from vllm_guardian.config import ServiceConfig
 from vllm_guardian.diagnose import bundle as bundle_mod
 from vllm_guardian.diagnose.analyze import analyze
 from vllm_guardian.diagnose.bundle import BundleError, read_bundle, write_bundle
+from vllm_guardian.diagnose.gather import whole_lines
 from vllm_guardian.diagnose.report import render_text, to_json
 from vllm_guardian.model import (
     Action,
@@ -61,7 +62,14 @@ def test_missing_files_and_malformed_json(tmp_path: Path) -> None:
     for needle in ("manifest.json missing", "gpus.json: not valid JSON", "health.json: expected an object",
                    "model_config.json", "garbage.prom", "malformed", "allocator/0.json"):  # fmt: skip
         assert needle in problems, needle
-    assert doc["verdict"] == "prefill_burst"  # the journal still tells the story
+    # The journal's OOM alone names no cause: with health.json unreadable and the unit active,
+    # nothing structural agrees with it (a request's text can reach the log).
+    assert doc["verdict"] == "healthy"
+    assert any("log lines alone name no cause" in n for n in doc["notes"]), doc["notes"]  # type: ignore[union-attr]
+    # The unit's state agrees (its supervisor is restarting it): the journal tells the story.
+    unit = json.loads((b / "unit.json").read_text())
+    (b / "unit.json").write_text(json.dumps({**unit, "ActiveState": "activating"}))
+    assert _report(b)["verdict"] == "prefill_burst"
 
 
 def test_an_empty_directory_is_a_partial_report(tmp_path: Path) -> None:
@@ -78,6 +86,47 @@ def test_a_huge_log_keeps_its_tail(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     doc = _report(b)
     assert doc["verdict"] == "engine_dead"
     assert any("only the last" in p for p in doc["problems"])  # type: ignore[union-attr]
+
+
+ENGINE_OOM = (
+    "(EngineCore_DP0 pid=4300) ERROR 11-22 00:07:30 [core.py:1007] torch.OutOfMemoryError: CUDA "
+    "out of memory. Tried to allocate 5.86 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+    "1.62 GiB is free."
+)
+
+
+def test_a_tail_that_starts_mid_line_drops_that_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A journal tail read from a byte offset starts inside some line: one a request wrote could
+    have a header exactly there (a long `model` full of them). That partial line is dropped."""
+    monkeypatch.setattr(bundle_mod, "MAX_JOURNAL_BYTES", 64 * 1024)
+    b = tmp_path / "b"
+    shutil.copytree(BUNDLES / "prefill_burst", b)
+    request = "(APIServer pid=4242) ERROR 11-22 00:07:30 [serving.py:274] Error with model "
+    filler = "(APIServer pid=4242) INFO 11-22 00:07:31 [loggers.py:1] idle\n" * 100
+    # The tail (64 KiB) starts exactly at the header inside the request's line.
+    pad = "y" * (64 * 1024 - len(ENGINE_OOM) - len(filler) - 2) + "\n"
+    (b / "journal.log").write_text(request + "x" * 100_000 + ENGINE_OOM + "\n" + filler + pad)
+    doc = _report(b)
+    assert not any("CUDA OOM" in e for c in doc["causes"] for e in c["evidence"]), doc["causes"]  # type: ignore[attr-defined,index]
+    assert doc["verdict"] == "engine_dead"  # /health 503 still says the engine died
+
+
+WHOLE_LINES = [
+    # log text, read from a byte offset (cut), its lines
+    (b"a\nb\n", False, ["a", "b"]),
+    (b"a\r\nb", False, ["a", "b"]),
+    # split at newlines only: U+2028, U+0085, \x1c and form feeds are a request's text
+    ("x\u2028y\x85z\x1c\x0cw\n".encode(), False, ["x\u2028y\x85z\x1c\x0cw"]),
+    (b"the end of a line\nnext\n", True, ["next"]),
+    (b"no newline at all", True, []),
+]
+
+
+@pytest.mark.parametrize(("data", "cut", "lines"), WHOLE_LINES)
+def test_diagnose_reads_whole_lines(data: bytes, cut: bool, lines: list[str]) -> None:
+    assert whole_lines(data, cut) == lines
 
 
 def test_not_a_bundle_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -148,6 +197,7 @@ def test_tar_round_trip_through_save_bundle(tmp_path: Path) -> None:
 def test_the_policys_bundle_is_read(tmp_path: Path) -> None:
     """The bundle actuators/bundle.py writes before each disruptive action (with flight.jsonl)."""
     oom = (
+        "(EngineCore_DP0 pid=4300) ERROR 11-22 00:07:30 [core.py:1007] "
         "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 5.86 GiB. GPU 0 has a total "
         "capacity of 79.19 GiB of which 1.62 GiB is free. Of the allocated memory 76.55 GiB is "
         "allocated by PyTorch, and 120.54 MiB is reserved by PyTorch but unallocated."

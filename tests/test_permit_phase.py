@@ -169,10 +169,10 @@ def permit_run(monkeypatch: pytest.MonkeyPatch) -> type:
 
 
 def test_a_step_up_waits_for_the_permit_with_the_front_door_open(permit_run: type) -> None:
-    from tests.test_policy import Row, oom
+    from tests.test_policy import DEAD, Row, oom
     from vllm_guardian.core.policy import Lever
 
-    r = permit_run().run(Row(0, logs=(oom(6.0),)), Row(2))  # a crash: no permit
+    r = permit_run().run(Row(0, logs=(oom(6.0),), health=DEAD), Row(2))  # a crash: no permit
     assert [d.phase for d in r.decisions if d.phase is Phase.AWAITING_PERMIT] == []
     assert r.svc.rung(Lever.MAX_NUM_BATCHED_TOKENS) == 1
     r.refuse = True

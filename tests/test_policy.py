@@ -42,6 +42,7 @@ from vllm_guardian.model import (
 )
 
 GIB = 1024**3
+DEAD = HealthState.ENGINE_DEAD
 RULE_SIGNALS = {
     "EngineDead": "vllm_up",
     "EngineStalled": "stalled",
@@ -107,6 +108,12 @@ def oom(tried_gib: float, unalloc_gib: float = 0.0) -> LogEvent:
     )
 
 
+def death() -> LogEvent:
+    return LogEvent(
+        LogEventKind.ENGINE_DEAD, 0.0, "EngineDeadError: EngineCore encountered an issue."
+    )
+
+
 def free_memory_short() -> LogEvent:
     return LogEvent(
         LogEventKind.FREE_MEMORY_BELOW_UTILIZATION,
@@ -131,6 +138,9 @@ class Row:
     fail: bool = False  # the in-flight action's result (delivered this row) is a failure
     terminal: bool = False
     last_true: float | None = None  # alerts held firing: their condition was last true then
+    stalled: bool = False
+    xids: tuple[int, ...] = ()  # reset-class or not, on GPU 0, within the rate window
+    unit_state: str = "active"
 
 
 @dataclass
@@ -172,7 +182,7 @@ class Run:
     def _step(self, row: Row, results: tuple[OpResult, ...], logs_now: tuple[LogEvent, ...]):  # type: ignore[no-untyped-def]
         unit = UnitState(
             "vllm.service",
-            "active",
+            row.unit_state,
             "running",
             "success",
             row.pid,
@@ -200,6 +210,8 @@ class Run:
             kv_cache_capacity_tokens=row.pool,
             gpu_memory_utilization_ratio=0.9,
             gpus=(ServiceGpuSignals(0, 70 * GIB, 0, int(72 * GIB), 8 * GIB, 80 * GIB),),
+            stalled=row.stalled,
+            recent_xid_events=tuple((0, x, 1) for x in row.xids),
         )
         out = decide(
             self.state,
@@ -317,11 +329,11 @@ def test_early_failures_latch():
     cfg = replace(BASE, cooldown_seconds=0)
     r2 = Run(cfg=cfg)
     r2.run(
-        Row(0, logs=(oom(2.0),)),
+        Row(0, logs=(oom(2.0),), health=DEAD),
         Row(2),
-        Row(10, logs=(oom(2.0),)),
+        Row(10, logs=(oom(2.0),), health=DEAD),
         Row(12),
-        Row(20, logs=(oom(2.0),)),
+        Row(20, logs=(oom(2.0),), health=DEAD),
     )
     assert r2.svc.breaker_latched and "restarting does not help" in (r2.svc.breaker_reason or "")
 
@@ -335,7 +347,7 @@ EARLY_CRASHES = [
     # name, rows after the first relaunch and its result at t=2, expected (t, what) decisions
     (
         "OOM 5 s after ready: the next rung at once",
-        [Row(7, logs=(oom(0.2),))],
+        [Row(7, logs=(oom(0.2),), health=DEAD)],
         [(0, "action"), (2, "result"), (7, "action")],
     ),
     (
@@ -345,7 +357,7 @@ EARLY_CRASHES = [
     ),
     (
         "OOM 58 s after ready (past the early window), in cooldown: wait",
-        [Row(60, logs=(oom(0.2),))],
+        [Row(60, logs=(oom(0.2),), health=DEAD)],
         [(0, "action"), (2, "result"), (60, "suppressed")],
     ),
     (
@@ -355,7 +367,7 @@ EARLY_CRASHES = [
     ),
     (
         "a second early failure: latch and escalate, no third relaunch",
-        [Row(7, logs=(oom(0.2),)), Row(9), Row(14, logs=(oom(0.2),))],
+        [Row(7, logs=(oom(0.2),), health=DEAD), Row(9), Row(14, logs=(oom(0.2),), health=DEAD)],
         [(0, "action"), (2, "result"), (7, "action"), (9, "result"), (14, "latch"), (14, "action")],
     ),
 ]
@@ -365,7 +377,7 @@ EARLY_CRASHES = [
     ("name", "rows", "expected"), EARLY_CRASHES, ids=[x[0] for x in EARLY_CRASHES]
 )
 def test_an_early_failure_is_acted_on_within_the_cooldown(name, rows, expected):  # type: ignore[no-untyped-def]
-    r = Run().run(Row(0, logs=(oom(0.2),)), Row(2), *rows)
+    r = Run().run(Row(0, logs=(oom(0.2),), health=DEAD), Row(2), *rows)
     assert [(t, w) for t, w in r.kinds() if w != "suppressed" or t > 2] == expected, [
         (d.time_seconds, d.what, d.reason) for d in r.decisions
     ]
@@ -379,7 +391,7 @@ LADDER = [
     # name, rows, expected (kind, cause, flags, env) of the first action
     (
         "prefill OOM: fewer batched tokens, chunked prefill",
-        [Row(0, logs=(oom(6.0),))],
+        [Row(0, logs=(oom(6.0),), health=DEAD)],
         (
             ActionKind.RELAUNCH,
             Cause.PREFILL_BURST,
@@ -389,7 +401,7 @@ LADDER = [
     ),
     (
         "small OOM with no other evidence: lower gpu_memory_utilization",
-        [Row(0, logs=(oom(0.2),))],
+        [Row(0, logs=(oom(0.2),), health=DEAD)],
         (
             ActionKind.RELAUNCH,
             Cause.GPU_MEMORY_OVERCOMMIT,
@@ -399,7 +411,7 @@ LADDER = [
     ),
     (
         "fragmentation OOM, first time: drain and restart, same flags",
-        [Row(0, logs=(oom(0.5, unalloc_gib=4),))],
+        [Row(0, logs=(oom(0.5, unalloc_gib=4),), health=DEAD)],
         (ActionKind.RESTART, Cause.ALLOCATOR_FRAGMENTATION, (), ()),
     ),
     (
@@ -424,7 +436,9 @@ def test_the_lever_matches_the_cause(name, rows, expected):
 
 def test_fragmentation_repeat_earns_expandable_segments():
     cfg = replace(BASE, cooldown_seconds=10, early_failure_seconds=0)
-    r = Run(cfg=cfg).run(Row(0, logs=(oom(0.5, 4),)), Row(2), Row(100, logs=(oom(0.5, 4),)))
+    r = Run(cfg=cfg).run(
+        Row(0, logs=(oom(0.5, 4),), health=DEAD), Row(2), Row(100, logs=(oom(0.5, 4),), health=DEAD)
+    )
     assert [a.kind for a in r.actions] == [ActionKind.RESTART, ActionKind.RELAUNCH]
     assert r.actions[1].env == (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),)
 
@@ -447,12 +461,14 @@ def test_low_prefix_cache_hit_rate_is_never_acted_on():
 
 
 def test_step_down_then_back_up_after_a_stable_period_and_pinning():
-    r = Run().run(Row(0, logs=(oom(6.0),)), Row(2))
+    r = Run().run(Row(0, logs=(oom(6.0),), health=DEAD), Row(2))
     assert r.svc.rung(Lever.MAX_NUM_BATCHED_TOKENS) == 1
     r.run(Row(500), Row(1002))  # stable for 1000 s since ready at 2
     assert r.actions[-1].kind is ActionKind.RELAUNCH and r.actions[-1].flags == ()
     assert r.svc.rung(Lever.MAX_NUM_BATCHED_TOKENS) == 0
-    r.run(Row(1004), Row(1200, logs=(oom(6.0),)), Row(1202))  # the cause returns soon after: pinned
+    r.run(
+        Row(1004), Row(1200, logs=(oom(6.0),), health=DEAD), Row(1202)
+    )  # the cause returns soon after: pinned
     assert r.svc.rung(Lever.MAX_NUM_BATCHED_TOKENS) == 1
     r.run(Row(2300), Row(3000))  # stable again, but pinned until 1200 + 5000
     assert r.svc.rung(Lever.MAX_NUM_BATCHED_TOKENS) == 1
@@ -470,7 +486,7 @@ def test_failed_action_backs_off_and_terminal_failure_latches():
 
 
 def test_dry_run_decides_the_same_and_marks_actions():
-    r = Run(cfg=replace(BASE, dry_run=True)).run(Row(0, logs=(oom(6.0),)))
+    r = Run(cfg=replace(BASE, dry_run=True)).run(Row(0, logs=(oom(6.0),), health=DEAD))
     assert r.actions[0].dry_run and r.decisions[-1].dry_run
 
 
@@ -481,6 +497,107 @@ def test_pause_holds_everything():
     r.state, _ = pause(r.state, None, 0)
     r.run(Row(1, kv=0.99, alerts=("EngineDead",), health=HealthState.ENGINE_DEAD))
     assert r.actions == [] and r.svc.gate_open
+
+
+# --- a log line alone acts on nothing --------------------------------------------------------
+
+
+def hardware() -> LogEvent:
+    return LogEvent(
+        LogEventKind.GPU_HARDWARE_ERROR, 0.0, "RuntimeError: CUDA error: GPU has fallen off the bus"
+    )
+
+
+# A log line is text a request can shape (a `model` field vLLM logs at ERROR). It makes an action
+# or a latch only while a structural signal agrees: /health failing, the process gone or
+# replaced, the engine stalled, a reset-class XID from NVML, within 60 s of the line, before or
+# after it (core/diagnosis.corroborated). Name, rows, expected (time, action kind, cause).
+CORROBORATION = [
+    ("an OOM line, vLLM up", [Row(0, logs=(oom(6.0),)), Row(10), Row(100)], []),
+    ("a GPU-hardware line, vLLM up: no latch", [Row(0, logs=(hardware(),)), Row(30)], []),
+    ("an engine-death line, vLLM up", [Row(0, logs=(death(),)), Row(30)], []),
+    (
+        "an OOM line with /health 503 on its tick",
+        [Row(0, logs=(oom(6.0),), health=DEAD)],
+        [(0, ActionKind.RELAUNCH, Cause.PREFILL_BURST)],
+    ),
+    (
+        "/health 503 on the next tick",
+        [Row(0, logs=(oom(6.0),)), Row(1, health=DEAD)],
+        [(1, ActionKind.RELAUNCH, Cause.PREFILL_BURST)],
+    ),
+    (
+        "nothing listening 30 s after the line",
+        [Row(0, logs=(oom(6.0),)), Row(30, health=HealthState.REFUSED)],
+        [(30, ActionKind.RELAUNCH, Cause.PREFILL_BURST)],
+    ),
+    (
+        "/health 503 70 s after the line: too late to agree",
+        [Row(0, logs=(oom(6.0),)), Row(70, health=DEAD)],
+        [],
+    ),
+    (
+        "/health 503 20 s before the line, up again when it is read",
+        [Row(0, health=DEAD), Row(20, logs=(oom(6.0),))],
+        [(20, ActionKind.RELAUNCH, Cause.PREFILL_BURST)],
+    ),
+    (
+        "the main process replaced (its supervisor restarted it)",
+        [Row(0, pid=100), Row(5, pid=101, logs=(oom(6.0),))],
+        [(5, ActionKind.RELAUNCH, Cause.PREFILL_BURST)],
+    ),
+    (
+        "the unit failed",
+        [Row(0, logs=(oom(6.0),), unit_state="failed")],
+        [(0, ActionKind.RELAUNCH, Cause.PREFILL_BURST)],
+    ),
+    (
+        "the engine stalled",
+        [Row(0, logs=(oom(6.0),), stalled=True)],
+        [(0, ActionKind.RELAUNCH, Cause.PREFILL_BURST)],
+    ),
+    (
+        "a GPU-hardware line and a reset-class XID from NVML: latch",
+        [Row(0, logs=(hardware(),), xids=(79,))],
+        [(0, ActionKind.ESCALATE, Cause.GPU_HARDWARE_FAULT)],
+    ),
+    (
+        "an application-fault XID is not a hardware failure",
+        [Row(0, logs=(hardware(),), xids=(13,))],
+        [],
+    ),
+    (
+        "our own restart's refused /health agrees with no line",
+        [
+            Row(0, alerts=("EngineStalled",)),  # restart: health refused while it runs
+            Row(1, logs=(oom(6.0),), health=HealthState.REFUSED),
+            Row(2),  # its result: ready, cooldown until 102
+            Row(110),
+            Row(200),
+        ],
+        [(0, ActionKind.RESTART, Cause.ENGINE_DEAD)],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "rows", "expected"), CORROBORATION, ids=[x[0] for x in CORROBORATION]
+)
+def test_a_log_line_acts_only_with_a_structural_signal(name, rows, expected):  # type: ignore[no-untyped-def]
+    r = Run().run(*rows)
+    kinds = {a.id: a.kind for a in r.actions}
+    got = [
+        (d.time_seconds, kinds[d.action_id], d.cause)
+        for d in r.decisions
+        if d.what == "action" and d.action_id is not None
+    ]
+    assert got == expected, [(d.time_seconds, d.what, d.reason) for d in r.decisions]
+    if not expected:
+        assert not r.svc.breaker_latched
+        # Said once, with no cause: the line names one, nothing agreed with it.
+        held = [d for d in r.decisions if "a log line alone is not acted on" in d.reason]
+        assert len(held) == 1 and held[0].cause is None, r.decisions
+        assert [d for d in r.decisions if d.cause is not None] == []
 
 
 # --- invariants under random series ----------------------------------------------------------
@@ -515,7 +632,8 @@ def test_invariants(steps):
             logs={"oom_big": (oom(6),), "oom_small": (oom(0.2),), "oom_frag": (oom(0.5, 4),)}.get(
                 ev, ()
             ),
-            health=HealthState.ENGINE_DEAD if ev == "dead" else HealthState.UP,
+            # an OOM kills the engine: its /health says so (a log line alone acts on nothing)
+            health=DEAD if ev in ("dead", "oom_big", "oom_small", "oom_frag") else HealthState.UP,
         )
         had_pending = bool(r.pending)
         out = r.tick(row)
@@ -547,12 +665,6 @@ def test_invariants(steps):
         )
 
 
-def death() -> LogEvent:
-    return LogEvent(
-        LogEventKind.ENGINE_DEAD, 0.0, "EngineDeadError: EngineCore encountered an issue."
-    )
-
-
 def test_an_oom_names_the_cause_of_the_death_that_follows():
     r = Run().run(
         Row(0, logs=(oom(6.0), death()), alerts=("EngineDead",), health=HealthState.ENGINE_DEAD)
@@ -565,7 +677,12 @@ def test_an_oom_names_the_cause_of_the_death_that_follows():
 def test_an_oom_seen_in_cooldown_is_acted_on_once_after_it():
     # 58 s after the relaunched instance became ready: past early_failure_seconds (50), so not
     # an early failure; it waits for the cooldown (EARLY_CRASHES has the early ones).
-    r = Run().run(Row(0, logs=(oom(6.0),)), Row(2), Row(60, logs=(oom(6.0),)), Row(70))
+    r = Run().run(
+        Row(0, logs=(oom(6.0),), health=DEAD),
+        Row(2),
+        Row(60, logs=(oom(6.0),), health=DEAD),
+        Row(70),
+    )
     assert len(r.actions) == 1  # in cooldown (until 102)
     r.run(Row(110), Row(112), Row(400), Row(800))
     assert [a.kind for a in r.actions] == [ActionKind.RELAUNCH, ActionKind.RELAUNCH]
@@ -573,7 +690,7 @@ def test_an_oom_seen_in_cooldown_is_acted_on_once_after_it():
         "--max-num-batched-tokens",
         "2048",
     )  # second rung, at the floor
-    assert not r.svc.pending  # consumed: it never triggers again
+    assert not r.svc.log_items  # consumed: it never triggers again
 
 
 def test_the_replaced_instance_dying_of_the_cause_being_handled_is_not_a_new_incident() -> None:
@@ -582,7 +699,10 @@ def test_the_replaced_instance_dying_of_the_cause_being_handled_is_not_a_new_inc
     # the healthy new instance once the cooldown ended (the noisy_neighbour demo on virtual time,
     # tests/test_scenarios_vt.py noisy_neighbour_demo).
     r = Run().run(
-        Row(0, logs=(oom(0.2),), running=4),  # relaunch; draining while 4 run
+        Row(0, running=4, pid=99),
+        # the OOM's line arrives as its supervisor has restarted vLLM (a new pid): relaunch;
+        # draining while 4 run
+        Row(0.5, logs=(oom(0.2),), running=4),
         Row(1, running=4, logs=(oom(0.2), death()), health=HealthState.ENGINE_DEAD),
         Row(2, running=0),  # the restart call goes out
         Row(4),  # its result: ready
@@ -592,7 +712,7 @@ def test_the_replaced_instance_dying_of_the_cause_being_handled_is_not_a_new_inc
         (d.time_seconds, d.what, d.reason) for d in r.decisions
     ]
     # The new instance OOMing is a new incident.
-    r.tick(Row(405, logs=(oom(0.2),)))
+    r.tick(Row(405, logs=(oom(0.2),), health=DEAD))
     assert [a.kind for a in r.actions] == [ActionKind.RELAUNCH] * 2
 
 
@@ -625,7 +745,7 @@ def test_refused_right_after_a_crash_is_a_restart_in_progress_not_a_death():
 
 def test_per_action_dry_run_arms_the_ladder_one_rung_at_a_time():
     r = Run(cfg=replace(BASE, dry_run=False, dry_run_actions=("relaunch",))).run(
-        Row(0, logs=(oom(6.0),)),
+        Row(0, logs=(oom(6.0),), health=DEAD),
         Row(2),
         Row(200, alerts=("EngineStalled",)),
         Row(202),

@@ -442,6 +442,7 @@ def test_exit_daemon_log_status_and_flight_records(tmp_path: Path, free_port: in
         with vllm_log.open("a") as fh:  # matched lines (CUDA OOM) become recorded events
             for i, argv in enumerate(_SHAPES, 1):  # distinct sizes: distinct incidents, no dedup
                 fh.write(
+                    "(EngineCore_DP0 pid=7) ERROR 11-22 00:07:30 [core.py:1007] "
                     f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {i}.00 GiB. "
                 )
                 fh.write(" ".join(argv) + "\n")

@@ -15,6 +15,7 @@ from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import LogsSourceConfig, ServiceConfig
 from vllm_guardian.model import LogEventKind, LogReading, Reading
 from vllm_guardian.sources.logs import (
+    CONTINUED,
     DEDUP_WINDOW_SECONDS,
     EventCounter,
     LineSplitter,
@@ -22,6 +23,7 @@ from vllm_guardian.sources.logs import (
     match_line,
     parse_journal_line,
     parse_size_bytes,
+    split_message,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
@@ -49,6 +51,100 @@ def _b(x: float, unit: int) -> str:
     return str(int(x * unit))
 
 
+OOM_20_DETAILS = {
+    "tried_bytes": _b(20, MiB),
+    "gpu": "0",
+    "total_bytes": _b(15.78, GiB),
+    "free_bytes": _b(3.75, MiB),
+    "allocated_bytes": _b(14.24, GiB),
+    "reserved_bytes": _b(14.72, GiB),
+    "reserved_unallocated_bytes": str(int(14.72 * GiB) - int(14.24 * GiB)),
+}
+# vLLM 0.32's header on the engine core's and a worker's lines (vllm/logger.py; every line of a
+# record, a traceback's included, carries it): the signature bodies below are read under it.
+ENGINE = "(EngineCore_DP0 pid=4120) ERROR 11-22 00:07:30 [core.py:1007] "
+WORKER = "(Worker pid=4121) ERROR 11-22 00:07:30 [multiproc_executor.py:1063] "
+
+
+def api(msg: str, src: str = "serving.py:274", level: str = "ERROR") -> str:
+    return f"(APIServer pid=4119) {level} 11-22 00:07:30 [{src}] {msg}"
+
+
+def model_error(model: str) -> str:
+    """vLLM 0.32's line for a request naming a model it does not serve, as it prints it (the
+    chat, responses and batch handlers: ``logger.error("Error with model %s", error)``; the
+    error's repr quotes the request's ``model`` with its newlines escaped)."""
+    return api(
+        "Error with model error=ErrorInfo(message='The model `"
+        + model.encode("unicode_escape").decode("ascii")
+        + "` does not exist. Valid aliases: tiny-llama.', type='NotFoundError', param='model', "
+        "code=404)"
+    )
+
+
+# Text a client can put in a request: each is a signature the guardian acts on.
+HOSTILE_TEXT = [
+    OOM_21,
+    "GPU has fallen off the bus",
+    "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python3, GPU has fallen off the bus.",
+    "RuntimeError: CUDA error: uncorrectable ECC error encountered",
+    "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.",
+    "EngineCore encountered a fatal error.",
+    "ValueError: No available memory for the cache blocks.",
+    "Worker proc VllmWorker-0 died unexpectedly (exit code: -9)",
+    "TimeoutError: RPC call to execute_model timed out.",
+]
+# Headers a request can spell out in its text.
+FAKE_HEADERS = [
+    ENGINE,
+    WORKER,
+    "(VllmWorker-0 pid=7) ",
+    "(APIServer pid=4119) ERROR 11-22 00:07:30 [async_llm.py:906] ",
+    "\n" + ENGINE,
+    "\u2028" + ENGINE,
+    "\x00" + ENGINE,
+]
+# Lines a client shapes, in the formats vLLM 0.32 writes them: none is evidence.
+HOSTILE_LINES = [
+    # a request's `model` in the API server's ERROR line
+    *(model_error(t) for t in HOSTILE_TEXT),
+    # ... with a header for the engine core or a worker in front of the text
+    *(model_error(h + t) for h in FAKE_HEADERS for t in HOSTILE_TEXT[:3]),
+    # the serving code's own traceback quoting a request: every line under its header
+    api("Error in preprocessing prompt inputs", "serving.py:301"),
+    api("Traceback (most recent call last):", "serving.py:301"),
+    *(api("ValueError: " + t, "serving.py:301") for t in HOSTILE_TEXT),
+    # the same with VLLM_LOGGING_LEVEL=DEBUG, which puts a path in the header
+    api("ValueError: " + OOM_21, "entrypoints/openai/chat_completion/serving.py:274"),
+    # the engine client's file, but not a death: from the API server only deaths count
+    api(OOM_21, "async_llm.py:906"),
+    # bare: uvicorn's traceback of an exception in the API server, anything printed
+    "Traceback (most recent call last):",
+    *HOSTILE_TEXT,
+    # a header that does not start the line: what a request put after a NUL byte or a
+    # line separator, or a journal entry that continues a cut line (sources.logs.CONTINUED)
+    *(lead + ENGINE + OOM_21 for lead in (" ", "x", "\u2028", "\x00", "… ")),
+    # a request id or header value a client chose, in the request logger (INFO) and in uvicorn's
+    # access log
+    api(
+        "Received request chatcmpl-" + OOM_21 + ": params: SamplingParams(n=1)",
+        "logger.py:40",
+        "INFO",
+    ),
+    '(APIServer pid=4119) INFO:     127.0.0.1:51234 - "POST /v1/chat/completions HTTP/1.1" 404',
+    # the engine core's input dump on a fatal error copies the requests (stop strings, ids)
+    "(EngineCore_DP0 pid=4120) ERROR 11-22 00:07:30 [dump_input.py:79] Dumping scheduler output "
+    "for model execution: SchedulerOutput(scheduled_new_reqs=[NewRequestData(req_id=chatcmpl-1,"
+    "sampling_params=SamplingParams(n=1, stop=['" + OOM_21 + "'])])",
+    # the API server's coloured header, and one a request wrote in colour mid-line
+    "\x1b[0;36m(APIServer pid=4119)\x1b[0;0m \x1b[31mERROR\x1b[0m \x1b[90m11-22 00:07:30\x1b[0m "
+    "\x1b[90m[serving.py:274]\x1b[0m Error with model " + OOM_21,
+    "x\x1b[0;36m" + ENGINE + OOM_21,
+    # an engine process's INFO line
+    "(EngineCore_DP0 pid=4120) INFO 11-22 00:07:30 [core.py:1007] " + OOM_21,
+]
+
+
 MATCH_CASES: list[tuple[str, tuple[LogEventKind, dict[str, str]] | None]] = [
     # 6b runtime CUDA OOM, torch >= 2.1 (with the worker's process prefix)
     (
@@ -67,7 +163,8 @@ MATCH_CASES: list[tuple[str, tuple[LogEventKind, dict[str, str]] | None]] = [
     ),
     # torch 2.1's "capacty" typo, the older class path and "0 bytes" free
     (
-        "torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 512.00 MiB. GPU 0 has "
+        ENGINE
+        + "torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 512.00 MiB. GPU 0 has "
         "a total capacty of 79.15 GiB of which 0 bytes is free. Including non-PyTorch memory, this "
         "process has 79.14 GiB memory in use. Of the allocated memory 77.10 GiB is allocated by "
         "PyTorch, and 1.02 GiB is reserved by PyTorch but unallocated.",
@@ -84,24 +181,16 @@ MATCH_CASES: list[tuple[str, tuple[LogEventKind, dict[str, str]] | None]] = [
         ),
     ),
     # torch <= 2.0: reserved in total - allocated = reserved but unallocated
+    (ENGINE + OOM_20, (K.CUDA_OOM, OOM_20_DETAILS)),
+    # VLLM_LOGGING_LEVEL=DEBUG puts a path in the header
     (
-        OOM_20,
-        (
-            K.CUDA_OOM,
-            {
-                "tried_bytes": _b(20, MiB),
-                "gpu": "0",
-                "total_bytes": _b(15.78, GiB),
-                "free_bytes": _b(3.75, MiB),
-                "allocated_bytes": _b(14.24, GiB),
-                "reserved_bytes": _b(14.72, GiB),
-                "reserved_unallocated_bytes": str(int(14.72 * GiB) - int(14.24 * GiB)),
-            },
-        ),
+        "(EngineCore_DP0 pid=4120) ERROR 11-22 00:07:30 [v1/engine/core.py:1007] " + OOM_20,
+        (K.CUDA_OOM, OOM_20_DETAILS),
     ),
     # the same OOM as EngineCore re-raises it from the worker's reply
     (
-        "RuntimeError: Worker failed with error 'CUDA out of memory. Tried to allocate 1.25 GiB. "
+        ENGINE
+        + "RuntimeError: Worker failed with error 'CUDA out of memory. Tried to allocate 1.25 GiB. "
         "GPU 1 has a total capacity of 93.02 GiB of which 1.18 GiB is free.', please check the "
         "stack trace above for the root cause",
         (
@@ -115,29 +204,30 @@ MATCH_CASES: list[tuple[str, tuple[LogEventKind, dict[str, str]] | None]] = [
         ),
     ),
     # non-caching-allocator OOMs
-    ("RuntimeError: CUDA error: out of memory", (K.NON_TORCH_OOM, {"source": "cuda"})),
+    (WORKER + "RuntimeError: CUDA error: out of memory", (K.NON_TORCH_OOM, {"source": "cuda"})),
     (
-        "RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+        WORKER
+        + "RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
         (K.NON_TORCH_OOM, {"source": "cublas"}),
     ),
+    # NCCL's own WARN line is C output, bare; the exception the worker then logs quotes it
+    # ("Last error:" and the line, under the worker's header)
+    (WORKER + "Cuda failure 'out of memory'", (K.NON_TORCH_OOM, {"source": "nccl"})),
     (
-        "host:123:456 [0] NCCL INFO include/alloc.h:48 NCCL WARN Cuda failure 'out of memory'",
-        (K.NON_TORCH_OOM, {"source": "nccl"}),
-    ),
-    (
-        "enqueue.cc:1000 NCCL WARN Cuda failure 2 'out of memory'",
+        WORKER + "enqueue.cc:1000 NCCL WARN Cuda failure 2 'out of memory'",
         (K.NON_TORCH_OOM, {"source": "nccl"}),
     ),
     # 6a start-up sizing
     (
-        "ValueError: No available memory for the cache blocks. Try increasing "
+        ENGINE + "ValueError: No available memory for the cache blocks. Try increasing "
         "`gpu_memory_utilization` when initializing the engine (this flag also controls CPU memory "
         "reservation on the CPU backend, despite its name). See "
         "https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details.",
         (K.NO_KV_CACHE_MEMORY, {}),
     ),
     (
-        "ValueError: To serve at least one request with the models's max seq len (131072), (16.00 "
+        ENGINE
+        + "ValueError: To serve at least one request with the models's max seq len (131072), (16.00 "
         "GiB KV cache is needed, which is larger than the available KV cache memory (9.34 GiB). "
         "Based on the available memory, the estimated maximum model length is 76480. Try "
         "increasing `gpu_memory_utilization` or decreasing `max_model_len` when initializing the "
@@ -153,7 +243,8 @@ MATCH_CASES: list[tuple[str, tuple[LogEventKind, dict[str, str]] | None]] = [
         ),
     ),
     (
-        "ValueError: To serve at least one request with the model's max seq len (32768), (4 GiB KV "
+        ENGINE
+        + "ValueError: To serve at least one request with the model's max seq len (32768), (4 GiB KV "
         "cache is needed, which is larger than the available KV cache memory (2.5 GiB). Based on "
         "the available memory, the estimated maximum model length is 20480. Try increasing …",
         (
@@ -167,13 +258,15 @@ MATCH_CASES: list[tuple[str, tuple[LogEventKind, dict[str, str]] | None]] = [
         ),
     ),
     (
-        "ValueError: The model's max seq len (32768) is larger than the maximum number of tokens "
+        ENGINE
+        + "ValueError: The model's max seq len (32768) is larger than the maximum number of tokens "
         "that can be stored in KV cache (20000). Try increasing `gpu_memory_utilization` or "
         "decreasing `max_model_len` when initializing the engine.",
         (K.MAX_SEQ_LEN_EXCEEDS_KV, {"max_model_len": "32768", "estimated_max_model_len": "20000"}),
     ),
     (
-        "ValueError: Free memory on device cuda:0 (16.9/79.18 GiB) on startup is less than desired "
+        WORKER
+        + "ValueError: Free memory on device cuda:0 (16.9/79.18 GiB) on startup is less than desired "
         "GPU memory utilization (0.9, 71.26 GiB). Decrease GPU memory utilization or reduce GPU "
         "memory used by other processes.",
         (
@@ -188,7 +281,8 @@ MATCH_CASES: list[tuple[str, tuple[LogEventKind, dict[str, str]] | None]] = [
         ),
     ),
     (
-        "ValueError: Free memory on device (16.9/79.18 GiB) on startup is less than the engine's "
+        WORKER
+        + "ValueError: Free memory on device (16.9/79.18 GiB) on startup is less than the engine's "
         "budget after excluding external process's weights",
         (
             K.FREE_MEMORY_BELOW_UTILIZATION,
@@ -196,7 +290,8 @@ MATCH_CASES: list[tuple[str, tuple[LogEventKind, dict[str, str]] | None]] = [
         ),
     ),
     (
-        "AssertionError: Error in memory profiling. Initial free memory 70.5 GiB, current free "
+        WORKER
+        + "AssertionError: Error in memory profiling. Initial free memory 70.5 GiB, current free "
         "memory 72.1 GiB. This happens when other processes sharing the same container release GPU "
         "memory while vLLM is profiling during initialization.",
         (
@@ -209,12 +304,8 @@ MATCH_CASES: list[tuple[str, tuple[LogEventKind, dict[str, str]] | None]] = [
         (K.STARTUP_FAILED, {}),
     ),
     (
-        "RuntimeError: Engine core initialization failed. See root cause above. Failed core "
-        "proc(s): {'EngineCore_DP0': 1}",
-        (K.STARTUP_FAILED, {}),
-    ),
-    (
-        "ERROR 05-19 10:00:00 [multiproc_executor.py:1] WorkerProc failed to start.",
+        "(VllmWorker-0 pid=4121) ERROR 05-19 10:00:00 [multiproc_executor.py:953] WorkerProc "
+        "failed to start.",
         (K.STARTUP_FAILED, {}),
     ),
     # 6b/6c engine death
@@ -223,21 +314,13 @@ MATCH_CASES: list[tuple[str, tuple[LogEventKind, dict[str, str]] | None]] = [
         "fatal error.",
         (K.ENGINE_FATAL, {}),
     ),
+    # the API server's engine client, on its engine's death (the traceback under "AsyncLLM
+    # output_handler failed.", and its shutdown notice)
     (
+        "(APIServer pid=4119) ERROR 11-22 00:07:30 [async_llm.py:906] "
         "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack "
         "trace (above) for the root cause.",
         (K.ENGINE_DEAD, {"signature": "EngineDeadError"}),
-    ),
-    (
-        "vllm.engine.async_llm_engine.AsyncEngineDeadError: Background loop is not running. If it "
-        "was running, inspect the output to find the stacktrace of the error that caused the "
-        "background loop to stop (AsyncEngineDeadError).",
-        (K.ENGINE_DEAD, {"signature": "AsyncEngineDeadError"}),
-    ),
-    (
-        "vllm.engine.multiprocessing.MQEngineDeadError: Engine loop is not running. Inspect the "
-        "stacktrace to find the original error: RuntimeError('x').",
-        (K.ENGINE_DEAD, {"signature": "MQEngineDeadError"}),
     ),
     (
         "(APIServer pid=11273) WARNING 11-22 00:09:23 [core_client.py:812] [shutdown] MPClient: "
@@ -245,13 +328,9 @@ MATCH_CASES: list[tuple[str, tuple[LogEventKind, dict[str, str]] | None]] = [
         (K.ENGINE_DEAD, {"signature": "engine core exited unexpectedly"}),
     ),
     (
-        "ERROR 04-20 10:00:00 [core_client.py:500] Engine core proc EngineCore_0 died "
-        "unexpectedly, shutting down client.",
+        "(APIServer pid=4119) ERROR 04-20 10:00:00 [core_client.py:500] Engine core proc "
+        "EngineCore_0 died unexpectedly, shutting down client.",
         (K.ENGINE_DEAD, {"signature": "Engine core proc EngineCore_0 died unexpectedly"}),
-    ),
-    (
-        "CRITICAL 12-27 10:00:00 launcher.py:99] MQLLMEngine is already dead, terminating server process",
-        (K.ENGINE_DEAD, {"signature": "MQLLMEngine is already dead, terminating"}),
     ),
     (
         "(EngineCore_DP0 pid=4120) ERROR 11-22 00:09:18 [multiproc_executor.py:200] Worker proc "
@@ -259,19 +338,27 @@ MATCH_CASES: list[tuple[str, tuple[LogEventKind, dict[str, str]] | None]] = [
         (K.WORKER_DIED, {"worker": "VllmWorker-0", "exit_code": "-9"}),
     ),
     (
-        "ERROR 05-19 10:00:00 [multiproc_executor.py:1] Worker proc VllmWorker-1 died "
-        "unexpectedly, shutting down executor.",
+        "(EngineCore_DP0 pid=4120) ERROR 05-19 10:00:00 [multiproc_executor.py:1] Worker proc "
+        "VllmWorker-1 died unexpectedly, shutting down executor.",
         (K.WORKER_DIED, {"worker": "VllmWorker-1"}),
     ),
     (
-        "RayWorkerProc rank=3 died unexpectedly, shutting down executor.",
+        ENGINE + "RayWorkerProc rank=3 died unexpectedly, shutting down executor.",
         (K.WORKER_DIED, {"worker": "3"}),
     ),
     (
-        "TimeoutError: RPC call to execute_model timed out.",
+        ENGINE + "TimeoutError: RPC call to execute_model timed out.",
         (K.EXECUTE_TIMEOUT, {"method": "execute_model"}),
     ),
-    # 6d V0 preemption warning
+    # VLLM_LOGGING_COLOR=1 (vLLM's ColoredFormatter): colours around the header's parts
+    (
+        "\x1b[0;36m(EngineCore_DP0 pid=4120)\x1b[0;0m \x1b[31mERROR\x1b[0m \x1b[90m11-22 00:07:30"
+        "\x1b[0m \x1b[90m[core.py:1007]\x1b[0m " + OOM_20,
+        (K.CUDA_OOM, OOM_20_DETAILS),
+    ),
+    # vLLM before 0.11 put the process in front of a child's raw output instead
+    ("(VllmWorker-0 pid=7) " + OOM_20, (K.CUDA_OOM, OOM_20_DETAILS)),
+    # 6d V0 preemption warning (V0's lines name no process: its scheduler's file does)
     (
         "WARNING 12-27 10:00:00 scheduler.py:1560] Sequence group cmpl-5f1a-0 is preempted by "
         "PreemptionMode.RECOMPUTE mode because there is not enough KV cache space. This can affect "
@@ -280,6 +367,32 @@ MATCH_CASES: list[tuple[str, tuple[LogEventKind, dict[str, str]] | None]] = [
         (K.PREEMPTION, {"mode": "recompute", "total_cumulative": "51"}),
     ),
     # not events
+    # V0's engine lived in the API server's process and its lines name none: its deaths are
+    # read from /health and the exit, not from text in the server's log
+    (
+        "vllm.engine.async_llm_engine.AsyncEngineDeadError: Background loop is not running. If it "
+        "was running, inspect the output to find the stacktrace of the error that caused the "
+        "background loop to stop (AsyncEngineDeadError).",
+        None,
+    ),
+    (
+        "CRITICAL 12-27 10:00:00 launcher.py:99] MQLLMEngine is already dead, terminating server "
+        "process",
+        None,
+    ),
+    # the API server's uncaught exception at exit, bare; "EngineCore failed to start." in the
+    # engine core's own lines is the evidence
+    (
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core "
+        "proc(s): {'EngineCore_DP0': 1}",
+        None,
+    ),
+    # NCCL's WARN line itself: C output, bare, like anything printed around vLLM's logger
+    ("host:123:456 [0] NCCL INFO include/alloc.h:48 NCCL WARN Cuda failure 'out of memory'", None),
+    # a header without a process (a version that did not name it): the API server's and the
+    # engine's lines look the same, so neither is evidence
+    ("ERROR 05-19 10:00:00 [multiproc_executor.py:1] WorkerProc failed to start.", None),
+    ("ERROR 05-19 10:00:00 [core.py:1] " + OOM_20, None),
     (
         "(APIServer pid=1) INFO 11-22 00:01:43 [loggers.py:335] Engine 000: Avg prompt throughput: "
         "828.3 tokens/s, Avg generation throughput: 1717.4 tokens/s, Running: 32 reqs, Waiting: 0 "
@@ -318,13 +431,16 @@ MATCH_CASES: list[tuple[str, tuple[LogEventKind, dict[str, str]] | None]] = [
         None,
     ),
     ('DEBUG:    10.0.0.7:51234 - "GET /EngineDeadError HTTP/1.1" 404 Not Found', None),
-    # ... while uvicorn's ERROR lines and the traceback under them still count
+    # ... and uvicorn's ERROR lines and the bare traceback under them ("Exception in ASGI
+    # application": an exception in the API server, whose message a request can shape)
+    ("ERROR:    Exception in ASGI application", None),
     (
         "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack "
         "trace (above) for the root cause.",
-        (K.ENGINE_DEAD, {"signature": "EngineDeadError"}),
+        None,
     ),
     ("", None),
+    *((line, None) for line in HOSTILE_LINES),
 ]
 
 
@@ -368,19 +484,24 @@ def test_real_vllm_logs_have_no_events(name: str) -> None:
 
 
 def test_one_oom_traceback_counts_once() -> None:
-    """Worker traceback, EngineCore's re-raise and fatal error, an EngineDeadError per request."""
+    """Worker traceback, EngineCore's re-raise and fatal error, an EngineDeadError per request,
+    as vLLM 0.32 writes them: every line of a record under its header."""
+    worker = "(Worker pid=7) ERROR 05-19 10:00:00 [multiproc_executor.py:1063] "
+    core = "(EngineCore_DP0 pid=6) ERROR 05-19 10:00:00 [core.py:1512] "
+    client = "(APIServer pid=5) ERROR 05-19 10:00:00 [async_llm.py:906] "
     lines = [
-        "(VllmWorker-0 pid=7) ERROR 05-19 10:00:00 [multiproc_executor.py:1] WorkerProc hit an exception.",
-        "(VllmWorker-0 pid=7) Traceback (most recent call last):",
-        '(VllmWorker-0 pid=7)   File "/x/gpu_model_runner.py", line 1, in execute_model',
-        "(VllmWorker-0 pid=7) " + OOM_21,
-        "(EngineCore_DP0 pid=6) ERROR 05-19 10:00:00 [core.py:1] EngineCore encountered a fatal error.",
-        "(EngineCore_DP0 pid=6) RuntimeError: Worker failed with error 'CUDA out of memory. Tried to "
-        "allocate 1.25 GiB. GPU 1 has a total capacity of 93.02 GiB of which 1.18 GiB is free.'",
-        "(APIServer pid=5) ERROR 05-19 10:00:00 [async_llm.py:1] AsyncLLM output_handler failed.",
+        worker + "WorkerProc hit an exception.",
+        worker + "Traceback (most recent call last):",
+        worker + '  File "/x/gpu_model_runner.py", line 1, in execute_model',
+        worker + OOM_21,
+        core + "EngineCore encountered a fatal error.",
+        core + "Traceback (most recent call last):",
+        core + "RuntimeError: Worker failed with error 'CUDA out of memory. Tried to allocate "
+        "1.25 GiB. GPU 1 has a total capacity of 93.02 GiB of which 1.18 GiB is free.'",
+        client + "AsyncLLM output_handler failed.",
     ] + [
-        "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack "
-        "trace (above) for the root cause."
+        client + "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. "
+        "See stack trace (above) for the root cause."
     ] * 5
     counter = EventCounter(recent_events=50)
     for i, line in enumerate(lines):
@@ -395,8 +516,10 @@ def test_one_oom_traceback_counts_once() -> None:
 
     # The same OOM after the window (the restarted engine died again) is a new incident; so is
     # one on another GPU inside the window.
-    counter.feed(OOM_21, 1000.0 + DEDUP_WINDOW_SECONDS + 5)
-    counter.feed(OOM_21.replace("GPU 1 has", "GPU 2 has"), 1000.0 + DEDUP_WINDOW_SECONDS + 5.1)
+    counter.feed(worker + OOM_21, 1000.0 + DEDUP_WINDOW_SECONDS + 5)
+    counter.feed(
+        worker + OOM_21.replace("GPU 1 has", "GPU 2 has"), 1000.0 + DEDUP_WINDOW_SECONDS + 5.1
+    )
     again = counter.take()
     assert again.count(K.CUDA_OOM) == 3
     assert len(again.recent) == 2
@@ -417,9 +540,10 @@ def test_each_preemption_warning_counts() -> None:
 def test_recent_is_capped_redacted_and_truncated() -> None:
     counter = EventCounter(recent_events=3)
     for i in range(5):
-        counter.feed(f"TimeoutError: RPC call to m{i} timed out.", i * 100.0)
+        counter.feed(f"{ENGINE}TimeoutError: RPC call to m{i} timed out.", i * 100.0)
     long_line = (
-        "ERROR 05-19 10:00:00 [core.py:1] EngineCore failed to start. cmd: vllm serve m "
+        "(EngineCore_DP0 pid=6) ERROR 05-19 10:00:00 [core.py:1] EngineCore failed to start. "
+        "cmd: vllm serve m "
         "--api-key sekret " + "x" * 2000
     )
     counter.feed(long_line, 1000.0)
@@ -510,7 +634,10 @@ class Gathered:
         return lambda: self.poll() is not None and len(self.events) >= n
 
 
-OOM_LINE = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {n} MiB. GPU 0 has a total capacity of 80 GiB of which 0 bytes is free.\n"
+OOM_LINE = (
+    ENGINE
+    + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {n} MiB. GPU 0 has a total capacity of 80 GiB of which 0 bytes is free.\n"
+)
 
 
 @pytest.fixture
@@ -531,7 +658,7 @@ def test_file_starts_at_end_and_reads_complete_lines(
     g = Gathered(collector)
     with log.open("a") as f:
         f.write(OOM_LINE.format(n=2))
-        f.write("TimeoutError: RPC call to execute_model timed ")  # incomplete: not yet
+        f.write(ENGINE + "TimeoutError: RPC call to execute_model timed ")  # incomplete: not yet
         f.flush()
         wait_for(g.has(1))
         time.sleep(0.4)
@@ -580,7 +707,7 @@ def test_file_missing_then_appears(tmp_path: Path) -> None:
         assert g.last is not None
         assert "does not exist" in (g.last.error or "")
         assert "log_file" in (g.last.hint or "")
-        log.write_text("TimeoutError: RPC call to x timed out.\n")  # read from its start
+        log.write_text(ENGINE + "TimeoutError: RPC call to x timed out.\n")  # read from its start
         wait_for(g.has(1))
     finally:
         collector.close()
@@ -598,8 +725,13 @@ def test_long_lines_are_truncated(tmp_path: Path) -> None:
     try:
         g = Gathered(collector)
         with log.open("a") as f:
-            f.write("EngineCore encountered a fatal error. " + "y" * 5000 + " EngineDeadError\n")
-            f.write("TimeoutError: RPC call to execute_model timed out.\n")
+            f.write(
+                ENGINE
+                + "EngineCore encountered a fatal error. "
+                + "y" * 5000
+                + " EngineDeadError\n"
+            )
+            f.write(ENGINE + "TimeoutError: RPC call to execute_model timed out.\n")
         wait_for(g.has(2))
         # the tail beyond 1024 bytes (with "EngineDeadError") was never seen
         assert [k for k, _ in g.events] == [K.ENGINE_FATAL, K.EXECUTE_TIMEOUT]
@@ -675,7 +807,9 @@ def test_journal_follow_with_fake_journalctl(tmp_path: Path) -> None:
                 ),
                 _entry(list(oom.encode()), 1_700_000_001_500_000),  # MESSAGE as bytes
                 _entry(
-                    "EngineCore encountered a fatal error.\nEngineDeadError: x",
+                    ENGINE
+                    + "EngineCore encountered a fatal error.\n"
+                    + api("vllm.v1.engine.exceptions.EngineDeadError: x", "async_llm.py:906"),
                     1_700_000_002_000_000,
                 ),
                 "not json",
@@ -716,7 +850,8 @@ def test_journal_follow_with_fake_journalctl(tmp_path: Path) -> None:
 def test_journal_event_time_comes_from_the_journal(tmp_path: Path) -> None:
     entries = tmp_path / "entries.jsonl"
     entries.write_text(
-        _entry("TimeoutError: RPC call to execute_model timed out.", 1_700_000_001_500_000) + "\n"
+        _entry(ENGINE + "TimeoutError: RPC call to execute_model timed out.", 1_700_000_001_500_000)
+        + "\n"
     )
     journalctl = _fake_journalctl(tmp_path, f'cat "{entries}"\nexec sleep 60')
     collector = LogsCollector(
@@ -737,6 +872,90 @@ def test_journal_event_time_comes_from_the_journal(tmp_path: Path) -> None:
         assert got == [pytest.approx(1_700_000_001.5)]
     finally:
         collector.close()
+
+
+def _cut_entry(message: str, ts_us: int, line_break: str | None) -> str:
+    doc = {"MESSAGE": message, "__REALTIME_TIMESTAMP": str(ts_us), "_TRANSPORT": "stdout"}
+    if line_break is not None:
+        doc["_LINE_BREAK"] = line_break
+    return json.dumps(doc)
+
+
+# Journal entries a client shapes (a request's text in an API server line), then an engine OOM
+# the collector must still read: (name, entries before it, how many events before it).
+JOURNAL_HOSTILITY = [
+    # journald splits a stream at newlines only; str.splitlines would also split at U+2028,
+    # U+0085, \x1c and form feeds, and the header after one would start a line
+    *(
+        (
+            f"a header after {sep!r} in one MESSAGE",
+            [_cut_entry(api("x" + sep + OOM_LINE.format(n=1).strip()), 1, None)],
+        )
+        for sep in ("\u2028", "\u2029", "\x85", "\x1c", "\x1e", "\x0b", "\x0c")
+    ),
+    # a NUL byte ends a journal entry (_LINE_BREAK=nul): what follows it is the same line
+    (
+        "a header after a NUL byte",
+        [
+            _cut_entry(api("Error with model x"), 1, "nul"),
+            _cut_entry(OOM_LINE.format(n=1).strip(), 2, None),
+        ],
+    ),
+    # a line longer than journald's LineMax goes on in the next entry
+    (
+        "a header past LineMax",
+        [
+            _cut_entry(api("Error with model " + "x" * 100), 1, "line-max"),
+            _cut_entry(OOM_LINE.format(n=1).strip(), 2, None),
+        ],
+    ),
+    # ... also when the cut entry is too long to parse: its raw JSON says it was cut
+    (
+        "a header past LineMax, after an entry too long to parse",
+        [
+            _cut_entry(api("Error with model " + "x" * 200_000), 1, "line-max"),
+            _cut_entry(OOM_LINE.format(n=1).strip(), 2, None),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "entries"), JOURNAL_HOSTILITY, ids=[x[0] for x in JOURNAL_HOSTILITY]
+)
+def test_a_header_inside_a_request_line_is_not_a_line(
+    tmp_path: Path, name: str, entries: list[str]
+) -> None:
+    real = _cut_entry(OOM_LINE.format(n=2).strip(), 3, None)
+    feed = tmp_path / "entries.jsonl"
+    feed.write_text("\n".join([*entries, real]) + "\n")
+    journalctl = _fake_journalctl(tmp_path, f'cat "{feed}"\nexec sleep 60')
+    collector = LogsCollector(
+        ServiceConfig(name="a", unit="vllm.service"),
+        LogsSourceConfig(journalctl=str(journalctl)),
+        FakeClock(),
+    )
+    try:
+        g = Gathered(collector)
+        wait_for(g.has(1), seen=lambda: g.events)
+        time.sleep(0.3)
+        g.poll()
+        # Only the engine's own line: the one after the hostile entries, read as usual.
+        assert [m for _, m in g.events] == [OOM_LINE.format(n=2).strip()], name
+    finally:
+        collector.close()
+
+
+def test_split_message() -> None:
+    assert split_message("a\nb\r\n", False) == ["a", "b"]
+    assert split_message("", False) == [""]
+    assert split_message("a\u2028b\x85c", False) == ["a\u2028b\x85c"]
+    assert split_message("(EngineCore pid=1) x", True) == [CONTINUED + "(EngineCore pid=1) x"]
+    e = parse_journal_line(json.dumps({"MESSAGE": "x", "_LINE_BREAK": "nul"}))
+    assert e is not None and e.cut and e.line_break == "nul"
+    for brk, cut in (("line-max", True), ("eof", False), ("pid-change", False), (None, False)):
+        e = parse_journal_line(json.dumps({"MESSAGE": "x", "_LINE_BREAK": brk}))
+        assert e is not None and e.cut is cut, brk
 
 
 def test_journalctl_missing(tmp_path: Path) -> None:

@@ -6,6 +6,8 @@ whole module shares one guardian and one vLLM and the tests run in file order:
 
 1. the vLLM source reads every value the guardian uses, equal to the server's own /metrics;
 2. the allocator plugin is loaded by vLLM's plugin loader in each vLLM process and stays idle;
+   2b. requests whose model, prompt and headers carry failure signatures are logged by vLLM at
+   ERROR and make the guardian do nothing;
 3. KV pressure (32 blocks of 128 tokens, a bounded burst): saturation, waiting, preemptions,
    the KV alerts fire, ``/ready/vllm`` closes, then opens again after the burst;
 4. the twin beside it: same families, types and labels, same qualitative behaviour under the
@@ -480,6 +482,142 @@ def test_allocator_plugin_loaded_in_every_vllm_process_and_idle(
     svc = last.snapshot.service("vllm")
     # The guardian's allocator source reads the directory and finds no process publishing.
     assert svc is not None and (svc.allocator is None or not svc.allocator.processes)
+
+
+# --- 2b. a client's text in vLLM's log --------------------------------------------------------
+
+# Failure signatures as a client can send them. vLLM 0.32 logs an unknown `model` at ERROR
+# ("Error with model ..."): the first made an armed guardian relaunch with
+# --max-num-batched-tokens halved, the second latch its breaker.
+HOSTILE = (
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total "
+    "capacity of 79.19 GiB of which 1.02 GiB is free.",
+    "RuntimeError: CUDA error: GPU has fallen off the bus",
+    "NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name=python3, GPU has fallen off the bus.",
+    "RuntimeError: CUDA error: uncorrectable ECC error encountered",
+    "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.",
+    "EngineCore encountered a fatal error.",
+    "ValueError: No available memory for the cache blocks.",
+    "Available KV cache memory: 0.01 GiB",
+)
+# The engine core's header, which a request spells out after a newline, a line separator or a
+# NUL byte, hoping to start a line of its own.
+FAKE_HEADER = "(EngineCore_DP0 pid=1) ERROR 11-22 00:07:30 [core.py:1007] "
+
+
+def _hostile_requests(url: str) -> list[tuple[str, int | str]]:
+    """Every way a client puts text in vLLM's log: (what, status)."""
+    s = support.session()
+    out: list[tuple[str, int | str]] = []
+
+    def post(what: str, path: str, body: dict[str, Any], **headers: str) -> None:
+        try:
+            r = s.post(url + path, json=body, headers=headers, timeout=60)
+            out.append((what, r.status_code))
+        except support.requests.RequestException as e:
+            out.append((what, type(e).__name__))
+
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    models = [*HOSTILE, *(lead + FAKE_HEADER + HOSTILE[0] for lead in ("", "\n", "\u2028", "\x00"))]
+    for i, m in enumerate(models):
+        post(f"model {i} (chat)", "/v1/chat/completions", {**chat, "model": m})
+    post("model (completions)", "/v1/completions", {"model": HOSTILE[0], "prompt": "x"})
+    post("model (responses)", "/v1/responses", {"model": HOSTILE[1], "input": "x"})
+    text = "\n".join(FAKE_HEADER + h for h in HOSTILE)
+    post("prompt (chat)", "/v1/chat/completions",
+         {**chat, "model": MODEL_NAME, "messages": [{"role": "user", "content": text}]})  # fmt: skip
+    post("prompt (completions)", "/v1/completions",
+         {"model": MODEL_NAME, "prompt": text, "max_tokens": 2})  # fmt: skip
+    headers = {
+        "X-Request-Id": HOSTILE[0],
+        "User-Agent": HOSTILE[1],
+        "X-Debug": FAKE_HEADER + HOSTILE[0],
+    }
+    post("headers", "/v1/chat/completions", {**chat, "model": MODEL_NAME}, **headers)
+    post("headers and model", "/v1/chat/completions", {**chat, "model": HOSTILE[0]}, **headers)
+    return out
+
+
+def test_hostile_request_text_is_not_evidence(guarded: Guarded) -> None:
+    """Requests whose `model`, prompt and headers carry an OOM, a lost GPU, an engine death and
+    fake engine headers, against the real server and the armed guardian: vLLM logs them at
+    ERROR; the guardian reads those lines and counts nothing, decides nothing, names no cause,
+    and vLLM stays up, never restarted."""
+    healing = guarded.guardian.healing
+    assert healing is not None
+    support.wait_for(
+        lambda: support.healthy(guarded.url) and healing.state.service("vllm").action is None,
+        240,
+        "vLLM up and no action under way",
+        every=1.0,
+    )
+    sup = guarded.supervisor
+    starts, pid = sup.starts, sup.pid
+    audit_before = len(guarded.audit())
+    log_path = guarded.workdir / "vllm.log"
+    offset = log_path.stat().st_size
+
+    def reading() -> Any:
+        last = guarded.guardian.last
+        svc = last.snapshot.service("vllm") if last is not None else None
+        return svc.logs if svc is not None else None
+
+    support.wait_for(lambda: reading() is not None, 30, "the guardian's logs source")
+    before = reading()
+    sent = _hostile_requests(guarded.url)
+    # The chat handler logs every unknown model ("Error with model ..."): one line each.
+    chat_models = sum(1 for w, _ in sent if w.startswith("model") and w.endswith("(chat)"))
+
+    def logged() -> list[str]:
+        with log_path.open("rb") as fh:
+            fh.seek(offset)
+            return fh.read().decode("utf-8", errors="replace").split("\n")
+
+    # Every hostile model is in vLLM's log at ERROR before the guardian is looked at; then ten
+    # more ticks, each after the log file's reader (every 0.25 s) has handed over what it read.
+    support.wait_for(
+        lambda: sum(1 for line in logged() if "Error with model" in line) >= chat_models,
+        60,
+        "vLLM to log the requests' models",
+    )
+    guarded.ticks_after(10, 120, "the hostile lines read")
+    lines = logged()
+    at_error = [
+        line for line in lines if " ERROR " in line and any(h[:30] in line for h in HOSTILE)
+    ]
+    after = reading()
+    assert after is not None and before is not None
+    decisions = guarded.audit()[audit_before:]
+    log_rules = {r.name for r in healing.rules if r.signal.startswith("log_events.")}
+    firing = sorted(
+        a.name
+        for a in healing.view().alerts
+        if a.state is AlertState.FIRING and a.name in log_rules
+    )
+    state = healing.state.service("vllm")
+    REPORT["hostile_requests"] = {
+        "sent": sent,
+        "vllm_error_lines_with_hostile_text": len(at_error),
+        "example": [line[:200] for line in at_error[:2]],
+        "guardian_lines_read": after.lines_total - before.lines_total,
+        "guardian_events": {k.value: n for k, n in after.counts if n != dict(before.counts)[k]},
+        "decisions": [(d["what"], d.get("cause"), d["reason"][:120]) for d in decisions],
+        "log_alerts_firing": firing,
+        "starts_added": sup.starts - starts,
+    }
+    print("\nhostile requests:", json.dumps(REPORT["hostile_requests"], indent=1))
+
+    # vLLM refused every unknown model and served the rest: the attack reached its log at ERROR.
+    assert all(code in (400, 404) for w, code in sent if w.startswith("model")), sent
+    assert all(code == 200 for w, code in sent if w in ("prompt (chat)", "headers")), sent
+    assert len(at_error) >= chat_models, lines[-20:]
+    # The guardian read those lines and made nothing of them.
+    assert after.lines_total - before.lines_total >= len(at_error)
+    assert dict(after.counts) == dict(before.counts), REPORT["hostile_requests"]
+    assert not firing
+    assert [d for d in decisions if d.get("cause") or d["what"] in ("action", "latch")] == []
+    assert not state.breaker_latched and state.action is None
+    assert support.healthy(guarded.url) and sup.starts == starts and sup.pid == pid
 
 
 # --- 3. KV pressure: seen, alerted, gated, ungated -------------------------------------------

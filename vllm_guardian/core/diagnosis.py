@@ -11,6 +11,8 @@ Two rules from DESIGN.md §2 are enforced here rather than left to callers:
   dropped from the ranking.
 * A destructive action needs either one unambiguous piece of evidence (an OOM line, a dead
   engine, a reset-class XID) or two independent ones (:func:`actionable`).
+* A log line is never evidence on its own: it counts only while a structural signal agrees
+  (:func:`corroborated`, used by the policy and by :func:`classify`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from vllm_guardian.allocator_format import AllocatorStats
 from vllm_guardian.core.alerting import Rule
 from vllm_guardian.core.budget import MIN_DEPLOY_UTILIZATION, KvBudget
 from vllm_guardian.core.signals import ServiceSignals
-from vllm_guardian.model import Alert, AlertState, Cause, LogEvent, LogEventKind
+from vllm_guardian.model import Alert, AlertState, Cause, HealthState, LogEvent, LogEventKind
 
 GIB = 1024**3
 
@@ -99,6 +101,68 @@ def evidence_from_alerts(
             )
         )
     return out
+
+
+# --- a log line needs a structural signal ---------------------------------------------------
+#
+# A log line is text, and a request shapes some of vLLM's text: the API server logs a request's
+# `model` at ERROR, and even the engine's own lines can quote a request id or a grammar. The
+# logs source reads only the engine's lines (sources/logs.py); this is the second half: no log
+# line alone restarts, relaunches, latches or names a cause. It counts only while something no
+# request can write says vLLM failed too.
+
+# How far apart a log line and the structural signal that agrees with it may be. An engine that
+# dies of an OOM answers /health 503 within a second and its server exits within seconds; a
+# journal read late, or a supervisor that has the server up again by the next tick, are inside.
+CORROBORATION_SECONDS = 60.0
+# Unit states that mean vLLM's process is not running as it should (exited, failed, being
+# restarted by its supervisor).
+_PROCESS_DOWN = frozenset({"inactive", "failed", "activating", "deactivating"})
+
+
+@dataclass(frozen=True)
+class Structure:
+    """What no request can write: vLLM's /health, its processes and the GPUs, at one moment."""
+
+    health: HealthState | None = None
+    unit_active_state: str | None = None
+    process_restarted: bool = False  # the main process was replaced since the last look
+    stalled: bool = False  # requests in the engine and not one token processed for a while
+    reset_class_xid: bool = False  # NVML: an XID that needs a GPU reset, on its GPUs
+
+
+def structural_failures(st: Structure) -> tuple[str, ...]:
+    """The structural signals that show vLLM failing, by name (empty: none does)."""
+    out = []
+    if st.health is HealthState.ENGINE_DEAD:
+        out.append("health:engine_dead")
+    elif st.health is HealthState.REFUSED:
+        out.append("health:refused")
+    if st.unit_active_state in _PROCESS_DOWN:
+        out.append(f"unit:{st.unit_active_state}")
+    if st.process_restarted:
+        out.append("process:restarted")
+    if st.stalled:
+        out.append("stalled")
+    if st.reset_class_xid:
+        out.append("nvml:xid_reset_class")
+    return tuple(out)
+
+
+def from_log(e: Evidence) -> bool:
+    """Evidence read from vLLM's log (a request can shape log text)."""
+    return e.name.startswith("log:")
+
+
+def corroborated(evidence: Iterable[Evidence], structural: Sequence[str]) -> list[Evidence]:
+    """The rule: log-derived evidence counts only while a structural signal agrees.
+
+    ``structural`` names the structural failures seen with it (:func:`structural_failures`);
+    with none, every log item is dropped and the rest is kept as it is. The policy applies it to
+    each log item within :data:`CORROBORATION_SECONDS` of a structural failure, ``diagnose`` to
+    what it observed at once."""
+    items = list(evidence)
+    return items if structural else [e for e in items if not from_log(e)]
 
 
 def _detail(event: LogEvent, key: str) -> int | None:
@@ -188,6 +252,14 @@ def classify_startup_oom(event: LogEvent, signals: ServiceSignals | None) -> Evi
     )
 
 
+# vLLM's header in front of a log line, left out where a sentence quotes the line.
+_HEADER = re.compile(r"^(?:\([^\s()]+ pid=\d+\) )?(?:[A-Z]+ \d\d-\d\d \d\d:\d\d:\d\d\S* \S+ )?")
+
+
+def _quote(ev: LogEvent) -> str:
+    return _HEADER.sub("", ev.message, count=1)[:200]
+
+
 def evidence_from_logs(
     events: Iterable[LogEvent], signals: ServiceSignals | None
 ) -> list[Evidence]:
@@ -217,7 +289,7 @@ def evidence_from_logs(
                 Evidence(
                     Cause.GPU_MEMORY_OVERCOMMIT,
                     f"log:{ev.kind.value}",
-                    ev.message[:200],
+                    _quote(ev),
                     unambiguous=True,
                 )
             )
@@ -226,15 +298,13 @@ def evidence_from_logs(
                 Evidence(
                     Cause.GPU_HARDWARE_FAULT,
                     "log:gpu_hardware_error",
-                    ev.message[:200],
+                    _quote(ev),
                     unambiguous=True,
                 )
             )
         elif ev.kind in _DEATH_KINDS:
             out.append(
-                Evidence(
-                    Cause.ENGINE_DEAD, f"log:{ev.kind.value}", ev.message[:200], unambiguous=True
-                )
+                Evidence(Cause.ENGINE_DEAD, f"log:{ev.kind.value}", _quote(ev), unambiguous=True)
             )
         elif ev.kind is LogEventKind.NON_TORCH_OOM:
             out.append(
@@ -250,7 +320,7 @@ def evidence_from_logs(
                 Evidence(
                     Cause.KV_CACHE_BLOWOUT,
                     f"log:{ev.kind.value}",
-                    ev.message[:200],
+                    _quote(ev),
                     unambiguous=True,
                 )
             )
@@ -715,6 +785,23 @@ def classify(obs: Observations) -> Classification:
     notes += n
     evidence += _unit_evidence(obs)
     evidence += obs.extra_evidence
+    health = sig.health_state if sig is not None else None
+    if obs.health_status_code in (500, 503):
+        health = HealthState.ENGINE_DEAD
+    structure = Structure(
+        health=health,
+        unit_active_state=obs.unit_active_state,
+        stalled=bool(sig is not None and sig.stalled),
+        reset_class_xid=any(x in RESET_CLASS_XIDS for _, x in obs.xid_events),
+    )
+    kept = corroborated(evidence, structural_failures(structure))
+    held = sorted({e.name for e in evidence if e not in kept})
+    if held:
+        notes.append(
+            f"vLLM's log says {', '.join(held)}, but /health, the unit and the GPUs show no "
+            "failure: log lines alone name no cause (a request's text can reach the log)"
+        )
+    evidence = kept
     if (
         obs.unit_active_state in ("inactive", "failed")
         and obs.exec_main_status == 0

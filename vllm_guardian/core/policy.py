@@ -37,12 +37,17 @@ from vllm_guardian.config import PolicyConfig
 from vllm_guardian.core import phases
 from vllm_guardian.core.budget import parse_launch_flags
 from vllm_guardian.core.diagnosis import (
+    CORROBORATION_SECONDS,
+    RESET_CLASS_XIDS,
     Evidence,
     Finding,
+    Structure,
     actionable,
+    corroborated,
     evidence_from_alerts,
     evidence_from_logs,
     rank,
+    structural_failures,
 )
 from vllm_guardian.core.forecast import Forecast
 from vllm_guardian.core.levers import (
@@ -111,6 +116,20 @@ class Baseline:
 
 
 @dataclass(frozen=True)
+class LogItem:
+    """One log line's evidence, held until an action consumes it or it ages out."""
+
+    cause: Cause
+    name: str
+    sentence: str
+    seen_at: float
+    agreed: tuple[str, ...] = ()  # the structural failures that agreed with it; () not yet
+
+    def evidence(self) -> Evidence:
+        return Evidence(self.cause, self.name, self.sentence, unambiguous=True)
+
+
+@dataclass(frozen=True)
 class ServiceState:
     service: str
     gate_open: bool = True
@@ -136,8 +155,13 @@ class ServiceState:
     last_pressure_seconds: float | None = None
     baseline: Baseline | None = None
     last_note: str = ""  # the last "nothing done because ..." decision, to log it once
-    # Instant evidence (log lines) not yet acted on: (cause, name, sentence, time seen).
-    pending: tuple[tuple[Cause, str, str, float], ...] = ()
+    # Instant evidence (log lines) not yet acted on, each with the structural signals that
+    # agreed with it (core/diagnosis.corroborated): only those count. (A state file saved before
+    # this field has `pending` instead, plain tuples: ignored on load, as nothing agreed then.)
+    log_items: tuple[LogItem, ...] = ()
+    # The structural failures seen last (core/diagnosis.structural_failures) and when.
+    structural: tuple[str, ...] = ()
+    structural_at: float | None = None
     watch_since: float | None = None  # the guardian's first look at this service
     # Since when the exhaustion forecast has named its current cause (preemptive_action).
     forecast_since: float | None = None
@@ -397,7 +421,7 @@ class _Ctx:
             dry_run=dry,
         )
         self.next_id += 1
-        s = replace(s, pending=())  # the evidence is acted upon: it must not trigger again
+        s = replace(s, log_items=())  # the evidence is acted upon: it must not trigger again
         if kind is ActionKind.ESCALATE:
             return s
         if dry:
@@ -461,7 +485,9 @@ def decide(
     for name in settings.services:
         s = state.service(name)
         sig = signals.service(name)
+        pid_before = s.main_pid
         s = _track_process(s, snapshot, name, now)
+        restarted = pid_before is not None and s.main_pid != pid_before
         s = _advance(ctx, s, snapshot, sig)
         if s.paused:
             out.append(
@@ -484,7 +510,7 @@ def decide(
             # remembered, it restarted the healthy new instance after the cooldown.
             replaced = s.action.cause if s.action.phase in phases.BEFORE_RESTART else None
             instant = [e for e in instant if e.cause not in (Cause.ENGINE_DEAD, replaced)]
-        s = _remember(s, instant, now, settings.policy)
+        s = _remember(ctx, s, instant, _structure(s, sig, unit, restarted), settings.policy)
         continuous = evidence_from_alerts(
             [
                 a
@@ -507,7 +533,7 @@ def decide(
                          f"{unit.unit} is {unit.active_state} (result {unit.result}, status {unit.exec_main_status}) "
                          "and systemd is not restarting it", unambiguous=True)
             )  # fmt: skip
-        pending = [Evidence(c, n, text, unambiguous=True) for c, n, text, _ in s.pending]
+        pending = [x.evidence() for x in s.log_items if x.agreed]
         evidence = _filter_startup(s, sig, unit, now, settings.policy, continuous + pending)
         findings = rank(evidence)
         s = _track_episodes(s, findings, now, settings.policy)
@@ -745,12 +771,59 @@ def _instant(signal: str) -> bool:
     return signal.startswith("log_events.")
 
 
+def _structure(
+    s: ServiceState, sig: ServiceSignals | None, unit: UnitState | None, restarted: bool
+) -> Structure:
+    """This tick's structural view of the service. Nothing while an action of ours is under
+    way: the failures it causes (the stop, the restart) agree with no log line."""
+    if s.action is not None:
+        return Structure()
+    return Structure(
+        health=sig.health_state if sig is not None else None,
+        unit_active_state=unit.active_state if unit is not None and unit.unit else None,
+        process_restarted=restarted,
+        stalled=bool(sig is not None and sig.stalled),
+        reset_class_xid=sig is not None
+        and any(x in RESET_CLASS_XIDS for _, x, _ in sig.recent_xid_events),
+    )
+
+
 def _remember(
-    s: ServiceState, new: Sequence[Evidence], now: float, p: PolicyConfig
+    ctx: _Ctx, s: ServiceState, new: Sequence[Evidence], structure: Structure, p: PolicyConfig
 ) -> ServiceState:
-    kept = tuple(x for x in s.pending if now - x[3] <= p.pressure_window_seconds)
-    added = tuple((e.cause, e.name, e.sentence, now) for e in new)
-    return replace(s, pending=kept + added) if (added or len(kept) != len(s.pending)) else s
+    """Hold this tick's log evidence, and let the structural signals agree with what is held.
+
+    A log item counts (``agreed``) once :func:`corroborated` keeps it: a structural failure seen
+    within :data:`CORROBORATION_SECONDS` of the line, before it or after it."""
+    now = ctx.now
+    failing = structural_failures(structure)
+    if failing:
+        s = replace(s, structural=failing, structural_at=now)
+    recent = (
+        s.structural
+        if s.structural_at is not None and now - s.structural_at <= CORROBORATION_SECONDS
+        else ()
+    )
+    kept = tuple(x for x in s.log_items if now - x.seen_at <= p.pressure_window_seconds)
+    held = []
+    items = []
+    for x in (*kept, *(LogItem(e.cause, e.name, e.sentence, now) for e in new)):
+        if not x.agreed and now - x.seen_at <= CORROBORATION_SECONDS:
+            if corroborated([x.evidence()], recent):
+                x = replace(x, agreed=recent)
+            elif x.seen_at == now:
+                held.append(x.name)
+        items.append(x)
+    if held:
+        ctx.decide(
+            s,
+            DecisionKind.SUPPRESSED,
+            f"vLLM's log says {', '.join(sorted(set(held)))}, but /health, its processes and "
+            "the GPUs show no failure: a log line alone is not acted on (a request's text can "
+            f"reach the log); held {CORROBORATION_SECONDS:.0f} s for one to agree",
+        )
+    pending = tuple(items)
+    return s if pending == s.log_items else replace(s, log_items=pending)
 
 
 def _filter_startup(
@@ -887,7 +960,7 @@ def _early_crash(s: ServiceState, top: Finding, now: float, p: PolicyConfig) -> 
     if top.cause not in CRASH_CAUSES:
         return False
     ready = s.ready_since
-    fresh = {name for _, name, _, t in s.pending if t > ready}
+    fresh = {x.name for x in s.log_items if x.seen_at > ready and x.agreed}
     return any(e.name in fresh or e.name == "unit:exited" for e in top.evidence)
 
 

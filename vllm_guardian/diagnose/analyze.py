@@ -58,7 +58,7 @@ from vllm_guardian.model import (
 )
 from vllm_guardian.recorder import snapshot_from_record
 from vllm_guardian.sources.health import classify_status
-from vllm_guardian.sources.logs import MESSAGE_MAX_CHARS, match_line
+from vllm_guardian.sources.logs import MESSAGE_MAX_CHARS, engine_message, match_line
 from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
 
 _REQUEST_HISTOGRAMS = ("vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket")
@@ -422,7 +422,9 @@ def analyze(
     flags = parse_launch_flags(b.cmdline or ())
     for bad in flags.unknown_values:
         problems.append(f"cmdline.txt: cannot read {bad}")
-    sizing = parse_startup_sizing(b.journal)
+    # Sizing read from the engine's own lines only: a request's text elsewhere in the log could
+    # spell "Available KV cache memory: 0.01 GiB" (sources/logs.py says who wrote a line).
+    sizing = parse_startup_sizing(m for line in b.journal if (m := engine_message(line)))
     events = log_events(b.journal, now)
     scrape_last = parsed[-1][1] if parsed else None
     cache = next(

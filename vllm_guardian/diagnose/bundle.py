@@ -239,6 +239,10 @@ class _Reader:
             self.problems.append(f"{rel}: unreadable ({e.strerror or e})")
             return None
         self.budget_bytes -= len(data)
+        if tail and size > limit:
+            # The tail starts mid-line: that partial line could start anywhere in a line a
+            # request wrote (a header in it is not one). Dropped.
+            data = data[data.find(b"\n") + 1 :] if b"\n" in data else b""
         return data.decode("utf-8", errors="replace")
 
     def json(self, rel: str, want: type) -> Any:

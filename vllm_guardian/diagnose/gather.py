@@ -174,8 +174,7 @@ class _Gatherer:
             self.problems.append(
                 "journal: cannot read the unit's journal (run as root or a member of systemd-journal)"
             )
-        text = p.stdout[-JOURNAL_TAIL_BYTES:].decode("utf-8", errors="replace")
-        return [redact_text(line) for line in text.splitlines()]
+        return whole_lines(p.stdout[-JOURNAL_TAIL_BYTES:], len(p.stdout) > JOURNAL_TAIL_BYTES)
 
     def gpus(self) -> GpuReading | None:
         self.progress("reading the GPUs")
@@ -256,7 +255,20 @@ def tail_file(path: Path, problems: list[str]) -> list[str]:
     except OSError as e:
         problems.append(f"log file {path}: {e.strerror or e}")
         return []
-    return [redact_text(line) for line in data.decode("utf-8", errors="replace").splitlines()]
+    return whole_lines(data, size > JOURNAL_TAIL_BYTES)
+
+
+def whole_lines(data: bytes, cut: bool) -> list[str]:
+    """Log text as redacted lines, split at newlines only (``str.splitlines`` also splits at
+    characters a request's text can carry, U+2028 and the like, and what follows one would
+    read as the start of a line). ``cut``: the text is a tail that starts mid-line; that partial
+    first line is dropped, it could start anywhere in a line a request wrote."""
+    lines = data.decode("utf-8", errors="replace").split("\n")
+    if cut:
+        lines = lines[1:]
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [redact_text(line.rstrip("\r")) for line in lines]
 
 
 def hf_cache_dirs() -> list[Path]:

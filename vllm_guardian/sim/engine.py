@@ -744,13 +744,20 @@ class SimEngine:
         self._logs.append(LogEvent(self.now, Proc.NONE, "", "", line))
 
     def _traceback(self, *frames_and_last: tuple[str, int, str] | str) -> None:
-        self._raw("Traceback (most recent call last):")
+        """The traceback of the record just logged (``logger.exception``): vLLM's
+        NewLineFormatter repeats that record's header on every line of it."""
+        head = self._logs[-1]
+
+        def line(text: str) -> None:
+            self._log(head.proc, head.level, head.fileinfo, text)
+
+        line("Traceback (most recent call last):")
         for item in frames_and_last:
             if isinstance(item, str):
-                for line in item.split("\n"):
-                    self._raw(line)
+                for text in item.split("\n"):
+                    line(text)
             else:
                 path, line_no, func = item
-                self._raw(
+                line(
                     f'  File "/usr/local/lib/python3.12/dist-packages/{path}", line {line_no}, in {func}'
                 )

@@ -1,8 +1,9 @@
 """vLLM's log line format, for the twin's stderr.
 
-``(APIServer pid=123) INFO 11-22 00:09:18 [launcher.py:254] message`` (vllm/logger.py,
-vllm-surface.md §6); traceback lines are printed bare. The wall-clock timestamp is supplied by
-the caller, so formatting stays pure.
+``(APIServer pid=123) INFO 11-22 00:09:18 [launcher.py:254] message`` (vllm/logger.py); a
+logged traceback repeats its record's header on every line, as vLLM's NewLineFormatter does,
+and only what Python prints itself (an uncaught exception at exit) is bare. The wall-clock
+timestamp is supplied by the caller, so formatting stays pure.
 """
 
 from __future__ import annotations

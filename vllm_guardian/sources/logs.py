@@ -3,7 +3,7 @@
 A reader thread per service follows either the unit's journal (``journalctl -f -o json``) or
 a plain log file (like ``tail -F``), from the guardian's start on (``-n 0``; a file from its
 end), and feeds every line to :func:`match_line`, which knows
-the vLLM log signatures of reference/vllm-surface.md §6: CUDA OOMs, start-up sizing failures,
+vLLM's log signatures: CUDA OOMs, start-up sizing failures,
 engine death, hung workers, V0 preemption warnings. Once per tick :meth:`LogsCollector.collect`
 hands out cumulative counts per kind and the events that are new since the previous tick;
 it only copies state under a lock, so it never waits on the journal. Messages kept in events
@@ -15,12 +15,36 @@ logged while it was down is read, not lost. A cursor journalctl cannot seek to (
 stderr: a journal vacuumed or replaced) is dropped when that run handed nothing over, and the
 next run starts from now, as at the start.
 
-Counting rules (why a count is a number of *incidents*, not of lines):
+Which lines are evidence (a client must not be able to write one):
 
-* Lines logged at INFO or DEBUG are never matched, in vLLM's format or uvicorn's (``INFO:``).
-  Every signature is logged at WARNING or above or printed as a traceback line, and INFO lines
-  can carry user text (request logging, and uvicorn's access log with the path a client
-  chose), which must not be able to fake an OOM or an engine death.
+* Only where vLLM reports its own failures: the engine core and its workers. vLLM 0.32 writes
+  every line of a log record, a traceback's included, as ``(NAME pid=N) LEVEL MM-DD HH:MM:SS
+  [file.py:N] …`` (vllm/logger.py's format; its NewLineFormatter repeats that header on every
+  line of a multi-line record). NAME is the process: ``EngineCore``, ``EngineCore_DP0``,
+  ``Worker``, ``Worker_TP1``, ``VllmWorker-0`` (:data:`ENGINE_PROCESS`). The API server
+  (``APIServer``, ``ApiServer_0``) logs request text at ERROR (``Error with model …`` quotes
+  the request's ``model`` field, its serving loggers quote prompts), so its lines are never
+  evidence, except the engine client's account of its engine's death (:data:`ENGINE_CLIENT`).
+  A line without the header (uvicorn's output, a bare traceback, anything printed around the
+  logger) cannot be told apart from request text and is never evidence; nor is a header that
+  does not start the line (text a request put in the middle of an API server line). vLLM
+  versions that prefixed a child's raw output (``(VllmWorker-0 pid=7) Traceback …``, before
+  the header carried the process) are read the same way: the process decides.
+* Lines logged at INFO or DEBUG are never matched: every signature is logged at WARNING or
+  above or is part of an ERROR record's traceback.
+* A line that continues one the journal cut (``_LINE_BREAK=nul`` or ``line-max`` on the entry
+  before: a NUL byte in a request's text, or a line over journald's LineMax) does not start a
+  line: it is read with :data:`CONTINUED` in front, so a header in it is text, not a header.
+* V0 (no process in its lines; the engine shared the API server's process) has one source
+  left: its scheduler's preemption warnings. Its OOMs and engine deaths are no longer read from
+  its log: /health, the process and NVML say those.
+* Xids come from NVML (sources/nvml.py) with their own rules; a kernel line quoted in vLLM's
+  log is text like any other.
+
+Even an engine line can quote a request (a request id, a grammar): no log line alone makes the
+policy act or ``diagnose`` name a cause. ``core/diagnosis.corroborated`` is that rule.
+
+Counting rules (why a count is a number of *incidents*, not of lines):
 * vLLM reports one failure several times: the worker prints the OOM traceback, EngineCore
   re-raises it as ``Worker failed with error 'CUDA out of memory…'``, the API server logs
   ``EngineDeadError`` once per in-flight request. A match whose *dedup key* equals that of the
@@ -46,6 +70,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
@@ -74,6 +99,9 @@ _FILE_POLL_SECONDS = 0.25
 _READ_CHUNK_BYTES = 64 * 1024
 _STDERR_KEEP_BYTES = 4096
 
+# journald's mark on an entry a NUL byte or LineMax cut, in journalctl's JSON.
+_JOURNAL_CUT = re.compile(rb'"_LINE_BREAK" ?: ?"(?:nul|line-max)"')
+
 _JOURNAL_GROUP_HINT = (
     "the guardian's user cannot read the system journal: add it to the systemd-journal group "
     "(SupplementaryGroups=systemd-journal in its unit), or follow a file with services[].log_file"
@@ -81,16 +109,35 @@ _JOURNAL_GROUP_HINT = (
 
 # --- the matcher (pure) ----------------------------------------------------------------------
 
-# reference §6: "(proc pid=N) LEVEL MM-DD HH:MM:SS [file.py:N] msg"; V0 has no brackets.
+# vLLM's header: "(NAME pid=N) LEVEL MM-DD HH:MM:SS [file.py:N] msg" (0.32; the file is a
+# relative path when VLLM_LOGGING_LEVEL=DEBUG). Older versions had no process in it, and V0 no
+# brackets around the file.
 LOG_PREFIX = re.compile(
-    r"^(?:\((?P<proc>\S+) pid=(?P<pid>\d+)\) )?(?P<lvl>DEBUG|INFO|WARNING|ERROR|CRITICAL) "
-    r"(?P<ts>\d\d-\d\d \d\d:\d\d:\d\d)(?:\.\d+)? \[?(?P<src>[^\]\s]+:\d+)\]? (?P<msg>.*)$"
+    r"^(?:\((?P<proc>[^\s()]+) pid=(?P<pid>\d+)\) )?(?P<lvl>DEBUG|INFO|WARNING|ERROR|CRITICAL) "
+    r"(?P<ts>\d\d-\d\d \d\d:\d\d:\d\d)(?:\.\d+)? \[?(?P<src>[^\]\s]+):\d+\]? (?P<msg>.*)$"
 )
+# Colours (vLLM's ColoredFormatter, when forced or on a terminal): around the header's parts.
+_SGR = re.compile(r"\x1b\[[0-9;]*m")
+# A process prefix alone: vLLM before 0.11 prefixed everything a child process wrote.
+_PROC_PREFIX = re.compile(r"^\((?P<proc>[^\s()]+) pid=\d+\) (?P<msg>.*)$")
 _QUIET_LEVELS = frozenset({"DEBUG", "INFO"})
-# uvicorn's own format (``%(levelprefix)s %(message)s``: the level, a colon, padding), used for
-# its access log and lifecycle lines, possibly after vLLM's process prefix. Its access lines
-# carry the request path, which any client that reaches vLLM's port chooses.
-_UVICORN_QUIET = re.compile(r"^(?:\(\S+ pid=\d+\) )?(?:TRACE|DEBUG|INFO): ")
+# The processes where vLLM reports its own failures: the engine core (EngineCore,
+# EngineCore_DP0; EngineCore_0 before 0.10) and its workers (Worker, Worker_TP1_EP1 once named,
+# VllmWorker-0 before; VllmWorkerProcess in V0; RayWorkerProc).
+ENGINE_PROCESS = re.compile(
+    r"(?:EngineCore|Worker|VllmWorker|VllmWorkerProcess|RayWorkerProc)(?:[-_][A-Za-z0-9_-]+)?"
+)
+# The API server's engine client (vllm/v1/engine/async_llm.py, core_client.py) reports its
+# engine's death: EngineDeadError under "AsyncLLM output_handler failed.", "engine core exited
+# unexpectedly". From the API server, only that, and only from those files.
+ENGINE_CLIENT = frozenset({"async_llm.py", "core_client.py"})
+# Engine-process files that copy a request into the log: the input dump of a fatal error
+# (vllm/logging_utils/dump_input.py: request ids, sampling parameters, stop strings).
+_REQUEST_ECHO = frozenset({"dump_input.py"})
+# V0's scheduler (no process in V0's lines): its preemption warnings only.
+_V0_SCHEDULER = "scheduler.py"
+# In front of a journal entry that continues a line the journal cut: it does not start a line.
+CONTINUED = "… "
 
 _SIZE = r"[\d.]+ ?(?:bytes|[KMGTP]i?B|B)"
 _SIZE_PARTS = re.compile(r"([\d.]+) ?(bytes|B|KiB|MiB|GiB|TiB|PiB|KB|MB|GB|TB|PB)")
@@ -298,18 +345,70 @@ def _match_body(line: str) -> tuple[LogEventKind, Details] | None:
     return None
 
 
+class Writer(StrEnum):
+    """Who wrote a line, as vLLM's header says (never the text after it)."""
+
+    ENGINE = "engine"  # the engine core or a worker: every signature
+    ENGINE_CLIENT = "engine_client"  # the API server's engine client: its engine's death only
+    V0_SCHEDULER = "v0_scheduler"  # V0's scheduler: its preemption warnings only
+
+
+# What each writer other than the engine may report.
+_ONLY: dict[Writer, LogEventKind] = {
+    Writer.ENGINE_CLIENT: LogEventKind.ENGINE_DEAD,
+    Writer.V0_SCHEDULER: LogEventKind.PREEMPTION,
+}
+
+
+@dataclass(frozen=True)
+class Origin:
+    writer: Writer
+    level: str  # "" for a child's raw output (no level in it)
+    message: str  # the line after the header
+
+
+def line_origin(line: str) -> Origin | None:
+    """Who wrote ``line``, if it is a writer whose lines can be evidence; None for everything
+    else (the API server's serving code, uvicorn, bare lines, a header not at the start)."""
+    if "\x1b" in line:
+        line = _SGR.sub("", line)  # VLLM_LOGGING_COLOR=1: the header's colours
+    m = LOG_PREFIX.match(line)
+    if m is not None:
+        proc, level, msg = m.group("proc"), m.group("lvl"), m.group("msg")
+        src = m.group("src").rpartition("/")[2]
+        if proc is None:
+            return Origin(Writer.V0_SCHEDULER, level, msg) if src == _V0_SCHEDULER else None
+        if ENGINE_PROCESS.fullmatch(proc):
+            return None if src in _REQUEST_ECHO else Origin(Writer.ENGINE, level, msg)
+        return Origin(Writer.ENGINE_CLIENT, level, msg) if src in ENGINE_CLIENT else None
+    m = _PROC_PREFIX.match(line)
+    if m is not None and ENGINE_PROCESS.fullmatch(m.group("proc")):
+        return Origin(Writer.ENGINE, "", m.group("msg"))
+    return None
+
+
+def engine_message(line: str) -> str | None:
+    """What the engine core or a worker logged on ``line``, at any level (vLLM's sizing lines
+    are INFO); None for a line anyone else wrote."""
+    origin = line_origin(line)
+    return origin.message if origin is not None and origin.writer is Writer.ENGINE else None
+
+
 def match_line(line: str) -> tuple[LogEventKind, Details] | None:
     """The vLLM signature on one log line (kind and details), or None.
 
-    ``line`` may be a full vLLM log line, a traceback line, or a journal MESSAGE. INFO and
-    DEBUG lines never match (see the module docstring).
+    ``line`` is one line of vLLM's output (a journal MESSAGE is split at newlines first). Only
+    a line vLLM's engine core or a worker wrote counts, told apart by the header vLLM puts at
+    the start of every line, never by the text after it (see the module docstring).
     """
-    prefix = LOG_PREFIX.match(line)
-    if prefix is not None and prefix.group("lvl") in _QUIET_LEVELS:
+    origin = line_origin(line)
+    if origin is None or origin.level in _QUIET_LEVELS:
         return None
-    if _UVICORN_QUIET.match(line):
+    found = _match_body(origin.message)
+    only = _ONLY.get(origin.writer)
+    if found is None or (only is not None and found[0] is not only):
         return None
-    return _match_body(line)
+    return found
 
 
 # Which details identify an incident (see the module docstring); other kinds: the kind alone.
@@ -425,6 +524,27 @@ class JournalEntry:
     message: str | None  # None: journalctl printed null (a field over 4096 bytes)
     time_seconds: float | None
     cursor: str | None = None  # where a restarted journalctl resumes (--after-cursor)
+    # journald's _LINE_BREAK: why this entry ended without a newline (nul, line-max, eof,
+    # pid-change); None when a newline ended it.
+    line_break: str | None = None
+
+    @property
+    def cut(self) -> bool:
+        """The line goes on in the next entry: a NUL byte or journald's LineMax cut it."""
+        return self.line_break in ("nul", "line-max")
+
+
+def split_message(message: str, continued: bool) -> list[str]:
+    """A journal MESSAGE as lines: split at newlines only. ``str.splitlines`` also splits at
+    U+2028, U+0085, \\x1c-\\x1e and form feeds, characters a request's text can carry: a header
+    after one of them is in the middle of a line. ``continued``: the entry goes on with a line
+    the journal cut (:attr:`JournalEntry.cut` on the entry before), so it starts mid-line."""
+    lines = [line.rstrip("\r") for line in message.split("\n")]
+    if len(lines) > 1 and lines[-1] == "":
+        lines.pop()
+    if continued:
+        lines[0] = CONTINUED + lines[0]
+    return lines
 
 
 def parse_journal_line(raw: bytes | str) -> JournalEntry | None:
@@ -447,7 +567,13 @@ def parse_journal_line(raw: bytes | str) -> JournalEntry | None:
     if isinstance(raw_ts, str | int) and str(raw_ts).isdigit():
         ts = int(raw_ts) / 1e6
     cursor = obj.get("__CURSOR")
-    return JournalEntry(text, ts, cursor if isinstance(cursor, str) and cursor else None)
+    brk = obj.get("_LINE_BREAK")
+    return JournalEntry(
+        text,
+        ts,
+        cursor if isinstance(cursor, str) and cursor else None,
+        brk if isinstance(brk, str) and brk else None,
+    )
 
 
 # --- following a file like tail -F ----------------------------------------------------------
@@ -727,13 +853,22 @@ class LogsCollector:
         # JSON escaping can make a line several times longer than its MESSAGE.
         limit = 8 * self._cfg.max_line_bytes + 64 * 1024
         oversized = False
+        continued = False  # the entry before was cut: this one does not start a line
+        # An entry too long to parse: whether it was cut, read from its raw JSON as it passes
+        # (an unescaped quote is never the MESSAGE's text), and the end of its last piece.
+        big_cut, tail = False, b""
         while raw := proc.stdout.readline(limit):
             complete = raw.endswith(b"\n")
             if oversized or not complete:
                 # The tail of a line too long to parse: count it once, then skip to its end.
                 if not oversized:
                     self._feed([""])
+                    big_cut, tail = False, b""
+                big_cut = big_cut or _JOURNAL_CUT.search(tail + raw) is not None
+                tail = raw[-64:]
                 oversized = not complete
+                if not oversized:
+                    continued = big_cut
                 continue
             entry = parse_journal_line(raw)
             if entry is None or entry.message is None:
@@ -741,9 +876,10 @@ class LogsCollector:
             else:
                 lines = [
                     truncate_utf8(line, self._cfg.max_line_bytes)
-                    for line in entry.message.splitlines() or [""]
+                    for line in split_message(entry.message, continued)
                 ]
                 self._feed(lines, entry.time_seconds)
+            continued = entry.cut if entry is not None else bool(_JOURNAL_CUT.search(raw))
             if entry is not None and entry.cursor is not None:
                 self._cursor = entry.cursor
 
