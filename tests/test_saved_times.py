@@ -25,7 +25,7 @@ from vllm_guardian.core.phases import (
     Phase,
     phase_limit_seconds,
 )
-from vllm_guardian.core.policy import Lever, PolicyState, ServiceState
+from vllm_guardian.core.policy import Lever, LogItem, PolicyState, ServiceState
 from vllm_guardian.healing import Healing
 from vllm_guardian.model import ActionKind, Cause
 from vllm_guardian.statefile import save_state
@@ -53,7 +53,7 @@ def _saved(at: float, phase: Phase = Phase.DRAINING) -> ServiceState:
         pinned_until=((Lever.MAX_NUM_SEQS, at + p.pin_seconds),),
         episodes=((Cause.CONCURRENCY_OVERCOMMIT, at),),
         last_pressure_seconds=at,
-        pending=((Cause.ENGINE_DEAD, "EngineDeadError", "the engine died", at),),
+        log_items=(LogItem(Cause.ENGINE_DEAD, "EngineDeadError", "the engine died", at),),
         watch_since=at,
         forecast_since=at,
         forecast_actions=((Cause.PREFILL_BURST, at),),
@@ -121,7 +121,7 @@ BOUNDS: list[tuple[str, Times, Bound]] = [
     ("last_step_up", lambda s: _second(s.last_step_up), lambda p: 0.0),
     ("episodes", lambda s: _second(s.episodes), lambda p: 0.0),
     ("last_pressure_seconds", lambda s: [s.last_pressure_seconds or 0.0], lambda p: 0.0),
-    ("pending", lambda s: [t for *_, t in s.pending], lambda p: 0.0),
+    ("log_items", lambda s: [x.seen_at for x in s.log_items], lambda p: 0.0),
     ("watch_since", lambda s: [s.watch_since or 0.0], lambda p: 0.0),
     ("forecast_since", lambda s: [s.forecast_since or 0.0], lambda p: 0.0),
     ("forecast_actions", lambda s: _second(s.forecast_actions), lambda p: 0.0),

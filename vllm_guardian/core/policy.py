@@ -1305,8 +1305,9 @@ def bound_saved_times(
                 pinned_until=b.keyed("pinned_until", s.pinned_until, p.pin_seconds),
                 episodes=b.keyed("episodes", s.episodes),
                 last_pressure_seconds=b.maybe("last_pressure_seconds", s.last_pressure_seconds),
-                pending=tuple(
-                    (c, n, why, b.at_most(f"pending[{n}]", t)) for c, n, why, t in s.pending
+                log_items=tuple(
+                    replace(x, seen_at=b.at_most(f"log_items[{x.name}]", x.seen_at))
+                    for x in s.log_items
                 ),
                 watch_since=b.maybe("watch_since", s.watch_since),
                 forecast_since=b.maybe("forecast_since", s.forecast_since),
