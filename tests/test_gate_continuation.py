@@ -514,3 +514,31 @@ def test_every_refusal_has_its_series() -> None:
     text = GateMetrics("vllm").render().decode()
     for r in Refusal:
         assert f'outcome="refused",reason="{r.value}"' in text, r
+
+
+# --- the switch ------------------------------------------------------------------------------------
+
+
+def test_the_config_keys_and_the_flags_agree_and_reach_the_proxy(tmp_path: Any) -> None:
+    from vllm_guardian.config import ConfigInvalid, GateConfig, parse_config
+    from vllm_guardian.gate import cli as gate_cli
+
+    assert GateConfig().max_continuations == gate_cli.DEFAULTS["max_continuations"] == 1
+    assert ("on" if GateConfig().continuation else "off") == gate_cli.DEFAULTS["continuation"]
+    head = "services:\n  - name: vllm\n    url: http://127.0.0.1:8000\n    gate:\n"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(head + "      continuation: false\n      max_continuations: 3\n")
+    s = gate_cli.settings_from_args(gate_cli.build_parser().parse_args(["-c", str(cfg)]))
+    assert (s.proxy.continuation, s.proxy.max_continuations) == (False, 3)
+    s = gate_cli.settings_from_args(
+        gate_cli.build_parser().parse_args(["-c", str(cfg), "--continuation", "on"])
+    )
+    assert (s.proxy.continuation, s.proxy.max_continuations) == (True, 3)
+    for text, line, key in [
+        ("      max_continuations: -1\n", 5, "max_continuations"),
+        ("      continuation: maybe\n", 5, "continuation"),
+    ]:
+        with pytest.raises(ConfigInvalid) as e:
+            parse_config(head + text, "c.yaml")
+        found = [(err.line, err.path) for err in e.value.errors]
+        assert (line, f"services[0].gate.{key}") in found, found

@@ -62,6 +62,8 @@ DEFAULTS: dict[str, Any] = {
     "stall_hold": 10.0,
     "metrics_path": "/metrics",
     "shutdown_timeout": 5.0,
+    "continuation": "on",
+    "max_continuations": 1,
     "log_level": "INFO",
 }
 
@@ -198,6 +200,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="seconds in-flight requests get on SIGTERM (default 5)",
     )
+    o.add_argument(
+        "--continuation",
+        choices=("on", "off"),
+        help="continue a streamed /v1/completions the upstream cuts, on the next ready server (default on)",
+    )
+    o.add_argument(
+        "--max-continuations",
+        type=int,
+        help="continuations of one request at most (default 1)",
+    )
     o.add_argument("--log-level", help="DEBUG, INFO (default), WARNING, ERROR")
     return ap  # fmt: skip
 
@@ -245,6 +257,8 @@ def values_from_config(path: str, service: str) -> dict[str, Any]:
         "stall_hold": g.stall_hold_seconds,
         "metrics_path": g.metrics_path,
         "shutdown_timeout": g.shutdown_timeout_seconds,
+        "continuation": "on" if g.continuation else "off",
+        "max_continuations": g.max_continuations,
     }
 
 
@@ -275,6 +289,8 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
         raise UsageError("--max-wait and the poll intervals must be > 0")
     if args.stall_hold < 0:
         raise UsageError("--stall-hold must be >= 0 (0: off)")
+    if args.max_continuations < 0:
+        raise UsageError("--max-continuations must be >= 0")
     return GateSettings(
         proxy=ProxySettings(
             upstream=args.upstream,
@@ -283,6 +299,8 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
             default_output_tokens=args.default_output_tokens,
             key_header=args.key_header,
             metrics_path=args.metrics_path,
+            continuation=args.continuation == "on",
+            max_continuations=args.max_continuations,
         ),
         listen_host=host,
         listen_port=port,
