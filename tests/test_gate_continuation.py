@@ -542,3 +542,20 @@ def test_the_config_keys_and_the_flags_agree_and_reach_the_proxy(tmp_path: Any) 
             parse_config(head + text, "c.yaml")
         found = [(err.line, err.path) for err in e.value.errors]
         assert (line, f"services[0].gate.{key}") in found, found
+
+
+def test_a_cut_before_the_first_event_is_the_ordinary_retry_counted_once(
+    gates: Callable[..., GateOn], fake: FakeCompletions
+) -> None:
+    g = gates()
+    expected = direct(fake, body())
+    fake.bodies.clear()
+    fake.cut_next(CutSpec(0, "error_event"))
+    got = Read(g.url, body())
+    assert got.data == expected and len(fake.bodies) == 2
+    assert fake.bodies[1] == fake.bodies[0]  # sent again whole, as it was
+    text = requests.get(f"{g.url}/metrics", timeout=5).text
+    assert 'vllm_guardian_gate_retried_total{service="vllm"} 1.0' in text
+    assert 'upstream_errors_total{phase="before_first_byte",service="vllm"} 1.0' in text
+    assert 'upstream_errors_total{phase="streaming",service="vllm"} 0.0' in text
+    assert g.metric("continued", "error_event") == 0

@@ -120,15 +120,15 @@ class ContinuingRelay:
                     assert self.resp is not None
                     await self.resp.write_eof()
                     return self.resp
-                self.metrics.upstream_error("streaming")
-                self.follower.suspect()
-                if self.resp is None:
+                if self.resp is None:  # the proxy counts it, and retries it whole
                     raise UpstreamError(
                         "before_first_byte",
                         "the upstream cut the stream before its first event"
                         if held is None
                         else held.decode("utf-8", "replace")[:200],
                     )
+                self.metrics.upstream_error("streaming")
+                self.follower.suspect()
                 try:
                     up = await self._next(cut, held)
                 except _GaveUp:
