@@ -903,11 +903,6 @@ def test_engine_death_is_named_and_restarted_once(guarded: Guarded, gate: GatedC
     uncut = support.TextStream()
     support.stream_text(guarded.url, greedy, uncut)
     assert uncut.done and uncut.events > 0 and not uncut.errors, uncut
-    gated = support.TextStream()
-    gated_thread = threading.Thread(
-        target=support.stream_text, args=(gate.url, greedy, gated), daemon=True
-    )
-    gated_thread.start()
     # Streams in flight when the engine dies, as in production: each gets an error event.
     streams: list[StreamResult] = []
     streaming = threading.Event()
@@ -921,8 +916,14 @@ def test_engine_death_is_named_and_restarted_once(guarded: Guarded, gate: GatedC
     # The streams reach the engine before the kill: a first token arrived, as the client sees
     # it (the guardian's scrape of /metrics can time out meanwhile: seen beside a CPU hog).
     # Whether one is still running when the engine dies depends on the machine's pace:
-    # reported below, not required. The gated one is mid-way: some events, not its end.
+    # reported below, not required. The gated one starts then, and the kill comes after its
+    # tenth event: mid-way (it had finished before the burst's first token in one run).
     assert streaming.wait(120), "no stream got a first token within 120 s"
+    gated = support.TextStream()
+    gated_thread = threading.Thread(
+        target=support.stream_text, args=(gate.url, greedy, gated), daemon=True
+    )
+    gated_thread.start()
     support.wait_for(lambda: gated.events >= 10, 120, "10 events of the gated stream", every=0.01)
     gated_at_kill = gated.events
     killed_at = time.monotonic()
