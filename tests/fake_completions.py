@@ -73,6 +73,7 @@ class CutSpec:
 class FakeCompletions:
     tokens_per_chunk: int = 1
     healthy: bool = True
+    token_ids_known: bool = True  # False: return_token_ids is ignored (an older server, the twin)
     bodies: list[dict[str, Any]] = field(default_factory=list)
     detokenized: list[list[int]] = field(default_factory=list)
     _cuts: list[CutSpec | None] = field(default_factory=list)
@@ -98,6 +99,7 @@ class FakeCompletions:
     def reset(self, tokens_per_chunk: int = 1) -> None:
         self.tokens_per_chunk = tokens_per_chunk
         self.healthy = True
+        self.token_ids_known = True
         self.bodies.clear()
         self.detokenized.clear()
         self._cuts.clear()
@@ -181,7 +183,7 @@ class FakeCompletions:
         if not isinstance(max_tokens, int):
             return web.json_response({"error": {"message": "max_tokens", "code": 400}}, status=400)
         out = self.generate(prompt, max_tokens)
-        ids_back = bool(body.get("return_token_ids"))
+        ids_back = bool(body.get("return_token_ids")) and self.token_ids_known
         opts = body.get("stream_options") or {}
         cid, created = self._ids(body)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})

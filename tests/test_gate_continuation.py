@@ -559,3 +559,16 @@ def test_a_cut_before_the_first_event_is_the_ordinary_retry_counted_once(
     assert 'upstream_errors_total{phase="before_first_byte",service="vllm"} 1.0' in text
     assert 'upstream_errors_total{phase="streaming",service="vllm"} 0.0' in text
     assert g.metric("continued", "error_event") == 0
+
+
+def test_an_upstream_that_sends_no_token_ids_is_not_continued(
+    gates: Callable[..., GateOn], fake: FakeCompletions
+) -> None:
+    """An older vLLM, or the twin: text without ids. Sending the request again whole would
+    repeat the text the client has."""
+    fake.token_ids_known = False
+    g = gates()
+    fake.cut_next(CutSpec(5, "reset"))
+    got = Read(g.url, body())
+    assert got.cut and len(fake.bodies) == 1
+    assert g.metric("refused", "no_token_ids") == 1

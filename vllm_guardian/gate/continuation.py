@@ -71,6 +71,8 @@ class Refusal(enum.StrEnum):
     KV_TRANSFER = "kv_transfer"
     # Decided at the cut:
     UNREADABLE_STREAM = "unreadable_stream"  # an event the gate could not read
+    # Text without ids: the upstream ignores return_token_ids (an older server, the twin).
+    NO_TOKEN_IDS = "no_token_ids"  # noqa: S105 (a label value, not a secret)
     UNSETTLED_TEXT = "unsettled_text"  # a relayed chunk whose last text is still held back
     NO_TOKENS_LEFT = "no_tokens_left"
 
@@ -256,6 +258,7 @@ class StreamState:
         self.finish_reason: str | None = None
         self.usage_seen = False
         self.unreadable = False
+        self.ids_missing = False  # text came without its ids
         self.continuations = 0  # continuation requests sent (the relay counts them)
         self.continuing = False  # this attempt is a continuation
         self.base_tokens = 0  # completion tokens before this attempt
@@ -337,6 +340,8 @@ class StreamState:
             ids = choice.get("token_ids")
             if ids is None:
                 ids = []
+                if choice.get("text"):
+                    self.ids_missing = True
             elif not self.plan.wants_token_ids:
                 choice["token_ids"] = None
                 changed = True
@@ -373,6 +378,8 @@ class StreamState:
         """What follows a cut (the attempt's answer is over, ``[DONE]`` not seen)."""
         if self.unreadable:
             return Refusal.UNREADABLE_STREAM
+        if self.ids_missing:
+            return Refusal.NO_TOKEN_IDS  # sent again whole, it would repeat the client's text
         if self.finish_reason is not None:
             return Complete(self._ending())
         rolled_back = len(self.token_ids) - self.settled  # held back, never relayed
