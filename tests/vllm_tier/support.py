@@ -454,6 +454,58 @@ def stream_completion(
     return r
 
 
+@dataclass
+class TextStream:
+    """A streamed completion as a client assembles it."""
+
+    status: int | None = None
+    text: str = ""
+    events: int = 0  # data events with choices
+    ids: set[str] = field(default_factory=set)  # every chunk's id
+    created: set[int] = field(default_factory=set)
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+    keepalives: int = 0
+    errors: list[str] = field(default_factory=list)
+    done: bool = False
+    failure: str | None = None
+    ended: float = 0.0  # time.monotonic() when it ended
+
+
+def stream_text(url: str, body: dict[str, object], into: TextStream, timeout: float = 600) -> None:
+    """Read one streamed completion into ``into`` as it arrives (a test watches its progress
+    from another thread)."""
+    r = into
+    try:
+        with session().post(
+            url + "/v1/completions", json=body, stream=True, timeout=(5, timeout)
+        ) as resp:
+            r.status = resp.status_code
+            for line in resp.iter_lines():
+                if line.startswith(b": keep-alive"):
+                    r.keepalives += 1
+                if not line.startswith(b"data: "):
+                    continue
+                if line == b"data: [DONE]":
+                    r.done = True
+                    break
+                event = json.loads(line[6:])
+                if "error" in event:
+                    r.errors.append(json.dumps(event["error"])[:300])
+                    continue
+                r.ids.add(event["id"])
+                r.created.add(event["created"])
+                if event.get("usage") is not None and not event["choices"]:
+                    r.usage = event["usage"]
+                for choice in event["choices"]:
+                    r.text += choice["text"]
+                    r.finish_reason = choice.get("finish_reason") or r.finish_reason
+                    r.events += 1
+    except (requests.RequestException, ValueError) as e:
+        r.failure = f"{type(e).__name__}: {e}"[:300]
+    r.ended = time.monotonic()
+
+
 def burst(
     url: str,
     n: int,

@@ -17,7 +17,9 @@ whole module shares one guardian and one vLLM and the tests run in file order:
    ``--shutdown-timeout 30``: every in-flight stream completes, and a client that honours
    ``/ready`` sends nothing to the dying server;
 6. engine death (SIGKILL of EngineCore): /health 503, exit 0, the guardian names
-   ``engine_dead`` and the server is started exactly once more.
+   ``engine_dead`` and the server is started exactly once more; a greedy stream through a gate
+   (in-process, following the guardian) is cut by the same death and continued on the new
+   server, and its text equals an uncut run's byte for byte.
 
 Skipped (with the reason) without the vLLM venv; ``scripts/test`` builds it with
 ``scripts/vllm-setup`` and sets ``VLLM_GUARDIAN_REQUIRE_VLLM=1``, which turns the skip into a
@@ -47,11 +49,15 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.test_gate_support import LoopThread
 from tests.vllm_tier import support
 from tests.vllm_tier.support import MODEL_NAME, Sampler, StreamResult
 from vllm_guardian.config import Config, parse_config
 from vllm_guardian.daemon import Guardian
 from vllm_guardian.demo import DEMO_RULES, free_port
+from vllm_guardian.gate.admission import Limits
+from vllm_guardian.gate.proxy import ProxySettings
+from vllm_guardian.gate.server import Gate, GateSettings
 from vllm_guardian.model import AlertState
 from vllm_guardian.sources.vllm_metrics import WANTED, parse_vllm_metrics
 
@@ -979,10 +985,53 @@ def test_operator_relaunch_drains_in_flight_streams_and_holds_new_work(guarded: 
     assert (support.cmdline(new_pid) if new_pid else [])[-2:] == ["--max-num-seqs", "24"]
 
 
+GATED_TOKENS = 600  # the greedy stream through the gate: about 5 of the 32 blocks
+
+
+class GatedClient:
+    """A gate in front of the module's vLLM, following its guardian, on a loop of its own;
+    its settings are the production defaults but for the wait, which spans a restart here."""
+
+    def __init__(self, guarded: Guarded) -> None:
+        self.lt = LoopThread("gate")
+        self.gate = Gate(
+            GateSettings(
+                proxy=ProxySettings(upstream=guarded.url),
+                listen_port=0,
+                guardian=guarded.guardian_url,
+                limits=Limits(max_wait_seconds=300),
+            )
+        )
+        self.lt.run(self.gate.start())
+        self.url = f"http://127.0.0.1:{self.gate.port}"
+
+    def metric(self, outcome: str) -> float:
+        """continuations_total for ``outcome``, over its reasons."""
+        text = self.gate.metrics.render().decode()
+        return sum(
+            s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+            if s.name == "vllm_guardian_gate_continuations_total"
+            and s.labels.get("outcome") == outcome
+        )
+
+    def stop(self) -> None:
+        self.lt.run(self.gate.stop())
+        self.lt.close()
+
+
 # --- 6. engine death -----------------------------------------------------------------------
 
 
-def test_engine_death_is_named_and_restarted_once(guarded: Guarded) -> None:
+@pytest.fixture
+def gate(guarded: Guarded) -> Iterator[GatedClient]:
+    g = GatedClient(guarded)
+    yield g
+    g.stop()
+
+
+def test_engine_death_is_named_and_restarted_once(guarded: Guarded, gate: GatedClient) -> None:
     sup = guarded.supervisor
     healing = guarded.guardian.healing
     assert healing is not None
@@ -1002,6 +1051,15 @@ def test_engine_death_is_named_and_restarted_once(guarded: Guarded) -> None:
     audit_before = len(guarded.audit())
     engine = [p for p, cmd in support.children(pid) if cmd.startswith("VLLM::EngineCore")]
     assert len(engine) == 1
+    # One greedy stream goes through a gate; its uncut text first, straight from vLLM.
+    greedy = {
+        "model": MODEL_NAME, "prompt": support.prompt_ids(16, 3000), "max_tokens": GATED_TOKENS,
+        "ignore_eos": True, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    uncut = support.TextStream()
+    support.stream_text(guarded.url, greedy, uncut)
+    assert uncut.done and uncut.events > 0 and not uncut.errors, uncut
     # Streams in flight when the engine dies, as in production: each gets an error event.
     streams: list[StreamResult] = []
     streaming = threading.Event()
@@ -1015,8 +1073,16 @@ def test_engine_death_is_named_and_restarted_once(guarded: Guarded) -> None:
     # The streams reach the engine before the kill: a first token arrived, as the client sees
     # it (the guardian's scrape of /metrics can time out meanwhile: seen beside a CPU hog).
     # Whether one is still running when the engine dies depends on the machine's pace:
-    # reported below, not required.
+    # reported below, not required. The gated one starts then, and the kill comes after its
+    # tenth event: mid-way (it had finished before the burst's first token in one run).
     assert streaming.wait(120), "no stream got a first token within 120 s"
+    gated = support.TextStream()
+    gated_thread = threading.Thread(
+        target=support.stream_text, args=(gate.url, greedy, gated), daemon=True
+    )
+    gated_thread.start()
+    support.wait_for(lambda: gated.events >= 10, 120, "10 events of the gated stream", every=0.01)
+    gated_at_kill = gated.events
     killed_at = time.monotonic()
     os.kill(engine[0], signal.SIGKILL)
     statuses: list[int | None] = []
@@ -1044,6 +1110,20 @@ def test_engine_death_is_named_and_restarted_once(guarded: Guarded) -> None:
     # the guardian counts itself) plus a few ticks that see vLLM up: wait for both.
     time.sleep(5)
     guarded.ticks_after(10, 120, "after the cooldown, vLLM up")
+    gated_thread.join(timeout=300)
+    continued = gate.metric("continued")
+    REPORT["gated_stream"] = {
+        "events_at_kill": gated_at_kill,
+        "events": gated.events,
+        "keepalives": gated.keepalives,
+        "continued": continued,
+        "same_text": gated.text == uncut.text,
+        "ended_after_kill_s": round(gated.ended - killed_at, 1),
+        "usage": gated.usage,
+        "errors": gated.errors,
+        "failure": gated.failure,
+    }
+    print("\ngated stream:", json.dumps(REPORT["gated_stream"], indent=1))
     decisions = guarded.audit()[audit_before:]
     actions = [d for d in decisions if d["what"] == "action"]
     REPORT["engine_death"] = {
@@ -1063,8 +1143,17 @@ def test_engine_death_is_named_and_restarted_once(guarded: Guarded) -> None:
     assert sup.exits[exits] == 0  # vLLM exits 0 with a dead engine: Restart=always is needed
     assert actions and all(a["cause"] == "engine_dead" for a in actions)
     assert sup.starts - starts == 1, REPORT["engine_death"]
-    # A stream the dead engine cut gets vLLM's error event (no guardian can save those); the
+    # A stream the dead engine cut gets vLLM's error event (without a gate in front); the
     # others had their tokens already.
     assert all(r.error or r.finish_reason == "length" for r in streams), REPORT["engine_death"]
+    # The gated one was cut mid-way and continued on the new server: one stream to its
+    # client, the uncut run's text byte for byte, one id, the prompt counted once.
+    g = REPORT["gated_stream"]
+    assert gated_at_kill < GATED_TOKENS and continued == 1, g
+    assert gated.done and not gated.errors and gated.failure is None, g
+    assert gated.text.encode() == uncut.text.encode(), (gated.text, uncut.text)
+    assert len(gated.ids) == 1 and len(gated.created) == 1, g
+    assert gated.finish_reason == "length" and gated.keepalives > 0, g
+    assert gated.usage == uncut.usage, (gated.usage, uncut.usage)
     # Whether a stream was still running at the kill depends on this machine's pace (all four
     # sometimes finish first), so a cut stream is reported, not required.

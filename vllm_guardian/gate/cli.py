@@ -68,6 +68,8 @@ DEFAULTS: dict[str, Any] = {
     "stall_hold": 10.0,
     "metrics_path": "/metrics",
     "shutdown_timeout": 5.0,
+    "continuation": "on",
+    "max_continuations": 1,
     "log_level": "INFO",
 }
 
@@ -234,6 +236,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="seconds in-flight requests get on SIGTERM (default 5)",
     )
+    o.add_argument(
+        "--continuation",
+        choices=("on", "off"),
+        help="continue a streamed /v1/completions the upstream cuts, on the next ready server (default on)",
+    )
+    o.add_argument(
+        "--max-continuations",
+        type=int,
+        help="continuations of one request at most (default 1)",
+    )
     o.add_argument("--log-level", help="DEBUG, INFO (default), WARNING, ERROR")
     return ap  # fmt: skip
 
@@ -286,6 +298,8 @@ def values_from_config(path: str, service: str) -> dict[str, Any]:
         "stall_hold": g.stall_hold_seconds,
         "metrics_path": g.metrics_path,
         "shutdown_timeout": g.shutdown_timeout_seconds,
+        "continuation": "on" if g.continuation else "off",
+        "max_continuations": g.max_continuations,
     }
 
 
@@ -334,6 +348,8 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
             f"--body-budget-bytes ({args.body_budget_bytes}) must be at least --max-body-bytes "
             f"({args.max_body_bytes}): a body of the largest size allowed must fit"
         )
+    if args.max_continuations < 0:
+        raise UsageError("--max-continuations must be >= 0")
     return GateSettings(
         proxy=ProxySettings(
             upstream=args.upstream,
@@ -347,6 +363,8 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
             known_keys_sha256=known,
             trust_key_header=trust,
             metrics_path=args.metrics_path,
+            continuation=args.continuation == "on",
+            max_continuations=args.max_continuations,
         ),
         listen_host=host,
         listen_port=port,

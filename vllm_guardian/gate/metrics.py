@@ -10,12 +10,20 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from vllm_guardian.gate.continuation import Cut, Failure, Outcome, Refusal
+
 NS = "vllm_guardian_gate"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Queue waits span milliseconds (a release-rate slot) to minutes (a restart).
 WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # The gate's own time per request: tens of microseconds when all is well.
 OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
+# Every (outcome, reason) the gate can count, present from the start.
+CONTINUATION_LABELS = (
+    [(o.value, c.value) for o in (Outcome.CONTINUED, Outcome.COMPLETED) for c in Cut]
+    + [(Outcome.REFUSED.value, r.value) for r in Refusal]
+    + [(Outcome.FAILED.value, f.value) for f in Failure]
+)
 
 
 class GateMetrics:
@@ -109,6 +117,13 @@ class GateMetrics:
             ["service"],
             registry=r,
         ).labels(*s)
+        self._continuations = Counter(
+            f"{NS}_continuations",
+            "Streamed completions the upstream cut, by what the gate did (outcome: continued, "
+            "completed, refused, failed) and why (reason).",
+            ["service", "outcome", "reason"],
+            registry=r,
+        )
         self.connections = Gauge(
             f"{NS}_connections", "Client connections open now.", ["service"], registry=r
         ).labels(*s)
@@ -141,6 +156,8 @@ class GateMetrics:
             self.upstream_errors.labels(service, phase)
         for phase in ("queued", "streaming"):
             self.client_disconnects.labels(service, phase)
+        for outcome, reason in CONTINUATION_LABELS:
+            self._continuations.labels(service, outcome, reason)
 
     class _Bound:
         def __init__(self, family: Counter, service: str) -> None:
@@ -161,6 +178,9 @@ class GateMetrics:
 
     def malformed(self, phase: str) -> None:
         self._malformed.labels(self._service, phase).inc()
+
+    def continuation(self, outcome: str, reason: str) -> None:
+        self._continuations.labels(self._service, outcome, reason).inc()
 
     def connection_closed(self, reason: str) -> None:
         self._connections_closed.labels(self._service, reason).inc()

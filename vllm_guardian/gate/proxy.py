@@ -17,11 +17,15 @@ One exchange, in order:
    nor re-encoded;
 4. nothing is sent to the client until the upstream's first body bytes (or its end) arrive.
    Until then a failed exchange — refused, reset, or vLLM's "going away" 500 (``cannot schedule
-   new futures after shutdown``, ``EngineDeadError``): the request never ran — is retried once,
-   at the head of the queue, so it waits for the new instance. After that the answer is
-   committed and streamed chunk by chunk as it arrives, at the client's pace (``write`` waits
-   for the socket, so a slow client slows the upstream read instead of filling memory). A
-   stream the upstream cuts is cut for the client too: never replayed;
+   new futures after shutdown``, ``EngineDeadError``): the request never ran, or its answer was
+   never sent — is retried once, at the head of the queue, so it waits for the new instance. A
+   unary request is answered whole or not at all, so this covers it entirely. After that the
+   answer is committed and streamed chunk by chunk as it arrives, at the client's pace
+   (``write`` waits for the socket, so a slow client slows the upstream read instead of
+   filling memory). A streamed ``/v1/completions`` the upstream cuts after that is continued
+   where the client's text ends (``relay.py``, ``continuation.py``) unless the request is one a
+   continuation cannot serve honestly; any other stream the upstream cuts is cut for the
+   client too, never replayed;
 5. a client that goes away cancels the handler (``handler_cancellation``): a queued request
    leaves the queue; a forwarded one has its upstream connection closed, which is how vLLM
    learns to abort it and free its KV blocks.
@@ -37,13 +41,14 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 from aiohttp import web
 from multidict import CIMultiDict
 
+from vllm_guardian.gate import continuation
 from vllm_guardian.gate.admission import Admission, Cost, Rejected, Ticket, estimate_cost
 from vllm_guardian.gate.body import (
     BodyBudget,
@@ -54,8 +59,10 @@ from vllm_guardian.gate.body import (
     HeldBody,
     read_body,
 )
+from vllm_guardian.gate.continuation import Outcome, Plan, Refusal
 from vllm_guardian.gate.follower import Follower
 from vllm_guardian.gate.metrics import CONTENT_TYPE, GateMetrics
+from vllm_guardian.gate.relay import ContinuingRelay, RelaySettings
 from vllm_guardian.gate.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger("vllm_guardian.gate")
@@ -71,13 +78,9 @@ HOP_BY_HOP = frozenset(
 )  # fmt: skip
 REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}
 RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
-# vLLM's answers that mean "this server is going away, the request was never scheduled"
-# (reference vllm-cpu.md §8): safe to send once more to the next instance.
-DYING_MARKERS = (
-    b"cannot schedule new futures after shutdown",
-    b"EngineDeadError",
-    b"EngineCore encountered an issue",
-)
+# vLLM's answers that mean "this server is going away, or its engine died under the request":
+# a request without an answer yet is safe to send once more to the next instance.
+DYING_MARKERS = tuple(m.encode() for m in continuation.DYING_MARKERS)
 DYING_BODY_MAX_BYTES = 64 * 1024
 STATUS_PATH = "/gate/status"
 # The one client every request without a vouched-for key counts as (no header value can hold a
@@ -122,6 +125,12 @@ class ProxySettings:
             budget_wait_seconds=self.body_budget_wait_seconds,
         )
 
+    # A streamed /v1/completions the upstream cuts is continued (relay.py), at most this often.
+    continuation: bool = True
+    max_continuations: int = 1
+    # While a cut stream waits for the server: an SSE comment this often.
+    keepalive_comment_seconds: float = 5.0
+
 
 def openai_error(
     status: int, message: str, kind: str, *, retry_after_seconds: int | None = None
@@ -149,6 +158,25 @@ class MalformedSink(Protocol):
     """Where the proxy reports a malformed body (connections.MalformedRequests)."""
 
     def note(self, phase: str, peer: str | None, detail: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Exchange:
+    """One client request as the proxy sends it upstream (again, after a failure)."""
+
+    request: web.BaseRequest
+    target: str
+    headers: CIMultiDict[str]
+    body: bytes | bytearray
+    plan: Plan | Refusal | None
+    wait_again: Callable[[], Awaitable[None]]
+
+
+@dataclass
+class _Hold:
+    """The exchange's admission ticket, replaced when it waits again (a retry, a cut)."""
+
+    ticket: Ticket | None = None
 
 
 class _Answer(web.StreamResponse):
@@ -273,12 +301,15 @@ class GateProxy:
             "rejected_total": m.total("rejected"),
         }
 
-    async def _exchange(self, request: web.BaseRequest, body: bytearray) -> web.StreamResponse:
+    async def _exchange(
+        self, request: web.BaseRequest, body: bytes | bytearray
+    ) -> web.StreamResponse:
         started = time.perf_counter()
-        ticket: Ticket | None = None
+        hold = _Hold()
         cost: Cost | None = None
         key = self.client_key(request.headers.get(self.s.key_header))
         overhead = 0.0
+        stream_plan: Plan | Refusal | None = None
         if request.method == "POST":
             try:
                 cost = estimate_cost(body, self.s.default_output_tokens)
@@ -287,9 +318,12 @@ class GateProxy:
                 return openai_error(
                     400, "request JSON nested too deeply for the gate to read", "BadRequestError"
                 )
+            stream_plan = continuation.plan(request.rel_url.path, body, enabled=self.s.continuation)
+            if isinstance(stream_plan, Plan):
+                body = stream_plan.upstream_body
             overhead += time.perf_counter() - started
             try:
-                ticket = await self.admission.acquire(key, cost)
+                hold.ticket = await self.admission.acquire(key, cost)
             except Rejected as r:
                 return openai_error(
                     r.status,
@@ -303,22 +337,30 @@ class GateProxy:
             started = time.perf_counter()
         headers = _forward_headers(request.headers, REQUEST_DROP)
         target = str(request.rel_url)
+
+        async def wait_again() -> None:
+            """Wait for the next instance like a new arrival, but first in line."""
+            assert cost is not None
+            if hold.ticket is not None:
+                self.admission.release(hold.ticket)
+                hold.ticket = None
+            hold.ticket = await self.admission.acquire(key, cost, front=True)
+
+        exchange = _Exchange(request, target, headers, body, stream_plan, wait_again)
         try:
             retried = False
             while True:
                 try:
-                    return await self._send(request, target, headers, body, started, overhead)
+                    return await self._send(exchange, started, overhead)
                 except _UpstreamBroke as e:
                     self.metrics.upstream_error(e.phase)
                     self.follower.suspect()
-                    if retried or ticket is None or cost is None:
+                    if retried or hold.ticket is None or cost is None:
                         return openai_error(502, f"the upstream failed: {e}", "BadGatewayError")
-                    # Wait for the next instance like a new arrival, but first in line.
                     retried = True
                     self.metrics.retried.inc()
-                    self.admission.release(ticket)
                     try:
-                        ticket = await self.admission.acquire(key, cost, front=True)
+                        await wait_again()
                     except Rejected as r:
                         return openai_error(
                             r.status, r.message, "ServiceUnavailableError",
@@ -326,28 +368,27 @@ class GateProxy:
                         )  # fmt: skip
                     started, overhead = time.perf_counter(), 0.0
         finally:
-            if ticket is not None:
-                self.admission.release(ticket)
+            if hold.ticket is not None:
+                self.admission.release(hold.ticket)
 
-    async def _send(
-        self,
-        request: web.BaseRequest,
-        target: str,
-        headers: CIMultiDict[str],
-        body: bytearray,
-        started: float,
-        overhead: float,
-    ) -> web.StreamResponse:
+    async def _send(self, ex: _Exchange, started: float, overhead: float) -> web.StreamResponse:
+        request = ex.request
         pre_send = overhead + time.perf_counter() - started
         try:
             up = await self.pool.request(
                 request.method,
-                target,
-                headers.items(),
-                body if body or request.body_exists else None,
+                ex.target,
+                ex.headers.items(),
+                ex.body if ex.body or request.body_exists else None,
             )
         except UpstreamError as e:
             raise _UpstreamBroke(e.phase, str(e)) from None
+        if (
+            isinstance(ex.plan, Plan)
+            and up.status == 200
+            and up.headers.get("Content-Type", "").startswith("text/event-stream")
+        ):
+            return await self._relay(ex, ex.plan, up)
         try:
             try:
                 if up.status == 500:
@@ -361,11 +402,7 @@ class GateProxy:
             except UpstreamError as e:
                 raise _UpstreamBroke("before_first_byte", str(e)) from None
             t_first = time.perf_counter()
-            resp = _Answer(
-                status=up.status,
-                reason=up.reason,
-                headers=_forward_headers(up.headers, RESPONSE_DROP),
-            )
+            resp = self._answer_for(up)
             if up.content_length is not None:
                 resp.content_length = up.content_length
             try:
@@ -376,17 +413,24 @@ class GateProxy:
                 # The gate's own time: before the upstream call, and from the first bytes to
                 # their write (the wait for the upstream in between is not the gate's).
                 self.metrics.overhead_seconds.observe(pre_send + time.perf_counter() - t_first)
+                refused = ex.plan if isinstance(ex.plan, Refusal) else None
                 while True:
                     try:
                         chunk = await up.read()
                     except UpstreamError:
                         # Cut mid-answer: the client's answer is cut too (never replayed).
                         self.metrics.upstream_error("streaming")
+                        if refused is not None:
+                            self.metrics.continuation(Outcome.REFUSED.value, refused.value)
                         if request.transport is not None:
                             request.transport.close()
                         return resp
                     if not chunk:
                         break
+                    if refused is not None and any(m in chunk for m in DYING_MARKERS):
+                        # vLLM's error event for a dead engine, passed on as it came.
+                        self.metrics.continuation(Outcome.REFUSED.value, refused.value)
+                        refused = None
                     await resp.write(chunk)
                 await resp.write_eof()
             except asyncio.CancelledError:
@@ -401,6 +445,34 @@ class GateProxy:
             # Releasing a finished answer keeps the connection for reuse; closing one that is
             # not finished (client gone, upstream cut) tells vLLM to abort the request.
             up.release()
+
+    async def _relay(self, ex: _Exchange, p: Plan, up: UpstreamResponse) -> web.StreamResponse:
+        """A stream the gate continues after a cut (relay.py); a failure before its first
+        event is the proxy's to retry, like any other."""
+        relay = ContinuingRelay(
+            plan=p,
+            settings=RelaySettings(self.s.max_continuations, self.s.keepalive_comment_seconds),
+            request=ex.request,
+            target=ex.target,
+            headers=ex.headers,
+            pool=self.pool,
+            follower=self.follower,
+            metrics=self.metrics,
+            wait_ready=ex.wait_again,
+            response_factory=self._answer_for,
+        )
+        try:
+            return await relay.run(up)
+        except UpstreamError as e:
+            raise _UpstreamBroke(e.phase, str(e)) from None
+
+    @staticmethod
+    def _answer_for(up: UpstreamResponse) -> _Answer:
+        return _Answer(
+            status=up.status,
+            reason=up.reason,
+            headers=_forward_headers(up.headers, RESPONSE_DROP),
+        )
 
     @staticmethod
     async def _read_at_most(up: UpstreamResponse, limit: int) -> bytes:

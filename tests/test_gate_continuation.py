@@ -1,0 +1,574 @@
+"""The gate continues a streamed completion the upstream cut (gate/relay.py, continuation.py).
+
+Against a vLLM-shaped upstream on loopback (tests/fake_completions.py) whose "model" is
+deterministic, as a temperature-0 one is: a cut stream, continued, must read to the client
+exactly as the uncut stream vLLM sends directly, byte for byte once the gate's keep-alive
+comments are taken out (same ``id`` and ``created``, no text missing or twice, usage counted
+once). Requests a continuation cannot serve honestly are cut as before, and every decision is
+counted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import requests
+
+from tests.fake_completions import CutSpec, FakeCompletions, piece, tokenize
+from tests.test_gate_support import LoopThread
+from vllm_guardian.gate.admission import Limits
+from vllm_guardian.gate.continuation import (
+    Complete,
+    Continue,
+    Plan,
+    Refusal,
+    SseSplitter,
+    StreamState,
+    plan,
+)
+from vllm_guardian.gate.proxy import ProxySettings
+from vllm_guardian.gate.server import Gate, GateSettings
+
+PROMPT = "the quick brown fox jumps"
+KEEPALIVE = b": keep-alive\n\n"
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+class GateOn:
+    """One gate, on its own loop, in front of the fake."""
+
+    def __init__(self, upstream: str, **proxy: Any) -> None:
+        limits = replace(Limits(), max_wait_seconds=proxy.pop("max_wait_seconds", 60.0),
+                         release_rate_per_second=0)  # fmt: skip
+        self.lt = LoopThread("gate")
+        self.gate = Gate(
+            GateSettings(
+                proxy=ProxySettings(upstream=upstream, keepalive_comment_seconds=0.05, **proxy),
+                listen_port=0,
+                limits=limits,
+                poll_interval_seconds=0.02,
+                suspect_seconds=0.2,
+                stall_hold_seconds=0,
+                shutdown_timeout_seconds=1.0,
+            )
+        )
+        self.lt.run(self.gate.start())
+        self.url = f"http://127.0.0.1:{self.gate.port}"
+
+    def metric(self, outcome: str, reason: str) -> float:
+        text = requests.get(f"{self.url}/metrics", timeout=5).text
+        m = re.search(
+            rf'vllm_guardian_gate_continuations_total\{{outcome="{outcome}",reason="{reason}",'
+            rf'service="vllm"\}} (\S+)',
+            text,
+        )
+        assert m is not None, f"no continuations_total{{{outcome},{reason}}}"
+        return float(m.group(1))
+
+    def idle(self) -> bool:
+        p, a = self.gate.proxy, self.gate.admission
+        assert p is not None and a is not None
+        return p.open_exchanges == 0 and a.in_flight == 0 and a.queue_depth == 0
+
+    def stop(self) -> None:
+        self.lt.run(self.gate.stop())
+        self.lt.close()
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeCompletions]:
+    f = FakeCompletions()
+    yield f
+    f.stop()
+
+
+@pytest.fixture
+def gates(fake: FakeCompletions) -> Iterator[Callable[..., GateOn]]:
+    fake.reset()
+    made: list[GateOn] = []
+
+    def make(**proxy: Any) -> GateOn:
+        g = GateOn(fake.url, **proxy)
+        made.append(g)
+        wait_for(lambda: g.gate.admission is not None and g.gate.admission.open, "gate open")
+        return g
+
+    yield make
+    fake.heal()
+    for g in made:
+        wait_for(g.idle, "the gate to hold nothing")
+        g.stop()
+
+
+def body(**kw: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {"model": "tiny", "prompt": PROMPT, "max_tokens": 40, "stream": True,
+                           "request_id": "r1"}  # fmt: skip
+    doc.update(kw)
+    return {k: v for k, v in doc.items() if v is not None}
+
+
+class Read:
+    """A client's streamed read: every byte, and whether the connection was cut."""
+
+    def __init__(
+        self, url: str, doc: dict[str, Any], on_bytes: Callable[[bytes], None] = lambda _: None
+    ) -> None:
+        self.data = b""
+        self.cut = False
+        with requests.post(f"{url}/v1/completions", json=doc, stream=True, timeout=60) as r:
+            self.status = r.status_code
+            try:
+                for chunk in r.iter_content(chunk_size=None):
+                    self.data += chunk
+                    on_bytes(self.data)
+            except requests.exceptions.ChunkedEncodingError:
+                self.cut = True
+
+    @property
+    def events(self) -> list[bytes]:
+        return [e + b"\n\n" for e in self.data.split(b"\n\n") if e]
+
+    def without_keepalives(self) -> bytes:
+        return self.data.replace(KEEPALIVE, b"")
+
+    def text(self) -> str:
+        out = ""
+        for e in self.events:
+            if e.startswith(b"data: {"):
+                doc = json.loads(e[6:])
+                out += "".join(c["text"] for c in doc.get("choices", []))
+        return out
+
+
+def direct(fake: FakeCompletions, doc: dict[str, Any]) -> bytes:
+    return requests.post(f"{fake.url}/v1/completions", json=doc, timeout=30).content
+
+
+def heal_on_keepalive(fake: FakeCompletions) -> Callable[[bytes], None]:
+    """Brings /health back once the client has seen the gate's keep-alive, and checks that
+    nothing was sent upstream while it waited."""
+
+    def on(data: bytes) -> None:
+        if KEEPALIVE in data and not fake.healthy:
+            assert len(fake.bodies) == 1, fake.bodies  # held, not sent to a sick server
+            fake.heal()
+
+    return on
+
+
+# --- streams through the gate, uncut ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"stream_options": {"include_usage": True}},
+        {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        {"return_token_ids": True},
+    ],
+    ids=["plain", "usage", "continuous_usage", "client_token_ids"],
+)
+def test_an_uncut_stream_is_what_vllm_sends(
+    gates: Callable[..., GateOn], fake: FakeCompletions, extra: dict[str, Any]
+) -> None:
+    g = gates()
+    expected = direct(fake, body(**extra))
+    got = Read(g.url, body(**extra))
+    assert (got.status, got.cut) == (200, False)
+    assert got.data == expected
+    sent = fake.bodies[-1]
+    assert sent["return_token_ids"] is True  # the gate asks for the ids ...
+    if "return_token_ids" not in extra:  # ... and gives the client what it asked for
+        assert b'"token_ids":[' not in got.data and b'"prompt_token_ids":[' not in got.data
+
+
+# --- cut, then continued -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cut", "extra"),
+    [
+        (CutSpec(7, "reset", down=True), {"stream_options": {"include_usage": True}}),
+        (CutSpec(7, "error_event", down=True), {"stream_options": {"include_usage": True}}),
+        (CutSpec(12, "close"), {}),
+        (CutSpec(9, "reset"), {"stream_options": {"include_usage": True,
+                                                   "continuous_usage_stats": True}}),
+        (CutSpec(1, "error_event"), {"max_tokens": None}),  # vLLM's default max_tokens: 16
+    ],
+    ids=["reset_down", "error_event_down", "close", "continuous_usage", "default_max"],
+)  # fmt: skip
+def test_a_cut_stream_is_continued_as_one_uncut_stream(
+    gates: Callable[..., GateOn], fake: FakeCompletions, cut: CutSpec, extra: dict[str, Any]
+) -> None:
+    g = gates()
+    expected = direct(fake, body(**extra))
+    fake.bodies.clear()
+    fake.cut_next(cut)
+    got = Read(g.url, body(**extra), heal_on_keepalive(fake))
+    print(got.data.decode(errors="replace")[-600:])
+    assert (got.status, got.cut) == (200, False)
+    assert KEEPALIVE in got.data  # the client heard from the gate while it waited
+    assert got.without_keepalives() == expected
+    # The continuation: the prompt's ids and the ids delivered, max_tokens lowered by them.
+    assert len(fake.bodies) == 2
+    first, cont = fake.bodies
+    delivered = FakeCompletions.generate(tokenize(PROMPT), cut.after_events)
+    assert cont["prompt"] == tokenize(PROMPT) + delivered
+    assert cont["max_tokens"] == first.get("max_tokens", 16) - len(delivered)
+    assert cont["return_token_ids"] is True and cont["request_id"] == "r1-cont1"
+    reason = "error_event" if cut.how == "error_event" else "connection"
+    assert g.metric("continued", reason) == 1
+
+
+def test_text_held_back_at_the_cut_is_regenerated_not_lost(
+    gates: Callable[..., GateOn], fake: FakeCompletions
+) -> None:
+    """A token ending inside a character has no text yet: rolled back, not put in the prompt
+    (a continuation primed with half a character would lose it)."""
+    g = gates()
+    out = FakeCompletions.generate(tokenize(PROMPT), 40)
+    after = next(i + 1 for i, t in enumerate(out) if piece(t) == b"\xc3")  # cut after a LEAD
+    expected = direct(fake, body())
+    fake.bodies.clear()
+    fake.cut_next(CutSpec(after, "reset"))
+    got = Read(g.url, body())
+    assert got.without_keepalives() == expected
+    assert fake.bodies[1]["prompt"] == tokenize(PROMPT) + out[: after - 1]
+    assert fake.bodies[1]["max_tokens"] == 40 - (after - 1)
+
+
+def _chunks(n_tokens: int, per: int) -> list[list[int]]:
+    out = FakeCompletions.generate(tokenize(PROMPT), n_tokens)
+    return [out[i : i + per] for i in range(0, n_tokens, per)]
+
+
+def test_several_tokens_a_chunk_are_checked_with_detokenize(
+    gates: Callable[..., GateOn], fake: FakeCompletions
+) -> None:
+    fake.reset(tokens_per_chunk=3)
+    g = gates()
+    chunks = _chunks(39, 3)
+    # A chunk that ends on a whole character: vLLM's /detokenize says so, the stream goes on.
+    ok = next(i + 1 for i, c in enumerate(chunks) if i > 0 and piece(c[-1]).startswith(b" "))
+    expected = direct(fake, body(max_tokens=39))
+    fake.bodies.clear()
+    fake.cut_next(CutSpec(ok, "reset"))
+    got = Read(g.url, body(max_tokens=39))
+    assert got.without_keepalives() == expected
+    assert fake.detokenized and fake.detokenized[-1][-1] == chunks[ok - 1][-1]
+    # A chunk with text that ends inside a character: its last text is still held back, and
+    # which ids carry it cannot be told: not continued, cut as before.
+    bad = next(
+        i + 1
+        for i, c in enumerate(chunks)
+        if piece(c[-1]) == b"\xc3" and any(piece(t).startswith(b" ") for t in c)
+    )
+    fake.bodies.clear()
+    fake.cut_next(CutSpec(bad, "reset"))
+    got = Read(g.url, body(max_tokens=39))
+    assert got.cut and len(fake.bodies) == 1
+    assert g.metric("refused", "unsettled_text") == 1
+
+
+def test_a_client_that_asked_for_token_ids_gets_each_once(
+    gates: Callable[..., GateOn], fake: FakeCompletions
+) -> None:
+    g = gates()
+    doc = body(return_token_ids=True, stream_options={"include_usage": True})
+    expected = direct(fake, doc)
+    fake.cut_next(CutSpec(10, "reset"))
+    got = Read(g.url, doc)
+    assert got.without_keepalives() == expected
+    chunks = [json.loads(e[6:]) for e in got.events if e.startswith(b"data: {")]
+    firsts = [c["choices"][0]["prompt_token_ids"] for c in chunks if c["choices"]]
+    assert firsts[0] == tokenize(PROMPT) and not any(firsts[1:])
+    ids = [t for c in chunks if c["choices"] for t in c["choices"][0]["token_ids"]]
+    assert ids == FakeCompletions.generate(tokenize(PROMPT), 40)
+
+
+def test_a_cut_after_the_last_token_is_ended_by_the_gate(
+    gates: Callable[..., GateOn], fake: FakeCompletions
+) -> None:
+    g = gates()
+    doc = body(max_tokens=12, stream_options={"include_usage": True})
+    expected = direct(fake, doc)
+    fake.bodies.clear()
+    fake.cut_next(CutSpec(12, "reset"))  # every chunk sent, the usage chunk and [DONE] not
+    got = Read(g.url, doc)
+    assert got.data == expected
+    assert len(fake.bodies) == 1
+    assert g.metric("completed", "connection") == 1
+
+
+# --- not continued -------------------------------------------------------------------------------
+
+
+REFUSED = [
+    ({"n": 2}, "n"),
+    ({"best_of": 3}, "best_of"),
+    ({"echo": True}, "echo"),
+    ({"logprobs": 1}, "logprobs"),
+    ({"response_format": {"type": "json_object"}}, "structured_output"),
+    ({"structured_outputs": {"regex": "a+"}}, "structured_output"),
+    ({"guided_json": {"type": "object"}}, "structured_output"),
+    ({"stop": ["w9"]}, "stop_strings"),
+    ({"frequency_penalty": 0.5}, "output_history"),
+    ({"bad_words": ["w3"]}, "output_history"),
+    ({"prompt": ["one", "two"]}, "prompt_shape"),
+    ({"suffix": "end"}, "prompt_shape"),
+    ({"min_tokens": "few"}, "unparseable"),
+]
+
+
+@pytest.mark.parametrize(("extra", "reason"), REFUSED, ids=[r for _, r in REFUSED])
+@pytest.mark.parametrize("how", ["reset", "error_event"])
+def test_a_stream_continuation_cannot_serve_is_cut_as_before(
+    gates: Callable[..., GateOn], fake: FakeCompletions, extra: dict[str, Any], reason: str,
+    how: str,
+) -> None:  # fmt: skip
+    g = gates()
+    fake.cut_next(CutSpec(5, how))
+    got = Read(g.url, body(**extra))
+    assert len(fake.bodies) == 1
+    assert "return_token_ids" not in fake.bodies[0]  # the body went as the client sent it
+    if how == "reset":
+        assert got.cut
+    else:  # vLLM's own error event and [DONE], as without the gate
+        assert not got.cut
+        assert (
+            got.events[-2].startswith(b'data: {"error"') and got.events[-1] == b"data: [DONE]\n\n"
+        )
+    assert KEEPALIVE not in got.data
+    assert g.metric("refused", reason) == 1
+
+
+def test_switched_off_a_cut_stream_is_cut(
+    gates: Callable[..., GateOn], fake: FakeCompletions
+) -> None:
+    g = gates(continuation=False)
+    fake.cut_next(CutSpec(5, "reset"))
+    got = Read(g.url, body())
+    assert got.cut and len(fake.bodies) == 1 and "return_token_ids" not in fake.bodies[0]
+    assert g.metric("refused", "disabled") == 1
+
+
+def test_at_most_max_continuations(gates: Callable[..., GateOn], fake: FakeCompletions) -> None:
+    g = gates(max_continuations=1)
+    fake.cut_next(CutSpec(5, "reset"), CutSpec(5, "error_event"))
+    got = Read(g.url, body())
+    assert len(fake.bodies) == 2
+    # The second cut was vLLM's error event: the client gets it, as without the gate.
+    assert not got.cut and got.events[-2].startswith(b'data: {"error"')
+    assert g.metric("continued", "connection") == 1
+    assert g.metric("failed", "max_continuations") == 1
+    # Two allowed: the same cuts, and the stream completes.
+    g2 = gates(max_continuations=2)
+    expected = direct(fake, body())
+    fake.bodies.clear()
+    fake.cut_next(CutSpec(5, "reset"), CutSpec(5, "error_event"))
+    got = Read(g2.url, body())
+    assert got.without_keepalives() == expected and len(fake.bodies) == 3
+    third = fake.bodies[2]
+    delivered = len(third["prompt"]) - len(tokenize(PROMPT))
+    assert delivered >= 8 and third["max_tokens"] == 40 - delivered
+    assert third["request_id"] == "r1-cont2"
+
+
+def test_no_ready_server_within_the_wait(
+    gates: Callable[..., GateOn], fake: FakeCompletions
+) -> None:
+    g = gates(max_wait_seconds=0.3)
+    fake.cut_next(CutSpec(5, "error_event", down=True))
+    got = Read(g.url, body())
+    assert len(fake.bodies) == 1
+    assert KEEPALIVE in got.data
+    assert got.events[-2].startswith(b'data: {"error"') and got.events[-1] == b"data: [DONE]\n\n"
+    assert g.metric("failed", "wait_timeout") == 1
+
+
+def test_a_client_leaving_while_the_gate_waits_leaves_nothing(
+    gates: Callable[..., GateOn], fake: FakeCompletions
+) -> None:
+    g = gates()
+    fake.cut_next(CutSpec(5, "reset", down=True))
+    s = socket.create_connection(("127.0.0.1", g.gate.port), timeout=10)
+    raw = json.dumps(body()).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw))  # fmt: skip
+    seen = b""
+    while KEEPALIVE not in seen:
+        chunk = s.recv(65536)
+        assert chunk, seen
+        seen += chunk
+    s.close()
+    wait_for(lambda: g.metric("failed", "client_gone") == 1, "the wait to end")
+    wait_for(g.idle, "the gate to hold nothing")
+    assert len(fake.bodies) == 1
+
+
+# --- a unary request the upstream died under -------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["reset", "error_event"])
+def test_a_unary_completion_the_upstream_died_under_is_sent_again_whole(
+    gates: Callable[..., GateOn], fake: FakeCompletions, how: str
+) -> None:
+    g = gates()
+    doc = body(stream=None)
+    expected = requests.post(f"{fake.url}/v1/completions", json=doc, timeout=30).json()
+    fake.bodies.clear()
+    fake.cut_next(CutSpec(0, how, down=True))
+    threading.Timer(0.5, fake.heal).start()  # the next instance comes up; the gate waits for it
+    r = requests.post(f"{g.url}/v1/completions", json=doc, timeout=60)
+    assert r.status_code == 200 and r.json() == expected
+    assert fake.bodies == [doc, doc]  # whole, the client's own body both times
+
+
+# --- the pieces (pure) ---------------------------------------------------------------------------
+
+
+def test_the_upstream_body_gains_return_token_ids_and_nothing_else() -> None:
+    raw = b' {"prompt": "hi",  "stream": true, "temperature": 0.70}'
+    p = plan("/v1/completions", raw, enabled=True)
+    assert isinstance(p, Plan) and not p.wants_token_ids
+    assert (
+        p.upstream_body
+        == b' {"return_token_ids":true,"prompt": "hi",  "stream": true, "temperature": 0.70}'
+    )
+    asked = plan("/v1/completions", b'{"prompt": "hi", "stream": true, "return_token_ids": true}',
+                 enabled=True)  # fmt: skip
+    assert isinstance(asked, Plan) and asked.wants_token_ids
+    declined = plan("/v1/completions", b'{"prompt": "hi", "stream": true, "return_token_ids": false}',
+                    enabled=True)  # fmt: skip
+    assert isinstance(declined, Plan) and json.loads(declined.upstream_body)["return_token_ids"]
+    for path, raw in [("/v1/chat/completions", b'{"stream": true}'),
+                      ("/v1/completions", b'{"prompt": "hi"}'),
+                      ("/v1/completions", b'{"prompt": "hi", "stream": false}'),
+                      ("/v1/completions", b'"stream"')]:  # fmt: skip
+        assert plan(path, raw, enabled=True) is None, (path, raw)
+
+
+def _chunk(
+    ids: list[int], text: str, prompt: list[int] | None = None, finish: str | None = None
+) -> bytes:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+              "stop_reason": None, "prompt_token_ids": prompt, "token_ids": ids}  # fmt: skip
+    doc = {"id": "cmpl-a", "object": "text_completion", "created": 5, "model": "m",
+           "choices": [choice]}  # fmt: skip
+    return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
+
+
+def test_the_state_settles_only_what_has_text() -> None:
+    p = plan(
+        "/v1/completions", json.dumps(body(max_tokens=10, min_tokens=4)).encode(), enabled=True
+    )
+    assert isinstance(p, Plan)
+    st = StreamState(p)
+    for ev in (_chunk([7], " a", prompt=[1, 2]), _chunk([8, 9], " b c"), _chunk([5], "")):
+        st.on_event(ev)
+    d = st.decide()
+    assert isinstance(d, Continue)
+    assert (d.settled_tokens, d.rolled_back_tokens) == (3, 1)
+    sent = json.loads(d.body)
+    assert sent["prompt"] == [1, 2, 7, 8, 9] and sent["max_tokens"] == 7 and sent["min_tokens"] == 1
+    assert d.check_tail == (7, 8, 9)  # the settling chunk had two ids: asked about
+    st.begin_continuation(d.settled_tokens)
+    # The continuation's chunks read as the first's: its id, created, no prompt ids.
+    relayed = st.on_event(_chunk([4], " d", prompt=[1, 2, 7, 8, 9], finish="length").replace(
+        b"cmpl-a", b"cmpl-b"))  # fmt: skip
+    doc = json.loads(relayed.data[6:])
+    assert doc["id"] == "cmpl-a" and doc["choices"][0]["prompt_token_ids"] is None
+    assert doc["choices"][0]["token_ids"] is None
+    assert isinstance(st.decide(), Complete)
+
+
+def test_sse_events_are_cut_where_they_end() -> None:
+    sp = SseSplitter(100)
+    assert sp.feed(b"data: 1\n\nda") == [b"data: 1\n\n"]
+    assert sp.feed(b"ta: 2\n\n: c\n\n") == [b"data: 2\n\n", b": c\n\n"]
+    assert not sp.overflowing
+    sp.feed(b"x" * 200)
+    assert sp.overflowing and sp.take_rest() == b"x" * 200
+
+
+def test_every_refusal_has_its_series() -> None:
+    from vllm_guardian.gate.metrics import GateMetrics
+
+    text = GateMetrics("vllm").render().decode()
+    for r in Refusal:
+        assert f'outcome="refused",reason="{r.value}"' in text, r
+
+
+# --- the switch ------------------------------------------------------------------------------------
+
+
+def test_the_config_keys_and_the_flags_agree_and_reach_the_proxy(tmp_path: Any) -> None:
+    from vllm_guardian.config import ConfigInvalid, GateConfig, parse_config
+    from vllm_guardian.gate import cli as gate_cli
+
+    assert GateConfig().max_continuations == gate_cli.DEFAULTS["max_continuations"] == 1
+    assert ("on" if GateConfig().continuation else "off") == gate_cli.DEFAULTS["continuation"]
+    head = "services:\n  - name: vllm\n    url: http://127.0.0.1:8000\n    gate:\n"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(head + "      continuation: false\n      max_continuations: 3\n")
+    s = gate_cli.settings_from_args(gate_cli.build_parser().parse_args(["-c", str(cfg)]))
+    assert (s.proxy.continuation, s.proxy.max_continuations) == (False, 3)
+    s = gate_cli.settings_from_args(
+        gate_cli.build_parser().parse_args(["-c", str(cfg), "--continuation", "on"])
+    )
+    assert (s.proxy.continuation, s.proxy.max_continuations) == (True, 3)
+    for text, line, key in [
+        ("      max_continuations: -1\n", 5, "max_continuations"),
+        ("      continuation: maybe\n", 5, "continuation"),
+    ]:
+        with pytest.raises(ConfigInvalid) as e:
+            parse_config(head + text, "c.yaml")
+        found = [(err.line, err.path) for err in e.value.errors]
+        assert (line, f"services[0].gate.{key}") in found, found
+
+
+def test_a_cut_before_the_first_event_is_the_ordinary_retry_counted_once(
+    gates: Callable[..., GateOn], fake: FakeCompletions
+) -> None:
+    g = gates()
+    expected = direct(fake, body())
+    fake.bodies.clear()
+    fake.cut_next(CutSpec(0, "error_event"))
+    got = Read(g.url, body())
+    assert got.data == expected and len(fake.bodies) == 2
+    assert fake.bodies[1] == fake.bodies[0]  # sent again whole, as it was
+    text = requests.get(f"{g.url}/metrics", timeout=5).text
+    assert 'vllm_guardian_gate_retried_total{service="vllm"} 1.0' in text
+    assert 'upstream_errors_total{phase="before_first_byte",service="vllm"} 1.0' in text
+    assert 'upstream_errors_total{phase="streaming",service="vllm"} 0.0' in text
+    assert g.metric("continued", "error_event") == 0
+
+
+def test_an_upstream_that_sends_no_token_ids_is_not_continued(
+    gates: Callable[..., GateOn], fake: FakeCompletions
+) -> None:
+    """An older vLLM, or the twin: text without ids. Sending the request again whole would
+    repeat the text the client has."""
+    fake.token_ids_known = False
+    g = gates()
+    fake.cut_next(CutSpec(5, "reset"))
+    got = Read(g.url, body())
+    assert got.cut and len(fake.bodies) == 1
+    assert g.metric("refused", "no_token_ids") == 1

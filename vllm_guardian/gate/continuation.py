@@ -1,0 +1,469 @@
+"""Continuing a streamed ``/v1/completions`` after the upstream cut it: the decisions, no I/O.
+
+Where it sits: :mod:`vllm_guardian.gate.relay` reads the upstream's SSE events and writes them
+to the client; this module decides what each event becomes and, at a cut, whether and how the
+stream goes on. The proxy asks :func:`plan` once per request.
+
+How a continuation stays exact:
+
+* the request goes upstream with ``return_token_ids: true``: vLLM then puts the prompt's token
+  ids in the first chunk and each chunk's generated ids in ``token_ids``. The gate keeps them
+  and turns both fields back to ``null`` before the client sees them (what vLLM sends without
+  the flag), unless the client asked for them itself;
+* after a cut, the continuation's prompt is the prompt's ids plus the ids already *settled*
+  (those whose text the client has), ``max_tokens`` and ``min_tokens`` lowered by them. vLLM
+  takes a list of ids as the prompt without tokenizing it, so the model sees the same context;
+* vLLM holds back the text of a token that ends inside a multi-byte character (the decoder
+  waits for the rest). A chunk with ids and no text is therefore held by the gate until the
+  chunk with its text, and at a cut its ids are rolled back: the client never saw them, and a
+  continuation primed with half a character would lose it. When the last chunk with text
+  carried several tokens, the relay asks vLLM's ``/detokenize`` whether they end inside a
+  character (:func:`tail_is_settled`), and does not continue if they do;
+* the continuation's chunks get the first answer's ``id`` and ``created``; ``prompt_token_ids``
+  is stripped; usage counts the prompt once and every completion token.
+
+Requests whose continuation could not be honest are refused (:class:`Refusal`), and their
+stream is relayed byte for byte, cut where the upstream cuts it, as before.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+COMPLETIONS_PATH = "/v1/completions"
+# vLLM 0.32's CompletionRequest.max_tokens when the request leaves it out.
+SCHEMA_DEFAULT_MAX_TOKENS = 16
+# vLLM's messages when the engine died under a request (also the proxy's retry markers).
+DYING_MARKERS = (
+    "cannot schedule new futures after shutdown",
+    "EngineDeadError",
+    "EngineCore encountered an issue",
+)
+# The decoder's stand-in for bytes that do not make a whole character yet.
+REPLACEMENT_CHARACTER = "\ufffd"
+# How many settled ids /detokenize is asked about: a character is at most 4 bytes, a token at
+# least one, so 4 ids before a chunk's own reach back to the start of any character it ends in.
+TAIL_CONTEXT_TOKENS = 4
+
+
+class Refusal(enum.StrEnum):
+    """Why a stream is not continued (the ``reason`` of ``outcome="refused"``)."""
+
+    DISABLED = "disabled"
+    UNPARSEABLE = "unparseable"  # not a JSON object, or a field of the wrong type
+    PROMPT_SHAPE = "prompt_shape"  # several prompts, embeddings, a suffix, no prompt
+    SEVERAL_CHOICES = "n"
+    BEST_OF = "best_of"
+    BEAM_SEARCH = "beam_search"
+    ECHO = "echo"
+    LOGPROBS = "logprobs"
+    STRUCTURED_OUTPUT = "structured_output"
+    # Stop strings: vLLM holds back text that may begin one, and a stop string across the cut
+    # would not be seen.
+    STOP_STRINGS = "stop_strings"
+    # Penalties, bad words, repetition detection, thinking budgets: they read the tokens
+    # generated so far, which a continuation sees as prompt.
+    OUTPUT_HISTORY = "output_history"
+    KV_TRANSFER = "kv_transfer"
+    # Decided at the cut:
+    UNREADABLE_STREAM = "unreadable_stream"  # an event the gate could not read
+    # Text without ids: the upstream ignores return_token_ids (an older server, the twin).
+    NO_TOKEN_IDS = "no_token_ids"  # noqa: S105 (a label value, not a secret)
+    UNSETTLED_TEXT = "unsettled_text"  # a relayed chunk whose last text is still held back
+    NO_TOKENS_LEFT = "no_tokens_left"
+
+
+class Outcome(enum.StrEnum):
+    CONTINUED = "continued"  # a continuation's answer started
+    COMPLETED = "completed"  # the cut came after the last token: the gate ended the stream
+    REFUSED = "refused"
+    FAILED = "failed"
+
+
+class Failure(enum.StrEnum):
+    EXHAUSTED = "max_continuations"
+    WAIT_TIMEOUT = "wait_timeout"  # or any other refusal of the admission's wait
+    UPSTREAM_ANSWER = "upstream_answer"  # the continuation was answered with an error
+    CLIENT_GONE = "client_gone"
+
+
+class Cut(enum.StrEnum):
+    """How the upstream broke a stream (the ``reason`` of ``continued`` and ``completed``)."""
+
+    CONNECTION = "connection"  # reset or closed before ``[DONE]``
+    ERROR_EVENT = "error_event"  # vLLM's error event for a dead engine
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A streamed completion the gate can continue: the client's request, read once."""
+
+    request: Mapping[str, Any]
+    upstream_body: bytes  # the client's body with ``return_token_ids: true``
+    wants_token_ids: bool  # the client asked for ``return_token_ids`` itself
+    include_usage: bool
+
+
+_STRUCTURED = ("structured_outputs", "structural_tag", "guided_json", "guided_regex",
+               "guided_choice", "guided_grammar")  # fmt: skip
+_HISTORY = ("bad_words", "repetition_detection", "thinking_token_budget")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _single_prompt(prompt: object) -> bool:
+    """One prompt: a string, a list of ids, or a list holding one of either."""
+    if isinstance(prompt, str):
+        return True
+    if not isinstance(prompt, list) or not prompt:
+        return False
+    if all(_is_int(t) for t in prompt):
+        return True
+    if len(prompt) != 1:
+        return False
+    only = prompt[0]
+    return isinstance(only, str) or (
+        isinstance(only, list) and bool(only) and all(_is_int(t) for t in only)
+    )
+
+
+def refusal_of(req: Mapping[str, Any]) -> Refusal | None:
+    """Why a streamed completion request cannot be continued honestly, or None."""
+    if not _single_prompt(req.get("prompt")) or req.get("prompt_embeds") or req.get("suffix"):
+        return Refusal.PROMPT_SHAPE
+    n = req.get("n")
+    if n is not None and n != 1:
+        return Refusal.SEVERAL_CHOICES
+    best_of = req.get("best_of")
+    if best_of is not None and best_of != 1:
+        return Refusal.BEST_OF
+    if req.get("use_beam_search"):
+        return Refusal.BEAM_SEARCH
+    if req.get("echo"):
+        return Refusal.ECHO
+    if any(req.get(k) is not None for k in ("logprobs", "prompt_logprobs", "logprob_token_ids")):
+        return Refusal.LOGPROBS
+    fmt = req.get("response_format")
+    if (fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text")) or any(
+        req.get(k) is not None for k in _STRUCTURED
+    ):
+        return Refusal.STRUCTURED_OUTPUT
+    if req.get("stop"):
+        return Refusal.STOP_STRINGS
+    if any(req.get(k) for k in ("presence_penalty", "frequency_penalty")) or any(
+        req.get(k) for k in _HISTORY
+    ):
+        return Refusal.OUTPUT_HISTORY
+    if req.get("kv_transfer_params") is not None:
+        return Refusal.KV_TRANSFER
+    for key in ("max_tokens", "min_tokens"):
+        v = req.get(key)
+        if v is not None and (not _is_int(v) or v < 0):
+            return Refusal.UNPARSEABLE
+    opts = req.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        return Refusal.UNPARSEABLE
+    return None
+
+
+def plan(path: str, body: bytes | bytearray, *, enabled: bool) -> Plan | Refusal | None:
+    """What the gate does with this request's stream: None for anything but a streamed
+    ``/v1/completions`` (relayed as bytes, nothing to decide), a :class:`Refusal` (relayed as
+    bytes; the reason is counted if the upstream cuts it), or a :class:`Plan`."""
+    if path != COMPLETIONS_PATH or b'"stream"' not in body:
+        return None
+    try:
+        req = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None  # not a request vLLM will stream either
+    if not isinstance(req, dict) or req.get("stream") is not True:
+        return None
+    if not enabled:
+        return Refusal.DISABLED
+    why = refusal_of(req)
+    if why is not None:
+        return why
+    asked = req.get("return_token_ids")
+    if asked is True:
+        upstream = body
+    elif asked is None and "return_token_ids" not in req:
+        # Inserted after the opening brace: the rest of the client's bytes go as they came.
+        start = len(body) - len(body.lstrip())
+        upstream = bytes(body[: start + 1]) + b'"return_token_ids":true,' + body[start + 1 :]
+    else:
+        upstream = _encode({**req, "return_token_ids": True})
+    opts = req.get("stream_options") or {}
+    return Plan(req, upstream, asked is True, bool(opts.get("include_usage")))
+
+
+def _encode(doc: object) -> bytes:
+    # vLLM's own serialisation (pydantic's model_dump_json): compact, non-ASCII as UTF-8.
+    return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def dying_message(message: str) -> bool:
+    return any(m in message for m in DYING_MARKERS)
+
+
+# --- one stream's events -----------------------------------------------------------------------
+
+
+class Kind(enum.Enum):
+    RELAY = "relay"  # write ``data`` to the client
+    DONE = "done"  # ``data: [DONE]``: write it, the stream is complete
+    CUT = "cut"  # vLLM's error event for a dead engine: the attempt is over
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: Kind
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Continue:
+    """Send this body as the next attempt."""
+
+    body: bytes
+    settled_tokens: int
+    rolled_back_tokens: int
+    check_tail: tuple[int, ...]  # ids to ask /detokenize about first (empty: nothing to ask)
+
+
+@dataclass(frozen=True)
+class Complete:
+    """Every token is delivered: the gate writes what is missing (usage, ``[DONE]``)."""
+
+    data: bytes
+
+
+class StreamState:
+    """What the client has been sent of one streamed completion, across attempts."""
+
+    def __init__(self, p: Plan) -> None:
+        self.plan = p
+        self.id: str | None = None
+        self.created: int | None = None
+        self.model: str | None = None
+        self.prompt_ids: list[int] | None = None
+        self.token_ids: list[int] = []  # generated ids, this attempt's included
+        self.settled = 0  # how many of them the client's text covers
+        self.last_text_tokens = 0  # ids in the chunk that settled them (0: none)
+        self.finish_reason: str | None = None
+        self.usage_seen = False
+        self.unreadable = False
+        self.ids_missing = False  # text came without its ids
+        self.continuations = 0  # continuation requests sent (the relay counts them)
+        self.continuing = False  # this attempt is a continuation
+        self.base_tokens = 0  # completion tokens before this attempt
+        self._pending: list[bytes] = []  # events of ids without text yet, not relayed yet
+
+    # --- events ------------------------------------------------------------------------------
+
+    def on_event(self, raw: bytes) -> Step:
+        """One SSE event as the upstream sent it (including its blank line)."""
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            return self._relay(raw)  # comments, other fields: as they came
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            return Step(Kind.DONE, self._flush(raw))
+        try:
+            doc = json.loads(payload)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            doc = None
+        if not isinstance(doc, dict):
+            self.unreadable = True
+            return self._relay(raw)
+        if "error" in doc and "choices" not in doc:
+            err = doc.get("error")
+            message = str(err.get("message", "")) if isinstance(err, dict) else str(err)
+            if dying_message(message):
+                return Step(Kind.CUT, raw)
+            return self._relay(raw)  # vLLM's answer: not the gate's to change
+        try:
+            changed, textless = self._chunk(doc)
+        except (TypeError, ValueError, AttributeError):
+            self.unreadable = True
+            return self._relay(raw)
+        out = b"data: " + _encode(doc) + b"\n\n" if changed else raw
+        if textless:
+            # Ids whose text vLLM still holds back: sent with the text that settles them, so
+            # a cut before it rolls them back without the client having seen them.
+            self._pending.append(out)
+            return Step(Kind.RELAY, b"")
+        return self._relay(out)
+
+    def _relay(self, data: bytes) -> Step:
+        return Step(Kind.RELAY, self._flush(data))
+
+    def _flush(self, data: bytes) -> bytes:
+        if not self._pending:
+            return data
+        out = b"".join(self._pending) + data
+        self._pending.clear()
+        return out
+
+    def take_pending(self) -> bytes:
+        """The events held back, for a client whose stream ends here."""
+        return self._flush(b"")
+
+    def _chunk(self, doc: dict[str, Any]) -> tuple[bool, bool]:
+        """Read one chunk, and make it what the client would have had from one uncut stream.
+        (whether it changed, whether it carries ids and no text yet)."""
+        changed = textless = False
+        if self.id is None:
+            self.id, self.created = doc.get("id"), doc.get("created")
+        else:  # a continuation's own: the client keeps the first answer's
+            for key, mine in (("id", self.id), ("created", self.created)):
+                if key in doc and doc[key] != mine:
+                    doc[key] = mine
+                    changed = True
+        self.model = doc.get("model", self.model)
+        choices = doc.get("choices") or []
+        if len(choices) > 1:
+            raise ValueError("several choices")
+        for choice in choices:
+            prompt_ids = choice.get("prompt_token_ids")
+            if prompt_ids is not None:
+                if self.prompt_ids is None:
+                    self.prompt_ids = [int(t) for t in prompt_ids]
+                if self.continuing or not self.plan.wants_token_ids:
+                    choice["prompt_token_ids"] = None
+                    changed = True
+            ids = choice.get("token_ids")
+            if ids is None:
+                ids = []
+                if choice.get("text"):
+                    self.ids_missing = True
+            elif not self.plan.wants_token_ids:
+                choice["token_ids"] = None
+                changed = True
+            self.token_ids.extend(int(t) for t in ids)
+            if choice.get("text"):
+                self.settled = len(self.token_ids)
+                self.last_text_tokens = len(ids)
+            elif ids and choice.get("finish_reason") is None:
+                textless = True
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = choice["finish_reason"]
+        usage = doc.get("usage")
+        if isinstance(usage, dict):
+            if not choices:
+                self.usage_seen = True
+            if self.continuing:
+                self._count_once(usage)
+                changed = True
+        return changed, textless
+
+    def _count_once(self, usage: dict[str, Any]) -> None:
+        prompt = len(self.prompt_ids) if self.prompt_ids is not None else usage.get("prompt_tokens")
+        prompt = int(prompt or 0)
+        completion = self.base_tokens + int(usage.get("completion_tokens") or 0)
+        usage["prompt_tokens"] = prompt
+        usage["total_tokens"] = prompt + completion
+        usage["completion_tokens"] = completion
+        # The continuation's cache hits count tokens it read as prompt: not the client's.
+        usage.pop("prompt_tokens_details", None)
+
+    # --- at a cut ----------------------------------------------------------------------------
+
+    def decide(self) -> Continue | Complete | Refusal:
+        """What follows a cut (the attempt's answer is over, ``[DONE]`` not seen)."""
+        if self.unreadable:
+            return Refusal.UNREADABLE_STREAM
+        if self.ids_missing:
+            return Refusal.NO_TOKEN_IDS  # sent again whole, it would repeat the client's text
+        if self.finish_reason is not None:
+            return Complete(self._ending())
+        rolled_back = len(self.token_ids) - self.settled  # held back, never relayed
+        req = self.plan.request
+        body: dict[str, Any] = dict(req)
+        raw_max = req.get("max_tokens", SCHEMA_DEFAULT_MAX_TOKENS)
+        if raw_max is not None:
+            if raw_max - self.settled <= 0:
+                return Refusal.NO_TOKENS_LEFT
+            body["max_tokens"] = raw_max - self.settled
+        if self.settled == 0 or self.prompt_ids is None:
+            if self.settled:
+                return Refusal.UNREADABLE_STREAM  # tokens, and no prompt ids to put before them
+            return Continue(self.plan.upstream_body, 0, rolled_back, ())
+        if _is_int(req.get("min_tokens")):
+            body["min_tokens"] = max(0, req["min_tokens"] - self.settled)
+        body["prompt"] = [*self.prompt_ids, *self.token_ids[: self.settled]]
+        body["return_token_ids"] = True
+        body.pop("truncate_prompt_tokens", None)  # the prompt's ids are already what was kept
+        if isinstance(req.get("request_id"), str):
+            body["request_id"] = f"{req['request_id']}-cont{self.continuations + 1}"
+        tail: tuple[int, ...] = ()
+        if self.last_text_tokens != 1:
+            start = max(0, self.settled - self.last_text_tokens - TAIL_CONTEXT_TOKENS)
+            tail = tuple(self.token_ids[start : self.settled])
+        return Continue(_encode(body), self.settled, rolled_back, tail)
+
+    def begin_continuation(self, settled: int) -> None:
+        """The continuation's answer started: what was rolled back is forgotten."""
+        del self.token_ids[settled:]
+        self._pending.clear()
+        self.settled = settled
+        self.base_tokens = settled
+        self.last_text_tokens = 1 if settled else 0
+        self.finish_reason = None
+        self.continuing = True
+
+    def _ending(self) -> bytes:
+        """The events an uncut stream would still have sent after its last token."""
+        out = b""
+        if self.plan.include_usage and not self.usage_seen:
+            prompt = len(self.prompt_ids) if self.prompt_ids is not None else 0
+            completion = len(self.token_ids)
+            usage: dict[str, object] = {
+                "id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": [],
+                "usage": {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+                          "completion_tokens": completion},
+            }  # fmt: skip
+            out += b"data: " + _encode(usage) + b"\n\n"
+        return out + b"data: [DONE]\n\n"
+
+
+def tail_is_settled(detokenized: str) -> bool:
+    """vLLM's ``/detokenize`` of the last settled ids: False when they end inside a character
+    (vLLM's stream still holds that text back)."""
+    return not detokenized.endswith(REPLACEMENT_CHARACTER)
+
+
+class SseSplitter:
+    """Cuts a byte stream into SSE events (each with its blank line), as they complete."""
+
+    def __init__(self, max_event_bytes: int) -> None:
+        self._buf = bytearray()
+        self._max = max_event_bytes
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data
+        events: list[bytes] = []
+        start = 0
+        while True:
+            end = self._buf.find(b"\n\n", start)
+            if end < 0:
+                break
+            events.append(bytes(self._buf[start : end + 2]))
+            start = end + 2
+        del self._buf[:start]
+        return events
+
+    @property
+    def overflowing(self) -> bool:
+        return len(self._buf) > self._max
+
+    def take_rest(self) -> bytes:
+        rest = bytes(self._buf)
+        self._buf.clear()
+        return rest

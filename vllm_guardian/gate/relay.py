@@ -1,0 +1,337 @@
+"""The relay of a streamed ``/v1/completions`` that the gate continues after a cut.
+
+Where it sits: :class:`~vllm_guardian.gate.proxy.GateProxy` hands it the upstream's answer
+(200, ``text/event-stream``) when :func:`~vllm_guardian.gate.continuation.plan` said the stream
+can be continued; :mod:`~vllm_guardian.gate.continuation` decides what each event becomes and
+what follows a cut. This module does the I/O, in order:
+
+1. events are read as they arrive, rewritten (the ids the gate asked for are stripped) and
+   written to the client at its pace, like the byte relay;
+2. at a cut (the connection reset or closed before ``[DONE]``, or vLLM's error event for a
+   dead engine) the client's connection stays open: an SSE comment (``: keep-alive``) goes out
+   at once and every ``keepalive_comment_seconds`` while the gate waits for the server to be
+   ready, exactly as a held request waits (the proxy's ``wait_ready``: the admission queue, at
+   its head, within ``max_wait_seconds``);
+3. the continuation is sent, and its events are relayed as the same stream; a second cut is
+   handled the same way, up to ``max_continuations``;
+4. when the gate gives up (refused, past ``max_continuations``, no ready server within the wait,
+   an error answer), the client gets what it would have had without the gate's help: vLLM's
+   error event and ``[DONE]`` when that was the cut, a cut connection otherwise.
+
+A cut before anything reached the client is left to the proxy's retry (``UpstreamError``), as
+for any other request. Every decision is counted in ``continuations_total{outcome, reason}``
+and logged with the request's id (its ``X-Request-Id``, else one the gate makes) and the
+stream's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import NoReturn
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from vllm_guardian.gate.admission import Rejected
+from vllm_guardian.gate.continuation import (
+    Complete,
+    Continue,
+    Cut,
+    Failure,
+    Kind,
+    Outcome,
+    Plan,
+    Refusal,
+    SseSplitter,
+    StreamState,
+    dying_message,
+    tail_is_settled,
+)
+from vllm_guardian.gate.follower import Follower
+from vllm_guardian.gate.metrics import GateMetrics
+from vllm_guardian.gate.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+
+log = logging.getLogger("vllm_guardian.gate")
+
+KEEPALIVE = b": keep-alive\n\n"
+DONE = b"data: [DONE]\n\n"
+# One event held whole at most: the first chunk carries the prompt's ids (~6 bytes a token).
+MAX_EVENT_BYTES = 16 * 1024 * 1024
+# A continuation's error answer, or /detokenize's: read this much at most.
+SMALL_ANSWER_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class RelaySettings:
+    max_continuations: int = 1
+    keepalive_comment_seconds: float = 5.0
+
+
+class _GaveUp(Exception):
+    """The stream ends here; what the client gets was written already."""
+
+
+class ContinuingRelay:
+    """One client's streamed completion, across as many upstream answers as it takes."""
+
+    def __init__(
+        self,
+        *,
+        plan: Plan,
+        settings: RelaySettings,
+        request: web.BaseRequest,
+        target: str,
+        headers: CIMultiDict[str],
+        pool: UpstreamPool,
+        follower: Follower,
+        metrics: GateMetrics,
+        wait_ready: Callable[[], Awaitable[None]],
+        response_factory: Callable[[UpstreamResponse], web.StreamResponse],
+    ) -> None:
+        self.state = StreamState(plan)
+        self.s = settings
+        self.request = request
+        self.target = target
+        self.headers = headers
+        self.pool = pool
+        self.follower = follower
+        self.metrics = metrics
+        self.wait_ready = wait_ready
+        self._response_factory = response_factory
+        self.resp: web.StreamResponse | None = None
+        self.request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
+
+    async def run(self, up: UpstreamResponse) -> web.StreamResponse:
+        """Relay ``up`` (and what follows it) to the client. Raises ``UpstreamError`` when the
+        upstream failed before a byte reached the client (the proxy retries those)."""
+        first = up
+        try:
+            while True:
+                try:
+                    cut, held = await self._pump(up, first)
+                finally:
+                    up.release()
+                if cut is None:
+                    assert self.resp is not None
+                    await self.resp.write_eof()
+                    return self.resp
+                if self.resp is None:  # the proxy counts it, and retries it whole
+                    raise UpstreamError(
+                        "before_first_byte",
+                        "the upstream cut the stream before its first event"
+                        if held is None
+                        else held.decode("utf-8", "replace")[:200],
+                    )
+                self.metrics.upstream_error("streaming")
+                self.follower.suspect()
+                try:
+                    up = await self._next(cut, held)
+                except _GaveUp:
+                    return self.resp
+        except asyncio.CancelledError:
+            self.metrics.client_disconnect("streaming")
+            raise
+        except ConnectionResetError:  # the client left mid-answer: counted, no traceback
+            self.metrics.client_disconnect("streaming")
+            self._close_client()
+            assert self.resp is not None
+            return self.resp
+
+    # --- one upstream answer -----------------------------------------------------------------
+
+    async def _pump(
+        self, up: UpstreamResponse, first: UpstreamResponse
+    ) -> tuple[Cut | None, bytes | None]:
+        """Relay one answer's events: (None, None) once ``[DONE]`` is written, else how it
+        was cut and, for vLLM's error event, that event."""
+        splitter = SseSplitter(MAX_EVENT_BYTES)
+        while True:
+            try:
+                data = await up.read()
+            except UpstreamError:
+                return Cut.CONNECTION, None
+            if not data:
+                return Cut.CONNECTION, None  # ended without [DONE]; a partial event is dropped
+            for event in splitter.feed(data):
+                step = self.state.on_event(event)
+                if step.kind is Kind.CUT:
+                    return Cut.ERROR_EVENT, step.data
+                if step.data:
+                    await self._write(step.data, first)
+                if step.kind is Kind.DONE:
+                    await self._drain(up)
+                    return None, None
+            if splitter.overflowing:  # not SSE as vLLM writes it: passed on as it is
+                self.state.unreadable = True
+                await self._write(splitter.take_rest(), first)
+
+    @staticmethod
+    async def _drain(up: UpstreamResponse) -> None:
+        """Read the answer's end (the last chunk's frame), so its connection is reused."""
+        try:
+            for _ in range(4):
+                if not await up.read():
+                    return
+        except UpstreamError:
+            return
+
+    async def _write(self, data: bytes, first: UpstreamResponse) -> None:
+        if self.resp is None:
+            self.resp = self._response_factory(first)
+            await self.resp.prepare(self.request)
+        await self.resp.write(data)
+
+    # --- after a cut -------------------------------------------------------------------------
+
+    async def _next(self, cut: Cut, held: bytes | None) -> UpstreamResponse:
+        """The next answer to relay; raises :class:`_GaveUp` when there is none."""
+        st = self.state
+        try:
+            while True:
+                decision = st.decide()
+                if isinstance(decision, Refusal):
+                    await self._give_up(Outcome.REFUSED, decision, held)
+                if isinstance(decision, Complete):
+                    await self._complete(cut, decision)
+                assert isinstance(decision, Continue)
+                if st.continuations >= self.s.max_continuations:
+                    await self._give_up(Outcome.FAILED, Failure.EXHAUSTED, held)
+                try:
+                    await self._wait_ready_telling_the_client()
+                except Rejected:
+                    await self._give_up(Outcome.FAILED, Failure.WAIT_TIMEOUT, held)
+                if decision.check_tail and not await self._tail_settled(decision.check_tail):
+                    await self._give_up(Outcome.REFUSED, Refusal.UNSETTLED_TEXT, held)
+                st.continuations += 1
+                up = await self._send(decision.body)
+                if up is None:
+                    continue  # the server broke again before answering: decided anew
+                if up.status == 200:
+                    st.begin_continuation(decision.settled_tokens)
+                    self._count(Outcome.CONTINUED, cut)
+                    log.info(
+                        "gate: request %s (stream %s): the upstream cut it (%s) after %d "
+                        "tokens; continued (%d of at most %d), %d unsettled tokens regenerated",
+                        self.request_id, st.id, cut.value, decision.settled_tokens,
+                        st.continuations, self.s.max_continuations, decision.rolled_back_tokens,
+                    )  # fmt: skip
+                    return up
+                answer = await _read_small(up)
+                up.release()
+                if up.status == 500 and dying_message(answer.decode("utf-8", "replace")):
+                    self.follower.suspect()
+                    continue
+                log.warning(
+                    "gate: request %s (stream %s): its continuation was answered %d: %s",
+                    self.request_id, st.id, up.status, answer[:200].decode("utf-8", "replace"),
+                )  # fmt: skip
+                await self._give_up(Outcome.FAILED, Failure.UPSTREAM_ANSWER, held)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self._count(Outcome.FAILED, Failure.CLIENT_GONE)
+            raise
+
+    async def _wait_ready_telling_the_client(self) -> None:
+        """The admission's wait (raises ``Rejected``), with a comment to the client now and
+        every ``keepalive_comment_seconds``: its connection and its proxies see a live stream."""
+        assert self.resp is not None
+        waiting = asyncio.ensure_future(self.wait_ready())
+        try:
+            await self.resp.write(KEEPALIVE)
+            while True:
+                done, _ = await asyncio.wait({waiting}, timeout=self.s.keepalive_comment_seconds)
+                if done:
+                    waiting.result()
+                    return
+                await self.resp.write(KEEPALIVE)
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+                await asyncio.wait({waiting})
+
+    async def _send(self, body: bytes) -> UpstreamResponse | None:
+        try:
+            return await self.pool.request("POST", self.target, self.headers.items(), body)
+        except UpstreamError as e:
+            self.metrics.upstream_error(e.phase)
+            self.follower.suspect()
+            return None
+
+    async def _tail_settled(self, ids: tuple[int, ...]) -> bool:
+        """vLLM's ``/detokenize`` of the last settled ids: False when they end inside a
+        character, or when the answer cannot be had (not continued: it might have)."""
+        doc: dict[str, object] = {"tokens": list(ids)}
+        model = self.state.plan.request.get("model")
+        if isinstance(model, str):
+            doc["model"] = model
+        headers = [("Content-Type", "application/json")]
+        auth = self.headers.get("Authorization")
+        if auth is not None:
+            headers.append(("Authorization", auth))
+        try:
+            up = await self.pool.request("POST", "/detokenize", headers, json.dumps(doc).encode())
+            try:
+                status, answer = up.status, await _read_small(up)
+            finally:
+                up.release()
+            text = json.loads(answer).get("prompt") if status == 200 else None
+        except (UpstreamError, ValueError, AttributeError):
+            text = None
+        return isinstance(text, str) and tail_is_settled(text)
+
+    async def _complete(self, cut: Cut, decision: Complete) -> NoReturn:
+        assert self.resp is not None
+        await self.resp.write(decision.data)
+        await self.resp.write_eof()
+        self._count(Outcome.COMPLETED, cut)
+        log.info(
+            "gate: request %s (stream %s): the upstream cut it (%s) after its last token; "
+            "the gate ended it",
+            self.request_id, self.state.id, cut.value,
+        )  # fmt: skip
+        raise _GaveUp
+
+    async def _give_up(
+        self, outcome: Outcome, reason: Refusal | Failure, held: bytes | None
+    ) -> NoReturn:
+        """The client gets what it would have had without continuation; raises _GaveUp."""
+        self._count(outcome, reason)
+        log.warning(
+            "gate: request %s (stream %s): the upstream cut it after %d tokens; not continued "
+            "(%s: %s)",
+            self.request_id, self.state.id, len(self.state.token_ids), outcome.value,
+            reason.value,
+        )  # fmt: skip
+        assert self.resp is not None
+        held_back = self.state.take_pending()
+        if held is not None:
+            await self.resp.write(held_back + held + DONE)
+            await self.resp.write_eof()
+        else:
+            if held_back:
+                await self.resp.write(held_back)
+            self._close_client()
+        raise _GaveUp
+
+    def _count(self, outcome: Outcome, reason: Refusal | Failure | Cut) -> None:
+        self.metrics.continuation(outcome.value, reason.value)
+
+    def _close_client(self) -> None:
+        if self.request.transport is not None:
+            self.request.transport.close()
+
+
+async def _read_small(up: UpstreamResponse) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while size < SMALL_ANSWER_BYTES:
+        chunk = await up.read()
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)[:SMALL_ANSWER_BYTES]
