@@ -191,7 +191,7 @@ def plan(path: str, body: bytes | bytearray, *, enabled: bool) -> Plan | Refusal
         return why
     asked = req.get("return_token_ids")
     if asked is True:
-        upstream = body
+        upstream = bytes(body)
     elif asked is None and "return_token_ids" not in req:
         # Inserted after the opening brace: the rest of the client's bytes go as they came.
         start = len(body) - len(body.lstrip())
