@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -552,16 +553,29 @@ def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout) -> int:
         args.scenario, args.speed, args.duration, args.workdir, gate=not args.no_gate
     )
     stop = threading.Event()
+    stopped_by: list[int] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        # Ctrl-C (SIGINT to the terminal's whole job) or SIGTERM: the run ends and cleans up;
+        # never a KeyboardInterrupt, which could cut the clean-up short (and, raised inside
+        # Thread.join on Python 3.11, made the next join return at once while the run went on:
+        # the demo exited 0 with no summary and left its twin running).
+        if not stopped_by:
+            out.write("\nstopping: the load, the gate, the guardian and the vLLM twin…\n")
+        stopped_by.append(signum)
+        stop.set()
+
     result: list[DemoReport] = []
     worker = threading.Thread(target=lambda: result.append(run_demo(opts, out, stop)), daemon=True)
-    worker.start()
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        worker.start()
         while worker.is_alive():
             worker.join(timeout=0.5)
-    except KeyboardInterrupt:
-        out.write("\nstopping…\n")
-        stop.set()
-        worker.join(timeout=90)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     if result:
         out.write("\n".join(summary(result[0])) + "\n")
-    return 0
+    # As shells expect of a program a signal stopped: 130 after Ctrl-C, 143 after SIGTERM.
+    return 128 + stopped_by[0] if stopped_by else 0
