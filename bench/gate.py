@@ -28,7 +28,7 @@ write for vLLM; see ``NGINX_CONF``.
 3. SSE (stub only): the gaps between events as the client receives them, against the pace
    the upstream writes them at.
 
-Ratios are printed against nginx; the issue's goals (gate p50 overhead < 1 ms, p99 overhead
+Ratios are printed against nginx; the goals (gate p50 overhead < 1 ms, p99 overhead
 within 2x nginx's, SSE at the upstream's pace) are checked and printed, never asserted. On a
 small machine the client, the proxy and the upstream share the cores: read the rate as a
 comparison between the three, not as a capacity figure.

@@ -618,7 +618,7 @@ def disruptive(cell: Cell) -> list[str]:
 
 
 def verdict(scenario: str, cells: dict[tuple[str, str], Cell]) -> str | None:
-    """The goal (P4; DESIGN.md §2 for the overload), judged on medians. Printed, never asserted."""
+    """The outcome goal (kv_thrash judged as an overload), on medians. Printed, never asserted."""
     g, u, c = (cells.get((scenario, op)) for op in ("guardian+gate", "unguarded", "sidecar"))
     if g is None or u is None:
         return None
@@ -801,9 +801,9 @@ def markdown(cells: list[Cell], args: argparse.Namespace, wall_seconds: float) -
         )  # fmt: skip
     lines += [
         "",
-        "Goal (P4), judged on `guardian+gate` medians: in every failure scenario failed ≤ 10 % of "
+        "Goal, judged on `guardian+gate` medians: in every failure scenario failed ≤ 10 % of "
         "`unguarded` and ≤ 25 % of `sidecar`; in `steady` and `prefix_cache_waste` no action, failed "
-        "≤ `unguarded`, goodput ≥ 95 % of it; `kv_thrash` is an overload (DESIGN.md §2): no "
+        "≤ `unguarded`, goodput ≥ 95 % of it; `kv_thrash` is an overload (docs/capacity.md): no "
         f"disruptive action, failed ≤ unguarded, goodput ≥ unguarded, p99 TTFT ≤ unguarded, "
         f"`{OVER_CAPACITY_ALERT}` fired.",
         "",

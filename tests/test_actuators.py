@@ -78,7 +78,7 @@ def test_a_tampered_flags_file_is_rejected_not_obeyed(tmp_path: Path):
         flagsfile.read(path)
 
 
-# Issue 17: Unicode digits pass Python's int()/float() and \\d, but are no vLLM value.
+# Unicode digits pass Python's int()/float() and \\d, but are no vLLM value.
 @pytest.mark.parametrize(
     "value",
     [
@@ -200,7 +200,7 @@ def test_supervisor_restarts_a_process_that_exits_zero(tmp_path: Path, child: Pa
     ids=["not-utf8", "directory"],
 )
 def test_a_broken_flags_file_never_stops_supervision(tmp_path: Path, child: Path, make, caplog):
-    """Issue 17 item 9: a non-UTF-8 flags file killed the supervisor thread, a directory in its
+    """A non-UTF-8 flags file killed the supervisor thread, a directory in its
     place prevented every start. Now: rejected and reported, vLLM runs with the base flags and
     is restarted when it exits."""
     flags_path = tmp_path / "svc.env"
@@ -506,7 +506,7 @@ def test_concurrent_saves_leave_a_readable_file(tmp_path: Path):
     assert os.path.getsize(path) > 0
 
 
-# Issue 17 item 8: shapes of a corrupt policy-state file; each is set aside, start-up goes on.
+# Shapes of a corrupt policy-state file; each is set aside, start-up goes on.
 CORRUPT_STATES = [
     ("deep-list", lambda p: p.write_text("[" * 200_000 + "]" * 200_000)),
     ("deep-state", lambda p: p.write_text('{"format": 1, "state": ' + '{"a":' * 100_000 + "1" + "}" * 100_001)),

@@ -80,7 +80,7 @@ def test_memory_stats_keys_map_to_fields():
     assert (rec.allocated_bytes, rec.reserved_bytes, rec.inactive_split_bytes) == (
         12 * GIB, 20 * GIB, 2 * GIB)  # fmt: skip
     assert rec.unallocated_bytes == 8 * GIB and rec.fragmentation_ratio == pytest.approx(0.1)
-    # CUDA-less torch returns {} (ecosystem.md §7): no record, no exception.
+    # CUDA-less torch's memory_stats() returns {} rather than raising: no record, no exception.
     assert fmt.from_memory_stats({}, pid=1, device=0, time_seconds=0, interval_seconds=5) is None
 
 

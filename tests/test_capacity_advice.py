@@ -1,4 +1,4 @@
-"""KV thrash, the same advice everywhere (issue 22): diagnose, plan and loadtest say over capacity
+"""KV thrash, the same advice everywhere: diagnose, plan and loadtest say over capacity
 by X× (or that capacity is not measurable), add N replicas or shed at the gate, and that a
 --max-num-seqs below what the pool hosts costs throughput; none lowers --max-num-seqs."""
 

@@ -173,7 +173,7 @@ def test_yaml_is_loaded_safely():
     assert yaml.__name__ == "yaml"
 
 
-# Shapes from the adversarial pass (issue 17): each used to escape as a traceback (exit 1).
+# Shapes from the adversarial pass: each used to escape as a traceback (exit 1).
 # Every one must be a ConfigInvalid naming the key and its line.
 HOSTILE = [
     ('services:\n  - name: a\n    url: "http://[::1:8000"\n', "services[0].url", 3, "not a URL"),

@@ -41,7 +41,7 @@ def healthy_values() -> dict[al.SeriesKey, dict[str, float | None]]:
         requests_waiting=12,
         preemptions_per_second=0.0,
         generation_tokens_per_second=2400.0,
-        prefix_cache_hit_ratio=0.0,  # a zero hit rate is harmless (DESIGN.md §2)
+        prefix_cache_hit_ratio=0.0,  # a zero hit rate is harmless (measured)
         stall_seconds=0.0,
         stalled=False,
         gpu_memory_utilization_ratio=0.9,

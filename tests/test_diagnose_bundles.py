@@ -37,7 +37,7 @@ VERDICTS = {
     "kv_cache_blowout": "kv_cache_blowout",
     "model_does_not_fit": "model_does_not_fit",
     "prefill_burst": "prefill_burst",
-    "prefix_cache_low_hit_rate": "healthy",  # DESIGN.md §2 "Measured": never prefix_cache_waste
+    "prefix_cache_low_hit_rate": "healthy",  # a low hit rate is harmless: never prefix_cache_waste
     "v0_concurrency_overcommit": "concurrency_overcommit",  # V0-era metric names
 }
 

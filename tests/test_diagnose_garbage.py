@@ -259,7 +259,7 @@ def _tar_of(directory: Path, archive: Path, before: list[tuple[str, bytes, bytes
 
 
 def test_every_member_that_cannot_be_written_is_reported_and_the_rest_read(tmp_path: Path) -> None:
-    """Issue 17 item 7: extraction stopped at the first member that failed to write and dropped
+    """Extraction used to stop at the first member that failed to write and dropped
     the rest silently; a stored-twice manifest.json turned prefill_burst into `healthy`."""
     src = BUNDLES / "prefill_burst"
     manifest = (src / "manifest.json").read_bytes()

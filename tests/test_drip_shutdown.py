@@ -1,4 +1,4 @@
-"""A vLLM that drips its /metrics blinds nothing for long and never holds SIGTERM (issue 17, 3).
+"""A vLLM that drips its /metrics blinds nothing for long and never holds SIGTERM.
 
 The real daemon against a server that answers every request one byte per 0.2 s: the metrics
 source is reported down within its deadline on every tick (never "still busy from an earlier

@@ -1,4 +1,4 @@
-"""The daemon keeps watching and keeps control under descriptor pressure (issue 17, item 1).
+"""The daemon keeps watching and keeps control under descriptor pressure.
 
 The adversarial pass found that ~1,100 half-sent requests to /metrics took every descriptor:
 /metrics and /healthz timed out, the policy state, audit log and flight recorder stopped

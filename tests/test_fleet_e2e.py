@@ -1,4 +1,4 @@
-"""Three replicas, one disruption budget: the issue's fleet test, as processes on 127.0.0.1.
+"""Three replicas, one disruption budget: the fleet test, as processes on 127.0.0.1.
 
 Three guardians (real ``vllm-guardian run`` processes, container mode, each with its pod's
 identity) supervise a vLLM twin each; an admission gate stands in front of each; one fake API

@@ -1,4 +1,4 @@
-"""A hostile vLLM cannot hold a fetch or fill memory (issue 17, items 3 and 4).
+"""A hostile vLLM cannot hold a fetch or fill memory.
 
 Every fetch from vLLM — the metrics and health sources, ``diagnose --url``, the bundle
 actuator — goes through ``vllm_guardian.httpget``: a total deadline (not per read) and a size

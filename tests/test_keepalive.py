@@ -1,4 +1,4 @@
-"""A connection kept between a collector's GETs (httpget.KeepAlive, issue 19) changes what a
+"""A connection kept between a collector's GETs (httpget.KeepAlive) changes what a
 fetch costs, never what it answers: a vLLM that restarted between two scrapes, one that closes
 the kept connection as the request arrives, one that hangs on it, one that refuses after a
 restart, each gives the answer (or the failure) a fresh connection gives.

@@ -1,15 +1,15 @@
 """``vllm-guardian loadtest`` against the twin on loopback, and on bad input.
 
 The twin runs as a subprocess on a free 127.0.0.1 port at a high ``--sim-speed`` and is always
-stopped. What is checked is the issue's list: a ramp finds the knee where the pool saturates
+stopped. What is checked: a ramp finds the knee where the pool saturates
 and the verdict says by how much the load is over one replica and how many replicas would carry
-it, never a lower ``--max-num-seqs`` (issue 22: that costs throughput); on prefill_burst settings the ramp stops at the headroom floor before
+it, never a lower ``--max-num-seqs`` (that costs throughput); on prefill_burst settings the ramp stops at the headroom floor before
 the twin OOMs (and without a floor, the OOM line stops it and nothing is retried); bad input
 gives a clear message and, where anything ran, a partial report.
 
 Not here: the same ramp against a real vLLM with a small KV pool, checked against the server's
-own counters. That belongs to the integration tier (a GPU host with vLLM installed) of the
-integration issue; docs/loadtest.md says how to run it by hand.
+own counters. That belongs to the integration tier (a GPU host with vLLM installed);
+docs/loadtest.md says how to run it by hand.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ TESTS = sorted((ROOT / "alerts" / "tests").glob("*.yml"))
 RUNBOOK = ROOT / "docs" / "runbook.md"
 DEFAULT_RULES = ROOT / "vllm_guardian" / "defaults" / "rules.yaml"
 GOLDEN = ROOT / "tests" / "golden" / "exposition.prom"
-# Guardian series that land with the policy issue (not in the golden file yet).
+# Guardian series the golden file does not hold yet.
 PENDING_METRICS = {
     "vllm_guardian_alert",
     "vllm_guardian_breaker_latched",

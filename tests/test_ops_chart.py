@@ -273,7 +273,7 @@ def test_the_validation_can_fail(kind: str) -> None:
         validate(_typo(obj), K8S_VERSIONS[0])
 
 
-# --- the pod: the form issue 21 decided ------------------------------------------------------
+# --- the pod: its form --------------------------------------------------------------------
 
 
 def test_rolling_update_needs_no_spare_gpu(objects: list[dict[str, Any]]) -> None:

@@ -1,7 +1,7 @@
 """The shipped Grafana dashboard: schema from ``@grafana/schema``, PromQL through promtool, names.
 
 The JSON schema is generated from the npm package's TypeScript types with
-ts-json-schema-generator (ecosystem.md §3), installed into /var/cache/vllm-guardian-ci/npm the
+ts-json-schema-generator, installed into /var/cache/vllm-guardian-ci/npm the
 first time (about 6 s) and reused after. Panels are validated against ``Panel`` or ``RowPanel``
 by their type, which gives readable errors where the schema's ``anyOf`` would not.
 """

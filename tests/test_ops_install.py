@@ -233,7 +233,7 @@ def test_the_command_line_entry_point(tmp_path, fake_tools):
     ids=["escaped-dash", "escaped-space-instance", "backslash"],
 )
 def test_the_polkit_rule_names_exactly_the_units(tmp_path, fake_tools, units):
-    """Issue 17: unit names were written into the polkit JavaScript unescaped, so a
+    """Unit names were written into the polkit JavaScript unescaped, so a
     systemd-escaped name (``\\x2d``) became another string there and the rule never matched."""
     import json
 

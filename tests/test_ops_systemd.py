@@ -161,7 +161,7 @@ def test_unit_security_exposure(tmp_path, name):
         ).stdout
     )
     failing = {row["name"] for row in table if row.get("set") is False}
-    # The settings the issue asks for are all in force.
+    # The hardening settings the unit sets are all in force.
     for setting in (
         "NoNewPrivileges=",
         "ProtectSystem=",
@@ -174,7 +174,7 @@ def test_unit_security_exposure(tmp_path, name):
         assert setting not in failing, f"{setting} not hardened: {sorted(failing)}"
 
 
-def test_units_carry_what_the_issue_asks():
+def test_units_carry_the_settings_they_need():
     g = keys((SYSTEMD / "vllm-guardian.service").read_text())
     assert g["Type"] == ["notify"] and g["NotifyAccess"] == ["main"]
     assert g["Restart"] == ["on-failure"]

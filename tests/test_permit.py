@@ -1,6 +1,6 @@
 """The fleet permit, pure (core/permit.py): which Lease to write, and the wait, on virtual time.
 
-Tables first (one row per situation the issue names: granted, 409 conflict, 429 budget
+Tables first (one row per situation: granted, 409 conflict, 429 budget
 exhausted, holder died and its lease expired, two guardians racing for one permit), then the
 race itself against an in-memory store that keeps resourceVersions as the API server does.
 """

@@ -3,7 +3,7 @@
 Tests that need torch run under the real CPU build of torch 2.13.0 in ``.venv-plugin``
 (scripts/test creates it; the daemon's venv stays free of torch) and skip elsewhere. CUDA is
 the one boundary faked: ``torch.version.cuda``, ``torch.cuda.is_initialized``,
-``device_count`` and ``memory_stats`` are patched with realistic values (ecosystem.md §7).
+``device_count`` and ``memory_stats`` are patched with realistic values.
 """
 
 from __future__ import annotations

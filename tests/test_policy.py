@@ -758,7 +758,7 @@ def test_per_action_dry_run_arms_the_ladder_one_rung_at_a_time():
     assert [d.dry_run for d in r.decisions if d.what == "gate"] == [False]
 
 
-# --- KV thrash: a capacity problem (DESIGN.md §2 "Measured", issue 22) ------------------------
+# --- KV thrash: a capacity problem (measured: docs/capacity.md) --------------------------
 
 RELAUNCH_ON = ConcurrencyRelaunchConfig(enabled=True)
 

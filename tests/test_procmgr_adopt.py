@@ -1,4 +1,4 @@
-"""Issue 17 item 11: after `kill -9` of the guardian, the vLLM it started (its own session) keeps
+"""After `kill -9` of the guardian, the vLLM it started (its own session) keeps
 running; the next guardian adopts it through the pid file and never starts a second copy.
 
 Real processes throughout: `vllm-guardian run` with ``policy.backend: process`` and a stub

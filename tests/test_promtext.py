@@ -103,7 +103,7 @@ EDGE_CASES = [
 ]
 
 
-# Lines the text format allows that the parser used to drop (issue 17): leading blanks, a tab
+# Lines the text format allows that the parser used to drop: leading blanks, a tab
 # between name and value, an empty label set written `{,}`. Each is compared with
 # prometheus_client, alone and inside a typed family (the block path and the line path).
 ALLOWED_SHAPES = [

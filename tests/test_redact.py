@@ -281,7 +281,7 @@ def test_secrets_nested_in_quoted_values(text: str, expected: str) -> None:
     assert redact_text(text) == expected
 
 
-# --- one table of secret shapes, tested at every exit (issue 17 item 12) ----------------------
+# --- one table of secret shapes, tested at every exit ------------------------------------
 # Each shape is a vLLM command line carrying the secret SECRET; every place the guardian shows
 # or saves a command line, a log line, an error or a record must come out without it.
 

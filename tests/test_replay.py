@@ -154,7 +154,7 @@ def test_garbage_lines_are_skipped_with_a_message(tmp_path: Path):
 
 
 def test_hostile_lines_are_reported_and_do_not_change_the_result(tmp_path: Path):
-    """Issue 17 item 8: a deeply nested line crashed replay; a record with a NaN, infinite,
+    """A deeply nested line crashed replay; a record with a NaN, infinite,
     future or backwards time silently changed its result. Each is now a reported skip, and the
     decisions are those of the clean recording."""
     clean = tmp_path / "clean.jsonl"

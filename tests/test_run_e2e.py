@@ -177,7 +177,7 @@ def test_the_server_disappearing_entirely(guardian):
 
 
 def test_sighup_with_a_hostile_config_or_a_new_listen_keeps_the_daemon(guardian, free_port):
-    """Issue 17 item 6: each of these used to end the daemon (exit 1) or change silently."""
+    """Each of these used to end the daemon (exit 1) or change silently."""
     proc, base, _, cfg = guardian
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")))

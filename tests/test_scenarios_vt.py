@@ -90,8 +90,8 @@ def check_xid(r: Run) -> None:
 
 
 def check_kv(r: Run) -> None:
-    # KV thrash is a capacity problem (issue 22): the front door closes, the over-capacity alert
-    # fires, the guardian says why it does not act; no restart, no relaunch.
+    # KV thrash is a capacity problem (docs/capacity.md): the front door closes, the
+    # over-capacity alert fires, the guardian says why it does not act; no restart, no relaunch.
     assert r.of(DecisionKind.GATE)
     assert r.started() == [], [a.reason for a in r.started()]
     assert any(d.cause is Cause.CONCURRENCY_OVERCOMMIT for d in r.of(DecisionKind.SUPPRESSED)), (

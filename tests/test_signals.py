@@ -415,7 +415,7 @@ def test_running_requests_with_no_token_processed_is_a_stall_and_prefill_is_prog
 
 
 def test_per_engine_work_is_linear_in_the_engines() -> None:
-    """Issue 17 item 5: the latency quantiles looked each engine up by scanning the engine list
+    """The latency quantiles looked each engine up by scanning the engine list
     (8,000 engines made a tick take 22 s). Counted, not timed: engine-key lookups per derive()
     grow in proportion to the engines, not with their square."""
     from vllm_guardian.model import EngineMetrics

@@ -1,4 +1,4 @@
-"""The logs source: the §6 matcher on exact vLLM lines, dedup, framing, file following with
+"""The logs source: the signature matcher on exact vLLM lines, dedup, framing, file following with
 rotation and truncation, and a fake journalctl run as a real subprocess."""
 
 from __future__ import annotations

@@ -393,7 +393,7 @@ def test_fake_systemctl_with_real_main_pid(tmp_path: Path, plain_child: Child) -
         "show",
         "--property=" + ",".join(SHOW_PROPERTIES),
         "--no-pager",
-        "--",  # issue 17: a unit name is never read as an option
+        "--",  # a unit name is never read as an option
         "vllm.service",
     ]
 

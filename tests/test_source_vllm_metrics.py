@@ -196,7 +196,7 @@ def test_disable_log_stats_server_is_reported_clearly(script: Script, http_serve
 
 
 def test_engines_past_the_cap_are_counted_not_read() -> None:
-    """Issue 17 item 5: 16,000 engines in one body cost minutes; past MAX_ENGINES they are
+    """16,000 engines in one body cost minutes; past MAX_ENGINES they are
     counted and reported (the exported engines_dropped, the reading's hint), the rest read."""
     from tests.expositions import multi_engine
     from vllm_guardian.sources.vllm_metrics import MAX_ENGINES

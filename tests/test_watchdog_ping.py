@@ -1,4 +1,4 @@
-"""The watchdog is pinged only when the tick did its work (issue 17, item 1).
+"""The watchdog is pinged only when the tick did its work.
 
 Under descriptor exhaustion (or a full or broken disk) the policy state and the audit log
 stopped being written while ``WATCHDOG=1`` kept going out, so systemd never restarted the

@@ -44,7 +44,7 @@ MAX_FILE_BYTES = 64 * 1024
 
 _FILE_NAME = re.compile(r"^(?P<pid>[1-9][0-9]{0,9})-(?P<device>[0-9]{1,4})\.json$")
 
-# torch.cuda.memory_stats() key → record field (vllm-surface.md §4).
+# torch.cuda.memory_stats() key → record field.
 STATS_KEYS: Mapping[str, str] = {
     "allocated_bytes.all.current": "allocated_bytes",
     "allocated_bytes.all.peak": "allocated_peak_bytes",

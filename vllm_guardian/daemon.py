@@ -1,6 +1,6 @@
 """The shell around the pure core: the tick, the loop, threads, signals, sd_notify.
 
-One tick (DESIGN.md §3):
+One tick:
 
 1. **collect** every source in parallel, each under its own timeout; a source that fails or
    hangs becomes a down :class:`SourceStatus`, never an exception;
@@ -184,7 +184,7 @@ class Guardian:
         self.history.append(snapshot)
         trim(self.history, history_span_seconds(self.cfg))
         decisions: list[Mapping[str, Any]] = []
-        tick_ok = True  # the watchdog is pinged only when the tick did its work (issue 17)
+        tick_ok = True  # the watchdog is pinged only when the tick did its work
         signals: Signals | None = None
         if self.healing is not None:
             try:
@@ -314,7 +314,7 @@ class Guardian:
 
     def request_stop(self) -> None:
         self._stop.set()
-        for slot in self._slots:  # shutting down never waits on a source's fetch (issue 17)
+        for slot in self._slots:  # shutting down never waits on a source's fetch
             interrupt = getattr(slot.collector, "interrupt", None)
             if interrupt is not None:
                 interrupt()

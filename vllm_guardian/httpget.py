@@ -66,7 +66,7 @@ class Cancel:
     It also keeps its fetches' deadlines: one thread per Cancel (started with the first
     fetch, ended by :meth:`cut`) shuts a fetch's socket down at its deadline, where a fetch
     without a Cancel starts a timer thread of its own. A collector fetches every tick: a
-    thread started per fetch cost more CPU than the rest of the exchange (issue 19)."""
+    thread started per fetch cost more CPU than the rest of the exchange."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -141,7 +141,7 @@ class HttpResponse:
 
 class KeepAlive:
     """One connection kept open between a collector's GETs to one server (HTTP/1.1 keep-alive),
-    so that a fetch every tick costs a request, not a connection (issue 19).
+    so that a fetch every tick costs a request, not a connection.
 
     A kept connection is only reused for a GET, only after its previous answer was read whole
     and the server did not say it would close; one found closed (readable while idle: the

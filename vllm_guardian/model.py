@@ -265,7 +265,7 @@ class UnitState:
 
 
 class LogEventKind(StrEnum):
-    """vLLM log signatures the guardian counts (reference: vllm-surface.md §6)."""
+    """vLLM log signatures the guardian counts (the lines each matches: ``sources/logs.py``)."""
 
     CUDA_OOM = "cuda_oom"
     NON_TORCH_OOM = "non_torch_oom"
@@ -416,14 +416,17 @@ class Snapshot:
 
 
 class Cause(StrEnum):
-    """What broke: the vocabulary shared by alerts, the policy and diagnose (DESIGN.md §2)."""
+    """What broke: the vocabulary shared by alerts, the policy and diagnose.
+
+    What each one means and what the guardian does about it: the README, "How it heals".
+    """
 
     GPU_MEMORY_OVERCOMMIT = "gpu_memory_overcommit"
     KV_CACHE_BLOWOUT = "kv_cache_blowout"
     CONCURRENCY_OVERCOMMIT = "concurrency_overcommit"
     PREFILL_BURST = "prefill_burst"
     ALLOCATOR_FRAGMENTATION = "allocator_fragmentation"
-    PREFIX_CACHE_WASTE = "prefix_cache_waste"  # only so the guardian can say "no" (DESIGN.md §2)
+    PREFIX_CACHE_WASTE = "prefix_cache_waste"  # only to say "no": a low hit rate is harmless
     MODEL_DOES_NOT_FIT = "model_does_not_fit"
     ENGINE_DEAD = "engine_dead"
     GPU_HARDWARE_FAULT = "gpu_hardware_fault"
@@ -476,7 +479,7 @@ class Alert:
 
 
 class ActionKind(StrEnum):
-    """What the policy can ask the actuators to do (DESIGN.md §3, the ladder)."""
+    """What the policy can ask the actuators to do."""
 
     RESTART = "restart"  # drain (gate, wait) + restart with the current flags + wait ready + ungate
     RELAUNCH = "relaunch"  # write new flags, then as RESTART

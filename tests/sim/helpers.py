@@ -58,8 +58,8 @@ def scenario_engine(
     return engine, drive(engine, plan, seconds)
 
 
-# Shape A of reference/kv-thrash-experiment.md: a 16-block pool of 128 tokens (15 usable) on the
-# tiny model, chunked prefill with 2048 batched tokens.
+# Shape A of the KV-thrash measurement (docs/capacity.md): a 16-block pool of 128 tokens
+# (15 usable) on the tiny model, chunked prefill with 2048 batched tokens.
 SHAPE_A = (
     "--sim-model", "tiny", "--block-size", "128", "--kv-cache-memory-bytes", str(16 * 128 * 512),
     "--enable-chunked-prefill", "--max-num-batched-tokens", "2048", "--max-model-len", "1024",

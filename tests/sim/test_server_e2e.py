@@ -100,8 +100,7 @@ def test_startup_refuses_then_serves_the_openai_api(twin: Starter) -> None:
 
 def read_fixture_line(name: str, prefix: str) -> str:
     path = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "vllm" / "logs" / name
-    shared = Path("/work/shared/fixtures/vllm/logs") / name
-    text = (path if path.exists() else shared).read_text()
+    text = path.read_text()
     line = next(ln for ln in text.splitlines() if ln.startswith(prefix))
     return line.split("HTTP 400 ", 1)[1]
 

@@ -1,9 +1,10 @@
-"""The twin's step cost against the real vLLM 0.32 (issue 22): a low --max-num-seqs loses what
+"""The twin's step cost against the real vLLM 0.32: a low --max-num-seqs loses what
 the real server loses.
 
-Shape A of ``reference/kv-thrash-experiment.md``, driven in-process on the twin's stepped clock
-(deterministic): a 16-block pool of 128 tokens (15 usable), 96 requests of 200 prompt tokens and
-128-256 output tokens (seeded), 24 closed-loop clients, chunked prefill with 2048 batched tokens.
+Shape A of the KV-thrash measurement (``docs/capacity.md``), driven in-process on the twin's
+stepped clock (deterministic): a 16-block pool of 128 tokens (15 usable), 96 requests of 200
+prompt tokens and 128-256 output tokens (seeded), 24 closed-loop clients, chunked prefill with
+2048 batched tokens.
 The real server's numbers are that study's: the throughput ratio against uncapped is its
 step-cost model applied to each run's exact schedule (free of the shared VM's wall-clock noise),
 and the preemptions are medians over 3-5 runs. Tolerances: ±0.05 on the ratio (the model's own

@@ -1,7 +1,7 @@
 """Helpers for the `vllm` tier: where the real vLLM is, how to launch it, clients, clean-up.
 
 Everything here runs in the test process (the daemon's .venv); vLLM itself runs from the venv
-``scripts/vllm-setup`` builds outside the repository. Recipe: ../shared/reference/vllm-cpu.md.
+``scripts/vllm-setup`` builds outside the repository (the recipe is its comments).
 
 Process hygiene: every vLLM process a test starts carries ``VLLM_GUARDIAN_TIER_RUN=<run id>`` in
 its environment, and every vLLM is a session leader (the test's Popen and the guardian's process
@@ -112,7 +112,7 @@ def logging_config(path: Path) -> Path:
 
 
 def vllm_env(run_id: str, workdir: Path) -> dict[str, str]:
-    """The environment of every vLLM the tier starts (vllm-cpu.md §3)."""
+    """The environment of every vLLM the tier starts."""
     return {
         MARKER: run_id,
         "VLLM_HOST_IP": "127.0.0.1",  # else the internal ZMQ queue binds the machine's address
@@ -300,7 +300,7 @@ def lower_engine_priority(api_server_pid: int, nice: int = 19) -> list[str]:
     On a GPU host the engine's step runs on the GPU and the API server has a core to itself. On
     two shared cores, with one taken by another process, the tiny model's engine steps faster
     than the API server can hand it requests and take its outputs: vLLM then ran one or two
-    sequences a step while 24 clients had requests out (issue 18: all six closed loops of two
+    sequences a step while 24 clients had requests out (all six closed loops of two
     CI rehearsals beside a CPU hog, 1.0-2.6 sequences a step against ~5). Behind the API server
     and the clients, the engine takes the CPU they leave, and the load that reaches it is the
     load the test sent. A nice value is per thread on Linux, so each thread is reniced; threads

@@ -1,17 +1,17 @@
-"""The `vllm` tier, issue 22: the twin's step cost and the over-capacity estimate on a real vLLM.
+"""The `vllm` tier: the twin's step cost and the over-capacity estimate on a real vLLM.
 
 One real vLLM 0.32 at a time (CPU build, the tiny random Llama), on 127.0.0.1, started by the
 test and stopped (and swept by its marker) by it:
 
-1. **Twin vs real, with and without a low cap.** Shape A of ``reference/kv-thrash-experiment.md``
-   (a 16-block pool, 96 closed-loop requests of 200 prompt tokens and 128-256 output tokens,
-   24 clients, ``ignore_eos``) on a fresh server uncapped and with ``--max-num-seqs 2``
-   (0.4x the 5 the pool hosts), and the same seeded load on the twin. Compared: preemptions
-   (±12: the real runs spread 64-75 uncapped) and the throughput ratio capped ÷ uncapped,
-   the real one from each run's own schedule under the real engine's fitted step cost: both
-   must show the loss (below 0.85; its size is checked against the study, deterministically,
-   in tests/sim/test_step_cost.py); wall clock varied 0.43-0.53 between two runs on this
-   shared 2-core VM, so it only has to show a loss.
+1. **Twin vs real, with and without a low cap.** Shape A of the KV-thrash measurement
+   (``docs/capacity.md``; a 16-block pool, 96 closed-loop requests of 200 prompt tokens and
+   128-256 output tokens, 24 clients, ``ignore_eos``) on a fresh server uncapped and with
+   ``--max-num-seqs 2`` (0.4x the 5 the pool hosts), and the same seeded load on the twin.
+   Compared: preemptions (±12: the real runs spread 64-75 uncapped) and the throughput ratio
+   capped ÷ uncapped, the real one from each run's own schedule under the real engine's fitted
+   step cost: both must show the loss (below 0.85; its size is checked against the study,
+   deterministically, in tests/sim/test_step_cost.py); wall clock varied 0.43-0.53 between two
+   runs on this shared 2-core VM, so it only has to show a loss.
 2. **The over-capacity estimate under overload.** On the uncapped server, after its closed
    loop measured what it serves, an open-loop load at twice that rate (every request sent at
    its time; the client holds them all): the guardian's

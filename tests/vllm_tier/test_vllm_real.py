@@ -63,7 +63,7 @@ from vllm_guardian.sources.vllm_metrics import WANTED, parse_vllm_metrics
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
 
-# The pressure burst (vllm-cpu.md §6, tuned on this machine kind): 24 concurrent streams of a
+# The pressure burst (tuned on the 2-core CPU machine): 24 concurrent streams of a
 # 400-token prompt and 800 generated tokens need ~10 blocks each at the end; a 32-block pool
 # runs 3-7 of them, queues the rest and preempts as they grow. 36 of them keep the pool full
 # for ~25 s on 2 cores: long enough for alerts held 3 s even when a busy machine slows ticks. Not streamed:
@@ -977,7 +977,7 @@ def test_operator_relaunch_drains_in_flight_streams_and_holds_new_work(guarded: 
     print("\noperator relaunch:", json.dumps(REPORT["drain_restart"], indent=1))
     assert any("relaunch succeeded" in r for r in REPORT["drain_restart"]["result"]), decisions
     assert sup.starts == starts + 1 and new_pid not in (None, old_pid)
-    # P5: zero lost. Every stream ended normally; the client never saw an error.
+    # Zero lost: every stream ended normally; the client never saw an error.
     bad = [r for r in streams if not (r.status == 200 and r.done and r.finish_reason == "length")]
     assert len(streams) == 4 and not bad, bad
     assert not REPORT["drain_restart"]["honouring_client_failed"], client.sent

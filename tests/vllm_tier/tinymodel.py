@@ -4,7 +4,7 @@ Run it with the vLLM venv's Python (it needs torch, safetensors and tokenizers, 
 venv has): ``$VLLM_VENV/bin/python tests/vllm_tier/tinymodel.py OUT_DIR``. About 5-9 s on the
 project's 2-core machine, 2.9 MB on disk.
 
-The shapes are those ../shared/reference/vllm-cpu.md §2 measured to work on vLLM 0.32's CPU
+The shapes are those measured to work on vLLM 0.32's CPU
 attention backend (hidden 128, 2 layers, 4 heads, 2 KV heads, head_dim 32: 512 bytes of KV per
 token in bf16, so ``--num-gpu-blocks-override 32`` is a 4,096-token pool). The weights are
 random: the model emits noise, which is all a test of the server around it needs.

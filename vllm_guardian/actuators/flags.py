@@ -1,6 +1,6 @@
 """Actuator: the guardian-owned flags file that the vLLM unit reads.
 
-Where it sits: the act stage, before a relaunch. DESIGN.md "How flags reach vLLM": the
+Where it sits: the act stage, before a relaunch. How flags reach vLLM: the
 operator's unit keeps its ``ExecStart`` and appends ``$VLLM_GUARDIAN_ARGS`` from
 ``EnvironmentFile=-/var/lib/vllm-guardian/<service>.env``; argparse takes the last occurrence
 of a flag, so the guardian's values override the operator's.
@@ -46,7 +46,7 @@ def _switch(v: str) -> str | None:
     return None if v == "" else "takes no value"
 
 
-# The only flags the guardian may ever set, with what each value must be (vllm-surface.md §5).
+# The only flags the guardian may ever set, with what each value must be.
 FLAGS: dict[str, Callable[[str], str | None]] = {
     "--max-num-seqs": _int_range(1, 100_000),
     "--max-num-batched-tokens": _int_range(16, 10_000_000),

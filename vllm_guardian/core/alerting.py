@@ -1,6 +1,6 @@
 """Alert rules as data, evaluated every tick with Prometheus semantics.
 
-Where it sits: the second pure stage of the tick (DESIGN.md §3), between ``core/signals`` and
+Where it sits: the second pure stage of the tick, between ``core/signals`` and
 ``core/policy``. :func:`signal_values` flattens the tick's :class:`Signals` (plus source health
 from the :class:`Snapshot` and the values the policy publishes) into named numbers per
 service and per GPU; :func:`evaluate` moves each rule's alerts through inactive → pending →
@@ -53,7 +53,8 @@ from vllm_guardian.model import (
 
 GIB = 1024**3
 
-# Reset-class XIDs: the GPU needs a reset, a vLLM restart would crash-loop (policy-anchors §2.8).
+# Reset-class XIDs (NVIDIA's XID catalog: 48 DBE, 79 fell off the bus, 95 uncontained ECC,
+# 119 GSP RPC timeout): the GPU needs a reset, a vLLM restart would crash-loop.
 RESET_CLASS_XIDS = frozenset({48, 79, 95, 119})
 
 OPS: Mapping[str, Callable[[float, float], bool]] = {
@@ -86,7 +87,7 @@ class Rule:
     for_seconds: float
     keep_firing_for_seconds: float
     severity: Severity
-    cause: Cause | None  # the cause this rule is evidence for (DESIGN.md §2)
+    cause: Cause | None  # the cause this rule is evidence for
     summary: str  # template: {service} {value} {threshold} {gpu}
     runbook: str  # anchor in docs/runbook.md, e.g. #kv-cache-saturated
     scope: str = "service"  # service | gpu (one alert per GPU of the service)

@@ -2,7 +2,7 @@
 
 Shared by ``vllm-guardian diagnose`` (checked against what a live server reports) and
 ``vllm-guardian plan`` (before deployment). The formulas are vLLM V1's start-up profiling
-(reference: vllm-surface.md §7):
+(vllm/v1/worker/gpu_worker.py, determine_available_memory):
 
 * bytes per token (per GPU) = 2 (K and V) × layers × KV heads / TP × head dim × KV dtype bytes;
 * requested = ceil(total × gpu_memory_utilization) — a share of the card's *total* memory;
@@ -32,7 +32,7 @@ DTYPE_BYTES: dict[str, int] = {
     "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1, "float8": 1, "int8": 1,
 }  # fmt: skip
 
-# vLLM 0.33 defaults (reference §5): utilization 0.92 since 0.21; batch defaults by card size.
+# vLLM 0.33 defaults: utilization 0.92 since 0.21 (0.90 before); batch defaults by card size.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
 DEFAULT_BLOCK_SIZE = 16
 # The twin's overhead model (docs/twin.md "Start-up profiling"): a CUDA context and NCCL
@@ -270,7 +270,7 @@ def _flag_value(field_name: str, raw: str) -> object | None:
     return v2 if v2 is not None and v2 > 0 else None
 
 
-# --- vLLM's own start-up sizing lines (vllm-surface.md §6a) ---------------------------------
+# --- vLLM's own start-up sizing lines -------------------------------------------------------
 
 
 @dataclass(frozen=True)

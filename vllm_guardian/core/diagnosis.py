@@ -5,7 +5,7 @@ names; OOM log lines are classified from their own numbers (how much was asked f
 PyTorch held reserved but unallocated) together with the signals at that moment. Evidence is
 then grouped by cause and ranked.
 
-Two rules from DESIGN.md §2 are enforced here rather than left to callers:
+Two rules are enforced here rather than left to callers:
 
 * ``prefix_cache_waste`` is never a verdict (a low hit rate is measured to be harmless); it is
   dropped from the ranking.
@@ -29,7 +29,7 @@ from vllm_guardian.model import Alert, AlertState, Cause, HealthState, LogEvent,
 
 GIB = 1024**3
 
-# Signals whose firing alone is proof, not a hint (DESIGN.md §3: "one unambiguous one").
+# Signals whose firing alone is proof, not a hint: one of them can justify a destructive action.
 UNAMBIGUOUS_SIGNALS = frozenset(
     {"vllm_up", "stalled", "xid_reset_class", "log_events.cuda_oom", "log_events.engine_dead",
      "log_events.engine_fatal", "log_events.worker_died", "log_events.non_torch_oom",
@@ -446,7 +446,7 @@ _XID_NAMES = {
     95: "uncontained ECC error",
     119: "GSP RPC timeout",
 }
-LOW_PREFIX_HIT_RATIO = 0.3  # a note only (harmless: DESIGN.md §2), no rule reads it
+LOW_PREFIX_HIT_RATIO = 0.3  # a note only (a low hit rate is harmless), no rule reads it
 
 
 @dataclass(frozen=True)
@@ -635,7 +635,7 @@ def evidence_from_signals(
     if hit is not None and hit < LOW_PREFIX_HIT_RATIO:
         notes.append(
             f"prefix-cache hit rate {100 * hit:.0f} %: harmless (unused cached blocks are evicted "
-            "on demand; DESIGN.md §2 'Measured'), not a reason to disable it"
+            "on demand; measured on vLLM 0.32), not a reason to disable it"
         )
     return ev, notes
 

@@ -4,7 +4,7 @@ Where it sits: a leaf of the pure core, read by the policy (the guarded concurre
 ``diagnose`` (its recommendation for KV thrash) and ``loadtest`` (its ``--max-num-seqs`` line):
 the one home of the "sequences the pool hosts" arithmetic, so the three say the same number.
 
-What was measured (DESIGN.md §2 "Measured", ``reference/kv-thrash-experiment.md``, vLLM 0.32 V1):
+What was measured (vLLM 0.32 V1 under thrash; the study: ``docs/capacity.md``):
 
 * vLLM V1 admits a request only when the blocks of its prompt are free, so at most
   ``usable blocks ÷ blocks per prompt`` requests run at once (:func:`admission_limit`); the

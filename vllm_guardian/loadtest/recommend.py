@@ -5,13 +5,14 @@
   verdict says by how much (the peak concurrency ÷ the requests of the largest measured size
   that the pool holds under the high watermark, ``core/levers.py``) and how many replicas
   would carry it, or shedding at the gate. ``--max-num-seqs`` is never lowered for it (a cap
-  below what the pool hosts costs throughput, DESIGN.md §2 "Measured"); one set below what the
-  pool hosts is raised to it.
+  below what the pool hosts costs throughput: 5-34 % measured on vLLM 0.32, docs/capacity.md);
+  one set below what the pool hosts is raised to it.
 * **Device-memory** trouble (headroom under the floor, its forecast, an OOM line) is a
-  different pressure (DESIGN.md §2): ``--max-num-batched-tokens`` comes down (the prefill
-  workspace grows with the tokens batched in one step) and ``--gpu-memory-utilization`` comes
-  down until the floor is free again. Steps are the guardian policy's (``PolicyConfig``):
-  factor 0.5 with a 2048 floor for batched tokens, 0.05 with a 0.70 floor for utilization.
+  different pressure (the physical GPU, not the pool): ``--max-num-batched-tokens`` comes
+  down (the prefill workspace grows with the tokens batched in one step) and
+  ``--gpu-memory-utilization`` comes down until the floor is free again. Steps are the guardian
+  policy's (``PolicyConfig``): factor 0.5 with a 2048 floor for batched tokens, 0.05 with a
+  0.70 floor for utilization.
 * With the pool as the only limit and spare headroom above twice the floor, utilization may go
   up (a larger pool moves the knee up), at most one policy step.
 * The gate's watermarks stay at the policy's 0.90/0.80 unless preemptions began below the
@@ -152,7 +153,7 @@ def _max_num_seqs(
         else "the pool's size is unknown (no cache_config_info in /metrics)"
     )
     if knee is not None and knee.concurrency is not None:
-        # KV thrash is a capacity problem (DESIGN.md §2 "Measured"): say by how much the load
+        # KV thrash is a capacity problem (docs/capacity.md): say by how much the load
         # exceeded one replica and what would carry it; never a lower cap as the fix.
         hosted = pool_seqs or _held_concurrency(results, knee)
         peak = max((r.concurrency or 0 for r in results), default=0) or knee.concurrency

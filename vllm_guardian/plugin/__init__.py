@@ -1,7 +1,7 @@
 """The in-vLLM plugin: publishes PyTorch's CUDA allocator stats for the guardian to read.
 
 vLLM runs every ``vllm.general_plugins`` entry point in its API server, its engine core and
-each GPU worker (vllm-surface.md §4); ours is :func:`register`. It is idle unless
+each GPU worker (before ``init_device``); ours is :func:`register`. It is idle unless
 ``VLLM_GUARDIAN_ALLOCATOR_DIR`` names a directory (the guardian's vLLM drop-in sets it) and,
 when enabled, starts one daemon thread that waits until this process has initialised CUDA and
 then writes one JSON file per device every few seconds (format:

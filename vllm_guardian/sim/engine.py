@@ -47,7 +47,8 @@ from vllm_guardian.sim.scheduler import (
 from vllm_guardian.sim.stats import EngineStats
 
 VLLM_VERSION = "0.32.0"
-# The API server's watchdog looks for a dead engine every 5 s, then exits (vllm-surface.md §2).
+# The API server's watchdog looks for a dead engine every 5 s, then exits (vLLM's
+# launcher.py, watchdog_loop).
 WATCHDOG_INTERVAL_SECONDS = 5.0
 # LoggingStatLogger prints one line every VLLM_LOG_STATS_INTERVAL (10 s).
 LOG_STATS_INTERVAL_SECONDS = 10.0

@@ -347,7 +347,7 @@ HTTP_HIGHR_BUCKETS_SECONDS = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5,
     5.0, 7.5, 10.0, 30.0, 60.0,
 )  # fmt: skip
-# The instrumentator does not count these handlers (vllm-surface.md §1.1).
+# The instrumentator does not count these handlers (vLLM's instrumentator/metrics.py).
 HTTP_EXCLUDED_HANDLERS = frozenset(
     {"/metrics", "/health", "/load", "/ping", "/version", "/server_info"}
 )

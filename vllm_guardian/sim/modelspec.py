@@ -33,9 +33,9 @@ class ModelSpec:
     #   base + per_token × tokens + per_prefill_token × prefill-like tokens + per_seq × sequences
     # where prefill-like tokens are those of chunks longer than one token (prompts, and the
     # recompute of preempted sequences) and sequences are the requests in the step (each
-    # decodes one token). The real vLLM tier's fit (reference/kv-thrash-experiment.md, ~148 k
-    # steps) has this shape; with a fixed cost alone, batch width is everything and recompute
-    # almost free, which overstates what a low --max-num-seqs loses.
+    # decodes one token). The real vLLM tier's fit (the KV-thrash measurement,
+    # docs/capacity.md, ~148 k steps) has this shape; with a fixed cost alone, batch width is
+    # everything and recompute almost free, which overstates what a low --max-num-seqs loses.
     step_base_seconds: float = 0.012
     step_per_token_seconds: float = 6e-5
     step_per_prefill_token_seconds: float = 0.0
@@ -77,7 +77,7 @@ class ModelSpec:
 
 
 PRESETS: dict[str, ModelSpec] = {
-    # The 1.34M-parameter random Llama the CPU measurements used (../shared/reference/vllm-cpu.md §2).
+    # The 1.34M-parameter random Llama the CPU measurements used (tests/vllm_tier/tinymodel.py).
     "tiny": ModelSpec(
         name="tiny-llama",
         num_layers=2,
@@ -90,8 +90,8 @@ PRESETS: dict[str, ModelSpec] = {
         num_params=1_340_000,
         dtype_bytes=2,
         max_position_embeddings=4096,
-        # Fitted on the real vLLM 0.32 CPU engine serving this model (shape A of
-        # reference/kv-thrash-experiment.md: 122,683 steps): 2.67 ms + 135 µs per prefill-like
+        # Fitted on the real vLLM 0.32 CPU engine serving this model (shape A of the KV-thrash
+        # measurement, docs/capacity.md: 122,683 steps): 2.67 ms + 135 µs per prefill-like
         # token + 0.67 ms per sequence. Was 4 ms + 2 µs/token, which made a cap at 0.4x what
         # the pool hosts cost 60 % of throughput on the twin against 32-34 % on the real one.
         step_base_seconds=0.00267,

@@ -10,7 +10,7 @@ activation peak, estimates the CUDA-graph pool, and gives the rest to the KV cac
 
 ``--kv-cache-memory-bytes`` replaces ``kv_bytes``. Start-up fails with vLLM's own messages when
 free memory is below ``requested``, when no block fits, or when one max-length sequence does
-not fit (vllm-surface.md §6a, §7). Pure functions: no clock, no I/O.
+not fit. Pure functions: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def oom_message(
     other_processes: tuple[tuple[int, int], ...],
     device_index: int = 0,
 ) -> str:
-    """torch ≥ 2.1's ``CUDA out of memory`` text (vllm-surface.md §6b), one clause per process."""
+    """torch ≥ 2.1's ``CUDA out of memory`` text, one "Process N has X in use." per process."""
     others = "".join(
         f"Process {pid} has {fmt_gib(b)} memory in use. " for pid, b in other_processes
     )

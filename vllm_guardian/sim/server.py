@@ -5,7 +5,7 @@ simulated seconds every few milliseconds, hands token deltas to the request hand
 logs and the GPU state file, and handles SIGTERM/SIGINT. The HTTP server is one asyncio event
 loop (aiohttp) on a second thread: a request is a coroutine waiting on its delta queue, not a
 thread, so thousands in flight (``kv_thrash``) cost sockets rather than threads; the deltas of
-one tick reach their queues in one hand-over to that loop. Like vLLM 0.32 (vllm-cpu.md §7-8):
+one tick reach their queues in one hand-over to that loop. Like vLLM 0.32 (measured on its CPU):
 the port is bound but not listening during start-up (connection refused); ``/health`` is 200,
 and 503 once the engine is dead, after which the watchdog exits the process within 5 simulated
 seconds (status ``--sim-exit-code``, 0 by default as in vLLM; ``--sim-exit-hold-file`` holds

@@ -2,7 +2,7 @@
 
 Where it sits: collect stage of the tick, one collector per service. ``/health`` answers 200
 while the engine lives, 503 once it is dead (vLLM ≥ 0.11; 500 before), and the port refuses
-connections while the model loads and after the server exits (vllm-surface.md §2). Each of
+connections while the model loads and after the server exits. Each of
 those is an *observation*: the source is up whenever it could classify the answer.
 
 ``/health`` misses a hung engine (the API server still answers). The stall signature — requests

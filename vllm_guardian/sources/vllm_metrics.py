@@ -8,9 +8,10 @@ quantiles are *not* computed here: they need history, which the pure core keeps
 server's series settle, a scrape is read from its values alone (the parser's plan), with the
 same result as a full parse (tests/test_vllm_metrics_plan.py).
 
-Version tolerance (reference: vllm-surface.md §1.5): KV usage is ``vllm:kv_cache_usage_perc``
-(V1 ≥ 0.9.2) or ``vllm:gpu_cache_usage_perc`` (V0, V1 ≤ 0.11); prefix-cache counters exist in
-three generations; ``vllm:num_requests_swapped`` only in V0; V0 has no ``engine`` label;
+Version tolerance (vLLM deprecates a metric in one release, hides it in the next and removes it
+in the one after): KV usage is ``vllm:kv_cache_usage_perc`` (V1 ≥ 0.9.2) or
+``vllm:gpu_cache_usage_perc`` (V0, V1 ≤ 0.11); prefix-cache counters exist in three
+generations; ``vllm:num_requests_swapped`` only in V0; V0 has no ``engine`` label;
 ``vllm:cache_config_info`` changes its label set every release and is parsed dynamically.
 """
 
