@@ -194,6 +194,61 @@ def test_supervisor_restarts_a_process_that_exits_zero(tmp_path: Path, child: Pa
         sup.stop()
 
 
+STUBBORN = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    def ignore(*a):
+        print("ignored SIGTERM", os.getpid(), flush=True)
+    signal.signal(signal.SIGTERM, ignore)
+    print("started", os.getpid(), flush=True)
+    while True:
+        time.sleep(0.1)
+    """
+)
+
+
+def test_a_restart_kills_a_vllm_that_ignores_sigterm_after_the_stop_timeout(
+    tmp_path: Path,
+) -> None:
+    """The executor's restart call carries the whole action's timeout (drain + ready, 1,020 s
+    by default): a vLLM that ignored SIGTERM was killed only when that ran out, the front door
+    closed all along. The stop timeout bounds the stop of a restart too: SIGTERM, at most the
+    stop timeout, SIGKILL to the group, then the new start."""
+    script = tmp_path / "stubborn.py"
+    script.write_text(STUBBORN)
+    log = tmp_path / "svc.log"
+    sup = Supervisor(
+        "svc",
+        [sys.executable, str(script)],
+        tmp_path / "none.env",
+        log,
+        restart_delay_seconds=0.1,
+        stop_timeout_seconds=0.5,
+    )
+    got: list[tuple[bool, bool, str]] = []
+    try:
+        sup.start()
+        wait_until(lambda: sup.pid is not None and "started" in log.read_text(), timeout=60)
+        first = sup.pid
+        # What the executor passes: the action's drain + ready timeouts, far past the stop's.
+        t = threading.Thread(target=lambda: got.append(sup.restart(timeout_seconds=1020.0)))
+        t.start()
+        wait_until(lambda: bool(got), timeout=120)  # generous: the stop timeout is 0.5 s
+        ok, terminal, detail = got[0]
+        assert ok and not terminal, detail
+        second = sup.pid
+        assert second is not None and second != first
+        wait_until(lambda: f"started {second}" in log.read_text(), timeout=60)
+        lines = log.read_text().splitlines()
+        # The order of events: the first started, ignored SIGTERM, then the second started.
+        assert lines.index(f"started {first}") < lines.index(f"ignored SIGTERM {first}")
+        assert lines.index(f"ignored SIGTERM {first}") < lines.index(f"started {second}")
+        assert sup.exits == [-9]  # the first one ended by SIGKILL, not by its own exit
+    finally:
+        sup.stop(timeout_seconds=0.5)
+        t.join(timeout=60)
+
+
 @pytest.mark.parametrize(
     "make",
     [lambda p: p.write_bytes(b"VLLM_GUARDIAN_ARGS=\xff\n"), lambda p: p.mkdir()],

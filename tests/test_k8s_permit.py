@@ -211,6 +211,56 @@ def test_three_guardians_one_permit_never_two_disrupted_at_once(
     assert sum(1 for _, what, _ in audit if what == f"released {L0}") == 3, log
 
 
+def _lease_gets(cluster: FakeCluster) -> int:
+    return sum(1 for m, path, _ in cluster.requests if m == "GET" and "/leases/" in path)
+
+
+def test_a_huge_max_unavailable_bounds_the_work_of_one_try(cluster: FakeCluster, url: str) -> None:
+    """maxUnavailable 20,000 made one try read 20,000 Leases (20,015 GETs in 30 s), and the
+    try outlived its phase. One try reads at most MAX_PERMITS Leases."""
+    from vllm_guardian.core.permit import MAX_PERMITS
+
+    cluster.add_pdb("llama", 20_000, PODS)
+    now = time.time()
+    p = permits(url, "llama-a")
+    w = p.try_once(begin(now, 60), now)
+    assert w.status is WaitStatus.GRANTED, w.reason
+    assert _lease_gets(cluster) <= MAX_PERMITS
+    cluster.requests.clear()
+    ok, _, detail = p.release_all(now + 1)
+    assert ok and L0 in detail
+    assert _lease_gets(cluster) <= MAX_PERMITS
+    # Every permit held by others: still at most MAX_PERMITS reads, and it says so.
+    for k in range(MAX_PERMITS):
+        assert permits(url, f"other-{k}").try_once(begin(now, 60), now).status is WaitStatus.GRANTED
+    cluster.requests.clear()
+    w = p.try_once(begin(now, 60), now)
+    assert w.status is WaitStatus.WAITING and f"all {MAX_PERMITS} permits held" in w.reason
+    assert _lease_gets(cluster) <= MAX_PERMITS
+
+
+def test_one_try_ends_within_its_time_budget(cluster: FakeCluster, url: str) -> None:
+    """A slow API server: each call takes 5 s on the adapter's clock (a fake one, read before
+    each call). A try given 30 s starts no call that could end past them (each may take the
+    client's timeout), stops and says why: the thread ends with its phase."""
+    import itertools
+
+    from vllm_guardian.actuators import k8s_permit
+
+    cluster.add_pdb("llama", 8, PODS)
+    ticks = itertools.count(0.0, 5.0)
+    p = permits(url, "llama-a")
+    p.monotonic = lambda: next(ticks)
+    now = time.time()
+    granted, terminal, detail = p.acquire(now, timeout_seconds=30.0)
+    assert not granted and not terminal
+    assert "out of time" in detail, detail
+    calls = len(cluster.requests)
+    # Started at 0 s: a call may start while it can end by 30 s, at most 20 s in (10 s each).
+    assert calls <= int((30.0 - k8s_permit.TIMEOUT_SECONDS) / 5.0) + 1, cluster.requests
+    assert cluster.holder(L0) is None, "nothing written past the budget"
+
+
 def test_the_daemon_never_imports_the_adapter() -> None:
     """With the default fleet.permit (none) nothing loads lightkube."""
     code = "import sys, vllm_guardian.daemon, vllm_guardian.cli; print(sorted(m for m in sys.modules if m.startswith(('lightkube', 'httpx2', 'vllm_guardian.actuators.k8s'))))"

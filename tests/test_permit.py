@@ -41,6 +41,16 @@ def test_lease_names() -> None:
     assert lease_names("llama", 0) == ()
 
 
+def test_the_permits_scanned_are_capped() -> None:
+    """One try reads every permit's Lease: a maxUnavailable of 20,000 made one try 20,000 GETs.
+    Fewer permits than the PDB allows is the safe side: fewer replicas down at once."""
+    from vllm_guardian.core.permit import MAX_PERMITS
+
+    names = lease_names("llama", 20_000)
+    assert len(names) == MAX_PERMITS <= 16
+    assert names[0] == L0
+
+
 PLANS = [
     # (what, budget, leases, expected kind, lease, resourceVersion, reason fragment)
     ("granted: no Lease yet", Budget(1, 1), [], PlanKind.CREATE, L0, None, "does not exist"),

@@ -157,13 +157,19 @@ def permit_run(monkeypatch: pytest.MonkeyPatch) -> type:
     class PermitRun(test_policy.Run):  # type: ignore[misc]
         refuse = False
 
+        @property
+        def ops(self) -> list:  # every call asked for, in order
+            return self.__dict__.setdefault("_ops", [])
+
         def _step(self, row, results, logs_now):  # type: ignore[no-untyped-def]
             if self.refuse:
                 results = tuple(
                     replace(r, ok=False, detail="all 1 permits held") if r.op is Op.PERMIT else r
                     for r in results
                 )
-            return super()._step(row, results, logs_now)
+            out = super()._step(row, results, logs_now)
+            self.ops.extend(out.ops)
+            return out
 
     return PermitRun
 
@@ -187,3 +193,149 @@ def test_a_step_up_waits_for_the_permit_with_the_front_door_open(permit_run: typ
     assert r.svc.action is None and r.svc.rung(Lever.MAX_NUM_BATCHED_TOKENS) == 0
     reasons = [d.reason for d in r.decisions if d.what == "phase"]
     assert any("fleet permit granted" in w for w in reasons), reasons
+
+
+# --- a crash while waiting: the replica is already down, no permit is needed -----------------
+
+CRASH_WHILE_WAITING = [
+    # name, the row that shows the crash
+    ("an OOM and a dead engine", {"logs": ("oom",), "health": "dead"}),
+    ("a dead engine (the alert)", {"alerts": ("EngineDead",), "health": "dead"}),
+    ("the unit exited, nobody restarts it", {"unit_state": "failed", "health": "refused"}),
+]
+
+
+def _row(t: float, **kw):  # type: ignore[no-untyped-def]
+    from tests.test_policy import DEAD, Row, oom
+    from vllm_guardian.model import HealthState
+
+    health = {"dead": DEAD, "refused": HealthState.REFUSED}.get(kw.pop("health", ""))
+    logs = tuple(oom(6.0) for _ in kw.pop("logs", ()))
+    return Row(t, logs=logs, **kw, **({"health": health} if health else {}))
+
+
+def _waiting(permit_run: type):  # type: ignore[no-untyped-def]
+    """A step up (voluntary) waiting for a permit that is refused, after a crash lowered a rung."""
+    from tests.test_policy import DEAD, Row, oom
+
+    r = permit_run().run(Row(0, logs=(oom(6.0),), health=DEAD), Row(2))
+    r.refuse = True
+    r.run(Row(500), Row(1002))
+    assert r.svc.action is not None and r.svc.action.phase is Phase.AWAITING_PERMIT
+    return r
+
+
+@pytest.mark.parametrize(
+    "crash", [c[1] for c in CRASH_WHILE_WAITING], ids=[c[0] for c in CRASH_WHILE_WAITING]
+)
+def test_a_crash_while_waiting_for_a_permit_ends_the_wait_and_acts_at_once(
+    permit_run: type, crash: dict
+) -> None:
+    r = _waiting(permit_run)
+    waiting = r.svc.action.action_id
+    slots = len(r.svc.restarts)
+    r.decisions.clear()
+    r.ops.clear()
+    r.tick(_row(1010, **dict(crash)))
+    log = "\n".join(f"{d.what} {d.action_id} {d.phase}: {d.reason}" for d in r.decisions)
+    ended = [d for d in r.decisions if d.what == "result" and d.action_id == waiting]
+    assert ended and "superseded" in ended[0].reason, log
+    assert "next try" not in ended[0].reason, "no backoff: the crash is acted on now\n" + log
+    assert r.svc.action is not None and r.svc.action.action_id != waiting, log
+    assert r.svc.action.phase is not Phase.AWAITING_PERMIT, "a crash needs no permit\n" + log
+    assert not r.svc.gate_open, "the crash action holds the front door"
+    assert (waiting, Op.RELEASE_PERMIT) in {(o.action_id, o.op) for o in r.ops}, (
+        "whatever the wait may hold is given back\n" + log
+    )
+    assert Op.PERMIT not in {o.op for o in r.ops if o.action_id != waiting}
+    assert len(r.svc.restarts) == slots, "the wait's budget slot is given back, the crash takes one"
+    if "logs" in crash:  # the OOM steps down from the rung vLLM runs with, not the step up's
+        from vllm_guardian.core.policy import Lever
+
+        assert r.svc.rung(Lever.MAX_NUM_BATCHED_TOKENS) == 2, log
+
+
+def test_pressure_while_waiting_does_not_end_the_wait(permit_run: type) -> None:
+    r = _waiting(permit_run)
+    waiting = r.svc.action.action_id
+    r.run(_row(1010, alerts=("KvSaturated",), kv=0.99))
+    assert r.svc.action is not None and r.svc.action.action_id == waiting
+    assert r.svc.action.phase is Phase.AWAITING_PERMIT
+
+
+def test_a_permit_wait_that_times_out_spends_no_budget_and_holds_no_crash(
+    permit_run: type,
+) -> None:
+    r = _waiting(permit_run)
+    slots = len(r.svc.restarts)
+    t = 1002.0
+    while r.svc.action is not None and t < 1002 + WAIT + 120:
+        t += PERMIT_RETRY_SECONDS
+        r.tick(_row(t))
+    assert r.svc.action is None
+    log = "\n".join(f"{d.what} {d.action_id} {d.phase}: {d.reason}" for d in r.decisions)
+    assert any("no fleet permit within" in d.reason for d in r.decisions), log
+    assert len(r.svc.restarts) == slots - 1, "nothing was restarted: the slot is given back"
+    from vllm_guardian.core.policy import Lever
+
+    assert r.svc.rung(Lever.MAX_NUM_BATCHED_TOKENS) == 1, "vLLM still runs one rung down"
+    assert r.svc.last_step_up == (), "nothing stepped up"
+    assert r.svc.backoff_until > t, "a voluntary action backs off after a fruitless wait"
+    r.tick(_row(t + 2, logs=("oom",), health="dead"))
+    log = "\n".join(f"{d.what} {d.action_id} {d.phase}: {d.reason}" for d in r.decisions)
+    assert r.svc.action is not None and r.svc.action.phase is not Phase.AWAITING_PERMIT, log
+
+
+# --- an action longer than its Lease renews it ----------------------------------------------
+
+RENEW = 100.0
+
+
+def test_a_permit_held_is_renewed_while_the_action_lasts() -> None:
+    def at(a: phases.ActionProgress, t: float, *results: OpResult) -> Advance:
+        return phases.advance(a, "vllm", seen(t), list(results), t, P, RENEW)
+
+    adv = at(begin(), 1, result(Op.PERMIT, True, "granted", 0.5))
+    assert adv.progress is not None and adv.progress.permit_renew_at == 1 + RENEW
+    # Stuck waiting for the restart call (it may take the drain and the ready timeouts).
+    a = replace(adv.progress, phase=Phase.RESTARTING, waiting_ops=(Op.RESTART,), deadline=1e9)
+    adv = at(a, RENEW)
+    assert adv.ops == (), "not before it is due"
+    assert adv.progress is not None
+    adv = at(adv.progress, 1 + RENEW)
+    assert [o.op for o in adv.ops] == [Op.PERMIT], "one try renews the Lease it holds"
+    assert adv.progress is not None and adv.progress.permit_renew_at == 1 + 2 * RENEW
+    adv = at(adv.progress, 1 + RENEW + 5)
+    assert adv.ops == (), "one renewal at a time"
+    assert adv.progress is not None
+    adv = at(adv.progress, 1 + RENEW + 6, result(Op.PERMIT, True, "ours already", 1 + RENEW + 6))
+    assert adv.moves == () and adv.progress is not None, "a renewal is not news"
+    assert Op.PERMIT not in adv.progress.waiting_ops
+    adv = at(adv.progress, 1 + 2 * RENEW)
+    assert adv.progress is not None
+    adv = at(adv.progress, 1 + 2 * RENEW + 1, result(Op.PERMIT, False, "API down", 2 * RENEW))
+    assert [m.why for m in adv.moves] == ["fleet permit not renewed: API down"]
+    assert adv.progress is not None and adv.progress.phase is Phase.RESTARTING, "it goes on"
+    adv = at(adv.progress, 1 + 2 * RENEW + 2, result(Op.RESTART, False, "failed", 2 * RENEW))
+    assert adv.outcome is not None and [o.op for o in adv.ops] == [Op.RELEASE_PERMIT]
+
+
+def test_without_a_renewal_period_nothing_is_renewed() -> None:
+    adv = tick(begin(), 1, result(Op.PERMIT, True, "granted", 0.5))
+    assert adv.progress is not None and adv.progress.permit_renew_at is None
+    adv = tick(replace(adv.progress, phase=Phase.RESTARTING, deadline=1e9), 1e6)
+    assert Op.PERMIT not in {o.op for o in adv.ops}
+
+
+def test_a_grant_nobody_waits_for_is_given_back(permit_run: type) -> None:
+    """The try that was in flight when a crash superseded the wait comes back granted."""
+    r = _waiting(permit_run)
+    waiting = r.svc.action.action_id
+    r.tick(_row(1010, logs=("oom",), health="dead"))
+    assert r.svc.action is not None and r.svc.action.action_id != waiting
+    r.ops.clear()
+    r.refuse = False
+    late = OpResult(waiting, "vllm", Op.PERMIT, True, False, "vllm-guardian-llama-0 is free", 1011)
+    r._step(_row(1012), (late,), ())
+    assert (waiting, Op.RELEASE_PERMIT) in {(o.action_id, o.op) for o in r.ops}
+    assert any("given back" in d.reason for d in r.decisions if d.action_id == waiting)

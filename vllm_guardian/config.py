@@ -528,7 +528,8 @@ class FleetConfig:
     model: str | None = field(default=None, metadata=_bounds(check=_check_k8s_name))
     # The PodDisruptionBudget whose status gates voluntary actions.
     pdb: str | None = field(default=None, metadata=_bounds(check=_check_k8s_name))
-    # A dead holder frees its permit after this: longer than one action (drain + load).
+    # A dead holder frees its permit after this. A guardian renews the permit it holds every
+    # third of this while its action lasts, so an action may outlast it.
     lease_ttl_seconds: float = field(default=900.0, metadata=_bounds(30, 86400))
     # A voluntary action waits this long for a permit, then gives up (audited) until next due.
     wait_timeout_seconds: float = field(default=1800.0, metadata=_bounds(0, 86400))

@@ -155,7 +155,11 @@ class Healing:
 
     @staticmethod
     def _settings(cfg: Config, rules: Sequence[alerting.Rule]) -> core_step.StepSettings:
-        permit = cfg.fleet.wait_timeout_seconds if cfg.fleet.permit == "lease" else None
+        lease = cfg.fleet.permit == "lease"
+        permit = cfg.fleet.wait_timeout_seconds if lease else None
+        # Renewed three times per Lease duration: a renewal lost to a slow API server still
+        # leaves two before a guardian mid-action loses its permit to another replica.
+        renew = cfg.fleet.lease_ttl_seconds / 3 if lease else None
         return core_step.settings_for(
             rules,
             policy.PolicySettings(
@@ -163,6 +167,7 @@ class Healing:
                 tuple(s.name for s in cfg.services),
                 {r.name: r.signal for r in rules},
                 permit_timeout_seconds=permit,
+                permit_renew_seconds=renew,
             ),
             cfg.services,
             cfg.signals,

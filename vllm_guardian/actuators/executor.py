@@ -15,6 +15,7 @@ Nothing here raises into the daemon; every failure is an ``OpResult`` with ``ok=
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 from collections.abc import Callable
@@ -37,11 +38,12 @@ class RestartBackend(Protocol):
 class PermitBackend(Protocol):
     """The fleet permit (fleet.permit: lease; actuators/k8s_permit.py)."""
 
-    def acquire(self, now: float) -> tuple[bool, bool, str]:
-        """One try: (granted, terminal, detail); never raises."""
+    def acquire(self, now: float, timeout_seconds: float) -> tuple[bool, bool, str]:
+        """One try, ended within ``timeout_seconds``: (granted, terminal, detail); never
+        raises."""
         ...
 
-    def release_all(self, now: float) -> tuple[bool, bool, str]: ...
+    def release_all(self, now: float, timeout_seconds: float) -> tuple[bool, bool, str]: ...
 
 
 Bundle = Callable[[OpRequest], str | None]
@@ -123,9 +125,12 @@ class OpRunner:
         if req.op in (Op.PERMIT, Op.RELEASE_PERMIT):
             if self.permits is None:
                 return False, True, "no fleet permit backend (fleet.permit is not lease here)"
+            # The call's timeout bounds the try, so its thread ends within the phase that asked
+            # (0: none given).
+            budget = req.timeout_seconds if req.timeout_seconds > 0 else math.inf
             if req.op is Op.PERMIT:
-                return self.permits.acquire(self.clock.time())
-            return self.permits.release_all(self.clock.time())
+                return self.permits.acquire(self.clock.time(), budget)
+            return self.permits.release_all(self.clock.time(), budget)
         backend = self.backends.get(req.service)
         if backend is None:
             return False, True, "no restart backend for this service (unit or command missing)"

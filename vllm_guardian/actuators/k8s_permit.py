@@ -7,6 +7,10 @@ PodDisruptionBudget and the Leases ``vllm-guardian-<model>-<k>``, lets the pure
 precondition, and hands the answer to ``core/permit.settle``. It never raises into the loop:
 a 409 is a lost race, a 429 a spent budget, anything else an error the wait retries later.
 
+One try is bounded: it reads at most ``core/permit.MAX_PERMITS`` Leases, and given a time
+budget (the executor passes its call's timeout) it starts no API call that could end past it
+(each may take :data:`TIMEOUT_SECONDS`), so its thread ends within the phase that asked.
+
 Moving the pod off a faulted GPU goes through :meth:`LeasePermits.evict` (the Eviction API), so
 the PDB decides, as it does for a node drain.
 
@@ -18,6 +22,8 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -48,7 +54,11 @@ from vllm_guardian.core.permit import (
 log = logging.getLogger("vllm_guardian.k8s_permit")
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-TIMEOUT_SECONDS = 10.0
+TIMEOUT_SECONDS = 10.0  # one API call
+
+
+class OutOfTime(Exception):
+    """The try's time budget cannot fit one more API call."""
 
 
 def _unix(t: datetime | None) -> float | None:
@@ -89,6 +99,17 @@ class LeasePermits:
         self.pdb = pdb
         self.holder = holder
         self.ttl_seconds = ttl_seconds
+        # The clock the time budget of a try is measured on (a test's fake one).
+        self.monotonic: Callable[[], float] = time.monotonic
+
+    def _deadline(self, budget_seconds: float) -> float:
+        return self.monotonic() + budget_seconds
+
+    def _call(self, deadline: float) -> None:
+        """Before each API call: one more must fit the try's time budget (``deadline``, on
+        :attr:`monotonic`; a try and a release may run at once, each with its own)."""
+        if self.monotonic() + TIMEOUT_SECONDS > deadline:
+            raise OutOfTime("the try ran out of time before its next API call")
 
     @classmethod
     def connect(
@@ -123,7 +144,8 @@ class LeasePermits:
 
     # --- reads ------------------------------------------------------------------------------
 
-    def read_budget(self) -> Budget:
+    def read_budget(self, deadline: float = math.inf) -> Budget:
+        self._call(deadline)
         pdb = self.client.get(PodDisruptionBudget, self.pdb, namespace=self.namespace)
         spec, status = pdb.spec, pdb.status
         # No status yet (the controller has not seen it): no disruption allowed.
@@ -137,9 +159,10 @@ class LeasePermits:
             permits = 0
         return Budget(permits=permits, disruptions_allowed=allowed)
 
-    def read_leases(self, permits: int) -> dict[str, LeaseRecord]:
+    def read_leases(self, permits: int, deadline: float = math.inf) -> dict[str, LeaseRecord]:
         out: dict[str, LeaseRecord] = {}
         for name in lease_names(self.model, permits):
+            self._call(deadline)
             try:
                 lease = self.client.get(Lease, name, namespace=self.namespace)
             except ApiError as e:
@@ -173,9 +196,10 @@ class LeasePermits:
             ),
         )
 
-    def _write(self, p: Plan, now: float) -> tuple[WriteResult, str]:
+    def _write(self, p: Plan, now: float, deadline: float) -> tuple[WriteResult, str]:
         assert p.lease is not None
         try:
+            self._call(deadline)
             if p.kind is PlanKind.CREATE:
                 self.client.create(self._lease(p.lease, None, self.holder, now))
             else:
@@ -184,11 +208,12 @@ class LeasePermits:
             return _classify(e)
         return WriteResult.OK, ""
 
-    def try_once(self, w: PermitWait, now: float) -> PermitWait:
-        """Read, plan, write: one try of the wait. Never raises."""
+    def try_once(self, w: PermitWait, now: float, budget_seconds: float = math.inf) -> PermitWait:
+        """Read, plan, write: one try of the wait, within ``budget_seconds``. Never raises."""
+        deadline = self._deadline(budget_seconds)
         try:
-            budget = self.read_budget()
-            leases = self.read_leases(budget.permits)
+            budget = self.read_budget(deadline)
+            leases = self.read_leases(budget.permits, deadline)
         except Exception as e:
             _, detail = _classify(e)
             log.warning("permit: cannot read the PDB or the Leases: %s", detail)
@@ -196,32 +221,34 @@ class LeasePermits:
         p = plan(self.model, self.holder, budget, leases, now)
         if p.kind is PlanKind.NOT_NOW:
             return settle(w, p, None, "", now)
-        write, detail = self._write(p, now)
+        write, detail = self._write(p, now, deadline)
         return settle(w, p, write, detail, now)
 
-    def acquire(self, now: float) -> tuple[bool, bool, str]:
+    def acquire(self, now: float, timeout_seconds: float = math.inf) -> tuple[bool, bool, str]:
         """One try, for the executor's PERMIT op (the phase AWAITING_PERMIT does the waiting):
-        (granted, terminal, detail). Never raises."""
+        (granted, terminal, detail), within ``timeout_seconds``. Never raises."""
         # A wait with no deadline of its own: the phase AWAITING_PERMIT owns the deadline.
-        w = self.try_once(begin(now, math.inf), now)
+        w = self.try_once(begin(now, math.inf), now, timeout_seconds)
         return w.status is WaitStatus.GRANTED, False, f"{self.holder}: {w.reason}"
 
-    def release_all(self, now: float) -> tuple[bool, bool, str]:
+    def release_all(self, now: float, timeout_seconds: float = math.inf) -> tuple[bool, bool, str]:
         """The executor's RELEASE_PERMIT op. Never raises; a permit not released expires."""
-        names = self.release(now)
+        names = self.release(now, timeout_seconds)
         return True, False, ("released " + ", ".join(names)) if names else "nothing held"
 
-    def release(self, now: float) -> tuple[str, ...]:
+    def release(self, now: float, timeout_seconds: float = math.inf) -> tuple[str, ...]:
         """Give back every permit this holder holds. Never raises; a Lease that changed since it
         was read (409) is someone else's now and is left alone."""
+        deadline = self._deadline(timeout_seconds)
         try:
-            leases = self.read_leases(self.read_budget().permits)
+            leases = self.read_leases(self.read_budget(deadline).permits, deadline)
         except Exception as e:
             log.warning("permit: cannot read the Leases to release them: %s", _classify(e)[1])
             return ()
         released: list[str] = []
         for lease in release_plan(self.holder, leases):
             try:
+                self._call(deadline)
                 self.client.replace(self._lease(lease.name, lease.resource_version, None, now))
             except Exception as e:
                 log.warning("permit: %s not released: %s", lease.name, _classify(e)[1])

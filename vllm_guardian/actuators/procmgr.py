@@ -387,7 +387,12 @@ class Supervisor:
             os.killpg(proc.pid, signal.SIGKILL)
 
     def restart(self, timeout_seconds: float | None = None) -> tuple[bool, bool, str]:
-        """Stop (drain via SIGTERM) and start again. Returns (ok, terminal, detail)."""
+        """Stop (drain via SIGTERM) and start again. Returns (ok, terminal, detail).
+
+        ``timeout_seconds`` bounds the whole call (the executor passes the action's drain plus
+        ready timeouts); the stop within it is bounded by the stop timeout as a stop is: SIGTERM,
+        at most ``stop_timeout_seconds``, SIGKILL to the process group, then the start. A vLLM
+        that ignored SIGTERM was otherwise waited on for the whole call's timeout."""
         with self._lock:
             unknown = self._proc is None
         if unknown:
@@ -396,9 +401,8 @@ class Supervisor:
             proc = self._proc
             self._want_running = False
         if proc is not None and proc.poll() is None:
-            self._terminate(
-                proc, self.stop_timeout_seconds if timeout_seconds is None else timeout_seconds
-            )
+            stop = self.stop_timeout_seconds
+            self._terminate(proc, stop if timeout_seconds is None else min(stop, timeout_seconds))
         if self._thread is not None:
             self._thread.join(timeout=self.restart_delay_seconds + 15)
             self._thread = None

@@ -30,11 +30,15 @@ LEASE_PREFIX = "vllm-guardian"
 # A conflict means another guardian moved between our read and our write: read again at once
 # (on the next try), it costs one GET. Anything else waits this long.
 RETRY_SECONDS = 15.0
+# At most this many permits, whatever the PDB allows: one try reads each permit's Lease, and a
+# maxUnavailable of 20,000 made one try 20,000 reads. Fewer permits than the PDB allows is the
+# safe side (fewer replicas down at once by guardians); the PDB still bounds every one of them.
+MAX_PERMITS = 16
 
 
 def lease_names(model: str, permits: int) -> tuple[str, ...]:
-    """The N permits of a model, in the order they are tried."""
-    return tuple(f"{LEASE_PREFIX}-{model}-{k}" for k in range(max(0, permits)))
+    """The N permits of a model (at most :data:`MAX_PERMITS`), in the order they are tried."""
+    return tuple(f"{LEASE_PREFIX}-{model}-{k}" for k in range(max(0, min(permits, MAX_PERMITS))))
 
 
 @dataclass(frozen=True)

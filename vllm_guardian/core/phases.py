@@ -10,7 +10,8 @@ is a decision: audited, recorded in the flight record, and shown by ``replay`` a
 happened. This is oomd's multi-tick action and controller-runtime's requeue.
 
 The phases of one action (a voluntary one with ``fleet.permit: lease`` first waits in
-AWAITING_PERMIT, front door open, for one of the fleet's permits; it is released at the end)::
+AWAITING_PERMIT, front door open, for one of the fleet's permits; it is renewed while the action
+lasts and released at the end; a crash while it waits supersedes the wait: :func:`supersede`)::
 
     PREPARING ──► (vLLM died) AWAITING_SELF_RESTART ──► (its supervisor restarted it) AWAITING_READY
         │                          │ (nobody restarted it)
@@ -122,6 +123,8 @@ class ActionProgress:
     permit_held: bool = False  # a fleet permit was granted: released when the action ends
     permit_retry_at: float = 0.0  # AWAITING_PERMIT: when to ask again after a "not now"
     permit_reason: str = ""  # AWAITING_PERMIT: why the last try was refused
+    # A permit held: when to renew it (an action may outlast its Lease); None: never.
+    permit_renew_at: float | None = None
     # When the guardian's restart call began: vLLM is down on purpose from here until it is
     # ready (core/inhibition.py holds the vLLM-down alerts meanwhile). None: not restarted by
     # the guardian (yet), e.g. its supervisor restarted it after a crash.
@@ -215,6 +218,28 @@ def start(
     return progress, tuple(ops)
 
 
+def release(action_id: int, service: str, reason: str) -> OpRequest:
+    """Give back every permit this guardian holds (a try still running may yet be granted: a
+    grant for an action that is not waiting for it is given back too, policy._advance)."""
+    return OpRequest(
+        action_id, service, Op.RELEASE_PERMIT, (), (), PERMIT_CALL_TIMEOUT_SECONDS, reason
+    )
+
+
+def supersede(a: ActionProgress, service: str, why: str) -> Advance:
+    """End an action that is still waiting for a permit (nothing disrupted yet) because
+    something more urgent came: a crash takes no permit, the replica is already down. Whatever
+    the wait may hold is released: a try may be in flight, or a guardian restarted mid-wait may
+    hold a Lease it was about to find again."""
+    assert a.phase is Phase.AWAITING_PERMIT
+    return Advance(
+        None,
+        (),
+        (release(a.action_id, service, a.reason),),
+        Outcome(False, False, f"superseded while waiting for a fleet permit: {why}"),
+    )
+
+
 def advance(
     a: ActionProgress,
     service: str,
@@ -222,9 +247,11 @@ def advance(
     results: Sequence[OpResult],
     now: float,
     p: PolicyConfig,
+    permit_renew_seconds: float | None = None,
 ) -> Advance:
     """Move the action on as far as this tick's observations allow (several phases at once
-    when nothing needs waiting for)."""
+    when nothing needs waiting for). ``permit_renew_seconds``: a permit held is renewed this
+    often (a third of the Lease's duration), so an action longer than its Lease keeps it."""
     moves: list[Move] = []
     ops: list[OpRequest] = []
 
@@ -236,12 +263,7 @@ def advance(
 
     def end(ok: bool, terminal: bool, detail: str) -> Advance:
         if a.permit_held:
-            ops.append(
-                OpRequest(
-                    a.action_id, service, Op.RELEASE_PERMIT, (), (),
-                    PERMIT_CALL_TIMEOUT_SECONDS, a.reason,
-                )
-            )  # fmt: skip
+            ops.append(release(a.action_id, service, a.reason))
         parts = [*a.notes, detail] if ok else [detail, *a.notes]
         return Advance(None, tuple(moves), tuple(ops), Outcome(ok, terminal, "; ".join(parts)))
 
@@ -301,6 +323,9 @@ def advance(
                 fresh,
                 started_seconds=a.started_seconds,
                 permit_held=True,
+                permit_renew_at=None
+                if permit_renew_seconds is None
+                else now + permit_renew_seconds,
                 notes=(*a.notes, f"fleet permit after {waited:.0f}s ({r.detail})"),
             )
             moves.append(
@@ -312,6 +337,10 @@ def advance(
             if r.detail != a.permit_reason:  # audited when the reason changes, not every try
                 moves.append(Move(Phase.AWAITING_PERMIT, f"no fleet permit yet: {r.detail}"))
             a = replace(a, permit_retry_at=now + PERMIT_RETRY_SECONDS, permit_reason=r.detail)
+        elif r.op is Op.PERMIT and a.permit_held and not r.ok:
+            # Audited; the action goes on: the Lease lasts its duration from the last renewal,
+            # and the next renewal tries again.
+            moves.append(Move(a.phase, f"fleet permit not renewed: {r.detail}"))
         elif r.op is Op.BUNDLE:
             a = replace(a, notes=(*a.notes, f"bundle {r.detail}" if r.ok else r.detail))
         elif r.op is Op.WRITE_FLAGS and not r.ok:
@@ -326,6 +355,24 @@ def advance(
                 go(Phase.AWAITING_VRAM, "restart returned")
             else:
                 go(Phase.AWAITING_READY, "restart returned")
+
+    if (
+        a.permit_held
+        and permit_renew_seconds is not None
+        and a.permit_renew_at is not None
+        and now >= a.permit_renew_at
+        and Op.PERMIT not in a.waiting_ops
+    ):
+        # One try renews the Lease this guardian holds (core/permit.plan: RENEW).
+        ops.append(
+            OpRequest(
+                a.action_id, service, Op.PERMIT, (), (), PERMIT_CALL_TIMEOUT_SECONDS,
+                a.reason, a.cause,
+            )
+        )  # fmt: skip
+        a = replace(
+            a, waiting_ops=(*a.waiting_ops, Op.PERMIT), permit_renew_at=now + permit_renew_seconds
+        )
 
     for _ in range(len(Phase) + 1):  # each pass either waits (returns) or moves on
         phase = a.phase

@@ -64,7 +64,9 @@ from vllm_guardian.model import (
     Alert,
     Cause,
     HealthState,
+    Op,
     OpRequest,
+    OpResult,
     Snapshot,
     UnitState,
 )
@@ -130,6 +132,19 @@ class LogItem:
 
 
 @dataclass(frozen=True)
+class Levels:
+    """What a relaunch changes in the state before it restarts anything: the rungs and what
+    pins them, the operator's flags and baseline. Kept while its wait for a fleet permit lasts,
+    and restored when the wait ends without one: vLLM still runs with these."""
+
+    rungs: tuple[tuple[Lever, int], ...] = ()
+    last_step_up: tuple[tuple[Lever, float], ...] = ()
+    pinned_until: tuple[tuple[Lever, float], ...] = ()
+    operator_flags: tuple[tuple[str, str], ...] = ()
+    baseline: Baseline | None = None
+
+
+@dataclass(frozen=True)
 class ServiceState:
     service: str
     gate_open: bool = True
@@ -142,6 +157,9 @@ class ServiceState:
     cooldown_until: float = 0.0
     backoff_until: float = 0.0
     backoff_seconds: float = 0.0
+    # The backoff follows a wait for a fleet permit that restarted nothing: it holds voluntary
+    # actions only (a crash is acted on at once).
+    backoff_voluntary_only: bool = False
     restarts: tuple[float, ...] = ()  # guardian restarts/relaunches, for the budget
     early_failures: int = 0
     ready_since: float | None = None  # when our last action left the service ready
@@ -176,6 +194,8 @@ class ServiceState:
     # Flags an operator set with `vllm-guardian relaunch --set` (whitelisted, validated by the
     # shell before they get here); `--reset` clears them and every rung.
     operator_flags: tuple[tuple[str, str], ...] = ()
+    # The levels before the action waiting for a fleet permit changed them (None: no wait).
+    levels_before: Levels | None = None
 
     def rung(self, lever: Lever) -> int:
         return dict(self.rungs).get(lever, 0)
@@ -208,6 +228,9 @@ class PolicySettings:
     # fleet.permit: lease — a voluntary action first waits this long at most for a fleet
     # permit (core/phases.py AWAITING_PERMIT); None: no permit (one host, the default).
     permit_timeout_seconds: float | None = None
+    # A permit held is renewed this often while its action lasts (a third of the Lease's
+    # duration); None: never.
+    permit_renew_seconds: float | None = None
 
 
 class DecisionKind(StrEnum):
@@ -366,6 +389,26 @@ def _set(
     return tuple(sorted(d.items()))
 
 
+def _levels(s: ServiceState) -> Levels:
+    return Levels(s.rungs, s.last_step_up, s.pinned_until, s.operator_flags, s.baseline)
+
+
+def _restore_levels(s: ServiceState) -> ServiceState:
+    """A wait for a permit ended without one: the levels vLLM still runs with, back."""
+    b = s.levels_before
+    if b is None:
+        return s
+    return replace(
+        s,
+        rungs=b.rungs,
+        last_step_up=b.last_step_up,
+        pinned_until=b.pinned_until,
+        operator_flags=b.operator_flags,
+        baseline=b.baseline,
+        levels_before=None,
+    )
+
+
 def _set_rung(s: ServiceState, lever: Lever, rung: int) -> ServiceState:
     d = dict(s.rungs)
     if rung > 0:
@@ -400,10 +443,12 @@ class _Ctx:
         env: tuple[tuple[str, str], ...] = (),
         operator: str | None = None,
         voluntary: bool = False,
+        before: Levels | None = None,
     ) -> ServiceState:
         """``voluntary``: nothing has crashed (the replica serves), or an operator asked; with a
         fleet permit configured, such an action waits for one first (README "Run on
-        Kubernetes")."""
+        Kubernetes"). ``before``: the levels before this action changed them, restored if that
+        wait ends without a permit."""
         p = self.settings.policy
         # An operator's explicit command acts although the policy is in dry-run.
         dry = operator is None and (p.dry_run or kind.value in p.dry_run_actions)
@@ -446,7 +491,7 @@ class _Ctx:
                 action_id=action.id,
                 phase=progress.phase,
             )
-            return replace(s, action=progress)
+            return replace(s, action=progress, levels_before=before or _levels(s))
         self.decide(
             s,
             DecisionKind.PHASE,
@@ -503,7 +548,7 @@ def decide(
         # Instant evidence (log lines) is kept until an action consumes it or it ages out, so
         # an OOM seen during a cooldown still counts once the cooldown ends.
         instant = evidence_from_logs(logs, sig)
-        if s.action is not None:
+        if s.action is not None and _disrupting(s):
             # Our own restart makes vLLM log its engine's death: that is not a new incident.
             # Nor is the instance being replaced dying, before our restart, of the cause the
             # action handles (a pre-emptive relaunch's forecast coming true during its drain):
@@ -597,13 +642,14 @@ def _advance(
 ) -> ServiceState:
     """Move the action under way on by one tick (core/phases.py); record each phase change.
     What the phases read of the tick is gathered only while an action is under way."""
+    results = [r for r in snapshot.op_results if r.service == s.service]
+    _release_stray_grants(ctx, s, results)
     if s.action is None:
         return s
     action = s.action
-    results = [r for r in snapshot.op_results if r.service == s.service]
     adv = phases.advance(
         action, s.service, seen(snapshot, sig, s.service), results,
-        ctx.now, ctx.settings.policy,
+        ctx.now, ctx.settings.policy, ctx.settings.permit_renew_seconds,
     )  # fmt: skip
     ctx.ops.extend(adv.ops)
     for m in adv.moves:
@@ -614,15 +660,90 @@ def _advance(
             and adv.progress is not None
             and adv.progress.phase is not phases.Phase.AWAITING_PERMIT
         ):  # the permit is granted: from here on the action holds the front door
-            s = replace(s, gate_open=False, gate_reason=f"{action.kind.value} in progress")
+            s = replace(
+                s,
+                gate_open=False,
+                gate_reason=f"{action.kind.value} in progress",
+                levels_before=None,
+            )
         return replace(s, action=adv.progress)
     detail = adv.outcome.detail
     if action.kind is ActionKind.RELAUNCH and adv.outcome.ok:
         detail = f"flags now: {describe_flags(action.flags, action.env) or 'the operator baseline'}; {detail}"
-    return _finish(
-        ctx, replace(s, action=None), action.action_id, action.kind,
-        replace(adv.outcome, detail=detail), False,
+    if action.phase is not phases.Phase.AWAITING_PERMIT:
+        return _finish(
+            ctx, replace(s, action=None), action.action_id, action.kind,
+            replace(adv.outcome, detail=detail), False,
+        )  # fmt: skip
+    # The wait for a permit ended without one: nothing was restarted, so no budget slot is
+    # spent, and the backoff holds voluntary actions only.
+    s = _finish(
+        ctx, _restore_levels(_give_back_slot(replace(s, action=None), action)),
+        action.action_id, action.kind, replace(adv.outcome, detail=detail), False,
     )  # fmt: skip
+    return s if s.breaker_latched else replace(s, backoff_voluntary_only=True)
+
+
+def _give_back_slot(s: ServiceState, action: phases.ActionProgress) -> ServiceState:
+    """The restart-budget slot an action took when it began (at its start time), given back
+    because it ended without disrupting anything. An operator's action took none."""
+    if action.operator is not None or action.started_seconds not in s.restarts:
+        return s
+    kept = list(s.restarts)
+    kept.remove(action.started_seconds)
+    return replace(s, restarts=tuple(kept))
+
+
+def _release_stray_grants(ctx: _Ctx, s: ServiceState, results: Sequence[OpResult]) -> None:
+    """A permit granted (or renewed) for an action that is no longer waiting for it (its wait
+    was superseded by a crash, or it ended while a renewal ran) is given back at once, unless
+    the action under way holds or awaits a permit itself (it releases everything when it ends,
+    and would find this Lease as its own)."""
+    a = s.action
+    if a is not None and (a.permit_held or a.phase is phases.Phase.AWAITING_PERMIT):
+        return
+    for r in results:
+        if r.op is not Op.PERMIT or not r.ok or (a is not None and r.action_id == a.action_id):
+            continue
+        ctx.ops.append(phases.release(r.action_id, s.service, "a permit no action waits for"))
+        ctx.decide(
+            s,
+            DecisionKind.PHASE,
+            f"fleet permit granted after action {r.action_id} stopped waiting for it: given "
+            f"back ({r.detail})",
+            action_id=r.action_id,
+            phase=phases.Phase.AWAITING_PERMIT,
+        )
+
+
+def _supersede(ctx: _Ctx, s: ServiceState, top: Finding) -> ServiceState:
+    """A crash while an action waits for a fleet permit: the wait ends (nothing was disrupted:
+    no backoff, its budget slot given back) and the crash is acted on now, without a permit."""
+    a = s.action
+    assert a is not None
+    adv = phases.supersede(a, s.service, f"{top.cause.value}: {top.evidence[0].sentence}")
+    assert adv.outcome is not None
+    ctx.ops.extend(adv.ops)
+    s = _restore_levels(_give_back_slot(replace(s, action=None), a))
+    ctx.results.append(
+        ActionResult(
+            a.action_id, s.service, a.kind, False, False, adv.outcome.detail, ctx.now, False
+        )
+    )
+    then = (
+        "escalating instead"
+        if top.cause in ESCALATE_CAUSES
+        else "acting on it now, without a permit (the replica is already down)"
+    )
+    ctx.decide(
+        s,
+        DecisionKind.RESULT,
+        f"{a.kind.value} {adv.outcome.detail}; {then}",
+        cause=top.cause,
+        evidence=tuple(e.name for e in top.evidence),
+        action_id=a.action_id,
+    )
+    return s
 
 
 def _finish(
@@ -650,6 +771,7 @@ def _finish(
             cooldown_until=ctx.now + p.cooldown_seconds,
             backoff_seconds=0.0,
             backoff_until=0.0,
+            backoff_voluntary_only=False,
             gate_open=True,
             gate_reason="open",
         )
@@ -675,6 +797,7 @@ def _finish(
             s,
             backoff_seconds=backoff,
             backoff_until=ctx.now + backoff,
+            backoff_voluntary_only=False,
             gate_open=True,
             gate_reason="open",
         )
@@ -712,8 +835,14 @@ def gate_dry_run(p: PolicyConfig) -> bool:
     return p.dry_run or "gate" in p.dry_run_actions
 
 
+def _disrupting(s: ServiceState) -> bool:
+    """An action of ours is under way past its wait for a fleet permit: it holds the front door
+    and the failures seen may be its own doing."""
+    return s.action is not None and s.action.phase is not phases.Phase.AWAITING_PERMIT
+
+
 def _gate(ctx: _Ctx, s: ServiceState, sig: ServiceSignals | None) -> ServiceState:
-    if s.action is not None and s.action.phase is not phases.Phase.AWAITING_PERMIT:
+    if _disrupting(s):
         return s  # the action holds the front door closed until it ends
     if not s.gate_open and s.gate_reason.startswith(FORECAST_GATE):
         return s  # held by the exhaustion forecast (_preempt opens it)
@@ -775,8 +904,9 @@ def _structure(
     s: ServiceState, sig: ServiceSignals | None, unit: UnitState | None, restarted: bool
 ) -> Structure:
     """This tick's structural view of the service. Nothing while an action of ours is under
-    way: the failures it causes (the stop, the restart) agree with no log line."""
-    if s.action is not None:
+    way: the failures it causes (the stop, the restart) agree with no log line. (An action
+    waiting for a fleet permit has done nothing yet: what fails meanwhile is news.)"""
+    if _disrupting(s):
         return Structure()
     return Structure(
         health=sig.health_state if sig is not None else None,
@@ -964,6 +1094,25 @@ def _early_crash(s: ServiceState, top: Finding, now: float, p: PolicyConfig) -> 
     return any(e.name in fresh or e.name == "unit:exited" for e in top.evidence)
 
 
+def _crash(top: Finding) -> bool:
+    return top.cause in CRASH_CAUSES and any(e.unambiguous for e in top.evidence)
+
+
+def _urgent(top: Finding) -> bool:
+    """Acted on without a fleet permit: a crash or a dead engine (the replica is already down),
+    or a cause that escalates (nothing is restarted)."""
+    return _crash(top) or top.cause is Cause.ENGINE_DEAD or top.cause in ESCALATE_CAUSES
+
+
+def _held(s: ServiceState, top: Finding, now: float, p: PolicyConfig) -> bool:
+    """The cooldown or the backoff holds ``top`` back (as :func:`_act` decides below)."""
+    if top.cause in ESCALATE_CAUSES:
+        return False
+    if now < s.cooldown_until and not _early_crash(s, top, now, p):
+        return True
+    return now < s.backoff_until and not (s.backoff_voluntary_only and _urgent(top))
+
+
 def _episodes(s: ServiceState, cause: Cause) -> int:
     return sum(1 for c, _ in s.episodes if c is cause)
 
@@ -982,9 +1131,16 @@ def _act(
         return ctx.note(
             s, f"breaker latched ({s.breaker_reason}): waiting for `vllm-guardian resume`"
         )
-    if s.action is not None:
+    if _disrupting(s):
         return s
     top = next((f for f in findings if actionable(f)), None)
+    if s.action is not None:
+        # Waiting for a fleet permit (the replica still serves): only what cannot wait for a
+        # permit (a crash: the replica is already down; a fault that escalates) ends the wait,
+        # and only when it is to be acted on now.
+        if top is None or not _urgent(top) or _held(s, top, now, p):
+            return s
+        s = _supersede(ctx, s, top)
     if top is None:
         if findings:
             return ctx.note(
@@ -1012,14 +1168,14 @@ def _act(
             f"{top.cause.value}: in cooldown until {s.cooldown_until:.0f} after the last action",
             top,
         )
-    if now < s.backoff_until:
+    if now < s.backoff_until and not (s.backoff_voluntary_only and _urgent(top)):
         return ctx.note(
             s,
             f"{top.cause.value}: backing off after a failed action until {s.backoff_until:.0f}",
             top,
         )
 
-    crash = top.cause in CRASH_CAUSES and any(e.unambiguous for e in top.evidence)
+    crash = _crash(top)
     lever = CAUSE_LEVER.get(top.cause)
     base = s.baseline or default_baseline(sig, cmdline, gpu_total_bytes)
     if s.baseline is None:
@@ -1088,6 +1244,7 @@ def _act(
         return ctx.act(s, ActionKind.ESCALATE, top, reason)
 
     s = replace(s, restarts=(*restarts, now), last_note="")
+    levels = _levels(s)
     if lever is not None and step:
         before = s.rung(lever)
         rung = before + 1
@@ -1107,7 +1264,9 @@ def _act(
             f"{top.cause.value}: {lever.value} {how} down to {value} (rung {rung}){why}; "
             + top.evidence[0].sentence
         )
-        return ctx.act(s, ActionKind.RELAUNCH, top, reason, flags, env, voluntary=not crash)
+        return ctx.act(
+            s, ActionKind.RELAUNCH, top, reason, flags, env, voluntary=not crash, before=levels
+        )
     flags, env = _flags(s, base, p)
     reason = (
         f"{top.cause.value}: drain and restart with the same flags; " + top.evidence[0].sentence
@@ -1125,6 +1284,10 @@ def _maybe_step_up(ctx: _Ctx, s: ServiceState, sig: ServiceSignals | None) -> Se
     quiet_since = max(t for t in (s.last_pressure_seconds, s.ready_since, 0.0) if t is not None)
     if now - quiet_since < p.stable_for_seconds or now < s.cooldown_until:
         return s
+    if now < s.backoff_until:  # after a failed step up (or a wait for a permit that gave none)
+        return ctx.note(
+            s, f"stable, but backing off after a failed action until {s.backoff_until:.0f}"
+        )
     pinned = dict(s.pinned_until)
     candidates = [lv for lv, r in s.rungs if r > 0 and pinned.get(lv, -math.inf) <= now]
     if not candidates:
@@ -1134,6 +1297,7 @@ def _maybe_step_up(ctx: _Ctx, s: ServiceState, sig: ServiceSignals | None) -> Se
         return ctx.note(s, "stable, but stepping up needs a restart and the budget is spent")
     lever = candidates[0]
     rung = s.rung(lever) - 1
+    levels = _levels(s)
     s = _set_rung(s, lever, rung)
     s = replace(
         s, last_step_up=_set(s.last_step_up, lever, now), restarts=(*restarts, now), last_note=""
@@ -1142,7 +1306,7 @@ def _maybe_step_up(ctx: _Ctx, s: ServiceState, sig: ServiceSignals | None) -> Se
     value = lever_value(lever, rung, base, p) or "the operator's baseline"
     reason = f"stable for {now - quiet_since:.0f}s: {lever.value} one rung up to {value}"
     ctx.decide(s, DecisionKind.STEP_UP, reason)
-    return ctx.act(s, ActionKind.RELAUNCH, None, reason, flags, env, voluntary=True)
+    return ctx.act(s, ActionKind.RELAUNCH, None, reason, flags, env, voluntary=True, before=levels)
 
 
 def published_signals(
@@ -1289,11 +1453,28 @@ def bound_saved_times(
                 permit_retry_at=b.at_most(
                     "action.permit_retry_at", action.permit_retry_at, phases.PERMIT_RETRY_SECONDS
                 ),
+                permit_renew_at=None
+                if action.permit_renew_at is None
+                else b.at_most(
+                    "action.permit_renew_at",
+                    action.permit_renew_at,
+                    settings.permit_renew_seconds or 0.0,
+                ),
+            )
+        levels = s.levels_before
+        if levels is not None:
+            levels = replace(
+                levels,
+                last_step_up=b.keyed("levels_before.last_step_up", levels.last_step_up),
+                pinned_until=b.keyed(
+                    "levels_before.pinned_until", levels.pinned_until, p.pin_seconds
+                ),
             )
         out.append(
             replace(
                 s,
                 action=action,
+                levels_before=levels,
                 gate_closed_at=b.maybe("gate_closed_at", s.gate_closed_at),
                 cooldown_until=b.at_most("cooldown_until", s.cooldown_until, p.cooldown_seconds),
                 backoff_until=b.at_most("backoff_until", s.backoff_until, backoff),
@@ -1355,6 +1536,7 @@ def operator_action(
     if refusal is not None:
         ctx.decide(s, DecisionKind.OPERATOR, f"{kind.value} asked by {who} refused: {refusal}")
         return PolicyOutput(state, (), tuple(ctx.decisions))
+    levels = _levels(s)
     if reset:
         s = replace(s, operator_flags=(), rungs=(), pinned_until=(), baseline=None)
     if sets:
@@ -1392,7 +1574,7 @@ def operator_action(
     s = replace(s, last_note="")
     # An operator's restart is a voluntary disruption too: in a fleet it waits for a permit,
     # as `kubectl drain` waits for the PodDisruptionBudget.
-    s = ctx.act(s, kind, None, reason, flags, env, operator=who, voluntary=True)
+    s = ctx.act(s, kind, None, reason, flags, env, operator=who, voluntary=True, before=levels)
     services = tuple(s if x.service == service else x for x in state.services)
     return PolicyOutput(
         PolicyState(services, ctx.next_id), tuple(ctx.actions), tuple(ctx.decisions),
