@@ -5,7 +5,8 @@ actions to execute and a decision record for every choice it made (the audit log
 results come back as observations (``Snapshot.action_results``) on a later tick; the policy
 never assumes success.
 
-The ladder per service (DESIGN.md §3):
+The ladder per service, least disruptive first (docs/capacity.md has why KV pressure stops at
+the gate):
 
 1. alert (done by alerting);
 2. gate ``/ready/<service>`` above the KV high watermark, open below the low one;
@@ -81,7 +82,8 @@ class Lever(StrEnum):
     EXPANDABLE_SEGMENTS = "expandable_segments"
 
 
-# The lever each cause moves (the issue's table; prefix_cache_waste moves nothing: DESIGN §2).
+# The lever each cause moves (prefix_cache_waste moves nothing: V1's cached blocks are evictable,
+# so no flag frees memory there).
 CAUSE_LEVER: Mapping[Cause, Lever] = {
     Cause.CONCURRENCY_OVERCOMMIT: Lever.MAX_NUM_SEQS,
     Cause.PREFILL_BURST: Lever.MAX_NUM_BATCHED_TOKENS,
@@ -278,7 +280,9 @@ def default_baseline(
     signals: ServiceSignals | None, cmdline: Sequence[str] | None, gpu_total_bytes: int = 0
 ) -> Baseline:
     """The operator's values: from the command line when set there, else vLLM's defaults
-    (vllm-surface.md §5: they depend on the GPU's memory size)."""
+    (they depend on the GPU's memory size: vLLM 0.33's API server takes --max-num-seqs 1024 and
+    --max-num-batched-tokens 8192 on a GPU of 70 GiB or more (16384 from 160 GiB), 256 and 2048
+    below that; --gpu-memory-utilization 0.92)."""
     total = max((g.total_bytes or 0 for g in signals.gpus), default=0) if signals else 0
     total = total or gpu_total_bytes
     seqs_default = 1024 if total >= 70 * GIB else 256
@@ -317,7 +321,7 @@ def nearest_seqs_rung(
     """The max_num_seqs rung whose value is nearest ``target`` while staying under ``below``
     (what the pool admits anyway: a cap at or above it changes nothing, so the relaunch would
     be a pure restart). ``(rung, value)``; None when no rung under ``below`` lies within 15 %
-    of the target (a cap below what the pool hosts costs throughput: DESIGN.md §2)."""
+    of the target (a cap below what the pool hosts costs throughput: docs/capacity.md)."""
     best: tuple[int, int] | None = None
     rung = 1
     while True:
@@ -1025,7 +1029,7 @@ def _concurrency_relaunch(
     s: ServiceState, sig: ServiceSignals | None, base: Baseline, p: PolicyConfig
 ) -> tuple[int, str] | str:
     """Whether KV thrash may relaunch with a lower --max-num-seqs: ``(rung, what held)``, or
-    the reason it may not. Every condition is the measured one (DESIGN.md §2): enabled by the
+    the reason it may not. Every condition is the measured one (docs/capacity.md): enabled by the
     operator; a cap at ≈ target × the median running count over the episodes; strictly under
     what the pool admits anyway (the peak running count seen); a recompute share above the
     threshold."""
