@@ -21,6 +21,8 @@ from vllm_guardian.cli import main
 from vllm_guardian.diagnose.analyze import analyze
 from vllm_guardian.diagnose.bundle import read_bundle
 from vllm_guardian.diagnose.report import render_text, to_json
+from vllm_guardian.model import Action, ActionKind, Cause
+from vllm_guardian.recorder import to_jsonable
 
 BUNDLES = Path(__file__).parent / "fixtures" / "bundles"
 GOLDEN = BUNDLES / "golden"
@@ -214,3 +216,47 @@ def test_hostile_request_text_names_no_cause(
     assert doc["kv_budget"]["kv_pool_source"] == "estimated"  # type: ignore[index]
     notes = [n for n in doc["notes"] if "log lines alone name no cause" in n]  # type: ignore[union-attr]
     assert bool(notes) is noted, doc["notes"]
+
+
+def _acted(bundle: Path, cause: str, reason: str) -> None:
+    """What the guardian writes beside the evidence when it acts (actuators/bundle.py)."""
+    action = Action(
+        1, "vllm", ActionKind.RESTART, Cause(cause), reason, ("VllmEngineStalled",), False
+    )
+    (bundle / "action.json").write_text(json.dumps(to_jsonable(action), indent=2) + "\n")
+
+
+HUNG = (
+    "engine_dead: drain and restart with the same flags; vllm: requests are waiting and no "
+    "token was generated: the engine is hung"
+)
+
+
+@pytest.mark.parametrize(
+    ("bundle", "also"),
+    [
+        ("healthy_idle", []),  # the scrapes, taken as the guardian acted, show nothing wrong
+        ("prefill_burst", ["prefill_burst"]),  # they show something else: named after it
+        ("engine_hang", []),  # they show the same: one finding, the action's evidence added
+    ],
+)
+def test_a_bundle_of_an_action_never_contradicts_it(
+    tmp_path: Path, bundle: str, also: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The guardian restarted a hung engine and saved this bundle: `diagnose --bundle` on it
+    said "VERDICT: healthy … Nothing to change" (its few scrapes no longer showed the stall the
+    guardian saw over its whole window) while the bundle's own action.json said the engine was
+    hung. The action's cause leads the verdict, with the guardian's reason as its evidence."""
+    b = tmp_path / "b"
+    shutil.copytree(BUNDLES / bundle, b)
+    _acted(b, "engine_dead", HUNG)
+    doc = to_json(analyze(read_bundle(b)))
+    causes = [c["id"] for c in doc["causes"]]  # type: ignore[union-attr,index]
+    assert doc["verdict"] == "engine_dead", doc["causes"]
+    assert causes == ["engine_dead", *also], causes
+    sentences = doc["causes"][0]["evidence"]  # type: ignore[index]
+    assert any("the guardian acted on it" in s and "the engine is hung" in s for s in sentences), (
+        sentences
+    )
+    assert main(["diagnose", "--bundle", str(b)]) == 1
+    assert "VERDICT: engine_dead" in capsys.readouterr().out

@@ -458,7 +458,7 @@ def analyze(
         model_fits=bud.fits,
         p95_request_tokens=p95,
     )
-    result = diagnosis.classify(obs)
+    result = _agree_with_action(diagnosis.classify(obs), b.action, problems)
     verdict = result.verdict
     causes = tuple(
         CauseReport(
@@ -530,6 +530,51 @@ def analyze(
         recommendation=rec,
         problems=tuple(problems),
     )
+
+
+def _agree_with_action(
+    result: diagnosis.Classification, action: dict[str, Any] | None, problems: list[str]
+) -> diagnosis.Classification:
+    """A bundle the guardian saved when it acted (``action.json``) is read in agreement with
+    that action: its cause leads the findings, with the guardian's reason as evidence.
+
+    The guardian decided over its whole window (alerts held for their ``for``, the engine's
+    progress over many ticks); the bundle holds a few scrapes taken as it acted, which may no
+    longer show it (a hung engine's last scrape can look idle). A report that read "healthy"
+    beside an action.json that said "the engine is hung" would send the on-call engineer the
+    wrong way. What the scrapes show besides stays listed after it."""
+    if action is None:
+        return result
+    try:
+        cause = Cause(str(action.get("cause")))
+    except ValueError:
+        if action.get("cause") is not None:
+            problems.append(f"action.json: unknown cause {action.get('cause')!r}")
+        return result
+    kind = str(action.get("kind") or "action")
+    alerts = ", ".join(str(a) for a in action.get("evidence") or ()) or "no alert named"
+    said = diagnosis.Evidence(
+        cause,
+        "guardian action",
+        f"the guardian acted on it ({kind}{' in dry-run' if action.get('dry_run') else ''}; "
+        f"{alerts}): {action.get('reason') or 'no reason recorded'}",
+        unambiguous=True,
+    )
+    same = next((f for f in result.findings if f.cause is cause), None)
+    lead = (
+        dataclasses.replace(same, evidence=(said, *same.evidence), confidence=1.0)
+        if same is not None
+        else diagnosis.Finding(cause, 1.0, (said,))
+    )
+    notes = result.notes
+    if same is None:
+        notes = (
+            *notes,
+            f"this bundle's own scrapes do not show {cause.value}: the guardian saw it over "
+            "its window before it acted (its flight.jsonl and audit log hold that view)",
+        )
+    rest = tuple(f for f in result.findings if f.cause is not cause)
+    return dataclasses.replace(result, findings=(lead, *rest), notes=notes)
 
 
 def _with_forecast(
