@@ -1,9 +1,9 @@
 """The fix: which flags to change, old → new, with one line of reasoning each.
 
-One rule per cause, using DESIGN.md §2's levers: KV-pool pressure is a capacity problem,
-answered with admission at the gate and replicas (by how much: ``core/capacity.py``), never a
-lower ``--max-num-seqs`` (measured: it costs throughput) nor a lower utilization (it shrinks
-the pool);
+One rule per cause, each on the lever that cause moves (docs/capacity.md for KV pressure):
+KV-pool pressure is a capacity problem, answered with admission at the gate and replicas (by
+how much: ``core/capacity.py``), never a lower ``--max-num-seqs`` (measured: it costs
+throughput) nor a lower utilization (it shrinks the pool);
 device-memory pressure with a lower ``--gpu-memory-utilization`` / ``--max-num-batched-tokens``
 or ``expandable_segments``; a hardware fault with *no* restart. The output is both a
 ready-to-paste command line and the guardian's environment file (``actuators/flags.py``
@@ -170,7 +170,8 @@ def concurrency_advice(
 ) -> tuple[str, list[str]]:
     """KV thrash, said the same way by diagnose, plan and loadtest: over capacity by X× (or
     not measurable, and why), add N replicas or shed at the gate, and what a lower
-    ``--max-num-seqs`` would cost. Never a lower ``--max-num-seqs`` as the fix (DESIGN.md §2)."""
+    ``--max-num-seqs`` would cost. Never a lower ``--max-num-seqs`` as the fix: a cap below what
+    the pool hosts costs throughput (docs/capacity.md)."""
     if capacity is not None and capacity.demand_ratio is not None:
         n = capacity.replicas_needed or 1
         summary = (
