@@ -338,7 +338,7 @@ class SignalsConfig:
     quantile_window_seconds: float = field(default=60.0, metadata=_bounds(2, 3600))
     # Headroom slope over 2 min: long enough to ignore one burst, short enough to warn in time.
     slope_window_seconds: float = field(default=120.0, metadata=_bounds(4, 3600))
-    # Requests waiting and not one token generated for this long is a stalled engine.
+    # Requests in the engine and no progress (core/progress.py) for this long is a stalled engine.
     stall_seconds: float = field(default=30.0, metadata=_bounds(2, 3600))
     # The over-capacity estimate (core/capacity.py) reads this long: many finished requests and
     # several of vLLM's stat updates; a saturation shorter than this gives no number.
