@@ -191,7 +191,7 @@ class GateConfig:
     # Polls of the guardian's /ready and vLLM's /health; reads of vLLM's /metrics.
     poll_interval_seconds: float = field(default=0.1, metadata=_bounds(0.01, 60))
     kv_poll_interval_seconds: float = field(default=0.5, metadata=_bounds(0.05, 600))
-    # Requests in vLLM and not one token processed for this long (--stall-hold): hold new
+    # Requests in vLLM and no progress (core/progress.py) for this long (--stall-hold): hold new
     # requests instead of sending them into a hung engine that still answers /health 200. A
     # third of signals.stall_seconds, after which the guardian restarts it: a false alarm costs
     # held requests latency, not failures (gate/progress.py). 0: off.
