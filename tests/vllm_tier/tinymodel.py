@@ -231,7 +231,8 @@ def build(out: Path) -> dict[str, str]:
 
 # The long-context variant (``--long-context``): room for a 20,480-token prompt, and wider and
 # deeper so that its prefill, in small chunks, takes seconds and many engine steps on two CPU
-# cores (capture_progress.py): 23 M parameters, 46 MB. Same tokenizer, same seed.
+# cores (capture_progress.py, test_vllm_progress.py): 23 M parameters, 46 MB. Same tokenizer,
+# same seed.
 LONG_CONTEXT = {
     "HIDDEN": 512,
     "INTERMEDIATE": 1024,
