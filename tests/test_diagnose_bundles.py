@@ -30,6 +30,8 @@ GOLDEN = BUNDLES / "golden"
 VERDICTS = {
     "allocator_fragmentation": "allocator_fragmentation",  # OOM with 6.2 GiB reserved-unallocated
     "concurrency_overcommit": "concurrency_overcommit",  # real capture: full pool, preemptions
+    # Thrash with the token counters flat for 20 s while preemptions climb: working, not hung.
+    "concurrency_overcommit_flat_tokens": "concurrency_overcommit",
     "engine_dead_exit_zero": "engine_dead",
     "engine_hang": "engine_dead",  # requests in the engine, counters frozen, /health 200
     "gpu_hardware_fault_xid": "gpu_hardware_fault",  # XID 48: must not be restarted
@@ -37,6 +39,8 @@ VERDICTS = {
     "healthy_idle": "healthy",
     "healthy_queueing": "healthy",  # KV full and a queue, no preemption: not an incident
     "kv_cache_blowout": "kv_cache_blowout",
+    # Real capture: one 20,480-token prompt alone, 12 s of prefill without a token counted.
+    "long_prefill": "healthy",
     "model_does_not_fit": "model_does_not_fit",
     "prefill_burst": "prefill_burst",
     "prefix_cache_low_hit_rate": "healthy",  # a low hit rate is harmless: never prefix_cache_waste

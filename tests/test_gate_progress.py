@@ -1,7 +1,8 @@
-"""The gate's progress watch: a hung engine (requests in it, no token processed) holds new
-requests at the gate instead of sending them in to wait for their timeout.
+"""The gate's progress watch: a hung engine (requests in it, no progress: core/progress.py)
+holds new requests at the gate instead of sending them in to wait for their timeout.
 
-The pure watch against a table of readings on a fake clock; then a real gate in front of the
+The pure watch against a table of readings on a fake clock and against the real vLLM 0.32
+series of one long prompt alone and of a stopped engine core; then a real gate in front of the
 scriptable stub serving real vLLM 0.32 /metrics captures, frozen (hung) and moving.
 """
 
@@ -15,25 +16,55 @@ import pytest
 import requests
 
 from tests.conftest import VLLM_FIXTURES as FIXTURES
+from tests.expositions import captured_series
 from tests.hostile import wait_for
 from tests.test_gate_support import GateThread, Stub
-from vllm_guardian.gate.progress import Progress, ProgressWatch
+from vllm_guardian.core.progress import ProgressReading
+from vllm_guardian.gate.progress import ProgressWatch
+from vllm_guardian.model import EngineMetrics, VllmScrape
 from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
 
-# (time, reading as (tokens, requests in the engine) or None for no reading)
-Readings = list[tuple[float, tuple[float, float] | None]]
+
+def reading(
+    tokens: float, inside: float, *, kv: float = 0.5, preempted: float = 0
+) -> ProgressReading:
+    """A reading of one engine: tokens generated, requests running, KV usage, preemptions."""
+    e = EngineMetrics(
+        "m",
+        "0",
+        requests_running=inside,
+        requests_waiting=0.0,
+        prompt_tokens_total=0.0,
+        generation_tokens_total=tokens,
+        kv_cache_usage_ratio=kv,
+        preemptions_total=preempted,
+    )
+    r = ProgressReading.of(VllmScrape((e,), True, 1.0, 1))
+    assert r is not None
+    return r
+
+
+R = reading
+# (time, reading or None for no reading)
+Readings = list[tuple[float, ProgressReading | None]]
 
 CASES: list[tuple[str, Readings, bool]] = [
-    ("tokens move every reading", [(0, (100, 4)), (5, (150, 4)), (11, (200, 4))], False),
-    ("frozen with requests inside for the hold", [(0, (100, 4)), (5, (100, 4)), (10, (100, 4))], True),
-    ("frozen, but not yet for the whole hold", [(0, (100, 4)), (5, (100, 4)), (9.9, (100, 4))], False),
-    ("frozen and idle: nothing to process", [(0, (100, 0)), (20, (100, 0))], False),
-    ("idle, then requests arrive and nothing moves", [(0, (100, 0)), (3, (100, 2)), (13, (100, 2))], True),
-    ("a restarted process counts from zero: progress", [(0, (900, 3)), (10, (0, 3)), (15, (0, 3))], False),
-    ("hung, then tokens move again: reopens", [(0, (100, 4)), (12, (100, 4)), (13, (101, 4))], False),
-    ("no reading forgets: never held on missing data", [(0, (100, 4)), (10, None)], False),
-    ("after a gap, frozen counts from the first new reading", [(0, (100, 4)), (5, None), (6, (100, 4)), (15, (100, 4))], False),
-    ("after a gap, the hold is counted again in full", [(0, (100, 4)), (5, None), (6, (100, 4)), (16, (100, 4))], True),
+    ("tokens move every reading", [(0, R(100, 4)), (5, R(150, 4)), (11, R(200, 4))], False),
+    ("frozen with requests inside for the hold", [(0, R(100, 4)), (5, R(100, 4)), (10, R(100, 4))], True),
+    ("frozen, but not yet for the whole hold", [(0, R(100, 4)), (5, R(100, 4)), (9.9, R(100, 4))], False),
+    ("frozen and idle: nothing to process", [(0, R(100, 0)), (20, R(100, 0))], False),
+    ("idle, then requests arrive and nothing moves", [(0, R(100, 0)), (3, R(100, 2)), (13, R(100, 2))], True),
+    ("a restarted process counts from zero: progress", [(0, R(900, 3)), (10, R(0, 3)), (15, R(0, 3))], False),
+    ("hung, then tokens move again: reopens", [(0, R(100, 4)), (12, R(100, 4)), (13, R(101, 4))], False),
+    ("no reading forgets: never held on missing data", [(0, R(100, 4)), (10, None)], False),
+    ("after a gap, frozen counts from the first new reading", [(0, R(100, 4)), (5, None), (6, R(100, 4)), (15, R(100, 4))], False),
+    ("after a gap, the hold is counted again in full", [(0, R(100, 4)), (5, None), (6, R(100, 4)), (16, R(100, 4))], True),
+    ("a long prefill: token counters flat, KV usage rising",
+     [(0, R(100, 1, kv=0.1)), (5, R(100, 1, kv=0.4)), (10, R(100, 1, kv=0.7)), (15, R(100, 1, kv=0.9))], False),
+    ("thrash: token counters flat, preemptions rising",
+     [(0, R(100, 9, kv=1.0, preempted=3)), (5, R(100, 9, kv=1.0, preempted=8)), (10, R(100, 9, kv=1.0, preempted=12))], False),
+    ("thrash that stops: frozen for the hold after the last preemption",
+     [(0, R(100, 9, preempted=3)), (5, R(100, 9, preempted=8)), (15, R(100, 9, preempted=8))], True),
 ]  # fmt: skip
 
 
@@ -41,35 +72,56 @@ CASES: list[tuple[str, Readings, bool]] = [
 def test_the_watch_holds_only_a_hung_engine(case: str, readings: Readings, held: bool) -> None:
     watch = ProgressWatch(hold_after_seconds=10)
     for now, r in readings:
-        watch.observe(now, None if r is None else Progress(*r))
+        watch.observe(now, r)
     reason = watch.stalled()
     assert (reason is not None) == held, reason
     if held:
-        assert "no token" in (reason or "")
+        assert "no progress" in (reason or "")
+
+
+CAPTURED = [
+    # the real vLLM 0.32 series: held at some reading?, the longest hold asked for (s)
+    ("long_prefill", False, 0.0),  # one 20,480-token prompt alone: 15.5 s of prefill
+    ("hang", True, 11.5),  # EngineCore stopped (SIGSTOP) for 12 s mid-prefill
+]
+
+
+@pytest.mark.parametrize(("series", "ever", "quiet"), CAPTURED, ids=[c[0] for c in CAPTURED])
+def test_the_watch_over_the_captured_series(series: str, ever: bool, quiet: float) -> None:
+    watch = ProgressWatch(hold_after_seconds=10)
+    held = []
+    for r in captured_series(series):
+        watch.observe(r.t_seconds, ProgressReading.of(parse_vllm_metrics(r.text, len(r.text))))
+        held.append(watch.stalled())
+    assert any(h is not None for h in held) is ever, held
+    if ever:
+        last = [h for h in held if h is not None][-1]
+        assert f"no progress for {quiet:.0f} s" in last, last
 
 
 def test_a_hold_of_zero_turns_the_watch_off() -> None:
     watch = ProgressWatch(hold_after_seconds=0)
     for now in (0, 100, 1000):
-        watch.observe(now, Progress(100, 8))
+        watch.observe(now, R(100, 8))
     assert watch.stalled() is None
 
 
 @pytest.mark.parametrize(
-    ("capture", "expected"),
-    [
-        ("metrics-under-load-02.prom", Progress(4701 + 7745, 31)),
-        ("metrics-idle.prom", Progress(0, 0)),
-    ],
+    ("capture", "tokens", "inside"),
+    [("metrics-under-load-02.prom", 4701 + 7745, 31), ("metrics-idle.prom", 0, 0)],
 )
-def test_a_reading_from_a_real_capture(capture: str, expected: Progress) -> None:
+def test_a_reading_from_a_real_capture(capture: str, tokens: float, inside: float) -> None:
     text = (FIXTURES / capture).read_text()
-    assert Progress.of(parse_vllm_metrics(text, len(text))) == expected
+    r = ProgressReading.of(parse_vllm_metrics(text, len(text)))
+    assert r is not None
+    assert r.requests_in_engine == inside
+    (e,) = r.engines
+    assert e.values[3] + e.values[4] == tokens  # prompt + generation (MARK_FIELDS)
 
 
 def test_an_exposition_without_the_counters_is_no_reading() -> None:
     text = '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0"} 3\n'
-    assert Progress.of(parse_vllm_metrics(text, len(text))) is None
+    assert ProgressReading.of(parse_vllm_metrics(text, len(text))) is None
 
 
 # --- a real gate ------------------------------------------------------------------------------
@@ -96,8 +148,8 @@ def test_a_hung_engine_holds_new_requests_and_a_moving_one_releases_them(
     g.gate.follower.progress.hold_after_seconds = 0.5  # type: ignore[union-attr]
     try:
         seen = wait_for(
-            lambda: ((s := status(g))["open"] is False and "no token" in str(s["reason"]), s),
-            "the gate holds new requests: 31 requests in vLLM and no token processed",
+            lambda: ((s := status(g))["open"] is False and "no progress" in str(s["reason"]), s),
+            "the gate holds new requests: 31 requests in vLLM and no progress",
         )
         print(seen)
         with ThreadPoolExecutor(1) as pool:
@@ -113,7 +165,7 @@ def test_a_hung_engine_holds_new_requests_and_a_moving_one_releases_them(
         assert stub.calls["/v1/echo"] == 1
         assert status(g)["open"] is True
         said = [r.getMessage() for r in caplog.records if r.name == "vllm_guardian.gate"]
-        assert any("holding new requests: vLLM processed no token" in m for m in said), said
+        assert any("holding new requests: vLLM made no progress" in m for m in said), said
         assert any(m.startswith("gate open") for m in said), said
     finally:
         g.stop()

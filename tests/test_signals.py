@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
+from tests.expositions import captured_series
 from vllm_guardian.config import ServiceConfig, SignalsConfig
 from vllm_guardian.core import signals as sig
 from vllm_guardian.model import (
@@ -22,6 +24,7 @@ from vllm_guardian.model import (
     UnitState,
     VllmScrape,
 )
+from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
 
 GIB = 1024**3
 SVC = ServiceConfig(name="vllm")
@@ -189,6 +192,61 @@ def test_stall_signature(name, series, seconds, stalled):
     ]
     s = derive(*h)
     assert (s.stall_seconds, s.stalled) == (seconds, stalled)
+
+
+# The engine at work with flat token counters (vLLM V1 counts a prompt's tokens when its whole
+# prefill has finished), and a frozen one: (t, the engine's fields) per snapshot.
+_BUSY = {
+    "requests_running": 4.0,
+    "requests_waiting": 6.0,
+    "generation_tokens_total": 50.0,
+    "prompt_tokens_total": 900.0,
+    "kv_cache_usage_ratio": 0.98,
+    "preemptions_total": 10.0,
+}
+STALLS_BY_FIELD = [
+    ("thrash: preemptions rise, token counters flat",
+     [(t, {**_BUSY, "preemptions_total": 10.0 + 3 * t}) for t in (0, 2, 4, 6)], 0.0, False),
+    ("a long prefill: KV usage rises, token counters flat",
+     [(t, {**_BUSY, "kv_cache_usage_ratio": 0.1 + 0.1 * t}) for t in (0, 2, 4, 6)], 0.0, False),
+    ("frozen: nothing moves", [(t, _BUSY) for t in (0, 2, 4, 6)], 6.0, True),
+    ("frozen after the last preemption",
+     [(0, _BUSY), (2, {**_BUSY, "preemptions_total": 11.0}), (4, {**_BUSY, "preemptions_total": 11.0}),
+      (6, {**_BUSY, "preemptions_total": 11.0})], 4.0, False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "series", "seconds", "stalled"), STALLS_BY_FIELD, ids=[s[0] for s in STALLS_BY_FIELD]
+)
+def test_stall_is_no_progress_of_any_kind(name, series, seconds, stalled):
+    s = derive(*[snap(t, engine(**fields)) for t, fields in series])
+    assert (s.stall_seconds, s.stalled) == (seconds, stalled)
+
+
+CAPTURED_STALLS = [
+    # the real vLLM 0.32 series, with the stall wait at 10 s: stalled ever?, longest stall
+    ("long_prefill", False, 0.0),  # one 20,480-token prompt alone: 15.5 s of prefill
+    ("hang", True, 11.5),  # EngineCore stopped (SIGSTOP) for 12 s mid-prefill
+]
+
+
+@pytest.mark.parametrize(
+    ("series", "ever", "longest"), CAPTURED_STALLS, ids=[c[0] for c in CAPTURED_STALLS]
+)
+def test_stall_over_the_captured_series(series, ever, longest):
+    cfg = replace(CFG, stall_seconds=10)
+    history: list[Snapshot] = []
+    seen = []
+    for r in captured_series(series):
+        scrape = parse_vllm_metrics(r.text, len(r.text))
+        probe = HealthProbe(HealthState.UP, 200, 0.01)
+        history.append(
+            Snapshot(r.t_seconds, (ServiceSnapshot("vllm", vllm=scrape, health=probe),), None)
+        )
+        seen.append(sig.derive(history, [SVC], cfg).services[0])
+    assert any(s.stalled for s in seen) is ever
+    assert max(s.stall_seconds or 0.0 for s in seen) == pytest.approx(longest, abs=0.5)
 
 
 def test_a_gap_in_observation_does_not_extend_a_stall():

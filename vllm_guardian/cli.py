@@ -167,7 +167,9 @@ def render_status(st: dict[str, Any]) -> str:
         if svc.get("capacity"):
             lines.append("  " + _capacity_line(svc["capacity"]))
         if svc.get("stalled"):
-            lines.append(f"  STALLED: requests waiting, no tokens for {svc['stall_seconds']:.0f}s")
+            lines.append(
+                f"  STALLED: requests in the engine, no progress for {svc['stall_seconds']:.0f}s"
+            )
     for gpu in st.get("gpus") or []:
         lines.append(
             f"gpu {gpu['index']} {gpu.get('name') or ''}: used {_fmt_bytes(gpu.get('memory_used_bytes'))}"

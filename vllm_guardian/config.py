@@ -191,7 +191,7 @@ class GateConfig:
     # Polls of the guardian's /ready and vLLM's /health; reads of vLLM's /metrics.
     poll_interval_seconds: float = field(default=0.1, metadata=_bounds(0.01, 60))
     kv_poll_interval_seconds: float = field(default=0.5, metadata=_bounds(0.05, 600))
-    # Requests in vLLM and not one token processed for this long (--stall-hold): hold new
+    # Requests in vLLM and no progress (core/progress.py) for this long (--stall-hold): hold new
     # requests instead of sending them into a hung engine that still answers /health 200. A
     # third of signals.stall_seconds, after which the guardian restarts it: a false alarm costs
     # held requests latency, not failures (gate/progress.py). 0: off.
@@ -344,7 +344,7 @@ class SignalsConfig:
     quantile_window_seconds: float = field(default=60.0, metadata=_bounds(2, 3600))
     # Headroom slope over 2 min: long enough to ignore one burst, short enough to warn in time.
     slope_window_seconds: float = field(default=120.0, metadata=_bounds(4, 3600))
-    # Requests waiting and not one token generated for this long is a stalled engine.
+    # Requests in the engine and no progress (core/progress.py) for this long is a stalled engine.
     stall_seconds: float = field(default=30.0, metadata=_bounds(2, 3600))
     # The over-capacity estimate (core/capacity.py) reads this long: many finished requests and
     # several of vLLM's stat updates; a saturation shorter than this gives no number.

@@ -221,7 +221,7 @@ _SERVICE_GAUGES: tuple[tuple[str, str, str], ...] = (
     (
         "engine_stall_seconds",
         "stall_seconds",
-        "How long requests have waited with no token generated.",
+        "How long requests have been in the engine with no progress (tokens, KV usage, preemptions).",
     ),
     (
         "kv_cache_capacity_tokens",

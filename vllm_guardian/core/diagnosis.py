@@ -127,7 +127,7 @@ class Structure:
     health: HealthState | None = None
     unit_active_state: str | None = None
     process_restarted: bool = False  # the main process was replaced since the last look
-    stalled: bool = False  # requests in the engine and not one token processed for a while
+    stalled: bool = False  # requests in the engine and no progress (core/progress.py) for a while
     reset_class_xid: bool = False  # NVML: an XID that needs a GPU reset, on its GPUs
 
 
@@ -602,7 +602,8 @@ def evidence_from_signals(
                 Cause.ENGINE_DEAD,
                 "stalled",
                 f"{(sig.requests_waiting or 0) + (sig.requests_running or 0):.0f} requests in the "
-                f"engine and not one token processed for {sig.stall_seconds or 0:.0f} s: hung",
+                f"engine and no progress for {sig.stall_seconds or 0:.0f} s (no token counted, "
+                "no KV block taken or freed, no preemption): hung",
                 unambiguous=True,
             )
         )

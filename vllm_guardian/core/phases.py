@@ -95,7 +95,7 @@ class Seen:
     main_pid: int | None
     gpu_pids: frozenset[int] | None  # pids holding memory on the GPUs (None: cannot tell)
     metrics_up: bool
-    stalled: bool = False  # requests in the engine and not one token processed: hung
+    stalled: bool = False  # requests in the engine and no progress (core/progress.py): hung
     engine_dead: bool = False  # /health answers 503 (a slow /health under load is not this)
 
 
@@ -438,7 +438,7 @@ def advance(
                 # A hung, dead or exited engine finishes nothing: waiting out the drain would
                 # only hold the front door closed longer (the requests in it fail either way).
                 why = (
-                    "hung (no token processed)"
+                    "hung (no progress)"
                     if seen.stalled
                     else "not serving (/health 503)"
                     if seen.engine_dead

@@ -40,6 +40,7 @@ from vllm_guardian.core.forecast import (
     Neighbour,
     forecast,
 )
+from vllm_guardian.core.progress import ProgressReading, quiet_seconds
 from vllm_guardian.model import (
     Cause,
     EngineMetrics,
@@ -107,7 +108,8 @@ class ServiceSignals:
     generation_tokens_per_second: float | None = None
     request_failures_per_second: float | None = None
     prefix_cache_hit_ratio: float | None = None
-    stall_seconds: float | None = None  # waiting > 0 and no token generated, for this long
+    # Requests in the engine and no progress (core/progress.py), for this long.
+    stall_seconds: float | None = None
     stalled: bool | None = None
     counter_reset: bool = False  # vLLM restarted within the rate window
     kv_cache_capacity_tokens: int | None = None
@@ -477,40 +479,25 @@ def _latency(
     return tuple(out)
 
 
-def _progress(scrape: VllmScrape) -> tuple[float | None, float | None]:
-    """(requests in the engine, tokens processed so far): prompt and generated tokens both
-    count as progress, so a long prefill is not mistaken for a stall."""
-    engines = scrape.engines
-    waiting = _sum_opt([e.requests_waiting for e in engines])
-    running = _sum_opt([e.requests_running for e in engines])
-    load = None if waiting is None and running is None else (waiting or 0.0) + (running or 0.0)
-    generated = _sum_opt([e.generation_tokens_total for e in engines])
-    prompt = _sum_opt([e.prompt_tokens_total for e in engines])
-    tokens = None if generated is None else generated + (prompt or 0.0)
-    return load, tokens
+def _progress_reading(snap: Snapshot, service: str) -> ProgressReading | None:
+    """The snapshot's reading of the engine's progress (core/progress.py), once per snapshot
+    (its memo): a stall is read back through the history on every tick."""
+    key = ("progress", service)
+    memo = snap.memo
+    if key in memo:
+        return memo[key]  # type: ignore[no-any-return]
+    scrape = _scrape(snap, service)
+    reading = memo[key] = None if scrape is None else ProgressReading.of(scrape)
+    return reading
 
 
 def _stall_seconds(history: Sequence[Snapshot], service: str) -> float | None:
-    """How long requests have been in the engine (waiting or running) while not one token was
-    processed: the hang `/health` does not see (0 when not stalled, None when unknown)."""
-    cur = _scrape(history[-1], service)
-    if cur is None or not cur.engines:
-        return None
-    load, tokens = _progress(cur)
-    if load is None or tokens is None:
-        return None
-    if load <= 0:
-        return 0.0
-    since = history[-1].time_seconds
-    for snap in reversed(history[:-1]):
-        s = _scrape(snap, service)
-        if s is None:
-            break  # a gap in observation ends what we can vouch for
-        w, t = _progress(s)
-        if w is None or t is None or w <= 0 or t != tokens:
-            break
-        since = snap.time_seconds
-    return history[-1].time_seconds - since
+    """How long requests have been in the engine (waiting or running) while the engine made no
+    progress (:func:`vllm_guardian.core.progress.moved`): the hang `/health` does not see (0
+    when not stalled, None when unknown). A gap in observation ends what can be vouched for."""
+    return quiet_seconds(
+        (snap.time_seconds, _progress_reading(snap, service)) for snap in reversed(history)
+    )
 
 
 def belongs_to(proc: GpuProcess, unit: UnitState | None) -> bool:

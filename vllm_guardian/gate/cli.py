@@ -224,8 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument(
         "--stall-hold",
         type=float,
-        help="hold new requests when requests are in vLLM and no token was processed for this "
-        "many seconds: a hung engine (default 10; 0: off)",
+        help="hold new requests when requests are in vLLM and it made no progress (no token "
+        "counted, no KV block taken or freed, no preemption) for this many seconds: a hung "
+        "engine (default 10; 0: off)",
     )
     o.add_argument(
         "--metrics-path",

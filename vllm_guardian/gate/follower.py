@@ -27,9 +27,9 @@ exposition never stalls the proxy, for two uses:
 * the KV-need admission (when on), every ``kv_poll_interval_seconds``: the pool size from
   ``vllm:cache_config_info``, the usage from ``vllm:kv_cache_usage_perc``;
 * the progress watch (:mod:`vllm_guardian.gate.progress`; ``stall_hold_seconds`` > 0), at least
-  every tenth of ``stall_hold_seconds`` (1 s at the default): requests in vLLM and no token
-  processed for ``stall_hold_seconds`` holds new requests, until a token is seen or the
-  guardian's restart brings up an engine that processes them.
+  every tenth of ``stall_hold_seconds`` (1 s at the default): requests in vLLM and no progress
+  (``core/progress.py``) for ``stall_hold_seconds`` holds new requests, until the engine is
+  seen to move or the guardian's restart brings up an engine that processes them.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ from urllib.parse import quote
 
 import aiohttp
 
+from vllm_guardian.core.progress import ProgressReading
 from vllm_guardian.gate.admission import Admission
-from vllm_guardian.gate.progress import Progress, ProgressWatch
+from vllm_guardian.gate.progress import ProgressWatch
 from vllm_guardian.gate.upstream import UpstreamError, UpstreamPool
 from vllm_guardian.sources.vllm_metrics import VllmParser, parse_vllm_metrics
 
@@ -249,7 +250,7 @@ class Follower:
             return
         text = body.decode("utf-8", "replace")
         scrape = await asyncio.to_thread(parse_vllm_metrics, text, len(body), self._parser)
-        self.progress.observe(time.monotonic(), Progress.of(scrape))
+        self.progress.observe(time.monotonic(), ProgressReading.of(scrape))
         if not self.admission.limits.kv_admission:
             return
         capacity = 0

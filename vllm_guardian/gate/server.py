@@ -43,7 +43,7 @@ class GateSettings:
     # An open gate stays open while /health is silent (no answer in time) for this long: a busy
     # vLLM answers it late while it serves (follower.py).
     health_grace_seconds: float = 3.0
-    # Requests in vLLM and no token processed this long: hold new ones (gate/progress.py).
+    # Requests in vLLM and no progress this long: hold new ones (gate/progress.py).
     stall_hold_seconds: float = 10.0
     shutdown_timeout_seconds: float = 5.0
     # Client connections open at once (each also holds one to vLLM while busy); past it the

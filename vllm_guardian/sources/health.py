@@ -6,7 +6,7 @@ connections while the model loads and after the server exits. Each of
 those is an *observation*: the source is up whenever it could classify the answer.
 
 ``/health`` misses a hung engine (the API server still answers). The stall signature — requests
-waiting, no tokens generated — is derived from metrics history in ``core/signals.py``; the
+in the engine, no progress (``core/progress.py``) — is derived from metrics history; the
 deep probe here is the other, opt-in, way to catch it, rate-limited to one generation per
 ``deep_probe_interval_seconds``.
 """
