@@ -17,7 +17,9 @@ from vllm_guardian.model import LogEventKind, LogReading, Reading
 from vllm_guardian.sources.logs import (
     CONTINUED,
     DEDUP_WINDOW_SECONDS,
+    FILE_SLICE_BYTES,
     EventCounter,
+    FileFollower,
     LineSplitter,
     LogsCollector,
     match_line,
@@ -1314,5 +1316,73 @@ def test_journalctl_exiting_mid_entry(tmp_path: Path) -> None:
         wait_for(up, timeout=60)
         assert got[0].lines_total == 2
         assert [e.message for e in got[0].recent] == [OOM_LINE.format(n=5).strip()]
+    finally:
+        collector.close()
+
+
+# --- a flood in front of an OOM ----------------------------------------------------------------
+
+# What floods vLLM's log in practice: uvicorn's access log and the API server's INFO lines.
+FLOOD = (
+    'INFO:     127.0.0.1:51234 - "POST /v1/chat/completions HTTP/1.1" 200 OK\n',
+    api("Received request chatcmpl-1: prompt: 'hi'", "logger.py:39", "INFO") + "\n",
+    "(EngineCore_DP0 pid=4120) INFO 11-22 00:07:30 [loggers.py:123] Engine 000: throughput\n",
+)
+FLOOD_LINES = 1_000_000
+
+
+def test_lines_that_cannot_be_evidence_are_skipped_before_any_regex() -> None:
+    counter = EventCounter(16)
+    for line in FLOOD:
+        counter.feed(line.rstrip("\n"), 1000.0)
+    counter.feed("… " + ENGINE + OOM_21, 1000.0)  # continues a cut line: text
+    counter.feed(WORKER + OOM_21, 1000.0)
+    reading = counter.take()
+    assert (reading.lines_total, reading.lines_skipped) == (5, 4)
+    assert [e.kind for e in reading.recent] == [K.CUDA_OOM]
+
+
+def test_a_file_backlog_is_read_in_bounded_slices(tmp_path: Path) -> None:
+    log = tmp_path / "vllm.log"
+    log.write_text("")
+    follower = FileFollower(log, max_line_bytes=1024)
+    with log.open("a") as f:
+        for i in range(FLOOD_LINES // 10):
+            f.write(FLOOD[i % 3])
+        f.write(WORKER + OOM_21 + "\n")
+    size = log.stat().st_size
+    shortest = min(len(x) for x in FLOOD)
+    polls, oom_at = 0, None
+    while oom_at is None:
+        lines = follower.poll(FILE_SLICE_BYTES)
+        polls += 1
+        # Bounded work and memory per slice: never more lines than fit in the slice.
+        assert len(lines) <= FILE_SLICE_BYTES // shortest + 1
+        if any("OutOfMemoryError" in ln for ln in lines):
+            oom_at = polls
+        else:  # what the source's hint reports while it catches up
+            assert follower.behind and follower.backlog_bytes() > 0
+        assert polls <= -(-size // FILE_SLICE_BYTES) + 1
+    assert oom_at >= 2  # the file was larger than a slice: it took several
+    follower.close()
+
+
+def test_an_oom_behind_a_million_line_flood_reaches_a_tick(tmp_path: Path) -> None:
+    log = tmp_path / "vllm.log"
+    log.write_text("")
+    collector = LogsCollector(
+        ServiceConfig(name="a", log_file=str(log)), LogsSourceConfig(), FakeClock()
+    )
+    g = Gathered(collector)
+    try:
+        with log.open("a") as f:
+            f.writelines(FLOOD[i % 3] for i in range(FLOOD_LINES))
+            f.write(WORKER + OOM_21 + "\n")
+        wait_for(g.has(1), timeout=120, seen=lambda: g.reading)
+        assert [k for k, _ in g.events] == [K.CUDA_OOM]
+        assert g.reading is not None
+        assert g.reading.lines_total == FLOOD_LINES + 1
+        # The regex saw one line: the OOM. Every flood line was dropped by its first characters.
+        assert g.reading.lines_skipped == FLOOD_LINES
     finally:
         collector.close()

@@ -23,6 +23,7 @@ lock serialises them with the tick.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import threading
@@ -198,12 +199,21 @@ class Healing:
                     stop_timeout_seconds=self.cfg.policy.drain_timeout_seconds + 30,
                     tee_stdout=container_mode(os.environ),
                     extra_env=self._allocator_env(svc.name),
+                    on_daemonized=functools.partial(self._audit_daemonized, svc.name),
                 )
                 self.supervisors[svc.name] = sup
                 out[svc.name] = sup
             elif self.cfg.policy.backend == "systemd" and svc.unit:
                 out[svc.name] = SystemdBackend(svc.unit, self.cfg.sources.unit.systemctl)
         return out
+
+    def _audit_daemonized(self, service: str, notice: str) -> None:
+        """The supervisor's thread: its command daemonized and it stopped restarting it."""
+        decision = policy.Decision(
+            self.clock.time(), service, policy.DecisionKind.SUPPRESSED, notice
+        )
+        if not self.audit.write([decision]):
+            log.error("%s", self.audit.error)
 
     def _allocator_env(self, service: str) -> dict[str, str]:
         """Where the allocator plugin inside the vLLM we start writes: the directory the

@@ -297,6 +297,9 @@ class LogReading:
     counts: tuple[tuple[LogEventKind, int], ...]  # cumulative since the guardian started
     recent: tuple[LogEvent, ...]  # new since the previous reading
     lines_total: int
+    # Of lines_total, those dropped by their first characters before any regex: no vLLM header
+    # of the engine at WARNING or above can start them (access logs, INFO lines).
+    lines_skipped: int = 0
 
     def count(self, kind: LogEventKind) -> int:
         return dict(self.counts).get(kind, 0)

@@ -15,6 +15,17 @@ writes a pid file (``<state_dir>/<service>.pid``: the pid and the process's star
 ``/proc/PID/stat``); the next guardian adopts the process it names when one with that pid *and*
 that start time is still running (a reused pid is never mistaken for it) and supervises it by
 polling, instead of starting a second copy that could not bind the port.
+
+A command that daemonizes (forks a child that calls setsid or double-forks, then exits 0) leaves
+that child outside its process group, where the group kill after an exit cannot reach it. Every
+process started carries :data:`SUPERVISED_ENV` in its environment; when the command exits and a
+process carrying this supervisor's mark still runs outside the command's group, the command
+daemonized: the supervisor says so (the log at ERROR, and ``on_daemonized``, which the daemon
+writes to the audit log) and stops supervising: it starts nothing on top of the escaped server,
+which keeps serving, and leaves it to the operator. Killing it instead (systemd's
+KillMode=control-group) would take down a server that is answering requests and restart a
+command that daemonizes again at once: an outage every restart, not a fix. vLLM itself never
+daemonizes.
 """
 
 from __future__ import annotations
@@ -28,7 +39,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_guardian.actuators import flags as flagsfile
@@ -39,6 +51,76 @@ from vllm_guardian.redact import redact_argv
 log = logging.getLogger("vllm_guardian.procmgr")
 
 _POLL_SECONDS = 0.2  # how often an adopted process (not our child: no wait()) is looked at
+# In the environment of every process a supervisor starts (inherited by whatever it forks):
+# "<service>:<the guardian's pid>". A process that carries it and outlived the command is one
+# the command left behind.
+SUPERVISED_ENV = "VLLM_GUARDIAN_SUPERVISED"
+
+
+@dataclass(frozen=True)
+class Daemonized:
+    """A process the command started that still runs after the command exited."""
+
+    pid: int
+    ports: tuple[int, ...]  # the TCP ports it listens on, lowest first
+
+
+def _stat_fields(proc_root: Path, pid: int) -> list[str] | None:
+    try:
+        text = (proc_root / str(pid) / "stat").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    return text[text.rfind(")") + 2 :].split()  # from field 3 (state) on
+
+
+def marked_processes(mark: str, outside_pgid: int, proc_root: Path = Path("/proc")) -> list[int]:
+    """Running processes whose environment carries ``SUPERVISED_ENV=mark``, except those in
+    process group ``outside_pgid`` (the command's, being killed), lowest pid first."""
+    needle = f"{SUPERVISED_ENV}={mark}".encode()
+    me = os.getpid()
+    found: list[int] = []
+    try:
+        names = os.listdir(proc_root)
+    except OSError:
+        return found
+    for name in names:
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            environ = (proc_root / name / "environ").read_bytes()
+        except OSError:  # gone, or not ours to read
+            continue
+        if needle not in environ.split(b"\0"):
+            continue
+        fields = _stat_fields(proc_root, int(name))
+        if fields is None or len(fields) < 3 or fields[0] in ("Z", "X"):
+            continue
+        if fields[2] != str(outside_pgid):
+            found.append(int(name))
+    return sorted(found)
+
+
+def listening_ports(pid: int, proc_root: Path = Path("/proc")) -> tuple[int, ...]:
+    """The TCP ports ``pid`` listens on (its sockets in its network namespace's tables)."""
+    fd_dir = proc_root / str(pid) / "fd"
+    inodes: set[str] = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(fd_dir):
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd_dir / fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    ports: set[int] = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = (proc_root / str(pid) / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if len(f) > 9 and f[3] == "0A" and f[9] in inodes:
+                ports.add(int(f[1].rsplit(":", 1)[1], 16))
+    return tuple(sorted(ports))
 
 
 def next_restart_delay(
@@ -121,12 +203,14 @@ class Supervisor:
         restart_delay_max_seconds: float = 60.0,
         stable_seconds: float = 120.0,
         clock: Clock | None = None,
+        on_daemonized: Callable[[str], None] | None = None,
     ) -> None:
         """``restart_on_clean_exit=False`` is systemd's ``Restart=on-failure``: an exit with
         status 0 (vLLM's after an engine death) ends supervision until ``start``/``restart``.
         A command that exits within ``stable_seconds`` of its start waits twice as long as the
         last time before the next start (from ``restart_delay_seconds`` up to
-        ``restart_delay_max_seconds``: :func:`next_restart_delay`), measured on ``clock``."""
+        ``restart_delay_max_seconds``: :func:`next_restart_delay`), measured on ``clock``.
+        ``on_daemonized`` is told, once, when the command daemonized (the module docstring)."""
         self.name = name
         self.command = tuple(command)
         self.flags_path = flags_path
@@ -155,11 +239,14 @@ class Supervisor:
         self._wake = threading.Event()
         self.starts = 0
         self.exits: list[int] = []  # exit codes seen, oldest first
+        self.on_daemonized = on_daemonized
+        self._mark = f"{name}:{os.getpid()}"
+        self.daemonized: Daemonized | None = None  # set once: supervision ended, see the module
 
     # --- what a restart reads ----------------------------------------------------------------
 
     def argv_and_env(self) -> tuple[list[str], dict[str, str]]:
-        env = {**os.environ, **self.extra_env}
+        env = {**os.environ, **self.extra_env, SUPERVISED_ENV: self._mark}
         argv = list(self.command)
         try:
             content = flagsfile.read(self.flags_path)
@@ -337,14 +424,28 @@ class Supervisor:
             # memory that the next start needs (systemd does the same when a unit's main exits).
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
+            escaped = marked_processes(self._mark, proc.pid)
+            notice: str | None = None
             with self._lock:
                 if self._proc is proc:
                     self._proc = None
                     self.exits.append(code)
                     if code == 0 and not self.restart_on_clean_exit:
                         self._want_running = False
+                    if escaped and self._want_running:
+                        self._want_running = False
+                        self.daemonized = Daemonized(escaped[0], listening_ports(escaped[0]))
+                        notice = self._daemonized_notice(self.daemonized)
                 want = self._want_running
             self._clear_pid(proc.pid)
+            if notice is not None:
+                log.error("%s", notice)
+                if self.on_daemonized is not None:
+                    try:
+                        self.on_daemonized(notice)
+                    except Exception:  # the notice is best-effort; supervision already ended
+                        log.exception("%s: reporting the daemonized command failed", self.name)
+                return
             if want:
                 ran = self._clock.monotonic() - self._started_monotonic
                 self._delay = next_restart_delay(
@@ -360,6 +461,15 @@ class Supervisor:
                     else "",
                 )  # fmt: skip
                 self._pause(self._delay)
+
+    def _daemonized_notice(self, d: Daemonized) -> str:
+        where = f"still serves port {', '.join(map(str, d.ports))}" if d.ports else "still runs"
+        return (
+            f"{self.name}: the command daemonized: pid {d.pid} {where}; vllm-guardian supervises "
+            "the process it starts, run vLLM in the foreground. Not restarting it (a second "
+            f"server would start on top of pid {d.pid}): stop pid {d.pid}, fix "
+            "services[].command, then restart the guardian"
+        )
 
     def _pause(self, seconds: float) -> None:
         """Wait before the next start; stop() ends the wait at once."""
@@ -395,6 +505,9 @@ class Supervisor:
         that ignored SIGTERM was otherwise waited on for the whole call's timeout."""
         with self._lock:
             unknown = self._proc is None
+            daemonized = self.daemonized
+        if daemonized is not None:
+            return False, True, self._daemonized_notice(daemonized)
         if unknown:
             self._adopt()  # an orphan still serving is the one to stop, never a second copy
         with self._lock:

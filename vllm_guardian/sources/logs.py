@@ -41,6 +41,13 @@ Which lines are evidence (a client must not be able to write one):
 * Xids come from NVML (sources/nvml.py) with their own rules; a kernel line quoted in vLLM's
   log is text like any other.
 
+A flood (a million access-log or INFO lines in front of an OOM) costs little and delays
+nothing for long: a line that cannot be evidence is dropped by its first characters before any
+regex (:func:`may_be_evidence`; counted in ``lines_skipped``), and a file's backlog is read in
+slices of :data:`FILE_SLICE_BYTES`, each handed over before the next is read, so memory stays
+bounded by a slice and a tick takes the OOM once the slices in front of it are read. While a
+backlog is being read, the reading's hint says how much is left and how many lines were skipped.
+
 Even an engine line can quote a request (a request id, a grammar): no log line alone makes the
 policy act or ``diagnose`` name a cause. ``core/diagnosis.corroborated`` is that rule.
 
@@ -97,6 +104,11 @@ _BACKOFF_RESET_AFTER_SECONDS = 60.0
 # A file is polled like tail -F does (tail's default is 1 s); 0.25 s keeps events within a tick.
 _FILE_POLL_SECONDS = 0.25
 _READ_CHUNK_BYTES = 64 * 1024
+# A file's backlog is read and matched at most this much at a time: a flood of a million lines
+# in front of an OOM is read slice by slice (the lock is released between slices, so a tick
+# takes what the slices before handed over), in memory bounded by a slice, and the reader
+# goes on at once while a slice comes back full.
+FILE_SLICE_BYTES = 1024 * 1024
 _STDERR_KEEP_BYTES = 4096
 
 # journald's mark on an entry a NUL byte or LineMax cut, in journalctl's JSON.
@@ -394,6 +406,27 @@ def engine_message(line: str) -> str | None:
     return origin.message if origin is not None and origin.writer is Writer.ENGINE else None
 
 
+# What a line that can be evidence starts with: a process's "(", a V0 level at WARNING or above,
+# or a colour (stripped before the header is read). Everything else is dropped unread.
+_EVIDENCE_FIRST = frozenset("(WEC\x1b")
+_QUIET_AFTER_PROCESS = ("INFO ", "DEBUG ")
+_PROCESS_END_WITHIN = 128
+
+
+def may_be_evidence(line: str) -> bool:
+    """False for a line :func:`match_line` would surely reject, told by its first characters
+    (no regex): what does not start like vLLM's header, and a header at INFO or DEBUG. A flood
+    of access-log or INFO lines costs a few string operations a line."""
+    if not line or line[0] not in _EVIDENCE_FIRST:
+        return False
+    if line[0] == "(":
+        # A process's name has no ") " in it: the first one ends "(NAME pid=N)".
+        end = line.find(") ", 1, _PROCESS_END_WITHIN)
+        if end > 0 and line.startswith(_QUIET_AFTER_PROCESS, end + 2):
+            return False
+    return True
+
+
 def match_line(line: str) -> tuple[LogEventKind, Details] | None:
     """The vLLM signature on one log line (kind and details), or None.
 
@@ -401,6 +434,8 @@ def match_line(line: str) -> tuple[LogEventKind, Details] | None:
     a line vLLM's engine core or a worker wrote counts, told apart by the header vLLM puts at
     the start of every line, never by the text after it (see the module docstring).
     """
+    if not may_be_evidence(line):
+        return None
     origin = line_origin(line)
     if origin is None or origin.level in _QUIET_LEVELS:
         return None
@@ -434,9 +469,13 @@ class EventCounter:
         self._pending: deque[LogEvent] = deque(maxlen=recent_events)
         self._last_seen: dict[tuple[LogEventKind, Details], float] = {}
         self.lines_total = 0
+        self.lines_skipped = 0
 
     def feed(self, line: str, time_seconds: float) -> LogEvent | None:
         self.lines_total += 1
+        if not may_be_evidence(line):
+            self.lines_skipped += 1
+            return None
         matched = match_line(line)
         if matched is None:
             return None
@@ -461,6 +500,7 @@ class EventCounter:
             counts=tuple(self._counts.items()),
             recent=tuple(self._pending),
             lines_total=self.lines_total,
+            lines_skipped=self.lines_skipped,
         )
         self._pending.clear()
         return reading
@@ -591,6 +631,7 @@ class FileFollower:
         self._splitter = LineSplitter(max_line_bytes)
         self._fh: IO[bytes] | None = None
         self._ident: tuple[int, int] | None = None
+        self.behind = False  # the last poll stopped at its budget: more is waiting
         with contextlib.suppress(OSError):  # missing or unreadable: poll() reports it
             self._open(at_end=True)
 
@@ -601,34 +642,60 @@ class FileFollower:
             fh.seek(0, os.SEEK_END)
         self._fh, self._ident = fh, (st.st_dev, st.st_ino)
 
-    def _drain(self) -> list[str]:
+    def _drain(self, max_bytes: int | None) -> tuple[list[str], bool]:
+        """Complete lines from the current position, at most ``max_bytes`` read (None: to the
+        end); and whether the budget ran out before the end."""
         assert self._fh is not None
         out: list[str] = []
-        while chunk := self._fh.read(_READ_CHUNK_BYTES):
+        left = max_bytes
+        while left is None or left > 0:
+            chunk = self._fh.read(
+                _READ_CHUNK_BYTES if left is None else min(left, _READ_CHUNK_BYTES)
+            )
+            if not chunk:
+                return out, False
             out += self._splitter.feed(chunk)
-        return out
+            if left is not None:
+                left -= len(chunk)
+        return out, True
 
-    def poll(self) -> list[str]:
-        """Every complete line written since the last poll. Raises OSError while the file
-        cannot be opened (missing, no permission)."""
+    def poll(self, max_bytes: int | None = None) -> list[str]:
+        """The complete lines written since the last poll, at most ``max_bytes`` of the file
+        read (None: all of it); :attr:`behind` says whether more is waiting. Raises OSError
+        while the file cannot be opened (missing, no permission)."""
         if self._fh is None:
             self._open(at_end=False)
-        lines = self._drain()
+        lines, self.behind = self._drain(max_bytes)
+        if self.behind:
+            return lines  # the rest of this file first; rotation is looked at once it is read
         try:
             st = os.stat(self._path)
         except FileNotFoundError:
             return lines  # rotated away and not recreated yet: keep the old file open
         assert self._fh is not None
         if (st.st_dev, st.st_ino) != self._ident:
-            lines += self._drain() + self._splitter.flush()  # the writer has moved on
+            rest, self.behind = self._drain(max_bytes)  # what the writer finished there
+            lines += rest
+            if self.behind:
+                return lines
+            lines += self._splitter.flush()  # the writer has moved on
             self.close()
             self._open(at_end=False)
-            lines += self._drain()
+            self.behind = True  # the new file is read from its start by the next poll
         elif st.st_size < self._fh.tell():  # truncated (copytruncate): start over
             self._fh.seek(0)
             self._splitter.reset()
-            lines += self._drain()
+            self.behind = True
         return lines
+
+    def backlog_bytes(self) -> int:
+        """How much of the open file is not read yet (0 when it cannot be told)."""
+        if self._fh is None:
+            return 0
+        try:
+            return max(0, os.fstat(self._fh.fileno()).st_size - self._fh.tell())
+        except OSError:
+            return 0
 
     def close(self) -> None:
         if self._fh is not None:
@@ -663,6 +730,7 @@ class LogsCollector:
         self._stop = threading.Event()
         self._counter = EventCounter(cfg.recent_events)
         self._down: tuple[str, str | None] | None = None  # (error, hint) while not following
+        self._backlog_bytes = 0  # a file's backlog still to read after the last slice
         self._proc: subprocess.Popen[bytes] | None = None
         self._stderr: IO[bytes] | None = None
         self._closed = False
@@ -708,7 +776,16 @@ class LogsCollector:
                 blind = self._journal_blind()
                 if blind is not None:
                     return failed(self.kind, self.service, blind, _JOURNAL_GROUP_HINT)
-                return Reading(source=self.kind, service=self.service, payload=self._counter.take())
+                reading = self._counter.take()
+                hint = None
+                if self._backlog_bytes:
+                    hint = (
+                        f"reading a backlog of {self._backlog_bytes} bytes in slices of "
+                        f"{FILE_SLICE_BYTES} bytes; {reading.lines_skipped} of "
+                        f"{reading.lines_total} lines so far were skipped unread by their first "
+                        "characters (no engine header at WARNING or above)"
+                    )
+                return Reading(source=self.kind, service=self.service, payload=reading, hint=hint)
         except Exception as e:  # a source that is down is an observation, never an exception
             return failed(self.kind, self.service, f"logs source failed: {type(e).__name__}: {e}")
 
@@ -746,8 +823,14 @@ class LogsCollector:
 
     # -- the reader thread
 
-    def _feed(self, lines: Iterable[str], time_seconds: float | None = None) -> None:
+    def _feed(
+        self,
+        lines: Iterable[str],
+        time_seconds: float | None = None,
+        backlog_bytes: int = 0,
+    ) -> None:
         with self._lock:
+            self._backlog_bytes = backlog_bytes
             for line in lines:
                 t = time_seconds if time_seconds is not None else self._clock.time()
                 self._counter.feed(line, t)
@@ -761,7 +844,7 @@ class LogsCollector:
         path = self._log_path
         while not self._stop.is_set():
             try:
-                lines = self._follower.poll()
+                lines = self._follower.poll(FILE_SLICE_BYTES)
             except FileNotFoundError:
                 self._set_down(
                     f"log file {path} does not exist",
@@ -775,8 +858,11 @@ class LogsCollector:
             except OSError as e:
                 self._set_down(f"cannot read log file {path}: {e.strerror or e}")
             else:
-                self._feed(lines)
+                behind = self._follower.behind
+                self._feed(lines, backlog_bytes=self._follower.backlog_bytes() if behind else 0)
                 self._set_down(None)
+                if behind:
+                    continue  # a backlog: the next slice at once (the lock was released)
             self._stop.wait(_FILE_POLL_SECONDS)
 
     def _run_journal(self) -> None:

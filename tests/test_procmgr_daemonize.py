@@ -1,0 +1,100 @@
+"""A command that daemonizes (double fork, setsid, the parent exits 0) under the process
+backend: the supervisor sees its command exit while the process it started still serves. It
+says so, in the log and through its notice, and starts nothing on top of it.
+
+Real processes: a tiny Python command that daemonizes a child listening on a port."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from vllm_guardian.actuators.procmgr import Supervisor
+
+DAEMONIZING = textwrap.dedent(
+    """
+    import os, socket, sys, time
+    marks = sys.argv[1]
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:  # the daemon: its own session, orphaned, listening
+            srv = socket.socket()
+            srv.bind(("127.0.0.1", 0))
+            srv.listen()
+            with open(marks, "a") as fh:
+                fh.write(f"{os.getpid()} {srv.getsockname()[1]}\\n")
+            time.sleep(120)
+        os._exit(0)
+    os.wait()
+    time.sleep(0.3)  # the daemon has written its mark and listens before the command exits
+    sys.exit(0)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture
+def marks(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "marks"
+    yield path
+    if path.exists():  # never leave a daemon behind
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(line.split()[0]), signal.SIGKILL)
+
+
+def test_a_daemonizing_command_is_not_restarted_on_top_of_its_daemon(
+    tmp_path: Path, marks: Path
+) -> None:
+    script = tmp_path / "daemonize.py"
+    script.write_text(DAEMONIZING)
+    notices: list[str] = []
+    sup = Supervisor(
+        "svc",
+        [sys.executable, str(script), str(marks)],
+        tmp_path / "svc.env",
+        tmp_path / "svc.log",
+        restart_delay_seconds=0.01,  # many restart opportunities while the daemon serves
+        on_daemonized=notices.append,
+    )
+    sup.start()
+    try:
+        deadline = time.monotonic() + 60  # a guard against a hang, not a measure
+        while sup.wants_running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sup._thread is not None
+        sup._thread.join(timeout=10)
+        assert not sup._thread.is_alive()  # supervision ended: nothing will start again
+        rows = [line.split() for line in marks.read_text().splitlines()]
+        # One start, no restart decision, one daemon: no pile-up.
+        assert (sup.starts, sup.exits, sup.delays, len(rows)) == (1, [0], [], 1)
+        pid, port = int(rows[0][0]), int(rows[0][1])
+        assert _alive(pid)  # left to the operator: it serves
+        assert sup.daemonized is not None
+        assert (sup.daemonized.pid, sup.daemonized.ports) == (pid, (port,))
+        assert notices == [
+            f"svc: the command daemonized: pid {pid} still serves port {port}; vllm-guardian "
+            "supervises the process it starts, run vLLM in the foreground. Not restarting it "
+            f"(a second server would start on top of pid {pid}): stop pid {pid}, fix "
+            "services[].command, then restart the guardian"
+        ]
+        ok, terminal, detail = sup.restart(timeout_seconds=5)
+        assert (ok, terminal) == (False, True) and "daemonized" in detail
+        assert sup.starts == 1 and len(marks.read_text().splitlines()) == 1
+    finally:
+        sup.stop(5)
