@@ -23,7 +23,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -470,6 +470,8 @@ class TextStream:
     done: bool = False
     failure: str | None = None
     ended: float = 0.0  # time.monotonic() when it ended
+    # (n, call): the reader calls ``call`` once, right after the n-th event, in its own thread
+    on_event: tuple[int, Callable[[], None]] | None = None
 
 
 def stream_text(url: str, body: dict[str, object], into: TextStream, timeout: float = 600) -> None:
@@ -501,6 +503,8 @@ def stream_text(url: str, body: dict[str, object], into: TextStream, timeout: fl
                     r.text += choice["text"]
                     r.finish_reason = choice.get("finish_reason") or r.finish_reason
                     r.events += 1
+                    if r.on_event is not None and r.events == r.on_event[0]:
+                        r.on_event[1]()
     except (requests.RequestException, ValueError) as e:
         r.failure = f"{type(e).__name__}: {e}"[:300]
     r.ended = time.monotonic()
