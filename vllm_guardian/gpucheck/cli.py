@@ -58,10 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _commit() -> str | None:
+def _git(*args: str) -> str | None:
     try:
         out = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
+            ["git", "-C", str(REPO_ROOT), *args],
             capture_output=True,
             text=True,
             timeout=10,
@@ -69,7 +69,15 @@ def _commit() -> str | None:
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return out.stdout.strip() or None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _commit() -> str | None:
+    """The checkout's commit, ``-dirty`` when the tree differs from it (a copied tree may)."""
+    head = _git("rev-parse", "--short", "HEAD")
+    if not head:
+        return None
+    return f"{head}-dirty" if _git("status", "--porcelain", "--untracked-files=no") else head
 
 
 def _say(text: str) -> None:
@@ -102,7 +110,10 @@ def main(argv: list[str]) -> int:
     try:
         info = probe.event(time.monotonic() + st.BOUNDS_SECONDS["environment"], "info", "no_cuda")
     except st.StepTimeout as e:
-        print(f"gpu-check: torch with CUDA is needed in {args.python}: {e}", file=sys.stderr)
+        # One line: the workload's own last word (ModuleNotFoundError: No module named 'torch').
+        said = probe.stderr_tail().strip().splitlines()
+        why = said[-1] if said else str(e)
+        print(f"gpu-check: torch with CUDA is needed in {args.python}: {why}", file=sys.stderr)
         return NO_GPU_EXIT
     finally:
         probe.release()

@@ -34,7 +34,7 @@ from vllm_guardian.clock import SystemClock
 from vllm_guardian.config import AllocatorSourceConfig, PolicyConfig
 from vllm_guardian.core.forecast import ForecastSettings, MemorySample, Neighbour, forecast
 from vllm_guardian.gpucheck import report as rp
-from vllm_guardian.model import AllocatorReading, GpuDevice, GpuReading, Reading
+from vllm_guardian.model import AllocatorReading, GpuDevice, GpuReading
 from vllm_guardian.sources.allocator import AllocatorCollector
 from vllm_guardian.sources.logs import match_line
 from vllm_guardian.sources.nvml import DEFAULT_INTERVAL_SECONDS, NvmlCollector
@@ -91,7 +91,10 @@ class Child:
         assert self.proc.stdout is not None
         assert self.proc.stderr is not None
         threading.Thread(target=self._read_events, args=(self.proc.stdout,), daemon=True).start()
-        threading.Thread(target=self._read_stderr, args=(self.proc.stderr,), daemon=True).start()
+        self._stderr_reader = threading.Thread(
+            target=self._read_stderr, args=(self.proc.stderr,), daemon=True
+        )
+        self._stderr_reader.start()
 
     def _read_events(self, stream: IO[str]) -> None:
         for line in stream:
@@ -123,6 +126,7 @@ class Child:
                 continue
             if event is None:
                 self.proc.wait(timeout=10)
+                self._stderr_reader.join(timeout=5)  # its last words, before they are quoted
                 raise StepTimeout(
                     f"the workload exited ({self.proc.returncode}) before {'/'.join(names)}: "
                     f"{self.stderr_tail(600).strip()}"
@@ -548,10 +552,6 @@ def host_facts(ctx: Context, info: Mapping[str, Any], reading: GpuReading) -> di
     }
 
 
-def nvml_reading(nvml: NvmlCollector) -> Reading:
-    return nvml.collect()
-
-
 def write_report(
     out_dir: Path, host: Mapping[str, Any], steps: Sequence[rp.StepResult], meta: Mapping[str, Any]
 ) -> None:
@@ -572,7 +572,11 @@ def run_steps(
     meta: Mapping[str, Any],
     started: float,
     say: Callable[[str], None],
+    steps: Mapping[str, Callable[[Context, float], list[rp.StepResult]]] | None = None,
 ) -> list[rp.StepResult]:
+    """Run ``names`` in turn, each within its bound and the check's; the report is rewritten
+    after every step. ``steps``: the step functions (tests pass their own)."""
+    table = STEPS if steps is None else steps
     results: list[rp.StepResult] = []
     for name in names:
         bound = min(BOUNDS_SECONDS[name], started + TOTAL_SECONDS - time.monotonic())
@@ -582,7 +586,7 @@ def run_steps(
         else:
             say(f"{name}: running (at most {bound:.0f} s)")
             try:
-                got = STEPS[name](ctx, t0 + bound)
+                got = table[name](ctx, t0 + bound)
             except StepTimeout as e:
                 got = [rp.errored(name, f"{e} (bound {bound:.0f} s)")]
             except Exception as e:  # one step's surprise must not cost the others' numbers
