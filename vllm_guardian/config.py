@@ -519,7 +519,7 @@ def _check_optional_url(v: str | None) -> str | None:
 
 @dataclass(frozen=True)
 class FleetConfig:
-    # One disruption budget across replicas (README "Run on Kubernetes"): "none" (one host:
+    # One disruption budget across replicas (docs/kubernetes.md): "none" (one host:
     # every replica acts alone) or "lease" (a voluntary action first takes one of N Lease
     # permits, N and disruptionsAllowed from the PodDisruptionBudget). Only "lease" imports the
     # Kubernetes adapter (the `k8s` extra).

@@ -107,7 +107,7 @@ rules:
 # neighbour grows 0.1 GiB per simulated second). Left at their wall-clock defaults, a twin at 4x
 # needed 160 simulated seconds of trend before any forecast, while its neighbour exhausts the
 # card in about 66: the demo never showed the pre-emptive relaunch a deployed guardian makes, only
-# the OOM after it (and the relaunch loop that followed; README "Demo").
+# the OOM after it (and the relaunch loop that followed; docs/benchmarks.md, "The demo").
 FORECAST_SIGNALS = (
     "forecast_window_seconds", "forecast_interval_seconds", "forecast_min_span_seconds",
     "forecast_max_gap_seconds",
