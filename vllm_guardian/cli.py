@@ -349,6 +349,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="the KV budget of a deployment before it exists: `vllm-guardian plan --help`",
         add_help=False,
     )
+    sub.add_parser(
+        "install",
+        help="write the systemd units, the vLLM drop-in, the polkit rule and the user: "
+        "`vllm-guardian install --help`",
+        add_help=False,
+    )
+    sub.add_parser(
+        "uninstall",
+        help="remove what install wrote (the config and the state stay): "
+        "`vllm-guardian uninstall --help`",
+        add_help=False,
+    )
     return p
 
 
