@@ -273,12 +273,23 @@ def cmd_control(args: argparse.Namespace) -> int:
 def cmd_sim(args: argparse.Namespace, rest: Sequence[str]) -> int:
     from vllm_guardian.sim.cli import main as sim_main  # noqa: PLC0415  # the twin, on demand
 
-    return sim_main(list(rest))
+    return sim_main(list(rest), prog="vllm-guardian sim")
+
+
+PAUSE_TEXT = {
+    "pause": "Maintenance: the guardian keeps observing, exporting and alerting, starts no new "
+    "action and holds the gate open; an action under way runs to its end. Saved in the policy "
+    "state, so it lasts across guardian restarts until resume.",
+    "resume": "Act again after pause, and clear a latched circuit breaker: the one way to say "
+    "'go on' after the guardian stopped itself.",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="vllm-guardian", description="Keeps vLLM inference servers alive."
+        prog="vllm-guardian",
+        description="Keeps vLLM inference servers alive.",
+        epilog="Each command has its own help: vllm-guardian COMMAND --help.",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -291,12 +302,27 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"config file (default {DEFAULT_CONFIG_PATH})",
         )
 
-    r = sub.add_parser("run", help="run the daemon")
+    r = sub.add_parser(
+        "run",
+        help="run the daemon",
+        description="Run the guardian: watch every service of the config each tick, export "
+        "/metrics, fire alerts and heal (what systemd's vllm-guardian.service runs).",
+    )
     with_config(r)
     r.add_argument("-v", "--verbose", action="store_true")
-    c = sub.add_parser("check-config", help="validate a config file and report every error")
+    c = sub.add_parser(
+        "check-config",
+        help="validate a config file and report every error",
+        description="Validate a config (and its rules_file) and report every error at once as "
+        "file:line: key.path: why. Exit 0 valid, 2 invalid.",
+    )
     with_config(c)
-    s = sub.add_parser("status", help="show what the running daemon sees")
+    s = sub.add_parser(
+        "status",
+        help="show what the running daemon sees",
+        description="What the running guardian sees and is doing, per service, read over its "
+        "control socket.",
+    )
     with_config(s)
     s.add_argument("--socket", help="control socket path (default: <runtime_dir>/control.sock)")
     s.add_argument("--json", action="store_true", help="print the raw status as JSON")
@@ -304,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("pause", "stop acting (maintenance): observe and alert only"),
         ("resume", "act again, and clear a latched circuit breaker"),
     ):
-        cp = sub.add_parser(name, help=text)
+        cp = sub.add_parser(name, help=text, description=PAUSE_TEXT[name])
         with_config(cp)
         cp.add_argument("service", nargs="?", help="one service (default: all)")
         cp.add_argument(
@@ -312,53 +338,51 @@ def build_parser() -> argparse.ArgumentParser:
         )
     sub.add_parser(
         "restart",
-        help="drain and restart a service through the front door: `vllm-guardian restart --help`",
+        help="drain and restart a service through the front door",
         add_help=False,
     )
     sub.add_parser(
         "relaunch",
-        help="apply whitelisted flags without dropping a request: `vllm-guardian relaunch --help`",
+        help="apply whitelisted flags without dropping a request",
         add_help=False,
     )
     sub.add_parser(
         "replay", help="a flight recording through a config's rules and policy", add_help=False
     )
-    sub.add_parser("sim", help="the vLLM twin: `vllm-guardian sim serve --help`", add_help=False)
+    sub.add_parser("sim", help="the vLLM twin", add_help=False)
     sub.add_parser(
         "demo",
-        help="the guardian against the built-in vLLM twin: `vllm-guardian demo --help`",
+        help="the guardian against the built-in vLLM twin",
         add_help=False,
     )
     sub.add_parser(
         "loadtest",
-        help="a synthetic peak, watched and stopped before harm: `vllm-guardian loadtest --help`",
+        help="a synthetic peak, watched and stopped before harm",
         add_help=False,
     )
     sub.add_parser(
         "gate",
-        help="the admission gate in front of one vLLM (unit vllm-guardian-gate@NAME): `vllm-guardian gate --help`",
+        help="the admission gate in front of one vLLM (unit vllm-guardian-gate@NAME)",
         add_help=False,
     )
     sub.add_parser(
         "diagnose",
-        help="one-command incident report, live or from a bundle: `vllm-guardian diagnose --help`",
+        help="one-command incident report, live or from a bundle",
         add_help=False,
     )
     sub.add_parser(
         "plan",
-        help="the KV budget of a deployment before it exists: `vllm-guardian plan --help`",
+        help="the KV budget of a deployment before it exists",
         add_help=False,
     )
     sub.add_parser(
         "install",
-        help="write the systemd units, the vLLM drop-in, the polkit rule and the user: "
-        "`vllm-guardian install --help`",
+        help="write the systemd units, the vLLM drop-in, the polkit rule and the user",
         add_help=False,
     )
     sub.add_parser(
         "uninstall",
-        help="remove what install wrote (the config and the state stay): "
-        "`vllm-guardian uninstall --help`",
+        help="remove what install wrote (the config and the state stay)",
         add_help=False,
     )
     return p

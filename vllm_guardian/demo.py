@@ -534,8 +534,18 @@ def summary(report: DemoReport) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout) -> int:
-    ap = argparse.ArgumentParser(prog="vllm-guardian demo", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scenario", choices=SCENARIOS, default="prefill_burst")
+    ap = argparse.ArgumentParser(
+        prog="vllm-guardian demo",
+        description="The guardian and its gate against the built-in vLLM twin, live: an "
+        "incident from the first symptom to the recovery in about two minutes, then a summary "
+        "of the requests served, failed, held and retried.",
+    )
+    ap.add_argument(
+        "--scenario",
+        choices=SCENARIOS,
+        default="prefill_burst",
+        help="the failure to show (default prefill_burst)",
+    )
     ap.add_argument(
         "--speed", type=float, default=4.0, help="the twin's simulated seconds per real second"
     )

@@ -197,7 +197,8 @@ def _num(v: Any, fmt: str = "{:,.0f}") -> str:
 def render_text(r: Report, verbose: bool = False) -> str:
     """The report for a terminal: verdict and fix first, 80 columns, one screen when it can."""
     out: list[str] = []
-    head = f"vllm-guardian diagnose: {r.service}  ({r.mode}: {redact_text(r.origin)})"
+    command = "plan" if r.mode == "plan" else "diagnose"
+    head = f"vllm-guardian {command}: {r.service}  ({r.mode}: {redact_text(r.origin)})"
     out += _wrap(head, "  ", "")
     conf = f" ({r.causes[0].confidence:.0%})" if r.causes else ""
     out.append(f"VERDICT: {r.verdict.value}{conf}")
