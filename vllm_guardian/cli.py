@@ -44,6 +44,28 @@ def _load(path: str) -> Config | None:
         return None
 
 
+def missing_files(cfg: Config) -> list[str]:
+    """Files the config names that this user cannot read now. Not errors: a log file may appear
+    when vLLM first starts, and the source reports itself down until then; but a typo in a path
+    would leave the guardian half blind without a word, so check-config says it."""
+    named = [
+        (f"services[{i}].log_file", s.log_file, "the logs source")
+        for i, s in enumerate(cfg.services)
+    ]
+    nvml = cfg.sources.nvml
+    if nvml.enabled and nvml.backend == "file":
+        named.append(("sources.nvml.state_file", nvml.state_file, "the GPU source"))
+    out = []
+    for key, path, source in named:
+        if path is None:
+            continue
+        if not os.path.exists(path):
+            out.append(f"{key}: {path} does not exist: {source} reports itself down until it does")
+        elif not os.access(path, os.R_OK):
+            out.append(f"{key}: {path} is not readable by this user: {source} cannot read it")
+    return out
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
     cfg = _load(args.config)
     if cfg is None:
@@ -57,6 +79,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         for err in e.errors:
             print("  " + err.format(e.filename), file=sys.stderr)
         return EXIT_CONFIG
+    for warning in missing_files(cfg):
+        print(f"warning: {warning}", file=sys.stderr)
     names = ", ".join(s.name for s in cfg.services)
     mode = "dry-run (decides, does not act)" if cfg.policy.dry_run else "armed"
     print(
