@@ -92,3 +92,15 @@ def test_check_config_warns_of_a_named_file_that_is_not_there(
         assert "warning" not in err, err
     else:
         assert f"warning: {warning.format(path=path)}" in err, err
+
+
+def test_the_rules_files_errors_come_with_the_configs(tmp_path, capsys) -> None:
+    """Both files' errors in one run: the rules file's appeared only once the config was fixed."""
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("rules:\n  - name: X\n    signal: kv_cache_usage_ratio\n    fore_seconds: 1\n")
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(f"interval_secnds: 2\nalerting:\n  rules_file: {rules}\n" + SERVICE)
+    assert cli.main(["check-config", "-c", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert f"{cfg}:1: interval_secnds: unknown key" in err, err
+    assert f"{rules}:4: rules[0].fore_seconds: unknown key" in err, err

@@ -15,8 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from vllm_guardian import __version__
-from vllm_guardian.config import DEFAULT_CONFIG_PATH, Config, ConfigInvalid, load_config
+from vllm_guardian.config import DEFAULT_CONFIG_PATH, Config, ConfigInvalid, load_config, read_text
 
 EXIT_OK, EXIT_FAIL, EXIT_CONFIG = 0, 1, 2
 
@@ -66,18 +68,47 @@ def missing_files(cfg: Config) -> list[str]:
     return out
 
 
+def _named_rules_file(path: str) -> str | None:
+    """``alerting.rules_file`` as written in a config that did not validate, or None."""
+    # Composed, not loaded: a bad tag (!!int abc) raises in YAML's constructors, not here.
+    try:
+        node = yaml.compose(read_text(path), Loader=yaml.SafeLoader)
+    except (ConfigInvalid, yaml.YAMLError, RecursionError):
+        return None
+    for key in ("alerting", "rules_file"):
+        if not isinstance(node, yaml.MappingNode):
+            return None
+        node = next((v for k, v in node.value if getattr(k, "value", None) == key), None)
+    if isinstance(node, yaml.ScalarNode) and node.tag.endswith(":str") and node.value:
+        return str(node.value)
+    return None
+
+
+def _print_rules_errors(e: ConfigInvalid) -> None:
+    print(f"{e.filename}: {len(e.errors)} error(s) in alert rules:", file=sys.stderr)
+    for err in e.errors:
+        print("  " + err.format(e.filename), file=sys.stderr)
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
     cfg = _load(args.config)
     if cfg is None:
+        # The rules file is checked too, so one run shows every error in both files.
+        named = _named_rules_file(args.config)
+        if named is not None:
+            from vllm_guardian.core.alerting import parse_rules  # noqa: PLC0415
+
+            try:
+                parse_rules(read_text(named), named)
+            except ConfigInvalid as e:
+                _print_rules_errors(e)
         return EXIT_CONFIG
     from vllm_guardian.actuators.alerts import load_rules  # noqa: PLC0415
 
     try:
         rules = load_rules(cfg.alerting)
     except ConfigInvalid as e:
-        print(f"{e.filename}: {len(e.errors)} error(s) in alert rules:", file=sys.stderr)
-        for err in e.errors:
-            print("  " + err.format(e.filename), file=sys.stderr)
+        _print_rules_errors(e)
         return EXIT_CONFIG
     for warning in missing_files(cfg):
         print(f"warning: {warning}", file=sys.stderr)
