@@ -1,4 +1,5 @@
-"""How many sequences a KV pool hosts, and what a ``--max-num-seqs`` below that costs. Pure.
+"""The levers the ladder moves, how many sequences a KV pool hosts, and what a
+``--max-num-seqs`` below that costs. Pure.
 
 Where it sits: a leaf of the pure core, read by the policy (the guarded concurrency relaunch),
 ``diagnose`` (its recommendation for KV thrash) and ``loadtest`` (its ``--max-num-seqs`` line):
@@ -19,6 +20,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from enum import StrEnum
+
+
+class Lever(StrEnum):
+    """What the ladder can change about how vLLM is launched, one rung at a time."""
+
+    MAX_NUM_SEQS = "max_num_seqs"
+    MAX_NUM_BATCHED_TOKENS = "max_num_batched_tokens"
+    GPU_MEMORY_UTILIZATION = "gpu_memory_utilization"
+    EXPANDABLE_SEGMENTS = "expandable_segments"
+
 
 # The sentence every surface uses (diagnose, plan, loadtest, the policy's audit line).
 LOW_CAP_COSTS = (

@@ -37,6 +37,7 @@ from typing import TypeVar
 from vllm_guardian.config import PolicyConfig
 from vllm_guardian.core import phases
 from vllm_guardian.core.budget import parse_launch_flags
+from vllm_guardian.core.causes import Pressure, cause_spec
 from vllm_guardian.core.diagnosis import (
     CORROBORATION_SECONDS,
     RESET_CLASS_XIDS,
@@ -53,6 +54,7 @@ from vllm_guardian.core.diagnosis import (
 from vllm_guardian.core.forecast import Forecast
 from vllm_guardian.core.levers import (
     LOW_CAP_COSTS,
+    Lever,
     mean_context_tokens,
     median,
     recompute_share,
@@ -75,34 +77,6 @@ from vllm_guardian.model import (
 GIB = 1024**3
 
 
-class Lever(StrEnum):
-    MAX_NUM_SEQS = "max_num_seqs"
-    MAX_NUM_BATCHED_TOKENS = "max_num_batched_tokens"
-    GPU_MEMORY_UTILIZATION = "gpu_memory_utilization"
-    EXPANDABLE_SEGMENTS = "expandable_segments"
-
-
-# The lever each cause moves (prefix_cache_waste moves nothing: V1's cached blocks are evictable,
-# so no flag frees memory there).
-CAUSE_LEVER: Mapping[Cause, Lever] = {
-    Cause.CONCURRENCY_OVERCOMMIT: Lever.MAX_NUM_SEQS,
-    Cause.PREFILL_BURST: Lever.MAX_NUM_BATCHED_TOKENS,
-    Cause.GPU_MEMORY_OVERCOMMIT: Lever.GPU_MEMORY_UTILIZATION,
-    Cause.ALLOCATOR_FRAGMENTATION: Lever.EXPANDABLE_SEGMENTS,
-}
-# Restarting cannot fix these: latch and tell a person.
-ESCALATE_CAUSES = frozenset(
-    {Cause.GPU_HARDWARE_FAULT, Cause.MODEL_DOES_NOT_FIT, Cause.KV_CACHE_BLOWOUT}
-)
-# These crash the engine: act on the first unambiguous event, without waiting for repeats.
-CRASH_CAUSES = frozenset(
-    {
-        Cause.ENGINE_DEAD,
-        Cause.PREFILL_BURST,
-        Cause.GPU_MEMORY_OVERCOMMIT,
-        Cause.ALLOCATOR_FRAGMENTATION,
-    }
-)
 LEVER_FLAG = {
     Lever.MAX_NUM_SEQS: "--max-num-seqs",
     Lever.MAX_NUM_BATCHED_TOKENS: "--max-num-batched-tokens",
@@ -736,7 +710,7 @@ def _supersede(ctx: _Ctx, s: ServiceState, top: Finding) -> ServiceState:
     )
     then = (
         "escalating instead"
-        if top.cause in ESCALATE_CAUSES
+        if cause_spec(top.cause).escalation is not None
         else "acting on it now, without a permit (the replica is already down)"
     )
     ctx.decide(
@@ -1091,7 +1065,7 @@ def _early_crash(s: ServiceState, top: Finding, now: float, p: PolicyConfig) -> 
     """
     if s.ready_since is None or now - s.ready_since > p.early_failure_seconds:
         return False
-    if top.cause not in CRASH_CAUSES:
+    if not cause_spec(top.cause).crashes:
         return False
     ready = s.ready_since
     fresh = {x.name for x in s.log_items if x.seen_at > ready and x.agreed}
@@ -1099,18 +1073,19 @@ def _early_crash(s: ServiceState, top: Finding, now: float, p: PolicyConfig) -> 
 
 
 def _crash(top: Finding) -> bool:
-    return top.cause in CRASH_CAUSES and any(e.unambiguous for e in top.evidence)
+    return cause_spec(top.cause).crashes and any(e.unambiguous for e in top.evidence)
 
 
 def _urgent(top: Finding) -> bool:
     """Acted on without a fleet permit: a crash or a dead engine (the replica is already down),
     or a cause that escalates (nothing is restarted)."""
-    return _crash(top) or top.cause is Cause.ENGINE_DEAD or top.cause in ESCALATE_CAUSES
+    spec = cause_spec(top.cause)
+    return _crash(top) or spec.already_down or spec.escalation is not None
 
 
 def _held(s: ServiceState, top: Finding, now: float, p: PolicyConfig) -> bool:
     """The cooldown or the backoff holds ``top`` back (as :func:`_act` decides below)."""
-    if top.cause in ESCALATE_CAUSES:
+    if cause_spec(top.cause).escalation is not None:
         return False
     if now < s.cooldown_until and not _early_crash(s, top, now, p):
         return True
@@ -1151,12 +1126,9 @@ def _act(
                 s, f"{findings[0].cause.value}: evidence not yet enough to act", findings[0]
             )
         return _maybe_step_up(ctx, s, sig)
-    if top.cause in ESCALATE_CAUSES:
-        reason = {
-            Cause.GPU_HARDWARE_FAULT: "GPU hardware fault: the GPU needs a reset; restarting vLLM would crash-loop",
-            Cause.MODEL_DOES_NOT_FIT: "the model does not fit this GPU at these settings; no flag saves it",
-            Cause.KV_CACHE_BLOWOUT: "max_model_len exceeds what the KV pool holds; lowering it changes what users can send",
-        }[top.cause]
+    spec = cause_spec(top.cause)
+    if spec.escalation is not None:
+        reason = spec.escalation
         s = replace(s, breaker_latched=True, breaker_reason=reason)
         ctx.decide(
             s,
@@ -1180,15 +1152,19 @@ def _act(
         )
 
     crash = _crash(top)
-    lever = CAUSE_LEVER.get(top.cause)
+    lever = spec.lever
+    episodes = _episodes(s, top.cause)
+    needed = (
+        p.pressure_events_to_relaunch if spec.episodes_to_step is None else spec.episodes_to_step
+    )
     base = s.baseline or default_baseline(sig, cmdline, gpu_total_bytes)
     if s.baseline is None:
         s = replace(s, baseline=base)  # rungs are relative to it: stepping up must use the same
     step = lever is not None and can_step_down(lever, s.rung(lever), base, p)
-    if top.cause is Cause.ALLOCATOR_FRAGMENTATION:
-        # Drain + restart clears fragmentation; only a repeat earns expandable segments.
-        step = step and _episodes(s, top.cause) >= 2
-    elif top.cause is Cause.CONCURRENCY_OVERCOMMIT:
+    if spec.restart_first:
+        # Drain + restart clears it (or is all there is); only a repeat earns the lever.
+        step = step and episodes >= needed
+    elif spec.pressure is Pressure.KV_CACHE:
         # KV pressure never crashes: the gate and the over-capacity alert handle it; a relaunch
         # only where the operator enabled it and every measured condition holds.
         seqs = _concurrency_relaunch(s, sig, base, p)
@@ -1197,24 +1173,20 @@ def _act(
         if seqs[0] <= s.rung(Lever.MAX_NUM_SEQS):
             return ctx.note(
                 s,
-                "concurrency_overcommit: gated and alerted, no relaunch: --max-num-seqs is "
+                f"{top.cause.value}: gated and alerted, no relaunch: --max-num-seqs is "
                 "already at or below 1.0x what the pool hosts",
                 top,
             )
-        if not (step and _episodes(s, top.cause) >= p.pressure_events_to_relaunch):
+        if not (step and episodes >= needed):
             return ctx.note(
                 s,
-                f"concurrency_overcommit: gated; {_episodes(s, top.cause)} episode(s) of "
-                f"{p.pressure_events_to_relaunch} before a relaunch",
+                f"{top.cause.value}: gated; {episodes} episode(s) of {needed} before a relaunch",
                 top,
             )
-    elif top.cause is Cause.ENGINE_DEAD:
-        step = False
-    elif not crash and not (step and _episodes(s, top.cause) >= p.pressure_events_to_relaunch):
+    elif not crash and not (step and episodes >= needed):
         return ctx.note(
             s,
-            f"{top.cause.value}: {_episodes(s, top.cause)} episode(s) of "
-            f"{p.pressure_events_to_relaunch} before a relaunch",
+            f"{top.cause.value}: {episodes} episode(s) of {needed} before a relaunch",
             top,
         )
 
@@ -1275,7 +1247,7 @@ def _act(
     reason = (
         f"{top.cause.value}: drain and restart with the same flags; " + top.evidence[0].sentence
     )
-    voluntary = not crash and top.cause is not Cause.ENGINE_DEAD
+    voluntary = not crash and not spec.already_down
     return ctx.act(s, ActionKind.RESTART, top, reason, flags, env, voluntary=voluntary)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import shlex
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from vllm_guardian.actuators import flags as flagsfile
@@ -29,6 +29,7 @@ from vllm_guardian.core.budget import (
     fit_options,
 )
 from vllm_guardian.core.capacity import CapacityEstimate, CapacityState
+from vllm_guardian.core.causes import Remedy, cause_spec
 from vllm_guardian.core.levers import LOW_CAP_COSTS, sequences_hosted
 from vllm_guardian.diagnose.report import EnvChange, FlagChange, Recommendation, gib
 from vllm_guardian.model import Cause
@@ -72,7 +73,7 @@ def _floor2(v: float) -> float:
 
 
 def recommend(c: Context) -> Recommendation:
-    rule = _RULES.get(c.verdict)
+    rule = REMEDIES[cause_spec(c.verdict).remedy]
     if rule is None:
         return Recommendation("Nothing to change: no failure with evidence.")
     summary, changes, env, actions = rule(c)
@@ -331,15 +332,18 @@ def _hardware(c: Context) -> _Out:
     return "The GPU failed (XID/ECC): escalate to a person, no restart.", [], [], actions
 
 
-_RULES = {
-    Cause.GPU_MEMORY_OVERCOMMIT: _overcommit,
-    Cause.KV_CACHE_BLOWOUT: _blowout,
-    Cause.CONCURRENCY_OVERCOMMIT: _concurrency,
-    Cause.PREFILL_BURST: _prefill,
-    Cause.ALLOCATOR_FRAGMENTATION: _fragmentation,
-    Cause.MODEL_DOES_NOT_FIT: _does_not_fit,
-    Cause.ENGINE_DEAD: _engine_dead,
-    Cause.GPU_HARDWARE_FAULT: _hardware,
+# One writer per remedy (the cause table, ``core/causes.py``, says which remedy a cause gets);
+# None: nothing to change. A remedy without a writer fails ``tests/test_causes.py``.
+REMEDIES: Mapping[Remedy, Callable[[Context], _Out] | None] = {
+    Remedy.RESERVE_LESS: _overcommit,
+    Remedy.SHORTEN_MAX_MODEL_LEN: _blowout,
+    Remedy.ADD_CAPACITY: _concurrency,
+    Remedy.SMALLER_PREFILL: _prefill,
+    Remedy.EXPANDABLE_SEGMENTS: _fragmentation,
+    Remedy.MAKE_IT_FIT: _does_not_fit,
+    Remedy.RESTART: _engine_dead,
+    Remedy.RESET_GPU: _hardware,
+    Remedy.NOTHING: None,
 }
 
 
