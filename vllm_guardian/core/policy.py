@@ -54,7 +54,11 @@ from vllm_guardian.core.diagnosis import (
 from vllm_guardian.core.forecast import Forecast
 from vllm_guardian.core.levers import (
     LOW_CAP_COSTS,
+    Baseline,
     Lever,
+    Step,
+    lever_of_flag,
+    lever_spec,
     mean_context_tokens,
     median,
     recompute_share,
@@ -75,22 +79,6 @@ from vllm_guardian.model import (
 )
 
 GIB = 1024**3
-
-
-LEVER_FLAG = {
-    Lever.MAX_NUM_SEQS: "--max-num-seqs",
-    Lever.MAX_NUM_BATCHED_TOKENS: "--max-num-batched-tokens",
-    Lever.GPU_MEMORY_UTILIZATION: "--gpu-memory-utilization",
-}
-
-
-@dataclass(frozen=True)
-class Baseline:
-    """The operator's own values, before the guardian changed anything."""
-
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    gpu_memory_utilization: float
 
 
 @dataclass(frozen=True)
@@ -276,17 +264,10 @@ def lever_value(lever: Lever, rung: int, base: Baseline, p: PolicyConfig) -> str
     """The flag value at ``rung`` (0 = the operator's baseline: no guardian flag)."""
     if rung <= 0:
         return None
-    if lever is Lever.MAX_NUM_SEQS:
-        return str(
-            max(p.max_num_seqs_floor, int(base.max_num_seqs * p.max_num_seqs_factor_ratio**rung))
-        )
-    if lever is Lever.MAX_NUM_BATCHED_TOKENS:
-        tokens = int(base.max_num_batched_tokens * p.max_num_batched_tokens_factor_ratio**rung)
-        return str(max(p.max_num_batched_tokens_floor, tokens))
-    if lever is Lever.GPU_MEMORY_UTILIZATION:
-        util = base.gpu_memory_utilization - p.gpu_memory_utilization_step_ratio * rung
-        return f"{max(p.gpu_memory_utilization_floor_ratio, round(util, 4)):g}"
-    return "expandable_segments:True"
+    spec = lever_spec(lever)
+    if spec.env is not None:
+        return spec.env[1]
+    return spec.text(spec.lowered(spec.base_value(base), rung, p))
 
 
 def nearest_seqs_rung(
@@ -312,17 +293,13 @@ def nearest_seqs_rung(
 
 def can_step_down(lever: Lever, rung: int, base: Baseline, p: PolicyConfig) -> bool:
     """Whether one more rung changes anything (floors reached, or a switch already on)."""
-    if lever is Lever.EXPANDABLE_SEGMENTS:
+    spec = lever_spec(lever)
+    if spec.step is Step.SWITCH:
         return rung == 0
     now = lever_value(lever, rung, base, p)
     nxt = lever_value(lever, rung + 1, base, p)
     if now is None:
-        baseline = {
-            Lever.MAX_NUM_SEQS: str(base.max_num_seqs),
-            Lever.MAX_NUM_BATCHED_TOKENS: str(base.max_num_batched_tokens),
-            Lever.GPU_MEMORY_UTILIZATION: f"{base.gpu_memory_utilization:g}",
-        }[lever]
-        return nxt is not None and float(nxt) < float(baseline)
+        return nxt is not None and float(nxt) < spec.base_value(base)
     return nxt is not None and float(nxt) < float(now)
 
 
@@ -336,12 +313,12 @@ def flags_for(
         value = lever_value(lever, rungs.get(lever, 0), base, p)
         if value is None:
             continue
-        if lever is Lever.EXPANDABLE_SEGMENTS:
-            env.append(("PYTORCH_CUDA_ALLOC_CONF", value))
-            continue
-        flags.append((LEVER_FLAG[lever], value))
-        if lever is Lever.MAX_NUM_BATCHED_TOKENS:
-            flags.append(("--enable-chunked-prefill", ""))  # smaller chunks only help chunked
+        spec = lever_spec(lever)
+        if spec.env is not None:
+            env.append((spec.env[0], value))
+        if spec.flag is not None:
+            flags.append((spec.flag, value))
+        flags.extend(spec.companions)
     return tuple(flags), tuple(env)
 
 
@@ -1520,20 +1497,15 @@ def operator_action(
         by_flag.update(sets)
         s = replace(s, operator_flags=tuple(sorted(by_flag.items())))
         for flag, value in sets:
-            lever = next((lv for lv, f in LEVER_FLAG.items() if f == flag), None)
+            lever = lever_of_flag(flag)
             if lever is None:
                 continue
             s = _set_rung(s, lever, 0)
             b = s.baseline
-            if b is None:
+            spec = lever_spec(lever)
+            if b is None or spec.baseline_field is None:
                 continue  # captured from the running command line once vLLM is back
-            if lever is Lever.MAX_NUM_SEQS:
-                b = replace(b, max_num_seqs=int(value))
-            elif lever is Lever.MAX_NUM_BATCHED_TOKENS:
-                b = replace(b, max_num_batched_tokens=int(value))
-            else:
-                b = replace(b, gpu_memory_utilization=float(value))
-            s = replace(s, baseline=b)
+            s = replace(s, baseline=spec.rebased(b, value))
     if s.breaker_latched and force:
         ctx.decide(
             s, DecisionKind.OPERATOR, f"--force by {who}: acting although the breaker is latched"
