@@ -16,7 +16,8 @@ from vllm_guardian.actuators import flags as flagsfile
 from vllm_guardian.config import PolicyConfig
 from vllm_guardian.core.budget import LaunchFlags
 from vllm_guardian.core.levers import LEVERS, Baseline, Lever, Step, lever_of_flag, lever_spec
-from vllm_guardian.core.policy import can_step_down, flags_for, lever_value
+from vllm_guardian.core.policy import can_step_down, default_baseline, flags_for, lever_value
+from vllm_guardian.core.signals import ServiceSignals
 from vllm_guardian.diagnose.recommend import Context, recommend
 from vllm_guardian.model import Cause
 from vllm_guardian.sim.flags import parse_serve_args
@@ -116,3 +117,38 @@ def test_diagnose_lowers_the_utilization_no_further_than_the_operators_floor(
     got, actions = _overcommit(policy, free_gib)
     assert got == new
     assert any("below the floor" in a for a in actions) is says_below, actions
+
+
+# (command line, GPU memory, what vLLM reports, the baseline the policy starts from)
+BASELINES = [
+    ((), 80 * GIB, None, Baseline(1024, 8192, 0.92)),
+    ((), 40 * GIB, None, Baseline(256, 2048, 0.92)),
+    ((), 192 * GIB, None, Baseline(1024, 16384, 0.92)),
+    ((), 40 * GIB, 0.85, Baseline(256, 2048, 0.85)),
+    (
+        ("vllm", "serve", "m", "--max-num-seqs", "64", "--gpu-memory-utilization", "0.8"),
+        80 * GIB,
+        0.85,
+        Baseline(64, 8192, 0.8),
+    ),
+    (
+        ("vllm", "serve", "m", "--max-num-batched-tokens", "4k"),
+        40 * GIB,
+        None,
+        Baseline(256, 4000, 0.92),
+    ),
+]
+
+
+@pytest.mark.parametrize(("cmdline", "total", "reported", "want"), BASELINES)
+def test_the_baseline_is_the_command_line_then_what_vllm_reports_then_its_default(
+    cmdline: tuple[str, ...], total: int, reported: float | None, want: Baseline
+) -> None:
+    sig = None
+    if reported is not None:
+        sig = dataclasses.replace(
+            ServiceSignals("vllm", None, None, False, None), gpu_memory_utilization_ratio=reported
+        )
+    got = default_baseline(sig, cmdline, total)
+    assert got == want
+    assert [type(getattr(got, f.name)) for f in dataclasses.fields(got)] == [int, int, float]

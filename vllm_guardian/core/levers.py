@@ -26,6 +26,8 @@ from typing import Any
 
 from vllm_guardian.config import PolicyConfig
 
+GIB = 1024**3
+
 
 class Lever(StrEnum):
     """What the ladder can change about how vLLM is launched, one rung at a time."""
@@ -71,6 +73,13 @@ class LeverSpec:
     # the step (SUBTRACT) per rung, and the floor.
     step_setting: str | None
     floor_setting: str | None
+    # Where the operator's value comes from when the guardian first sees vLLM, first found
+    # wins: the ``LaunchFlags`` field its command line sets (``core/budget.py``), the
+    # ``ServiceSignals`` field where vLLM reports the value it runs with, and vLLM's own
+    # default by the card's memory: ((from bytes, value), ...), largest first.
+    launch_field: str | None = None
+    reported_field: str | None = None
+    vllm_default: tuple[tuple[int, float], ...] = ()
 
     def step_size(self, p: PolicyConfig) -> float:
         assert self.step_setting is not None, self.lever
@@ -96,6 +105,14 @@ class LeverSpec:
         change: dict[str, Any] = {self.baseline_field: self.parse(text)}
         return replace(base, **change)
 
+    def operator_value(self, launch: object, reported: object, gpu_total_bytes: int) -> float:
+        """The operator's value (see ``launch_field``), typed as its :class:`Baseline` field."""
+        given = getattr(launch, self.launch_field) if self.launch_field else None
+        seen = getattr(reported, self.reported_field) if reported and self.reported_field else None
+        default = next(v for least, v in self.vllm_default if gpu_total_bytes >= least)
+        value = given or seen or default
+        return int(value) if self.step is Step.MULTIPLY else float(value)
+
     def text(self, value: float) -> str:
         """The value as the flag takes it."""
         return str(int(value)) if self.step is Step.MULTIPLY else f"{value:g}"
@@ -117,6 +134,9 @@ LEVERS: Mapping[Lever, LeverSpec] = {
             baseline_field="max_num_seqs",
             step_setting="max_num_seqs_factor_ratio",
             floor_setting="max_num_seqs_floor",
+            launch_field="max_num_seqs",
+            # vLLM 0.33's API server: 1024 on a GPU of 70 GiB or more, 256 below.
+            vllm_default=((70 * GIB, 1024), (0, 256)),
         ),
         LeverSpec(
             Lever.MAX_NUM_BATCHED_TOKENS,
@@ -127,6 +147,9 @@ LEVERS: Mapping[Lever, LeverSpec] = {
             baseline_field="max_num_batched_tokens",
             step_setting="max_num_batched_tokens_factor_ratio",
             floor_setting="max_num_batched_tokens_floor",
+            launch_field="max_num_batched_tokens",
+            # vLLM 0.33's API server: 16384 from 160 GiB, 8192 from 70 GiB, 2048 below.
+            vllm_default=((160 * GIB, 16384), (70 * GIB, 8192), (0, 2048)),
         ),
         LeverSpec(
             Lever.GPU_MEMORY_UTILIZATION,
@@ -137,6 +160,9 @@ LEVERS: Mapping[Lever, LeverSpec] = {
             baseline_field="gpu_memory_utilization",
             step_setting="gpu_memory_utilization_step_ratio",
             floor_setting="gpu_memory_utilization_floor_ratio",
+            launch_field="gpu_memory_utilization_ratio",
+            reported_field="gpu_memory_utilization_ratio",  # from vllm:cache_config_info
+            vllm_default=((0, 0.92),),
         ),
         LeverSpec(
             Lever.EXPANDABLE_SEGMENTS,

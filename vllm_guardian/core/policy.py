@@ -32,7 +32,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from vllm_guardian.config import PolicyConfig
 from vllm_guardian.core import phases
@@ -53,6 +53,7 @@ from vllm_guardian.core.diagnosis import (
 )
 from vllm_guardian.core.forecast import Forecast
 from vllm_guardian.core.levers import (
+    LEVERS,
     LOW_CAP_COSTS,
     Baseline,
     Lever,
@@ -241,23 +242,20 @@ class PolicyOutput:
 def default_baseline(
     signals: ServiceSignals | None, cmdline: Sequence[str] | None, gpu_total_bytes: int = 0
 ) -> Baseline:
-    """The operator's values: from the command line when set there, else vLLM's defaults
-    (they depend on the GPU's memory size: vLLM 0.33's API server takes --max-num-seqs 1024 and
-    --max-num-batched-tokens 8192 on a GPU of 70 GiB or more (16384 from 160 GiB), 256 and 2048
-    below that; --gpu-memory-utilization 0.92)."""
+    """The operator's values, one per lever with a value: from the command line when set
+    there, else what vLLM reports it runs with, else vLLM's default for the card's memory size
+    (each lever's row in ``core/levers.py`` says where to look and holds the defaults)."""
     total = max((g.total_bytes or 0 for g in signals.gpus), default=0) if signals else 0
     total = total or gpu_total_bytes
-    seqs_default = 1024 if total >= 70 * GIB else 256
-    tokens_default = 16384 if total >= 160 * GIB else 8192 if total >= 70 * GIB else 2048
-    util_default = (signals.gpu_memory_utilization_ratio if signals else None) or 0.92
     # The one launch-flag reader (core/budget.py), with argparse's semantics as vLLM has them:
     # the last occurrence wins and ``8k`` is 8000.
     flags = parse_launch_flags(cmdline or ())
-    return Baseline(
-        max_num_seqs=flags.max_num_seqs or seqs_default,
-        max_num_batched_tokens=flags.max_num_batched_tokens or tokens_default,
-        gpu_memory_utilization=flags.gpu_memory_utilization_ratio or util_default,
-    )
+    values: dict[str, Any] = {
+        spec.baseline_field: spec.operator_value(flags, signals, total)
+        for spec in LEVERS.values()
+        if spec.baseline_field is not None
+    }
+    return Baseline(**values)
 
 
 def lever_value(lever: Lever, rung: int, base: Baseline, p: PolicyConfig) -> str | None:
