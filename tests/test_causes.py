@@ -71,3 +71,7 @@ def test_a_cause_that_is_never_a_verdict_recommends_nothing() -> None:
         if not spec.verdict:
             assert spec.remedy is Remedy.NOTHING, spec.cause
             assert spec.lever is None and spec.escalation is None, spec.cause
+
+
+def test_the_table_above_states_every_cause() -> None:
+    assert [row[0] for row in EXPECTED] == list(CAUSES)
