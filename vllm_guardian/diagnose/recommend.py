@@ -40,7 +40,7 @@ GIB = 1024**3
 # context and a monitoring tool's allocation appear after vLLM measured free memory.
 UTILIZATION_MARGIN_BYTES = GIB // 2
 # The step, factor and floor of each flag are the ladder's (core/levers.py), under the
-# operator's policy settings: diagnose never recommends a value the guardian would refuse.
+# operator's policy settings: diagnose never recommends a lever below the guardian's floor.
 _UTILIZATION = lever_spec(Lever.GPU_MEMORY_UTILIZATION)
 _BATCHED_TOKENS = lever_spec(Lever.MAX_NUM_BATCHED_TOKENS)
 
