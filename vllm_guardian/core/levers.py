@@ -63,8 +63,8 @@ class LeverSpec:
     (``actuators/flags.py``) and the twin's parser by ``tests/test_levers.py``."""
 
     lever: Lever
-    flag: str | None  # the vLLM flag it sets; None: an environment variable
-    env: tuple[str, str] | None  # (variable, value) that a switch sets
+    flag: str | None  # the vLLM flag it sets (a switch: a flag without a value)
+    env: tuple[str, str] | None  # (variable, value) that a switch sets instead of a flag
     # Flags written beside it: smaller prefill chunks only help with chunked prefill on.
     companions: tuple[tuple[str, str], ...]
     step: Step

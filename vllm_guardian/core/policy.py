@@ -263,8 +263,8 @@ def lever_value(lever: Lever, rung: int, base: Baseline, p: PolicyConfig) -> str
     if rung <= 0:
         return None
     spec = lever_spec(lever)
-    if spec.env is not None:
-        return spec.env[1]
+    if spec.step is Step.SWITCH:  # on: its variable's value, or a flag that takes none
+        return spec.env[1] if spec.env is not None else ""
     return spec.text(spec.lowered(spec.base_value(base), rung, p))
 
 
