@@ -19,6 +19,7 @@ from vllm_guardian.config import (
     Config,
     ConfigInvalid,
     NvmlSourceConfig,
+    PolicyConfig,
     ServiceConfig,
     load_config,
 )
@@ -133,20 +134,22 @@ def diagnose(argv: Sequence[str]) -> int:
             )
             return EXIT_USAGE
         thresholds = diagnosis.Thresholds()
+        policy: PolicyConfig | None = None
         if args.config:
             read = _read_config(args.config)
             if read is None:
                 return EXIT_USAGE
-            thresholds = read[1]
+            policy, thresholds = read[0].policy, read[1]
         try:
             bundle = read_bundle(args.bundle)
         except BundleError as e:
             print(f"vllm-guardian diagnose: {e}", file=sys.stderr)
             return EXIT_USAGE
-        return _emit(analyze(bundle, "bundle", thresholds), args.json, args.verbose)
+        return _emit(analyze(bundle, "bundle", thresholds, policy), args.json, args.verbose)
     nvml = NvmlSourceConfig()
     socket: str | None = None
     thresholds = diagnosis.Thresholds()  # --url alone: the shipped rules' numbers
+    policy = None  # --url alone: the shipped policy's levers
     svc: ServiceConfig
     config_path = args.config or (
         DEFAULT_CONFIG_PATH if not args.url and Path(DEFAULT_CONFIG_PATH).exists() else None
@@ -156,6 +159,7 @@ def diagnose(argv: Sequence[str]) -> int:
         if read is None:
             return EXIT_USAGE
         cfg, thresholds = read
+        policy = cfg.policy
         found = cfg.service(args.service) if args.service else cfg.services[0]
         if found is None:
             names = ", ".join(s.name for s in cfg.services)
@@ -210,7 +214,7 @@ def diagnose(argv: Sequence[str]) -> int:
             progress(f"bundle saved to {saved}")
         except OSError as e:
             print(f"vllm-guardian diagnose: cannot save the bundle: {e}", file=sys.stderr)
-    return _emit(analyze(bundle, "live", thresholds), args.json, args.verbose)
+    return _emit(analyze(bundle, "live", thresholds, policy), args.json, args.verbose)
 
 
 def _plan_parser() -> argparse.ArgumentParser:
