@@ -98,3 +98,59 @@ def test_a_daemonizing_command_is_not_restarted_on_top_of_its_daemon(
         assert sup.starts == 1 and len(marks.read_text().splitlines()) == 1
     finally:
         sup.stop(5)
+
+
+def test_the_guardian_audits_a_daemonizing_command_with_the_reason(
+    tmp_path: Path, marks: Path
+) -> None:
+    """The guardian's own process backend (healing.py builds the supervisor): when its command
+    daemonizes, the audit log gets one record saying so, with the pid, the port and the fix,
+    so a person reading the audit learns why vLLM is no longer supervised."""
+    import json
+
+    from vllm_guardian.clock import SystemClock
+    from vllm_guardian.config import parse_config
+    from vllm_guardian.healing import Healing
+
+    script = tmp_path / "daemonize.py"
+    script.write_text(DAEMONIZING)
+    state = tmp_path / "state"
+    text = json.dumps(
+        {
+            "state_dir": str(state),
+            "runtime_dir": str(tmp_path / "run"),
+            "sources": {"allocator": {"enabled": False}},
+            "services": [
+                {
+                    "name": "vllm",
+                    "url": "http://127.0.0.1:1",
+                    "command": [sys.executable, str(script), str(marks)],
+                    "log_file": str(tmp_path / "vllm.log"),
+                }
+            ],
+            "policy": {"backend": "process"},
+        }
+    )
+    healing = Healing(parse_config(text, "test.yaml"), SystemClock(), [])
+    audit = state / "audit.jsonl"
+    sup = healing.supervisors["vllm"]
+    healing.start()
+    try:
+        deadline = time.monotonic() + 60  # a guard against a hang, not a measure
+        while sup.daemonized is None or not audit.exists():
+            assert time.monotonic() < deadline, (
+                f"no daemonized record within 60s: starts {sup.starts}, exits {sup.exits}, "
+                f"audit {audit.read_text() if audit.exists() else '(none)'}"
+            )
+            time.sleep(0.05)
+        records = [json.loads(line) for line in audit.read_text().splitlines()]
+        pid, port = (int(f) for f in marks.read_text().split())
+        assert len(records) == 1, records
+        (record,) = records
+        assert (record["service"], record["what"]) == ("vllm", "suppressed"), record
+        assert f"the command daemonized: pid {pid} still serves port {port}" in record["reason"]
+        assert (
+            "Not restarting it" in record["reason"] and "fix services[].command" in record["reason"]
+        )
+    finally:
+        healing.close()
