@@ -253,3 +253,109 @@ def test_status_says_memory_is_attributed_by_device() -> None:
     assert "GPU memory (by device: NVML's host pids are not visible here): service 70.0 GiB" in text
     del svc["gpu_memory_by_device"]
     assert "by device" not in render_status({"version": "x", "signals": {"services": [svc]}})
+
+
+# --- SIGTERM to the pod: the front door closes and what is in flight finishes first ----------
+
+
+def test_sigterm_drains_a_stream_in_flight_through_the_gate_before_vllm_stops(
+    tmp_path: Path,
+) -> None:
+    """The pod's entrypoint gets SIGTERM while a client's stream runs through the gate. The
+    guardian closes its front door (``/ready/vllm`` 503, which the gate follows), waits for
+    the request in flight (at most policy.drain_timeout_seconds), and only then stops vLLM,
+    whose own SIGTERM would abort it (``--shutdown-timeout 0``, vLLM's default). The client
+    gets its whole stream; the guardian exits 0 and vLLM is stopped.
+
+    Real processes: the guardian (process backend, container mode) and the twin as its
+    child; the gate in this process; the client over loopback."""
+    from tests.test_gate_support import GateThread
+
+    guardian_port, vllm_port = free_port(), free_port()
+    max_tokens = 500  # about 1.5 s of stream at --sim-speed 4 on this machine
+    twin = [
+        sys.executable, "-m", "vllm_guardian", "sim", "serve", "facebook/opt-125m",
+        "--host", "127.0.0.1", "--port", str(vllm_port), "--sim-speed", "4", "--enforce-eager",
+    ]  # fmt: skip
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        json.dumps(
+            {
+                "interval_seconds": 0.5,
+                "listen": f"127.0.0.1:{guardian_port}",
+                "runtime_dir": str(tmp_path / "run"),
+                "state_dir": str(tmp_path / "state"),
+                "sources": {"nvml": {"enabled": False}, "unit": {"enabled": False}},
+                "policy": {"backend": "process", "dry_run": True, "drain_timeout_seconds": 30},
+                "services": [
+                    {
+                        "name": "vllm",
+                        "url": f"http://127.0.0.1:{vllm_port}",
+                        "log_file": str(tmp_path / "state" / "vllm.log"),
+                        "command": twin,
+                    }
+                ],
+            }
+        )
+    )
+    out_path = tmp_path / "guardian.out"
+    with out_path.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm_guardian", "run", "-c", str(cfg)],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), **POD_ENV},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    base = f"http://127.0.0.1:{guardian_port}"
+    gate = GateThread(f"http://127.0.0.1:{vllm_port}", guardian=base)
+
+    def seen() -> str:
+        return out_path.read_text(errors="replace")[-3000:]
+
+    def ready() -> bool:
+        try:
+            return requests.get(f"{base}/ready/vllm", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    events: list[dict[str, object]] = []
+    lines: list[str] = []
+    try:
+        wait_for("the guardian says vLLM is ready", ready, seen)
+        wait_for("the gate is open", lambda: requests.get(f"{gate.url}/health", timeout=2).ok, seen)  # fmt: skip
+        body = {"model": "facebook/opt-125m", "prompt": "hello", "max_tokens": max_tokens,
+                "stream": True}  # fmt: skip
+        with requests.post(f"{gate.url}/v1/completions", json=body, stream=True, timeout=60) as r:
+            assert r.status_code == 200, r.text
+            for raw in r.iter_lines():
+                line = raw.decode()
+                if not line:
+                    continue
+                lines.append(line)
+                if len(lines) == 1:  # the stream is under way: the pod is told to stop
+                    term_at = time.monotonic()
+                    proc.send_signal(signal.SIGTERM)
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[len("data: ") :]))
+        proc.wait(timeout=60)
+        stopped_in = time.monotonic() - term_at
+    except (requests.RequestException, json.JSONDecodeError) as e:
+        raise AssertionError(f"the stream broke after {len(lines)} lines: {e!r}\n{seen()}") from e
+    finally:
+        gate.stop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    text = out_path.read_text(errors="replace")
+    said = "\n".join(line for line in text.splitlines() if "stopping" in line)
+    assert lines[-1] == "data: [DONE]", f"{lines[-3:]}\n{said}\n{seen()}"
+    choices = [e["choices"][0] for e in events]  # type: ignore[index]
+    assert len(choices) == max_tokens and choices[-1]["finish_reason"] == "length", choices[-2:]  # type: ignore[index]
+    assert "stopping: front door closed; draining vllm" in said, said
+    assert "stopping: drained in" in said, said
+    assert proc.returncode == 0, seen()
+    assert stopped_in < 60, "within the pod's grace period"
+    with socket.socket() as s:  # vLLM stopped with the guardian: nothing on its port
+        assert s.connect_ex(("127.0.0.1", vllm_port)) != 0
+    print(f"SIGTERM to exit: {stopped_in:.1f}s, {len(choices)} tokens streamed")
