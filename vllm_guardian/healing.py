@@ -57,6 +57,7 @@ from vllm_guardian.model import (
     Snapshot,
 )
 from vllm_guardian.recorder import to_jsonable
+from vllm_guardian.sources.unit import port_of
 from vllm_guardian.statefile import load_state, save_state
 
 log = logging.getLogger("vllm_guardian.healing")
@@ -204,6 +205,7 @@ class Healing:
                     tee_stdout=container_mode(os.environ),
                     extra_env=self._allocator_env(svc.name),
                     on_daemonized=functools.partial(self._audit_daemonized, svc.name),
+                    port=port_of(svc.url),
                 )
                 self.supervisors[svc.name] = sup
                 out[svc.name] = sup
