@@ -166,3 +166,20 @@ def test_the_vram_wait(
             assert adv.outcome.ok is (x.expect == "ok"), adv.outcome
             assert x.words in adv.outcome.detail, adv.outcome.detail
         a = adv.progress
+
+
+def test_what_the_wait_reads_in_a_pod_comes_from_the_signals_as_the_chart_configures_them() -> None:
+    """The chart's service (gpus auto, gpu_memory_by_device, the unit source off, so no main
+    pid): the signals name every GPU the pod sees as the service's, and ``policy.seen`` reads
+    the host pids on each of them, where the by-process view found none of them."""
+    from vllm_guardian.config import ServiceConfig, SignalsConfig
+    from vllm_guardian.core.signals import derive_service
+
+    snap = _snapshot(Tick(1, {0: (OLD,), 1: (OLD_WORKER, NEW)}), main_pid=None)
+    pod = ServiceConfig(name="vllm", gpu_memory_by_device=True)
+    sig = derive_service([snap], pod, SignalsConfig())
+    assert [g.gpu for g in sig.gpus] == [0, 1] and sig.gpu_memory_by_device
+    seen = policy.seen(snap, sig, "vllm")
+    assert (seen.by_device, seen.device_pids) == (True, ((0, (OLD,)), (1, (OLD_WORKER, NEW))))
+    host = derive_service([snap], ServiceConfig(name="vllm"), SignalsConfig())
+    assert host.gpus == () and policy.seen(snap, host, "vllm").device_pids is None
