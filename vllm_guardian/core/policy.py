@@ -451,8 +451,8 @@ class _Ctx:
         before: Levels | None = None,
     ) -> ServiceState:
         """``voluntary``: nothing has crashed (the replica serves), or an operator asked; with a
-        fleet permit configured, such an action waits for one first (README "Run on
-        Kubernetes"). ``before``: the levels before this action changed them, restored if that
+        fleet permit configured, such an action waits for one first (docs/kubernetes.md,
+        "One disruption budget"). ``before``: the levels before this action changed them, restored if that
         wait ends without a permit."""
         p = self.settings.policy
         # An operator's explicit command acts although the policy is in dry-run.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,7 +33,7 @@ from vllm_guardian.core.budget import (
 from vllm_guardian.diagnose.analyze import analyze, plan_report
 from vllm_guardian.diagnose.bundle import BundleError, read_bundle, write_bundle
 from vllm_guardian.diagnose.gather import GatherOptions, gather
-from vllm_guardian.diagnose.report import Report, render_text, to_json
+from vllm_guardian.diagnose.report import WIDTH, Report, render_text, to_json
 
 EXIT_USAGE = 2
 GIB = 1024**3
@@ -82,11 +83,19 @@ def _diagnose_parser() -> argparse.ArgumentParser:
     return p
 
 
+def text_width() -> int:
+    """The terminal's width (COLUMNS first, as every tool), or 80 when the report goes to a pipe
+    or a file; never under 40, where a report cannot be read."""
+    if not sys.stdout.isatty():
+        return WIDTH
+    return max(40, shutil.get_terminal_size((WIDTH, 24)).columns)
+
+
 def _emit(report: Report, as_json: bool, verbose: bool) -> int:
     if as_json:
         print(json.dumps(to_json(report), indent=2))
     else:
-        sys.stdout.write(render_text(report, verbose))
+        sys.stdout.write(render_text(report, verbose, text_width()))
     return report.exit_code
 
 
