@@ -71,6 +71,7 @@ from vllm_guardian.model import (
     ActionResult,
     Alert,
     Cause,
+    GpuDevice,
     HealthState,
     Op,
     OpRequest,
@@ -576,6 +577,12 @@ def seen(snapshot: Snapshot, sig: ServiceSignals | None, name: str) -> phases.Se
         in_flight = sig.requests_running + (sig.requests_waiting or 0)
         source = "vllm" if gate is None else "vllm (the gate did not answer)"
     health = sig.health_state if sig is not None else None
+    by_device = bool(sig is not None and sig.gpu_memory_by_device)
+    device_pids: tuple[tuple[int, tuple[int, ...] | None], ...] | None = None
+    if sig is not None and by_device and snapshot.gpus is not None:
+        # The service's GPUs (with gpus auto in a pod: every GPU it sees) and who holds them.
+        devices = {d.index: d for d in snapshot.gpus.devices}
+        device_pids = tuple((g.gpu, _host_pids(devices.get(g.gpu))) for g in sig.gpus)
     return phases.Seen(
         time_seconds=snapshot.time_seconds,
         in_flight=in_flight,
@@ -587,7 +594,16 @@ def seen(snapshot: Snapshot, sig: ServiceSignals | None, name: str) -> phases.Se
         metrics_up=bool(sig is not None and sig.metrics_up),
         stalled=bool(sig is not None and sig.stalled),
         engine_dead=health is HealthState.ENGINE_DEAD,
+        by_device=by_device,
+        device_pids=device_pids,
     )
+
+
+def _host_pids(device: GpuDevice | None) -> tuple[int, ...] | None:
+    """The pids holding memory on a device (None: gone, unreadable, or not listed)."""
+    if device is None or device.error is not None or device.processes is None:
+        return None
+    return tuple(sorted({p.pid for p in device.processes}))
 
 
 def _advance(
