@@ -49,12 +49,14 @@ class T:
     dead: bool = False  # /health 503
     words: str = ""  # in the outcome's detail or the last move's reason
     finished: float | None = None  # when the calls finished (default: just before the scrape)
+    started: float | None = None  # when vLLM's main process started (None: unknown)
 
 
 def seen(x: T) -> phases.Seen:
     return phases.Seen(
-        x.t, x.in_flight, "gate", x.up, x.listening, x.pid, x.gpu_pids, True, x.stalled, x.dead
-    )
+        x.t, x.in_flight, "gate", x.up, x.listening, x.pid, x.gpu_pids, True, x.stalled, x.dead,
+        main_started_seconds=x.started,
+    )  # fmt: skip
 
 
 BUNDLE_OK = ((Op.BUNDLE, True, False),)
@@ -135,6 +137,33 @@ CASES = [
         T(4, up=False, listening=False, pid=11, expect=Phase.AWAITING_READY),
         T(30, pid=11, expect="ok", words="restarted on its own"),
     ]),
+    # The flags file is written at t=0.5 (a call's result finishes just before its tick).
+    ("vLLM exited: restarted by its supervisor after the flags were written, no second restart",
+     ActionKind.RELAUNCH, [
+        T(1, up=False, listening=False, pid=None, done=PREPARED,
+          expect=Phase.AWAITING_SELF_RESTART),
+        T(4, up=False, listening=False, pid=11, started=2.0, expect=Phase.AWAITING_READY),
+        T(30, pid=11, started=2.0, expect="ok", words="restarted on its own"),
+    ]),
+    # A real vLLM 0.32 under the process manager: the API server exits a second after its
+    # engine dies and is started again a second later, before the guardian's next tick writes
+    # the relaunch's flags; the action began with that new pid, which never changes again.
+    ("vLLM restarted by its supervisor before the flags were written: restarted with them",
+     ActionKind.RELAUNCH, [
+        T(1, up=False, listening=False, pid=10, started=0.2, done=PREPARED,
+          expect=Phase.RESTARTING, words="before the new flags"),
+    ]),
+    ("...also when it is up again by the time the flags are written", ActionKind.RELAUNCH, [
+        T(1, up=False, listening=False, pid=None, done=PREPARED,
+          expect=Phase.AWAITING_SELF_RESTART),
+        T(4, up=True, listening=True, in_flight=0, pid=11, started=0.3,
+          expect=Phase.RESTARTING, words="before the new flags"),
+    ]),
+    ("a plain restart takes its supervisor's restart whenever it came", ActionKind.RESTART, [
+        T(1, up=False, listening=False, pid=10, started=-100, done=BUNDLE_OK,
+          expect=Phase.AWAITING_SELF_RESTART),
+        T(4, up=False, listening=False, pid=11, started=0.3, expect=Phase.AWAITING_READY),
+    ]),
     ("vLLM exited and nobody restarts it (exit 0 under on-failure)", ActionKind.RESTART, [
         T(1, up=False, listening=False, done=BUNDLE_OK, expect=Phase.AWAITING_SELF_RESTART),
         T(22, up=False, listening=False, in_flight=None, expect=Phase.RESTARTING),
@@ -174,7 +203,7 @@ def test_phases(name: str, kind: ActionKind, ticks: list[T]) -> None:
             assert (adv.outcome.ok, adv.outcome.terminal) == want[x.expect], adv.outcome
             assert x.words in adv.outcome.detail, adv.outcome.detail
         a = adv.progress
-    if "no second restart" in name or "nothing restarted" in name:
+    if "no second restart" in name or "nothing restarted" in name or "whenever" in name:
         assert Op.RESTART not in asked
 
 

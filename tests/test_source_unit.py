@@ -33,6 +33,7 @@ from vllm_guardian.model import (
     SourceKind,
     UnitState,
 )
+from vllm_guardian.procfs import process_age_seconds
 from vllm_guardian.sources.unit import (
     SHOW_PROPERTIES,
     UnitCollector,
@@ -287,9 +288,11 @@ class Child:
     pid: int
     port: int
     grandchild: int
+    started: float = 0.0  # time.time() just before it was started
 
 
 def _start_child(mode: str) -> tuple[subprocess.Popen[str], Child]:
+    started = time.time()
     proc = subprocess.Popen(
         [sys.executable, "-c", CHILD, mode, "--api-key", "sekret", "--port", "0"],
         stdout=subprocess.PIPE,
@@ -298,7 +301,7 @@ def _start_child(mode: str) -> tuple[subprocess.Popen[str], Child]:
     )
     assert proc.stdout is not None
     port, grandchild = proc.stdout.readline().split()
-    return proc, Child(proc.pid, int(port), int(grandchild))
+    return proc, Child(proc.pid, int(port), int(grandchild), started)
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
@@ -346,6 +349,36 @@ def test_real_child_found_by_port(listening_child: Child) -> None:
     assert again.main_pid == listening_child.pid
     collector.close()
     collector.close()
+
+
+def test_the_main_process_start_is_read_from_proc_in_the_sources_clock(
+    listening_child: Child,
+) -> None:
+    """A relaunch trusts a restart only from a process started after its flags were written
+    (core/phases.runs_old_flags): the unit source dates the main process. The child was
+    started just before the fixture returned; its start, in the wall clock the snapshot
+    uses, lies between then and now (one clock tick of /proc's resolution either way)."""
+    svc = ServiceConfig(name="a", url=f"http://127.0.0.1:{listening_child.port}")
+    reading = UnitCollector(svc, UnitSourceConfig()).collect()
+    state = reading.payload
+    assert isinstance(state, UnitState)
+    assert state.main_started_seconds is not None
+    tick = 1.0 / os.sysconf("SC_CLK_TCK")
+    assert listening_child.started - 2 * tick <= state.main_started_seconds <= time.time() + tick
+
+
+@pytest.mark.parametrize(
+    ("ticks", "boottime", "hz", "age"),
+    [
+        (1000, 110.0, 100, 100.0),  # started 10 s after boot, 110 s since boot now
+        (1000, 10.0, 100, 0.0),
+        (2000, 10.0, 100, None),  # in the future: another boot's text
+        (1000, 110.0, 0, None),
+    ],
+)
+def test_process_age_from_stat(ticks: int, boottime: float, hz: int, age: float | None) -> None:
+    text = f"42 (vllm serve) S 1 42 42 0 -1 4194560 0 0 0 0 0 0 0 0 20 0 1 0 {ticks} 0 0\n"
+    assert process_age_seconds(text, boottime, hz) == age
 
 
 def test_real_port_closed_after_child_exits() -> None:

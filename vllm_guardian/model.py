@@ -259,6 +259,9 @@ class UnitState:
     control_group: str | None
     cmdline: tuple[str, ...] | None  # secrets redacted
     pids: tuple[int, ...] = ()  # main pid and its descendants
+    # When the main process started, in the snapshot's clock (from its /proc start time);
+    # None: unknown. A relaunch's flags reach only a process started after they were written.
+    main_started_seconds: float | None = None
 
 
 # --- logs ------------------------------------------------------------------------------------

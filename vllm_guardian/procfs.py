@@ -66,3 +66,16 @@ def parse_pid_file(text: str) -> tuple[int, int] | None:
     if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
         return None
     return int(parts[0]), int(parts[1])
+
+
+def process_age_seconds(
+    stat_text: str, boottime_seconds: float, clock_ticks_per_second: int
+) -> float | None:
+    """How long ago the process of ``/proc/<pid>/stat``'s text started: its start time is in
+    clock ticks since boot, and ``boottime_seconds`` is CLOCK_BOOTTIME now (the same clock).
+    None when malformed, or when the start is in the future (another boot's text)."""
+    ticks = parse_start_ticks(stat_text)
+    if ticks is None or clock_ticks_per_second <= 0:
+        return None
+    age = boottime_seconds - ticks / clock_ticks_per_second
+    return age if age >= 0 else None

@@ -103,6 +103,9 @@ class Seen:
     # None: NVML was not read this tick.
     by_device: bool = False
     device_pids: tuple[tuple[int, tuple[int, ...] | None], ...] | None = None
+    # When vLLM's main process started (the snapshot's clock; None: unknown). A relaunch's
+    # flags reach only a process started after its flags file was written.
+    main_started_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,28 @@ class ActionProgress:
     # the old instance (every process on a pod's GPU is its vLLM). AWAITING_VRAM waits until
     # none of those pids is left on its device. None: waits by ``old_pid`` (a host).
     old_device_pids: tuple[tuple[int, tuple[int, ...] | None], ...] | None = None
+    # When the relaunch's flags file was written (the call's finish time); None: not yet.
+    flags_written_seconds: float | None = None
+
+
+_OLD_FLAGS = (
+    "its supervisor started vLLM again (pid {pid}) before the new flags were written: "
+    "restarting it with them"
+)
+
+
+def runs_old_flags(a: ActionProgress, seen: Seen) -> bool:
+    """A relaunch whose vLLM runs, but was started before its flags were written: its
+    supervisor restarted it after a crash faster than the flags file was written (a real vLLM
+    exits a second after its engine dies; Restart= and the process manager start it again a
+    second later), so it runs the old flags and must be restarted once more with the new."""
+    return (
+        a.kind is ActionKind.RELAUNCH
+        and a.flags_written_seconds is not None
+        and seen.main_pid is not None
+        and seen.main_started_seconds is not None
+        and seen.main_started_seconds < a.flags_written_seconds
+    )
 
 
 @dataclass(frozen=True)
@@ -357,7 +382,9 @@ def advance(
         elif r.op is Op.WRITE_FLAGS and not r.ok:
             return end(False, r.terminal, f"flags not written, nothing restarted: {r.detail}")
         elif r.op is Op.WRITE_FLAGS:
-            a = replace(a, notes=(*a.notes, "flags file written"))
+            a = replace(
+                a, notes=(*a.notes, "flags file written"), flags_written_seconds=r.finished_seconds
+            )
         elif r.op is Op.RESTART:
             if not r.ok:
                 return end(False, r.terminal, r.detail)
@@ -419,7 +446,9 @@ def advance(
                 break
             if Op.BUNDLE in a.waiting_ops:
                 a = replace(a, notes=(*a.notes, "bundle not finished in time; going on without it"))
-            if seen.listening is False and a.old_pid is not None:
+            if runs_old_flags(a, seen):
+                go(Phase.DRAINING, _OLD_FLAGS.format(pid=seen.main_pid))
+            elif seen.listening is False and a.old_pid is not None:
                 # The process is gone: a supervisor (Restart=always, the process manager) may
                 # be starting it already, with the flags just written. A process that still
                 # answers (503, hung) is restarted by nobody but us.
@@ -430,7 +459,16 @@ def advance(
             else:
                 go(Phase.DRAINING, "front door closed")
         elif phase is Phase.AWAITING_SELF_RESTART:
-            if seen.main_pid is not None and seen.main_pid != a.old_pid:
+            if runs_old_flags(a, seen):
+                go(Phase.DRAINING, _OLD_FLAGS.format(pid=seen.main_pid))
+            elif seen.main_pid is not None and (
+                seen.main_pid != a.old_pid
+                or (
+                    a.flags_written_seconds is not None
+                    and seen.main_started_seconds is not None
+                    and seen.main_started_seconds >= a.flags_written_seconds
+                )
+            ):
                 a = replace(
                     a, notes=(*a.notes, "vLLM restarted on its own after dying (no second restart)")
                 )

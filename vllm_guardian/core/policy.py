@@ -596,6 +596,9 @@ def seen(snapshot: Snapshot, sig: ServiceSignals | None, name: str) -> phases.Se
         engine_dead=health is HealthState.ENGINE_DEAD,
         by_device=by_device,
         device_pids=device_pids,
+        main_started_seconds=(
+            svc.unit.main_started_seconds if svc is not None and svc.unit is not None else None
+        ),
     )
 
 

@@ -47,6 +47,7 @@ import ipaddress
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +57,12 @@ from urllib.parse import urlsplit
 from vllm_guardian.clock import Clock, SystemClock
 from vllm_guardian.config import ServiceConfig, UnitSourceConfig
 from vllm_guardian.model import Reading, SourceKind, UnitState
-from vllm_guardian.procfs import parse_pid_file, parse_start_ticks, parse_stat
+from vllm_guardian.procfs import (
+    parse_pid_file,
+    parse_start_ticks,
+    parse_stat,
+    process_age_seconds,
+)
 from vllm_guardian.redact import redact_argv
 from vllm_guardian.sources.base import failed
 
@@ -368,6 +374,7 @@ class UnitCollector:
         self._cfg = cfg
         self._proc_root = proc_root
         self._clock: Clock = clock or SystemClock()
+        self._booted: float | None = None  # the boot's moment in this clock (see _started)
         self.timeout_seconds = cfg.timeout_seconds + _PROC_SCAN_MARGIN_SECONDS
         self._last_listener: int | None = None
         self._kept: _Kept | None = None
@@ -557,7 +564,25 @@ class UnitCollector:
         pids = (
             descendants(state.main_pid, parents) if state.main_pid in parents else (state.main_pid,)
         )
-        return dataclasses.replace(state, cmdline=cmdline, pids=pids)
+        return dataclasses.replace(
+            state, cmdline=cmdline, pids=pids, main_started_seconds=self._started(state.main_pid)
+        )
+
+    def _started(self, pid: int) -> float | None:
+        """When ``pid`` started, in this source's clock: its start in ticks since boot (/proc)
+        on the boot's moment in this clock. The boot's moment is taken once and kept while
+        it stays within a second, so a process's start is the same number on every tick (a
+        snapshot that changes every tick would be recorded every tick)."""
+        try:
+            text = (self._proc_root / str(pid) / "stat").read_text()
+        except OSError:
+            return None  # gone, or another pid namespace
+        boot_now = time.clock_gettime(time.CLOCK_BOOTTIME)
+        booted = self._clock.time() - boot_now
+        if self._booted is None or abs(booted - self._booted) > 1.0:  # first, or a clock step
+            self._booted = booted
+        age = process_age_seconds(text, boot_now, os.sysconf("SC_CLK_TCK"))
+        return None if age is None else round(self._booted + boot_now - age, 3)
 
     def _reading(self, state: UnitState) -> Reading:
         return Reading(source=self.kind, service=self.service, payload=state)
