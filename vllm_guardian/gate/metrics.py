@@ -200,5 +200,19 @@ class GateMetrics:
                 )
         return int(value)
 
+    def continuations(self, outcome: str) -> int:
+        """``continuations_total`` for one outcome, summed over its reasons."""
+        value = 0.0
+        for family in self.registry.collect():
+            if family.name == f"{NS}_continuations":
+                value += sum(
+                    s.value
+                    for s in family.samples
+                    if s.name.endswith("_total")
+                    and s.labels.get("service") == self._service
+                    and s.labels.get("outcome") == outcome
+                )
+        return int(value)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -299,6 +299,8 @@ class GateProxy:
             "held_total": m.total("held"),
             "retried_total": m.total("retried"),
             "rejected_total": m.total("rejected"),
+            "continued_total": m.continuations("continued"),
+            "continuations_failed_total": m.continuations("failed"),
         }
 
     async def _exchange(
