@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument(
         "--continuation",
         choices=("on", "off"),
-        help="continue a streamed /v1/completions the upstream cuts, on the next ready server (default on)",
+        help="continue a streamed /v1/completions or /v1/chat/completions the upstream cuts, on the next ready server (default on)",
     )
     o.add_argument(
         "--max-continuations",
