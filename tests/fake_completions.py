@@ -12,7 +12,8 @@ What matters for continuation is shaped as vLLM 0.32 shapes it (its completion s
 * chunks serialised like pydantic's ``model_dump_json(exclude_unset=True)``: ``logprobs``,
   ``stop_reason``, ``prompt_token_ids`` and ``token_ids`` present (``null`` unless
   ``return_token_ids``), the prompt's ids in the first chunk only, ``usage`` per chunk with
-  ``continuous_usage_stats``, a usage chunk with ``include_usage``, then ``data: [DONE]``;
+  ``continuous_usage_stats``, a usage chunk with ``include_usage``, ``system_fingerprint`` on
+  the last of them, then ``data: [DONE]``;
   ``id`` is ``cmpl-<request_id>`` and ``created`` is derived from it;
 * ``/detokenize``, ``/health`` (a test takes it down), and vLLM's error event and its 500 for a
   dead engine;
@@ -47,6 +48,7 @@ EOS = 2
 LEAD, FOLLOW = b"\xc3", b"\xa9"  # "é" in two tokens
 DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 MAX_MODEL_LEN = 128
+FINGERPRINT = "vllm-0.32.0-0123abcd"  # on the last chunk (the usage chunk, when there is one)
 MESSAGE, ASSISTANT = 3, 4  # the chat template's ids: a message's start, the assistant turn
 
 
@@ -262,6 +264,8 @@ class FakeCompletions:
             }  # fmt: skip
             if opts.get("continuous_usage_stats"):
                 chunk["usage"] = _usage(len(prompt), start + len(group))
+            if done and not opts.get("include_usage"):
+                chunk["system_fingerprint"] = FINGERPRINT
             await resp.write(b"data: " + _compact(chunk) + b"\n\n")
             events += 1
             await asyncio.sleep(0)
@@ -271,6 +275,7 @@ class FakeCompletions:
             final = {
                 "id": cid, "object": obj, "created": created, "model": "tiny",
                 "choices": [], "usage": _usage(len(prompt), len(out)),
+                "system_fingerprint": FINGERPRINT,
             }  # fmt: skip
             await resp.write(b"data: " + _compact(final) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")

@@ -13,6 +13,10 @@ conversation plus the partial assistant message with ``continue_final_message: t
 add_generation_prompt: false``, on the same cuts, and reports how many of those reproduce the
 uncut text (not asserted: it is the measurement behind the choice).
 
+First, the twin beside it answers the same short streams (completions and chat, with and
+without ``return_token_ids``, ``continue_final_message``) in chunks of the same shape: keys in
+order, value types, where the ids go.
+
 About 60-90 s on the 2-core machine, most of it the vLLM start.
 """
 
@@ -22,10 +26,12 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -46,7 +52,7 @@ REPORT: dict[str, Any] = {}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     venv = support.vllm_venv_or_skip()
     model = tmp_path_factory.mktemp("tiny-llama")
     support.build_model(venv, model)
@@ -66,7 +72,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         support.wait_for(lambda: support.healthy(url), 240, "vLLM /health 200")
         REPORT["start_seconds"] = round(time.monotonic() - start, 1)
-        yield url
+        yield url, model
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -193,7 +199,67 @@ def gate_counts(gate: GateThread) -> dict[tuple[str, str], float]:
     return out
 
 
-def test_a_cut_chat_stream_is_continued_byte_for_byte(server: str) -> None:
+def shape(v: object) -> object:
+    """A chunk's structure: keys in order, value types, lists of ids as one "int"."""
+    if isinstance(v, dict):
+        return [(k, shape(x)) for k, x in v.items()]
+    if isinstance(v, list):
+        return [shape(v[0])] if v else []
+    return None if v is None else type(v).__name__
+
+
+def stream_shapes(url: str, path: str, body: dict[str, Any]) -> list[object]:
+    """The first, second, last token chunk and the usage chunk of a short stream, as shapes."""
+    r = requests.post(url + path, json={"model": support.MODEL_NAME, "max_tokens": 4,
+                                        "ignore_eos": True, "stream": True, **body}, timeout=60)  # fmt: skip
+    assert r.status_code == 200, r.text
+    chunks = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+    tokens = [c for c in chunks if c["choices"]]
+    usage = [c for c in chunks if not c["choices"]]
+    return [shape(c) for c in (tokens[0], tokens[1], tokens[-1], *usage)]
+
+
+def twin_beside(model: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm_guardian.sim", "serve", str(model), "--host", "127.0.0.1",
+         "--port", str(port), "--served-model-name", support.MODEL_NAME,
+         "--sim-model", str(model / "config.json"), "--max-model-len", "2048",
+         "--sim-speed", "10"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    support.wait_for(lambda: support.healthy(url), 60, "the twin's /health")
+    return proc, url
+
+
+SHAPE_CASES = [
+    ("/v1/completions", {"prompt": [5, 6, 7, 8]}),
+    ("/v1/completions", {"prompt": [5, 6, 7, 8], "return_token_ids": True}),
+    ("/v1/completions", {"prompt": "a b", "return_token_ids": True,
+                         "stream_options": {"include_usage": True}}),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}]}),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "return_token_ids": True,
+            "stream_options": {"include_usage": True}}),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}],
+            "continue_final_message": True, "add_generation_prompt": False,
+            "return_token_ids": True}),
+]  # fmt: skip
+
+
+def test_a_cut_chat_stream_is_continued_byte_for_byte(served: tuple[str, Path]) -> None:
+    server, model = served
+    # The twin speaks what continuation needs as this server does: the same chunk shapes (keys
+    # in order, types, where the ids go), side by side.
+    twin, twin_url = twin_beside(model)
+    try:
+        for path, body in SHAPE_CASES:
+            real = stream_shapes(server, path, body)
+            assert stream_shapes(twin_url, path, body) == real, (path, body, real)
+    finally:
+        os.killpg(twin.pid, signal.SIGTERM)
+        twin.wait(timeout=30)
+    REPORT["shapes_side_by_side"] = len(SHAPE_CASES)
     proxy = CuttingProxy(server)
     gate = GateThread(proxy.url)
     exact = continue_final_exact = cuts = 0

@@ -587,8 +587,9 @@ def _chat_chunk_of(doc: dict[str, Any]) -> dict[str, Any]:
         choices.append(choice)
     out = {"id": doc.get("id"), "object": "chat.completion.chunk", "created": doc.get("created"),
            "model": doc.get("model"), "choices": choices}  # fmt: skip
-    if "usage" in doc:
-        out["usage"] = doc["usage"]
+    for key in ("usage", "system_fingerprint"):  # the terminal chunk's, in vLLM's order
+        if key in doc:
+            out[key] = doc[key]
     return out
 
 

@@ -218,6 +218,10 @@ class Twin:
             fault_every_seconds=opts.fault_every_seconds,
         )
         self._faults_written = 0
+        # vLLM's system_fingerprint (--fingerprint-mode full, one GPU): its version and 8 hex
+        # of its config's hash, here of the served model's name.
+        name = opts.engine.served_model_name
+        self.fingerprint = f"vllm-{VLLM_VERSION}-{zlib.crc32(name.encode()):08x}"
         self.lock = threading.Lock()
         self.lifecycle = Lifecycle.STARTING
         self.streams: dict[str, asyncio.Queue[RequestDelta]] = {}
@@ -913,7 +917,8 @@ class _Handler:
                       "token_ids": out_ids}  # fmt: skip
             obj = "text_completion"
         answer = {"id": rid, "object": obj, "created": int(time.time()), "model": model,
-                  "choices": [choice], "usage": usage, "system_fingerprint": None,
+                  "choices": [choice], "usage": usage,
+                  "system_fingerprint": self.twin.fingerprint,
                   "kv_transfer_params": None}  # fmt: skip
         if chat:  # vLLM puts the prompt's ids beside the choices for chat
             answer["prompt_token_ids"] = prompt if with_ids else None
@@ -954,6 +959,9 @@ class _Handler:
 
         with_ids = body.get("return_token_ids") is True
         prompt_pending = with_ids  # the prompt's ids go out once, on the first chunk
+        opts = body.get("stream_options")
+        include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+        fingerprint = self.twin.fingerprint
 
         def chunk(text: str | None, finish: str | None, new_ids: int = 0) -> dict[str, Any]:
             nonlocal prompt_pending
@@ -968,14 +976,18 @@ class _Handler:
                             "choices": [c], "prompt_token_ids": first_ids,
                             "prompt_text": None}  # fmt: skip
                 c = {"index": 0, "delta": {"content": text}, "logprobs": None,
-                     "finish_reason": finish, "token_ids": ids}  # fmt: skip
+                     "finish_reason": finish}  # fmt: skip
                 if finish is not None:
                     c["stop_reason"] = None
+                c["token_ids"] = ids
             else:
                 c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish,
                      "stop_reason": None, "prompt_token_ids": first_ids,
                      "token_ids": ids}  # fmt: skip
-            return {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
+            out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
+            if finish is not None and not include_usage:  # vLLM stamps the last chunk only
+                out["system_fingerprint"] = fingerprint
+            return out
 
         if chat:
             await event(chunk(None, None))
@@ -1002,12 +1014,12 @@ class _Handler:
                 if d.new_tokens == 0:
                     await event(chunk("", d.finish_reason.value))
                 break
-        opts = body.get("stream_options")
-        if isinstance(opts, dict) and opts.get("include_usage"):
+        if include_usage:
             await event({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
                          "usage": {"prompt_tokens": len(prompt),
                                    "total_tokens": len(prompt) + tokens,
-                                   "completion_tokens": tokens}})  # fmt: skip
+                                   "completion_tokens": tokens},
+                         "system_fingerprint": fingerprint})  # fmt: skip
         data = b"data: [DONE]\n\n"
         await resp.write(data)
         await resp.write_eof()
