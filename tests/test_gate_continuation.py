@@ -497,6 +497,9 @@ def test_a_cut_chat_stream_is_continued_token_exact_as_one_uncut_stream(
     assert cont["temperature"] == 0 and cont["request_id"] == "c1-cont1"
     reason = "error_event" if cut.how == "error_event" else "connection"
     assert g.metric("continued", reason) == 1
+    # What the guardian (and the demo's summary) reads: the gate's status.
+    status = requests.get(f"{g.url}/gate/status", timeout=5).json()
+    assert (status["continued_total"], status["continuations_failed_total"]) == (1, 0)
 
 
 CHAT_REFUSED = [
