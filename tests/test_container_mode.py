@@ -6,7 +6,9 @@ identity). A prober hits ``/healthz`` (liveness) and ``/ready/vllm`` (readiness)
 the kubelet does, from the start to the SIGTERM: liveness never fails while the model loads,
 readiness is false until vLLM serves; vLLM's log reaches the guardian's stdout (`kubectl logs`)
 and the followed file; a changed config file (a ConfigMap update) is reloaded without a
-SIGHUP; SIGTERM stops vLLM and the guardian well within the grace period.
+SIGHUP; SIGTERM, with a client's stream in flight through the gate, closes the front door, lets
+the stream finish whole and only then stops vLLM (whose own SIGTERM would abort it:
+``--shutdown-timeout 0``, vLLM's default), well within the grace period.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from tests.test_gate_support import GateThread
 from vllm_guardian.actuators.audit import AuditLog
 from vllm_guardian.container import container_mode, pod_identity
 from vllm_guardian.core.policy import Decision, DecisionKind
@@ -125,7 +128,7 @@ def test_the_pod_as_processes(tmp_path: Path) -> None:
     log_file = tmp_path / "state" / "vllm.log"
     twin = [
         sys.executable, "-m", "vllm_guardian", "sim", "serve", "facebook/opt-125m",
-        "--host", "127.0.0.1", "--port", str(vllm_port), "--sim-speed", "20",
+        "--host", "127.0.0.1", "--port", str(vllm_port), "--sim-speed", "4", "--enforce-eager",
     ]  # fmt: skip
     cfg = tmp_path / "config.yaml"
     cfg.write_text(
@@ -137,7 +140,7 @@ def test_the_pod_as_processes(tmp_path: Path) -> None:
                 "state_dir": str(tmp_path / "state"),
                 "recorder": {"path": str(tmp_path / "state" / "flight.jsonl")},
                 "sources": {"nvml": {"enabled": False}, "unit": {"enabled": False}},
-                "policy": {"backend": "process", "dry_run": True},
+                "policy": {"backend": "process", "dry_run": True, "drain_timeout_seconds": 30},
                 "services": [
                     {
                         "name": "vllm",
@@ -182,10 +185,15 @@ def test_the_pod_as_processes(tmp_path: Path) -> None:
             staged.write_text(json.dumps(doc))
             os.replace(staged, cfg)
             wait_for("the changed ConfigMap reloaded", lambda: "config reloaded from" in out_path.read_text(errors="replace"), seen)  # fmt: skip
-            stop_at = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
-            stopped_in = time.monotonic() - stop_at
+            # The pod is told to stop while a client's stream runs through the gate.
+            gate = GateThread(f"http://127.0.0.1:{vllm_port}", guardian=base)
+            try:
+                wait_for("the gate is open", lambda: requests.get(f"{gate.url}/health", timeout=2).ok, seen)  # fmt: skip
+                stop_at, lines = stream_and_sigterm(gate.url, proc, MAX_TOKENS, seen)
+                proc.wait(timeout=60)
+                stopped_in = time.monotonic() - stop_at
+            finally:
+                gate.stop()
         first_live = next(t for t, code in kubelet.liveness if code == 200)
         after_up = [code for t, code in kubelet.liveness if first_live <= t < stop_at]
         assert set(after_up) == {200}, f"liveness failed while running: {after_up}"
@@ -198,10 +206,47 @@ def test_the_pod_as_processes(tmp_path: Path) -> None:
             proc.kill()
             proc.wait(10)
     assert proc.returncode == 0, seen()
+    # The stream ended whole: every token, its finish reason, [DONE]; the drain was said.
+    said = "\n".join(
+        x for x in out_path.read_text(errors="replace").splitlines() if "stopping" in x
+    )
+    events = [json.loads(x[len("data: ") :]) for x in lines if x.startswith("data: {")]
+    assert lines[-1] == "data: [DONE]", f"{lines[-3:]}\n{said}"
+    assert [e["choices"][0]["finish_reason"] for e in events[-1:]] == ["length"], events[-2:]
+    assert len(events) == MAX_TOKENS, (len(events), events[-2:])
+    assert "stopping: front door closed; draining vllm" in said, said
+    assert "stopping: drained in" in said, said
     assert stopped_in < 60, "within the pod's grace period"
     with socket.socket() as s:  # vLLM stopped with the guardian: nothing on its port
         assert s.connect_ex(("127.0.0.1", vllm_port)) != 0
-    print(f"SIGTERM to exit: {stopped_in:.1f}s")
+    print(f"SIGTERM to exit: {stopped_in:.1f}s, {len(events)} tokens streamed through it")
+
+
+MAX_TOKENS = 500  # about 1.5 s of stream at --sim-speed 4 on this machine
+
+
+def stream_and_sigterm(
+    gate_url: str, proc: subprocess.Popen[bytes], max_tokens: int, seen: Callable[[], str]
+) -> tuple[float, list[str]]:
+    """Stream a completion through the gate and SIGTERM the guardian at its first event;
+    read the stream to its end. Returns when the SIGTERM was sent and the lines received."""
+    body = {"model": "facebook/opt-125m", "prompt": "hello", "max_tokens": max_tokens,
+            "stream": True}  # fmt: skip
+    lines: list[str] = []
+    term_at = 0.0
+    try:
+        with requests.post(f"{gate_url}/v1/completions", json=body, stream=True, timeout=60) as r:
+            assert r.status_code == 200, r.text
+            for raw in r.iter_lines():
+                if raw:
+                    lines.append(raw.decode())
+                if len(lines) == 1 and not term_at:  # the stream is under way
+                    term_at = time.monotonic()
+                    proc.send_signal(signal.SIGTERM)
+    except requests.RequestException as e:
+        raise AssertionError(f"the stream broke after {len(lines)} lines: {e!r}\n{seen()}") from e
+    assert term_at, f"no event came: {lines}"
+    return term_at, lines
 
 
 # --- GPU memory in a container: NVML's pids are the host's ------------------------------------

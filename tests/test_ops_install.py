@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import hostneeds
 from vllm_guardian import cli, install
 from vllm_guardian.config import load_config
 
@@ -55,7 +56,9 @@ def test_install_writes_everything_and_names_the_one_command(tmp_path, fake_tool
     assert "Clients of vllm: send requests to its gate at 127.0.0.1:8001." in out
     assert "not reloading systemd" in out  # an offline root has no manager to reload
     assert calls(fake_tools) == [
-        f"systemd-sysusers --root={prefix} /etc/sysusers.d/vllm-guardian.conf"
+        # The name, not the path: systemd-sysusers 252 opens an absolute path on the host,
+        # newer ones under --root; a bare name is looked up in the root's sysusers.d by both.
+        f"systemd-sysusers --root={prefix} vllm-guardian.conf"
     ]
 
 
@@ -251,3 +254,80 @@ def test_the_polkit_rule_names_exactly_the_units(tmp_path, fake_tools, units):
 def test_a_unit_name_starting_with_a_dash_is_refused(capsys):
     assert install.main(["install", "--unit=-x.service"]) == 2
     assert "is not a systemd service name" in capsys.readouterr().err
+
+
+def test_install_into_an_offline_root_creates_the_user_in_that_root(tmp_path, monkeypatch, capsys):
+    """``install --prefix DIR`` with the real systemd-sysusers: the user lands in DIR/etc/passwd.
+    It exited 1 ("Failed to open '/etc/sysusers.d/vllm-guardian.conf'"): systemd 252 opens an
+    absolute config path on the host even under --root."""
+    sysusers = hostneeds.tool("systemd-sysusers", "creates the user in the offline root")
+    prefix = tmp_path / "root"
+    prefix.mkdir()
+    monkeypatch.setenv("PATH", str(Path(sysusers).parent))
+    code = install.main(["install", "--prefix", str(prefix), "--unit", "vllm.service"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
+    passwd = (prefix / "etc/passwd").read_text()
+    assert any(line.startswith("vllm-guardian:") for line in passwd.splitlines()), passwd
+    assert "not reloading systemd" in captured.out
+
+
+def test_an_offline_root_without_systemd_sysusers_is_skipped_with_a_line(
+    tmp_path, monkeypatch, capsys
+):
+    """An image build without systemd: the user is made at the root's first boot, so install
+    says so and succeeds; on the running system the same absence is a failure."""
+    empty = tmp_path / "nothing-on-path"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    prefix = tmp_path / "root"
+    prefix.mkdir()
+    assert install.main(["install", "--prefix", str(prefix)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"systemd-sysusers not found: the user vllm-guardian is created from "
+        f"{prefix}/etc/sysusers.d/vllm-guardian.conf when that root first boots" in out
+    )
+
+
+@pytest.mark.parametrize(
+    ("executable", "warned"),
+    [
+        ("/opt/vllm-guardian/bin/vllm-guardian", None),
+        ("/usr/local/bin/vllm-guardian", None),
+        ("/home/ops/venv/bin/vllm-guardian", "ProtectHome=yes"),
+        ("/root/venv/bin/vllm-guardian", "ProtectHome=yes"),
+        ("/run/user/1000/venv/bin/vllm-guardian", "ProtectHome=yes"),
+        ("/tmp/venv/bin/vllm-guardian", "PrivateTmp=yes"),
+        ("/var/tmp/venv/bin/vllm-guardian", "PrivateTmp=yes"),
+        ("/homes/venv/bin/vllm-guardian", None),  # a prefix of the name is not the directory
+    ],
+)
+def test_a_venv_the_sandbox_hides_is_warned(executable: str, warned: str | None) -> None:
+    warning = install.sandbox_warning(executable)
+    if warned is None:
+        assert warning is None
+    else:
+        assert warning is not None and warned in warning and executable in warning
+
+
+def test_install_warns_when_it_runs_from_a_venv_the_unit_cannot_see(
+    tmp_path, fake_tools, monkeypatch, capsys
+):
+    """The unit's ExecStart is this venv's vllm-guardian on the running system: under /home or
+    /tmp the unit cannot start, and install says why before anyone enables it."""
+    monkeypatch.setattr(install, "_live", lambda prefix: True)
+    monkeypatch.setattr(install, "_exec_path", lambda: "/home/ops/venv/bin/vllm-guardian")
+    prefix = tmp_path / "root"
+    prefix.mkdir()
+    assert install.main(["install", "--dry-run", "--prefix", str(prefix)]) == 0
+    err = capsys.readouterr().err
+    assert "warning: /home/ops/venv/bin/vllm-guardian" in err and "ProtectHome=yes" in err
+
+
+def test_install_and_uninstall_are_in_the_top_level_help(capsys) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "install" in out.split("positional arguments:", 1)[1]
+    assert "uninstall" in out.split("positional arguments:", 1)[1]

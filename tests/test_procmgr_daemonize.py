@@ -23,11 +23,13 @@ DAEMONIZING = textwrap.dedent(
     """
     import os, socket, sys, time
     marks = sys.argv[1]
+    port = int(sys.argv[2]) if len(sys.argv) > 2 else 0
     if os.fork() == 0:
         os.setsid()
         if os.fork() == 0:  # the daemon: its own session, orphaned, listening
             srv = socket.socket()
-            srv.bind(("127.0.0.1", 0))
+            srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            srv.bind(("127.0.0.1", port))
             srv.listen()
             with open(marks, "a") as fh:
                 fh.write(f"{os.getpid()} {srv.getsockname()[1]}\\n")
@@ -98,3 +100,129 @@ def test_a_daemonizing_command_is_not_restarted_on_top_of_its_daemon(
         assert sup.starts == 1 and len(marks.read_text().splitlines()) == 1
     finally:
         sup.stop(5)
+
+
+def test_the_guardian_audits_a_daemonizing_command_with_the_reason(
+    tmp_path: Path, marks: Path
+) -> None:
+    """The guardian's own process backend (healing.py builds the supervisor): when its command
+    daemonizes, the audit log gets one record saying so, with the pid, the port and the fix,
+    so a person reading the audit learns why vLLM is no longer supervised."""
+    import json
+
+    from vllm_guardian.clock import SystemClock
+    from vllm_guardian.config import parse_config
+    from vllm_guardian.healing import Healing
+
+    script = tmp_path / "daemonize.py"
+    script.write_text(DAEMONIZING)
+    state = tmp_path / "state"
+    text = json.dumps(
+        {
+            "state_dir": str(state),
+            "runtime_dir": str(tmp_path / "run"),
+            "sources": {"allocator": {"enabled": False}},
+            "services": [
+                {
+                    "name": "vllm",
+                    "url": "http://127.0.0.1:1",
+                    "command": [sys.executable, str(script), str(marks)],
+                    "log_file": str(tmp_path / "vllm.log"),
+                }
+            ],
+            "policy": {"backend": "process"},
+        }
+    )
+    healing = Healing(parse_config(text, "test.yaml"), SystemClock(), [])
+    audit = state / "audit.jsonl"
+    sup = healing.supervisors["vllm"]
+    healing.start()
+    try:
+        deadline = time.monotonic() + 60  # a guard against a hang, not a measure
+        while sup.daemonized is None or not audit.exists():
+            assert time.monotonic() < deadline, (
+                f"no daemonized record within 60s: starts {sup.starts}, exits {sup.exits}, "
+                f"audit {audit.read_text() if audit.exists() else '(none)'}"
+            )
+            time.sleep(0.05)
+        records = [json.loads(line) for line in audit.read_text().splitlines()]
+        pid, port = (int(f) for f in marks.read_text().split())
+        assert len(records) == 1, records
+        (record,) = records
+        assert (record["service"], record["what"]) == ("vllm", "suppressed"), record
+        assert f"the command daemonized: pid {pid} still serves port {port}" in record["reason"]
+        assert (
+            "Not restarting it" in record["reason"] and "fix services[].command" in record["reason"]
+        )
+    finally:
+        healing.close()
+
+
+def test_a_daemonizing_command_that_clears_its_environment_is_found_by_its_port(
+    tmp_path: Path, marks: Path
+) -> None:
+    """``env -i`` before the command: the daemon no longer carries the supervisor's mark. It
+    still serves the service's port, and it started after the command did, outside the
+    command's process group: that is the command's escapee, and it is not started again on
+    top of it (where a second copy could not bind the port and would exit, again and again)."""
+    from vllm_guardian.demo import free_port
+
+    port = free_port()
+    script = tmp_path / "daemonize.py"
+    script.write_text(DAEMONIZING)
+    notices: list[str] = []
+    sup = Supervisor(
+        "svc",
+        ["env", "-i", sys.executable, str(script), str(marks), str(port)],
+        tmp_path / "svc.env",
+        tmp_path / "svc.log",
+        restart_delay_seconds=0.01,
+        on_daemonized=notices.append,
+        port=port,
+    )
+    sup.start()
+    try:
+        deadline = time.monotonic() + 60  # a guard against a hang, not a measure
+        while sup.wants_running and sup.starts < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sup._thread is not None
+        sup._thread.join(timeout=10)
+        rows = [line.split() for line in marks.read_text().splitlines()]
+        assert (sup.starts, sup.exits, sup.delays) == (1, [0], []), (sup.starts, rows)
+        pid = int(rows[0][0])
+        assert _alive(pid)
+        assert sup.daemonized is not None
+        assert (sup.daemonized.pid, sup.daemonized.ports) == (pid, (port,))
+        assert len(notices) == 1 and f"pid {pid} still serves port {port}" in notices[0]
+    finally:
+        sup.stop(5)
+
+
+def test_a_server_already_on_the_port_before_the_command_started_is_not_its_escapee(
+    tmp_path: Path,
+) -> None:
+    """Something else holds the port (started before the command): the command that exits at
+    once is an ordinary quick exit, restarted under the backoff, never named a daemon."""
+    import socket as socketlib
+
+    srv = socketlib.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+    sup = Supervisor(
+        "svc",
+        [sys.executable, "-c", "import sys; sys.exit(1)"],
+        tmp_path / "svc.env",
+        tmp_path / "svc.log",
+        restart_delay_seconds=0.01,
+        port=port,
+    )
+    sup.start()
+    try:
+        deadline = time.monotonic() + 60  # a guard against a hang, not a measure
+        while sup.starts < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sup.starts >= 2 and sup.daemonized is None, (sup.starts, sup.daemonized)
+    finally:
+        sup.stop(5)
+        srv.close()

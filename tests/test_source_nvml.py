@@ -501,6 +501,49 @@ def test_nvml_reports_every_value(
     )
 
 
+# An H100 as measured (bench/results/gpu/): NVML's v1 total and used include 480 MiB the
+# driver reserves; v2 reports it apart, and total - reserved and v2's used are exactly what
+# CUDA (cudaMemGetInfo, hence vLLM's gpu_memory_utilization) counts.
+H100_TOTAL = 85520809984
+H100_RESERVED = 503316480
+
+
+@pytest.mark.parametrize(
+    ("driver", "total", "used", "free"),
+    [
+        # A driver with nvmlDeviceGetMemoryInfo_v2 (R510 and later): CUDA's view.
+        ("v2", H100_TOTAL - H100_RESERVED, 4847370240, 80170123264),
+        # An older driver: v1, the reservation counted as used.
+        ("v1", H100_TOTAL, 4847370240 + H100_RESERVED, 80170123264),
+    ],
+)
+def test_nvml_memory_is_what_cuda_counts_where_the_driver_says(
+    fake_lib: Path,
+    nvml_state: FakeNvmlState,
+    clock: FakeClock,
+    collectors: list[NvmlCollector],
+    driver: str,
+    total: int,
+    used: int,
+    free: int,
+) -> None:
+    v2 = "" if driver == "v2" else " memory_v2=0"
+    nvml_state.write(
+        f"gpu 0 total={H100_TOTAL} reserved={H100_RESERVED} "
+        f"used={4847370240 + H100_RESERVED} free=80170123264{v2}"
+    )
+    c = nvml_collector(fake_lib, clock)
+    collectors.append(c)
+    for _ in range(2):  # the first read finds out which call the driver has; the second uses it
+        (d,) = gpus(c.collect()).devices
+        assert (d.memory_total_bytes, d.memory_used_bytes, d.memory_free_bytes) == (
+            total,
+            used,
+            free,
+        )
+    assert nvml_state.calls("nvmlDeviceGetMemoryInfo_v2") == (2 if driver == "v2" else 1)
+
+
 def test_nvml_gpus_appear_and_disappear(
     fake_lib: Path, nvml_state: FakeNvmlState, clock: FakeClock, collectors: list[NvmlCollector]
 ) -> None:
@@ -540,7 +583,7 @@ def test_nvml_static_facts_are_read_once_per_session_and_values_every_tick(
         assert [d.memory_used_bytes for d in reading.devices] == [used * GIB, 0]
         assert [d.uuid for d in reading.devices] == ["GPU-fake-0", "GPU-b"]
     assert counts() == [2, 2, 2, 1]
-    assert nvml_state.calls("nvmlDeviceGetMemoryInfo") == 6
+    assert nvml_state.calls("nvmlDeviceGetMemoryInfo_v2") == 6  # this driver has v2
     # A third GPU: every device is read afresh (indices may now name other GPUs).
     nvml_state.write("driver 1", "gpu 0 uuid=GPU-x", "gpu 1 uuid=GPU-y", "gpu 2 uuid=GPU-z")
     assert [d.uuid for d in gpus(c.collect()).devices] == ["GPU-x", "GPU-y", "GPU-z"]

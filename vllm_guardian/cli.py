@@ -15,8 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from vllm_guardian import __version__
-from vllm_guardian.config import DEFAULT_CONFIG_PATH, Config, ConfigInvalid, load_config
+from vllm_guardian.config import DEFAULT_CONFIG_PATH, Config, ConfigInvalid, load_config, read_text
 
 EXIT_OK, EXIT_FAIL, EXIT_CONFIG = 0, 1, 2
 
@@ -44,19 +46,72 @@ def _load(path: str) -> Config | None:
         return None
 
 
+def missing_files(cfg: Config) -> list[str]:
+    """Files the config names that this user cannot read now. Not errors: a log file may appear
+    when vLLM first starts, and the source reports itself down until then; but a typo in a path
+    would leave the guardian half blind without a word, so check-config says it."""
+    named = [
+        (f"services[{i}].log_file", s.log_file, "the logs source")
+        for i, s in enumerate(cfg.services)
+    ]
+    nvml = cfg.sources.nvml
+    if nvml.enabled and nvml.backend == "file":
+        named.append(("sources.nvml.state_file", nvml.state_file, "the GPU source"))
+    out = []
+    for key, path, source in named:
+        if path is None:
+            continue
+        if not os.path.exists(path):
+            out.append(f"{key}: {path} does not exist: {source} reports itself down until it does")
+        elif not os.access(path, os.R_OK):
+            out.append(f"{key}: {path} is not readable by this user: {source} cannot read it")
+    return out
+
+
+def _named_rules_file(path: str) -> str | None:
+    """``alerting.rules_file`` as written in a config that did not validate, or None."""
+    # Composed, not loaded: a bad tag (!!int abc) raises in YAML's constructors, not here.
+    try:
+        node = yaml.compose(read_text(path), Loader=yaml.SafeLoader)
+    except (ConfigInvalid, yaml.YAMLError, RecursionError):
+        return None
+    for key in ("alerting", "rules_file"):
+        if not isinstance(node, yaml.MappingNode):
+            return None
+        node = next((v for k, v in node.value if getattr(k, "value", None) == key), None)
+    if isinstance(node, yaml.ScalarNode) and node.tag.endswith(":str") and node.value:
+        return str(node.value)
+    return None
+
+
+def _print_rules_errors(e: ConfigInvalid) -> None:
+    print(f"{e.filename}: {len(e.errors)} error(s) in alert rules:", file=sys.stderr)
+    for err in e.errors:
+        print("  " + err.format(e.filename), file=sys.stderr)
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
     cfg = _load(args.config)
     if cfg is None:
+        # The rules file is checked too, so one run shows every error in both files.
+        named = _named_rules_file(args.config)
+        if named is not None:
+            from vllm_guardian.core.alerting import parse_rules  # noqa: PLC0415
+
+            try:
+                parse_rules(read_text(named), named)
+            except ConfigInvalid as e:
+                _print_rules_errors(e)
         return EXIT_CONFIG
     from vllm_guardian.actuators.alerts import load_rules  # noqa: PLC0415
 
     try:
         rules = load_rules(cfg.alerting)
     except ConfigInvalid as e:
-        print(f"{e.filename}: {len(e.errors)} error(s) in alert rules:", file=sys.stderr)
-        for err in e.errors:
-            print("  " + err.format(e.filename), file=sys.stderr)
+        _print_rules_errors(e)
         return EXIT_CONFIG
+    for warning in missing_files(cfg):
+        print(f"warning: {warning}", file=sys.stderr)
     names = ", ".join(s.name for s in cfg.services)
     mode = "dry-run (decides, does not act)" if cfg.policy.dry_run else "armed"
     print(
@@ -273,12 +328,23 @@ def cmd_control(args: argparse.Namespace) -> int:
 def cmd_sim(args: argparse.Namespace, rest: Sequence[str]) -> int:
     from vllm_guardian.sim.cli import main as sim_main  # noqa: PLC0415  # the twin, on demand
 
-    return sim_main(list(rest))
+    return sim_main(list(rest), prog="vllm-guardian sim")
+
+
+PAUSE_TEXT = {
+    "pause": "Maintenance: the guardian keeps observing, exporting and alerting, starts no new "
+    "action and holds the gate open; an action under way runs to its end. Saved in the policy "
+    "state, so it lasts across guardian restarts until resume.",
+    "resume": "Act again after pause, and clear a latched circuit breaker: the one way to say "
+    "'go on' after the guardian stopped itself.",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="vllm-guardian", description="Keeps vLLM inference servers alive."
+        prog="vllm-guardian",
+        description="Keeps vLLM inference servers alive.",
+        epilog="Each command has its own help: vllm-guardian COMMAND --help.",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -291,12 +357,27 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"config file (default {DEFAULT_CONFIG_PATH})",
         )
 
-    r = sub.add_parser("run", help="run the daemon")
+    r = sub.add_parser(
+        "run",
+        help="run the daemon",
+        description="Run the guardian: watch every service of the config each tick, export "
+        "/metrics, fire alerts and heal (what systemd's vllm-guardian.service runs).",
+    )
     with_config(r)
     r.add_argument("-v", "--verbose", action="store_true")
-    c = sub.add_parser("check-config", help="validate a config file and report every error")
+    c = sub.add_parser(
+        "check-config",
+        help="validate a config file and report every error",
+        description="Validate a config (and its rules_file) and report every error at once as "
+        "file:line: key.path: why. Exit 0 valid, 2 invalid.",
+    )
     with_config(c)
-    s = sub.add_parser("status", help="show what the running daemon sees")
+    s = sub.add_parser(
+        "status",
+        help="show what the running daemon sees",
+        description="What the running guardian sees and is doing, per service, read over its "
+        "control socket.",
+    )
     with_config(s)
     s.add_argument("--socket", help="control socket path (default: <runtime_dir>/control.sock)")
     s.add_argument("--json", action="store_true", help="print the raw status as JSON")
@@ -304,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("pause", "stop acting (maintenance): observe and alert only"),
         ("resume", "act again, and clear a latched circuit breaker"),
     ):
-        cp = sub.add_parser(name, help=text)
+        cp = sub.add_parser(name, help=text, description=PAUSE_TEXT[name])
         with_config(cp)
         cp.add_argument("service", nargs="?", help="one service (default: all)")
         cp.add_argument(
@@ -312,41 +393,51 @@ def build_parser() -> argparse.ArgumentParser:
         )
     sub.add_parser(
         "restart",
-        help="drain and restart a service through the front door: `vllm-guardian restart --help`",
+        help="drain and restart a service through the front door",
         add_help=False,
     )
     sub.add_parser(
         "relaunch",
-        help="apply whitelisted flags without dropping a request: `vllm-guardian relaunch --help`",
+        help="apply whitelisted flags without dropping a request",
         add_help=False,
     )
     sub.add_parser(
         "replay", help="a flight recording through a config's rules and policy", add_help=False
     )
-    sub.add_parser("sim", help="the vLLM twin: `vllm-guardian sim serve --help`", add_help=False)
+    sub.add_parser("sim", help="the vLLM twin", add_help=False)
     sub.add_parser(
         "demo",
-        help="the guardian against the built-in vLLM twin: `vllm-guardian demo --help`",
+        help="the guardian against the built-in vLLM twin",
         add_help=False,
     )
     sub.add_parser(
         "loadtest",
-        help="a synthetic peak, watched and stopped before harm: `vllm-guardian loadtest --help`",
+        help="a synthetic peak, watched and stopped before harm",
         add_help=False,
     )
     sub.add_parser(
         "gate",
-        help="the admission gate in front of one vLLM (unit vllm-guardian-gate@NAME): `vllm-guardian gate --help`",
+        help="the admission gate in front of one vLLM (unit vllm-guardian-gate@NAME)",
         add_help=False,
     )
     sub.add_parser(
         "diagnose",
-        help="one-command incident report, live or from a bundle: `vllm-guardian diagnose --help`",
+        help="one-command incident report, live or from a bundle",
         add_help=False,
     )
     sub.add_parser(
         "plan",
-        help="the KV budget of a deployment before it exists: `vllm-guardian plan --help`",
+        help="the KV budget of a deployment before it exists",
+        add_help=False,
+    )
+    sub.add_parser(
+        "install",
+        help="write the systemd units, the vLLM drop-in, the polkit rule and the user",
+        add_help=False,
+    )
+    sub.add_parser(
+        "uninstall",
+        help="remove what install wrote (the config and the state stay)",
         add_help=False,
     )
     return p

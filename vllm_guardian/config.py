@@ -10,6 +10,7 @@ of them. Nothing here does I/O except reading the one file it is given.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import ipaddress
 import math
 import os
@@ -17,7 +18,7 @@ import re
 import stat
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -520,7 +521,7 @@ def _check_optional_url(v: str | None) -> str | None:
 
 @dataclass(frozen=True)
 class FleetConfig:
-    # One disruption budget across replicas (README "Run on Kubernetes"): "none" (one host:
+    # One disruption budget across replicas (docs/kubernetes.md): "none" (one host:
     # every replica acts alone) or "lease" (a voluntary action first takes one of N Lease
     # permits, N and disruptionsAllowed from the PodDisruptionBudget). Only "lease" imports the
     # Kubernetes adapter (the `k8s` extra).
@@ -632,8 +633,7 @@ class _Loader:
             key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
             sub = f"{path}.{key}" if path else str(key)
             if key not in fields:
-                known = ", ".join(sorted(fields))
-                self.err(sub, key_node, f"unknown key (known keys here: {known})")
+                self.err(sub, key_node, _unknown_key(str(key), fields))
                 continue
             if key in seen:
                 self.err(sub, key_node, "duplicate key")
@@ -960,13 +960,40 @@ def parse_config(text: str, filename: str = "<config>") -> Config:
         ) from None
 
 
+def _unknown_key(key: str, known: Iterable[str]) -> str:
+    """The key it resembles when there is one (a typo), else every key allowed there."""
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    if close:
+        return f"unknown key; did you mean {close[0]}?"
+    return f"unknown key (known keys here: {', '.join(sorted(known))})"
+
+
+def yaml_error(e: yaml.YAMLError) -> tuple[int | None, str]:
+    """A YAML syntax error as one line and its line number: the parser's own text spans several
+    lines, quotes the input with a caret and names "<unicode string>"."""
+    if not isinstance(e, yaml.MarkedYAMLError) or e.problem_mark is None:
+        return None, f"not valid YAML: {' '.join(str(e).split())}"
+    mark = e.problem_mark
+    text = f"not valid YAML at line {mark.line + 1}, column {mark.column + 1}: {e.problem}"
+    if "'\\t'" in (e.problem or ""):  # the parser quotes the character it met
+        text += " (a tab: indent with spaces)"
+    opened = e.context_mark
+    if (
+        e.context
+        and opened is not None
+        and (opened.line, opened.column) != (mark.line, mark.column)
+    ):
+        what = e.context.removeprefix("while parsing a ").removeprefix("while scanning a ")
+        text += f" (in the {what} opened at line {opened.line + 1}, column {opened.column + 1})"
+    return mark.line + 1, text
+
+
 def _parse_config(text: str, filename: str) -> Config:
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        raise ConfigInvalid(filename, [ConfigError("", line, f"not valid YAML: {e}")]) from None
+        line, message = yaml_error(e)
+        raise ConfigInvalid(filename, [ConfigError("", line, message)]) from None
     loader = _Loader()
     if root is None:
         loader.errors.append(

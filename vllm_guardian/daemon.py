@@ -14,6 +14,10 @@ One tick:
 
 ``READY=1`` is sent after the first full tick, ``STOPPING=1`` on SIGTERM; SIGHUP reloads the
 config and a bad new config keeps the old one, saying why.
+
+On SIGTERM (not SIGINT) with vLLM under the guardian's own process backend (a pod's entrypoint), stopping
+the guardian stops vLLM: the front door closes first and the requests in flight finish (at most
+``policy.drain_timeout_seconds``) before vLLM gets its SIGTERM (:meth:`Guardian.drain_before_stop`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from vllm_guardian.clock import Clock, SteadyClock, SystemClock
 from vllm_guardian.config import Config, ConfigInvalid, load_config
 from vllm_guardian.container import ConfigWatch, container_mode
 from vllm_guardian.control import ControlServer
+from vllm_guardian.core import policy
 from vllm_guardian.core.allocator import attribute as attribute_allocator
 from vllm_guardian.core.signals import ServiceSignals, Signals, derive
 from vllm_guardian.core.step import trim
@@ -45,6 +50,7 @@ from vllm_guardian.healing import Healing
 from vllm_guardian.model import (
     AllocatorReading,
     GateObservation,
+    GateState,
     GpuReading,
     HealthProbe,
     LogReading,
@@ -164,6 +170,9 @@ class Guardian:
         self._recorder_error: str | None = None
         self.last: TickResult | None = None
         self._stop = threading.Event()
+        # A second SIGTERM (or one with nothing to drain): stop now, cut the fetches under way.
+        self._hurry = threading.Event()
+        self._drained_seconds = 0.0  # how long drain_before_stop held vLLM before its stop
         self._reload = threading.Event()
         self._lock = threading.Lock()
         self.ready_sent = False
@@ -312,8 +321,21 @@ class Guardian:
 
     # --- lifecycle ----------------------------------------------------------------------------
 
-    def request_stop(self) -> None:
+    def request_stop(self, drain: bool = False) -> None:
+        """Stop the loop. ``drain`` (SIGTERM: a pod's termination, ``systemctl stop``) when the
+        guardian stops vLLM with itself: the loop then drains first (:meth:`drain_before_stop`),
+        its sources still reading. Otherwise (SIGINT, an operator at a terminal; the demo), and
+        on a second signal, the fetches under way are cut at once."""
+        again = self._stop.is_set()
         self._stop.set()
+        if again or not drain or not self._stops_vllm():
+            self._hurry.set()
+            self._interrupt_sources()
+
+    def _stops_vllm(self) -> bool:
+        return self.healing is not None and bool(self.healing.supervisors)
+
+    def _interrupt_sources(self) -> None:
         for slot in self._slots:  # shutting down never waits on a source's fetch
             interrupt = getattr(slot.collector, "interrupt", None)
             if interrupt is not None:
@@ -376,9 +398,75 @@ class Guardian:
         log.info("config reloaded from %s: %d service(s)", self.config_path, len(new.services))
         return True
 
+    def drain_before_stop(self) -> None:
+        """Before a stop takes down the vLLM this guardian runs: close the front door and let
+        what is in flight finish. Called by :meth:`run` once the loop has ended on SIGTERM.
+
+        ``/ready/<service>`` answers 503 from now on, so the gate (which follows it) holds new
+        requests instead of sending them to a vLLM about to stop, and the kubelet takes the pod
+        out of its endpoints. The sources go on reading, once an interval: the requests in
+        flight are counted as the drain phase of an action counts them (the gate's own count
+        when it answers, else vLLM's running + waiting: ``policy.seen``), and the wait ends when
+        none is left, when the engine cannot finish them (hung, dead, not listening), after
+        ``policy.drain_timeout_seconds`` (the Helm chart's grace period is longer), or at a
+        second signal. Nothing to do when vLLM is not the guardian's to stop (systemd)."""
+        if self.healing is None or self._hurry.is_set():
+            return
+        names = [n for n in self.healing.supervisors if self.cfg.service(n) is not None]
+        if not names:
+            return
+        timeout = self.cfg.policy.drain_timeout_seconds
+        reason = f"the guardian is stopping: draining (at most {timeout:.0f}s) before vLLM stops"
+        for name in names:
+            self.exposition.set_gate(name, GateState(False, reason))
+        log.info("stopping: front door closed; draining %s", ", ".join(names))
+        start = self.clock.monotonic()
+        while True:
+            left = self._in_flight(names)
+            waited = self._drained_seconds = self.clock.monotonic() - start
+            if not left:
+                log.info("stopping: drained in %.1fs; stopping vLLM", waited)
+                return
+            counts = ", ".join(f"{n}: {c:.0f} per {src}" for n, (c, src) in sorted(left.items()))
+            if self._hurry.is_set() or waited >= timeout:
+                log.warning(
+                    "stopping: %s after %.0fs with requests in flight (%s); stopping vLLM",
+                    "a second signal" if self._hurry.is_set() else "drain timeout",
+                    waited,
+                    counts,
+                )
+                return
+            self._hurry.wait(min(self.cfg.interval_seconds, timeout - waited))
+
+    def _in_flight(self, names: Sequence[str]) -> dict[str, tuple[float, str]]:
+        """One collection without the policy: the services among ``names`` that still have
+        requests in flight an engine can finish, with whose count. Published, so ``/healthz``
+        and ``/metrics`` stay current through the drain."""
+        start = self.clock.monotonic()
+        readings, statuses = self._collect()
+        snapshot = assemble(
+            self.clock.time(), [s.name for s in self.cfg.services], readings, statuses, ()
+        )
+        self.history.append(snapshot)
+        trim(self.history, history_span_seconds(self.cfg))
+        signals = derive(list(self.history), self.cfg.services, self.cfg.signals)
+        view = self.healing.view() if self.healing is not None else None
+        self.exposition.publish(
+            Published(snapshot, signals, self.clock.monotonic() - start, view),
+            self.clock.monotonic(),
+        )
+        left: dict[str, tuple[float, str]] = {}
+        for name in names:
+            seen = policy.seen(snapshot, signals.service(name), name)
+            if seen.stalled or seen.engine_dead or seen.listening is False:
+                continue  # nothing in it can finish: waiting would only delay the stop
+            if seen.in_flight:
+                left[name] = (seen.in_flight, seen.in_flight_from)
+        return left
+
     def close(self) -> None:
         if self.healing is not None:
-            self.healing.close()
+            self.healing.close(self._drained_seconds)
         for slot in self._slots:
             _safe_close(slot.collector)
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -476,6 +564,9 @@ class Guardian:
         finally:
             self.notifier.notify("STOPPING=1")
             log.info("stopping")
+            if self._stop.is_set():  # asked to stop (not a crash of the loop)
+                self.drain_before_stop()
+            self._interrupt_sources()
             server.stop()
             if control is not None:
                 control.stop()
@@ -485,7 +576,7 @@ class Guardian:
 
 def _install_signals(g: Guardian) -> None:
     def on_term(signum: int, frame: FrameType | None) -> None:
-        g.request_stop()
+        g.request_stop(drain=signum == signal.SIGTERM)
 
     def on_hup(signum: int, frame: FrameType | None) -> None:
         g.request_reload()

@@ -107,7 +107,7 @@ rules:
 # neighbour grows 0.1 GiB per simulated second). Left at their wall-clock defaults, a twin at 4x
 # needed 160 simulated seconds of trend before any forecast, while its neighbour exhausts the
 # card in about 66: the demo never showed the pre-emptive relaunch a deployed guardian makes, only
-# the OOM after it (and the relaunch loop that followed; README "Demo").
+# the OOM after it (and the relaunch loop that followed; docs/benchmarks.md, "The demo").
 FORECAST_SIGNALS = (
     "forecast_window_seconds", "forecast_interval_seconds", "forecast_min_span_seconds",
     "forecast_max_gap_seconds",
@@ -536,8 +536,18 @@ def summary(report: DemoReport) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout) -> int:
-    ap = argparse.ArgumentParser(prog="vllm-guardian demo", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scenario", choices=SCENARIOS, default="prefill_burst")
+    ap = argparse.ArgumentParser(
+        prog="vllm-guardian demo",
+        description="The guardian and its gate against the built-in vLLM twin, live: an "
+        "incident from the first symptom to the recovery in about two minutes, then a summary "
+        "of the requests served, failed, held and retried.",
+    )
+    ap.add_argument(
+        "--scenario",
+        choices=SCENARIOS,
+        default="prefill_burst",
+        help="the failure to show (default prefill_burst)",
+    )
     ap.add_argument(
         "--speed", type=float, default=4.0, help="the twin's simulated seconds per real second"
     )

@@ -57,9 +57,14 @@ from vllm_guardian.model import (
     Snapshot,
 )
 from vllm_guardian.recorder import to_jsonable
+from vllm_guardian.sources.unit import port_of
 from vllm_guardian.statefile import load_state, save_state
 
 log = logging.getLogger("vllm_guardian.healing")
+
+# After its drain, the time vLLM gets to exit (free its GPU memory, end its workers) before the
+# process manager's SIGKILL.
+VLLM_EXIT_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -196,10 +201,11 @@ class Healing:
                     svc.command,
                     Path(self.cfg.state_dir) / f"{svc.name}.env",
                     log_path,
-                    stop_timeout_seconds=self.cfg.policy.drain_timeout_seconds + 30,
+                    stop_timeout_seconds=self.cfg.policy.drain_timeout_seconds + VLLM_EXIT_SECONDS,
                     tee_stdout=container_mode(os.environ),
                     extra_env=self._allocator_env(svc.name),
                     on_daemonized=functools.partial(self._audit_daemonized, svc.name),
+                    port=port_of(svc.url),
                 )
                 self.supervisors[svc.name] = sup
                 out[svc.name] = sup
@@ -237,9 +243,13 @@ class Healing:
         for sup in self.supervisors.values():
             sup.start()
 
-    def close(self) -> None:
+    def close(self, drained_seconds: float = 0.0) -> None:
+        """Stop the vLLM this guardian runs: its own drain (the stop timeout), less the time the
+        guardian already drained it through the front door (``Guardian.drain_before_stop``), so
+        the two together stay within the stop timeout (a pod's grace period), and never less
+        than the time vLLM takes to exit."""
         for sup in self.supervisors.values():
-            sup.stop(sup.stop_timeout_seconds)  # vLLM's own drain, not a default 30 s
+            sup.stop(max(VLLM_EXIT_SECONDS, sup.stop_timeout_seconds - drained_seconds))
         self.dispatcher.close()
 
     # --- what the actuators need ---------------------------------------------------------------

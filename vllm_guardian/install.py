@@ -12,8 +12,10 @@ What ``install [--unit vllm.service] [--dry-run] [--prefix /]`` writes (paths un
 ``/etc/vllm-guardian/config.yaml``                           a minimal config (each service gated), only if none exists
 ===========================================================  ==========================================
 
-then creates the user (``systemd-sysusers``), runs ``systemctl daemon-reload`` (only when the
-prefix is ``/``: an offline root has no manager to reload) and prints the one command left,
+then creates the user (``systemd-sysusers``; in an offline root ``--root=PREFIX``, or, without
+systemd-sysusers, left to the root's first boot), runs ``systemctl daemon-reload`` (only when the
+prefix is ``/``: an offline root has no manager to reload), warns when the units could not run
+this venv (under ``/home`` or ``/tmp``, which their sandbox hides) and prints the one command left,
 which enables the guardian and the gate of every service with a ``gate:`` section in the config
 (the one written, or the one already there).
 ``--dry-run`` prints every file and command instead. ``uninstall`` removes the same files
@@ -36,7 +38,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from vllm_guardian.config import ConfigInvalid, parse_config
 
@@ -45,6 +47,7 @@ GUARDIAN_UNIT = "vllm-guardian.service"
 GATE_TEMPLATE = "vllm-guardian-gate@.service"
 DEFAULT_EXEC = "/opt/vllm-guardian/bin/vllm-guardian"
 DEFAULT_UNIT = "vllm.service"
+SYSUSERS_PATH = "/etc/sysusers.d/vllm-guardian.conf"
 CONFIG_PATH = "/etc/vllm-guardian/config.yaml"
 STATE_DIR = "/var/lib/vllm-guardian"
 # systemd's own unit-name alphabet; nothing else reaches a file we write or a polkit rule.
@@ -343,7 +346,7 @@ def render(
             # (vllm\x2da.service) stays a backslash, a quote could never end the string.
             POLKIT_RULE.format(user=USER, units=", ".join(json.dumps(u) for u in units)),
         ),
-        File("/etc/sysusers.d/vllm-guardian.conf", SYSUSERS.format(user=USER, state=STATE_DIR)),
+        File(SYSUSERS_PATH, SYSUSERS.format(user=USER, state=STATE_DIR)),
     ]
     files += [
         File(
@@ -404,6 +407,29 @@ def _exec_path() -> str:
     return str(candidate) if candidate.is_file() else DEFAULT_EXEC
 
 
+# What the units' sandbox hides from the service (ProtectHome=yes, PrivateTmp=yes in both).
+_HIDDEN_DIRS = (
+    ("/home", "ProtectHome=yes"),
+    ("/root", "ProtectHome=yes"),
+    ("/run/user", "ProtectHome=yes"),
+    ("/tmp", "PrivateTmp=yes"),  # noqa: S108 (a path compared, not a file made)
+    ("/var/tmp", "PrivateTmp=yes"),  # noqa: S108
+)
+
+
+def sandbox_warning(executable: str) -> str | None:
+    """Why the units cannot run ``executable`` (a venv under /home or /tmp), or None."""
+    path = PurePath(executable)
+    for directory, setting in _HIDDEN_DIRS:
+        if path.is_relative_to(directory):
+            return (
+                f"{executable} is under {directory}, which the units' {setting} hides from "
+                "them: vllm-guardian.service would fail to start. Install into a venv outside "
+                "it (python3 -m venv /opt/vllm-guardian) and run install from there"
+            )
+    return None
+
+
 def _run(cmd: list[str], dry_run: bool) -> bool:
     print("+ " + " ".join(cmd))
     if dry_run:
@@ -460,9 +486,8 @@ def _gates(prefix: Path, units: Sequence[str]) -> tuple[list[tuple[str, str | No
 def install(units: list[str], prefix: Path, dry_run: bool) -> int:
     live = _live(prefix)
     gates, keep_config = _gates(prefix, units)
-    files = render(
-        units, _exec_path() if live else DEFAULT_EXEC, [(svc, unit) for svc, unit, _ in gates]
-    )
+    exec_path = _exec_path() if live else DEFAULT_EXEC
+    files = render(units, exec_path, [(svc, unit) for svc, unit, _ in gates])
     config = _under(prefix, CONFIG_PATH)
     if not keep_config:
         files.append(File(CONFIG_PATH, render_config(units), 0o644))
@@ -480,10 +505,19 @@ def install(units: list[str], prefix: Path, dry_run: bool) -> int:
     if keep_config:
         print(f"kept {config} (already there)")
     ok = True
-    sysusers = ["systemd-sysusers"]
-    if not live:
-        sysusers.append(f"--root={prefix}")
-    ok &= _run([*sysusers, "/etc/sysusers.d/vllm-guardian.conf"], dry_run)
+    if live:
+        ok &= _run(["systemd-sysusers", SYSUSERS_PATH], dry_run)
+    elif dry_run or shutil.which("systemd-sysusers") is not None:
+        # The file's name, not its path: systemd-sysusers 252 opens an absolute path on the
+        # host even under --root (and newer ones under the root); a bare name is looked up in
+        # the root's sysusers.d by both.
+        ok &= _run(["systemd-sysusers", f"--root={prefix}", PurePath(SYSUSERS_PATH).name], dry_run)
+    else:
+        # An image built without systemd: its systemd-sysusers.service makes the user at boot.
+        print(
+            f"systemd-sysusers not found: the user {USER} is created from "
+            f"{_under(prefix, SYSUSERS_PATH)} when that root first boots"
+        )
     if live:
         ok &= _run(["systemctl", "daemon-reload"], dry_run)
     else:
@@ -491,6 +525,9 @@ def install(units: list[str], prefix: Path, dry_run: bool) -> int:
     for u in units:
         for w in _unit_warnings(prefix, u):
             print(f"warning: {w}", file=sys.stderr)
+    sandboxed = sandbox_warning(exec_path)
+    if sandboxed is not None:
+        print(f"warning: {sandboxed}", file=sys.stderr)
     if not ok:
         return 1
     enable = " ".join([GUARDIAN_UNIT, *(gate_unit(svc) for svc, _, _ in gates)])

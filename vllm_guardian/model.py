@@ -421,7 +421,7 @@ class Snapshot:
 class Cause(StrEnum):
     """What broke: the vocabulary shared by alerts, the policy and diagnose.
 
-    What each one means and what the guardian does about it: the README, "How it heals".
+    What each one means and what the guardian does about it: docs/healing.md, "How it heals".
     """
 
     GPU_MEMORY_OVERCOMMIT = "gpu_memory_overcommit"

@@ -53,9 +53,27 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         "restart": "drain and restart a vLLM service with its current flags, through the front door",
         "relaunch": "set whitelisted flags and relaunch through the same drain (or --reset)",
     }[command]
-    ap = argparse.ArgumentParser(prog=f"vllm-guardian {command}", description=text)
+    epilog = None
+    if command == "relaunch":
+        # Read from the whitelist itself, so the help cannot list a flag the guardian refuses.
+        rows = [
+            f"  {flag[2:].replace('-', '_'):<26} {check}" for flag, check in flagsfile.FLAGS.items()
+        ]
+        epilog = "the flags --set may change (whitelisted, range-checked):\n" + "\n".join(rows)
+    ap = argparse.ArgumentParser(
+        prog=f"vllm-guardian {command}",
+        description=text,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("service", help="the service's name in the guardian's config")
-    ap.add_argument("-c", "--config", default="/etc/vllm-guardian/config.yaml")
+    ap.add_argument(
+        "-c",
+        "--config",
+        default="/etc/vllm-guardian/config.yaml",
+        help="the guardian's config, read for its control socket "
+        "(default /etc/vllm-guardian/config.yaml)",
+    )
     ap.add_argument("--socket", help="control socket path (default: <runtime_dir>/control.sock)")
     if command == "relaunch":
         ap.add_argument(

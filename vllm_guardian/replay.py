@@ -101,11 +101,18 @@ def load_snapshots(path: str) -> Iterator[Snapshot | RecordError]:
 
 
 def main(argv: Sequence[str]) -> int:
-    ap = argparse.ArgumentParser(prog="vllm-guardian replay", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="vllm-guardian replay",
+        description="A past incident through today's rules and policy: a flight recording fed "
+        "to the same step the daemon runs, printing what would have been decided, phase by "
+        "phase. Nothing is executed.",
+    )
     ap.add_argument(
         "recording", help="a flight.jsonl (rotated siblings are read too, oldest first)"
     )
-    ap.add_argument("-c", "--config", required=True)
+    ap.add_argument(
+        "-c", "--config", required=True, help="the config whose rules and policy decide"
+    )
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
     ap.add_argument("--transitions", action="store_true", help="also show alert transitions")
     args = ap.parse_args(argv)

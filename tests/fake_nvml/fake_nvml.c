@@ -43,7 +43,9 @@
 #define E_INSUFFICIENT_SIZE 7
 #define E_DRIVER_NOT_LOADED 9
 #define E_TIMEOUT 10
+#define E_FUNCTION_NOT_FOUND 13
 #define E_GPU_IS_LOST 15
+#define E_ARGUMENT_VERSION_MISMATCH 25
 
 #define MAX_GPUS 16
 #define MAX_PROCS 64
@@ -75,6 +77,8 @@ typedef struct {
     char uuid[96];
     char name[96];
     long long total, used, free, util, temp, power_mw, remap_pending, remap_failure, retired;
+    long long reserved; /* the driver's own reservation: v1 counts it as used, v2 apart */
+    int no_memory_v2;   /* memory_v2=0: a driver before nvmlDeviceGetMemoryInfo_v2 */
     int lost, procs_na, util_rc;
 } gpu_t;
 typedef struct { int gpu; int graphics; unsigned pid; long long used; } proc_t;
@@ -151,6 +155,8 @@ static int load(state_t *s) {
             g->temp = 40;
             g->power_mw = 100000;
             g->retired = 0;
+            g->reserved = 0;
+            g->no_memory_v2 = 0;
             if (i + 1 > s->ngpus) s->ngpus = i + 1;
             char *kv;
             while ((kv = strtok_r(NULL, " \t\r\n", &save))) {
@@ -165,6 +171,8 @@ static int load(state_t *s) {
                 } else if (strcmp(k, "total") == 0) g->total = num(val);
                 else if (strcmp(k, "used") == 0) g->used = num(val);
                 else if (strcmp(k, "free") == 0) g->free = num(val);
+                else if (strcmp(k, "reserved") == 0) g->reserved = num(val);
+                else if (strcmp(k, "memory_v2") == 0) g->no_memory_v2 = atoi(val) == 0;
                 else if (strcmp(k, "util") == 0) g->util = num(val);
                 else if (strcmp(k, "temp") == 0) g->temp = num(val);
                 else if (strcmp(k, "power_mw") == 0) g->power_mw = num(val);
@@ -323,6 +331,25 @@ int nvmlDeviceGetMemoryInfo(nvmlDevice_t h, nvmlMemory_t *m) {
     if (g->total == NA || g->used == NA) return E_NOT_SUPPORTED;
     m->total = (unsigned long long)g->total;
     m->used = (unsigned long long)g->used;
+    m->free = g->free == NA - 1 ? (unsigned long long)(g->total - g->used) : (unsigned long long)g->free;
+    return OK;
+}
+
+typedef struct { unsigned int version; unsigned long long total, reserved, free, used; } nvmlMemory_v2_t;
+
+/* v2: total as v1, the reservation apart, used without it (what CUDA counts as used). */
+int nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t h, nvmlMemory_v2_t *m) {
+    log_call("nvmlDeviceGetMemoryInfo_v2");
+    state_t s;
+    gpu_t *g;
+    int rc = device(h, &s, &g, 0);
+    if (rc) return rc;
+    if (g->no_memory_v2) return E_FUNCTION_NOT_FOUND;
+    if (m->version != 0x02000028) return E_ARGUMENT_VERSION_MISMATCH;
+    if (g->total == NA || g->used == NA) return E_NOT_SUPPORTED;
+    m->total = (unsigned long long)g->total;
+    m->reserved = (unsigned long long)g->reserved;
+    m->used = (unsigned long long)(g->used - g->reserved);
     m->free = g->free == NA - 1 ? (unsigned long long)(g->total - g->used) : (unsigned long long)g->free;
     return OK;
 }

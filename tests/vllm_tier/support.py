@@ -23,7 +23,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -38,6 +38,8 @@ MODEL_NAME = "tiny-llama"
 MARKER = "VLLM_GUARDIAN_TIER_RUN"
 # Its sitecustomize asks Linux for the AMX tile state in every vLLM process the tier starts.
 AMX_SITE = Path(__file__).resolve().parent / "amx"
+# The test-only fault plugin (a vLLM general plugin found through its dist-info on the path).
+FAULTS_SITE = Path(__file__).resolve().parent / "faults"
 HERE = Path(__file__).parent
 
 
@@ -111,9 +113,10 @@ def logging_config(path: Path) -> Path:
     return path
 
 
-def vllm_env(run_id: str, workdir: Path) -> dict[str, str]:
-    """The environment of every vLLM the tier starts."""
-    return {
+def vllm_env(run_id: str, workdir: Path, faults: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of every vLLM the tier starts; ``faults`` arms the test-only fault plugin
+    (faults/vllm_guardian_faults.py: its variables), which is on the path only then."""
+    env = {
         MARKER: run_id,
         "VLLM_HOST_IP": "127.0.0.1",  # else the internal ZMQ queue binds the machine's address
         "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; --num-gpu-blocks-override shrinks it further
@@ -131,6 +134,10 @@ def vllm_env(run_id: str, workdir: Path) -> dict[str, str]:
         # tile instruction; without it, on an AMX CPU, the worker dies of SIGILL (amx/sitecustomize.py).
         "PYTHONPATH": str(AMX_SITE),
     }
+    if faults:
+        env["PYTHONPATH"] = os.pathsep.join((str(AMX_SITE), str(FAULTS_SITE)))
+        env.update(faults)
+    return env
 
 
 def serve_command(

@@ -24,36 +24,51 @@ from vllm_guardian.atomicfile import write_atomic
 ARGS_VARIABLE = "VLLM_GUARDIAN_ARGS"
 
 
-def _int_range(lo: int, hi: int) -> Callable[[str], str | None]:
-    def check(v: str) -> str | None:
-        if not re.fullmatch(r"[0-9]+", v) or not lo <= int(v) <= hi:
-            return f"must be an integer in [{lo}, {hi}]"
+@dataclass(frozen=True)
+class _IntRange:
+    lo: int
+    hi: int
+
+    def __call__(self, v: str) -> str | None:
+        if not re.fullmatch(r"[0-9]+", v) or not self.lo <= int(v) <= self.hi:
+            return f"must be an integer in [{self.lo}, {self.hi}]"
         return None
 
-    return check
+    def __str__(self) -> str:
+        return f"an integer in [{self.lo}, {self.hi}]"
 
 
-def _float_range(lo: float, hi: float) -> Callable[[str], str | None]:
-    def check(v: str) -> str | None:
-        if not re.fullmatch(r"[0-9]+(\.[0-9]+)?", v) or not lo <= float(v) <= hi:
-            return f"must be a number in [{lo}, {hi}]"
+@dataclass(frozen=True)
+class _FloatRange:
+    lo: float
+    hi: float
+
+    def __call__(self, v: str) -> str | None:
+        if not re.fullmatch(r"[0-9]+(\.[0-9]+)?", v) or not self.lo <= float(v) <= self.hi:
+            return f"must be a number in [{self.lo}, {self.hi}]"
         return None
 
-    return check
+    def __str__(self) -> str:
+        return f"a number in [{self.lo}, {self.hi}]"
 
 
-def _switch(v: str) -> str | None:
-    return None if v == "" else "takes no value"
+@dataclass(frozen=True)
+class _Switch:
+    def __call__(self, v: str) -> str | None:
+        return None if v == "" else "takes no value"
+
+    def __str__(self) -> str:
+        return "a switch, no value"
 
 
 # The only flags the guardian may ever set, with what each value must be.
 FLAGS: dict[str, Callable[[str], str | None]] = {
-    "--max-num-seqs": _int_range(1, 100_000),
-    "--max-num-batched-tokens": _int_range(16, 10_000_000),
-    "--gpu-memory-utilization": _float_range(0.05, 0.99),
-    "--kv-cache-memory-bytes": _int_range(1 << 20, 1 << 44),
-    "--enable-chunked-prefill": _switch,
-    "--enforce-eager": _switch,
+    "--max-num-seqs": _IntRange(1, 100_000),
+    "--max-num-batched-tokens": _IntRange(16, 10_000_000),
+    "--gpu-memory-utilization": _FloatRange(0.05, 0.99),
+    "--kv-cache-memory-bytes": _IntRange(1 << 20, 1 << 44),
+    "--enable-chunked-prefill": _Switch(),
+    "--enforce-eager": _Switch(),
 }
 ENV: dict[str, Callable[[str], str | None]] = {
     "PYTORCH_CUDA_ALLOC_CONF": lambda v: (

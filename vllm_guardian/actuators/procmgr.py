@@ -20,8 +20,14 @@ A command that daemonizes (forks a child that calls setsid or double-forks, then
 that child outside its process group, where the group kill after an exit cannot reach it. Every
 process started carries :data:`SUPERVISED_ENV` in its environment; when the command exits and a
 process carrying this supervisor's mark still runs outside the command's group, the command
-daemonized: the supervisor says so (the log at ERROR, and ``on_daemonized``, which the daemon
-writes to the audit log) and stops supervising: it starts nothing on top of the escaped server,
+daemonized. A command that clears its environment (``env -i``) loses the mark; when the
+supervisor knows the service's port, a process listening on it that started after the command
+did, outside the command's process group, is the command's escapee too (a server that held the
+port before the command started is not: that command's quick exits go on under the backoff). A
+daemon that clears its environment and serves no port of the service's is not told apart
+from a command that exits: it is restarted under the quick-exit backoff. Either way the
+supervisor says so (the log at ERROR, and ``on_daemonized``, which the daemon writes to the
+audit log) and stops supervising: it starts nothing on top of the escaped server,
 which keeps serving, and leaves it to the operator. Killing it instead (systemd's
 KillMode=control-group) would take down a server that is answering requests and restart a
 command that daemonizes again at once: an outage every restart, not a fix. vLLM itself never
@@ -96,6 +102,55 @@ def marked_processes(mark: str, outside_pgid: int, proc_root: Path = Path("/proc
         if fields is None or len(fields) < 3 or fields[0] in ("Z", "X"):
             continue
         if fields[2] != str(outside_pgid):
+            found.append(int(name))
+    return sorted(found)
+
+
+def _listening_inodes(proc_root: Path, port: int) -> set[str]:
+    """The socket inodes listening on TCP ``port`` in this network namespace."""
+    inodes: set[str] = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = (proc_root / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f[9])
+    return inodes
+
+
+def port_escapees(
+    port: int, outside_pgid: int, since_ticks: int, proc_root: Path = Path("/proc")
+) -> list[int]:
+    """Processes listening on ``port`` that started at or after ``since_ticks`` (the command's
+    start, /proc/PID/stat field 22) and are not in process group ``outside_pgid`` (the
+    command's, being killed), lowest pid first: what a command that daemonized with its
+    environment cleared left serving."""
+    inodes = _listening_inodes(proc_root, port)
+    found: list[int] = []
+    if not inodes:
+        return found
+    me = os.getpid()
+    try:
+        names = os.listdir(proc_root)
+    except OSError:
+        return found
+    for name in names:
+        if not name.isdigit() or int(name) == me:
+            continue
+        fds = proc_root / name / "fd"
+        try:
+            targets = {os.readlink(fds / fd) for fd in os.listdir(fds)}
+        except OSError:  # gone, or not ours to read
+            continue
+        if not any(t[8:-1] in inodes for t in targets if t.startswith("socket:[")):
+            continue
+        fields = _stat_fields(proc_root, int(name))
+        if fields is None or len(fields) < 20 or fields[0] in ("Z", "X"):
+            continue
+        if fields[2] != str(outside_pgid) and int(fields[19]) >= since_ticks:
             found.append(int(name))
     return sorted(found)
 
@@ -204,13 +259,15 @@ class Supervisor:
         stable_seconds: float = 120.0,
         clock: Clock | None = None,
         on_daemonized: Callable[[str], None] | None = None,
+        port: int | None = None,
     ) -> None:
         """``restart_on_clean_exit=False`` is systemd's ``Restart=on-failure``: an exit with
         status 0 (vLLM's after an engine death) ends supervision until ``start``/``restart``.
         A command that exits within ``stable_seconds`` of its start waits twice as long as the
         last time before the next start (from ``restart_delay_seconds`` up to
         ``restart_delay_max_seconds``: :func:`next_restart_delay`), measured on ``clock``.
-        ``on_daemonized`` is told, once, when the command daemonized (the module docstring)."""
+        ``on_daemonized`` is told, once, when the command daemonized (the module docstring);
+        ``port``, the service's, finds a daemon whose environment lost the supervisor's mark."""
         self.name = name
         self.command = tuple(command)
         self.flags_path = flags_path
@@ -241,6 +298,8 @@ class Supervisor:
         self.exits: list[int] = []  # exit codes seen, oldest first
         self.on_daemonized = on_daemonized
         self._mark = f"{name}:{os.getpid()}"
+        self.port = port
+        self._start_ticks: int | None = None  # the supervised process's start (its pid file)
         self.daemonized: Daemonized | None = None  # set once: supervision ended, see the module
 
     # --- what a restart reads ----------------------------------------------------------------
@@ -321,6 +380,8 @@ class Supervisor:
 
     def _write_pid(self, pid: int) -> None:
         ticks = process_start_ticks(pid)
+        with self._lock:
+            self._start_ticks = ticks
         if ticks is None:
             return
         try:
@@ -366,6 +427,7 @@ class Supervisor:
         with self._lock:
             self._proc = orphan
             self.adopted = orphan.pid
+            self._start_ticks = orphan.start_ticks
             self._started_monotonic = self._clock.monotonic()  # how long it ran before: unknown
         log.warning(
             "%s: adopting pid %d, started by a previous guardian and still running "
@@ -425,6 +487,10 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
             escaped = marked_processes(self._mark, proc.pid)
+            with self._lock:
+                since = self._start_ticks if self._proc is proc else None
+            if not escaped and self.port is not None and since is not None:
+                escaped = port_escapees(self.port, proc.pid, since)
             notice: str | None = None
             with self._lock:
                 if self._proc is proc:

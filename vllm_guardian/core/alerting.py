@@ -39,7 +39,7 @@ from typing import Any
 
 import yaml
 
-from vllm_guardian.config import ConfigError, ConfigInvalid, _bounds, _Loader
+from vllm_guardian.config import ConfigError, ConfigInvalid, _bounds, _Loader, yaml_error
 from vllm_guardian.core.signals import ServiceSignals, Signals
 from vllm_guardian.model import (
     Alert,
@@ -527,9 +527,8 @@ def parse_rules(text: str, filename: str) -> tuple[Rule, ...]:
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        raise ConfigInvalid(filename, [ConfigError("", line, f"not valid YAML: {e}")]) from None
+        line, message = yaml_error(e)
+        raise ConfigInvalid(filename, [ConfigError("", line, message)]) from None
     loader = _Loader()
     parsed = loader.build(_RulesFile, root, "")
     rules: list[Rule] = []

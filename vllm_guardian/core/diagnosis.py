@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from vllm_guardian.allocator_format import AllocatorStats
 from vllm_guardian.core.alerting import Rule
 from vllm_guardian.core.budget import MIN_DEPLOY_UTILIZATION, KvBudget
+from vllm_guardian.core.causes import cause_spec
 from vllm_guardian.core.signals import ServiceSignals
 from vllm_guardian.model import Alert, AlertState, Cause, HealthState, LogEvent, LogEventKind
 
@@ -48,19 +49,10 @@ _DEATH_KINDS = frozenset(
     }
 )
 
-# When two causes have equal weight, the more specific one names the lever.
-_SPECIFICITY = {
-    Cause.GPU_HARDWARE_FAULT: 0,
-    Cause.MODEL_DOES_NOT_FIT: 1,
-    Cause.ALLOCATOR_FRAGMENTATION: 2,
-    Cause.PREFILL_BURST: 3,
-    Cause.KV_CACHE_BLOWOUT: 4,
-    Cause.CONCURRENCY_OVERCOMMIT: 5,
-    Cause.ENGINE_DEAD: 6,
-    Cause.GPU_MEMORY_OVERCOMMIT: 7,
-    Cause.PREFIX_CACHE_WASTE: 8,
-    Cause.HEALTHY: 9,
-}
+
+def _specificity(cause: Cause) -> int:
+    """When two causes have equal weight, the more specific one names the lever."""
+    return cause_spec(cause).specificity
 
 
 @dataclass(frozen=True)
@@ -399,9 +391,9 @@ def rank(evidence: Sequence[Evidence]) -> tuple[Finding, ...]:
     """
     by_cause: dict[Cause, list[Evidence]] = {}
     root = [e for e in evidence if e.name in _OOM_NAMES]
-    oom = min(root, key=lambda e: _SPECIFICITY[e.cause]).cause if root else None
+    oom = min(root, key=lambda e: _specificity(e.cause)).cause if root else None
     for e in evidence:
-        if e.cause in (Cause.PREFIX_CACHE_WASTE, Cause.HEALTHY):
+        if not cause_spec(e.cause).verdict:
             continue
         cause = oom if (oom is not None and e.cause is Cause.ENGINE_DEAD) else e.cause
         by_cause.setdefault(cause, []).append(e)
@@ -412,7 +404,7 @@ def rank(evidence: Sequence[Evidence]) -> tuple[Finding, ...]:
             miss *= 1.0 - (0.9 if e.unambiguous else 0.5) * min(e.weight, 1.0)
         own_first = sorted(items, key=lambda e: (e.cause is not cause, not e.unambiguous))
         findings.append(Finding(cause, round(1.0 - miss, 4), tuple(own_first)))
-    findings.sort(key=lambda f: (-f.confidence, _SPECIFICITY[f.cause]))
+    findings.sort(key=lambda f: (-f.confidence, _specificity(f.cause)))
     return tuple(findings)
 
 
@@ -488,14 +480,6 @@ def thresholds_from_rules(rules: Sequence[Rule], source: str) -> Thresholds:
     return replace(Thresholds(), source=source, **values)
 
 
-_MEMORY_CAUSES = frozenset(
-    {
-        Cause.GPU_MEMORY_OVERCOMMIT,
-        Cause.KV_CACHE_BLOWOUT,
-        Cause.PREFILL_BURST,
-        Cause.CONCURRENCY_OVERCOMMIT,
-    }
-)
 _OOM_PROCESS = re.compile(r"Process (\d+) has ([\d.]+) (GiB|MiB|KiB) memory in use")
 _UNIT_BYTES = {"GiB": GIB, "MiB": 1024**2, "KiB": 1024}
 
@@ -770,7 +754,7 @@ def classify(obs: Observations) -> Classification:
                 cause=Cause.MODEL_DOES_NOT_FIT,
                 sentence=f"{e.sentence.split(':')[0]}: the model does not fit the card",
             )
-            if e.cause in _MEMORY_CAUSES
+            if cause_spec(e.cause).explained_by_misfit
             else e
             for e in evidence
         ]

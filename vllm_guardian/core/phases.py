@@ -97,6 +97,12 @@ class Seen:
     metrics_up: bool
     stalled: bool = False  # requests in the engine and no progress (core/progress.py): hung
     engine_dead: bool = False  # /health answers 503 (a slow /health under load is not this)
+    # services[].gpu_memory_by_device (a pod): NVML's pids are the host's, never vLLM's main
+    # pid, so the old instance's memory is waited for on the service's devices instead:
+    # (GPU index, the host pids NVML shows holding memory on it; None: it would not say).
+    # None: NVML was not read this tick.
+    by_device: bool = False
+    device_pids: tuple[tuple[int, tuple[int, ...] | None], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,10 @@ class ActionProgress:
     # ready (core/inhibition.py holds the vLLM-down alerts meanwhile). None: not restarted by
     # the guardian (yet), e.g. its supervisor restarted it after a crash.
     stopped_seconds: float | None = None
+    # By device (a pod): what each of the service's GPUs held when the restart was asked for:
+    # the old instance (every process on a pod's GPU is its vLLM). AWAITING_VRAM waits until
+    # none of those pids is left on its device. None: waits by ``old_pid`` (a host).
+    old_device_pids: tuple[tuple[int, tuple[int, ...] | None], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -275,6 +285,7 @@ def advance(
             why,
             waiting_ops=(*a.waiting_ops, Op.RESTART),
             stopped_seconds=now,
+            old_device_pids=(seen.device_pids or ()) if seen.by_device else None,
         )
 
     if a.orphaned:
@@ -351,7 +362,7 @@ def advance(
             if not r.ok:
                 return end(False, r.terminal, r.detail)
             a = replace(a, notes=(*a.notes, r.detail), ready_after=r.finished_seconds)
-            if a.old_pid is not None:
+            if a.old_pid is not None or a.old_device_pids is not None:
                 go(Phase.AWAITING_VRAM, "restart returned")
             else:
                 go(Phase.AWAITING_READY, "restart returned")
@@ -468,6 +479,31 @@ def advance(
             if Op.RESTART in a.waiting_ops and now >= a.deadline:
                 return end(False, False, "the restart call did not return in time")
             break
+        elif phase is Phase.AWAITING_VRAM and a.old_device_pids is not None:
+            held, blind = _held_by_device(a.old_device_pids, seen.device_pids)
+            if not held:
+                freed = [g for g, _ in a.old_device_pids if g not in blind]
+                said: list[str] = []
+                if freed:
+                    said.append(f"the old instance's GPU memory is free on {_gpus(freed)}")
+                if blind:
+                    said.append(f"GPU processes not visible on {_gpus(blind)}: not waiting on them")
+                if not a.old_device_pids:
+                    said.append("GPU processes not visible: not waiting on them")
+                go(Phase.AWAITING_READY, "; ".join(said))
+            elif now >= a.deadline:
+                still = ", ".join(
+                    f"GPU {g} (host pid{'s' if len(pids) > 1 else ''} {', '.join(map(str, pids))})"
+                    for g, pids in held
+                )
+                return end(
+                    False,
+                    False,
+                    f"the old instance still holds {still} after "
+                    f"{p.vram_release_timeout_seconds:.0f}s",
+                )
+            else:
+                break
         elif phase is Phase.AWAITING_VRAM:
             if seen.gpu_pids is None or a.old_pid not in seen.gpu_pids:
                 go(
@@ -497,3 +533,26 @@ def advance(
                 )
             break
     return Advance(a, tuple(moves), tuple(ops), None)
+
+
+def _gpus(indices: Sequence[int]) -> str:
+    return ("GPU " if len(indices) == 1 else "GPUs ") + ", ".join(map(str, indices))
+
+
+def _held_by_device(
+    old: tuple[tuple[int, tuple[int, ...] | None], ...],
+    now: tuple[tuple[int, tuple[int, ...] | None], ...] | None,
+) -> tuple[list[tuple[int, list[int]]], list[int]]:
+    """Which of the old instance's host pids each device still shows, and the devices that
+    cannot tell (NVML not read, the device gone or unreadable, its processes not listed now or
+    before the restart). A pid is compared only on the device it was seen on."""
+    current = dict(now) if now is not None else {}
+    held: list[tuple[int, list[int]]] = []
+    blind: list[int] = []
+    for gpu, before in old:
+        after = current.get(gpu)
+        if before is None or after is None:
+            blind.append(gpu)
+        elif left := sorted(set(before) & set(after)):
+            held.append((gpu, left))
+    return held, blind

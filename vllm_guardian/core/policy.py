@@ -32,11 +32,12 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from vllm_guardian.config import PolicyConfig
 from vllm_guardian.core import phases
 from vllm_guardian.core.budget import parse_launch_flags
+from vllm_guardian.core.causes import Pressure, cause_spec
 from vllm_guardian.core.diagnosis import (
     CORROBORATION_SECONDS,
     RESET_CLASS_XIDS,
@@ -52,7 +53,13 @@ from vllm_guardian.core.diagnosis import (
 )
 from vllm_guardian.core.forecast import Forecast
 from vllm_guardian.core.levers import (
+    LEVERS,
     LOW_CAP_COSTS,
+    Baseline,
+    Lever,
+    Step,
+    lever_of_flag,
+    lever_spec,
     mean_context_tokens,
     median,
     recompute_share,
@@ -64,6 +71,7 @@ from vllm_guardian.model import (
     ActionResult,
     Alert,
     Cause,
+    GpuDevice,
     HealthState,
     Op,
     OpRequest,
@@ -73,50 +81,6 @@ from vllm_guardian.model import (
 )
 
 GIB = 1024**3
-
-
-class Lever(StrEnum):
-    MAX_NUM_SEQS = "max_num_seqs"
-    MAX_NUM_BATCHED_TOKENS = "max_num_batched_tokens"
-    GPU_MEMORY_UTILIZATION = "gpu_memory_utilization"
-    EXPANDABLE_SEGMENTS = "expandable_segments"
-
-
-# The lever each cause moves (prefix_cache_waste moves nothing: V1's cached blocks are evictable,
-# so no flag frees memory there).
-CAUSE_LEVER: Mapping[Cause, Lever] = {
-    Cause.CONCURRENCY_OVERCOMMIT: Lever.MAX_NUM_SEQS,
-    Cause.PREFILL_BURST: Lever.MAX_NUM_BATCHED_TOKENS,
-    Cause.GPU_MEMORY_OVERCOMMIT: Lever.GPU_MEMORY_UTILIZATION,
-    Cause.ALLOCATOR_FRAGMENTATION: Lever.EXPANDABLE_SEGMENTS,
-}
-# Restarting cannot fix these: latch and tell a person.
-ESCALATE_CAUSES = frozenset(
-    {Cause.GPU_HARDWARE_FAULT, Cause.MODEL_DOES_NOT_FIT, Cause.KV_CACHE_BLOWOUT}
-)
-# These crash the engine: act on the first unambiguous event, without waiting for repeats.
-CRASH_CAUSES = frozenset(
-    {
-        Cause.ENGINE_DEAD,
-        Cause.PREFILL_BURST,
-        Cause.GPU_MEMORY_OVERCOMMIT,
-        Cause.ALLOCATOR_FRAGMENTATION,
-    }
-)
-LEVER_FLAG = {
-    Lever.MAX_NUM_SEQS: "--max-num-seqs",
-    Lever.MAX_NUM_BATCHED_TOKENS: "--max-num-batched-tokens",
-    Lever.GPU_MEMORY_UTILIZATION: "--gpu-memory-utilization",
-}
-
-
-@dataclass(frozen=True)
-class Baseline:
-    """The operator's own values, before the guardian changed anything."""
-
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    gpu_memory_utilization: float
 
 
 @dataclass(frozen=True)
@@ -279,40 +243,30 @@ class PolicyOutput:
 def default_baseline(
     signals: ServiceSignals | None, cmdline: Sequence[str] | None, gpu_total_bytes: int = 0
 ) -> Baseline:
-    """The operator's values: from the command line when set there, else vLLM's defaults
-    (they depend on the GPU's memory size: vLLM 0.33's API server takes --max-num-seqs 1024 and
-    --max-num-batched-tokens 8192 on a GPU of 70 GiB or more (16384 from 160 GiB), 256 and 2048
-    below that; --gpu-memory-utilization 0.92)."""
+    """The operator's values, one per lever with a value: from the command line when set
+    there, else what vLLM reports it runs with, else vLLM's default for the card's memory size
+    (each lever's row in ``core/levers.py`` says where to look and holds the defaults)."""
     total = max((g.total_bytes or 0 for g in signals.gpus), default=0) if signals else 0
     total = total or gpu_total_bytes
-    seqs_default = 1024 if total >= 70 * GIB else 256
-    tokens_default = 16384 if total >= 160 * GIB else 8192 if total >= 70 * GIB else 2048
-    util_default = (signals.gpu_memory_utilization_ratio if signals else None) or 0.92
     # The one launch-flag reader (core/budget.py), with argparse's semantics as vLLM has them:
     # the last occurrence wins and ``8k`` is 8000.
     flags = parse_launch_flags(cmdline or ())
-    return Baseline(
-        max_num_seqs=flags.max_num_seqs or seqs_default,
-        max_num_batched_tokens=flags.max_num_batched_tokens or tokens_default,
-        gpu_memory_utilization=flags.gpu_memory_utilization_ratio or util_default,
-    )
+    values: dict[str, Any] = {
+        spec.baseline_field: spec.operator_value(flags, signals, total)
+        for spec in LEVERS.values()
+        if spec.baseline_field is not None
+    }
+    return Baseline(**values)
 
 
 def lever_value(lever: Lever, rung: int, base: Baseline, p: PolicyConfig) -> str | None:
     """The flag value at ``rung`` (0 = the operator's baseline: no guardian flag)."""
     if rung <= 0:
         return None
-    if lever is Lever.MAX_NUM_SEQS:
-        return str(
-            max(p.max_num_seqs_floor, int(base.max_num_seqs * p.max_num_seqs_factor_ratio**rung))
-        )
-    if lever is Lever.MAX_NUM_BATCHED_TOKENS:
-        tokens = int(base.max_num_batched_tokens * p.max_num_batched_tokens_factor_ratio**rung)
-        return str(max(p.max_num_batched_tokens_floor, tokens))
-    if lever is Lever.GPU_MEMORY_UTILIZATION:
-        util = base.gpu_memory_utilization - p.gpu_memory_utilization_step_ratio * rung
-        return f"{max(p.gpu_memory_utilization_floor_ratio, round(util, 4)):g}"
-    return "expandable_segments:True"
+    spec = lever_spec(lever)
+    if spec.step is Step.SWITCH:  # on: its variable's value, or a flag that takes none
+        return spec.env[1] if spec.env is not None else ""
+    return spec.text(spec.lowered(spec.base_value(base), rung, p))
 
 
 def nearest_seqs_rung(
@@ -338,17 +292,13 @@ def nearest_seqs_rung(
 
 def can_step_down(lever: Lever, rung: int, base: Baseline, p: PolicyConfig) -> bool:
     """Whether one more rung changes anything (floors reached, or a switch already on)."""
-    if lever is Lever.EXPANDABLE_SEGMENTS:
+    spec = lever_spec(lever)
+    if spec.step is Step.SWITCH:
         return rung == 0
     now = lever_value(lever, rung, base, p)
     nxt = lever_value(lever, rung + 1, base, p)
     if now is None:
-        baseline = {
-            Lever.MAX_NUM_SEQS: str(base.max_num_seqs),
-            Lever.MAX_NUM_BATCHED_TOKENS: str(base.max_num_batched_tokens),
-            Lever.GPU_MEMORY_UTILIZATION: f"{base.gpu_memory_utilization:g}",
-        }[lever]
-        return nxt is not None and float(nxt) < float(baseline)
+        return nxt is not None and float(nxt) < spec.base_value(base)
     return nxt is not None and float(nxt) < float(now)
 
 
@@ -362,12 +312,12 @@ def flags_for(
         value = lever_value(lever, rungs.get(lever, 0), base, p)
         if value is None:
             continue
-        if lever is Lever.EXPANDABLE_SEGMENTS:
-            env.append(("PYTORCH_CUDA_ALLOC_CONF", value))
-            continue
-        flags.append((LEVER_FLAG[lever], value))
-        if lever is Lever.MAX_NUM_BATCHED_TOKENS:
-            flags.append(("--enable-chunked-prefill", ""))  # smaller chunks only help chunked
+        spec = lever_spec(lever)
+        if spec.env is not None:
+            env.append((spec.env[0], value))
+        if spec.flag is not None:
+            flags.append((spec.flag, value))
+        flags.extend(spec.companions)
     return tuple(flags), tuple(env)
 
 
@@ -450,8 +400,8 @@ class _Ctx:
         before: Levels | None = None,
     ) -> ServiceState:
         """``voluntary``: nothing has crashed (the replica serves), or an operator asked; with a
-        fleet permit configured, such an action waits for one first (README "Run on
-        Kubernetes"). ``before``: the levels before this action changed them, restored if that
+        fleet permit configured, such an action waits for one first (docs/kubernetes.md,
+        "One disruption budget"). ``before``: the levels before this action changed them, restored if that
         wait ends without a permit."""
         p = self.settings.policy
         # An operator's explicit command acts although the policy is in dry-run.
@@ -627,6 +577,12 @@ def seen(snapshot: Snapshot, sig: ServiceSignals | None, name: str) -> phases.Se
         in_flight = sig.requests_running + (sig.requests_waiting or 0)
         source = "vllm" if gate is None else "vllm (the gate did not answer)"
     health = sig.health_state if sig is not None else None
+    by_device = bool(sig is not None and sig.gpu_memory_by_device)
+    device_pids: tuple[tuple[int, tuple[int, ...] | None], ...] | None = None
+    if sig is not None and by_device and snapshot.gpus is not None:
+        # The service's GPUs (with gpus auto in a pod: every GPU it sees) and who holds them.
+        devices = {d.index: d for d in snapshot.gpus.devices}
+        device_pids = tuple((g.gpu, _host_pids(devices.get(g.gpu))) for g in sig.gpus)
     return phases.Seen(
         time_seconds=snapshot.time_seconds,
         in_flight=in_flight,
@@ -638,7 +594,16 @@ def seen(snapshot: Snapshot, sig: ServiceSignals | None, name: str) -> phases.Se
         metrics_up=bool(sig is not None and sig.metrics_up),
         stalled=bool(sig is not None and sig.stalled),
         engine_dead=health is HealthState.ENGINE_DEAD,
+        by_device=by_device,
+        device_pids=device_pids,
     )
+
+
+def _host_pids(device: GpuDevice | None) -> tuple[int, ...] | None:
+    """The pids holding memory on a device (None: gone, unreadable, or not listed)."""
+    if device is None or device.error is not None or device.processes is None:
+        return None
+    return tuple(sorted({p.pid for p in device.processes}))
 
 
 def _advance(
@@ -736,7 +701,7 @@ def _supersede(ctx: _Ctx, s: ServiceState, top: Finding) -> ServiceState:
     )
     then = (
         "escalating instead"
-        if top.cause in ESCALATE_CAUSES
+        if cause_spec(top.cause).escalation is not None
         else "acting on it now, without a permit (the replica is already down)"
     )
     ctx.decide(
@@ -1091,7 +1056,7 @@ def _early_crash(s: ServiceState, top: Finding, now: float, p: PolicyConfig) -> 
     """
     if s.ready_since is None or now - s.ready_since > p.early_failure_seconds:
         return False
-    if top.cause not in CRASH_CAUSES:
+    if not cause_spec(top.cause).crashes:
         return False
     ready = s.ready_since
     fresh = {x.name for x in s.log_items if x.seen_at > ready and x.agreed}
@@ -1099,18 +1064,19 @@ def _early_crash(s: ServiceState, top: Finding, now: float, p: PolicyConfig) -> 
 
 
 def _crash(top: Finding) -> bool:
-    return top.cause in CRASH_CAUSES and any(e.unambiguous for e in top.evidence)
+    return cause_spec(top.cause).crashes and any(e.unambiguous for e in top.evidence)
 
 
 def _urgent(top: Finding) -> bool:
     """Acted on without a fleet permit: a crash or a dead engine (the replica is already down),
     or a cause that escalates (nothing is restarted)."""
-    return _crash(top) or top.cause is Cause.ENGINE_DEAD or top.cause in ESCALATE_CAUSES
+    spec = cause_spec(top.cause)
+    return _crash(top) or spec.already_down or spec.escalation is not None
 
 
 def _held(s: ServiceState, top: Finding, now: float, p: PolicyConfig) -> bool:
     """The cooldown or the backoff holds ``top`` back (as :func:`_act` decides below)."""
-    if top.cause in ESCALATE_CAUSES:
+    if cause_spec(top.cause).escalation is not None:
         return False
     if now < s.cooldown_until and not _early_crash(s, top, now, p):
         return True
@@ -1151,12 +1117,9 @@ def _act(
                 s, f"{findings[0].cause.value}: evidence not yet enough to act", findings[0]
             )
         return _maybe_step_up(ctx, s, sig)
-    if top.cause in ESCALATE_CAUSES:
-        reason = {
-            Cause.GPU_HARDWARE_FAULT: "GPU hardware fault: the GPU needs a reset; restarting vLLM would crash-loop",
-            Cause.MODEL_DOES_NOT_FIT: "the model does not fit this GPU at these settings; no flag saves it",
-            Cause.KV_CACHE_BLOWOUT: "max_model_len exceeds what the KV pool holds; lowering it changes what users can send",
-        }[top.cause]
+    spec = cause_spec(top.cause)
+    if spec.escalation is not None:
+        reason = spec.escalation
         s = replace(s, breaker_latched=True, breaker_reason=reason)
         ctx.decide(
             s,
@@ -1180,15 +1143,19 @@ def _act(
         )
 
     crash = _crash(top)
-    lever = CAUSE_LEVER.get(top.cause)
+    lever = spec.lever
+    episodes = _episodes(s, top.cause)
+    needed = (
+        p.pressure_events_to_relaunch if spec.episodes_to_step is None else spec.episodes_to_step
+    )
     base = s.baseline or default_baseline(sig, cmdline, gpu_total_bytes)
     if s.baseline is None:
         s = replace(s, baseline=base)  # rungs are relative to it: stepping up must use the same
     step = lever is not None and can_step_down(lever, s.rung(lever), base, p)
-    if top.cause is Cause.ALLOCATOR_FRAGMENTATION:
-        # Drain + restart clears fragmentation; only a repeat earns expandable segments.
-        step = step and _episodes(s, top.cause) >= 2
-    elif top.cause is Cause.CONCURRENCY_OVERCOMMIT:
+    if spec.restart_first:
+        # Drain + restart clears it (or is all there is); only a repeat earns the lever.
+        step = step and episodes >= needed
+    elif spec.pressure is Pressure.KV_CACHE:
         # KV pressure never crashes: the gate and the over-capacity alert handle it; a relaunch
         # only where the operator enabled it and every measured condition holds.
         seqs = _concurrency_relaunch(s, sig, base, p)
@@ -1197,24 +1164,20 @@ def _act(
         if seqs[0] <= s.rung(Lever.MAX_NUM_SEQS):
             return ctx.note(
                 s,
-                "concurrency_overcommit: gated and alerted, no relaunch: --max-num-seqs is "
+                f"{top.cause.value}: gated and alerted, no relaunch: --max-num-seqs is "
                 "already at or below 1.0x what the pool hosts",
                 top,
             )
-        if not (step and _episodes(s, top.cause) >= p.pressure_events_to_relaunch):
+        if not (step and episodes >= needed):
             return ctx.note(
                 s,
-                f"concurrency_overcommit: gated; {_episodes(s, top.cause)} episode(s) of "
-                f"{p.pressure_events_to_relaunch} before a relaunch",
+                f"{top.cause.value}: gated; {episodes} episode(s) of {needed} before a relaunch",
                 top,
             )
-    elif top.cause is Cause.ENGINE_DEAD:
-        step = False
-    elif not crash and not (step and _episodes(s, top.cause) >= p.pressure_events_to_relaunch):
+    elif not crash and not (step and episodes >= needed):
         return ctx.note(
             s,
-            f"{top.cause.value}: {_episodes(s, top.cause)} episode(s) of "
-            f"{p.pressure_events_to_relaunch} before a relaunch",
+            f"{top.cause.value}: {episodes} episode(s) of {needed} before a relaunch",
             top,
         )
 
@@ -1275,7 +1238,7 @@ def _act(
     reason = (
         f"{top.cause.value}: drain and restart with the same flags; " + top.evidence[0].sentence
     )
-    voluntary = not crash and top.cause is not Cause.ENGINE_DEAD
+    voluntary = not crash and not spec.already_down
     return ctx.act(s, ActionKind.RESTART, top, reason, flags, env, voluntary=voluntary)
 
 
@@ -1548,20 +1511,15 @@ def operator_action(
         by_flag.update(sets)
         s = replace(s, operator_flags=tuple(sorted(by_flag.items())))
         for flag, value in sets:
-            lever = next((lv for lv, f in LEVER_FLAG.items() if f == flag), None)
+            lever = lever_of_flag(flag)
             if lever is None:
                 continue
             s = _set_rung(s, lever, 0)
             b = s.baseline
-            if b is None:
+            spec = lever_spec(lever)
+            if b is None or spec.baseline_field is None:
                 continue  # captured from the running command line once vLLM is back
-            if lever is Lever.MAX_NUM_SEQS:
-                b = replace(b, max_num_seqs=int(value))
-            elif lever is Lever.MAX_NUM_BATCHED_TOKENS:
-                b = replace(b, max_num_batched_tokens=int(value))
-            else:
-                b = replace(b, gpu_memory_utilization=float(value))
-            s = replace(s, baseline=b)
+            s = replace(s, baseline=spec.rebased(b, value))
     if s.breaker_latched and force:
         ctx.decide(
             s, DecisionKind.OPERATOR, f"--force by {who}: acting although the breaker is latched"

@@ -19,7 +19,7 @@ from typing import Any
 
 from vllm_guardian import promtext
 from vllm_guardian.allocator_format import AllocatorStats, FormatError, decode
-from vllm_guardian.config import ServiceConfig, SignalsConfig
+from vllm_guardian.config import PolicyConfig, ServiceConfig, SignalsConfig
 from vllm_guardian.core import diagnosis
 from vllm_guardian.core.budget import (
     Deployment,
@@ -356,10 +356,14 @@ def _budget(
 
 
 def analyze(
-    b: Bundle, mode: str = "bundle", thresholds: diagnosis.Thresholds | None = None
+    b: Bundle,
+    mode: str = "bundle",
+    thresholds: diagnosis.Thresholds | None = None,
+    policy: PolicyConfig | None = None,
 ) -> Report:
     """The report for one bundle. ``thresholds`` come from the rule set the daemon evaluates
-    (the shipped rules and the config's ``rules_file``), read in instant mode."""
+    (the shipped rules and the config's ``rules_file``), read in instant mode; ``policy`` is
+    the config's ``policy:`` (the levers' steps and floors), the shipped one without it."""
     th = thresholds or diagnosis.Thresholds()
     problems = list(b.problems)
     service = b.service
@@ -488,6 +492,7 @@ def analyze(
         hardware_gpus=tuple(
             sorted({x.gpu_index for x in xids if x.xid in diagnosis.RESET_CLASS_XIDS})
         ),
+        policy=policy or PolicyConfig(),
     )
     rec = recommend(ctx)
     util = sig.gpu_memory_utilization_ratio or flags.gpu_memory_utilization_ratio

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +19,7 @@ from vllm_guardian.config import (
     Config,
     ConfigInvalid,
     NvmlSourceConfig,
+    PolicyConfig,
     ServiceConfig,
     load_config,
 )
@@ -32,7 +34,7 @@ from vllm_guardian.core.budget import (
 from vllm_guardian.diagnose.analyze import analyze, plan_report
 from vllm_guardian.diagnose.bundle import BundleError, read_bundle, write_bundle
 from vllm_guardian.diagnose.gather import GatherOptions, gather
-from vllm_guardian.diagnose.report import Report, render_text, to_json
+from vllm_guardian.diagnose.report import WIDTH, Report, render_text, to_json
 
 EXIT_USAGE = 2
 GIB = 1024**3
@@ -82,11 +84,19 @@ def _diagnose_parser() -> argparse.ArgumentParser:
     return p
 
 
+def text_width() -> int:
+    """The terminal's width (COLUMNS first, as every tool), or 80 when the report goes to a pipe
+    or a file; never under 40, where a report cannot be read."""
+    if not sys.stdout.isatty():
+        return WIDTH
+    return max(40, shutil.get_terminal_size((WIDTH, 24)).columns)
+
+
 def _emit(report: Report, as_json: bool, verbose: bool) -> int:
     if as_json:
         print(json.dumps(to_json(report), indent=2))
     else:
-        sys.stdout.write(render_text(report, verbose))
+        sys.stdout.write(render_text(report, verbose, text_width()))
     return report.exit_code
 
 
@@ -124,20 +134,22 @@ def diagnose(argv: Sequence[str]) -> int:
             )
             return EXIT_USAGE
         thresholds = diagnosis.Thresholds()
+        policy: PolicyConfig | None = None
         if args.config:
             read = _read_config(args.config)
             if read is None:
                 return EXIT_USAGE
-            thresholds = read[1]
+            policy, thresholds = read[0].policy, read[1]
         try:
             bundle = read_bundle(args.bundle)
         except BundleError as e:
             print(f"vllm-guardian diagnose: {e}", file=sys.stderr)
             return EXIT_USAGE
-        return _emit(analyze(bundle, "bundle", thresholds), args.json, args.verbose)
+        return _emit(analyze(bundle, "bundle", thresholds, policy), args.json, args.verbose)
     nvml = NvmlSourceConfig()
     socket: str | None = None
     thresholds = diagnosis.Thresholds()  # --url alone: the shipped rules' numbers
+    policy = None  # --url alone: the shipped policy's levers
     svc: ServiceConfig
     config_path = args.config or (
         DEFAULT_CONFIG_PATH if not args.url and Path(DEFAULT_CONFIG_PATH).exists() else None
@@ -147,6 +159,7 @@ def diagnose(argv: Sequence[str]) -> int:
         if read is None:
             return EXIT_USAGE
         cfg, thresholds = read
+        policy = cfg.policy
         found = cfg.service(args.service) if args.service else cfg.services[0]
         if found is None:
             names = ", ".join(s.name for s in cfg.services)
@@ -201,7 +214,7 @@ def diagnose(argv: Sequence[str]) -> int:
             progress(f"bundle saved to {saved}")
         except OSError as e:
             print(f"vllm-guardian diagnose: cannot save the bundle: {e}", file=sys.stderr)
-    return _emit(analyze(bundle, "live", thresholds), args.json, args.verbose)
+    return _emit(analyze(bundle, "live", thresholds, policy), args.json, args.verbose)
 
 
 def _plan_parser() -> argparse.ArgumentParser:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import math
 import shlex
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from vllm_guardian.actuators import flags as flagsfile
+from vllm_guardian.config import PolicyConfig
 from vllm_guardian.core.budget import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     Deployment,
@@ -29,7 +30,8 @@ from vllm_guardian.core.budget import (
     fit_options,
 )
 from vllm_guardian.core.capacity import CapacityEstimate, CapacityState
-from vllm_guardian.core.levers import LOW_CAP_COSTS, sequences_hosted
+from vllm_guardian.core.causes import Remedy, cause_spec
+from vllm_guardian.core.levers import LOW_CAP_COSTS, Lever, lever_spec, sequences_hosted
 from vllm_guardian.diagnose.report import EnvChange, FlagChange, Recommendation, gib
 from vllm_guardian.model import Cause
 
@@ -37,9 +39,10 @@ GIB = 1024**3
 # Left free below what another process already holds when lowering the utilization: the CUDA
 # context and a monitoring tool's allocation appear after vLLM measured free memory.
 UTILIZATION_MARGIN_BYTES = GIB // 2
-UTILIZATION_STEP = 0.05  # the policy's default step (policy.gpu_memory_utilization_step_ratio)
-UTILIZATION_FLOOR = 0.50
-BATCHED_TOKENS_FLOOR = 2048
+# The step, factor and floor of each flag are the ladder's (core/levers.py), under the
+# operator's policy settings: diagnose never recommends a lever below the guardian's floor.
+_UTILIZATION = lever_spec(Lever.GPU_MEMORY_UTILIZATION)
+_BATCHED_TOKENS = lever_spec(Lever.MAX_NUM_BATCHED_TOKENS)
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,9 @@ class Context:
     hardware_gpus: tuple[int, ...] = ()
     capacity: CapacityEstimate | None = None  # over the observed window (core/capacity.py)
     planned_concurrency: int | None = None  # `plan --concurrency`: requests at once to size for
+    # The operator's policy settings (the config's ``policy:``; the shipped ones without one):
+    # each lever's step and floor.
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
 
 
 def _fmt_ratio(v: float) -> str:
@@ -72,7 +78,7 @@ def _floor2(v: float) -> float:
 
 
 def recommend(c: Context) -> Recommendation:
-    rule = _RULES.get(c.verdict)
+    rule = REMEDIES[cause_spec(c.verdict).remedy]
     if rule is None:
         return Recommendation("Nothing to change: no failure with evidence.")
     summary, changes, env, actions = rule(c)
@@ -108,20 +114,31 @@ def _overcommit(c: Context) -> _Out:
     free = c.gpu_free_bytes
     if free is None and total is not None and c.other_processes_bytes is not None:
         free = total - c.other_processes_bytes
+    floor = _UTILIZATION.floor(c.policy)
+    below_floor: float | None = None
     if total and free is not None and free < old * total + UTILIZATION_MARGIN_BYTES:
-        new = max(UTILIZATION_FLOOR, _floor2((free - UTILIZATION_MARGIN_BYTES) / total))
+        fits = _floor2((free - UTILIZATION_MARGIN_BYTES) / total)
+        new = max(floor, fits)
+        below_floor = fits if fits < floor else None
         reason = (
             f"asks for {gib(old * total)} of the {gib(total, 0)} card, but only {gib(free)} is "
             f"free beside other processes; {new:.2f} asks for {gib(new * total)}"
         )
     else:
-        new = max(UTILIZATION_FLOOR, _floor2(old - UTILIZATION_STEP))
+        new = max(floor, _floor2(old - _UTILIZATION.step_size(c.policy)))
         reason = f"leaves {gib((1 - new) * total) if total else 'more'} for what vLLM's profile does not count"
     if new < old:
         changes.append(_flag("--gpu-memory-utilization", _fmt_ratio(old), _fmt_ratio(new), reason))
     actions = [
         "find who else holds memory on the card (nvidia-smi) and move it, or keep the lower reservation"
     ]
+    if below_floor is not None:
+        actions.append(
+            f"fitting beside the other processes takes {below_floor:.2f}, below the floor "
+            f"{floor:.2f} (policy.{_UTILIZATION.floor_setting}): the guardian will not go "
+            "lower; move the other process, or lower the floor where a smaller KV pool is "
+            "acceptable"
+        )
     if c.sizing.recommended_kv_cache_memory_bytes:
         kv = c.sizing.recommended_kv_cache_memory_bytes
         actions.append(
@@ -242,7 +259,7 @@ def _prefill(c: Context) -> _Out:
         old = default_max_num_batched_tokens(total)
     changes = []
     if old is not None:
-        new = max(BATCHED_TOKENS_FLOOR, old // 2)
+        new = int(_BATCHED_TOKENS.lowered(old, 1, c.policy))
         if new < old:
             changes.append(
                 _flag(
@@ -331,15 +348,18 @@ def _hardware(c: Context) -> _Out:
     return "The GPU failed (XID/ECC): escalate to a person, no restart.", [], [], actions
 
 
-_RULES = {
-    Cause.GPU_MEMORY_OVERCOMMIT: _overcommit,
-    Cause.KV_CACHE_BLOWOUT: _blowout,
-    Cause.CONCURRENCY_OVERCOMMIT: _concurrency,
-    Cause.PREFILL_BURST: _prefill,
-    Cause.ALLOCATOR_FRAGMENTATION: _fragmentation,
-    Cause.MODEL_DOES_NOT_FIT: _does_not_fit,
-    Cause.ENGINE_DEAD: _engine_dead,
-    Cause.GPU_HARDWARE_FAULT: _hardware,
+# One writer per remedy (the cause table, ``core/causes.py``, says which remedy a cause gets);
+# None: nothing to change. A remedy without a writer fails ``tests/test_causes.py``.
+REMEDIES: Mapping[Remedy, Callable[[Context], _Out] | None] = {
+    Remedy.RESERVE_LESS: _overcommit,
+    Remedy.SHORTEN_MAX_MODEL_LEN: _blowout,
+    Remedy.ADD_CAPACITY: _concurrency,
+    Remedy.SMALLER_PREFILL: _prefill,
+    Remedy.EXPANDABLE_SEGMENTS: _fragmentation,
+    Remedy.MAKE_IT_FIT: _does_not_fit,
+    Remedy.RESTART: _engine_dead,
+    Remedy.RESET_GPU: _hardware,
+    Remedy.NOTHING: None,
 }
 
 

@@ -16,6 +16,7 @@ from vllm_guardian.redact import redact_text
 
 SCHEMA = "vllm-guardian/diagnose"
 SCHEMA_VERSION = 1
+# A report into a pipe or a file; a terminal gets its own width (diagnose/cli.text_width).
 WIDTH = 80
 GIB = 1024**3
 
@@ -179,25 +180,62 @@ def gib(v: float | None, digits: int = 1) -> str:
     return "?" if v is None else f"{v / GIB:.{digits}f} GiB"
 
 
-def _wrap(text: str, indent: str = "  ", first: str | None = None) -> list[str]:
-    return textwrap.wrap(
-        text,
-        WIDTH,
-        initial_indent=first if first is not None else indent,
-        subsequent_indent=indent,
-        break_long_words=True,
-        break_on_hyphens=False,
-    ) or [first or indent]
+@dataclass(frozen=True)
+class _Para:
+    """Text to fill to the width: ``first`` before its first line, ``indent`` before the rest."""
+
+    text: str
+    indent: str
+    first: str
+
+
+@dataclass(frozen=True)
+class _Verbatim:
+    """A line to paste (a line of the environment file): never wrapped."""
+
+    text: str
+
+
+# A report line: a paragraph, a verbatim line, or a plain line (wrapped under its own indent).
+_Line = _Para | _Verbatim | str
+
+
+def _wrap(text: str, indent: str = "  ", first: str | None = None) -> list[_Line]:
+    return [_Para(text, indent, first if first is not None else indent)]
+
+
+def _lay_out(lines: list[_Line], width: int) -> list[str]:
+    """Fill every line to ``width`` at spaces. A word longer than the width (a path, a URL) goes
+    whole on a line of its own: cut, it could not be pasted."""
+    out: list[str] = []
+    for item in lines:
+        if isinstance(item, _Verbatim):
+            out.append(item.text)
+            continue
+        if isinstance(item, str):
+            lead = item[: len(item) - len(item.lstrip())]
+            item = _Para(item.strip(), lead + "    ", lead)
+        out += textwrap.wrap(
+            item.text,
+            width,
+            initial_indent=item.first,
+            subsequent_indent=item.indent,
+            break_long_words=False,
+            break_on_hyphens=False,
+        ) or [item.first.rstrip()]
+    return out
 
 
 def _num(v: Any, fmt: str = "{:,.0f}") -> str:
     return "?" if v is None else fmt.format(v)
 
 
-def render_text(r: Report, verbose: bool = False) -> str:
-    """The report for a terminal: verdict and fix first, 80 columns, one screen when it can."""
-    out: list[str] = []
-    head = f"vllm-guardian diagnose: {r.service}  ({r.mode}: {redact_text(r.origin)})"
+def render_text(r: Report, verbose: bool = False, width: int = WIDTH) -> str:
+    """The report for a terminal: verdict and fix first, filled to ``width`` columns (the
+    terminal's, or 80 into a pipe) without cutting a word, one screen when it can."""
+    out: list[_Line] = []
+    command = "plan" if r.mode == "plan" else "diagnose"
+    head = f"vllm-guardian {command}: {r.service}  ({r.mode}: {redact_text(r.origin)})"
     out += _wrap(head, "  ", "")
     conf = f" ({r.causes[0].confidence:.0%})" if r.causes else ""
     out.append(f"VERDICT: {r.verdict.value}{conf}")
@@ -226,7 +264,11 @@ def render_text(r: Report, verbose: bool = False) -> str:
         out += _wrap(rec.command_line, "      ", "    ")
     if rec.env_file:
         out.append("  guardian environment file:")
-        out += ["    " + line for line in rec.env_file.splitlines() if not line.startswith("#")]
+        out += [
+            _Verbatim("    " + line)
+            for line in rec.env_file.splitlines()
+            if not line.startswith("#")
+        ]
     out += _render_budget(r.kv_budget)
     out += _render_gpus(r.gpus)
     s = r.signals
@@ -249,13 +291,13 @@ def render_text(r: Report, verbose: bool = False) -> str:
             out += _wrap(p, "    ", "  - ")
         if not verbose and len(r.problems) > 5:
             out.append(f"  … {len(r.problems) - 5} more (--verbose)")
-    return "\n".join(line[:WIDTH] for line in out) + "\n"
+    return "\n".join(_lay_out(out, width)) + "\n"
 
 
-def _render_budget(b: dict[str, Any] | None) -> list[str]:
+def _render_budget(b: dict[str, Any] | None) -> list[_Line]:
     if not b:
         return []
-    out = ["KV BUDGET" + (f" ({b['model']})" if b.get("model") else "")]
+    out: list[_Line] = ["KV BUDGET" + (f" ({b['model']})" if b.get("model") else "")]
     if b.get("kv_bytes_per_token") is not None:
         out.append(
             f"  {b['kv_bytes_per_token']:,} B/token (TP {b.get('tensor_parallel_size', 1)}, "
@@ -281,10 +323,10 @@ def _render_budget(b: dict[str, Any] | None) -> list[str]:
     return out
 
 
-def _render_gpus(gpus: tuple[GpuReport, ...]) -> list[str]:
+def _render_gpus(gpus: tuple[GpuReport, ...]) -> list[_Line]:
     if not gpus:
         return []
-    out = ["GPU MEMORY"]
+    out: list[_Line] = ["GPU MEMORY"]
     for g in gpus:
         others = sum(p.used_memory_bytes or 0 for p in g.others)
         out.append(

@@ -92,6 +92,18 @@ def _url(text: str) -> str:
     return text.rstrip("/")
 
 
+def _shown(key: str) -> str:
+    """A flag's default as its help states it: from DEFAULTS, so the text cannot drift."""
+    value = DEFAULTS[key]
+    if key == "listen":
+        return f"{value[0]}:{value[1]}"
+    if key.endswith("_bytes"):
+        return f"{value // (1024 * 1024)} MiB"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     # Defaults are SUPPRESS: only the flags actually given reach the namespace, so a flag can
     # override the config while an absent one leaves the config's value (DEFAULTS otherwise).
@@ -111,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--listen",
         type=_host_port,
-        help="HOST:PORT (default 127.0.0.1:8001)",
+        help=f"HOST:PORT (default {_shown('listen')})",
     )
     ap.add_argument(
         "--upstream",
@@ -125,38 +137,42 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--service",
-        help="the service's name in the guardian's config (default vllm)",
+        help=f"the service's name in the guardian's config (default {_shown('service')})",
     )
     q = ap.add_argument_group("queue")
     q.add_argument(
         "--max-queue",
         type=int,
-        help="requests waiting at most (default 256; 0: refuse at once while closed)",
+        help=f"requests waiting at most (default {_shown('max_queue')}; 0: refuse at once while closed)",
     )
     q.add_argument(
         "--max-queued-tokens",
         type=int,
-        help="estimated prompt tokens waiting at most (default 1000000)",
+        help=f"estimated prompt tokens waiting at most (default {_shown('max_queued_tokens')})",
     )
     q.add_argument(
         "--max-wait",
         type=float,
-        help="seconds a request waits at most before its 503 (default 60)",
+        help=f"seconds a request waits at most before its 503 (default {_shown('max_wait')})",
     )
     q.add_argument(
         "--release-rate",
         type=float,
-        help="queued requests released per second at most (default 50; 0: no limit)",
+        help=f"queued requests released per second at most (default {_shown('release_rate')}; 0: no limit)",
     )
-    q.add_argument("--release-burst", type=int, help="of which this many at once (default 8)")
+    q.add_argument(
+        "--release-burst",
+        type=int,
+        help=f"of which this many at once (default {_shown('release_burst')})",
+    )
     q.add_argument(
         "--per-key-share",
         type=float,
-        help="share of the queue one key may hold, 0..1 (default 0: off); over it: 429",
+        help=f"share of the queue one key may hold, 0..1 (default {_shown('per_key_share')}; 0: off); over it: 429",
     )
     q.add_argument(
         "--key-header",
-        help="the header that names a client for --per-key-share (default Authorization)",
+        help=f"the header that names a client for --per-key-share (default {_shown('key_header')})",
     )
     q.add_argument(
         "--known-key-sha256",
@@ -170,82 +186,86 @@ def build_parser() -> argparse.ArgumentParser:
         "--trust-key-header",
         choices=("on", "off"),
         help="every --key-header value is a client of its own: only when a proxy in front "
-        "authenticates clients and sets that header itself (default off)",
+        f"authenticates clients and sets that header itself (default {_shown('trust_key_header')})",
     )
     q.add_argument(
         "--retry-after",
         type=int,
-        help="Retry-After seconds on the gate's 503 and 429 (default 2)",
+        help=f"Retry-After seconds on the gate's 503 and 429 (default {_shown('retry_after')})",
     )
     k = ap.add_argument_group("KV-need admission")
     k.add_argument(
         "--kv-admission",
         choices=("on", "off"),
-        help="admit a request only if prompt + max_tokens fits in the free KV pool (default off; needs vLLM's cache_config_info)",
+        help=f"admit a request only if prompt + max_tokens fits in the free KV pool (default {_shown('kv_admission')}; needs vLLM's cache_config_info)",
     )
-    k.add_argument("--kv-reserve", type=float, help="share of the pool kept free (default 0.05)")
+    k.add_argument(
+        "--kv-reserve",
+        type=float,
+        help=f"share of the pool kept free (default {_shown('kv_reserve')})",
+    )
     k.add_argument(
         "--default-output-tokens",
         type=int,
-        help="output tokens assumed when a request sets no max_tokens (default 256)",
+        help=f"output tokens assumed when a request sets no max_tokens (default {_shown('default_output_tokens')})",
     )
     o = ap.add_argument_group("other")
     o.add_argument(
         "--max-body-bytes",
         type=int,
-        help="largest request body (default 32 MiB; over it: 413)",
+        help=f"largest request body (default {_shown('max_body_bytes')}; over it: 413)",
     )
     o.add_argument(
         "--body-timeout",
         type=float,
-        help="seconds a request body may take to arrive whole (default 30; past it: 408)",
+        help=f"seconds a request body may take to arrive whole (default {_shown('body_timeout')}; past it: 408)",
     )
     o.add_argument(
         "--body-min-rate",
         type=int,
-        help="bytes/s a request body must keep up over each 5 s (default 1024; 0: none; below it: 408)",
+        help=f"bytes/s a request body must keep up over each 5 s (default {_shown('body_min_rate')}; 0: none; below it: 408)",
     )
     o.add_argument(
         "--body-budget-bytes",
         type=int,
-        help="bytes of request bodies held at once, all requests together (default 256 MiB, at "
+        help=f"bytes of request bodies held at once, all requests together (default {_shown('body_budget_bytes')}, at "
         "least --max-body-bytes); a body that would pass it waits up to 2 s, then gets 503",
     )
     o.add_argument(
         "--poll-interval",
         type=float,
-        help="seconds between polls of /ready and /health (default 0.1)",
+        help=f"seconds between polls of /ready and /health (default {_shown('poll_interval')})",
     )
     o.add_argument(
         "--kv-poll-interval",
         type=float,
-        help="seconds between reads of vLLM's /metrics (default 0.5)",
+        help=f"seconds between reads of vLLM's /metrics (default {_shown('kv_poll_interval')})",
     )
     o.add_argument(
         "--stall-hold",
         type=float,
         help="hold new requests when requests are in vLLM and it made no progress (no token "
         "counted, no KV block taken or freed, no preemption) for this many seconds: a hung "
-        "engine (default 10; 0: off)",
+        f"engine (default {_shown('stall_hold')}; 0: off)",
     )
     o.add_argument(
         "--metrics-path",
-        help="where the gate serves its own metrics (default /metrics; vLLM's /metrics is then reached on vLLM itself)",
+        help=f"where the gate serves its own metrics (default {_shown('metrics_path')}; vLLM's /metrics is then reached on vLLM itself)",
     )
     o.add_argument(
         "--shutdown-timeout",
         type=float,
-        help="seconds in-flight requests get on SIGTERM (default 5)",
+        help=f"seconds in-flight requests get on SIGTERM (default {_shown('shutdown_timeout')})",
     )
     o.add_argument(
         "--continuation",
         choices=("on", "off"),
-        help="continue a streamed /v1/completions or /v1/chat/completions the upstream cuts, on the next ready server (default on)",
+        help=f"continue a streamed /v1/completions or /v1/chat/completions the upstream cuts, on the next ready server (default {_shown('continuation')})",
     )
     o.add_argument(
         "--max-continuations",
         type=int,
-        help="continuations of one request at most (default 1)",
+        help=f"continuations of one request at most (default {_shown('max_continuations')})",
     )
     o.add_argument("--log-level", help="DEBUG, INFO (default), WARNING, ERROR")
     return ap  # fmt: skip

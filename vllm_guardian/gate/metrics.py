@@ -119,8 +119,8 @@ class GateMetrics:
         ).labels(*s)
         self._continuations = Counter(
             f"{NS}_continuations",
-            "Streamed completions the upstream cut, by what the gate did (outcome: continued, "
-            "completed, refused, failed) and why (reason).",
+            "Streamed completions and chat completions the upstream cut, by what the gate did "
+            "(outcome: continued, completed, refused, failed) and why (reason).",
             ["service", "outcome", "reason"],
             registry=r,
         )

@@ -31,6 +31,7 @@ from vllm_guardian.config import (
     _check_url,
     _Loader,
     read_text,
+    yaml_error,
 )
 
 GIB = 1024**3
@@ -198,9 +199,8 @@ def parse_profile(text: str, filename: str) -> Profile:
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        raise ConfigInvalid(filename, [ConfigError("", line, f"not valid YAML: {e}")]) from None
+        line, message = yaml_error(e)
+        raise ConfigInvalid(filename, [ConfigError("", line, message)]) from None
     loader = _Loader()
     parsed = loader.build(Profile, root, "")
     if loader.errors or not isinstance(parsed, Profile):

@@ -11,8 +11,9 @@
   different pressure (the physical GPU, not the pool): ``--max-num-batched-tokens`` comes
   down (the prefill workspace grows with the tokens batched in one step) and
   ``--gpu-memory-utilization`` comes down until the floor is free again. Steps are the guardian
-  policy's (``PolicyConfig``): factor 0.5 with a 2048 floor for batched tokens, 0.05 with a
-  0.70 floor for utilization.
+  policy's, read through the lever table (``core/levers.py``) under the given ``PolicyConfig``:
+  shipped, factor 0.5 with a 2048 floor for batched tokens, 0.05 with a 0.70 floor for
+  utilization.
 * With the pool as the only limit and spare headroom above twice the floor, utilization may go
   up (a larger pool moves the knee up), at most one policy step.
 * The gate's watermarks stay at the policy's 0.90/0.80 unless preemptions began below the
@@ -28,7 +29,7 @@ from enum import StrEnum
 
 from vllm_guardian.config import PolicyConfig
 from vllm_guardian.core.budget import LaunchFlags, default_max_num_batched_tokens
-from vllm_guardian.core.levers import LOW_CAP_COSTS, sequences_hosted
+from vllm_guardian.core.levers import LOW_CAP_COSTS, Lever, lever_spec, sequences_hosted
 
 from .profile import Limits
 from .results import StepResult
@@ -223,10 +224,7 @@ def _max_num_batched_tokens(
         )
         if current is None:
             return Recommendation(flag, Action.LOWER, None, f"{why}: halve it{tail}")
-        value = max(
-            policy.max_num_batched_tokens_floor,
-            int(current * policy.max_num_batched_tokens_factor_ratio),
-        )
+        value = int(lever_spec(Lever.MAX_NUM_BATCHED_TOKENS).lowered(current, 1, policy))
         return Recommendation(
             flag, Action.LOWER, str(value), f"{why} with {current} ({source}){tail}"
         )
@@ -247,6 +245,8 @@ def _utilization(
     policy: PolicyConfig,
 ) -> Recommendation:
     flag = "--gpu-memory-utilization"
+    lever = lever_spec(Lever.GPU_MEMORY_UTILIZATION)
+    policy_step = lever.step_size(policy)
     current = flags.gpu_memory_utilization_ratio or next(
         (r.gpu_memory_utilization_ratio for r in results if r.gpu_memory_utilization_ratio),
         None,
@@ -263,25 +263,22 @@ def _utilization(
             # At least one policy step: a smaller --max-num-batched-tokens (recommended with
             # it) shrinks the activation budget vLLM profiles and hands it to the KV pool, so
             # the headroom does not grow by itself.
-            step = max(
-                policy.gpu_memory_utilization_step_ratio,
-                math.ceil(100 * (floor - headroom) / total) / 100,
-            )
+            step = max(policy_step, math.ceil(100 * (floor - headroom) / total) / 100)
             why = (
                 f"headroom {_gib(headroom)} fell under the floor {_gib(floor)} "
                 f"({_gib(floor - headroom)} short); at least one policy step, since a smaller "
                 "batch hands its activation budget to the KV pool"
             )
         else:
-            step = policy.gpu_memory_utilization_step_ratio
+            step = policy_step
             why = "GPU memory ran short; one policy step down leaves room for the peak"
-        value = max(policy.gpu_memory_utilization_floor_ratio, round(current - step, 2))
+        value = max(lever.floor(policy), round(current - step, 2))
         return Recommendation(
             flag, Action.LOWER, f"{value:.2f}", f"must come down from {current:.2f}: {why}"
         )
     if knee is not None and current is not None and headroom is not None and total:
         spare = headroom - 2 * floor
-        step = min(policy.gpu_memory_utilization_step_ratio, math.floor(100 * spare / total) / 100)
+        step = min(policy_step, math.floor(100 * spare / total) / 100)
         if step >= 0.01 and current + step <= MAX_RECOMMENDED_UTILIZATION:
             return Recommendation(
                 flag,

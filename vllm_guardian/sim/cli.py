@@ -22,13 +22,13 @@ from vllm_guardian.sim.server import Twin
 from vllm_guardian.sim.timeline import TimelineError
 from vllm_guardian.sim.vllm_log import LogWriter
 
-USAGE = "usage: python -m vllm_guardian.sim {serve,load} ..."
+PROG = "python -m vllm_guardian.sim"
 
 
-def serve(argv: Sequence[str]) -> int:
+def serve(argv: Sequence[str], prog: str = PROG) -> int:
     log = LogWriter(os.getpid())
     try:
-        opts = parse_serve_args(argv, os.environ)
+        opts = parse_serve_args(argv, os.environ, prog=f"{prog} serve")
     except (FlagError, ValueError) as exc:
         # vLLM fails the same way: a ValueError traceback from config validation, status 1.
         log.raw("Traceback (most recent call last):")
@@ -42,8 +42,12 @@ def serve(argv: Sequence[str]) -> int:
     return twin.run()
 
 
-def load(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m vllm_guardian.sim load")
+def load(argv: Sequence[str], prog: str = PROG) -> int:
+    p = argparse.ArgumentParser(
+        prog=f"{prog} load",
+        description="A seeded load against a vLLM (or the twin) for one scenario; prints one "
+        "outcome per request.",
+    )
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="the served model name")
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default="steady")
@@ -103,17 +107,26 @@ def load(argv: Sequence[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    """``prog`` is how the user called it (``vllm-guardian sim`` or ``python -m ...sim``), so
+    the usage lines name a command that exists."""
+    usage = (
+        f"usage: {prog} {{serve,load}} ...\n\n"
+        "The vLLM twin: a simulated vLLM 0.32 that fails the way vLLM fails (docs/twin.md), "
+        "and its load generator.\n\n"
+        f"commands:\n  serve  the twin ({prog} serve --help)\n"
+        f"  load   its load generator ({prog} load --help)"
+    )
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
-        print(USAGE)
+        print(usage)
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command == "serve":
-        return serve(rest)
+        return serve(rest, prog)
     if command == "load":
-        return load(rest)
-    print(f"{USAGE}\nunknown command: {command}", file=sys.stderr)
+        return load(rest, prog)
+    print(f"{usage}\nunknown command: {command}", file=sys.stderr)
     return 2
 
 

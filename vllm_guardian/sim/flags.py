@@ -67,9 +67,9 @@ def human_int(text: str) -> int:
     return int(number * base**power)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "vllm serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="vllm serve",
+        prog=prog,
         description="The vLLM twin: a simulated vLLM 0.32 OpenAI-compatible server.",
     )
     p.add_argument("model_tag", nargs="?", default=None, help="model name or path")
@@ -149,10 +149,12 @@ def scenario_from_argv(argv: Sequence[str]) -> Scenario:
     return SCENARIOS[known.sim_scenario]
 
 
-def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str]) -> ServeOptions:
+def parse_serve_args(
+    argv: Sequence[str], environ: Mapping[str, str], prog: str = "vllm serve"
+) -> ServeOptions:
     """Parse ``serve`` arguments; ``environ`` supplies PYTORCH_CUDA_ALLOC_CONF."""
     scenario = scenario_from_argv(argv)
-    parser = build_parser()
+    parser = build_parser(prog)
     ns = parser.parse_args([*scenario.vllm_args, *argv])
     defaults = parser.parse_args([])
     if ns.sim_fragmentation_creep_factor is not None:

@@ -340,6 +340,8 @@ class _NvmlBackend:
         self._static: dict[int, tuple[Any, str, str]] = {}
         self._static_count: int | None = None
         self._driver: str | None = None
+        # Whether the driver has nvmlDeviceGetMemoryInfo_v2; None until the first read says.
+        self._memory_v2: bool | None = None
         self._init_failures = 0
         self._next_init_monotonic: float | None = None
         self._last_init_failure: _Failure | None = None
@@ -441,6 +443,7 @@ class _NvmlBackend:
         self._static.clear()
         self._static_count = None
         self._driver = None
+        self._memory_v2 = None  # a reloaded driver may be another version
 
     def close(self) -> None:
         self._end_session()
@@ -498,7 +501,7 @@ class _NvmlBackend:
                 uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
                 name = _text(pynvml.nvmlDeviceGetName(handle))
                 self._static[index] = (handle, uuid, name)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            mem_total, mem_used, mem_free = self._memory(handle)
             util = self._optional(pynvml.nvmlDeviceGetUtilizationRates, handle)
             temp = self._optional(
                 pynvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU
@@ -517,9 +520,9 @@ class _NvmlBackend:
             index=index,
             uuid=uuid,
             name=name,
-            memory_total_bytes=int(mem.total),
-            memory_used_bytes=int(mem.used),
-            memory_free_bytes=int(mem.free),
+            memory_total_bytes=mem_total,
+            memory_used_bytes=mem_used,
+            memory_free_bytes=mem_free,
             utilization_ratio=int(util.gpu) / 100.0 if util is not None else None,
             temperature_celsius=float(temp) if temp is not None else None,
             power_watts=int(power_mw) / 1000.0 if power_mw is not None else None,
@@ -531,6 +534,30 @@ class _NvmlBackend:
             ),
         )
         return device, handle
+
+    def _memory(self, handle: Any) -> tuple[int, int, int]:
+        """A GPU's (total, used, free) bytes as CUDA counts them, which is what vLLM sizes its
+        pool from (``gpu_memory_utilization`` × cudaMemGetInfo's total).
+
+        NVML's v1 call counts the driver's own reservation as used and in the total (480 MiB
+        on an H100 80GB, driver 580: v1 said 503,316,480 bytes used on an empty card); v2
+        reports it apart, and v2's total − reserved and used equal CUDA's exactly (measured,
+        bench/results/gpu/). Drivers before R510 lack v2: then v1, as it is.
+        """
+        if self._memory_v2 is not False:
+            try:
+                m2 = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+            except (
+                pynvml.NVMLError_FunctionNotFound,
+                pynvml.NVMLError_NotSupported,
+                pynvml.NVMLError_ArgumentVersionMismatch,
+            ):
+                self._memory_v2 = False
+            else:
+                self._memory_v2 = True
+                return int(m2.total) - int(m2.reserved), int(m2.used), int(m2.free)
+        m = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        return int(m.total), int(m.used), int(m.free)
 
     @staticmethod
     def _optional(fn: Callable[..., Any], *args: Any) -> Any:

@@ -1,0 +1,467 @@
+"""The outcome benchmark on a real vLLM: the twin benchmark's load, operators and measures, with
+faults that run through vLLM's own failure paths.
+
+Run (one seed, every scenario and operator, about an hour on a quiet 2-core host)::
+
+    .venv/bin/python bench/outcome_vllm.py --seeds 7 --out bench/results
+
+``--quick`` is one scenario (``prefill_oom``) under ``unguarded`` and ``guardian+gate``, one
+seed, a short window. The server is vLLM 0.32's CPU build serving the real-vLLM tier's tiny
+random-weight model (``scripts/vllm-setup``; docs/vllm-tier.md), ``--enforce-eager``, a small
+KV pool. The faults (``tests/vllm_tier/faults``, a test-only vLLM plugin):
+
+* **prefill_oom** — every model step that schedules more than 512 tokens raises torch's
+  ``OutOfMemoryError`` with CUDA's text from the real model runner (the activations of a
+  batched prefill that do not fit), at ``--max-num-batched-tokens 1024``. vLLM's worker logs
+  the traceback, its engine core dies, the server exits 0. A restart with the same flags meets
+  the next burst; a relaunch at ``--max-num-batched-tokens 512`` or less is cured.
+* **engine_death** — the engine core process is SIGKILLed 45 s into the load.
+* **engine_hang** — 45 s into the load the engine core's step blocks for good: no token comes,
+  ``/health`` still answers 200.
+* **steady** — the same load, no fault (the control).
+
+Operators: ``unguarded`` (a supervisor that restarts vLLM like ``Restart=always``),
+``unguarded-on-failure`` (``Restart=on-failure``: vLLM's exit 0 after an engine death leaves it
+down), ``sidecar`` (the runbook's threshold loop), ``guardian+gate`` (the deployed form: the
+armed guardian supervising vLLM, ``vllm-guardian gate`` in front, the load through the gate).
+The guardian runs its shipped rules and policy, armed, with three settings for this host, each
+an operator's knob: no NVML (no GPU), the metrics and health scrapes' timeouts at 8 s (a busy
+2-core host answers in 1-2 s), and ``max_num_batched_tokens_floor`` 256 (the tiny model's
+steps are a few hundred tokens, not the thousands of a GPU's). Real time: no speed-up.
+
+Per run the twin benchmark's measures (bench/outcome.py: failed split in flight / during an
+outage / other, time to detect and to recover, downtime, goodput, latency), the vLLM cold
+start measured in the same run (the physical limit of recovery), the OOMs vLLM logged, the
+operator's actions and the final flags. Writes ``outcome-vllm.md`` and ``outcome-vllm.json``
+(``-quick`` suffixed for ``--quick``) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import outcome as twin  # noqa: E402
+
+from tests.vllm_tier import support  # noqa: E402
+from vllm_guardian.actuators import flags as flagsfile  # noqa: E402
+from vllm_guardian.actuators.procmgr import Supervisor  # noqa: E402
+from vllm_guardian.config import parse_config  # noqa: E402
+from vllm_guardian.daemon import Guardian  # noqa: E402
+from vllm_guardian.demo import free_port  # noqa: E402
+from vllm_guardian.model import LogEventKind  # noqa: E402
+from vllm_guardian.sim.load import PlannedRequest, plan_requests, run_load  # noqa: E402
+from vllm_guardian.sim.scenarios import LoadProfile  # noqa: E402
+from vllm_guardian.sources.logs import match_line  # noqa: E402
+
+OPERATORS = ("unguarded", "unguarded-on-failure", "sidecar", "guardian+gate")
+QUICK_OPERATORS = ("unguarded", "guardian+gate")
+MODEL = "bench"
+BUDGET_TOKENS = 512
+BASE_FLAGS = (
+    "--max-model-len", "2048", "--num-gpu-blocks-override", "64", "--max-num-seqs", "16",
+    "--max-num-batched-tokens", "1024", "--shutdown-timeout", "10",
+)  # fmt: skip
+FAULT_AT_SECONDS = 45.0
+# The tiny model on two cores serves a few requests a second; this load keeps it busy, not
+# saturated, so the steady control fails nothing. Bursts of long prompts every 30 s: the
+# prefill whose step is over the budget in prefill_oom.
+LOAD = LoadProfile(
+    rate_per_second=1.0,
+    prompt_tokens_min=10,
+    prompt_tokens_max=60,
+    output_tokens_min=16,
+    output_tokens_max=48,
+    burst_size=3,
+    burst_interval_seconds=30.0,
+    burst_start_seconds=20.0,
+    burst_prompt_tokens_min=100,
+    burst_prompt_tokens_max=160,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    name: str
+    oom_budget: bool = False  # the plugin's activation budget is armed
+    kill_engine_at: float | None = None
+    hang_engine_at: float | None = None
+
+
+SCENARIOS = {
+    s.name: s
+    for s in (
+        Scenario("prefill_oom", oom_budget=True),
+        Scenario("engine_death", kill_engine_at=FAULT_AT_SECONDS),
+        Scenario("engine_hang", hang_engine_at=FAULT_AT_SECONDS),
+        Scenario("steady"),
+    )
+}
+
+
+@dataclasses.dataclass
+class RealRun(twin.Run):
+    cold_start_seconds: float | None = None  # this run's first vLLM start to /health 200
+    logged_ooms: int = 0  # CUDA OOMs the guardian's matcher found in vLLM's log
+    named_causes: list[str] = dataclasses.field(default_factory=list)
+    load_average: tuple[float, float] = (0.0, 0.0)  # before, after
+
+
+def fault_env(scenario: Scenario, workdir: Path) -> dict[str, str]:
+    env = {}
+    if scenario.oom_budget:
+        env["VLLM_GUARDIAN_FAULT_OOM_ABOVE_TOKENS"] = str(BUDGET_TOKENS)
+    if scenario.hang_engine_at is not None:
+        env["VLLM_GUARDIAN_FAULT_HANG_FILE"] = str(workdir / "hang")
+    return env
+
+
+def guardian_config(
+    workdir: Path, command: list[str], vllm_port: int, guardian_port: int, gate_port: int
+) -> Any:
+    """Shipped rules and policy, armed, with the three host settings the module docstring
+    names; the service's ``gate:`` section at its defaults (the gate reads the same file)."""
+    cfg = {
+        "listen": f"127.0.0.1:{guardian_port}",
+        "runtime_dir": str(workdir / "run"),
+        "state_dir": str(workdir / "state"),
+        "recorder": {"path": str(workdir / "state" / "flight.jsonl")},
+        "services": [
+            {
+                "name": "vllm",
+                "url": f"http://127.0.0.1:{vllm_port}",
+                "command": command,
+                "log_file": str(workdir / "vllm.log"),
+                "gate": twin.gate_section(gate_port, 1.0),
+            }
+        ],
+        "sources": {
+            "vllm_metrics": {"timeout_seconds": 8},
+            "health": {"timeout_seconds": 8},
+            "nvml": {"enabled": False},
+            "allocator": {"directory": str(workdir / "allocator")},
+        },
+        "policy": {
+            "dry_run": False,
+            "backend": "process",
+            "max_num_batched_tokens_floor": 256,
+        },
+    }
+    path = workdir / "config.yaml"
+    path.write_text(json.dumps(cfg, indent=1))
+    return parse_config(path.read_text(), str(path))
+
+
+def plan(seed: int, duration: float) -> list[PlannedRequest]:
+    out = plan_requests(LOAD, seed, 100_000, duration)
+    rng = random.Random(f"stream-{seed}")
+    return [dataclasses.replace(p, stream=rng.random() < twin.STREAM_SHARE) for p in out]
+
+
+def engine_core_pid(api_pid: int) -> int | None:
+    for pid, name in support.descendants(api_pid):
+        if "EngineCore" in name:
+            return pid
+    return None
+
+
+class Faults(twin._Watcher):
+    """Fires the scenario's one-off fault on the load's clock; records when (Unix seconds)."""
+
+    join_seconds = 10.0
+
+    def __init__(self, scenario: Scenario, workdir: Path, api_pid: Any, load_start: float):
+        self.scenario = scenario
+        self.workdir = workdir
+        self.api_pid = api_pid  # a callable: the current vLLM API server's pid
+        self.load_start = load_start
+        self.times: list[float] = []
+        self.notes: list[str] = []
+        super().__init__()
+
+    def _run(self) -> None:
+        s = self.scenario
+        at = s.kill_engine_at if s.kill_engine_at is not None else s.hang_engine_at
+        if at is None:
+            return
+        if self._stop.wait(max(0.0, self.load_start + at - time.time())):
+            return
+        if s.hang_engine_at is not None:
+            (self.workdir / "hang").touch()
+            self.times.append(time.time())
+            return
+        pid = self.api_pid()
+        core = engine_core_pid(pid) if pid else None
+        if core is None:
+            self.notes.append(f"no EngineCore under pid {pid} at {at:g} s")
+            return
+        os.kill(core, signal.SIGKILL)
+        self.times.append(time.time())
+
+
+class DownWatch(twin._Watcher):
+    """/health every 0.25 s: when it went from 200 to anything else (Unix seconds)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url + "/health"
+        self.downs: list[float] = []
+        super().__init__()
+
+    def _run(self) -> None:
+        up = False
+        while not self._stop.wait(0.25):
+            try:
+                ok = requests.get(self.url, timeout=2).status_code == 200
+            except requests.RequestException:
+                ok = False
+            if up and not ok:
+                self.downs.append(time.time())
+            up = ok
+
+
+def _load_average() -> float:
+    return os.getloadavg()[0]
+
+
+def run_one(
+    scenario_name: str, operator: str, seed: int, duration: float, venv: Path, model: Path,
+    keep: bool,
+) -> RealRun:  # fmt: skip
+    scenario = SCENARIOS[scenario_name]
+    run = RealRun(scenario_name, operator, seed)
+    load_before = _load_average()
+    started = time.monotonic()
+    prefix = f"outcome-vllm-{scenario_name}-{operator}-{seed}-"
+    with contextlib.ExitStack() as stack:
+        tmp = tempfile.mkdtemp(prefix=prefix) if keep else stack.enter_context(
+            tempfile.TemporaryDirectory(prefix=prefix))  # fmt: skip
+        workdir = Path(tmp)
+        run_id = uuid.uuid4().hex
+        census = support.Census(run_id).start()
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        env = support.vllm_env(run_id, workdir, faults=fault_env(scenario, workdir))
+        command = support.serve_command(venv, model, port, env, BASE_FLAGS)
+        command[command.index("--served-model-name") + 1] = MODEL
+        guardian: Guardian | None = None
+        loop: threading.Thread | None = None
+        sup: Supervisor | None = None
+        gate: subprocess.Popen[bytes] | None = None
+        alert_log: twin.AlertLog | None = None
+        starts: twin.StartWatch | None = None
+        sidecar: twin.Sidecar | None = None
+        faults: Faults | None = None
+        downs = DownWatch(url)
+        actions: list[tuple[float, str]] = []
+        outcomes: list[Any] = []
+        load_url = url
+        load_start = time.time()
+        t0 = time.monotonic()
+        try:
+            if operator == "guardian+gate":
+                gport, gate_port = free_port(), free_port()
+                guardian = Guardian(guardian_config(workdir, command, port, gport, gate_port))
+                alert_log = twin.AlertLog(f"http://127.0.0.1:{gport}").__enter__()
+                assert guardian.healing is not None
+                sup = guardian.healing.supervisors["vllm"]
+                starts = twin.StartWatch(sup).__enter__()
+                loop = threading.Thread(
+                    target=guardian.run, kwargs={"install_signals": False}, daemon=True
+                )
+                loop.start()
+                with (workdir / "gate.log").open("wb") as log:
+                    gate = subprocess.Popen(
+                        twin.gate_command(workdir), stdout=log, stderr=subprocess.STDOUT,
+                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                    )  # fmt: skip
+                load_url = f"http://127.0.0.1:{gate_port}"
+            else:
+                sup = Supervisor(
+                    "vllm", command, workdir / "vllm.env", workdir / "vllm.log",
+                    stop_timeout_seconds=30,
+                    restart_on_clean_exit=operator != "unguarded-on-failure",
+                )  # fmt: skip
+                sup.start()
+                starts = twin.StartWatch(sup).__enter__()
+                if operator == "sidecar":
+                    sidecar = twin.Sidecar(url, sup, 1.0).__enter__()
+            twin.wait_healthy(url, 600)
+            run.cold_start_seconds = time.monotonic() - t0
+            twin.wait_healthy(load_url, 120)
+            with twin.HealthWatch(url, 0.25) as health, downs:
+                load_start = time.time()
+
+                def api_pid() -> int | None:
+                    return sup.pid if sup is not None else None
+
+                faults = Faults(scenario, workdir, api_pid, load_start).__enter__()
+                result = run_load(
+                    load_url, plan(seed, duration), model=MODEL, stream=False,
+                    max_duration_seconds=duration, max_in_flight=256,
+                    request_timeout_seconds=twin.REQUEST_TIMEOUT_SECONDS,
+                )  # fmt: skip
+                outcomes = list(result.outcomes)
+                faults.__exit__()
+            run.downtime_seconds = health.down
+        finally:
+            if sidecar is not None:
+                sidecar.__exit__()
+                actions += sidecar.actions
+            if gate is not None:
+                gate.terminate()
+                try:
+                    gate.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    gate.kill()
+            if guardian is not None and loop is not None:
+                guardian.request_stop()
+                loop.join(timeout=120)
+                audit = workdir / "state" / "audit.jsonl"
+                if audit.exists():
+                    for line in audit.read_text().splitlines():
+                        d = json.loads(line)
+                        if d.get("what") == "action":
+                            actions.append((float(d["time_seconds"]), d["reason"].split(";")[0]))
+                            if d.get("cause"):
+                                run.named_causes.append(str(d["cause"]))
+                content = flagsfile.read(workdir / "state" / "vllm.env")
+                run.final_flags = " ".join(content.argv) if content else ""
+            if alert_log is not None:
+                alert_log.__exit__()
+                run.alerts_fired = sorted(alert_log.fired)
+            restarts: list[float] = []
+            if starts is not None:
+                starts.__exit__()
+                restarts = starts.restarts_unix_seconds
+            if sup is not None and guardian is None:
+                sup.stop()
+            support.sweep(run_id, census)
+            census.stop()
+            log_text = (workdir / "vllm.log").read_text(errors="replace") if (
+                workdir / "vllm.log").exists() else ""  # fmt: skip
+            run.logged_ooms = sum(
+                1
+                for line in log_text.splitlines()
+                if (m := match_line(line)) is not None
+                and m[0] is LogEventKind.CUDA_OOM
+                and line.startswith("(Worker")
+            )
+    # The faults: what the scenario fired, else when /health dropped (an OOM's death).
+    fault_times = faults.times if faults is not None and faults.times else downs.downs
+    actions.sort()
+    run.actions = [a for _, a in actions]
+    run.restarts = len(restarts)
+    run.oom_crashes = len(downs.downs) if scenario.oom_budget else 0
+    twin.measure(run, outcomes, load_start, duration, fault_times,
+                 sorted([*(t for t, _ in actions), *restarts]))  # fmt: skip
+    run.wall_seconds = time.monotonic() - started
+    run.load_average = (load_before, _load_average())
+    return run
+
+
+def _median(runs: Sequence[RealRun], name: str) -> float | None:
+    vals = [getattr(r, name) for r in runs if getattr(r, name) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def batched(flags: str) -> str:
+    """The run's last ``--max-num-batched-tokens`` (what a relaunch set), or —."""
+    words = flags.split()
+    values = [words[i + 1] for i, w in enumerate(words[:-1]) if w == "--max-num-batched-tokens"]
+    return f"--max-num-batched-tokens {values[-1]}" if values else "—"
+
+
+def markdown(runs: Sequence[RealRun], args: argparse.Namespace, commit: str) -> str:
+    lines = [
+        "# Outcome on a real vLLM (0.32, CPU build, the tier's tiny model)",
+        "",
+        f"Command: `.venv/bin/python bench/outcome_vllm.py {' '.join(args.argv)}` at {commit}.",
+        "",
+        "| scenario | operator | seed | sent | failed | in flight | outage | other | detect s "
+        "| recover s | cold start s | downtime s | OOMs logged | restarts | actions | final flags "
+        "| load before→after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+
+        def f(v: float | None) -> str:
+            return "—" if v is None else f"{v:.1f}"
+
+        lines.append(
+            f"| {r.scenario} | {r.operator} | {r.seed} | {r.sent} | {r.failed} "
+            f"({r.failed_pct:.1f} %) | {r.failed_in_flight} | {r.failed_during_outage} | "
+            f"{r.failed_other} | {f(r.time_to_detect_seconds)} | {f(r.time_to_recover_seconds)} | "
+            f"{f(r.cold_start_seconds)} | {r.downtime_seconds:.1f} | {r.logged_ooms} | "
+            f"{r.restarts} | {'; '.join(r.actions) or '—'} | {batched(r.final_flags)} "
+            f"| {r.load_average[0]:.1f}→{r.load_average[1]:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--operators", default=",".join(OPERATORS))
+    p.add_argument("--seeds", default="7")
+    p.add_argument("--duration", type=float, default=180.0, help="load window, seconds")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    p.add_argument("--keep", action="store_true", help="keep each run's directory and logs")
+    args = p.parse_args(argv)
+    args.argv = argv
+    if args.quick:
+        args.scenarios, args.operators = "prefill_oom", ",".join(QUICK_OPERATORS)
+    venv = support.vllm_venv_or_skip()
+    model = Path(tempfile.mkdtemp(prefix="outcome-vllm-model-"))
+    support.build_model(venv, model)
+    runs: list[RealRun] = []
+    lock = support.host_lock()
+    try:
+        for scenario in args.scenarios.split(","):
+            for operator in args.operators.split(","):
+                for seed in (int(s) for s in args.seeds.split(",")):
+                    r = run_one(scenario, operator, seed, args.duration, venv, model, args.keep)
+                    runs.append(r)
+                    print(json.dumps(dataclasses.asdict(r), default=str), flush=True)
+    finally:
+        lock.close()
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True, check=False).stdout.strip()  # fmt: skip
+    suffix = "-quick" if args.quick else ""
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"outcome-vllm{suffix}.json").write_text(
+        json.dumps(
+            {"command": argv, "commit": commit, "runs": [dataclasses.asdict(r) for r in runs]},
+            indent=1,
+            default=str,
+        )
+    )
+    (args.out / f"outcome-vllm{suffix}.md").write_text(markdown(runs, args, commit))
+    print(markdown(runs, args, commit))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
