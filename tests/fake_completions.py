@@ -12,10 +12,18 @@ What matters for continuation is shaped as vLLM 0.32 shapes it (its completion s
 * chunks serialised like pydantic's ``model_dump_json(exclude_unset=True)``: ``logprobs``,
   ``stop_reason``, ``prompt_token_ids`` and ``token_ids`` present (``null`` unless
   ``return_token_ids``), the prompt's ids in the first chunk only, ``usage`` per chunk with
-  ``continuous_usage_stats``, a usage chunk with ``include_usage``, then ``data: [DONE]``;
+  ``continuous_usage_stats``, a usage chunk with ``include_usage``, ``system_fingerprint`` on
+  the last of them, then ``data: [DONE]``;
   ``id`` is ``cmpl-<request_id>`` and ``created`` is derived from it;
 * ``/detokenize``, ``/health`` (a test takes it down), and vLLM's error event and its 500 for a
-  dead engine.
+  dead engine;
+* ``/v1/chat/completions`` streams as vLLM's chat serving writes them: a role chunk first (the
+  prompt's ids beside the choices with ``return_token_ids``, ``prompt_text: null``), then one
+  ``delta.content`` per chunk with ``token_ids`` in the choice, ``stop_reason`` on the last;
+  the prompt is a template's ids around each message's; ``reasoning_chunks`` makes the first
+  chunks ``delta.reasoning`` (a server with a reasoning parser). No max means up to the
+  context's end (``MAX_MODEL_LEN``, also in ``/v1/models``), as vLLM's chat reads it; a
+  completion's ``max_tokens`` is cut down to what the context has left, as vLLM's is.
 
 A test scripts the next requests' fates with :meth:`FakeCompletions.cut_next`.
 """
@@ -39,6 +47,9 @@ BOS = 1
 EOS = 2
 LEAD, FOLLOW = b"\xc3", b"\xa9"  # "é" in two tokens
 DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+MAX_MODEL_LEN = 128
+FINGERPRINT = "vllm-0.32.0-0123abcd"  # on the last chunk (the usage chunk, when there is one)
+MESSAGE, ASSISTANT = 3, 4  # the chat template's ids: a message's start, the assistant turn
 
 
 def piece(t: int) -> bytes:
@@ -62,6 +73,18 @@ def tokenize(text: str) -> list[int]:
     return [BOS] + [10 + zlib.crc32(w.encode()) % 50 for w in text.split()]
 
 
+def chat_prompt(messages: list[dict[str, Any]]) -> list[int]:
+    """The fake's chat template: BOS, each message's start and ids, the assistant turn (a
+    part that is not text is one word, as a media placeholder)."""
+    ids = [BOS]
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, list):
+            content = " ".join(str(p.get("text", "<media>")) for p in content)
+        ids += [MESSAGE, *tokenize(content)[1:]]
+    return [*ids, ASSISTANT]
+
+
 @dataclass(frozen=True)
 class CutSpec:
     after_events: int  # chunks written before the cut (0: none)
@@ -73,7 +96,9 @@ class CutSpec:
 class FakeCompletions:
     tokens_per_chunk: int = 1
     healthy: bool = True
-    token_ids_known: bool = True  # False: return_token_ids is ignored (an older server, the twin)
+    token_ids_known: bool = True  # False: return_token_ids is ignored (an older server)
+    reasoning_chunks: int = 0  # chat: the first chunks are reasoning, not content
+    paths: list[str] = field(default_factory=list)  # of the generation requests, in order
     bodies: list[dict[str, Any]] = field(default_factory=list)
     detokenized: list[list[int]] = field(default_factory=list)
     _cuts: list[CutSpec | None] = field(default_factory=list)
@@ -100,6 +125,8 @@ class FakeCompletions:
         self.tokens_per_chunk = tokens_per_chunk
         self.healthy = True
         self.token_ids_known = True
+        self.reasoning_chunks = 0
+        self.paths.clear()
         self.bodies.clear()
         self.detokenized.clear()
         self._cuts.clear()
@@ -130,14 +157,19 @@ class FakeCompletions:
             self.detokenized.append(list(doc["tokens"]))
             text = b"".join(piece(t) for t in doc["tokens"]).decode("utf-8", "replace")
             return web.json_response({"prompt": text})
-        if request.path == "/v1/completions" and request.method == "POST":
+        if request.path == "/v1/models":
+            card = {"id": "tiny", "object": "model", "max_model_len": MAX_MODEL_LEN}
+            return web.json_response({"object": "list", "data": [card]})
+        chat = request.path == "/v1/chat/completions"
+        if request.path in ("/v1/completions", "/v1/chat/completions") and request.method == "POST":
             body = await request.json()
             self.bodies.append(body)
+            self.paths.append(request.path)
             cut = self._cuts.pop(0) if self._cuts else None
             if not self.healthy:
                 return _dead_500()
             if body.get("stream"):
-                return await self._stream(request, body, cut)
+                return await self._stream(request, body, cut, chat)
             return await self._unary(request, body, cut)
         return web.json_response({"detail": "Not Found"}, status=404)
 
@@ -176,38 +208,64 @@ class FakeCompletions:
         return web.json_response(answer)
 
     async def _stream(
-        self, request: web.Request, body: dict[str, Any], cut: CutSpec | None
+        self, request: web.Request, body: dict[str, Any], cut: CutSpec | None, chat: bool
     ) -> web.StreamResponse:
-        prompt = self._prompt_ids(body)
-        max_tokens = body.get("max_tokens", 16)
-        if not isinstance(max_tokens, int):
+        if chat:
+            prompt = chat_prompt(body["messages"])
+            max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+            max_tokens = MAX_MODEL_LEN - len(prompt) if max_tokens is None else max_tokens
+        else:
+            prompt = self._prompt_ids(body)
+            max_tokens = body.get("max_tokens", 16)
+        if not isinstance(max_tokens, int) or max_tokens > MAX_MODEL_LEN:
             return web.json_response({"error": {"message": "max_tokens", "code": 400}}, status=400)
-        out = self.generate(prompt, max_tokens)
+        out = self.generate(prompt, min(max_tokens, MAX_MODEL_LEN - len(prompt)))
         ids_back = bool(body.get("return_token_ids")) and self.token_ids_known
         opts = body.get("stream_options") or {}
         cid, created = self._ids(body)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        if chat:
+            cid = "chat" + cid
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         events = 0
+        if chat:
+            role = {"id": cid, "object": obj, "created": created, "model": "tiny",
+                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None}],
+                    "prompt_token_ids": prompt if ids_back else None, "prompt_text": None}  # fmt: skip
+            await resp.write(b"data: " + _compact(role) + b"\n\n")
+            events += 1
         for start in range(0, len(out), self.tokens_per_chunk):
             if cut is not None and events == cut.after_events:
                 return await self._cut(request, resp, cut)
             group = out[start : start + self.tokens_per_chunk]
             text = "".join(decoder.decode(piece(t)) for t in group)
             done = start + len(group) == len(out)
-            choice = {
-                "index": 0, "text": text, "logprobs": None,
-                "finish_reason": "length" if done else None, "stop_reason": None,
-                "prompt_token_ids": prompt if ids_back and start == 0 else None,
-                "token_ids": group if ids_back else None,
-            }  # fmt: skip
+            choice: dict[str, Any]
+            if chat:
+                kind = "reasoning" if start < self.reasoning_chunks else "content"
+                choice = {"index": 0, "delta": {kind: text}, "logprobs": None,
+                          "finish_reason": "length" if done else None}  # fmt: skip
+                if done:
+                    choice["stop_reason"] = None
+                choice["token_ids"] = group if ids_back else None
+            else:
+                choice = {
+                    "index": 0, "text": text, "logprobs": None,
+                    "finish_reason": "length" if done else None, "stop_reason": None,
+                    "prompt_token_ids": prompt if ids_back and start == 0 else None,
+                    "token_ids": group if ids_back else None,
+                }  # fmt: skip
             chunk: dict[str, Any] = {
-                "id": cid, "object": "text_completion", "created": created, "model": "tiny",
+                "id": cid, "object": obj, "created": created, "model": "tiny",
                 "choices": [choice],
             }  # fmt: skip
             if opts.get("continuous_usage_stats"):
                 chunk["usage"] = _usage(len(prompt), start + len(group))
+            if done and not opts.get("include_usage"):
+                chunk["system_fingerprint"] = FINGERPRINT
             await resp.write(b"data: " + _compact(chunk) + b"\n\n")
             events += 1
             await asyncio.sleep(0)
@@ -215,8 +273,9 @@ class FakeCompletions:
             return await self._cut(request, resp, cut)
         if opts.get("include_usage"):
             final = {
-                "id": cid, "object": "text_completion", "created": created, "model": "tiny",
+                "id": cid, "object": obj, "created": created, "model": "tiny",
                 "choices": [], "usage": _usage(len(prompt), len(out)),
+                "system_fingerprint": FINGERPRINT,
             }  # fmt: skip
             await resp.write(b"data: " + _compact(final) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")

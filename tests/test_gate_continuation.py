@@ -22,7 +22,15 @@ from typing import Any
 import pytest
 import requests
 
-from tests.fake_completions import CutSpec, FakeCompletions, piece, tokenize
+from tests.fake_completions import (
+    FINGERPRINT,
+    MAX_MODEL_LEN,
+    CutSpec,
+    FakeCompletions,
+    chat_prompt,
+    piece,
+    tokenize,
+)
 from tests.test_gate_support import LoopThread
 from vllm_guardian.gate.admission import Limits
 from vllm_guardian.gate.continuation import (
@@ -127,11 +135,15 @@ class Read:
     """A client's streamed read: every byte, and whether the connection was cut."""
 
     def __init__(
-        self, url: str, doc: dict[str, Any], on_bytes: Callable[[bytes], None] = lambda _: None
+        self,
+        url: str,
+        doc: dict[str, Any],
+        on_bytes: Callable[[bytes], None] = lambda _: None,
+        path: str = "/v1/completions",
     ) -> None:
         self.data = b""
         self.cut = False
-        with requests.post(f"{url}/v1/completions", json=doc, stream=True, timeout=60) as r:
+        with requests.post(f"{url}{path}", json=doc, stream=True, timeout=60) as r:
             self.status = r.status_code
             try:
                 for chunk in r.iter_content(chunk_size=None):
@@ -156,8 +168,8 @@ class Read:
         return out
 
 
-def direct(fake: FakeCompletions, doc: dict[str, Any]) -> bytes:
-    return requests.post(f"{fake.url}/v1/completions", json=doc, timeout=30).content
+def direct(fake: FakeCompletions, doc: dict[str, Any], path: str = "/v1/completions") -> bytes:
+    return requests.post(f"{fake.url}{path}", json=doc, timeout=30).content
 
 
 def heal_on_keepalive(fake: FakeCompletions) -> Callable[[bytes], None]:
@@ -312,7 +324,11 @@ def test_a_cut_after_the_last_token_is_ended_by_the_gate(
     fake.bodies.clear()
     fake.cut_next(CutSpec(12, "reset"))  # every chunk sent, the usage chunk and [DONE] not
     got = Read(g.url, doc)
-    assert got.data == expected
+    # The usage chunk is the gate's own: vLLM's system_fingerprint rides on that chunk only,
+    # so the gate never saw it. Everything else is what vLLM would have sent.
+    assert got.data == expected.replace(
+        b',"system_fingerprint":"' + FINGERPRINT.encode() + b'"', b""
+    )
     assert len(fake.bodies) == 1
     assert g.metric("completed", "connection") == 1
 
@@ -423,6 +439,105 @@ def test_a_client_leaving_while_the_gate_waits_leaves_nothing(
     assert len(fake.bodies) == 1
 
 
+# --- chat streams ---------------------------------------------------------------------------------
+
+CHAT = "/v1/chat/completions"
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPT}]
+
+
+def chat_body(**kw: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {"model": "tiny", "messages": MESSAGES, "max_tokens": 40,
+                           "stream": True, "request_id": "c1", "temperature": 0}  # fmt: skip
+    doc.update(kw)
+    return {k: v for k, v in doc.items() if v is not None}
+
+
+@pytest.mark.parametrize(
+    ("cut", "extra"),
+    [
+        (None, {"stream_options": {"include_usage": True}}),
+        (CutSpec(7, "reset", down=True), {"stream_options": {"include_usage": True}}),
+        (CutSpec(7, "error_event", down=True), {}),
+        (CutSpec(1, "close"), {"stream_options": {"include_usage": True}}),  # after the role chunk
+        (CutSpec(9, "reset"), {"stream_options": {"include_usage": True,
+                                                   "continuous_usage_stats": True}}),
+        (CutSpec(5, "reset"), {"max_tokens": None, "max_completion_tokens": 30}),
+        (CutSpec(5, "reset"), {"max_tokens": None}),  # up to the context's end
+        (CutSpec(5, "reset"), {"return_token_ids": True}),
+    ],
+    ids=["uncut", "reset_down", "error_event_down", "after_role", "continuous_usage",
+         "max_completion_tokens", "no_max", "client_token_ids"],
+)  # fmt: skip
+def test_a_cut_chat_stream_is_continued_token_exact_as_one_uncut_stream(
+    gates: Callable[..., GateOn], fake: FakeCompletions, cut: CutSpec | None,
+    extra: dict[str, Any],
+) -> None:  # fmt: skip
+    """A chat stream goes on as a completion of the chat's own prompt ids and the ids
+    delivered; the client reads the chat stream vLLM sends uncut, byte for byte."""
+    g = gates()
+    doc = chat_body(**extra)
+    expected = direct(fake, doc, CHAT)
+    fake.bodies.clear()
+    fake.paths.clear()
+    if cut is not None:
+        fake.cut_next(cut)
+    got = Read(g.url, doc, heal_on_keepalive(fake), path=CHAT)
+    assert (got.status, got.cut) == (200, False)
+    assert got.without_keepalives() == expected, got.data.decode()[-800:]
+    if cut is None:
+        assert fake.paths == [CHAT] and fake.bodies[0]["return_token_ids"] is True
+        return
+    assert fake.paths == [CHAT, "/v1/completions"]
+    cont = fake.bodies[1]
+    delivered = FakeCompletions.generate(chat_prompt(MESSAGES), cut.after_events - 1)
+    assert cont["prompt"] == chat_prompt(MESSAGES) + delivered
+    asked = extra.get("max_completion_tokens", extra.get("max_tokens", 40))
+    assert cont["max_tokens"] == (MAX_MODEL_LEN if asked is None else asked - len(delivered))
+    assert "messages" not in cont and "max_completion_tokens" not in cont
+    assert cont["temperature"] == 0 and cont["request_id"] == "c1-cont1"
+    reason = "error_event" if cut.how == "error_event" else "connection"
+    assert g.metric("continued", reason) == 1
+    # What the guardian (and the demo's summary) reads: the gate's status.
+    status = requests.get(f"{g.url}/gate/status", timeout=5).json()
+    assert (status["continued_total"], status["continuations_failed_total"]) == (1, 0)
+
+
+CHAT_REFUSED = [
+    ({"n": 2}, "n"),
+    ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ({"response_format": {"type": "json_object"}}, "structured_output"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "media"),
+    ({"stop": ["w9"]}, "stop_strings"),
+    ({"echo": True}, "echo"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("extra", "reason"), CHAT_REFUSED, ids=[r for _, r in CHAT_REFUSED])
+def test_a_chat_stream_continuation_cannot_serve_is_cut_as_before(
+    gates: Callable[..., GateOn], fake: FakeCompletions, extra: dict[str, Any], reason: str
+) -> None:
+    g = gates()
+    fake.cut_next(CutSpec(5, "reset"))
+    got = Read(g.url, chat_body(**extra), path=CHAT)
+    assert got.cut and len(fake.bodies) == 1
+    assert "return_token_ids" not in fake.bodies[0]  # the body went as the client sent it
+    assert g.metric("refused", reason) == 1
+
+
+def test_a_chat_stream_that_emitted_reasoning_is_not_continued(
+    gates: Callable[..., GateOn], fake: FakeCompletions
+) -> None:
+    """A completion would read the reasoning as text: the stream is cut as before."""
+    g = gates()
+    fake.reasoning_chunks = 3
+    fake.cut_next(CutSpec(6, "reset"))
+    got = Read(g.url, chat_body(), path=CHAT)
+    assert got.cut and len(fake.bodies) == 1
+    assert g.metric("refused", "reasoning") == 1
+
+
 # --- a unary request the upstream died under -------------------------------------------------------
 
 
@@ -458,7 +573,8 @@ def test_the_upstream_body_gains_return_token_ids_and_nothing_else() -> None:
     declined = plan("/v1/completions", b'{"prompt": "hi", "stream": true, "return_token_ids": false}',
                     enabled=True)  # fmt: skip
     assert isinstance(declined, Plan) and json.loads(declined.upstream_body)["return_token_ids"]
-    for path, raw in [("/v1/chat/completions", b'{"stream": true}'),
+    assert plan("/v1/chat/completions", b'{"stream": true}', enabled=True) is Refusal.UNPARSEABLE
+    for path, raw in [("/v1/chat/completions", b'{"messages": []}'),
                       ("/v1/completions", b'{"prompt": "hi"}'),
                       ("/v1/completions", b'{"prompt": "hi", "stream": false}'),
                       ("/v1/completions", b'"stream"')]:  # fmt: skip
@@ -564,7 +680,7 @@ def test_a_cut_before_the_first_event_is_the_ordinary_retry_counted_once(
 def test_an_upstream_that_sends_no_token_ids_is_not_continued(
     gates: Callable[..., GateOn], fake: FakeCompletions
 ) -> None:
-    """An older vLLM, or the twin: text without ids. Sending the request again whole would
+    """An older vLLM: text without ids. Sending the request again whole would
     repeat the text the client has."""
     fake.token_ids_known = False
     g = gates()

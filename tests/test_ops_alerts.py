@@ -126,6 +126,7 @@ PROMQL_WORDS = {
     "gpu", "xid", "source", "action", "dry_run", "engine", "irate", "clamp_min", "topk",
     "sort_desc", "absent", "vector", "scalar", "changes", "resets", "quantile", "lever",
     "severity", "result", "alertstate", "reason", "cause", "model", "kind", "pod", "alertname",
+    "outcome",
 }  # fmt: skip
 
 

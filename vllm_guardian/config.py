@@ -201,7 +201,8 @@ class GateConfig:
     metrics_path: str = field(default="/metrics", metadata=_bounds(check=_check_metrics_path))
     # In-flight requests get this long to finish on SIGTERM; queued ones get 503 at once.
     shutdown_timeout_seconds: float = field(default=5.0, metadata=_bounds(0, 3600))
-    # A streamed /v1/completions the upstream cuts (an engine death, a restart) is continued on
+    # A streamed /v1/completions or /v1/chat/completions the upstream cuts (an engine death, a
+    # restart) is continued on
     # the next ready server where the client's text ends, at most max_continuations times per
     # request (--continuation, --max-continuations; docs/gate.md, "Continuing a cut stream").
     # One by default: a request that itself kills the engine kills at most one more.

@@ -524,7 +524,9 @@ def summary(report: DemoReport) -> list[str]:
         lines.append(
             f"Front door (gate at {report.gate_url}): held {g.get('held_total')} requests "
             f"(longest wait {g.get('longest_wait_seconds')} s), retried {g.get('retried_total')} "
-            f"on the next instance, refused {g.get('rejected_total')}; failed above: {failed}"
+            f"on the next instance, refused {g.get('rejected_total')}; continued {g.get('continued_total')} "
+            f"cut streams ({g.get('continuations_failed_total')} continuations failed); "
+            f"failed above: {failed}"
         )
     lines.append(f"vLLM twin starts: {report.twin_starts}; exit codes seen: {report.twin_exits}")
     lines.append(

@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument(
         "--continuation",
         choices=("on", "off"),
-        help=f"continue a streamed /v1/completions the upstream cuts, on the next ready server (default {_shown('continuation')})",
+        help=f"continue a streamed /v1/completions or /v1/chat/completions the upstream cuts, on the next ready server (default {_shown('continuation')})",
     )
     o.add_argument(
         "--max-continuations",

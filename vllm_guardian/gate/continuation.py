@@ -1,4 +1,5 @@
-"""Continuing a streamed ``/v1/completions`` after the upstream cut it: the decisions, no I/O.
+"""Continuing a streamed ``/v1/completions`` or ``/v1/chat/completions`` after the upstream
+cut it: the decisions, no I/O.
 
 Where it sits: :mod:`vllm_guardian.gate.relay` reads the upstream's SSE events and writes them
 to the client; this module decides what each event becomes and, at a cut, whether and how the
@@ -20,7 +21,12 @@ How a continuation stays exact:
   carried several tokens, the relay asks vLLM's ``/detokenize`` whether they end inside a
   character (:func:`tail_is_settled`), and does not continue if they do;
 * the continuation's chunks get the first answer's ``id`` and ``created``; ``prompt_token_ids``
-  is stripped; usage counts the prompt once and every completion token.
+  is stripped; usage counts the prompt once and every completion token;
+* a chat stream is continued the same way, token-level: its role chunk carries the prompt's ids
+  (the chat template applied), and the continuation is a ``/v1/completions`` of those ids and
+  the ids delivered, whose chunks are written back as the chat's. A partial assistant message
+  (``continue_final_message``) would be tokenised again, and its ids are not the ones the
+  model generated (docs/gate.md has the measurement).
 
 Requests whose continuation could not be honest are refused (:class:`Refusal`), and their
 stream is relayed byte for byte, cut where the upstream cuts it, as before.
@@ -35,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
 # vLLM 0.32's CompletionRequest.max_tokens when the request leaves it out.
 SCHEMA_DEFAULT_MAX_TOKENS = 16
 # vLLM's messages when the engine died under a request (also the proxy's retry markers).
@@ -69,12 +76,22 @@ class Refusal(enum.StrEnum):
     # generated so far, which a continuation sees as prompt.
     OUTPUT_HISTORY = "output_history"
     KV_TRANSFER = "kv_transfer"
+    # Chat: tools the model may call (a call's arguments are parsed across the whole output),
+    # or content that is not text (its prompt ids stand for media a token prompt cannot carry).
+    TOOLS = "tools"
+    MEDIA = "media"
     # Decided at the cut:
     UNREADABLE_STREAM = "unreadable_stream"  # an event the gate could not read
-    # Text without ids: the upstream ignores return_token_ids (an older server, the twin).
+    # Text without ids: the upstream ignores return_token_ids (an older server).
     NO_TOKEN_IDS = "no_token_ids"  # noqa: S105 (a label value, not a secret)
     UNSETTLED_TEXT = "unsettled_text"  # a relayed chunk whose last text is still held back
     NO_TOKENS_LEFT = "no_tokens_left"
+    # A chat request without a max: its continuation needs the server's max_model_len
+    # (``/v1/models``), and the server did not say.
+    NO_CONTEXT_LENGTH = "no_context_length"
+    # Chat streams that already emitted what a continuation cannot take up where it stopped.
+    TOOL_CALLS = "tool_calls"
+    REASONING = "reasoning"
 
 
 class Outcome(enum.StrEnum):
@@ -106,11 +123,20 @@ class Plan:
     upstream_body: bytes  # the client's body with ``return_token_ids: true``
     wants_token_ids: bool  # the client asked for ``return_token_ids`` itself
     include_usage: bool
+    chat: bool = False  # a ``/v1/chat/completions`` stream (continued through /v1/completions)
 
 
 _STRUCTURED = ("structured_outputs", "structural_tag", "guided_json", "guided_regex",
                "guided_choice", "guided_grammar")  # fmt: skip
 _HISTORY = ("bad_words", "repetition_detection", "thinking_token_budget")
+# A chat request's fields that a completion request does not have (vLLM 0.32's
+# ChatCompletionRequest less CompletionRequest), and those the two read differently.
+_CHAT_ONLY = frozenset(("messages", "add_generation_prompt", "continue_final_message",
+                        "chat_template", "chat_template_kwargs", "documents", "include_reasoning",
+                        "max_completion_tokens", "media_io_kwargs", "mm_processor_kwargs",
+                        "parallel_tool_calls", "reasoning_effort", "return_prompt_text",
+                        "tool_choice", "tools", "top_logprobs", "logprobs", "add_special_tokens",
+                        "echo", "n"))  # fmt: skip
 
 
 def _is_int(v: object) -> bool:
@@ -133,9 +159,37 @@ def _single_prompt(prompt: object) -> bool:
     )
 
 
-def refusal_of(req: Mapping[str, Any]) -> Refusal | None:
-    """Why a streamed completion request cannot be continued honestly, or None."""
-    if not _single_prompt(req.get("prompt")) or req.get("prompt_embeds") or req.get("suffix"):
+def _chat_refusal(req: Mapping[str, Any]) -> Refusal | None:
+    """What only a chat request can have that its continuation could not honour."""
+    messages = req.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return Refusal.UNPARSEABLE
+    for m in messages:
+        if not isinstance(m, dict):
+            return Refusal.UNPARSEABLE
+        content = m.get("content")
+        if isinstance(content, list) and any(
+            not isinstance(part, dict) or part.get("type") != "text" for part in content
+        ):
+            return Refusal.MEDIA
+    if req.get("tools") and req.get("tool_choice") != "none":
+        return Refusal.TOOLS
+    if req.get("logprobs") or req.get("top_logprobs"):
+        return Refusal.LOGPROBS
+    v = req.get("max_completion_tokens")
+    if v is not None and (not _is_int(v) or v < 0):
+        return Refusal.UNPARSEABLE
+    return None
+
+
+def refusal_of(req: Mapping[str, Any], chat: bool = False) -> Refusal | None:
+    """Why a streamed completion (or chat completion) request cannot be continued honestly,
+    or None."""
+    if chat:
+        why = _chat_refusal(req)
+        if why is not None:
+            return why
+    elif not _single_prompt(req.get("prompt")) or req.get("prompt_embeds") or req.get("suffix"):
         return Refusal.PROMPT_SHAPE
     n = req.get("n")
     if n is not None and n != 1:
@@ -147,7 +201,9 @@ def refusal_of(req: Mapping[str, Any]) -> Refusal | None:
         return Refusal.BEAM_SEARCH
     if req.get("echo"):
         return Refusal.ECHO
-    if any(req.get(k) is not None for k in ("logprobs", "prompt_logprobs", "logprob_token_ids")):
+    if any(req.get(k) is not None for k in ("prompt_logprobs", "logprob_token_ids")) or (
+        not chat and req.get("logprobs") is not None
+    ):
         return Refusal.LOGPROBS
     fmt = req.get("response_format")
     if (fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text")) or any(
@@ -174,9 +230,10 @@ def refusal_of(req: Mapping[str, Any]) -> Refusal | None:
 
 def plan(path: str, body: bytes | bytearray, *, enabled: bool) -> Plan | Refusal | None:
     """What the gate does with this request's stream: None for anything but a streamed
-    ``/v1/completions`` (relayed as bytes, nothing to decide), a :class:`Refusal` (relayed as
-    bytes; the reason is counted if the upstream cuts it), or a :class:`Plan`."""
-    if path != COMPLETIONS_PATH or b'"stream"' not in body:
+    ``/v1/completions`` or ``/v1/chat/completions`` (relayed as bytes, nothing to decide), a
+    :class:`Refusal` (relayed as bytes; the reason is counted if the upstream cuts it), or a
+    :class:`Plan`."""
+    if path not in (COMPLETIONS_PATH, CHAT_PATH) or b'"stream"' not in body:
         return None
     try:
         req = json.loads(body)
@@ -186,7 +243,8 @@ def plan(path: str, body: bytes | bytearray, *, enabled: bool) -> Plan | Refusal
         return None
     if not enabled:
         return Refusal.DISABLED
-    why = refusal_of(req)
+    chat = path == CHAT_PATH
+    why = refusal_of(req, chat)
     if why is not None:
         return why
     asked = req.get("return_token_ids")
@@ -199,7 +257,7 @@ def plan(path: str, body: bytes | bytearray, *, enabled: bool) -> Plan | Refusal
     else:
         upstream = _encode({**req, "return_token_ids": True})
     opts = req.get("stream_options") or {}
-    return Plan(req, upstream, asked is True, bool(opts.get("include_usage")))
+    return Plan(req, upstream, asked is True, bool(opts.get("include_usage")), chat)
 
 
 def _encode(doc: object) -> bytes:
@@ -234,6 +292,7 @@ class Continue:
     settled_tokens: int
     rolled_back_tokens: int
     check_tail: tuple[int, ...]  # ids to ask /detokenize about first (empty: nothing to ask)
+    path: str | None = None  # where it goes (None: where the client's request went)
 
 
 @dataclass(frozen=True)
@@ -259,6 +318,7 @@ class StreamState:
         self.usage_seen = False
         self.unreadable = False
         self.ids_missing = False  # text came without its ids
+        self.unhonest: Refusal | None = None  # a chat stream emitted tool calls or reasoning
         self.continuations = 0  # continuation requests sent (the relay counts them)
         self.continuing = False  # this attempt is a continuation
         self.base_tokens = 0  # completion tokens before this attempt
@@ -287,12 +347,17 @@ class StreamState:
             if dying_message(message):
                 return Step(Kind.CUT, raw)
             return self._relay(raw)  # vLLM's answer: not the gate's to change
+        converted = False
+        if self.plan.chat and self.continuing:
+            # A chat stream's continuation is a completion: its chunks become the chat's.
+            doc = _chat_chunk_of(doc)
+            converted = True
         try:
             changed, textless = self._chunk(doc)
         except (TypeError, ValueError, AttributeError):
             self.unreadable = True
             return self._relay(raw)
-        out = b"data: " + _encode(doc) + b"\n\n" if changed else raw
+        out = b"data: " + _encode(doc) + b"\n\n" if changed or converted else raw
         if textless:
             # Ids whose text vLLM still holds back: sent with the text that settles them, so
             # a cut before it rolls them back without the client having seen them.
@@ -318,6 +383,7 @@ class StreamState:
         """Read one chunk, and make it what the client would have had from one uncut stream.
         (whether it changed, whether it carries ids and no text yet)."""
         changed = textless = False
+        chat = self.plan.chat
         if self.id is None:
             self.id, self.created = doc.get("id"), doc.get("created")
         else:  # a continuation's own: the client keeps the first answer's
@@ -326,27 +392,32 @@ class StreamState:
                     doc[key] = mine
                     changed = True
         self.model = doc.get("model", self.model)
+        if chat:  # chat carries the prompt's ids beside the choices, on its role chunk
+            changed |= self._prompt_ids(doc)
         choices = doc.get("choices") or []
         if len(choices) > 1:
             raise ValueError("several choices")
         for choice in choices:
-            prompt_ids = choice.get("prompt_token_ids")
-            if prompt_ids is not None:
-                if self.prompt_ids is None:
-                    self.prompt_ids = [int(t) for t in prompt_ids]
-                if self.continuing or not self.plan.wants_token_ids:
-                    choice["prompt_token_ids"] = None
-                    changed = True
+            if chat:
+                delta = choice.get("delta") or {}
+                if delta.get("tool_calls"):
+                    self.unhonest = Refusal.TOOL_CALLS
+                elif delta.get("reasoning") or delta.get("reasoning_content"):
+                    self.unhonest = Refusal.REASONING
+                text = delta.get("content")
+            else:
+                changed |= self._prompt_ids(choice)
+                text = choice.get("text")
             ids = choice.get("token_ids")
             if ids is None:
                 ids = []
-                if choice.get("text"):
+                if text:
                     self.ids_missing = True
             elif not self.plan.wants_token_ids:
                 choice["token_ids"] = None
                 changed = True
             self.token_ids.extend(int(t) for t in ids)
-            if choice.get("text"):
+            if text:
                 self.settled = len(self.token_ids)
                 self.last_text_tokens = len(ids)
             elif ids and choice.get("finish_reason") is None:
@@ -362,6 +433,19 @@ class StreamState:
                 changed = True
         return changed, textless
 
+    def _prompt_ids(self, holder: dict[str, Any]) -> bool:
+        """Keep the prompt's ids from the first answer; strip them where the client would not
+        have had them. Whether ``holder`` changed."""
+        prompt_ids = holder.get("prompt_token_ids")
+        if prompt_ids is None:
+            return False
+        if self.prompt_ids is None:
+            self.prompt_ids = [int(t) for t in prompt_ids]
+        if self.continuing or not self.plan.wants_token_ids:
+            holder["prompt_token_ids"] = None
+            return True
+        return False
+
     def _count_once(self, usage: dict[str, Any]) -> None:
         prompt = len(self.prompt_ids) if self.prompt_ids is not None else usage.get("prompt_tokens")
         prompt = int(prompt or 0)
@@ -374,14 +458,30 @@ class StreamState:
 
     # --- at a cut ----------------------------------------------------------------------------
 
-    def decide(self) -> Continue | Complete | Refusal:
-        """What follows a cut (the attempt's answer is over, ``[DONE]`` not seen)."""
+    @property
+    def needs_context_length(self) -> bool:
+        """A chat request without a max (its continuation asks for the server's
+        ``max_model_len``, which vLLM cuts down to what is left of the context)."""
+        req = self.plan.request
+        return (
+            self.plan.chat
+            and req.get("max_completion_tokens") is None
+            and req.get("max_tokens") is None
+        )
+
+    def decide(self, max_model_len: int | None = None) -> Continue | Complete | Refusal:
+        """What follows a cut (the attempt's answer is over, ``[DONE]`` not seen).
+        ``max_model_len``: the server's, where :attr:`needs_context_length`."""
         if self.unreadable:
             return Refusal.UNREADABLE_STREAM
         if self.ids_missing:
             return Refusal.NO_TOKEN_IDS  # sent again whole, it would repeat the client's text
+        if self.unhonest is not None:
+            return self.unhonest
         if self.finish_reason is not None:
             return Complete(self._ending())
+        if self.plan.chat:
+            return self._chat_continuation(max_model_len)
         rolled_back = len(self.token_ids) - self.settled  # held back, never relayed
         req = self.plan.request
         body: dict[str, Any] = dict(req)
@@ -396,16 +496,55 @@ class StreamState:
             return Continue(self.plan.upstream_body, 0, rolled_back, ())
         if _is_int(req.get("min_tokens")):
             body["min_tokens"] = max(0, req["min_tokens"] - self.settled)
+        return self._continue_from_ids(body, rolled_back, None)
+
+    def _chat_continuation(self, max_model_len: int | None) -> Continue | Refusal:
+        """A chat stream goes on as a ``/v1/completions`` whose prompt is the chat's own prompt
+        ids (the template already applied, as the engine saw them) followed by the ids
+        delivered: token-exact, where a partial assistant message would be re-tokenised. The
+        body is the chat request less what only chat has (the fields of vLLM 0.32's
+        ChatCompletionRequest that CompletionRequest lacks) and the fields the two read
+        differently (``logprobs``, ``add_special_tokens``, ``max_tokens``'s default)."""
+        if self.prompt_ids is None:
+            return Refusal.NO_TOKEN_IDS  # the first chunk came without the prompt's ids
+        rolled_back = len(self.token_ids) - self.settled
+        req = self.plan.request
+        body = {k: v for k, v in req.items() if k not in _CHAT_ONLY}
+        # vLLM: max_completion_tokens wins; neither means "up to the context's end". A
+        # completion reads a null max_tokens as its default (16), but lowers any max up to
+        # max_model_len to what the context has left: the server's max_model_len is that end.
+        raw_max = req.get("max_completion_tokens")
+        if raw_max is None:
+            raw_max = req.get("max_tokens")
+        if raw_max is None:
+            if max_model_len is None:
+                return Refusal.NO_CONTEXT_LENGTH
+            body["max_tokens"] = max_model_len
+        elif not _is_int(raw_max):
+            return Refusal.UNPARSEABLE
+        elif raw_max - self.settled <= 0:
+            return Refusal.NO_TOKENS_LEFT
+        else:
+            body["max_tokens"] = raw_max - self.settled
+        return self._continue_from_ids(body, rolled_back, COMPLETIONS_PATH)
+
+    def _continue_from_ids(
+        self, body: dict[str, Any], rolled_back: int, path: str | None
+    ) -> Continue:
+        req = self.plan.request
+        assert self.prompt_ids is not None
+        if _is_int(req.get("min_tokens")):
+            body["min_tokens"] = max(0, req["min_tokens"] - self.settled)
         body["prompt"] = [*self.prompt_ids, *self.token_ids[: self.settled]]
         body["return_token_ids"] = True
         body.pop("truncate_prompt_tokens", None)  # the prompt's ids are already what was kept
         if isinstance(req.get("request_id"), str):
             body["request_id"] = f"{req['request_id']}-cont{self.continuations + 1}"
         tail: tuple[int, ...] = ()
-        if self.last_text_tokens != 1:
+        if self.last_text_tokens > 1:
             start = max(0, self.settled - self.last_text_tokens - TAIL_CONTEXT_TOKENS)
             tail = tuple(self.token_ids[start : self.settled])
-        return Continue(_encode(body), self.settled, rolled_back, tail)
+        return Continue(_encode(body), self.settled, rolled_back, tail, path)
 
     def begin_continuation(self, settled: int) -> None:
         """The continuation's answer started: what was rolled back is forgotten."""
@@ -424,13 +563,34 @@ class StreamState:
             prompt = len(self.prompt_ids) if self.prompt_ids is not None else 0
             completion = len(self.token_ids)
             usage: dict[str, object] = {
-                "id": self.id, "object": "text_completion", "created": self.created,
+                "id": self.id,
+                "object": "chat.completion.chunk" if self.plan.chat else "text_completion",
+                "created": self.created,
                 "model": self.model, "choices": [],
                 "usage": {"prompt_tokens": prompt, "total_tokens": prompt + completion,
                           "completion_tokens": completion},
             }  # fmt: skip
             out += b"data: " + _encode(usage) + b"\n\n"
         return out + b"data: [DONE]\n\n"
+
+
+def _chat_chunk_of(doc: dict[str, Any]) -> dict[str, Any]:
+    """A completion chunk as vLLM's chat serving would have written the same tokens."""
+    choices = []
+    for c in doc.get("choices") or []:
+        finish = c.get("finish_reason")
+        choice: dict[str, Any] = {"index": c.get("index", 0), "delta": {"content": c.get("text")},
+                                  "logprobs": None, "finish_reason": finish}  # fmt: skip
+        if finish is not None:
+            choice["stop_reason"] = c.get("stop_reason")
+        choice["token_ids"] = c.get("token_ids")
+        choices.append(choice)
+    out = {"id": doc.get("id"), "object": "chat.completion.chunk", "created": doc.get("created"),
+           "model": doc.get("model"), "choices": choices}  # fmt: skip
+    for key in ("usage", "system_fingerprint"):  # the terminal chunk's, in vLLM's order
+        if key in doc:
+            out[key] = doc[key]
+    return out
 
 
 def tail_is_settled(detokenized: str) -> bool:

@@ -119,8 +119,8 @@ class GateMetrics:
         ).labels(*s)
         self._continuations = Counter(
             f"{NS}_continuations",
-            "Streamed completions the upstream cut, by what the gate did (outcome: continued, "
-            "completed, refused, failed) and why (reason).",
+            "Streamed completions and chat completions the upstream cut, by what the gate did "
+            "(outcome: continued, completed, refused, failed) and why (reason).",
             ["service", "outcome", "reason"],
             registry=r,
         )
@@ -197,6 +197,20 @@ class GateMetrics:
                     s.value
                     for s in family.samples
                     if s.name.endswith("_total") and s.labels.get("service") == self._service
+                )
+        return int(value)
+
+    def continuations(self, outcome: str) -> int:
+        """``continuations_total`` for one outcome, summed over its reasons."""
+        value = 0.0
+        for family in self.registry.collect():
+            if family.name == f"{NS}_continuations":
+                value += sum(
+                    s.value
+                    for s in family.samples
+                    if s.name.endswith("_total")
+                    and s.labels.get("service") == self._service
+                    and s.labels.get("outcome") == outcome
                 )
         return int(value)
 

@@ -22,7 +22,7 @@ One exchange, in order:
    unary request is answered whole or not at all, so this covers it entirely. After that the
    answer is committed and streamed chunk by chunk as it arrives, at the client's pace
    (``write`` waits for the socket, so a slow client slows the upstream read instead of
-   filling memory). A streamed ``/v1/completions`` the upstream cuts after that is continued
+   filling memory). A streamed completion or chat completion the upstream cuts after that is continued
    where the client's text ends (``relay.py``, ``continuation.py``) unless the request is one a
    continuation cannot serve honestly; any other stream the upstream cuts is cut for the
    client too, never replayed;
@@ -125,7 +125,8 @@ class ProxySettings:
             budget_wait_seconds=self.body_budget_wait_seconds,
         )
 
-    # A streamed /v1/completions the upstream cuts is continued (relay.py), at most this often.
+    # A streamed completion or chat completion the upstream cuts is continued (relay.py), at
+    # most this often.
     continuation: bool = True
     max_continuations: int = 1
     # While a cut stream waits for the server: an SSE comment this often.
@@ -299,6 +300,8 @@ class GateProxy:
             "held_total": m.total("held"),
             "retried_total": m.total("retried"),
             "rejected_total": m.total("rejected"),
+            "continued_total": m.continuations("continued"),
+            "continuations_failed_total": m.continuations("failed"),
         }
 
     async def _exchange(

@@ -1,4 +1,4 @@
-"""The relay of a streamed ``/v1/completions`` that the gate continues after a cut.
+"""The relay of a streamed completion or chat completion that the gate continues after a cut.
 
 Where it sits: :class:`~vllm_guardian.gate.proxy.GateProxy` hands it the upstream's answer
 (200, ``text/event-stream``) when :func:`~vllm_guardian.gate.continuation.plan` said the stream
@@ -193,7 +193,10 @@ class ContinuingRelay:
         st = self.state
         try:
             while True:
-                decision = st.decide()
+                max_model_len = None
+                if st.needs_context_length:
+                    max_model_len = await self._max_model_len()
+                decision = st.decide(max_model_len)
                 if isinstance(decision, Refusal):
                     await self._give_up(Outcome.REFUSED, decision, held)
                 if isinstance(decision, Complete):
@@ -208,7 +211,7 @@ class ContinuingRelay:
                 if decision.check_tail and not await self._tail_settled(decision.check_tail):
                     await self._give_up(Outcome.REFUSED, Refusal.UNSETTLED_TEXT, held)
                 st.continuations += 1
-                up = await self._send(decision.body)
+                up = await self._send(decision.path or self.target, decision.body)
                 if up is None:
                     continue  # the server broke again before answering: decided anew
                 if up.status == 200:
@@ -253,13 +256,36 @@ class ContinuingRelay:
                 waiting.cancel()
                 await asyncio.wait({waiting})
 
-    async def _send(self, body: bytes) -> UpstreamResponse | None:
+    async def _send(self, path: str, body: bytes) -> UpstreamResponse | None:
         try:
-            return await self.pool.request("POST", self.target, self.headers.items(), body)
+            return await self.pool.request("POST", path, self.headers.items(), body)
         except UpstreamError as e:
             self.metrics.upstream_error(e.phase)
             self.follower.suspect()
             return None
+
+    async def _max_model_len(self) -> int | None:
+        """The served model's ``max_model_len`` from vLLM's ``/v1/models`` (None when it
+        cannot be had), for a chat stream with no max of its own."""
+        headers = []
+        auth = self.headers.get("Authorization")
+        if auth is not None:
+            headers.append(("Authorization", auth))
+        model = self.state.plan.request.get("model")
+        try:
+            up = await self.pool.request("GET", "/v1/models", headers, None)
+            try:
+                status, answer = up.status, await _read_small(up)
+            finally:
+                up.release()
+            cards = json.loads(answer).get("data") if status == 200 else None
+        except (UpstreamError, ValueError, AttributeError):
+            return None
+        for card in cards if isinstance(cards, list) else []:
+            if isinstance(card, dict) and (model is None or card.get("id") == model):
+                value = card.get("max_model_len")
+                return value if isinstance(value, int) and value > 0 else None
+        return None
 
     async def _tail_settled(self, ids: tuple[int, ...]) -> bool:
         """vLLM's ``/detokenize`` of the last settled ids: False when they end inside a

@@ -36,6 +36,7 @@ import socket
 import threading
 import time
 import uuid
+import zlib
 from types import FrameType
 from typing import Any
 
@@ -122,28 +123,71 @@ def too_long_error(max_model_len: int, prompt_tokens: int) -> ApiError:
     )
 
 
-def count_prompt(body: dict[str, Any], chat: bool) -> list[str]:
-    """The twin's tokenizer: one token per whitespace-separated word."""
+# The twin's vocabulary: a word's id is a hash of it above the special ids; a list-of-ids prompt
+# is its ids as they are, so a continuation's prompt (the prompt's ids, then the generated ids)
+# is the same sequence the first request saw, and shares its prefix-cache blocks.
+VOCAB_SIZE = 32_000
+SPECIAL_IDS = 256
+CHAT_MESSAGE_ID = 3  # the chat template's per-message tokens
+CHAT_ASSISTANT_ID = 4  # the assistant turn's tokens (the generation prompt)
+GENERATED_TOKEN_ID = 5674  # every generated token: its text is _TOKEN_TEXT
+
+
+def word_id(word: str) -> int:
+    return SPECIAL_IDS + zlib.crc32(word.encode()) % (VOCAB_SIZE - SPECIAL_IDS)
+
+
+def _chat_prompt_ids(body: dict[str, Any]) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list", "BadRequestError", "messages")
+    # vLLM's ChatCompletionRequest validator, with its message.
+    cont = bool(body.get("continue_final_message"))
+    if cont and body.get("add_generation_prompt", True):
+        raise ApiError(
+            400,
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            "BadRequestError",
+        )
+    ids: list[int] = []
+    for i, m in enumerate(messages):
+        content = m.get("content", "") if isinstance(m, dict) else ""
+        if isinstance(content, list):
+            content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        if cont and i == len(messages) - 1:
+            # The final message left open: its header is the generation prompt and nothing
+            # ends it, so the prompt is the uncut one's followed by the message's ids.
+            ids.extend([CHAT_ASSISTANT_ID] * CHAT_TOKENS_PER_PROMPT)
+        else:
+            ids.extend([CHAT_MESSAGE_ID] * CHAT_TOKENS_PER_MESSAGE)
+        ids.extend(_text_ids(str(content or "")))
+    if body.get("add_generation_prompt", True):
+        ids.extend([CHAT_ASSISTANT_ID] * CHAT_TOKENS_PER_PROMPT)
+    return ids
+
+
+def _text_ids(text: str) -> list[int]:
+    # The generated text (" tok" per token) reads back as the generated ids, so a chat
+    # continuation through a partial assistant message sees the ids it generated.
+    return [GENERATED_TOKEN_ID if w == _TOKEN_TEXT.strip() else word_id(w) for w in text.split()]
+
+
+def prompt_ids(body: dict[str, Any], chat: bool) -> list[int]:
+    """The twin's tokenizer: one token per whitespace-separated word (a word's id is
+    :func:`word_id`); a prompt given as ids is taken as it is, as vLLM takes it."""
     if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "messages must be a non-empty list", "BadRequestError", "messages")
-        words: list[str] = []
-        for m in messages:
-            content = m.get("content", "") if isinstance(m, dict) else ""
-            if isinstance(content, list):
-                content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-            words.extend(["<|msg|>"] * CHAT_TOKENS_PER_MESSAGE)
-            words.extend(str(content).split())
-        words.extend(["<|assistant|>"] * CHAT_TOKENS_PER_PROMPT)
-        return words
+        return _chat_prompt_ids(body)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return prompt.split()
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return [f"t{t}" for t in prompt]
+        return _text_ids(prompt)
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+    ):
+        return list(prompt)
     raise ApiError(
         400, "prompt must be a string or a list of token ids", "BadRequestError", "prompt"
     )
@@ -174,6 +218,10 @@ class Twin:
             fault_every_seconds=opts.fault_every_seconds,
         )
         self._faults_written = 0
+        # vLLM's system_fingerprint (--fingerprint-mode full, one GPU): its version and 8 hex
+        # of its config's hash, here of the served model's name.
+        name = opts.engine.served_model_name
+        self.fingerprint = f"vllm-{VLLM_VERSION}-{zlib.crc32(name.encode()):08x}"
         self.lock = threading.Lock()
         self.lifecycle = Lifecycle.STARTING
         self.streams: dict[str, asyncio.Queue[RequestDelta]] = {}
@@ -236,8 +284,8 @@ class Twin:
 
     def submit(
         self, body: dict[str, Any], chat: bool
-    ) -> tuple[str, int, asyncio.Queue[RequestDelta]]:
-        """Validate and queue a request; returns (id, prompt tokens, its delta queue)."""
+    ) -> tuple[str, list[int], asyncio.Queue[RequestDelta]]:
+        """Validate and queue a request; returns (id, the prompt's ids, its delta queue)."""
         cfg = self.opts.engine
         if self.lifecycle in (Lifecycle.DRAINING, Lifecycle.STOPPING):
             raise ApiError(500, SHUTDOWN_MESSAGE, "InternalServerError")
@@ -246,7 +294,7 @@ class Twin:
         model = body.get("model")
         if model is not None and model != cfg.served_model_name:
             raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
-        words = count_prompt(body, chat)
+        ids = prompt_ids(body, chat)
         max_tokens_raw = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens_raw is not None and (
             not isinstance(max_tokens_raw, int) or max_tokens_raw < 1
@@ -261,9 +309,9 @@ class Twin:
                 "BadRequestError",
                 "max_tokens",
             )
-        if len(words) >= cfg.max_model_len:
-            raise too_long_error(cfg.max_model_len, len(words))
-        room = cfg.max_model_len - len(words)
+        if len(ids) >= cfg.max_model_len:
+            raise too_long_error(cfg.max_model_len, len(ids))
+        room = cfg.max_model_len - len(ids)
         if max_tokens_raw is None:
             max_tokens = room if chat else DEFAULT_COMPLETION_MAX_TOKENS
         else:
@@ -280,8 +328,10 @@ class Twin:
             if self.engine.death is not None:
                 raise ApiError(500, ENGINE_DEAD_MESSAGE, "InternalServerError")
             self.streams[rid] = q
+            # The engine's prefix cache hashes the prompt: its ids, as vLLM's does.
+            words = [str(t) for t in ids]
             self.engine.add_request(rid, words, max_tokens, bool(body.get("ignore_eos", False)))
-        return rid, len(words), q
+        return rid, ids, q
 
     def abort(self, rid: str) -> None:
         with self.lock:
@@ -781,7 +831,7 @@ class _Handler:
             body = json.loads(raw or b"{}")
             if not isinstance(body, dict):
                 raise ApiError(400, "request body must be a JSON object", "BadRequestError")
-            rid, prompt_tokens, q = self.twin.submit(body, chat)
+            rid, prompt, q = self.twin.submit(body, chat)
         except json.JSONDecodeError as exc:
             err = ApiError(400, f"invalid JSON: {exc}", "BadRequestError")
             resp = _json(400, err.body)
@@ -795,10 +845,10 @@ class _Handler:
             self.twin.server_load += 1
         try:
             if body.get("stream"):
-                sresp, n = await self._stream(request, rid, prompt_tokens, q, chat, body)
+                sresp, n = await self._stream(request, rid, prompt, q, chat, body)
                 self._observe(request, 200, length, n, start)
                 return sresp
-            resp = await self._unary(rid, prompt_tokens, q, chat)
+            resp = await self._unary(rid, prompt, q, chat, body.get("return_token_ids") is True)
             await resp.prepare(request)
             await resp.write_eof()
             self._observe(request, resp.status, length, _length(resp), start)
@@ -827,7 +877,12 @@ class _Handler:
         return d
 
     async def _unary(
-        self, rid: str, prompt_tokens: int, q: asyncio.Queue[RequestDelta], chat: bool
+        self,
+        rid: str,
+        prompt: list[int],
+        q: asyncio.Queue[RequestDelta],
+        chat: bool,
+        with_ids: bool,
     ) -> web.Response:
         tokens = 0
         while True:
@@ -840,6 +895,8 @@ class _Handler:
                 break
         text = _text(tokens)
         finish = d.finish_reason.value
+        prompt_tokens = len(prompt)
+        out_ids = [GENERATED_TOKEN_ID] * tokens if with_ids else None
         usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + tokens,
                  "completion_tokens": tokens, "prompt_tokens_details": None}  # fmt: skip
         model = self.twin.opts.engine.served_model_name
@@ -850,25 +907,36 @@ class _Handler:
                             "annotations": None, "audio": None, "function_call": None,
                             "tool_calls": [], "reasoning_content": None},
                 "logprobs": None, "finish_reason": finish, "stop_reason": None,
+                "token_ids": out_ids,
             }  # fmt: skip
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
-                      "stop_reason": None, "prompt_logprobs": None}  # fmt: skip
+                      "stop_reason": None, "prompt_logprobs": None,
+                      "prompt_token_ids": prompt if with_ids else None,
+                      "token_ids": out_ids}  # fmt: skip
             obj = "text_completion"
-        return _json(200, {"id": rid, "object": obj, "created": int(time.time()), "model": model,
-                           "choices": [choice], "usage": usage, "system_fingerprint": None,
-                           "kv_transfer_params": None})  # fmt: skip
+        answer = {"id": rid, "object": obj, "created": int(time.time()), "model": model,
+                  "choices": [choice], "usage": usage,
+                  "system_fingerprint": self.twin.fingerprint,
+                  "kv_transfer_params": None}  # fmt: skip
+        if chat:  # vLLM puts the prompt's ids beside the choices for chat
+            answer["prompt_token_ids"] = prompt if with_ids else None
+        return _json(200, answer)
 
     async def _stream(
         self,
         request: web.Request,
         rid: str,
-        prompt_tokens: int,
+        prompt: list[int],
         q: asyncio.Queue[RequestDelta],
         chat: bool,
         body: dict[str, Any],
     ) -> tuple[web.StreamResponse, int]:
+        """vLLM's stream: one event per token, shaped as vLLM 0.32 serialises its chunks. With
+        ``return_token_ids`` the prompt's ids ride on the first chunk (beside the choices for
+        chat, in the choice for completions) and each chunk's generated ids in its choice's
+        ``token_ids``; without it both are ``null``."""
         resp = web.StreamResponse(
             status=200,
             headers={"content-type": "text/event-stream; charset=utf-8", "server": "uvicorn"},
@@ -883,30 +951,43 @@ class _Handler:
 
         async def event(payload: object) -> None:
             nonlocal sent
-            data = f"data: {json.dumps(payload)}\n\n".encode()
+            # pydantic's model_dump_json, as vLLM serialises a chunk: compact, UTF-8.
+            text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+            data = f"data: {text}\n\n".encode()
             await resp.write(data)  # one chunk per event, as uvicorn sends them
             sent += len(data)
 
-        def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
+        with_ids = body.get("return_token_ids") is True
+        prompt_pending = with_ids  # the prompt's ids go out once, on the first chunk
+        opts = body.get("stream_options")
+        include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+        fingerprint = self.twin.fingerprint
+
+        def chunk(text: str | None, finish: str | None, new_ids: int = 0) -> dict[str, Any]:
+            nonlocal prompt_pending
+            ids = [GENERATED_TOKEN_ID] * new_ids if with_ids else None
+            first_ids = prompt if prompt_pending else None
+            prompt_pending = False
             if chat:
-                delta: dict[str, Any] = (
-                    {"content": text} if text is not None else {"role": "assistant", "content": ""}
-                )
-                c: dict[str, Any] = {
-                    "index": 0,
-                    "delta": delta,
-                    "logprobs": None,
-                    "finish_reason": finish,
-                }
+                if text is None:  # the role chunk: the prompt's ids beside the choices
+                    c: dict[str, Any] = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}  # fmt: skip
+                    return {"id": rid, "object": obj, "created": created, "model": model,
+                            "choices": [c], "prompt_token_ids": first_ids,
+                            "prompt_text": None}  # fmt: skip
+                c = {"index": 0, "delta": {"content": text}, "logprobs": None,
+                     "finish_reason": finish}  # fmt: skip
+                if finish is not None:
+                    c["stop_reason"] = None
+                c["token_ids"] = ids
             else:
-                c = {
-                    "index": 0,
-                    "text": text or "",
-                    "logprobs": None,
-                    "finish_reason": finish,
-                    "stop_reason": None,
-                }
-            return {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
+                c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish,
+                     "stop_reason": None, "prompt_token_ids": first_ids,
+                     "token_ids": ids}  # fmt: skip
+            out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
+            if finish is not None and not include_usage:  # vLLM stamps the last chunk only
+                out["system_fingerprint"] = fingerprint
+            return out
 
         if chat:
             await event(chunk(None, None))
@@ -927,18 +1008,18 @@ class _Handler:
             for i in range(d.new_tokens):
                 last = i == d.new_tokens - 1
                 finish = d.finish_reason.value if (last and d.finish_reason is not None) else None
-                await event(chunk(_TOKEN_TEXT, finish))
+                await event(chunk(_TOKEN_TEXT, finish, 1))
             tokens += d.new_tokens
             if d.finish_reason is not None:
                 if d.new_tokens == 0:
                     await event(chunk("", d.finish_reason.value))
                 break
-        opts = body.get("stream_options")
-        if isinstance(opts, dict) and opts.get("include_usage"):
+        if include_usage:
             await event({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-                         "usage": {"prompt_tokens": prompt_tokens,
-                                   "total_tokens": prompt_tokens + tokens,
-                                   "completion_tokens": tokens}})  # fmt: skip
+                         "usage": {"prompt_tokens": len(prompt),
+                                   "total_tokens": len(prompt) + tokens,
+                                   "completion_tokens": tokens},
+                         "system_fingerprint": fingerprint})  # fmt: skip
         data = b"data: [DONE]\n\n"
         await resp.write(data)
         await resp.write_eof()
