@@ -9,13 +9,14 @@ two minutes of a run are 120 frames, shown in milliseconds.
 from __future__ import annotations
 
 import io
+import logging
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from vllm_guardian.demo import DemoReport, _Output, alerts_in_flight, summary
+from vllm_guardian.demo import DemoReport, _log_to, _Output, alerts_in_flight, summary
 from vllm_guardian.demo_view import (
     AlertShown,
     Decision,
@@ -125,20 +126,41 @@ def test_each_change_is_one_event_line(
     assert log.lines(frame(3, **after), 200) == [], "an unchanged frame prints nothing"
 
 
-def test_a_run_of_identical_decisions_is_one_line_with_a_count() -> None:
-    again = tuple(Decision(T0 + i, SUPPRESSED.what, SUPPRESSED.reason) for i in range(30))
-    other = Decision(T0 + 40, "action", "restart")
-    runs = collapse((*again, other))
-    assert [(r.first.what, r.count) for r in runs] == [("suppressed", 30), ("action", 1)]
-    shown = screen(frame(50, decisions=(*again, other)), 120)
-    assert sum("suppressed" in line for line in shown) == 1, shown
-    assert any("(x30," in line for line in shown), shown
-    log = EventLog()
-    piped = log.lines(frame(1, decisions=again), 120) + log.lines(
-        frame(2, decisions=(*again, other)), 120
+FORECAST = (
+    "gpu_memory_overcommit: pid 4194301 is growing on the GPU: page; GPU 0: free-memory floor "
+    "12.95 GiB falling {rate} MiB/s: exhausted in ~{left} s"
+)
+
+
+def test_a_run_of_the_same_decision_is_one_line_with_a_count() -> None:
+    """The same decision again, as the policy logs it anew each time a number in it moves."""
+    again = tuple(
+        Decision(T0 + i, "suppressed", FORECAST.format(rate=365.4 + i / 10, left=35 - i))
+        for i in range(30)
     )
-    assert sum("decision suppressed" in line for line in piped) == 1, piped
+    other = Decision(T0 + 40, "suppressed", "gpu_memory_overcommit: evidence not yet enough")
+    runs = collapse((*again, other))
+    assert [(r.first.what, r.count) for r in runs] == [("suppressed", 30), ("suppressed", 1)]
+    shown = screen(frame(50, decisions=(*again, other)), 120)
+    assert sum("is growing" in line for line in shown) == 1, shown
+    assert any("(x30 until" in line for line in shown), shown
+    assert any("~6 s" in line for line in shown), "the screen shows the latest numbers"
+    log = EventLog()
+    piped = log.lines(frame(1, decisions=again), 120)
+    piped += log.lines(frame(2, decisions=(*again, other)), 120)
+    assert sum("is growing" in line for line in piped) == 1, piped
     assert any("the same again, 30 in all" in line for line in piped), piped
+
+
+def test_the_guardians_log_goes_to_a_file_for_the_run(tmp_path: Path) -> None:
+    """Its journal-style lines (an alert's every label) would break the screen or the events."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    detach = _log_to(tmp_path / "guardian.log")
+    logging.getLogger("vllm_guardian.actuators.alert_log").info("alert alertname=VllmEngineDead")
+    detach()
+    assert "alertname=VllmEngineDead" in (tmp_path / "guardian.log").read_text()
+    assert (root.level, root.handlers) == (level, handlers)
 
 
 @pytest.mark.parametrize("width", [40, 80, 120])

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -35,7 +36,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TextIO
@@ -431,6 +432,8 @@ def run_demo(
     gate_status: dict[str, Any] | None = None
     load_log = (workdir / "load.log").open("wb")
     gate_log = (workdir / "gate.log").open("wb")
+    # Detached after the guardian's loop has stopped (the finally below).
+    detach_log = None if opts.quiet else _log_to(workdir / "guardian.log")
     try:
         loop.start()
         if gate_url is not None:
@@ -461,9 +464,30 @@ def run_demo(
         gate_log.close()
         guardian.request_stop()
         loop.join(timeout=60)
+        if detach_log is not None:
+            detach_log()
     report = _report(guardian, opts, workdir)
     report.gate, report.gate_url = gate_status, gate_url
     return report
+
+
+def _log_to(path: Path) -> Callable[[], None]:
+    """The in-process guardian's log lines go to ``path`` for the run, not to the terminal: long
+    journal-style lines (an alert's every label, a decision's evidence) between the screen's or
+    the event log's lines said the same again, unwrapped. Returns what undoes it."""
+    root = logging.getLogger()
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+    def detach() -> None:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        handler.close()
+
+    return detach
 
 
 def _package_root() -> str:
@@ -587,7 +611,8 @@ def summary(report: DemoReport) -> list[str]:
         )
     lines.append(f"vLLM twin starts: {report.twin_starts}; exit codes seen: {report.twin_exits}")
     lines.append(
-        f"Everything it wrote: {report.workdir} (audit.jsonl, flight.jsonl, bundles/, vllm.log)"
+        f"Everything it wrote: {report.workdir} (guardian.log, audit.jsonl, flight.jsonl, "
+        "bundles/, vllm.log)"
     )
     return lines
 

@@ -14,6 +14,7 @@ No clock and no I/O here: times come in the frame.
 
 from __future__ import annotations
 
+import re
 import shutil
 import textwrap
 import time
@@ -66,6 +67,9 @@ class AlertShown:
         return f"{self.name}[{self.state}{held}]"
 
 
+NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
 @dataclass(frozen=True)
 class Decision:
     """One line of the guardian's audit log."""
@@ -74,23 +78,31 @@ class Decision:
     what: str
     reason: str
 
+    def same_as(self, other: Decision) -> bool:
+        """The same decision again, its numbers aside: a "suppressed" note is logged anew each
+        time its countdown or rate moves ("exhausted in ~34 s", "~33 s", ...)."""
+        return self.what == other.what and NUMBER.sub("#", self.reason) == NUMBER.sub(
+            "#", other.reason
+        )
+
 
 @dataclass(frozen=True)
 class Run:
-    """Consecutive identical decisions (same what and reason), shown once with a count."""
+    """Consecutive decisions that are the same but for their numbers, shown once with a count
+    (and the latest numbers)."""
 
     first: Decision
     count: int
-    last_seconds: float
+    last: Decision
 
 
 def collapse(decisions: Sequence[Decision]) -> list[Run]:
     runs: list[Run] = []
     for d in decisions:
-        if runs and (runs[-1].first.what, runs[-1].first.reason) == (d.what, d.reason):
-            runs[-1] = Run(runs[-1].first, runs[-1].count + 1, d.time_seconds)
+        if runs and runs[-1].last.same_as(d):
+            runs[-1] = Run(runs[-1].first, runs[-1].count + 1, d)
         else:
-            runs.append(Run(d, 1, d.time_seconds))
+            runs.append(Run(d, 1, d))
     return runs
 
 
@@ -99,8 +111,8 @@ def clock(t: float) -> str:
 
 
 def decision_line(run: Run) -> str:
-    again = f" (x{run.count}, last {clock(run.last_seconds)})" if run.count > 1 else ""
-    return f"  {clock(run.first.time_seconds)} {run.first.what:<10} {run.first.reason}{again}"
+    again = f" (x{run.count} until {clock(run.last.time_seconds)})" if run.count > 1 else ""
+    return f"  {clock(run.first.time_seconds)} {run.first.what:<10} {run.last.reason}{again}"
 
 
 @dataclass(frozen=True)
@@ -194,11 +206,11 @@ class EventLog:
 
     def _decision(self, d: Decision) -> list[str]:
         r = self.run
-        if r is not None and (r.first.what, r.first.reason) == (d.what, d.reason):
-            self.run = Run(r.first, r.count + 1, d.time_seconds)
+        if r is not None and r.last.same_as(d):
+            self.run = Run(r.first, r.count + 1, d)
             return []
         out = self.close()
-        self.run, self.printed_run_count = Run(d, 1, d.time_seconds), 1
+        self.run, self.printed_run_count = Run(d, 1, d), 1
         return [*out, f"{clock(d.time_seconds)} decision {d.what}: {d.reason}"]
 
     def close(self) -> list[str]:
@@ -207,7 +219,7 @@ class EventLog:
         if r is None or r.count == self.printed_run_count:
             return []
         self.printed_run_count = r.count
-        return [f"{clock(r.last_seconds)} decision (the same again, {r.count} in all)"]
+        return [f"{clock(r.last.time_seconds)} decision (the same again, {r.count} in all)"]
 
 
 def decisions_from(audit: Sequence[Mapping[str, Any]]) -> tuple[Decision, ...]:
