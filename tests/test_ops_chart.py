@@ -414,7 +414,7 @@ def test_the_podmonitor_labels_job_model_and_pod(objects: list[dict[str, Any]]) 
         assert targets["model"]["sourceLabels"] == [
             "__meta_kubernetes_pod_label_vllm_guardian_io_model"
         ]
-    # The shipped rules match these job names (VLLMGuardianDown, the gate's alerts).
+    # The shipped rules match these job names (VllmGuardianDown, the gate's alerts).
     assert jobs == {"guardian": "vllm-guardian", "gate": "vllm-gate"}
 
 
