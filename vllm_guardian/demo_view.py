@@ -178,6 +178,11 @@ class EventLog:
         def event(text: str, at: str = stamp) -> None:
             out.append(f"{at} {text}")
 
+        # The decisions first: each was logged at a tick before this frame was read, with its
+        # own time; what follows carries the frame's.
+        for d in f.decisions[self.decisions_seen :]:
+            out += self._decision(d)
+        self.decisions_seen = len(f.decisions)
         if f.health != self.health:
             event(f"vLLM health {f.health}" + (f" (was {self.health})" if self.health else ""))
             self.health = f.health
@@ -196,9 +201,6 @@ class EventLog:
         if f.gate != self.gate and f.gate is not None:
             event(f"gate {f.gate}")
             self.gate = f.gate
-        for d in f.decisions[self.decisions_seen :]:
-            out += self._decision(d)
-        self.decisions_seen = len(f.decisions)
         if f.elapsed_seconds >= self.next_status_seconds:
             event(" ".join(f.status[:1]) + " | " + requests_line(f.requests))
             self.next_status_seconds = f.elapsed_seconds + STATUS_EVERY_SECONDS
