@@ -11,6 +11,7 @@ Alertmanager below). Prometheus's copy still pages when the guardian is down.
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 import time
@@ -42,13 +43,15 @@ SHARED = [
 ]  # fmt: skip
 
 
-def prometheus_rules() -> list[dict[str, Any]]:
+@functools.cache
+def prometheus_rules() -> tuple[dict[str, Any], ...]:
     doc = yaml.safe_load(PROMETHEUS_RULES.read_text())
-    return [r for g in doc["groups"] for r in g["rules"] if "alert" in r]
+    return tuple(r for g in doc["groups"] for r in g["rules"] if "alert" in r)
 
 
-def guardian_names() -> set[str]:
-    return {r["name"] for r in yaml.safe_load(GUARDIAN_RULES.read_text())["rules"]}
+@functools.cache
+def guardian_names() -> frozenset[str]:
+    return frozenset(r["name"] for r in yaml.safe_load(GUARDIAN_RULES.read_text())["rules"])
 
 
 def test_every_alert_of_either_engine_is_named_alike() -> None:
