@@ -9,6 +9,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -241,20 +242,27 @@ receivers: [{name: "null"}]
 
 @pytest.fixture
 def alertmanager(tmp_path: Path, free_port: int) -> Iterator[str]:
+    with run_alertmanager(tmp_path, free_port, AM_CONFIG) as url:
+        yield url
+
+
+@contextmanager
+def run_alertmanager(tmp_path: Path, port: int, config: str) -> Iterator[str]:
+    """A real Alertmanager on 127.0.0.1:``port`` with ``config``, stopped on exit; its URL."""
     exe = hostneeds.tool(
         "prometheus-alertmanager",
         "the webhook sink is tested against the real one "
         "(apt-get install prometheus-alertmanager; scripts/test installs it)",
         "alertmanager",
     )
-    (tmp_path / "am.yml").write_text(AM_CONFIG)
-    url = f"http://127.0.0.1:{free_port}"
+    (tmp_path / "am.yml").write_text(config)
+    url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         [
             exe,
             f"--config.file={tmp_path / 'am.yml'}",
             f"--storage.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{free_port}",
+            f"--web.listen-address=127.0.0.1:{port}",
             "--cluster.listen-address=",
         ],
         stdout=subprocess.DEVNULL,
@@ -306,6 +314,7 @@ def test_alertmanager_receives_firing_resends_and_resolves(alertmanager: str):
         assert got["status"]["state"] == "active"
         assert got["labels"] == {
             "alertname": "VllmGuardianTestAlert",
+            "evaluator": "guardian",
             "service": "vllm",
             "severity": "critical",
             "cause": "gpu_hardware_fault",

@@ -247,31 +247,31 @@ def _reset_xids() -> set[int]:
 # (Prometheus alert, regex capturing each threshold in its expr, the guardian's default rule,
 #  or a callable giving the default from config/code). Every capture must equal the default.
 THRESHOLDS: list[tuple[str, str, str | Callable[[], float]]] = [
-    ("VLLMKVCachePoolSaturated", r"(?:ratio|perc\)) >= ([0-9.]+)", "VllmKvCacheSaturated"),
+    ("VllmKvCacheSaturated", r"(?:ratio|perc\)) >= ([0-9.]+)", "VllmKvCacheSaturated"),
     (
-        "VLLMKVCachePoolSaturated",
+        "VllmKvCacheSaturated",
         r"(?:ratio|perc\)) >= ([0-9.]+)",
         lambda: PolicyConfig().kv_high_watermark_ratio,
     ),
-    ("VLLMPreemptionStorm", r"(?:second|\[5m\]\)\)) > ([0-9.]+)", "VllmPreemptionRateHigh"),
-    ("VLLMQueueGrowing", r"waiting\)? > ([0-9.]+)\)?", "VllmWaitingQueueLong"),
-    ("VLLMOverCapacity", r"demand_ratio > ([0-9.]+)", "VllmOverCapacity"),
-    ("VLLMEngineStalled", r"stall_seconds >= ([0-9.]+)", lambda: SignalsConfig().stall_seconds),
-    ("VLLMGPUMemoryOverBudget", r"over_budget_bytes > ([0-9* ]+)", "VllmGpuMemoryOverBudget"),
+    ("VllmPreemptionRateHigh", r"(?:second|\[5m\]\)\)) > ([0-9.]+)", "VllmPreemptionRateHigh"),
+    ("VllmWaitingQueueLong", r"waiting\)? > ([0-9.]+)\)?", "VllmWaitingQueueLong"),
+    ("VllmOverCapacity", r"demand_ratio > ([0-9.]+)", "VllmOverCapacity"),
+    ("VllmEngineStalled", r"stall_seconds >= ([0-9.]+)", lambda: SignalsConfig().stall_seconds),
+    ("VllmGpuMemoryOverBudget", r"over_budget_bytes > ([0-9* ]+)", "VllmGpuMemoryOverBudget"),
     (
-        "VLLMGPUSharedWithOtherProcesses",
+        "VllmGpuSharedWithOtherProcess",
         r"other_processes_memory_bytes > ([0-9* ]+)",
         "VllmGpuSharedWithOtherProcess",
     ),
     (
-        "VLLMGPUHeadroomExhaustionPredicted",
+        "VllmGpuHeadroomExhaustionSoon",
         r"exhaustion_cause < ([0-9]+)",
         "VllmGpuHeadroomExhaustionSoon",
     ),
-    ("VLLMAllocatorFragmentation", r"fragmentation_ratio > ([0-9.]+)", "VllmAllocatorFragmented"),
-    ("VLLMGuardianBreakerLatched", r"breaker_latched == ([0-9]+)", "VllmGuardianBreakerLatched"),
+    ("VllmAllocatorFragmented", r"fragmentation_ratio > ([0-9.]+)", "VllmAllocatorFragmented"),
+    ("VllmGuardianBreakerLatched", r"breaker_latched == ([0-9]+)", "VllmGuardianBreakerLatched"),
     (
-        "VLLMGuardianActionsFrequent",
+        "VllmGuardianActionsFrequent",
         r"\[1h\]\)\) >= ([0-9]+)",
         lambda: float(PolicyConfig().restart_budget),
     ),
@@ -297,7 +297,7 @@ def test_thresholds_match_the_guardians_defaults(alert, pattern, default):
 
 
 def test_reset_class_xids_match_the_guardians():
-    expr = next(r["expr"] for r in rules() if r["alert"] == "GPUResetRequiredXID")
+    expr = next(r["expr"] for r in rules() if r["alert"] == "VllmGpuResetRequired")
     m = re.search(r'xid=~"([0-9|]+)"', expr)
     assert m is not None
     assert {int(x) for x in m.group(1).split("|")} == _reset_xids()
@@ -404,13 +404,13 @@ def test_prometheus_scrapes_the_guardian_and_an_alert_reaches_alertmanager(tmp_p
         def am_alert() -> list[dict[str, Any]]:
             got = requests.get(
                 f"{aapi}/alerts",
-                params={"filter": 'alertname="VLLMKVCachePoolSaturated"'},
+                params={"filter": 'alertname="VllmKvCacheSaturated"'},
                 timeout=5,
             ).json()
             return [a for a in got if a["status"]["state"] == "active"]
 
         t0 = time.monotonic()
-        alerts = wait_for(am_alert, 60, "VLLMKVCachePoolSaturated in Alertmanager")
+        alerts = wait_for(am_alert, 60, "VllmKvCacheSaturated in Alertmanager")
         elapsed = time.monotonic() - t0
         labels = alerts[0]["labels"]
         assert labels["service"] == "vllm" and labels["severity"] == "warning"
@@ -430,7 +430,7 @@ def test_prometheus_scrapes_the_guardian_and_an_alert_reaches_alertmanager(tmp_p
             a["labels"]["alertname"]
             for a in requests.get(f"{papi}/alerts", timeout=5).json()["data"]["alerts"]
         }
-        assert "VLLMDown" not in firing and "VLLMGuardianDown" not in firing
+        assert "VllmEngineDead" not in firing and "VllmGuardianDown" not in firing
         assert guardian.poll() is None
         print(f"alert in Alertmanager {elapsed:.1f}s after the servers started")
 

@@ -59,8 +59,14 @@ def kubernetes_validate() -> Any:
     return kubernetes_validate
 
 
-def render(values: Path | None, *extra: str) -> list[dict[str, Any]]:
-    argv = [helm(), "template", "r", str(CHART), "--namespace", "llm", *extra]
+# The Prometheus Operator's CRDs, as `helm install` finds them in a cluster that has them
+# (`helm template` knows only what it is told).
+OPERATOR_APIS = ("monitoring.coreos.com/v1/PodMonitor", "monitoring.coreos.com/v1/PrometheusRule")
+
+
+def render(values: Path | None, *extra: str, crds: bool = True) -> list[dict[str, Any]]:
+    apis = [a for api in OPERATOR_APIS for a in ("--api-versions", api)] if crds else []
+    argv = [helm(), "template", "r", str(CHART), "--namespace", "llm", *apis, *extra]
     if values is not None:
         argv += ["-f", str(values)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
@@ -127,6 +133,38 @@ def test_every_object_is_rendered(objects: list[dict[str, Any]]) -> None:
             "ServiceAccount",
         ]
     )
+
+
+@pytest.mark.parametrize(
+    ("crds", "values", "expected"),
+    [
+        (True, [], {"PodMonitor", "PrometheusRule"}),
+        # A cluster without the operator: `helm install` would fail on an unknown kind.
+        (False, [], set()),
+        (False, ["podMonitor.force=true", "prometheusRule.force=true"],
+         {"PodMonitor", "PrometheusRule"}),
+        (False, ["prometheusRule.force=true"], {"PrometheusRule"}),
+        (True, ["podMonitor.enabled=false", "prometheusRule.enabled=false"], set()),
+        (False, ["podMonitor.enabled=false", "podMonitor.force=true"], set()),
+    ],
+    ids=["crds", "no crds", "forced", "one forced", "disabled", "disabled wins over force"],
+)  # fmt: skip
+def test_the_operator_objects_render_only_where_its_crds_exist_or_when_forced(
+    crds: bool, values: list[str], expected: set[str]
+) -> None:
+    extra = [a for v in values for a in ("--set", v)]
+    kinds = {o["kind"] for o in render(None, *extra, crds=crds)}
+    assert kinds & {"PodMonitor", "PrometheusRule"} == expected
+    assert "Deployment" in kinds
+
+
+def test_the_notes_say_when_the_operator_objects_were_left_out() -> None:
+    """`helm install` prints NOTES.txt: an operator who asked for the rules learns why none came."""
+    argv = [helm(), "install", "r", str(CHART), "--namespace", "llm", "--dry-run=client"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    notes = proc.stdout.split("NOTES:", 1)[1]
+    assert "monitoring.coreos.com/v1" in notes and "force=true" in notes, notes
 
 
 # --- strict schemas --------------------------------------------------------------------------
@@ -376,7 +414,7 @@ def test_the_podmonitor_labels_job_model_and_pod(objects: list[dict[str, Any]]) 
         assert targets["model"]["sourceLabels"] == [
             "__meta_kubernetes_pod_label_vllm_guardian_io_model"
         ]
-    # The shipped rules match these job names (VLLMGuardianDown, the gate's alerts).
+    # The shipped rules match these job names (VllmGuardianDown, the gate's alerts).
     assert jobs == {"guardian": "vllm-guardian", "gate": "vllm-gate"}
 
 

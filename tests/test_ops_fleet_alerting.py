@@ -50,10 +50,10 @@ def test_fleet_alerts_are_grouped_by_model_and_cause() -> None:
 @pytest.mark.parametrize(
     ("labels", "receiver"),
     [
-        (["alertname=VLLMFleetOOMs", "severity=warning", "model=llama", "cause=gpu_memory_overcommit"], "ml-platform"),
-        (["alertname=VLLMFleetLatched", "severity=critical", "model=llama"], "ml-platform-pager"),
-        (["alertname=VLLMFleetReplicasNotReady", "severity=critical", "model=opt"], "ml-platform-pager"),
-        (["alertname=GPULostOrRemapPending", "severity=critical", "instance=gpu1:9469"], "gpu-nodes"),
+        (["alertname=VllmFleetOoms", "severity=warning", "model=llama", "cause=gpu_memory_overcommit"], "ml-platform"),
+        (["alertname=VllmFleetLatched", "severity=critical", "model=llama"], "ml-platform-pager"),
+        (["alertname=VllmFleetReplicasNotReady", "severity=critical", "model=opt"], "ml-platform-pager"),
+        (["alertname=VllmGpuLostOrRemapPending", "severity=critical", "instance=gpu1:9469"], "gpu-nodes"),
     ],
 )  # fmt: skip
 def test_routes_resolve_to_the_receiver(labels: list[str], receiver: str) -> None:

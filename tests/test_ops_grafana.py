@@ -197,3 +197,43 @@ def test_structure():
     for _, e in exprs(dash):
         if "kv_cache_usage_perc" in e:
             assert "gpu_cache_usage_perc" in e
+
+
+def grafana_import(dash: dict[str, Any], inputs: dict[str, str]) -> dict[str, Any]:
+    """What Grafana's "Import dashboard" does with the JSON: asks a value for each ``__inputs``
+    entry, puts it in place of every ``${NAME}`` of an input, and drops ``__inputs``."""
+    text = json.dumps({k: v for k, v in dash.items() if k != "__inputs"})
+    for name, value in inputs.items():
+        text = text.replace("${" + name + "}", value)
+    data: dict[str, Any] = json.loads(text)
+    return data
+
+
+def test_grafanas_import_asks_for_the_prometheus_data_source():
+    dash = dashboard()
+    inputs = dash.get("__inputs", [])
+    assert [(i["name"], i["type"], i["pluginId"]) for i in inputs] == [
+        ("DS_PROMETHEUS", "datasource", "prometheus")
+    ], inputs
+    assert {"type": "datasource", "id": "prometheus"}.items() <= next(
+        r for r in dash["__requires"] if r["type"] == "datasource"
+    ).items()
+    imported = grafana_import(dash, {"DS_PROMETHEUS": "prom-uid-42"})
+    variable = next(v for v in imported["templating"]["list"] if v["name"] == "datasource")
+    assert variable["current"]["value"] == "prom-uid-42", variable
+    # Every reference left is a dashboard variable or one of Grafana's own: none is unresolved.
+    names = {v["name"] for v in imported["templating"]["list"]}
+    left = set(re.findall(r"\$\{(\w+)", json.dumps(imported)))
+    assert left <= names | {"__interval", "__rate_interval", "__range"}, left - names
+
+
+def test_provisioned_without_import_the_panels_still_follow_the_variable():
+    """The Helm chart's ConfigMap goes to Grafana's sidecar, which does not import: nothing but the
+    variable's default names the input, and Grafana replaces a default it cannot find."""
+    text = DASHBOARD.read_text()
+    dash = dashboard()
+    variable = next(v for v in dash["templating"]["list"] if v["name"] == "datasource")
+    without = json.dumps({**dash, "__inputs": [], "templating": {"list": []}})
+    assert "${DS_PROMETHEUS}" in json.dumps(variable["current"])
+    assert "${DS_PROMETHEUS}" not in without, "only the variable's default may name the input"
+    assert text.count("${datasource}") >= len([p for p in dash["panels"] if p["type"] != "row"])

@@ -272,7 +272,7 @@ def render_status(st: dict[str, Any]) -> str:
     for d in recent[-5:]:
         t = time.strftime("%H:%M:%S", time.localtime(d["time_seconds"]))
         lines.append(
-            f"  {t} {d['service']} {d['what']}: {d['reason'][:100]}{' (dry-run)' if d.get('dry_run') else ''}"
+            f"  {t} {d['service']} {d['what']}: {d['reason']}{' (dry-run)' if d.get('dry_run') else ''}"
         )
     for a in st.get("alerts") or []:
         lines.append(
@@ -293,6 +293,14 @@ def render_status(st: dict[str, Any]) -> str:
 def cmd_status(args: argparse.Namespace) -> int:
     from vllm_guardian.control import ControlError, request  # noqa: PLC0415
 
+    if args.watch:
+        from vllm_guardian.status_watch import watch  # noqa: PLC0415
+
+        path = _socket_path(args)
+        return watch(
+            lambda: request(path, {"cmd": "status"}), render_status, sys.stdout,
+            args.interval, (ControlError,), refreshes=args.count,
+        )  # fmt: skip
     try:
         st = request(_socket_path(args), {"cmd": "status"})
     except ControlError as e:
@@ -381,6 +389,18 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(s)
     s.add_argument("--socket", help="control socket path (default: <runtime_dir>/control.sock)")
     s.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    s.add_argument(
+        "--watch",
+        action="store_true",
+        help="refresh until Ctrl-C (exit 130): the screen repainted in a terminal, each refresh "
+        "printed into a pipe; a guardian that does not answer is shown as such and asked again",
+    )
+    s.add_argument(
+        "--interval", type=float, default=2.0, help="seconds between refreshes (default 2)"
+    )
+    s.add_argument(
+        "--count", type=int, help="with --watch: stop after this many refreshes (default: never)"
+    )
     for name, text in (
         ("pause", "stop acting (maintenance): observe and alert only"),
         ("resume", "act again, and clear a latched circuit breaker"),

@@ -13,7 +13,9 @@ It starts, all on 127.0.0.1 and inside one temporary directory:
   the guardian's ``/ready/vllm``. The load is sent to the gate, which holds requests while the
   twin restarts instead of letting them fail (``--no-gate``: the load goes to the twin directly).
 
-It refreshes a status table once a second and ends with a summary: incidents (alerts), the
+In a terminal it repaints a status screen once a second; into a pipe or a file it prints event
+lines instead (what changed, and a status line now and then; ``demo_view``), every line filled
+to the terminal's width or 80 columns. It ends with a summary: incidents (alerts), the
 causes named, the actions taken and how they ended, requests served and failed, and what the
 gate held and retried. Ctrl-C stops everything; no process is left behind. ``run_demo`` is also
 what the end-to-end tests use.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -33,13 +36,22 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TextIO
 
 from vllm_guardian.config import Config, PolicyConfig, SignalsConfig, parse_config
 from vllm_guardian.daemon import Guardian
+from vllm_guardian.demo_view import (
+    AlertShown,
+    EventLog,
+    Frame,
+    decisions_from,
+    fill_all,
+    screen,
+    text_width,
+)
 from vllm_guardian.model import ActionKind, AlertState, Cause
 
 GIB = 1024**3
@@ -152,6 +164,8 @@ class DemoReport:
     scenario: str
     workdir: Path
     alerts_fired: list[str] = field(default_factory=list)
+    # Alerts that fired only while the guardian held them back (name: why), never notified.
+    alerts_held: dict[str, str] = field(default_factory=dict)
     causes: list[str] = field(default_factory=list)
     actions: list[dict[str, Any]] = field(default_factory=list)
     decisions: list[dict[str, Any]] = field(default_factory=list)
@@ -235,19 +249,32 @@ def demo_config(
     return parse_config(text, str(path))
 
 
-class _Screen:
+class _Output:
+    """The demo's live output: the screen repainted in a terminal, event lines into a pipe."""
+
     def __init__(self, out: TextIO, quiet: bool) -> None:
         self.out = out
         self.quiet = quiet
-        self.tty = out.isatty()
+        self.tty = bool(getattr(out, "isatty", lambda: False)())
+        self.events = EventLog()
 
-    def show(self, lines: list[str]) -> None:
+    def show(self, f: Frame) -> None:
         if self.quiet:
             return
+        width = text_width(self.out)
         if self.tty:
-            self.out.write("\x1b[H\x1b[2J")
-        self.out.write("\n".join(lines) + "\n")
+            self.out.write("\x1b[H\x1b[2J" + "\n".join(screen(f, width)) + "\n")
+        else:
+            lines = self.events.lines(f, width)
+            self.out.write("".join(line + "\n" for line in lines))
         self.out.flush()
+
+    def close(self) -> None:
+        """The count of a run of identical decisions the event log has not told yet."""
+        if not self.quiet and not self.tty:
+            lines = fill_all(self.events.close(), text_width(self.out))
+            self.out.write("".join(line + "\n" for line in lines))
+            self.out.flush()
 
 
 def _bar(done: float, width: int = 30) -> str:
@@ -280,65 +307,67 @@ def _read_audit(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def render(g: Guardian, opts: DemoOptions, elapsed: float, workdir: Path) -> list[str]:
-    lines = [
+def frame(g: Guardian, opts: DemoOptions, elapsed: float, workdir: Path) -> Frame:
+    """The guardian's latest tick, the audit log and the outcomes so far, as the demo shows them."""
+    title = (
         f"vllm-guardian demo — scenario {opts.scenario} (twin at {opts.speed:g}× speed)   "
-        f"{_bar(elapsed / opts.duration_seconds)} {elapsed:4.0f}/{opts.duration_seconds:.0f}s   Ctrl-C stops",
-        "",
-    ]
+        f"{_bar(elapsed / opts.duration_seconds)} {elapsed:4.0f}/{opts.duration_seconds:.0f}s   "
+        "Ctrl-C stops"
+    )
+    now = time.time()
     last = g.last
     if last is None:
-        return [*lines, "starting the twin and the guardian…"]
+        return Frame(title, now, elapsed)
     sig = last.signals.services[0]
     health = sig.health_state.value if sig.health_state else "?"
-    lines.append(
+    status = [
         f"vLLM   health {health:<11} KV {_fmt(sig.kv_cache_usage_ratio and 100 * sig.kv_cache_usage_ratio, '{:3.0f}%')}"
         f"  running {_fmt(sig.requests_running, '{:.0f}')}  waiting {_fmt(sig.requests_waiting, '{:.0f}')}"
-        f"  preempt/s {_fmt(sig.preemptions_per_second, '{:.1f}')}  tok/s {_fmt(sig.generation_tokens_per_second, '{:.0f}')}"
-    )
-    lines.append(
+        f"  preempt/s {_fmt(sig.preemptions_per_second, '{:.1f}')}  tok/s {_fmt(sig.generation_tokens_per_second, '{:.0f}')}",
         f"GPU    vLLM {_fmt(sig.service_memory_bytes and sig.service_memory_bytes / GIB, '{:.1f}')} GiB"
         f"  budget {_fmt(sig.memory_budget_bytes and sig.memory_budget_bytes / GIB, '{:.1f}')} GiB"
         f"  others {_fmt(sig.other_processes_memory_bytes and sig.other_processes_memory_bytes / GIB, '{:.1f}')} GiB"
-        f"  free {_fmt(sig.headroom_bytes and sig.headroom_bytes / GIB, '{:.1f}')} GiB"
-    )
+        f"  free {_fmt(sig.headroom_bytes and sig.headroom_bytes / GIB, '{:.1f}')} GiB",
+    ]  # fmt: skip
     if sig.capacity is not None:
-        lines.append("Load   " + sig.capacity.line())
+        status.append("Load   " + sig.capacity.line())
+    ready = "?"
+    alerts: tuple[AlertShown, ...] = ()
     if g.healing is not None:
         view = g.healing.view()
         s = view.state.service("vllm")
         gate = g.exposition.gate("vllm")
+        ready = f"{'200' if gate and gate.ready else '503'} ({gate.reason if gate else '?'})"
         flags = " ".join(f"{lv.value}-rung{r}" for lv, r in s.rungs) or "operator baseline"
-        lines.append(
-            f"Guard  /ready {'200' if gate and gate.ready else '503'} ({gate.reason if gate else '?'})"
-            f"  flags: {flags}  breaker: {'LATCHED' if s.breaker_latched else 'ok'}"
+        status.append(
+            f"Guard  /ready {ready}  flags: {flags}  breaker: {'LATCHED' if s.breaker_latched else 'ok'}"
             + (f"  ACTION: {s.action.kind.value} {s.action.phase.value}" if s.action else "")
         )
-        firing = [
-            f"{a.name}[{a.state.value}]" for a in view.alerts if a.state is not AlertState.INACTIVE
-        ]
-        lines += ["", "Alerts " + (", ".join(firing) if firing else "none")]
+        alerts = tuple(
+            AlertShown(a.name, a.state.value, a.inhibited_by)
+            for a in view.alerts
+            if a.state is not AlertState.INACTIVE
+        )
+    gate_state: str | None = None
+    gate_line: str | None = None
     ss = last.snapshot.service("vllm")
     if ss is not None and ss.gate is not None:
         gs = ss.gate
         if gs.reachable:
-            state = "open" if gs.open else f"HOLDING ({gs.reason})"
-            lines.append(
-                f"Gate   {state}  in flight {gs.in_flight}  queued {gs.queued}"
+            gate_state = "open" if gs.open else f"HOLDING ({gs.reason})"
+            gate_line = (
+                f"Gate   {gate_state}  in flight {gs.in_flight}  queued {gs.queued}"
                 f"  held {gs.held_total}  retried {gs.retried_total}  refused {gs.rejected_total}"
             )
         else:
-            lines.append(f"Gate   not reachable: {gs.error}")
-    lines += ["", "Decisions (newest last):"]
-    for d in _read_audit(workdir / "state" / "audit.jsonl")[-8:]:
-        t = time.strftime("%H:%M:%S", time.localtime(d["time_seconds"]))
-        lines.append(f"  {t} {d['what']:<10} {d['reason'][:110]}")
-    counts = _count_outcomes(workdir / "outcomes.jsonl")
-    lines += [
-        "",
-        "Requests " + (", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none yet"),
-    ]
-    return lines
+            gate_state = "not reachable"
+            gate_line = f"Gate   not reachable: {gs.error}"
+    return Frame(
+        title, now, elapsed, started=True, health=health, status=tuple(status), ready=ready,
+        alerts=alerts, gate=gate_state, gate_line=gate_line,
+        decisions=decisions_from(_read_audit(workdir / "state" / "audit.jsonl")),
+        requests=_count_outcomes(workdir / "outcomes.jsonl"),
+    )  # fmt: skip
 
 
 def _get_json(url: str, timeout: float = 2.0) -> dict[str, Any] | None:
@@ -397,12 +426,14 @@ def run_demo(
     loop = threading.Thread(
         target=guardian.run, kwargs={"install_signals": False}, name="guardian", daemon=True
     )
-    screen = _Screen(out, opts.quiet)
+    output = _Output(out, opts.quiet)
     load: subprocess.Popen[bytes] | None = None
     gate: subprocess.Popen[bytes] | None = None
     gate_status: dict[str, Any] | None = None
     load_log = (workdir / "load.log").open("wb")
     gate_log = (workdir / "gate.log").open("wb")
+    # Detached after the guardian's loop has stopped (the finally below).
+    detach_log = None if opts.quiet else _log_to(workdir / "guardian.log")
     try:
         loop.start()
         if gate_url is not None:
@@ -421,9 +452,10 @@ def run_demo(
             elapsed = time.monotonic() - start
             if elapsed >= opts.duration_seconds:
                 break
-            screen.show(render(guardian, opts, elapsed, workdir))
+            output.show(frame(guardian, opts, elapsed, workdir))
             stop.wait(1.0)
     finally:
+        output.close()
         _stop(load)
         load_log.close()
         if gate_url is not None:
@@ -432,13 +464,66 @@ def run_demo(
         gate_log.close()
         guardian.request_stop()
         loop.join(timeout=60)
+        if detach_log is not None:
+            detach_log()
     report = _report(guardian, opts, workdir)
     report.gate, report.gate_url = gate_status, gate_url
     return report
 
 
+def _log_to(path: Path) -> Callable[[], None]:
+    """The in-process guardian's log lines go to ``path`` for the run, not to the terminal: long
+    journal-style lines (an alert's every label, a decision's evidence) between the screen's or
+    the event log's lines said the same again, unwrapped. Returns what undoes it."""
+    root = logging.getLogger()
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+    def detach() -> None:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        handler.close()
+
+    return detach
+
+
 def _package_root() -> str:
     return str(Path(__file__).resolve().parent.parent)
+
+
+@dataclass(frozen=True)
+class FlightAlerts:
+    fired: list[str]  # in the order they first fired, as the sinks were told
+    held: dict[str, str]  # fired only while held back (why), never told: not incidents
+    over_capacity: list[str]  # the over-capacity alert's summary each time it was told
+
+
+def alerts_in_flight(records: Iterable[Mapping[str, Any]]) -> FlightAlerts:
+    """The alerts that fired, from the flight record's transitions. The record keeps the ones
+    the guardian held back from the sinks too (``inhibited_by``: vLLM down for the guardian's
+    own start or restart, core/inhibition.py): ``VllmEngineDead`` fires through every model
+    load and is not an incident unless it was told."""
+    fired: list[str] = []
+    held: dict[str, str] = {}
+    over: list[str] = []
+    for record in records:
+        for d in record.get("decisions", []) if isinstance(record, Mapping) else ():
+            t = d.get("transition") if isinstance(d, Mapping) else None
+            if not isinstance(t, Mapping) or t.get("current") != "firing":
+                continue
+            alert = t.get("alert", {})
+            name = str(alert.get("name", "?"))
+            if alert.get("inhibited_by"):
+                held.setdefault(name, str(alert["inhibited_by"]))
+                continue
+            if name not in fired:
+                fired.append(name)
+            if name == "VllmOverCapacity":
+                over.append(str(alert.get("summary", "")))
+    return FlightAlerts(fired, {k: v for k, v in held.items() if k not in fired}, over)
 
 
 def kv_gated(audit: Sequence[dict[str, Any]]) -> bool:
@@ -458,22 +543,15 @@ def _report(g: Guardian, opts: DemoOptions, workdir: Path) -> DemoReport:
         {d["cause"] for d in audit if d.get("cause") and d["what"] in ("action", "latch")}
     )
     report.gated = kv_gated(audit)
-    fired: list[str] = []
+    records: list[Mapping[str, Any]] = []
     for path in sorted((workdir / "state").glob("flight.jsonl*")):
         with contextlib.suppress(OSError), path.open() as fh:
             for line in fh:
-                with contextlib.suppress(json.JSONDecodeError, KeyError, TypeError):
-                    for d in json.loads(line).get("decisions", []):
-                        t = d.get("transition")
-                        if t and t["current"] == "firing" and t["alert"]["name"] not in fired:
-                            fired.append(t["alert"]["name"])
-                        if (
-                            t
-                            and t["current"] == "firing"
-                            and t["alert"]["name"] == "VllmOverCapacity"
-                        ):
-                            report.over_capacity.append(str(t["alert"].get("summary", "")))
-    report.alerts_fired = fired
+                with contextlib.suppress(json.JSONDecodeError):
+                    records.append(json.loads(line))
+    seen = alerts_in_flight(records)
+    report.alerts_fired, report.alerts_held = seen.fired, seen.held
+    report.over_capacity = seen.over_capacity
     report.requests = _count_outcomes(workdir / "outcomes.jsonl")
     if g.last is not None and g.last.signals.services:
         cap = g.last.signals.services[0].capacity
@@ -487,6 +565,11 @@ def _report(g: Guardian, opts: DemoOptions, workdir: Path) -> DemoReport:
 def summary(report: DemoReport) -> list[str]:
     lines = ["", f"Summary — scenario {report.scenario}", ""]
     lines.append("Incidents (alerts that fired): " + (", ".join(report.alerts_fired) or "none"))
+    if report.alerts_held:
+        lines.append(
+            "Not incidents (fired while the guardian itself kept vLLM down, never notified): "
+            + ", ".join(f"{k} ({v})" for k, v in report.alerts_held.items())
+        )
     lines.append("Causes named: " + (", ".join(report.causes) or "none (nothing to act on)"))
     lines.append(f"Guardian closed /ready/vllm for KV pressure: {'yes' if report.gated else 'no'}")
     if report.over_capacity:
@@ -498,7 +581,7 @@ def summary(report: DemoReport) -> list[str]:
     for a in report.actions:
         r = results.get(a.get("action_id"))
         outcome = (
-            r["reason"][:100]
+            r["reason"]
             if r
             else (
                 "escalated to a person"
@@ -506,7 +589,7 @@ def summary(report: DemoReport) -> list[str]:
                 else "no result yet"
             )
         )
-        lines.append(f"  #{a.get('action_id')} {a['reason'][:100]}")
+        lines.append(f"  #{a.get('action_id')} {a['reason']}")
         lines.append(f"      → {outcome}")
     if not report.actions:
         lines.append("  none")
@@ -530,7 +613,8 @@ def summary(report: DemoReport) -> list[str]:
         )
     lines.append(f"vLLM twin starts: {report.twin_starts}; exit codes seen: {report.twin_exits}")
     lines.append(
-        f"Everything it wrote: {report.workdir} (audit.jsonl, flight.jsonl, bundles/, vllm.log)"
+        f"Everything it wrote: {report.workdir} (guardian.log, audit.jsonl, flight.jsonl, "
+        "bundles/, vllm.log)"
     )
     return lines
 
@@ -588,6 +672,6 @@ def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
     if result:
-        out.write("\n".join(summary(result[0])) + "\n")
+        out.write("\n".join(fill_all(summary(result[0]), text_width(out))) + "\n")
     # As shells expect of a program a signal stopped: 130 after Ctrl-C, 143 after SIGTERM.
     return 128 + stopped_by[0] if stopped_by else 0

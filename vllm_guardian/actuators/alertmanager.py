@@ -22,6 +22,7 @@ from vllm_guardian.core.alerting import AlertKey, SinkResult, Transition
 from vllm_guardian.model import Alert, AlertState
 from vllm_guardian.redact import redact_text, redact_url_in
 
+EVALUATOR = "guardian"
 # Prometheus's own factor: endsAt = now + 4 × resend interval for a firing alert.
 ENDS_AT_RESENDS = 4
 # A resolved alert that could not be delivered is retried this long, then given up
@@ -38,6 +39,10 @@ def am_alert(
     if a.cause is not None:
         labels["cause"] = a.cause.value
     labels.update({k: v for k, v in a.labels if v})
+    # The shipped Prometheus rules use the same alertname for the same condition with
+    # evaluator="prometheus": Alertmanager tells the two apart by this (examples/alertmanager.yml
+    # inhibits Prometheus's copy while the guardian's fires).
+    labels["evaluator"] = EVALUATOR
     annotations = {"summary": a.summary}
     if a.runbook:
         annotations["runbook_url"] = runbook_base + a.runbook

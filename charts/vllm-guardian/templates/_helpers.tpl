@@ -57,3 +57,15 @@ command, where state lives, the process backend); guardian.config is merged over
 {{- $merged := mustMergeOverwrite $user $base -}}
 {{- toYaml $merged -}}
 {{- end -}}
+
+{{/*
+"true" when a Prometheus Operator object (root, key: its values' name, kind) is to be rendered:
+enabled, and the cluster serves its CRD or force asks for it. Without the CRD, `helm install`
+fails on the unknown kind.
+*/}}
+{{- define "vg.operatorObject" -}}
+{{- $v := index .root.Values .key -}}
+{{- if and $v.enabled (or $v.force (.root.Capabilities.APIVersions.Has (printf "monitoring.coreos.com/v1/%s" .kind))) -}}
+true
+{{- end -}}
+{{- end -}}
