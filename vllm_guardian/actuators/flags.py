@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,13 +55,19 @@ FLAGS: dict[str, Callable[[str], str | None]] = {
     "--enable-chunked-prefill": _switch,
     "--enforce-eager": _switch,
 }
-ENV: dict[str, Callable[[str], str | None]] = {
-    "PYTORCH_CUDA_ALLOC_CONF": lambda v: (
-        None
-        if v in ("expandable_segments:True", "expandable_segments:False")
-        else "must be expandable_segments:True or expandable_segments:False"
-    ),
-}
+
+
+def _alloc_conf(v: str) -> str | None:
+    if v in ("expandable_segments:True", "expandable_segments:False"):
+        return None
+    return "must be expandable_segments:True or expandable_segments:False"
+
+
+# torch's allocator settings, under both names torch reads: ``PYTORCH_ALLOC_CONF`` first (and
+# then no other), ``PYTORCH_CUDA_ALLOC_CONF`` only where it is absent or torch is older
+# (c10/core/AllocatorConfig.cpp, AcceleratorAllocatorConfig::instance).
+ALLOC_CONF_NAMES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+ENV: dict[str, Callable[[str], str | None]] = dict.fromkeys(ALLOC_CONF_NAMES, _alloc_conf)
 
 
 class FlagsRejected(ValueError):
@@ -100,6 +106,49 @@ def validate(flags: Sequence[tuple[str, str]], env: Sequence[tuple[str, str]]) -
     if problems:
         raise FlagsRejected("; ".join(problems))
     return FlagsContent(tuple(flags), tuple(env))
+
+
+def _alloc_conf_items(conf: str) -> list[tuple[str, str]]:
+    """``key:value`` pairs of an allocator setting, split at top-level commas (a list value
+    such as ``roundup_power2_divisions:[256:1,>:4]`` holds commas of its own); blanks dropped,
+    as torch's tokenizer drops them."""
+    items: list[tuple[str, str]] = []
+    depth = 0
+    part = ""
+    for c in conf.replace(" ", "") + ",":
+        if c == "," and depth == 0:
+            if part:
+                key, _, value = part.partition(":")
+                items.append((key, value))
+            part = ""
+            continue
+        depth += (c == "[") - (c == "]")
+        part += c
+    return items
+
+
+def merged_env(inherited: Mapping[str, str], guardian: Sequence[tuple[str, str]]) -> dict[str, str]:
+    """The environment vLLM starts with: ``inherited`` (the operator's) with the guardian's
+    variables on top, except torch's allocator settings, which are merged: the operator's
+    effective setting (``PYTORCH_ALLOC_CONF`` if set, else ``PYTORCH_CUDA_ALLOC_CONF``, as torch
+    reads them) keeps its keys, the guardian's keys replace or join them, and both names carry
+    the result, so that no torch reads one without the other and the lever never loses to (nor
+    wipes out) the operator's own setting."""
+    env = dict(inherited)
+    mine = dict(guardian)
+    env.update({k: v for k, v in mine.items() if k not in ALLOC_CONF_NAMES})
+    wanted = [mine[n] for n in ALLOC_CONF_NAMES if n in mine]
+    if not wanted:
+        return env
+    operator = next((env[n] for n in ALLOC_CONF_NAMES if n in env), "")
+    items = dict(_alloc_conf_items(operator))
+    for key, value in _alloc_conf_items(wanted[0]):
+        items.pop(key, None)  # the guardian's key goes last, replacing the operator's
+        items[key] = value
+    merged = ",".join(f"{k}:{v}" for k, v in items.items())
+    for name in ALLOC_CONF_NAMES:
+        env[name] = merged
+    return env
 
 
 def render(content: FlagsContent) -> str:

@@ -96,7 +96,10 @@ def _process_name() -> str | None:
 
 
 def _alloc_conf(env: Mapping[str, str]) -> str | None:
-    return env.get("PYTORCH_CUDA_ALLOC_CONF") or env.get("PYTORCH_ALLOC_CONF") or None
+    # What torch reads: PYTORCH_ALLOC_CONF when set (the other name is then ignored).
+    if "PYTORCH_ALLOC_CONF" in env:
+        return env["PYTORCH_ALLOC_CONF"] or None
+    return env.get("PYTORCH_CUDA_ALLOC_CONF") or None
 
 
 def _alive(pid: int) -> bool:
