@@ -58,7 +58,12 @@ from vllm_guardian.model import (
 )
 from vllm_guardian.recorder import snapshot_from_record
 from vllm_guardian.sources.health import classify_status
-from vllm_guardian.sources.logs import MESSAGE_MAX_CHARS, engine_message, match_line
+from vllm_guardian.sources.logs import (
+    MESSAGE_MAX_CHARS,
+    display_line,
+    engine_message,
+    match_line,
+)
 from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
 
 _REQUEST_HISTOGRAMS = ("vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket")
@@ -204,7 +209,7 @@ def log_events(lines: Sequence[str], time_seconds: float) -> tuple[LogEvent, ...
     for line in lines:
         m = match_line(line)
         if m is not None:
-            out.append(LogEvent(m[0], time_seconds, line[:MESSAGE_MAX_CHARS], m[1]))
+            out.append(LogEvent(m[0], time_seconds, display_line(line)[:MESSAGE_MAX_CHARS], m[1]))
     return tuple(out)
 
 
