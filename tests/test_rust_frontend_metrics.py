@@ -11,16 +11,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
+from pathlib import Path
 
 from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as openmetrics_families,
 )
 
-from tests.conftest import read_fixture
+from tests.conftest import FIXTURES, read_fixture
 from vllm_guardian import promtext
+from vllm_guardian.diagnose.analyze import analyze
+from vllm_guardian.diagnose.bundle import read_bundle
+from vllm_guardian.diagnose.report import render_text, to_json
 from vllm_guardian.sources.vllm_metrics import WANTED, make_parser, parse_vllm_metrics
 
 RUST = "rust-frontend-under-load-05.om"
+BUNDLES = FIXTURES / "bundles"
 PYTHON = "metrics-under-load-05.prom"
 
 
@@ -85,3 +91,40 @@ def test_kept_parser_reads_repeated_rust_scrapes_through_its_plan() -> None:
         assert parse_vllm_metrics(text, parser=parser) == full
     assert parser.fast_scrapes >= 1
     assert not math.isnan(full.engines[0].kv_cache_usage_ratio or math.nan)
+
+
+# --- diagnose: the KV budget without vllm:cache_config_info ---------------------------------
+
+
+def _rust_bundle(tmp_path: Path, journal_kv_line: bool) -> Path:
+    """The healthy_idle bundle (real 0.32 captures) as a Rust-frontend server would leave it:
+    its scrapes replaced by the Rust exposition, its journal with or without vLLM's
+    "GPU KV cache size" line."""
+    bundle = tmp_path / "rust"
+    shutil.copytree(BUNDLES / "healthy_idle", bundle)
+    for scrape in (bundle / "metrics").iterdir():
+        scrape.write_text(read_fixture(RUST))
+    journal = bundle / "journal.log"
+    lines = journal.read_text().splitlines(keepends=True)
+    journal.write_text("".join(x for x in lines if journal_kv_line or "KV cache size" not in x))
+    return bundle
+
+
+def test_diagnose_takes_the_kv_pool_from_the_engines_log_and_says_so(tmp_path: Path) -> None:
+    doc = to_json(analyze(read_bundle(_rust_bundle(tmp_path, journal_kv_line=True))))
+    budget = doc["kv_budget"]
+    assert isinstance(budget, dict)
+    assert budget["kv_pool_source"] == "vLLM log"
+    assert budget["pool_tokens"] == 2_097_152  # "GPU KV cache size: 2,097,152 tokens"
+    assert budget["max_concurrency_at_max_model_len"] == 512.0
+
+
+def test_diagnose_says_the_kv_pool_is_unknown_rather_than_guess(tmp_path: Path) -> None:
+    report = analyze(read_bundle(_rust_bundle(tmp_path, journal_kv_line=False)))
+    budget = to_json(report)["kv_budget"]
+    assert isinstance(budget, dict)
+    assert budget["pool_tokens"] is None
+    assert budget["kv_pool_source"] is None
+    assert "cache_config_info" in budget["unknown"]
+    assert "KV BUDGET" in render_text(report)
+    assert "pool unknown" in render_text(report)
