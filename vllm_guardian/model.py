@@ -300,6 +300,9 @@ class LogReading:
     # Of lines_total, those dropped by their first characters before any regex: no vLLM header
     # of the engine at WARNING or above can start them (access logs, INFO lines).
     lines_skipped: int = 0
+    # Each engine process's latest start-up line about its KV pool ("GPU KV cache size: N
+    # tokens, …"), by process name: the pool's size where /metrics does not say it.
+    engine_kv_sizing: tuple[tuple[str, str], ...] = ()
 
     def count(self, kind: LogEventKind) -> int:
         return dict(self.counts).get(kind, 0)

@@ -154,6 +154,9 @@ ENGINE_CLIENT = frozenset({"async_llm.py", "core_client.py"})
 _REQUEST_ECHO = frozenset({"dump_input.py"})
 # V0's scheduler (no process in V0's lines): its preemption warnings only.
 _V0_SCHEDULER = "scheduler.py"
+# What vLLM's engine core logs at start-up about its KV pool (vllm/v1/core/kv_cache_utils.py:
+# "%s KV cache size: %s tokens, Maximum concurrency for …", GPU or CPU).
+_KV_POOL_LINE = "KV cache size: "
 # In front of a journal entry that continues a line the journal cut: it does not start a line.
 CONTINUED = "… "
 
@@ -383,6 +386,7 @@ class Origin:
     writer: Writer
     level: str  # "" for a child's raw output (no level in it)
     message: str  # the line after the header
+    process: str = ""  # the process vLLM named (EngineCore_DP0, Worker_TP1); "" in V0
 
 
 # vLLM's ``--logging-config.formatter json`` (vllm/logger.py: python-json-logger's JsonFormatter
@@ -419,8 +423,8 @@ def _json_origin(line: str) -> Origin | None:
         message = f"{message}\n{traceback}"
     src = f"{logger.rpartition('.')[2]}.py"
     if ENGINE_PROCESS.fullmatch(proc):
-        return None if src in _REQUEST_ECHO else Origin(Writer.ENGINE, level, message)
-    return Origin(Writer.ENGINE_CLIENT, level, message) if src in ENGINE_CLIENT else None
+        return None if src in _REQUEST_ECHO else Origin(Writer.ENGINE, level, message, proc)
+    return Origin(Writer.ENGINE_CLIENT, level, message, proc) if src in ENGINE_CLIENT else None
 
 
 def display_line(line: str) -> str:
@@ -450,11 +454,11 @@ def line_origin(line: str) -> Origin | None:
         if proc is None:
             return Origin(Writer.V0_SCHEDULER, level, msg) if src == _V0_SCHEDULER else None
         if ENGINE_PROCESS.fullmatch(proc):
-            return None if src in _REQUEST_ECHO else Origin(Writer.ENGINE, level, msg)
-        return Origin(Writer.ENGINE_CLIENT, level, msg) if src in ENGINE_CLIENT else None
+            return None if src in _REQUEST_ECHO else Origin(Writer.ENGINE, level, msg, proc)
+        return Origin(Writer.ENGINE_CLIENT, level, msg, proc) if src in ENGINE_CLIENT else None
     m = _PROC_PREFIX.match(line)
     if m is not None and ENGINE_PROCESS.fullmatch(m.group("proc")):
-        return Origin(Writer.ENGINE, "", m.group("msg"))
+        return Origin(Writer.ENGINE, "", m.group("msg"), m.group("proc"))
     return None
 
 
@@ -534,7 +538,11 @@ def _clean_message(line: str) -> str:
 class EventCounter:
     """Lines in, deduplicated events and counts out. Not thread-safe: the collector locks."""
 
+    # Engine processes whose pool line is kept: more are a process naming churn, not engines.
+    MAX_SIZED_ENGINES = 64
+
     def __init__(self, recent_events: int) -> None:
+        self._sizing: dict[str, str] = {}  # engine process → its latest KV pool line
         self._counts = dict.fromkeys(LogEventKind, 0)
         self._pending: deque[LogEvent] = deque(maxlen=recent_events)
         self._last_seen: dict[tuple[LogEventKind, Details], float] = {}
@@ -543,6 +551,8 @@ class EventCounter:
 
     def feed(self, line: str, time_seconds: float) -> LogEvent | None:
         self.lines_total += 1
+        if _KV_POOL_LINE in line:
+            self._note_pool(line)
         if not may_be_evidence(line):
             self.lines_skipped += 1
             return None
@@ -564,6 +574,17 @@ class EventCounter:
         self._pending.append(event)
         return event
 
+    def _note_pool(self, line: str) -> None:
+        """An engine's start-up line "GPU KV cache size: N tokens, …" (INFO), kept per engine
+        process, the latest: the pool's size where /metrics has no vllm:cache_config_info
+        (core/signals.py parses it). From the engine's own lines only."""
+        origin = line_origin(line)
+        if origin is None or origin.writer is not Writer.ENGINE or not origin.process:
+            return
+        if origin.process not in self._sizing and len(self._sizing) >= self.MAX_SIZED_ENGINES:
+            return
+        self._sizing[origin.process] = origin.message[:MESSAGE_MAX_CHARS]
+
     def take(self) -> LogReading:
         """Cumulative counts (every kind, zeros included) and the events since the last take."""
         reading = LogReading(
@@ -571,6 +592,7 @@ class EventCounter:
             recent=tuple(self._pending),
             lines_total=self.lines_total,
             lines_skipped=self.lines_skipped,
+            engine_kv_sizing=tuple(sorted(self._sizing.items())),
         )
         self._pending.clear()
         return reading
