@@ -1694,7 +1694,8 @@ def preemptive_action(
                 return PreemptiveAction(
                     f.cause,
                     f"fragmentation is back {now - last:.0f}s after the last drain: relaunch "
-                    f"with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ({when}); {what}",
+                    f"with expandable_segments:True in PYTORCH_ALLOC_CONF and "
+                    f"PYTORCH_CUDA_ALLOC_CONF ({when}); {what}",
                     ActionKind.RELAUNCH,
                     Lever.EXPANDABLE_SEGMENTS,
                     1,

@@ -265,13 +265,22 @@ def _prefill(c: Context) -> _Out:
 
 
 def _fragmentation(c: Context) -> _Out:
+    # Both names: torch 2.9 and later read PYTORCH_ALLOC_CONF and, when it is set, never
+    # PYTORCH_CUDA_ALLOC_CONF; older torch reads only the latter.
     env = [
         EnvChange(
-            "PYTORCH_CUDA_ALLOC_CONF",
+            name,
             None,
             "expandable_segments:True",
-            "lets the allocator grow segments instead of stranding reserved blocks",
+            "lets the allocator grow segments instead of stranding reserved blocks"
+            + (
+                " (torch 2.9+ reads this name first; keep any other allocator keys you set "
+                "in it, comma-separated)"
+                if name == "PYTORCH_ALLOC_CONF"
+                else " (older torch reads only this name)"
+            ),
         )
+        for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
     ]
     actions = [
         "drain and restart vLLM to give the fragmented memory back (the guardian does this at rung 3)"
