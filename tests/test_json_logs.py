@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import VLLM_FIXTURES
+from vllm_guardian.core.budget import parse_startup_sizing
 from vllm_guardian.diagnose.analyze import analyze
 from vllm_guardian.diagnose.bundle import read_bundle
 from vllm_guardian.diagnose.report import to_json
 from vllm_guardian.sources.logs import (
+    EventCounter,
     engine_message,
     line_origin,
     match_line,
@@ -156,3 +158,34 @@ def _evidence(doc: dict[str, object]) -> object:
     for cause in causes:
         cause["evidence"] = [_HEADER.sub("", e)[:100] for e in cause["evidence"]]
     return causes
+
+
+# --- a real start-up, vLLM 0.32's CPU build with --logging-config.formatter json ------------
+
+# Captured from `vllm serve` of the tier's tiny model (tests/vllm_tier/tinymodel.py) with
+# --logging-config.formatter json --max-model-len 4096, stdout and stderr together, from the
+# start to "Application startup complete" (torch's and Python's own warnings are not JSON).
+# Its text twin: tests/fixtures/logs/server-startup-run1-cold.log, the same tiny model and
+# --max-model-len (without --enforce-eager, which the JSON run had).
+JSON_STARTUP = VLLM_FIXTURES / "logs" / "json-startup-0.32-cpu.log"
+TEXT_STARTUP = VLLM_FIXTURES.parent / "logs" / "server-startup-run1-cold.log"
+
+
+def test_a_real_json_startup_reads_as_the_text_one() -> None:
+    lines = JSON_STARTUP.read_text().splitlines()
+    assert sum(line.startswith("{") for line in lines) > 50
+    sizing = [
+        parse_startup_sizing(
+            m for line in f.read_text().splitlines() if (m := engine_message(line))
+        )
+        for f in (JSON_STARTUP, TEXT_STARTUP)
+    ]
+    assert sizing[0] == sizing[1]
+    assert sizing[0].kv_cache_size_tokens == 2_097_152
+    counter = EventCounter(16)
+    for i, line in enumerate(lines):
+        assert counter.feed(line, float(i)) is None  # a healthy start: no evidence of anything
+    reading = counter.take()
+    # The API server's records say processName "MainProcess": vLLM's own name for the process
+    # (vllm_process_name "APIServer") is the one read, as the text header's.
+    assert [p for p, _ in reading.engine_kv_sizing] == ["EngineCore"]
