@@ -124,7 +124,7 @@ def test_fragmentation_is_not_load() -> None:
     doc = report_json("allocator_fragmentation")
     assert [c["id"] for c in doc["causes"]] == ["allocator_fragmentation"]  # type: ignore[index]
     env = doc["recommendation"]["env"]  # type: ignore[index]
-    # what torch >= 2.9 reads first, and what older torch reads
+    # both names: which one torch reads depends on its version
     assert [e["name"] for e in env] == ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"]
 
 

@@ -441,7 +441,7 @@ def test_fragmentation_repeat_earns_expandable_segments():
     )
     assert [a.kind for a in r.actions] == [ActionKind.RESTART, ActionKind.RELAUNCH]
     assert r.actions[1].env == (
-        ("PYTORCH_ALLOC_CONF", "expandable_segments:True"),  # what torch >= 2.9 reads first
+        ("PYTORCH_ALLOC_CONF", "expandable_segments:True"),  # both: torch reads one, by version
         ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
     )
 

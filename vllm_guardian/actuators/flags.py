@@ -63,9 +63,12 @@ def _alloc_conf(v: str) -> str | None:
     return "must be expandable_segments:True or expandable_segments:False"
 
 
-# torch's allocator settings, under both names torch reads: ``PYTORCH_ALLOC_CONF`` first (and
-# then no other), ``PYTORCH_CUDA_ALLOC_CONF`` only where it is absent or torch is older
-# (c10/core/AllocatorConfig.cpp, AcceleratorAllocatorConfig::instance).
+# torch's allocator settings, under both names torch reads. torch parses one of them, and which
+# one wins when both are set depends on its version: torch 2.13 (vLLM 0.32's build; measured
+# with torch._C._accelerator_getAllocatorSettings) parses PYTORCH_CUDA_ALLOC_CONF and ignores
+# PYTORCH_ALLOC_CONF; c10/core/AllocatorConfig.cpp at other commits parses PYTORCH_ALLOC_CONF
+# first and calls the other deprecated; torch before 2.9 knows only PYTORCH_CUDA_ALLOC_CONF.
+# So the lever writes both, each holding the lever's key (merged_env).
 ALLOC_CONF_NAMES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 ENV: dict[str, Callable[[str], str | None]] = dict.fromkeys(ALLOC_CONF_NAMES, _alloc_conf)
 
@@ -129,25 +132,25 @@ def _alloc_conf_items(conf: str) -> list[tuple[str, str]]:
 
 def merged_env(inherited: Mapping[str, str], guardian: Sequence[tuple[str, str]]) -> dict[str, str]:
     """The environment vLLM starts with: ``inherited`` (the operator's) with the guardian's
-    variables on top, except torch's allocator settings, which are merged: the operator's
-    effective setting (``PYTORCH_ALLOC_CONF`` if set, else ``PYTORCH_CUDA_ALLOC_CONF``, as torch
-    reads them) keeps its keys, the guardian's keys replace or join them, and both names carry
-    the result, so that no torch reads one without the other and the lever never loses to (nor
-    wipes out) the operator's own setting."""
+    variables on top, except torch's allocator settings, which are merged. Each of the two
+    names gets the operator's own value under that name (or, where the operator set only the
+    other name, that one: torch would have read it) with the guardian's keys replacing or
+    joining its keys. Whichever name a torch version reads, it finds the operator's setting
+    and the lever's key: the lever never loses to, nor wipes out, the operator's setting."""
     env = dict(inherited)
     mine = dict(guardian)
     env.update({k: v for k, v in mine.items() if k not in ALLOC_CONF_NAMES})
     wanted = [mine[n] for n in ALLOC_CONF_NAMES if n in mine]
     if not wanted:
         return env
-    operator = next((env[n] for n in ALLOC_CONF_NAMES if n in env), "")
-    items = dict(_alloc_conf_items(operator))
-    for key, value in _alloc_conf_items(wanted[0]):
-        items.pop(key, None)  # the guardian's key goes last, replacing the operator's
-        items[key] = value
-    merged = ",".join(f"{k}:{v}" for k, v in items.items())
+    operator = {n: inherited[n] for n in ALLOC_CONF_NAMES if n in inherited}
     for name in ALLOC_CONF_NAMES:
-        env[name] = merged
+        base = operator.get(name, next(iter(operator.values()), ""))
+        items = dict(_alloc_conf_items(base))
+        for key, value in _alloc_conf_items(wanted[0]):
+            items.pop(key, None)  # the guardian's key goes last, replacing the operator's
+            items[key] = value
+        env[name] = ",".join(f"{k}:{v}" for k, v in items.items())
     return env
 
 

@@ -363,9 +363,9 @@ def flags_for(
         if value is None:
             continue
         if lever is Lever.EXPANDABLE_SEGMENTS:
-            # Both names: torch >= 2.9 reads PYTORCH_ALLOC_CONF and, when it is set, ignores
-            # PYTORCH_CUDA_ALLOC_CONF; older torch reads only the latter. Whoever starts vLLM
-            # merges this into the operator's own setting (actuators/flags.merged_env).
+            # Both names: torch parses one, and which one wins when both are set depends on
+            # its version (actuators/flags.ALLOC_CONF_NAMES). Whoever starts vLLM merges this
+            # into the operator's own setting (actuators/flags.merged_env).
             env.append(("PYTORCH_ALLOC_CONF", value))
             env.append(("PYTORCH_CUDA_ALLOC_CONF", value))
             continue

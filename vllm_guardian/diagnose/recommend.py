@@ -265,20 +265,16 @@ def _prefill(c: Context) -> _Out:
 
 
 def _fragmentation(c: Context) -> _Out:
-    # Both names: torch 2.9 and later read PYTORCH_ALLOC_CONF and, when it is set, never
-    # PYTORCH_CUDA_ALLOC_CONF; older torch reads only the latter.
+    # Both names: torch parses one, and which one wins when both are set depends on its
+    # version (torch 2.13 parses PYTORCH_CUDA_ALLOC_CONF; other versions PYTORCH_ALLOC_CONF).
     env = [
         EnvChange(
             name,
             None,
             "expandable_segments:True",
             "lets the allocator grow segments instead of stranding reserved blocks"
-            + (
-                " (torch 2.9+ reads this name first; keep any other allocator keys you set "
-                "in it, comma-separated)"
-                if name == "PYTORCH_ALLOC_CONF"
-                else " (older torch reads only this name)"
-            ),
+            + " (set both names alike: which one torch reads depends on its version; keep "
+            "any other allocator keys you set, comma-separated)",
         )
         for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
     ]
