@@ -73,7 +73,8 @@ def test_reads_the_same_engine_state_as_from_the_python_frontend() -> None:
     (p,) = python.engines
     assert r.cache_config is None  # no vllm:cache_config_info: unknown, never a guess
     assert p.cache_config is not None
-    assert dataclasses.replace(p, cache_config=None) == r
+    assert r.asleep is None  # no vllm:engine_sleep_state either: unknown
+    assert dataclasses.replace(p, cache_config=None, asleep=None) == r
     assert (r.requests_running, r.kv_cache_usage_ratio, r.generation_tokens_total) == (
         31.0,
         0.005493499359091714,

@@ -95,6 +95,9 @@ class EngineMetrics:
     e2e_request_latency: Histogram | None = None
     request_queue_time: Histogram | None = None
     cache_config: CacheConfig | None = None
+    # vllm:engine_sleep_state{sleep_state="awake"} (0.11+): True when an operator put the engine
+    # to sleep (/sleep: awake 0, weights_offloaded or discard_all 1), None when not exported.
+    asleep: bool | None = None
 
     @property
     def key(self) -> tuple[str, str]:
