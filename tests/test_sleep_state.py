@@ -10,12 +10,19 @@ stall signal must not read that as a hang (which the guardian restarts).
 from __future__ import annotations
 
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import read_fixture
+from tests.conftest import FIXTURES, read_fixture
 from tests.test_signals import derive, engine, snap
+from vllm_guardian.diagnose.analyze import analyze
+from vllm_guardian.diagnose.bundle import read_bundle
+from vllm_guardian.diagnose.report import to_json
 from vllm_guardian.sources.vllm_metrics import make_parser, parse_vllm_metrics
+
+BUNDLES = FIXTURES / "bundles"
 
 CAPTURE = "metrics-under-load-05.prom"  # real vLLM 0.32: awake
 
@@ -84,3 +91,22 @@ def test_waking_up_starts_the_stall_clock_afresh() -> None:
     ]
     s = derive(*h)
     assert (s.stall_seconds, s.stalled) == (2.0, False)
+
+
+def test_diagnose_says_an_engine_sleeps(tmp_path: Path) -> None:
+    """A bundle of a server put to sleep (level 1) with requests waiting in it: not a hang,
+    and the report says why nothing moves."""
+    bundle = tmp_path / "asleep"
+    shutil.copytree(BUNDLES / "healthy_queueing", bundle)
+    for scrape in (bundle / "metrics").iterdir():
+        text = scrape.read_text()
+        for state, value in (("awake", 0), ("weights_offloaded", 1), ("discard_all", 0)):
+            text = re.sub(
+                rf'(vllm:engine_sleep_state\{{[^}}]*sleep_state="{state}"[^}}]*\}}) \S+',
+                rf"\g<1> {value}.0",
+                text,
+            )
+        scrape.write_text(text)
+    doc = to_json(analyze(read_bundle(bundle)))
+    assert doc["verdict"] != "engine_dead"
+    assert any("asleep" in n for n in doc["notes"])  # type: ignore[union-attr]

@@ -497,6 +497,18 @@ def analyze(
         p95_request_tokens=p95,
     )
     result = _agree_with_action(diagnosis.classify(obs), b.action, problems)
+    sleeping = [e.engine for e in (scrape_last.engines if scrape_last else ()) if e.asleep]
+    if sleeping:
+        # An operator's /sleep, not a fault: progress is not judged while an engine sleeps.
+        result = dataclasses.replace(
+            result,
+            notes=(
+                *result.notes,
+                f"engine {', '.join(sleeping) or '(unnamed)'} asleep at the last scrape "
+                "(vllm:engine_sleep_state awake 0: put to sleep through /sleep); requests in "
+                "it wait until /wake_up, and no stall is judged, nor a restart earned, meanwhile",
+            ),
+        )
     verdict = result.verdict
     causes = tuple(
         CauseReport(
