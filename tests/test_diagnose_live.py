@@ -104,6 +104,7 @@ def _free_port() -> int:
 def _env() -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    env.pop("PYTORCH_ALLOC_CONF", None)  # the twin reads it first, as torch does
     return env
 
 

@@ -20,6 +20,7 @@ from dataclasses import replace
 import pytest
 import requests
 
+from tests.conftest import read_fixture
 from tests.hostile import Hostility, hostile_server, idle_clients, partial_bodies, wait_for
 from tests.test_gate_support import LoopThread, Stub
 from vllm_guardian.gate.admission import Limits
@@ -499,4 +500,33 @@ def test_an_attacker_rotating_keys_cannot_starve_a_known_key(stub: Stub, attacke
             assert sorted(f.result() for f in attack) == [200] * 2 + [429] * 6
     finally:
         stub.ready = True
+        g.stop()
+
+
+@pytest.mark.parametrize(
+    ("fixture", "capacity", "source"),
+    [
+        ("metrics-pressure-07.prom", 4096, "cache_config_info"),
+        # vLLM's Rust frontend has no vllm:cache_config_info: the pool is unknown, and the KV
+        # admission admits (never a guessed pool); the status says so
+        ("rust-frontend-under-load-05.om", None, None),
+    ],
+)
+def test_the_kv_pool_and_its_source_in_the_status(
+    stub: Stub, fixture: str, capacity: int | None, source: str | None
+) -> None:
+    stub.reset()
+    stub.metrics_text = read_fixture(fixture)
+    g = Running(stub.url, limits=Limits(kv_admission=True))
+    try:
+        assert g.gate.follower is not None
+        g.lt.run(g.gate.follower.poll_kv(), timeout=120)
+        doc = requests.get(g.url + "/gate/status", timeout=60).json()
+        assert (doc["kv_capacity_tokens"], doc["kv_capacity_source"]) == (capacity, source)
+        gauge = g.gate.metrics.registry.get_sample_value(
+            "vllm_guardian_gate_kv_capacity_tokens", {"service": "vllm"}
+        )
+        assert gauge == (capacity or 0)  # the gauge's help: 0 is unknown
+        assert post_echo(g.url).status_code == 200
+    finally:
         g.stop()

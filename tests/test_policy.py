@@ -440,7 +440,10 @@ def test_fragmentation_repeat_earns_expandable_segments():
         Row(0, logs=(oom(0.5, 4),), health=DEAD), Row(2), Row(100, logs=(oom(0.5, 4),), health=DEAD)
     )
     assert [a.kind for a in r.actions] == [ActionKind.RESTART, ActionKind.RELAUNCH]
-    assert r.actions[1].env == (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),)
+    assert r.actions[1].env == (
+        ("PYTORCH_ALLOC_CONF", "expandable_segments:True"),  # both: torch reads one, by version
+        ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
+    )
 
 
 def test_one_ambiguous_signal_is_not_enough():

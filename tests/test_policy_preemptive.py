@@ -307,4 +307,6 @@ def test_cooldown_yields_only_to_a_forecast_that_ends_before_it(
         kinds
     )
     if acts:
-        assert dict(run.actions[1].env) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+        assert dict(run.actions[1].env) == dict.fromkeys(
+            ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"), "expandable_segments:True"
+        )

@@ -95,6 +95,9 @@ class EngineMetrics:
     e2e_request_latency: Histogram | None = None
     request_queue_time: Histogram | None = None
     cache_config: CacheConfig | None = None
+    # vllm:engine_sleep_state{sleep_state="awake"} (0.11+): True when an operator put the engine
+    # to sleep (/sleep: awake 0, weights_offloaded or discard_all 1), None when not exported.
+    asleep: bool | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -303,6 +306,9 @@ class LogReading:
     # Of lines_total, those dropped by their first characters before any regex: no vLLM header
     # of the engine at WARNING or above can start them (access logs, INFO lines).
     lines_skipped: int = 0
+    # Each engine process's latest start-up line about its KV pool ("GPU KV cache size: N
+    # tokens, …"), by process name: the pool's size where /metrics does not say it.
+    engine_kv_sizing: tuple[tuple[str, str], ...] = ()
 
     def count(self, kind: LogEventKind) -> int:
         return dict(self.counts).get(kind, 0)

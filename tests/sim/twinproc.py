@@ -60,6 +60,7 @@ class TwinProc:
 def start(tmp: Path, port: int, *args: str, env_extra: dict[str, str] | None = None) -> TwinProc:
     env = {**os.environ, "PYTHONPATH": str(REPO), **(env_extra or {})}
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    env.pop("PYTORCH_ALLOC_CONF", None)  # the twin reads it first, as torch does
     stderr_path = tmp / f"twin-{port}.log"
     with stderr_path.open("wb") as err:
         proc = subprocess.Popen(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,13 +70,22 @@ FLAGS: dict[str, Callable[[str], str | None]] = {
     "--enable-chunked-prefill": _Switch(),
     "--enforce-eager": _Switch(),
 }
-ENV: dict[str, Callable[[str], str | None]] = {
-    "PYTORCH_CUDA_ALLOC_CONF": lambda v: (
-        None
-        if v in ("expandable_segments:True", "expandable_segments:False")
-        else "must be expandable_segments:True or expandable_segments:False"
-    ),
-}
+
+
+def _alloc_conf(v: str) -> str | None:
+    if v in ("expandable_segments:True", "expandable_segments:False"):
+        return None
+    return "must be expandable_segments:True or expandable_segments:False"
+
+
+# torch's allocator settings, under both names torch reads. torch parses one of them, and which
+# one wins when both are set depends on its version: torch 2.13 (vLLM 0.32's build; measured
+# with torch._C._accelerator_getAllocatorSettings) parses PYTORCH_CUDA_ALLOC_CONF and ignores
+# PYTORCH_ALLOC_CONF; c10/core/AllocatorConfig.cpp at other commits parses PYTORCH_ALLOC_CONF
+# first and calls the other deprecated; torch before 2.9 knows only PYTORCH_CUDA_ALLOC_CONF.
+# So the lever writes both, each holding the lever's key (merged_env).
+ALLOC_CONF_NAMES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+ENV: dict[str, Callable[[str], str | None]] = dict.fromkeys(ALLOC_CONF_NAMES, _alloc_conf)
 
 
 class FlagsRejected(ValueError):
@@ -115,6 +124,49 @@ def validate(flags: Sequence[tuple[str, str]], env: Sequence[tuple[str, str]]) -
     if problems:
         raise FlagsRejected("; ".join(problems))
     return FlagsContent(tuple(flags), tuple(env))
+
+
+def _alloc_conf_items(conf: str) -> list[tuple[str, str]]:
+    """``key:value`` pairs of an allocator setting, split at top-level commas (a list value
+    such as ``roundup_power2_divisions:[256:1,>:4]`` holds commas of its own); blanks dropped,
+    as torch's tokenizer drops them."""
+    items: list[tuple[str, str]] = []
+    depth = 0
+    part = ""
+    for c in conf.replace(" ", "") + ",":
+        if c == "," and depth == 0:
+            if part:
+                key, _, value = part.partition(":")
+                items.append((key, value))
+            part = ""
+            continue
+        depth += (c == "[") - (c == "]")
+        part += c
+    return items
+
+
+def merged_env(inherited: Mapping[str, str], guardian: Sequence[tuple[str, str]]) -> dict[str, str]:
+    """The environment vLLM starts with: ``inherited`` (the operator's) with the guardian's
+    variables on top, except torch's allocator settings, which are merged. Each of the two
+    names gets the operator's own value under that name (or, where the operator set only the
+    other name, that one: torch would have read it) with the guardian's keys replacing or
+    joining its keys. Whichever name a torch version reads, it finds the operator's setting
+    and the lever's key: the lever never loses to, nor wipes out, the operator's setting."""
+    env = dict(inherited)
+    mine = dict(guardian)
+    env.update({k: v for k, v in mine.items() if k not in ALLOC_CONF_NAMES})
+    wanted = [mine[n] for n in ALLOC_CONF_NAMES if n in mine]
+    if not wanted:
+        return env
+    operator = {n: inherited[n] for n in ALLOC_CONF_NAMES if n in inherited}
+    for name in ALLOC_CONF_NAMES:
+        base = operator.get(name, next(iter(operator.values()), ""))
+        items = dict(_alloc_conf_items(base))
+        for key, value in _alloc_conf_items(wanted[0]):
+            items.pop(key, None)  # the guardian's key goes last, replacing the operator's
+            items[key] = value
+        env[name] = ",".join(f"{k}:{v}" for k, v in items.items())
+    return env
 
 
 def render(content: FlagsContent) -> str:

@@ -305,7 +305,8 @@ class Supervisor:
     # --- what a restart reads ----------------------------------------------------------------
 
     def argv_and_env(self) -> tuple[list[str], dict[str, str]]:
-        env = {**os.environ, **self.extra_env, SUPERVISED_ENV: self._mark}
+        inherited = {**os.environ, **self.extra_env, SUPERVISED_ENV: self._mark}
+        env = inherited
         argv = list(self.command)
         try:
             content = flagsfile.read(self.flags_path)
@@ -316,7 +317,7 @@ class Supervisor:
             content = None
         if content is not None:
             argv += content.argv
-            env.update(dict(content.env))
+            env = flagsfile.merged_env(inherited, content.env)
         return argv, env
 
     @property

@@ -80,6 +80,11 @@ class LeverSpec:
     launch_field: str | None = None
     reported_field: str | None = None
     vllm_default: tuple[tuple[int, float], ...] = ()
+    # Other variables given the same value as ``env``: torch reads one of
+    # PYTORCH_ALLOC_CONF and PYTORCH_CUDA_ALLOC_CONF, and which one wins when both are set
+    # depends on its version (torch 2.11 on an H100 and 2.13 on CPU obeyed the CUDA one:
+    # bench/results/gpu/), so the lever sets both.
+    env_also: tuple[str, ...] = ()
 
     def step_size(self, p: PolicyConfig) -> float:
         assert self.step_setting is not None, self.lever
@@ -167,12 +172,13 @@ LEVERS: Mapping[Lever, LeverSpec] = {
         LeverSpec(
             Lever.EXPANDABLE_SEGMENTS,
             flag=None,
-            env=("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
+            env=("PYTORCH_ALLOC_CONF", "expandable_segments:True"),
             companions=(),
             step=Step.SWITCH,
             baseline_field=None,
             step_setting=None,
             floor_setting=None,
+            env_also=("PYTORCH_CUDA_ALLOC_CONF",),
         ),
     )
 }

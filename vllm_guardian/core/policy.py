@@ -314,7 +314,10 @@ def flags_for(
             continue
         spec = lever_spec(lever)
         if spec.env is not None:
+            # Whoever starts vLLM merges these into the operator's own setting
+            # (actuators/flags.merged_env).
             env.append((spec.env[0], value))
+            env.extend((name, value) for name in spec.env_also)
         if spec.flag is not None:
             flags.append((spec.flag, value))
         flags.extend(spec.companions)
@@ -1651,7 +1654,8 @@ def preemptive_action(
                 return PreemptiveAction(
                     f.cause,
                     f"fragmentation is back {now - last:.0f}s after the last drain: relaunch "
-                    f"with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ({when}); {what}",
+                    f"with expandable_segments:True in PYTORCH_ALLOC_CONF and "
+                    f"PYTORCH_CUDA_ALLOC_CONF ({when}); {what}",
                     ActionKind.RELAUNCH,
                     Lever.EXPANDABLE_SEGMENTS,
                     1,

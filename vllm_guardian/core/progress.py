@@ -71,13 +71,17 @@ class ProgressReading:
 
     @staticmethod
     def of(scrape: VllmScrape) -> ProgressReading | None:
-        """The reading, or None when it cannot be judged: no engine, or an engine that reports
-        neither running nor waiting, or neither token counter."""
+        """The reading, or None when it cannot be judged: no engine, an engine asleep, or an
+        engine that reports neither running nor waiting, or neither token counter."""
         if not scrape.engines:
             return None
         inside = 0.0
         marks = []
         for e in scrape.engines:
+            if e.asleep:
+                # An operator put it to sleep (/sleep): no progress is expected of it, and none
+                # missing is a hang. Nothing is judged while it sleeps.
+                return None
             if e.requests_running is None and e.requests_waiting is None:
                 return None
             if e.prompt_tokens_total is None and e.generation_tokens_total is None:

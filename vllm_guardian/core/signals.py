@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 from vllm_guardian.config import ServiceConfig, SignalsConfig
 from vllm_guardian.core.allocator import AllocatorGpuSignals, allocator_fields, physical_gpu
+from vllm_guardian.core.budget import parse_startup_sizing
 from vllm_guardian.core.capacity import (
     CapacityEstimate,
     CapacitySample,
@@ -49,6 +50,7 @@ from vllm_guardian.model import (
     HealthState,
     Histogram,
     LogEventKind,
+    LogReading,
     ServiceSnapshot,
     Snapshot,
     UnitState,
@@ -113,6 +115,10 @@ class ServiceSignals:
     stalled: bool | None = None
     counter_reset: bool = False  # vLLM restarted within the rate window
     kv_cache_capacity_tokens: int | None = None
+    # Where the pool's size was read: "cache_config_info" (/metrics), "vLLM log" (each engine's
+    # start-up line, where /metrics has no cache_config_info: vLLM's Rust frontend); None with
+    # the size: unknown.
+    kv_cache_capacity_source: str | None = None
     gpu_memory_utilization_ratio: float | None = None
     latency: tuple[LatencyQuantile, ...] = ()
     engines: tuple[EngineSignals, ...] = ()
@@ -565,6 +571,25 @@ def _gpu_signals(
     return tuple(out)
 
 
+def _kv_capacity(caps: Sequence[int | None], logs: LogReading | None) -> dict[str, object]:
+    """The KV pool's size in tokens and where it was read (:class:`ServiceSignals`). /metrics'
+    cache_config_info first; where no engine has it, the engines' own start-up lines, one per
+    engine (more or fewer lines than engines: which is which is unknown, and so is the pool)."""
+    total = _sum_int(caps)
+    if total is not None:
+        return {"kv_cache_capacity_tokens": total, "kv_cache_capacity_source": "cache_config_info"}
+    unknown: dict[str, object] = {"kv_cache_capacity_tokens": None}
+    if any(c is not None for c in caps) or logs is None or not logs.engine_kv_sizing:
+        return unknown
+    if len(logs.engine_kv_sizing) != len(caps):
+        return unknown
+    sizes = [parse_startup_sizing((m,)).kv_cache_size_tokens for _, m in logs.engine_kv_sizing]
+    logged = _sum_int(sizes)
+    if logged is None:
+        return unknown
+    return {"kv_cache_capacity_tokens": logged, "kv_cache_capacity_source": "vLLM log"}
+
+
 def _sum_int(values: Sequence[int | None]) -> int | None:
     if not values or any(v is None for v in values):
         return None
@@ -666,7 +691,7 @@ def derive_service(
             stall_seconds=stall,
             stalled=None if stall is None else stall >= cfg.stall_seconds,
             counter_reset=len(starts) > 1,
-            kv_cache_capacity_tokens=_sum_int(caps),
+            **_kv_capacity(caps, cur.logs),
             gpu_memory_utilization_ratio=utilization,
             latency=_latency(_window(history, cfg.quantile_window_seconds), svc.name, keys),
             engines=tuple(per_engine),

@@ -58,7 +58,12 @@ from vllm_guardian.model import (
 )
 from vllm_guardian.recorder import snapshot_from_record
 from vllm_guardian.sources.health import classify_status
-from vllm_guardian.sources.logs import MESSAGE_MAX_CHARS, engine_message, match_line
+from vllm_guardian.sources.logs import (
+    MESSAGE_MAX_CHARS,
+    display_line,
+    engine_message,
+    match_line,
+)
 from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
 
 _REQUEST_HISTOGRAMS = ("vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket")
@@ -204,7 +209,7 @@ def log_events(lines: Sequence[str], time_seconds: float) -> tuple[LogEvent, ...
     for line in lines:
         m = match_line(line)
         if m is not None:
-            out.append(LogEvent(m[0], time_seconds, line[:MESSAGE_MAX_CHARS], m[1]))
+            out.append(LogEvent(m[0], time_seconds, display_line(line)[:MESSAGE_MAX_CHARS], m[1]))
     return tuple(out)
 
 
@@ -333,26 +338,59 @@ def _budget(
     elif cache is not None and cache.capacity_tokens is not None:
         # No model config: what the server reports is the budget.
         tokens = cache.capacity_tokens
-        view = {
-            "model": flags.model,
-            "kv_pool_source": "cache_config_info",
-            "kv_pool_bytes": cache.kv_cache_memory_bytes,
-            "pool_tokens": tokens,
-            "pool_blocks": cache.num_gpu_blocks,
-            "block_size": cache.block_size,
-            "gpu_memory_utilization_ratio": cache.gpu_memory_utilization_ratio,
-            "max_model_len": max_model_len,
-            "max_concurrency_at_max_model_len": round(tokens / max_model_len, 2)
-            if max_model_len
-            else None,
-            "p95_request_tokens": p95,
-            "max_concurrency_at_p95": round(tokens / p95, 2) if p95 else None,
-            "largest_max_model_len": {"1 sequence": tokens},
-        }
+        view = _reported_pool(flags.model, "cache_config_info", tokens, max_model_len, p95)
+        view.update(
+            kv_pool_bytes=cache.kv_cache_memory_bytes,
+            pool_blocks=cache.num_gpu_blocks,
+            block_size=cache.block_size,
+            gpu_memory_utilization_ratio=cache.gpu_memory_utilization_ratio,
+        )
         overridden = dict(cache.labels).get("num_gpu_blocks_override", "None") != "None"
         if cache.kv_cache_memory_bytes and tokens and not overridden:
             view["kv_bytes_per_token"] = cache.kv_cache_memory_bytes // tokens
+    elif sizing.kv_cache_size_tokens is not None:
+        # No vllm:cache_config_info (vLLM's Rust frontend exports none): the engine's own
+        # start-up line, "GPU KV cache size: N tokens", is the pool.
+        view = _reported_pool(
+            flags.model, "vLLM log", sizing.kv_cache_size_tokens, max_model_len, p95
+        )
+    elif model is None and b.scrapes:
+        # vLLM answered /metrics, and nothing says how large its pool is: unknown, never a
+        # default's guess. (No scrape at all: nothing to say about a pool.)
+        view = _reported_pool(flags.model, None, None, max_model_len, p95)
+        view["unknown"] = (
+            "no vllm:cache_config_info in /metrics (vLLM's Rust frontend has none), no "
+            "'GPU KV cache size' line from the engine in the log, and no model config "
+            "(model_config.json) to estimate it from"
+        )
     return _Budget(budget, fits, view or None, model)
+
+
+def _reported_pool(
+    model: str | None,
+    source: str | None,
+    tokens: int | None,
+    max_model_len: int | None,
+    p95: float | None,
+) -> dict[str, Any]:
+    """The KV budget as the server reported its pool (``source`` says where from), without a
+    model config to compute one; every figure None where ``tokens`` is."""
+    return {
+        "model": model,
+        "kv_pool_source": source,
+        "kv_pool_bytes": None,
+        "pool_tokens": tokens,
+        "pool_blocks": None,
+        "block_size": None,
+        "gpu_memory_utilization_ratio": None,
+        "max_model_len": max_model_len,
+        "max_concurrency_at_max_model_len": round(tokens / max_model_len, 2)
+        if tokens and max_model_len
+        else None,
+        "p95_request_tokens": p95,
+        "max_concurrency_at_p95": round(tokens / p95, 2) if tokens and p95 else None,
+        "largest_max_model_len": {"1 sequence": tokens} if tokens else {},
+    }
 
 
 def analyze(
@@ -463,6 +501,18 @@ def analyze(
         p95_request_tokens=p95,
     )
     result = _agree_with_action(diagnosis.classify(obs), b.action, problems)
+    sleeping = [e.engine for e in (scrape_last.engines if scrape_last else ()) if e.asleep]
+    if sleeping:
+        # An operator's /sleep, not a fault: progress is not judged while an engine sleeps.
+        result = dataclasses.replace(
+            result,
+            notes=(
+                *result.notes,
+                f"engine {', '.join(sleeping) or '(unnamed)'} asleep at the last scrape "
+                "(vllm:engine_sleep_state awake 0: put to sleep through /sleep); requests in "
+                "it wait until /wake_up, and no stall is judged, nor a restart earned, meanwhile",
+            ),
+        )
     verdict = result.verdict
     causes = tuple(
         CauseReport(

@@ -282,13 +282,18 @@ def _prefill(c: Context) -> _Out:
 
 
 def _fragmentation(c: Context) -> _Out:
+    # Both names: torch parses one, and which one wins when both are set depends on its
+    # version (torch 2.13 parses PYTORCH_CUDA_ALLOC_CONF; other versions PYTORCH_ALLOC_CONF).
     env = [
         EnvChange(
-            "PYTORCH_CUDA_ALLOC_CONF",
+            name,
             None,
             "expandable_segments:True",
-            "lets the allocator grow segments instead of stranding reserved blocks",
+            "lets the allocator grow segments instead of stranding reserved blocks"
+            + " (set both names alike: which one torch reads depends on its version; keep "
+            "any other allocator keys you set, comma-separated)",
         )
+        for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
     ]
     actions = [
         "drain and restart vLLM to give the fragmented memory back (the guardian does this at rung 3)"

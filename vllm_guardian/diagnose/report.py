@@ -303,6 +303,8 @@ def _render_budget(b: dict[str, Any] | None) -> list[_Line]:
             f"  {b['kv_bytes_per_token']:,} B/token (TP {b.get('tensor_parallel_size', 1)}, "
             f"{b.get('kv_cache_dtype', 'auto')})  weights {gib(b.get('weights_bytes_per_gpu'))}/GPU"
         )
+    if b.get("unknown"):
+        return [*out, *_wrap(f"pool unknown: {b['unknown']}", "    ", "  ")]
     pool = b.get("kv_pool_bytes")
     out.append(
         f"  pool {gib(pool)} = {_num(b.get('pool_tokens'))} tokens, "

@@ -179,6 +179,7 @@ class Admission:
         self.open = False
         self.reason = "starting: no answer from the upstream yet"
         self.kv_capacity_tokens: int | None = None
+        self.kv_capacity_source: str | None = None
         self.kv_observed_used_tokens = 0.0
         self.committed_tokens = 0
         self.in_flight = 0
@@ -227,10 +228,15 @@ class Admission:
         if open_:
             self._wake.set()
 
-    def set_kv(self, capacity_tokens: int | None, used_tokens: float) -> None:
+    def set_kv(
+        self, capacity_tokens: int | None, used_tokens: float, source: str | None = None
+    ) -> None:
+        """The KV pool as vLLM's /metrics says it (``source``: where; None with the size when
+        nothing says it, as on vLLM's Rust frontend: the KV admission then admits)."""
         self.kv_capacity_tokens = capacity_tokens
+        self.kv_capacity_source = source if capacity_tokens is not None else None
         self.kv_observed_used_tokens = used_tokens
-        self.metrics.kv_capacity_tokens.set(capacity_tokens or 0)
+        self.metrics.kv_capacity_tokens.set(capacity_tokens or 0)  # its help: 0 is unknown
         self._wake.set()
 
     # --- used by the proxy -------------------------------------------------------------------

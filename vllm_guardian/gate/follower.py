@@ -261,7 +261,7 @@ class Follower:
                 continue
             capacity += cap
             used += (e.kv_cache_usage_ratio or 0.0) * cap
-        self.admission.set_kv(capacity or None, used)
+        self.admission.set_kv(capacity or None, used, "cache_config_info")
 
     async def _read_metrics(self) -> bytes | None:
         try:

@@ -291,6 +291,7 @@ class GateProxy:
             "in_flight": a.in_flight,
             "kv_committed_tokens": a.committed_tokens,
             "kv_capacity_tokens": a.kv_capacity_tokens,
+            "kv_capacity_source": a.kv_capacity_source,
             "open_exchanges": self.open_exchanges,
             "upstream_healthy": self.follower.upstream_healthy,
             "guardian_ready": self.follower.guardian_ready,

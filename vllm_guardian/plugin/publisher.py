@@ -96,6 +96,9 @@ def _process_name() -> str | None:
 
 
 def _alloc_conf(env: Mapping[str, str]) -> str | None:
+    # Which name torch reads when both are set depends on its version: torch 2.13 (vLLM 0.32's
+    # build, measured) reads PYTORCH_CUDA_ALLOC_CONF and ignores PYTORCH_ALLOC_CONF; some
+    # earlier c10 read PYTORCH_ALLOC_CONF first. The guardian's lever sets both alike.
     return env.get("PYTORCH_CUDA_ALLOC_CONF") or env.get("PYTORCH_ALLOC_CONF") or None
 
 

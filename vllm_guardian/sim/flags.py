@@ -194,7 +194,9 @@ def parse_serve_args(
         )
     if ns.sim_fault_every is not None and not ns.sim_fault_every > 0:
         raise FlagError(f"--sim-fault-every must be > 0 seconds, got {ns.sim_fault_every}")
-    alloc_conf = environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    # As torch 2.13 (vLLM 0.32's) reads it: PYTORCH_CUDA_ALLOC_CONF when set, else
+    # PYTORCH_ALLOC_CONF (measured: with both set, the first alone is parsed).
+    alloc_conf = environ.get("PYTORCH_CUDA_ALLOC_CONF", environ.get("PYTORCH_ALLOC_CONF", ""))
     engine = EngineConfig(
         gpu_memory_utilization=ns.gpu_memory_utilization,
         max_model_len=max_model_len,

@@ -30,6 +30,12 @@ Which lines are evidence (a client must not be able to write one):
   does not start the line (text a request put in the middle of an API server line). vLLM
   versions that prefixed a child's raw output (``(VllmWorker-0 pid=7) Traceback …``, before
   the header carried the process) are read the same way: the process decides.
+* vLLM's ``--logging-config.formatter json`` writes each record as one JSON object per line
+  (``levelname``, ``name``: the logger, ``processName`` and ``vllm_process_name``: the
+  process, ``message``, ``exc_info``: its traceback). The same rule applies to it: the process
+  and the logger's module decide, exactly as the header's process and file do, and only the
+  record's ``message`` and ``exc_info`` are read, never another field. A record must start the
+  line; the access log stays text and is never read.
 * Lines logged at INFO or DEBUG are never matched: every signature is logged at WARNING or
   above or is part of an ERROR record's traceback.
 * A line that continues one the journal cut (``_LINE_BREAK=nul`` or ``line-max`` on the entry
@@ -148,6 +154,9 @@ ENGINE_CLIENT = frozenset({"async_llm.py", "core_client.py"})
 _REQUEST_ECHO = frozenset({"dump_input.py"})
 # V0's scheduler (no process in V0's lines): its preemption warnings only.
 _V0_SCHEDULER = "scheduler.py"
+# What vLLM's engine core logs at start-up about its KV pool (vllm/v1/core/kv_cache_utils.py:
+# "%s KV cache size: %s tokens, Maximum concurrency for …", GPU or CPU).
+_KV_POOL_LINE = "KV cache size: "
 # In front of a journal entry that continues a line the journal cut: it does not start a line.
 CONTINUED = "… "
 
@@ -377,11 +386,65 @@ class Origin:
     writer: Writer
     level: str  # "" for a child's raw output (no level in it)
     message: str  # the line after the header
+    process: str = ""  # the process vLLM named (EngineCore_DP0, Worker_TP1); "" in V0
+
+
+# vLLM's ``--logging-config.formatter json`` (vllm/logger.py: python-json-logger's JsonFormatter
+# with "%(asctime)s %(levelname)s %(name)s %(processName)s %(process)d %(message)s", plus the
+# record factory's ``vllm_process_name``, and ``exc_info`` when the record has a traceback):
+# one JSON object per line. Longer records are not read (no signature needs more).
+_JSON_RECORD_MAX_CHARS = 64 * 1024
+
+
+def _json_origin(line: str) -> Origin | None:
+    """A JSON record's writer, by the same rule as a text header's: the process vLLM named
+    (``vllm_process_name``, else multiprocessing's ``processName``) and the logger's module
+    (the header's file). Only the record's own ``message`` and ``exc_info`` are its text: any
+    other field (one a request could fill) is never read."""
+    if len(line) > _JSON_RECORD_MAX_CHARS or not line.endswith("}"):
+        return None
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    proc = record.get("vllm_process_name") or record.get("processName")
+    level, logger, message = record.get("levelname"), record.get("name"), record.get("message")
+    if not (
+        isinstance(proc, str)
+        and isinstance(level, str)
+        and isinstance(logger, str)
+        and isinstance(message, str)
+    ):
+        return None
+    traceback = record.get("exc_info")
+    if isinstance(traceback, str) and traceback:
+        message = f"{message}\n{traceback}"
+    src = f"{logger.rpartition('.')[2]}.py"
+    if ENGINE_PROCESS.fullmatch(proc):
+        return None if src in _REQUEST_ECHO else Origin(Writer.ENGINE, level, message, proc)
+    return Origin(Writer.ENGINE_CLIENT, level, message, proc) if src in ENGINE_CLIENT else None
+
+
+def display_line(line: str) -> str:
+    """``line`` as a person reads it in an event, an alert or a report: a JSON record as the
+    text format would have shown it (``(PROC pid=N) LEVEL time [logger] message``), so that
+    the message is not cut off behind the record's other fields; any other line as it is."""
+    if not line.startswith("{") or _json_origin(line) is None:
+        return line
+    record = json.loads(line)
+    proc = record.get("vllm_process_name") or record.get("processName")
+    head = f"({proc} pid={record.get('process')}) {record['levelname']}"
+    return f"{head} {record.get('asctime', '')} [{record['name']}] {record['message']}"
 
 
 def line_origin(line: str) -> Origin | None:
     """Who wrote ``line``, if it is a writer whose lines can be evidence; None for everything
-    else (the API server's serving code, uvicorn, bare lines, a header not at the start)."""
+    else (the API server's serving code, uvicorn, bare lines, a header not at the start).
+    A line that starts with ``{`` is read as vLLM's JSON log record (:func:`_json_origin`)."""
+    if line.startswith("{"):
+        return _json_origin(line)
     if "\x1b" in line:
         line = _SGR.sub("", line)  # VLLM_LOGGING_COLOR=1: the header's colours
     m = LOG_PREFIX.match(line)
@@ -391,11 +454,11 @@ def line_origin(line: str) -> Origin | None:
         if proc is None:
             return Origin(Writer.V0_SCHEDULER, level, msg) if src == _V0_SCHEDULER else None
         if ENGINE_PROCESS.fullmatch(proc):
-            return None if src in _REQUEST_ECHO else Origin(Writer.ENGINE, level, msg)
-        return Origin(Writer.ENGINE_CLIENT, level, msg) if src in ENGINE_CLIENT else None
+            return None if src in _REQUEST_ECHO else Origin(Writer.ENGINE, level, msg, proc)
+        return Origin(Writer.ENGINE_CLIENT, level, msg, proc) if src in ENGINE_CLIENT else None
     m = _PROC_PREFIX.match(line)
     if m is not None and ENGINE_PROCESS.fullmatch(m.group("proc")):
-        return Origin(Writer.ENGINE, "", m.group("msg"))
+        return Origin(Writer.ENGINE, "", m.group("msg"), m.group("proc"))
     return None
 
 
@@ -408,9 +471,13 @@ def engine_message(line: str) -> str | None:
 
 # What a line that can be evidence starts with: a process's "(", a V0 level at WARNING or above,
 # or a colour (stripped before the header is read). Everything else is dropped unread.
-_EVIDENCE_FIRST = frozenset("(WEC\x1b")
+_EVIDENCE_FIRST = frozenset("(WEC\x1b{")
 _QUIET_AFTER_PROCESS = ("INFO ", "DEBUG ")
 _PROCESS_END_WITHIN = 128
+# A JSON record's level, where vLLM's format puts it (second, after asctime). Only a real key
+# reads so: inside a JSON string every '"' is escaped.
+_JSON_LEVEL = '"levelname": "'
+_JSON_QUIET = ('"levelname": "INFO"', '"levelname": "DEBUG"')
 
 
 def may_be_evidence(line: str) -> bool:
@@ -423,6 +490,10 @@ def may_be_evidence(line: str) -> bool:
         # A process's name has no ") " in it: the first one ends "(NAME pid=N)".
         end = line.find(") ", 1, _PROCESS_END_WITHIN)
         if end > 0 and line.startswith(_QUIET_AFTER_PROCESS, end + 2):
+            return False
+    elif line[0] == "{":
+        at = line.find(_JSON_LEVEL, 0, _PROCESS_END_WITHIN)
+        if at >= 0 and line.startswith(_JSON_QUIET, at):
             return False
     return True
 
@@ -439,11 +510,14 @@ def match_line(line: str) -> tuple[LogEventKind, Details] | None:
     origin = line_origin(line)
     if origin is None or origin.level in _QUIET_LEVELS:
         return None
-    found = _match_body(origin.message)
     only = _ONLY.get(origin.writer)
-    if found is None or (only is not None and found[0] is not only):
-        return None
-    return found
+    # A text line's message is one line; a JSON record's may hold several (a traceback), each
+    # the engine's own as the text format's header on every line would say.
+    for body in origin.message.split("\n") if "\n" in origin.message else (origin.message,):
+        found = _match_body(body)
+        if found is not None and (only is None or found[0] is only):
+            return found
+    return None
 
 
 # Which details identify an incident (see the module docstring); other kinds: the kind alone.
@@ -464,7 +538,11 @@ def _clean_message(line: str) -> str:
 class EventCounter:
     """Lines in, deduplicated events and counts out. Not thread-safe: the collector locks."""
 
+    # Engine processes whose pool line is kept: more are a process naming churn, not engines.
+    MAX_SIZED_ENGINES = 64
+
     def __init__(self, recent_events: int) -> None:
+        self._sizing: dict[str, str] = {}  # engine process → its latest KV pool line
         self._counts = dict.fromkeys(LogEventKind, 0)
         self._pending: deque[LogEvent] = deque(maxlen=recent_events)
         self._last_seen: dict[tuple[LogEventKind, Details], float] = {}
@@ -473,6 +551,8 @@ class EventCounter:
 
     def feed(self, line: str, time_seconds: float) -> LogEvent | None:
         self.lines_total += 1
+        if _KV_POOL_LINE in line:
+            self._note_pool(line)
         if not may_be_evidence(line):
             self.lines_skipped += 1
             return None
@@ -489,10 +569,21 @@ class EventCounter:
         if len(self._last_seen) > 1024:  # OOM keys vary; forget the stale ones
             cutoff = time_seconds - DEDUP_WINDOW_SECONDS
             self._last_seen = {k: t for k, t in self._last_seen.items() if t >= cutoff}
-        event = LogEvent(kind, time_seconds, _clean_message(line), details)
+        event = LogEvent(kind, time_seconds, _clean_message(display_line(line)), details)
         self._counts[kind] += 1
         self._pending.append(event)
         return event
+
+    def _note_pool(self, line: str) -> None:
+        """An engine's start-up line "GPU KV cache size: N tokens, …" (INFO), kept per engine
+        process, the latest: the pool's size where /metrics has no vllm:cache_config_info
+        (core/signals.py parses it). From the engine's own lines only."""
+        origin = line_origin(line)
+        if origin is None or origin.writer is not Writer.ENGINE or not origin.process:
+            return
+        if origin.process not in self._sizing and len(self._sizing) >= self.MAX_SIZED_ENGINES:
+            return
+        self._sizing[origin.process] = origin.message[:MESSAGE_MAX_CHARS]
 
     def take(self) -> LogReading:
         """Cumulative counts (every kind, zeros included) and the events since the last take."""
@@ -501,6 +592,7 @@ class EventCounter:
             recent=tuple(self._pending),
             lines_total=self.lines_total,
             lines_skipped=self.lines_skipped,
+            engine_kv_sizing=tuple(sorted(self._sizing.items())),
         )
         self._pending.clear()
         return reading

@@ -61,13 +61,16 @@ _HISTOGRAMS: dict[str, str] = {
 }
 _SUCCESS = "vllm:request_success_total"
 _CACHE_INFO = "vllm:cache_config_info"
+# Per engine, one series per sleep_state (awake, weights_offloaded, discard_all); only "awake"
+# is read: 0 is asleep (vllm/v1/metrics/loggers.py, record_sleep_state).
+_SLEEP_STATE = "vllm:engine_sleep_state"
 _START_TIME = "process_start_time_seconds"
 # Must lie in [0, 1]. (V0 exports the hit-rate gauge as -1 with prefix caching off: that is
 # rejected by the negative check, which reads as "unknown", as it should.)
 _RATIOS = {"kv_cache_usage_ratio", "prefix_cache_hit_ratio"}
 
 WANTED: frozenset[str] = frozenset(
-    [*_SCALARS, _SUCCESS, _CACHE_INFO, _START_TIME]
+    [*_SCALARS, _SUCCESS, _CACHE_INFO, _START_TIME, _SLEEP_STATE]
     + [f"{h}{suffix}" for h in _HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")]
 )
 
@@ -90,6 +93,7 @@ class _EngineAcc:
     sums: dict[str, tuple[float, int]] = field(default_factory=dict)
     counts: dict[str, tuple[float, int]] = field(default_factory=dict)
     cache: CacheConfig | None = None
+    awake: tuple[float, int] | None = None  # sleep_state="awake": (value, position)
 
 
 def _float_label(labels: dict[str, str], key: str) -> float | None:
@@ -133,6 +137,7 @@ _KIND: dict[str, tuple[str, str]] = {
     _SUCCESS: ("success", ""),
     _CACHE_INFO: ("cache", ""),
     _START_TIME: ("start", ""),
+    _SLEEP_STATE: ("sleep", ""),
 }
 
 
@@ -310,6 +315,13 @@ def _accumulate(samples: Iterable[tuple[promtext.Sample, int]]) -> _Accumulated:
                 out.duplicates += 1
             elif held is None or prio < held[0]:
                 acc.scalars[arg] = (prio, value, at)
+        elif kind == "sleep":
+            if dict(s.labels).get("sleep_state") != "awake":
+                continue  # the level (weights_offloaded, discard_all): awake alone says asleep
+            if acc.awake is not None:
+                out.duplicates += 1
+            else:
+                acc.awake = (value, at)
         elif kind in ("sum", "count"):
             target = acc.sums if kind == "sum" else acc.counts
             if arg in target:
@@ -383,6 +395,7 @@ def _finish(acc: _EngineAcc) -> EngineMetrics:
     em = EngineMetrics(model_name=acc.model_name, engine=acc.engine, cache_config=acc.cache)
     return replace(
         em,
+        asleep=None if acc.awake is None else acc.awake[0] == 0,
         **values,  # type: ignore[arg-type]  # keys are EngineMetrics float fields (_SCALARS)
         requests_finished_total=acc.finished if acc.saw_success else None,
         requests_failed_total=acc.failed if acc.saw_success else None,
@@ -407,9 +420,11 @@ class _EnginePlan:
     success: tuple[tuple[int, bool], ...] | None  # None: no vllm:request_success_total
     histograms: tuple[_HistogramPlan, ...]
     absent: tuple[str, ...]  # histogram fields the shape cannot fill (no buckets, no +Inf)
+    awake_at: int = -1  # vllm:engine_sleep_state{sleep_state="awake"} (-1: none)
 
     def build(self, values: list[float]) -> EngineMetrics:
         kw: dict[str, typing.Any] = {f: values[i] for f, i in self.scalars}
+        kw["asleep"] = None if self.awake_at < 0 else values[self.awake_at] == 0
         if self.success is not None:
             finished = failed = 0.0
             for i, failure in self.success:
@@ -536,6 +551,7 @@ def _make_plan(
                 tuple(e.success_at) if e.saw_success else None,
                 tuple(histograms),
                 tuple(absent),
+                -1 if e.awake is None else e.awake[1],
             )
         )
     plan = _Plan(
