@@ -151,6 +151,7 @@ class Run:
     last_t: float = 0.0
     actions: list = field(default_factory=list)
     decisions: list = field(default_factory=list)
+    commands: dict = field(default_factory=dict)  # PolicySettings.commands
 
     def tick(self, row: Row):  # type: ignore[no-untyped-def]
         results = tuple(
@@ -224,7 +225,7 @@ class Run:
             snap,
             Signals(row.t, (sig,)),
             row.t,
-            PolicySettings(self.cfg, ("vllm",), RULE_SIGNALS),
+            PolicySettings(self.cfg, ("vllm",), RULE_SIGNALS, commands=self.commands),
         )
         self.state = out.state
         self.actions += out.actions
@@ -675,6 +676,33 @@ def test_an_oom_names_the_cause_of_the_death_that_follows():
     (a,) = r.actions
     assert (a.kind, a.cause) == (ActionKind.RELAUNCH, Cause.PREFILL_BURST)
     assert "log:engine_dead" in a.evidence and "EngineDead" in a.evidence
+
+
+@pytest.mark.parametrize(
+    ("commands", "flags"),
+    [
+        # The guardian starts vLLM itself (the process backend; in a pod, with no unit
+        # source): the operator's flags are in its command, and the relaunch steps from them.
+        (
+            {"vllm": ("vllm", "serve", "m", "--max-num-batched-tokens", "16384")},
+            (("--max-num-batched-tokens", "8192"), ("--enable-chunked-prefill", "")),
+        ),
+        # Nothing says: vLLM's default for an 80 GiB card (8192), halved.
+        ({}, (("--max-num-batched-tokens", "4096"), ("--enable-chunked-prefill", ""))),
+    ],
+)
+def test_a_relaunch_steps_from_the_operators_command_when_no_process_shows_it(
+    commands: dict[str, tuple[str, ...]], flags: tuple[tuple[str, str], ...]
+) -> None:
+    """A real vLLM 0.32 exits a second after its engine dies: at the tick that sees the OOM
+    no process may show the command line, and the step must not come from vLLM's default
+    (bench/outcome_vllm.py --quick: 'one rung down to 1024' from an operator's 1024, when
+    vLLM's default for its card was read instead)."""
+    r = Run(commands=commands).run(
+        Row(0, logs=(oom(6.0), death()), alerts=("EngineDead",), health=HealthState.ENGINE_DEAD)
+    )
+    (a,) = r.actions
+    assert (a.kind, a.cause, a.flags) == (ActionKind.RELAUNCH, Cause.PREFILL_BURST, flags)
 
 
 def test_an_oom_seen_in_cooldown_is_acted_on_once_after_it():

@@ -174,6 +174,7 @@ class Healing:
                 {r.name: r.signal for r in rules},
                 permit_timeout_seconds=permit,
                 permit_renew_seconds=renew,
+                commands=policy.commands_of(cfg),
             ),
             cfg.services,
             cfg.signals,

@@ -44,7 +44,9 @@ def replay(snapshots: Iterable[Snapshot], cfg: Config) -> Iterator[ReplayLine]:
     names = tuple(s.name for s in cfg.services)
     settings = core_step.settings_for(
         rules,
-        policy.PolicySettings(cfg.policy, names, {r.name: r.signal for r in rules}),
+        policy.PolicySettings(
+            cfg.policy, names, {r.name: r.signal for r in rules}, commands=policy.commands_of(cfg)
+        ),
         cfg.services,
         cfg.signals,
     )

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, TypeVar
 
-from vllm_guardian.config import PolicyConfig
+from vllm_guardian.config import Config, PolicyConfig
 from vllm_guardian.core import phases
 from vllm_guardian.core.budget import parse_launch_flags
 from vllm_guardian.core.causes import Pressure, cause_spec
@@ -197,6 +197,17 @@ class PolicySettings:
     # A permit held is renewed this often while its action lasts (a third of the Lease's
     # duration); None: never.
     permit_renew_seconds: float | None = None
+    # The command the guardian starts each service with (the process backend, a pod): the
+    # operator's own flags, read before the process's /proc command line, which may show
+    # nothing (the process just exited) or the guardian's flags on top.
+    commands: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+def commands_of(cfg: Config) -> dict[str, tuple[str, ...]]:
+    """:attr:`PolicySettings.commands` from the config: the services the guardian starts."""
+    if cfg.policy.backend != "process":
+        return {}
+    return {s.name: tuple(s.command) for s in cfg.services if s.command}
 
 
 class DecisionKind(StrEnum):
@@ -540,7 +551,7 @@ def decide(
         findings = rank(evidence)
         s = _track_episodes(s, findings, now, settings.policy)
         s = _track_running(s, sig, now, settings.policy)
-        cmdline = unit.cmdline if unit is not None else None
+        cmdline = settings.commands.get(name) or (unit.cmdline if unit is not None else None)
         gpu_total = (
             max((d.memory_total_bytes or 0 for d in snapshot.gpus.devices), default=0)
             if snapshot.gpus
