@@ -100,8 +100,12 @@ def serve(venv: Path, model: Path, workdir: Path, *flags: str) -> Iterator[Serve
     census = support.Census(run_id).start()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     server = Server(f"http://127.0.0.1:{port}", run_id)
+    started = time.monotonic()
+    phases = REPORT.setdefault("phases", [])  # each server's start and stop, in seconds
+    assert isinstance(phases, list)
     try:
         support.wait_for(lambda: support.healthy(server.url), 300, "vLLM /health 200")
+        phases.append({"serve": flags, "up_s": round(time.monotonic() - started, 1)})
         # The engine behind the API server and the clients, as on a GPU host where its step
         # is not on their cores (support.lower_engine_priority). Beside a CPU hog, without it:
         # 1.0-2.6 sequences a step in all six closed loops of two CI rehearsals; with it, 5.0
@@ -111,6 +115,7 @@ def serve(venv: Path, model: Path, workdir: Path, *flags: str) -> Iterator[Serve
         REPORT.setdefault("reniced", []).append(reniced)  # type: ignore[attr-defined]
         yield server
     finally:
+        stopping = time.monotonic()
         proc.terminate()
         try:
             proc.wait(timeout=60)
@@ -121,6 +126,7 @@ def serve(venv: Path, model: Path, workdir: Path, *flags: str) -> Iterator[Serve
         support.sweep(run_id, census)
         left = support.leftovers(run_id, census=census)
         census.stop()
+        phases.append({"stop": flags, "stop_s": round(time.monotonic() - stopping, 1)})
         assert not left, f"vLLM processes left behind: {left}"
 
 
@@ -318,6 +324,7 @@ def over_capacity(
         samples = capacity_samples(in_window, "vllm")
         est = estimate(samples, CapacitySettings(window_seconds=window))
         # The rest drains (the server finishes what it admitted) before the server is stopped.
+    drain_s = time.monotonic() - (t1 + 1.0)
     watcher.join(timeout=5)
     counted = sum(1 for s in sent if t0 <= s <= t1) / max(1, sum(1 for d in done if t0 <= d <= t1))
     # The share of vLLM's own samples with a request in its queue: the engine-side evidence.
@@ -334,6 +341,7 @@ def over_capacity(
         "replicas_needed": float(est.replicas_needed or 0),
         "state": est.state.value,
         "line": est.line(),
+        "drain_s": round(drain_s, 1),
     }
     REPORT["open_loop"] = out
     # Never a number from too little data: an overloaded API server on two shared cores often
