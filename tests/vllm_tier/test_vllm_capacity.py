@@ -206,7 +206,12 @@ def apart(fn: Callable[..., dict[str, Any]], *args: object) -> dict[str, Any]:
         out = pool.submit(fn, *args).result(timeout=1200)
     phases = REPORT.setdefault("phases", [])
     assert isinstance(phases, list)
-    phases.append({"apart": fn.__name__, "s": round(time.monotonic() - started, 1)})
+    ended = time.monotonic()
+    phase = {"apart": fn.__name__, "s": round(ended - started, 1)}
+    if "began_at" in out and "returned_at" in out:
+        phase["worker_start_s"] = round(out["began_at"] - started, 1)
+        phase["worker_exit_s"] = round(ended - out["returned_at"], 1)
+    phases.append(phase)
     return out
 
 
@@ -353,6 +358,7 @@ def over_capacity(
         "state": est.state.value,
         "line": est.line(),
         "in_flight_at_end": len(sent) - len(finished),
+        "began_at": start,  # monotonic, as apart() reads it: the worker's start-up before it
     }
     REPORT["open_loop"] = out
     # Never a number from too little data: an overloaded API server on two shared cores often
@@ -378,4 +384,5 @@ def over_capacity(
         assert est.state in (CapacityState.ESTIMATED, CapacityState.NOT_SATURATED), out
         if est.state is CapacityState.NOT_SATURATED:
             assert "waited in only" in est.line(), out
+    out["returned_at"] = time.monotonic()  # apart(): the worker's exit after it
     return out
