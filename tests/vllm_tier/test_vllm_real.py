@@ -70,6 +70,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
 # 24 streams' per-token events keep the API server's one core so busy that its /metrics
 # answers late or not at all, for the guardian and for the test's own sampler alike.
 BURST: dict[str, Any] = {"n": 36, "prompt_tokens": 400, "max_tokens": 800, "stream": False}
+TWIN_SPEED = 5.0  # simulated seconds per second for the twin beside the real server (test 4)
 BASE_FLAGS = (
     "--max-model-len", "2048", "--num-gpu-blocks-override", "32", "--max-num-seqs", "32",
     "--shutdown-timeout", "30", "--enable-server-load-tracking",
@@ -789,12 +790,15 @@ def test_twin_matches_the_real_server_side_by_side(guarded: Guarded, tiny_model:
     port = free_port()
     # The twin sized like the real server: the tiny model's own config.json (512 B of KV per
     # token) and a 2 MiB pool = 4,096 tokens = 32 blocks of 128, the same max-model-len.
+    # At --sim-speed 5 its burst lasts about as long as the real server's (17 s against 16 s),
+    # so the sampler sees both on one time scale; at speed 1 its simulated load and steps took
+    # 24 s + 87 s of wall clock with the same numbers (42 preemptions, KV 1.0, 33 waiting).
     twin_cmd = [
         sys.executable, "-m", "vllm_guardian.sim", "serve", str(tiny_model),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
         "--sim-model", str(tiny_model / "config.json"), "--block-size", "128",
         "--kv-cache-memory-bytes", str(32 * 128 * 512), "--max-model-len", "2048",
-        "--max-num-seqs", "32", "--shutdown-timeout", "30",
+        "--max-num-seqs", "32", "--shutdown-timeout", "30", "--sim-speed", str(TWIN_SPEED),
     ]  # fmt: skip
     env = {**os.environ, support.MARKER: guarded.run_id}
     log = (guarded.workdir / "twin.log").open("wb")
