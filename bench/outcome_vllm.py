@@ -433,6 +433,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = argv
     if args.quick:
         args.scenarios, args.operators = "prefill_oom", ",".join(QUICK_OPERATORS)
+    # The commit the run starts from (a later checkout of the tree must not rename it).
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True, check=False).stdout.strip()  # fmt: skip
     venv = support.vllm_venv_or_skip()
     model = Path(tempfile.mkdtemp(prefix="outcome-vllm-model-"))
     support.build_model(venv, model)
@@ -447,8 +450,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(json.dumps(dataclasses.asdict(r), default=str), flush=True)
     finally:
         lock.close()
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True, check=False).stdout.strip()  # fmt: skip
     suffix = "-quick" if args.quick else ""
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"outcome-vllm{suffix}.json").write_text(
