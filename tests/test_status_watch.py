@@ -110,9 +110,14 @@ def test_ctrl_c_exits_130() -> None:
 
 
 def test_the_command_stops_on_sigint_with_130_and_no_traceback(tmp_path: Path) -> None:
-    """As a person runs it: no daemon yet (it says so and keeps asking), then Ctrl-C."""
+    """As a person runs it: no daemon yet (it says so and keeps asking), then Ctrl-C.
+
+    From a terminal, SIGINT has its default disposition; a CI job started in the background
+    inherits it ignored (this test then waited 60 s for an exit that never came), so the child
+    gets the terminal's disposition back through env(1)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm_guardian", "status", "--watch", "--interval", "0.2",
+        ["env", "--default-signal=INT",
+         sys.executable, "-m", "vllm_guardian", "status", "--watch", "--interval", "0.2",
          "--socket", str(tmp_path / "control.sock")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},

@@ -8,8 +8,9 @@ here, on the real lines: its log matcher names ``cuda_oom`` from the worker's tr
 sizes parsed) and the engine's death from the engine core. Then the cure the guardian's ladder
 applies is applied by hand: the same prompt on a server relaunched with
 ``--max-num-batched-tokens`` at the budget is prefilled in chunks and served whole. On that
-second server the plugin's other two faults follow: a hung engine core (streams stop, ``/health``
-still 200) that then raises (the engine's fatal error, the stream cut, the server gone).
+second server the gate's chat continuation is checked (chat_continuation.py), then the plugin's
+other two faults follow: a hung engine core (streams stop, ``/health`` still 200) that then
+raises (the engine's fatal error, the stream cut, the server gone).
 
 Two vLLM starts: about a minute and a half on the 2-core machine.
 """
@@ -32,6 +33,7 @@ from typing import IO
 import pytest
 
 from tests.vllm_tier import support
+from tests.vllm_tier.chat_continuation import check_a_cut_chat_stream_is_continued_byte_for_byte
 from vllm_guardian.demo import free_port
 from vllm_guardian.model import LogEventKind
 from vllm_guardian.sources.logs import match_line
@@ -163,6 +165,9 @@ def test_an_oom_in_the_forward_pass_fails_as_vllm_does_and_a_smaller_batch_cures
             whole = support.stream_completion(s.url, prompt, 16)
             assert whole.done and whole.chunks == 16, whole
             assert not [e for e in s.events() if e[0] is LogEventKind.CUDA_OOM]
+            # The gate's chat continuation, on this server while it serves (its own vLLM
+            # start would cost CI half a minute): chat_continuation.py.
+            check_a_cut_chat_stream_is_continued_byte_for_byte(s.url, tiny_model)
             # 3. A hang: the engine core stops stepping; /health still says 200.
             hang.touch()
             got: list[support.StreamResult] = []
@@ -175,9 +180,9 @@ def test_an_oom_in_the_forward_pass_fails_as_vllm_does_and_a_smaller_batch_cures
                 daemon=True,
             )  # fmt: skip
             t.start()
-            time.sleep(10)  # a hang is the absence of progress: there is no event to wait for
+            time.sleep(5)  # a hang is the absence of progress: there is no event to wait for
             health_while_hung = _health(s.url)
-            REPORT["hang"] = {"tokens_in_10s": first_token.is_set(), "health": health_while_hung}
+            REPORT["hang"] = {"tokens_in_5s": first_token.is_set(), "health": health_while_hung}
             assert not first_token.is_set() and health_while_hung == 200, REPORT["hang"]
             # 4. Then an unexpected exception in the busy loop: the engine dies as vLLM makes it.
             die.touch()

@@ -1,5 +1,8 @@
 """The `vllm` tier: a chat stream cut mid-answer is continued by the gate, token-exact.
 
+Run by test_vllm_faults.py on its second server (one vLLM start fewer for CI), through
+:func:`check_a_cut_chat_stream_is_continued_byte_for_byte`.
+
 One real vLLM 0.32 serving the tier's tiny model; between it and an in-process gate, a small
 proxy on loopback that ends the upstream connection after a chosen event of the next chat
 stream, before ``[DONE]`` (a deterministic cut, as a dying server makes one: the gate sees the
@@ -27,14 +30,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
 import requests
 from aiohttp import ClientSession, web
 
@@ -42,50 +41,11 @@ from tests.test_gate_support import GateThread, LoopThread
 from tests.vllm_tier import support
 from vllm_guardian.demo import free_port
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
-
 CHAT = "/v1/chat/completions"
 MAX_TOKENS = 40
 CUTS = (2, 6, 13, 24, 37)  # the event (role chunk included) at which the connection is cut
 CONVERSATIONS = 2
 REPORT: dict[str, Any] = {}
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    venv = support.vllm_venv_or_skip()
-    model = tmp_path_factory.mktemp("tiny-llama")
-    support.build_model(venv, model)
-    lock = support.host_lock()  # one real server on this host at a time
-    workdir = tmp_path_factory.mktemp("chat-continuation")
-    run_id = uuid.uuid4().hex
-    port = free_port()
-    env = support.vllm_env(run_id, workdir)
-    flags = ("--max-model-len", "2048", "--num-gpu-blocks-override", "64")
-    log = (workdir / "vllm.log").open("wb")
-    start = time.monotonic()
-    proc = subprocess.Popen(
-        support.serve_command(venv, model, port, env, flags),
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        support.wait_for(lambda: support.healthy(url), 240, "vLLM /health 200")
-        REPORT["start_seconds"] = round(time.monotonic() - start, 1)
-        yield url, model
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
-        left = support.leftovers(run_id)
-        lock.close()
-        REPORT["module_seconds"] = round(time.monotonic() - start, 1)
-        print("\nchat continuation tier:", json.dumps(REPORT, indent=1))
-        assert not left, f"vLLM processes left behind: {left}"
 
 
 class CuttingProxy:
@@ -247,8 +207,9 @@ SHAPE_CASES = [
 ]  # fmt: skip
 
 
-def test_a_cut_chat_stream_is_continued_byte_for_byte(served: tuple[str, Path]) -> None:
-    server, model = served
+def check_a_cut_chat_stream_is_continued_byte_for_byte(server: str, model: Path) -> None:
+    """The whole check on a running server (``server``: its URL, ``model``: its directory);
+    raises AssertionError at the first thing that differs, and prints what it measured."""
     # The twin speaks what continuation needs as this server does: the same chunk shapes (keys
     # in order, types, where the ids go), side by side.
     twin, twin_url = twin_beside(model)
@@ -334,3 +295,4 @@ def test_a_cut_chat_stream_is_continued_byte_for_byte(served: tuple[str, Path]) 
         REPORT["refused_unsettled_text"] = refused
         REPORT["continue_final_message_exact"] = f"{continue_final_exact}/{exact}"
         REPORT["continue_final_message_misses"] = misses
+        print("\nchat continuation tier:", json.dumps(REPORT, indent=1))
