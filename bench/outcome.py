@@ -374,6 +374,29 @@ def gate_command(workdir: Path) -> list[str]:
             "--service", "vllm"]  # fmt: skip
 
 
+def stop_gate(gate: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the gate's process; SIGKILL it if it has not exited within 15 s."""
+    gate.terminate()
+    try:
+        gate.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        gate.kill()
+        gate.wait(timeout=5)
+
+
+def audited_actions(workdir: Path) -> list[tuple[float, str, str | None]]:
+    """The guardian's actions from its audit log: (time, the reason's first clause, cause)."""
+    audit = workdir / "state" / "audit.jsonl"
+    if not audit.exists():
+        return []
+    out = []
+    for line in audit.read_text().splitlines():
+        d = json.loads(line)
+        if d.get("what") == "action":
+            out.append((float(d["time_seconds"]), d["reason"].split(";")[0], d.get("cause")))
+    return out
+
+
 def wait_healthy(url: str, limit_seconds: float = 180.0) -> None:
     deadline = time.monotonic() + limit_seconds
     while time.monotonic() < deadline:
@@ -478,21 +501,11 @@ def run_one(
                 sidecar.__exit__()
                 actions += sidecar.actions
             if gate is not None:
-                gate.terminate()
-                try:
-                    gate.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    gate.kill()
-                    gate.wait(timeout=5)
+                stop_gate(gate)
             if guardian is not None and loop is not None:
                 guardian.request_stop()
                 loop.join(timeout=60)
-                audit = workdir / "state" / "audit.jsonl"
-                if audit.exists():
-                    for line in audit.read_text().splitlines():
-                        d = json.loads(line)
-                        if d["what"] == "action":
-                            actions.append((float(d["time_seconds"]), d["reason"].split(";")[0]))
+                actions += [(t, reason) for t, reason, _ in audited_actions(workdir)]
                 content = flagsfile.read(workdir / "state" / "vllm.env")
                 run.final_flags = (
                     " ".join([*content.argv, *(f"{k}={v}" for k, v in content.env)])

@@ -329,22 +329,14 @@ def run_one(
                 sidecar.__exit__()
                 actions += sidecar.actions
             if gate is not None:
-                gate.terminate()
-                try:
-                    gate.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    gate.kill()
+                twin.stop_gate(gate)
             if guardian is not None and loop is not None:
                 guardian.request_stop()
                 loop.join(timeout=120)
-                audit = workdir / "state" / "audit.jsonl"
-                if audit.exists():
-                    for line in audit.read_text().splitlines():
-                        d = json.loads(line)
-                        if d.get("what") == "action":
-                            actions.append((float(d["time_seconds"]), d["reason"].split(";")[0]))
-                            if d.get("cause"):
-                                run.named_causes.append(str(d["cause"]))
+                for t, reason, cause in twin.audited_actions(workdir):
+                    actions.append((t, reason))
+                    if cause:
+                        run.named_causes.append(str(cause))
                 content = flagsfile.read(workdir / "state" / "vllm.env")
                 run.final_flags = " ".join(content.argv) if content else ""
             if alert_log is not None:
