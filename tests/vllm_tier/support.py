@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import pytest
 import requests
@@ -352,6 +352,18 @@ def cmdline(pid: int) -> list[str]:
 
 
 # --- HTTP ----------------------------------------------------------------------------------
+
+
+def stop_group(proc: subprocess.Popen[Any], timeout_seconds: float) -> None:
+    """SIGTERM a process the tier started in its own session, and everything in its group;
+    SIGKILL the group if it has not exited within ``timeout_seconds``."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def session() -> requests.Session:

@@ -18,8 +18,6 @@ Two vLLM starts: about a minute and a half on the 2-core machine.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import threading
 import time
@@ -96,13 +94,7 @@ def serving(
         assert proc.poll() is None, "\n".join(server.lines()[-40:])
         yield server
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        support.stop_group(proc, 60)
         log.close()
         support.sweep(run_id, census)
         left = support.leftovers(run_id, census=census)

@@ -817,13 +817,7 @@ def test_twin_matches_the_real_server_side_by_side(guarded: Guarded, tiny_model:
             seconds = time.monotonic() - t0
         twin = _pressure_numbers(sampler, results, seconds)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        support.stop_group(proc, 40)
         log.close()
     REPORT["twin_pressure"] = twin
     print("\ntwin under the same burst:", json.dumps(twin, indent=1))
