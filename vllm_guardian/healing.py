@@ -217,8 +217,9 @@ class Healing:
     def _audit_daemonized(self, service: str, notice: str) -> None:
         """The supervisor's thread: its command daemonized and it stopped restarting it."""
         decision = policy.Decision(
-            self.clock.time(), service, policy.DecisionKind.SUPPRESSED, notice
-        )
+            self.clock.time(), service, policy.DecisionKind.SUPPRESSED, notice,
+            withheld=policy.Withheld.DAEMONIZED,
+        )  # fmt: skip
         if not self.audit.write([decision]):
             log.error("%s", self.audit.error)
 
