@@ -189,8 +189,6 @@ class PolicySettings:
     policy: PolicyConfig
     services: tuple[str, ...]
     rule_signals: Mapping[str, str] = field(default_factory=dict)  # alertname → signal
-    # The longest an action may take before its missing result counts as a failure.
-    action_timeout_seconds: float = 3600.0
     # fleet.permit: lease — a voluntary action first waits this long at most for a fleet
     # permit (core/phases.py AWAITING_PERMIT); None: no permit (one host, the default).
     permit_timeout_seconds: float | None = None
