@@ -26,6 +26,10 @@ DECISIONS = [
         Cause.ENGINE_DEAD, withheld=Withheld.COOLDOWN,
     ),
     Decision(13.0, "vllm", DecisionKind.GATE, "KV cache usage 93%", dry_run=True),
+    Decision(
+        20.0, "vllm", DecisionKind.RESULT, "relaunch succeeded", action_id=1,
+        action_kind=ActionKind.RELAUNCH, ok=True,
+    ),
 ]  # fmt: skip
 
 

@@ -177,8 +177,7 @@ class Run:
                 row["flags"] = [list(f) for f in a.flags]
                 row["env"] = [list(e) for e in a.env]
             if d.what is policy.DecisionKind.RESULT:
-                r = next((r for r in self.results if r.action_id == d.action_id), None)
-                row["ok"] = r.ok if r is not None else None
+                row["ok"] = d.ok
             rows.append(row)
         rows.sort(key=lambda r: r["t"])  # stable: alert transitions before that tick's decisions
         return rows

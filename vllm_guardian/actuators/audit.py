@@ -103,6 +103,7 @@ def _record_of(doc: Any) -> Record:
         phase=_optional(Phase, doc.get("phase")),
         action_kind=_optional(ActionKind, doc.get("action_kind")),
         withheld=_optional(Withheld, doc.get("withheld")),
+        ok=_optional(bool, doc.get("ok")),
     )
     known = set(Decision.__dataclass_fields__)
     identity = {k: str(v) for k, v in doc.items() if k not in known}

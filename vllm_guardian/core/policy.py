@@ -259,6 +259,9 @@ class Decision:
     # guardian run no longer knows).
     action_kind: ActionKind | None = None
     withheld: Withheld | None = None  # for SUPPRESSED decisions: why nothing was done
+    ok: bool | None = (
+        None  # an action ended (RESULT, or the LATCH of one failed for good): did it work
+    )
 
 
 @dataclass(frozen=True)
@@ -760,6 +763,7 @@ def _supersede(ctx: _Ctx, s: ServiceState, top: Finding) -> ServiceState:
         evidence=tuple(e.name for e in top.evidence),
         action_id=a.action_id,
         action_kind=a.kind,
+        ok=False,
     )
     return s
 
@@ -800,6 +804,7 @@ def _finish(
             action_id=action_id,
             dry_run=dry_run,
             action_kind=kind,
+            ok=True,
         )
     elif outcome.terminal:
         s = replace(
@@ -810,8 +815,9 @@ def _finish(
             gate_reason="open",
         )
         ctx.decide(
-            s, DecisionKind.LATCH, s.breaker_reason or "", action_id=action_id, action_kind=kind
-        )
+            s, DecisionKind.LATCH, s.breaker_reason or "",
+            action_id=action_id, action_kind=kind, ok=False,
+        )  # fmt: skip
     else:
         backoff = min(p.backoff_max_seconds, max(p.backoff_initial_seconds, 2 * s.backoff_seconds))
         s = replace(
@@ -828,6 +834,7 @@ def _finish(
             f"{kind.value} failed ({outcome.detail}); next try in {backoff:.0f}s",
             action_id=action_id,
             action_kind=kind,
+            ok=False,
         )
     return s
 
