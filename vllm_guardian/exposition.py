@@ -12,7 +12,6 @@ open). ``/healthz`` is the guardian's own liveness: 200 while ticks are recent.
 
 from __future__ import annotations
 
-import json
 import math
 import platform
 import threading
@@ -24,7 +23,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector, generate_late
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from vllm_guardian import __version__
+from vllm_guardian import __version__, ready_format
 from vllm_guardian.boundedhttp import BoundedHTTPServer, Limits
 from vllm_guardian.core.signals import ServiceSignals, Signals
 from vllm_guardian.healing import HealingView
@@ -815,23 +814,18 @@ class ExpositionServer:
             name = path[len("/ready/") :]
             gate = self.collector.gate(name)
             if gate is None:
-                return 404, json.dumps({"error": f"unknown service {name!r}"}).encode(), JSON
+                return 404, ready_format.encode_unknown(name), ready_format.CONTENT_TYPE
             if self.collector.last_tick_monotonic() is None:
                 # Nothing observed yet: not ready (a pod's readiness probe must not pass
                 # before the guardian has seen vLLM serve).
-                body = json.dumps(
-                    {"service": name, "ready": False, "reason": "starting: no tick yet"}
-                )
-                return 503, body.encode(), JSON
-            body = json.dumps({"service": name, "ready": gate.ready, "reason": gate.reason})
-            return (200 if gate.ready else 503), body.encode(), JSON
+                answer = ready_format.ReadyAnswer(name, False, "starting: no tick yet")
+            else:
+                answer = ready_format.ReadyAnswer(name, gate.ready, gate.reason)
+            return answer.status, ready_format.encode(answer), ready_format.CONTENT_TYPE
         if path == "/":
             links = b"<html><body><a href='/metrics'>/metrics</a> <a href='/healthz'>/healthz</a></body></html>"
             return 200, links, "text/html"
         return 404, b"not found\n", "text/plain"
-
-
-JSON = "application/json"
 
 
 class _ListenerCollector:
