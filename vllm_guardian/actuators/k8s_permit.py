@@ -1,4 +1,4 @@
-"""Actuator: the fleet permit's Kubernetes edge (Lease objects, the PDB, the Eviction API).
+"""Actuator: the fleet permit's Kubernetes edge (Lease objects and the PDB).
 
 Where it sits: the act stage, only when ``fleet.permit`` is ``lease`` (the daemon never imports
 this module otherwise; lightkube comes with the ``k8s`` extra). It reads the
