@@ -80,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--url", help="the vLLM server's base URL, e.g. http://127.0.0.1:8000")
     ap.add_argument("--profile", help="a YAML load profile (docs/loadtest.md)")
     # Elsewhere -c is the guardian's config; here it was the profile. Kept, with a warning.
-    ap.add_argument("-c", "--config", dest="config_alias", help="deprecated: use --profile")
+    ap.add_argument(
+        "-c", "--config", dest="config_alias", metavar="PROFILE", help="deprecated: use --profile"
+    )
     ap.add_argument("--model", help="the model name to request (default: the server's first)")
     g = ap.add_argument_group("load shape (flags override the profile)")
     g.add_argument(
