@@ -28,7 +28,10 @@ from xml.sax.saxutils import escape
 
 from vllm_guardian.recorder import read_records
 
-Point = tuple[float, float]  # (seconds since the timeline's start, value)
+# (seconds since the timeline's start, value); a NaN value is a tick without a reading (vLLM
+# down, a counter reset): the line breaks there instead of bridging the gap.
+Point = tuple[float, float]
+GAP_VALUE = math.nan
 
 # At most this many points per series: a line a pixel or two apart is all the width shows.
 MAX_POINTS = 480
@@ -119,8 +122,18 @@ def _rate(prev: tuple[float, float | None] | None, now: tuple[float, float | Non
 
 
 def _thin(points: list[Point]) -> tuple[Point, ...]:
+    """At most about MAX_POINTS readings, every gap kept; runs of gaps count as one."""
     step = max(1, math.ceil(len(points) / MAX_POINTS))
-    return tuple(points[::step])
+    out: list[Point] = []
+    for i, (t, v) in enumerate(points):
+        if math.isnan(v):
+            if out and not math.isnan(out[-1][1]):
+                out.append((t, v))
+        elif i % step == 0:
+            out.append((t, v))
+    while out and math.isnan(out[-1][1]):
+        out.pop()
+    return tuple(out)
 
 
 def timeline(
@@ -156,18 +169,16 @@ def timeline(
             fin = (t, _engine_sum(svc, "requests_finished_total"))
             fail = (t, _engine_sum(svc, "requests_failed_total"))
             r_fin, r_fail = _rate(prev_fin, fin), _rate(prev_fail, fail)
-            if r_fin is not None:
-                served.append((x, max(0.0, r_fin - (r_fail or 0.0))))
-            if r_fail is not None:
-                failed.append((x, r_fail))
+            served.append((x, GAP_VALUE if r_fin is None else max(0.0, r_fin - (r_fail or 0.0))))
+            failed.append((x, GAP_VALUE if r_fail is None else r_fail))
             prev_fin, prev_fail = fin, fail
             gate = svc.get("gate")
-            if isinstance(gate, Mapping) and (q := _num(gate.get("queued"))) is not None:
-                held.append((x, q))
-            if (k := _engine_max(svc, "kv_cache_usage_ratio")) is not None:
-                kv.append((x, k))
-        if (g := _gpu_free(snap)) is not None:
-            free.append((x, g))
+            q = _num(gate.get("queued")) if isinstance(gate, Mapping) else None
+            held.append((x, GAP_VALUE if q is None else q))
+            k = _engine_max(svc, "kv_cache_usage_ratio")
+            kv.append((x, GAP_VALUE if k is None else k))
+        g = _gpu_free(snap)
+        free.append((x, GAP_VALUE if g is None else g))
     alerts, phases = (
         tuple(s for s in spans if s.end_seconds is None or s.end_seconds >= 0)
         for spans in _spans(evs, service, start)
@@ -258,7 +269,8 @@ def _spans(
 # --- drawing --------------------------------------------------------------------------------
 
 WIDTH = 960
-LEFT = 150  # room for the band's name and its scale
+LEFT = 230  # room for the scales and the alerts' names
+TITLE = 20  # the row above each band: its name and legend
 RIGHT = 20
 PLOT = WIDTH - LEFT - RIGHT
 BAND = 70  # height of a value band
@@ -291,6 +303,10 @@ def _label(v: float, unit: str) -> str:
     return f"{v:.3g}"
 
 
+def _has_data(points: Sequence[Point]) -> bool:
+    return any(not math.isnan(v) for _, v in points)
+
+
 def _polyline(
     points: Sequence[Point],
     x: Callable[[float], float],
@@ -298,10 +314,17 @@ def _polyline(
     colour: str,
     sid: str,
 ) -> str:
-    coords = " ".join(f"{_f(x(t))},{_f(y(v))}" for t, v in points)
+    parts: list[str] = []
+    move = True
+    for t, v in points:
+        if math.isnan(v):
+            move = True
+            continue
+        parts.append(f"{'M' if move else 'L'}{_f(x(t))},{_f(y(v))}")
+        move = False
     return (
-        f'<polyline id="series-{sid}" class="series" fill="none" stroke="{colour}" '
-        f'stroke-width="1.5" points="{coords}"/>'
+        f'<path id="series-{sid}" class="series" fill="none" stroke="{colour}" '
+        f'stroke-width="1.5" d="{" ".join(parts)}"/>'
     )
 
 
@@ -313,7 +336,14 @@ def render(tl: Timeline) -> str:
         return LEFT + PLOT * min(max(t, 0.0), span) / span
 
     body: list[str] = []
-    top = 44
+    top = 34
+    # Each action's whole span, shaded behind the value bands: what the guardian did lines up
+    # with what clients saw.
+    actions: dict[str, tuple[float, float]] = {}
+    for p in tl.phases:
+        end = p.end_seconds if p.end_seconds is not None else span
+        a, b = actions.get(p.detail, (p.start_seconds, end))
+        actions[p.detail] = (min(a, p.start_seconds), max(b, end))
     bands: list[tuple[str, str, list[tuple[str, str, Sequence[Point]]], float | None]] = [
         (
             "requests / s",
@@ -325,45 +355,49 @@ def render(tl: Timeline) -> str:
             None,
         ),
         ("held at the front door", "", [("held", "held", tl.held)], None),
-        ("KV-cache usage", "%", [("kv", "kv", tl.kv_usage_ratio)], 1.0),
-        ("free GPU memory", "GiB", [("gpu", "gpu", tl.gpu_free_bytes)], None),
+        ("KV-cache usage", "%", [("busiest engine", "kv", tl.kv_usage_ratio)], 1.0),
+        ("free GPU memory", "GiB", [("all GPUs", "gpu", tl.gpu_free_bytes)], None),
     ]
     for title, unit, series, fixed_max in bands:
-        values = [v for _, _, pts in series for _, v in pts]
+        values = [v for _, _, pts in series for _, v in pts if not math.isnan(v)]
         high = fixed_max if fixed_max is not None else max(values, default=0.0)
         high = high if high > 0 else 1.0
-        y0, y1 = top + BAND, top
+        y1 = top + TITLE
+        y0 = y1 + BAND
 
         def y(v: float, y0: float = y0, y1: float = y1, high: float = high) -> float:
             return y0 - (y0 - y1) * min(max(v, 0.0), high) / high
 
         body.append(f'<g class="band" id="band-{series[0][1]}">')
-        body.append(f'<text x="8" y="{top + 14}" class="title">{escape(title)}</text>')
-        legend_y = top + 30
-        for name, sid, pts in series:
+        legend = "".join(
+            f'<tspan dx="14" fill="{COLOURS[sid]}">— {name}{"" if _has_data(pts) else " (no data)"}</tspan>'
+            for name, sid, pts in series
+        )
+        body.append(
+            f'<text x="8" y="{top + 14}"><tspan class="title">{escape(title)}</tspan>{legend}</text>'
+        )
+        body.append(f'<rect x="{LEFT}" y="{y1}" width="{PLOT}" height="{BAND}" class="frame"/>')
+        for a, b in actions.values():
             body.append(
-                f'<text x="8" y="{legend_y}" fill="{COLOURS[sid]}">— {name}'
-                f"{'' if pts else ' (no data)'}</text>"
+                f'<rect class="shade" x="{_f(x(a))}" y="{y1}" width="{_f(max(1.0, x(b) - x(a)))}" '
+                f'height="{BAND}"/>'
             )
-            legend_y += 14
         body.append(f'<text x="{LEFT - 6}" y="{y1 + 10}" class="scale">{_label(high, unit)}</text>')
         body.append(f'<text x="{LEFT - 6}" y="{y0}" class="scale">{_label(0.0, unit)}</text>')
-        body.append(f'<rect x="{LEFT}" y="{y1}" width="{PLOT}" height="{BAND}" class="frame"/>')
         for _, sid, pts in series:
-            if pts:
+            if _has_data(pts):
                 body.append(_polyline(pts, x, y, COLOURS[sid], sid))
         body.append("</g>")
-        top += BAND + GAP
+        top = y0 + GAP
     for kind, spans, colour in (
         ("alert", tl.alerts, COLOURS["alert"]),
         ("phase", tl.phases, COLOURS["phase"]),
     ):
-        title = "alerts firing" if kind == "alert" else "the guardian's action"
+        title = "alerts firing" if kind == "alert" else "the guardian's actions, phase by phase"
         body.append(f'<g class="lanes" id="lanes-{kind}">')
-        body.append(f'<text x="8" y="{top + 12}" class="title">{title}</text>')
-        if not spans:
-            body.append(f'<text x="{LEFT}" y="{top + 12}" class="none">none</text>')
-            top += LANE + GAP
+        note = "" if spans else '<tspan dx="14" class="none">none</tspan>'
+        body.append(f'<text x="8" y="{top + 14}"><tspan class="title">{title}</tspan>{note}</text>')
+        top += TITLE
         # One lane per distinct label: a phase entered twice stays on its row.
         rows = list(dict.fromkeys(s.label for s in spans))
         for s in spans:
@@ -380,8 +414,7 @@ def render(tl: Timeline) -> str:
         for row, label in enumerate(rows):
             yy = top + row * (LANE + 2)
             body.append(f'<text x="{LEFT - 6}" y="{yy + 12}" class="scale">{escape(label)}</text>')
-        if spans:
-            top += len(rows) * (LANE + 2) + GAP
+        top += len(rows) * (LANE + 2) + GAP
         body.append("</g>")
     # The time axis: ticks at round seconds, labelled from the start.
     step = next(
@@ -407,7 +440,8 @@ def render(tl: Timeline) -> str:
             f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="11">',
             "<style>.title{font-weight:bold}.scale{text-anchor:end;fill:#555}"
             ".tick{text-anchor:middle;fill:#555}.none{fill:#888}"
-            ".frame{fill:none;stroke:#ccc}.axis line{stroke:#555}</style>",
+            ".frame{fill:none;stroke:#ccc}.shade{fill:#56B4E9;fill-opacity:0.15}"
+            ".axis line{stroke:#555}</style>",
             f'<rect width="{WIDTH}" height="{height}" fill="white"/>',
             f'<text x="8" y="22" font-size="14" class="title">{escape(heading)}</text>',
             *body,
