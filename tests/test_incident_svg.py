@@ -205,7 +205,10 @@ def test_the_bundle_draws_it_at_capture_and_again_with_every_phase_at_the_end(
     assert "preparing action #1: +25 s to still going" in first
     history += [_snapshot(i, row) for i, row in enumerate(ROWS) if i >= 26]
     events += [e for i in range(26, len(ROWS)) for e in _events(i)]
-    writer.redraw(path, "vllm")
+    drawing = writer.redraw(path, "vllm")  # off the tick: in a thread of its own
+    assert drawing is not None
+    drawing.join(timeout=60)
+    assert not drawing.is_alive(), "the picture was not drawn again within 60 s"
     assert "awaiting_ready action #1: +31 s to +40 s" in (path / PICTURE).read_text()
     notes = analyze(read_bundle(path), "bundle").notes
     assert f"the incident's timeline as a picture: {path / PICTURE} (open it in a browser)" in notes

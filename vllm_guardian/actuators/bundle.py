@@ -18,6 +18,7 @@ import contextlib
 import datetime as dt
 import json
 import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -163,22 +164,41 @@ class BundleWriter:
         self._prune()
         return path
 
-    def redraw(self, path: Path, service: str) -> None:
+    def redraw(self, path: Path, service: str) -> threading.Thread | None:
         """Draw the bundle's picture again when its action ends (called by ``healing.py`` on
-        the action's result): at capture the action had only begun; now every phase shows."""
+        the action's result, in the tick): at capture the action had only begun; now every
+        phase shows. The history and events are taken now; the drawing (tens of milliseconds
+        for 300 ticks on a busy host) runs in a thread of its own, returned, so the tick does
+        not wait for it."""
         try:
             _, history = self.context(service)
+            events = list(self.events()) if self.events is not None else []
         except Exception:  # the tick calls this: nothing here may stop it
             log.exception("incident picture for %s: no history", path)
-            return
-        if path.is_dir():
-            self.draw(path, service, history[-300:])
+            return None
+        if not path.is_dir():
+            return None
+        t = threading.Thread(
+            target=self.draw,
+            args=(path, service, history[-300:], events),
+            name="incident-picture",
+            daemon=True,
+        )
+        t.start()
+        return t
 
-    def draw(self, path: Path, service: str, history: Sequence[Snapshot]) -> None:
-        """Write ``incident.svg``; an error drawing it is written beside it and logged, and
-        never costs the rest of the bundle."""
+    def draw(
+        self,
+        path: Path,
+        service: str,
+        history: Sequence[Snapshot],
+        events: Sequence[Mapping[str, Any]] | None = None,
+    ) -> None:
+        """Write ``incident.svg`` (``events``: default the writer's own); an error drawing it is
+        written beside it and logged, and never costs the rest of the bundle."""
         try:
-            events = list(self.events()) if self.events is not None else []
+            if events is None:
+                events = list(self.events()) if self.events is not None else []
             tl = incident_svg.timeline([to_jsonable(s) for s in history], events, service)
             tmp = path / (PICTURE + ".tmp")
             tmp.write_text(incident_svg.render(tl))
