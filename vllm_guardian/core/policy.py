@@ -243,8 +243,8 @@ class Withheld(StrEnum):
 @dataclass(frozen=True)
 class Decision:
     """One line of the audit log: what was decided, why, on what evidence. Code reads the
-    fields (``what``, ``action_kind``, ``withheld``, ``cause``, ``phase``), never ``reason``,
-    which is written for a person."""
+    fields (``what``, ``action_kind``, ``phase``, ``ok``, ``withheld``, ``cause``), never
+    ``reason``, which is written for a person."""
 
     time_seconds: float
     service: str
@@ -259,9 +259,8 @@ class Decision:
     # guardian run no longer knows).
     action_kind: ActionKind | None = None
     withheld: Withheld | None = None  # for SUPPRESSED decisions: why nothing was done
-    ok: bool | None = (
-        None  # an action ended (RESULT, or the LATCH of one failed for good): did it work
-    )
+    # An action ended (its RESULT, or the LATCH of one that failed for good): did it work.
+    ok: bool | None = None
 
 
 @dataclass(frozen=True)
