@@ -70,11 +70,13 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from vllm_guardian.actuators import audit  # noqa: E402
 from vllm_guardian.actuators import flags as flagsfile  # noqa: E402
 from vllm_guardian.actuators.alerts import default_rules_text  # noqa: E402
 from vllm_guardian.actuators.procmgr import Supervisor  # noqa: E402
 from vllm_guardian.config import GateConfig, PolicyConfig, SignalsConfig, parse_config  # noqa: E402
 from vllm_guardian.core.alerting import parse_rules  # noqa: E402
+from vllm_guardian.core.policy import DecisionKind  # noqa: E402
 from vllm_guardian.daemon import Guardian  # noqa: E402
 from vllm_guardian.demo import free_port  # noqa: E402
 from vllm_guardian.sim.load import (  # noqa: E402
@@ -385,16 +387,13 @@ def stop_gate(gate: subprocess.Popen[bytes]) -> None:
 
 
 def audited_actions(workdir: Path) -> list[tuple[float, str, str | None]]:
-    """The guardian's actions from its audit log: (time, the reason's first clause, cause)."""
-    audit = workdir / "state" / "audit.jsonl"
-    if not audit.exists():
-        return []
-    out = []
-    for line in audit.read_text().splitlines():
-        d = json.loads(line)
-        if d.get("what") == "action":
-            out.append((float(d["time_seconds"]), d["reason"].split(";")[0], d.get("cause")))
-    return out
+    """The guardian's actions from its audit log: (time, the reason's first clause as the
+    results table shows it, cause)."""
+    return [
+        (d.time_seconds, d.reason.split(";")[0], d.cause.value if d.cause else None)
+        for d in audit.read(workdir / "state" / "audit.jsonl")
+        if d.what is DecisionKind.ACTION
+    ]
 
 
 def wait_healthy(url: str, limit_seconds: float = 180.0) -> None:

@@ -7,9 +7,7 @@ does (paths, JSON bodies, ``Status`` objects, codes):
   ``metadata.resourceVersion`` as a precondition (409 Conflict when stale); every write bumps
   one global resourceVersion, as etcd's revision does;
 * PodDisruptionBudgets (policy/v1): GET, with ``status`` computed from the pods' readiness the
-  way the disruption controller does (``disruptionsAllowed = currentHealthy - desiredHealthy``);
-* the Eviction subresource (POST pods/<name>/eviction): 429 TooManyRequests when the PDB allows
-  no disruption, else 201 and the pod is gone.
+  way the disruption controller does (``disruptionsAllowed = currentHealthy - desiredHealthy``).
 
 Not a Kubernetes: no auth, no watch, no admission, one namespace's worth of objects.
 """
@@ -28,7 +26,6 @@ from typing import Any
 
 LEASES = re.compile(r"^/apis/coordination\.k8s\.io/v1/namespaces/([^/]+)/leases(?:/([^/?]+))?$")
 PDB = re.compile(r"^/apis/policy/v1/namespaces/([^/]+)/poddisruptionbudgets/([^/?]+)$")
-EVICTION = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)/eviction$")
 
 
 def status(code: int, reason: str, message: str, **details: Any) -> dict[str, Any]:
@@ -113,8 +110,6 @@ class FakeCluster:
                     404, "NotFound", f'poddisruptionbudgets.policy "{m.group(2)}" not found'
                 )
             return 200, self.pdb_object(m.group(2))
-        if (m := EVICTION.match(path)) and method == "POST":
-            return self._evict(m.group(2))
         return 404, status(404, "NotFound", "the server could not find the requested resource")
 
     def _lease(
@@ -166,28 +161,6 @@ class FakeCluster:
             self.holders.append(obj.get("spec", {}).get("holderIdentity"))
             return 200, copy.deepcopy(obj)
         return 405, status(405, "MethodNotAllowed", f"{method} is not supported")
-
-    def _evict(self, pod: str) -> tuple[int, dict[str, Any]]:
-        for name, p in self.pdbs.items():
-            if pod in p["pods"]:
-                obj = self.pdb_object(name)
-                if obj["status"]["disruptionsAllowed"] < 1:
-                    return 429, status(
-                        429,
-                        "TooManyRequests",
-                        "Cannot evict pod as it would violate the pod's disruption budget.",
-                        causes=[
-                            {
-                                "reason": "DisruptionBudget",
-                                "message": f"The disruption budget {name} needs "
-                                f"{obj['status']['desiredHealthy']} healthy pods and has "
-                                f"{obj['status']['currentHealthy']} currently",
-                            }
-                        ],
-                    )
-                del p["pods"][pod]
-                return 201, status(201, "", "", name=pod, kind="pods") | {"status": "Success"}
-        return 404, status(404, "NotFound", f'pods "{pod}" not found')
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import wait_for
 from vllm_guardian.actuators import flags as flagsfile
 from vllm_guardian.actuators.executor import OpRunner
 from vllm_guardian.actuators.procmgr import Supervisor
@@ -128,15 +129,6 @@ CHILD = textwrap.dedent(
 )
 
 
-def wait_until(check, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError("timed out")
-
-
 @pytest.fixture
 def child(tmp_path: Path) -> Path:
     path = tmp_path / "child.py"
@@ -157,7 +149,7 @@ def test_supervisor_applies_the_flags_file_and_restarts_on_demand(tmp_path: Path
     )
     try:
         sup.start()
-        wait_until(lambda: sup.pid is not None and "argv" in log.read_text())
+        wait_for(lambda: sup.pid is not None and "argv" in log.read_text(), "the stub started")
         first = sup.pid
         flagsfile.write(
             flags_path,
@@ -168,7 +160,7 @@ def test_supervisor_applies_the_flags_file_and_restarts_on_demand(tmp_path: Path
         )
         ok, terminal, detail = sup.restart()
         assert ok and not terminal, detail
-        wait_until(lambda: "--max-num-seqs', '96'" in log.read_text())
+        wait_for(lambda: "--max-num-seqs', '96'" in log.read_text(), "the new flags in use")
         assert sup.pid != first
         text = log.read_text()
         assert "draining" in text  # SIGTERM first: vLLM drains on it
@@ -188,7 +180,7 @@ def test_supervisor_restarts_a_process_that_exits_zero(tmp_path: Path, child: Pa
     )
     try:
         sup.start()
-        wait_until(lambda: sup.starts >= 3)
+        wait_for(lambda: sup.starts >= 3, "three starts")
         assert sup.exits[:2] == [0, 0]  # Restart=always: exit 0 after engine death is not "done"
     finally:
         sup.stop()
@@ -228,17 +220,19 @@ def test_a_restart_kills_a_vllm_that_ignores_sigterm_after_the_stop_timeout(
     got: list[tuple[bool, bool, str]] = []
     try:
         sup.start()
-        wait_until(lambda: sup.pid is not None and "started" in log.read_text(), timeout=60)
+        wait_for(lambda: sup.pid is not None and "started" in log.read_text(), "the stub started")
         first = sup.pid
         # What the executor passes: the action's drain + ready timeouts, far past the stop's.
         t = threading.Thread(target=lambda: got.append(sup.restart(timeout_seconds=1020.0)))
         t.start()
-        wait_until(lambda: bool(got), timeout=120)  # generous: the stop timeout is 0.5 s
+        wait_for(
+            lambda: bool(got), "the stop", timeout_seconds=120
+        )  # generous: the stop timeout is 0.5 s
         ok, terminal, detail = got[0]
         assert ok and not terminal, detail
         second = sup.pid
         assert second is not None and second != first
-        wait_until(lambda: f"started {second}" in log.read_text(), timeout=60)
+        wait_for(lambda: f"started {second}" in log.read_text(), "the second start")
         lines = log.read_text().splitlines()
         # The order of events: the first started, ignored SIGTERM, then the second started.
         assert lines.index(f"started {first}") < lines.index(f"ignored SIGTERM {first}")
@@ -270,7 +264,7 @@ def test_a_broken_flags_file_never_stops_supervision(tmp_path: Path, child: Path
     )
     try:
         sup.start()
-        wait_until(lambda: sup.starts >= 3, timeout=60)
+        wait_for(lambda: sup.starts >= 3, "three starts")
         assert log.read_text().count("argv ['exit0']") >= 2, log.read_text()
         ok, terminal, detail = sup.restart(timeout_seconds=5)
         assert ok and not terminal, detail
@@ -295,10 +289,13 @@ def test_supervisor_on_failure_leaves_a_clean_exit_down(
     try:
         sup.start()
         if restarted:
-            wait_until(lambda: sup.starts >= 2)
+            wait_for(lambda: sup.starts >= 2, "two starts")
             assert sup.exits[0] == 1 and sup.wants_running
         else:
-            wait_until(lambda: sup.exits == [0] and not sup.wants_running)
+            wait_for(
+                lambda: sup.exits == [0] and not sup.wants_running,
+                "one exit with 0, and no restart wanted",
+            )
             assert sup.starts == 1
     finally:
         sup.stop()
@@ -353,17 +350,17 @@ def test_a_command_that_exits_at_once_is_restarted_with_backoff(tmp_path: Path) 
     )
     try:
         sup.start()
-        wait_until(lambda: len(sup.delays) >= 6, timeout=60)
+        wait_for(lambda: len(sup.delays) >= 6, "six restart delays")
         print("delays:", sup.delays)
         assert sup.delays[:6] == [0.02, 0.04, 0.08, 0.16, 0.16, 0.16]
         stay.touch()  # the next run stays up...
-        wait_until(lambda: sup.pid is not None and sup.starts >= 7, timeout=60)
+        wait_for(lambda: sup.pid is not None and sup.starts >= 7, "the seventh start")
         long_run = sup.pid
         before = len(sup.delays)
         clock.advance(121.0)  # ...long enough on the supervisor's clock
         stay.unlink()
         os.kill(long_run, 9)
-        wait_until(lambda: len(sup.delays) >= before + 3, timeout=60)
+        wait_for(lambda: len(sup.delays) >= before + 3, "three more restart delays")
         print("delays:", sup.delays)
         assert sup.delays[before : before + 3] == [0.02, 0.04, 0.08]
     finally:

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from tests.support import wait_for
 from tests.test_gate_support import GateThread
 from vllm_guardian.actuators.audit import AuditLog
 from vllm_guardian.container import container_mode, pod_identity
@@ -78,17 +79,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def wait_for(
-    what: str, check: Callable[[], bool], seen: Callable[[], str], timeout: float = 60
-) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"{what}: not within {timeout:.0f}s; saw:\n{seen()}")
 
 
 class Kubelet:
@@ -170,11 +160,11 @@ def test_the_pod_as_processes(tmp_path: Path) -> None:
 
     try:
         with Kubelet(base) as kubelet:
-            wait_for("liveness 200", lambda: bool(kubelet.liveness) and kubelet.liveness[-1][1] == 200, seen)  # fmt: skip
-            wait_for("readiness 200", lambda: bool(kubelet.readiness) and kubelet.readiness[-1][1] == 200, seen)  # fmt: skip
+            wait_for(lambda: bool(kubelet.liveness) and kubelet.liveness[-1][1] == 200, "liveness 200", seen=seen)  # fmt: skip
+            wait_for(lambda: bool(kubelet.readiness) and kubelet.readiness[-1][1] == 200, "readiness 200", seen=seen)  # fmt: skip
             # vLLM's own log, through the guardian's stdout (`kubectl logs`) and into the file.
-            wait_for("vLLM's log on stdout", lambda: "Starting vLLM server" in out_path.read_text(errors="replace"), seen)  # fmt: skip
-            wait_for("vLLM's log in the file", lambda: log_file.exists() and "Starting vLLM server" in log_file.read_text(errors="replace"), seen)  # fmt: skip
+            wait_for(lambda: "Starting vLLM server" in out_path.read_text(errors="replace"), "vLLM's log on stdout", seen=seen)  # fmt: skip
+            wait_for(lambda: log_file.exists() and "Starting vLLM server" in log_file.read_text(errors="replace"), "vLLM's log in the file", seen=seen)  # fmt: skip
             assert (
                 requests.get(f"http://127.0.0.1:{vllm_port}/health", timeout=5).status_code == 200
             )
@@ -184,11 +174,11 @@ def test_the_pod_as_processes(tmp_path: Path) -> None:
             staged = tmp_path / "config.new"
             staged.write_text(json.dumps(doc))
             os.replace(staged, cfg)
-            wait_for("the changed ConfigMap reloaded", lambda: "config reloaded from" in out_path.read_text(errors="replace"), seen)  # fmt: skip
+            wait_for(lambda: "config reloaded from" in out_path.read_text(errors="replace"), "the changed ConfigMap reloaded", seen=seen)  # fmt: skip
             # The pod is told to stop while a client's stream runs through the gate.
             gate = GateThread(f"http://127.0.0.1:{vllm_port}", guardian=base)
             try:
-                wait_for("the gate is open", lambda: requests.get(f"{gate.url}/health", timeout=2).ok, seen)  # fmt: skip
+                wait_for(lambda: requests.get(f"{gate.url}/health", timeout=2).ok, "the gate is open", seen=seen)  # fmt: skip
                 stop_at, lines = stream_and_sigterm(gate.url, proc, MAX_TOKENS, seen)
                 proc.wait(timeout=60)
                 stopped_in = time.monotonic() - stop_at

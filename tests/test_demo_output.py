@@ -11,11 +11,13 @@ from __future__ import annotations
 import io
 import logging
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from vllm_guardian.core import policy
 from vllm_guardian.demo import DemoReport, _log_to, _Output, alerts_in_flight, summary
 from vllm_guardian.demo_view import (
     AlertShown,
@@ -26,6 +28,7 @@ from vllm_guardian.demo_view import (
     fill_all,
     screen,
 )
+from vllm_guardian.model import ActionKind
 
 T0 = 1_795_700_000.0
 # Reasons as the policy writes them: long, with numbers and units that must stay whole.
@@ -214,14 +217,16 @@ def test_the_summary_counts_as_incidents_only_the_alerts_people_were_told_about(
 
 
 def test_the_summary_fits_80_columns_without_cutting_a_word() -> None:
+    action = policy.Decision(
+        T0, "vllm", policy.DecisionKind.ACTION, LONG_REASON,
+        action_id=1, action_kind=ActionKind.RELAUNCH,
+    )  # fmt: skip
+    result = replace(action, what=policy.DecisionKind.RESULT, reason="relaunch ok: " + LONG_REASON)
     report = DemoReport(
         "noisy_neighbour",
         Path(PATH),
-        actions=[{"what": "action", "action_id": 1, "reason": LONG_REASON}],
-        decisions=[
-            {"what": "action", "action_id": 1, "reason": LONG_REASON},
-            {"what": "result", "action_id": 1, "reason": "relaunch ok: " + LONG_REASON},
-        ],
+        actions=[action],
+        decisions=[action, result],
         requests={"ok": 594, "error": 3},
         gate_url="http://127.0.0.1:41753",
         gate={

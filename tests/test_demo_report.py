@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
+from vllm_guardian.core.policy import Decision, DecisionKind
 from vllm_guardian.demo import kv_gated
+from vllm_guardian.model import ActionKind, Cause
 
-GATE_KV = {"what": "gate", "cause": "concurrency_overcommit", "reason": "KV cache usage 93%"}
+GATE_KV = Decision(
+    0.0, "vllm", DecisionKind.GATE, "KV cache usage 93%", Cause.CONCURRENCY_OVERCOMMIT
+)
 # A pre-emptive relaunch for a growing neighbour closes the front door too (a CRITICAL gate
 # decision): that is not KV pressure (the noisy_neighbour demo said "for KV pressure: yes").
-GATE_FORECAST = {"what": "gate", "cause": "gpu_memory_overcommit", "reason": "CRITICAL: forecast"}
-ACTION = {"what": "action", "cause": "gpu_memory_overcommit", "reason": "relaunch"}
+GATE_FORECAST = Decision(
+    0.0, "vllm", DecisionKind.GATE, "CRITICAL: forecast", Cause.GPU_MEMORY_OVERCOMMIT
+)
+ACTION = Decision(
+    0.0, "vllm", DecisionKind.ACTION, "relaunch", Cause.GPU_MEMORY_OVERCOMMIT,
+    action_id=1, action_kind=ActionKind.RELAUNCH,
+)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -26,6 +33,6 @@ ACTION = {"what": "action", "cause": "gpu_memory_overcommit", "reason": "relaunc
     ids=["nothing", "kv", "forecast only", "both"],
 )
 def test_the_summary_says_kv_gating_only_for_kv_pressure(
-    audit: list[dict[str, Any]], expected: bool
+    audit: list[Decision], expected: bool
 ) -> None:
     assert kv_gated(audit) is expected

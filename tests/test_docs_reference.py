@@ -1,16 +1,18 @@
 """The reference pages list what the code exports: every metric the guardian and the gate
 export, every shipped alert rule (the guardian's own and the Prometheus rules) can be found by
-grepping ``docs/metrics.md`` for its full name, and the README points at it.
+grepping ``docs/metrics.md`` for its full name, with the labels the code gives it, and the
+README points at it.
 
-The guardian's families depend on what was observed, so its names are read from the source of
-``exposition.py`` (the family constructors, ``_Families.add`` calls and the ``*_GAUGES``
-tables); the gate registers all of its families when it starts, so its names come from a live
-registry.
+The guardian's families are rows of ``metric_catalogue.py``; ``exposition.py`` renders each by
+name, and every name it renders must have a row (else a scrape fails at run time) and every row
+a use (else the table lies). The gate registers all of its families when it starts, so its
+names come from a live registry.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -18,49 +20,60 @@ import yaml
 
 from vllm_guardian import exposition
 from vllm_guardian.gate.metrics import GateMetrics
+from vllm_guardian.metric_catalogue import CATALOGUE, MetricSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 METRICS_PAGE = ROOT / "docs" / "metrics.md"
-COUNTERS = {"CounterMetricFamily", "Counter"}
 
 
-def _literal_name(node: ast.expr, ns: str) -> str | None:
-    """``f"{NS}_name"`` or ``"name"`` as the full metric name, else None."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return node.value
-    if (
-        isinstance(node, ast.JoinedStr)
-        and len(node.values) == 2
-        and isinstance(node.values[1], ast.Constant)
-        and isinstance(node.values[1].value, str)
-    ):
-        return ns + node.values[1].value
-    return None
-
-
-def guardian_metric_names() -> set[str]:
+def names_rendered_by_exposition() -> set[str]:
+    """The catalogue names ``exposition.py`` renders: ``catalogue.gauge/counter("x")``,
+    ``_Families.add("x", ...)`` and the ``*_GAUGES`` tables' first column."""
     tree = ast.parse(Path(exposition.__file__).read_text())
-    ns = exposition.NS
     names: set[str] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and node.args:
-            func = node.func
-            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-            if called in {"GaugeMetricFamily", *COUNTERS}:
-                name = _literal_name(node.args[0], ns)
-                if name is not None:
-                    names.add(name + ("_total" if called in COUNTERS else ""))
-            elif called == "add" and len(node.args) >= 2:
-                first, doc = node.args[0], node.args[1]
-                if isinstance(first, ast.Constant) and isinstance(doc, ast.Constant):
-                    names.add(f"{ns}_{first.value}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
+            first = node.args[0]
+            if node.func.attr in {"gauge", "counter", "add"} and isinstance(first, ast.Constant):
+                names.add(str(first.value))
         target = node.target if isinstance(node, ast.AnnAssign) else None
         if isinstance(target, ast.Name) and target.id.endswith("_GAUGES"):
             assert isinstance(node, ast.AnnAssign) and isinstance(node.value, ast.Tuple)
             for row in node.value.elts:
                 assert isinstance(row, ast.Tuple) and isinstance(row.elts[0], ast.Constant)
-                names.add(f"{ns}_{row.elts[0].value}")
+                names.add(str(row.elts[0].value))
     return names
+
+
+def guardian_metric_names() -> set[str]:
+    return {m.full_name for m in CATALOGUE}
+
+
+def test_exposition_renders_exactly_the_catalogue() -> None:
+    rendered = names_rendered_by_exposition()
+    table = {m.name for m in CATALOGUE}
+    assert sorted(rendered - table) == [], "rendered without a row in metric_catalogue.py"
+    assert sorted(table - rendered) == [], "rows of metric_catalogue.py nothing renders"
+    assert len(CATALOGUE) == len(table), "a name with two rows"
+
+
+def _page_rows() -> dict[str, str]:
+    """Each full metric name on the page → its row's labels cell."""
+    rows: dict[str, str] = {}
+    for line in METRICS_PAGE.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[0].startswith("`"):
+            for name in re.findall(r"`([a-z_:]+)`", cells[0]):
+                rows.setdefault(name, cells[1])
+    return rows
+
+
+@pytest.mark.parametrize("m", CATALOGUE, ids=[m.name for m in CATALOGUE])
+def test_the_page_gives_each_guardian_metric_its_labels(m: MetricSpec) -> None:
+    rows = _page_rows()
+    assert m.full_name in rows, f"`{m.full_name}` has no row in docs/metrics.md's table"
+    missing = [label for label in m.labels if not re.search(rf"\b{label}\b", rows[m.full_name])]
+    assert missing == [], f"{m.full_name}: labels {missing} not in its row: {rows[m.full_name]!r}"
 
 
 def gate_metric_names() -> set[str]:
@@ -84,15 +97,16 @@ def prometheus_alert_names() -> set[str]:
 def test_the_extraction_finds_what_is_known_to_be_exported() -> None:
     """Guards the readers above: a refactor of exposition.py that hid names from them would
     otherwise make the page check pass on nothing."""
-    guardian = guardian_metric_names()
+    rendered = names_rendered_by_exposition()
     assert {
-        "vllm_guardian_kv_cache_usage_ratio",  # a *_GAUGES table
-        "vllm_guardian_allocator_fragmentation_ratio",  # the allocator's table
-        "vllm_guardian_vllm_health",  # an _Families.add call
-        "vllm_guardian_ticks_total",  # a counter family
-        "vllm_guardian_alert_inhibited",  # a gauge family
-    } <= guardian
-    assert len(guardian) > 60, sorted(guardian)
+        "kv_cache_usage_ratio",  # a *_GAUGES table
+        "allocator_fragmentation_ratio",  # the allocator's table
+        "vllm_health",  # an _Families.add call
+        "ticks",  # a counter family
+        "alert_inhibited",  # a gauge family
+    } <= rendered
+    assert len(rendered) > 60, sorted(rendered)
+    assert len(_page_rows()) > 60
     assert {"vllm_guardian_gate_open", "vllm_guardian_gate_rejected_total"} <= gate_metric_names()
     assert len(guardian_rule_names()) > 20 and len(prometheus_alert_names()) > 20
 

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,9 @@ except ImportError:
 
 from tests.fake_apiserver import FakeCluster, fake_apiserver
 from tests.test_gate_support import GateThread
+from vllm_guardian.actuators import audit as auditlog
+from vllm_guardian.core.phases import Phase
+from vllm_guardian.core.policy import DecisionKind
 from vllm_guardian.demo import free_port
 from vllm_guardian.sim.load import LoadResult, OutcomeKind, plan_requests, run_load
 from vllm_guardian.sim.scenarios import LoadProfile
@@ -96,11 +100,8 @@ def config(work: Path, vllm_port: int, guardian_port: int, api: str) -> Path:
     return path
 
 
-def audit(work: Path) -> list[dict[str, Any]]:
-    path = work / "state" / "audit.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def audit(work: Path) -> list[auditlog.Record]:
+    return auditlog.read_records(work / "state" / "audit.jsonl")
 
 
 def ready(url: str) -> bool | None:
@@ -244,7 +245,7 @@ def test_three_replicas_restart_one_at_a_time_and_lose_nothing(tmp_path: Path) -
         assert [r.returncode for r in replies] == [0, 0, 0], [r.stdout + r.stderr for r in replies]
 
         def done(work: Path) -> bool:
-            return any(r["what"] == "result" for r in audit(work))
+            return any(r.decision.what is DecisionKind.RESULT for r in audit(work))
 
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and not all(done(w) for _, w, *_ in replicas):
@@ -270,14 +271,20 @@ def test_three_replicas_restart_one_at_a_time_and_lose_nothing(tmp_path: Path) -
     windows = []
     for pod, work, *_ in replicas:
         records = audit(work)
-        assert records and all(r.get("pod") == pod for r in records), records[:3]
-        for r in records:
-            timeline.append((r["time_seconds"], pod, r["what"], r["reason"][:110]))
-        granted = [r["time_seconds"] for r in records if "fleet permit granted" in r["reason"]]
-        ended = [r for r in records if r["what"] == "result"]
-        assert len(granted) == 1 and len(ended) == 1, [r["reason"] for r in records]
-        assert "succeeded" in ended[0]["reason"] or "ok" in ended[0]["reason"], ended[0]
-        windows.append((granted[0], ended[0]["time_seconds"], pod))
+        assert records and all(r.identity.get("pod") == pod for r in records), records[:3]
+        decisions = [r.decision for r in records]
+        for d in decisions:
+            timeline.append((d.time_seconds, pod, d.what.value, d.reason[:110]))
+        # Granted: the action left its wait for a permit and began (preparing).
+        granted = [
+            d.time_seconds
+            for d in decisions
+            if d.what is DecisionKind.PHASE and d.phase is Phase.PREPARING
+        ]
+        ended = [d for d in decisions if d.what is DecisionKind.RESULT]
+        assert len(granted) == 1 and len(ended) == 1, decisions
+        assert ended[0].ok is True, ended[0]
+        windows.append((granted[0], ended[0].time_seconds, pod))
     print("\n".join(f"{t:.2f} {pod:8} {what:10} {why}" for t, pod, what, why in sorted(timeline)))
     # The API server's own history: each holder took the one permit once and gave it back
     # before the next took it (a takeover without a release would be an expired holder).
@@ -297,7 +304,14 @@ def test_three_replicas_restart_one_at_a_time_and_lose_nothing(tmp_path: Path) -
     )
     assert max(s[1] for s in during) == 1, "nobody was ever down: nothing was restarted"
     assert max(s[2] for s in during) <= 1
-    waited = [r for _, w, *_ in replicas for r in audit(w) if "no fleet permit yet" in r["reason"]]
+    # A try refused: a second record of the wait for a permit, for the same action.
+    waits = Counter(
+        (w, r.decision.action_id)
+        for _, w, *_ in replicas
+        for r in audit(w)
+        if r.decision.phase is Phase.AWAITING_PERMIT
+    )
+    waited = [key for key, n in waits.items() if n > 1]
     assert waited, "nobody had to wait: the three did not contend"
     for i, result in results.items():
         sent = [o for o in result.outcomes if o.kind is not OutcomeKind.NOT_SENT]

@@ -14,7 +14,6 @@ import json
 import re
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -31,6 +30,7 @@ from tests.fake_completions import (
     piece,
     tokenize,
 )
+from tests.support import wait_for
 from tests.test_gate_support import LoopThread
 from vllm_guardian.gate.admission import Limits
 from vllm_guardian.gate.continuation import (
@@ -47,15 +47,6 @@ from vllm_guardian.gate.server import Gate, GateSettings
 
 PROMPT = "the quick brown fox jumps"
 KEEPALIVE = b": keep-alive\n\n"
-
-
-def wait_for(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 class GateOn:

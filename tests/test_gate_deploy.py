@@ -22,13 +22,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import requests
 
+from tests.support import wait_for
 from tests.test_gate_support import Stub
 from vllm_guardian.config import ConfigInvalid, GateConfig, GateSourceConfig, parse_config
 from vllm_guardian.exposition import GuardianCollector, Published, make_registry
@@ -43,15 +44,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def wait_for(cond: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def config_text(vllm: str, gate_listen: str, extra: str = "") -> str:

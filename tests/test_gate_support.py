@@ -15,6 +15,7 @@ from aiohttp import web
 from vllm_guardian.gate.admission import Limits
 from vllm_guardian.gate.proxy import ProxySettings
 from vllm_guardian.gate.server import Gate, GateSettings
+from vllm_guardian.ready_format import ReadyAnswer, encode
 
 T = TypeVar("T")
 
@@ -165,12 +166,10 @@ class Stub:
                 return web.Response(status=404)
             return web.Response(text=self.metrics_text, content_type="text/plain")
         if path == "/ready/vllm":
-            body = {
-                "service": "vllm",
-                "ready": self.ready,
-                "reason": "open" if self.ready else "draining",
-            }
-            return web.json_response(body, status=200 if self.ready else 503)
+            answer = ReadyAnswer("vllm", self.ready, "open" if self.ready else "draining")
+            return web.Response(
+                body=encode(answer), status=answer.status, content_type="application/json"
+            )
         self.active += 1
         try:
             return await self._work(request, path)

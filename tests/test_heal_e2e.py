@@ -15,25 +15,28 @@ from pathlib import Path
 
 import pytest
 
+from vllm_guardian.actuators import audit
+from vllm_guardian.core.policy import Decision, DecisionKind
 from vllm_guardian.demo import DemoOptions, DemoReport, run_demo
+from vllm_guardian.model import ActionKind, Cause
 
 pytestmark = pytest.mark.slow
 
 
-def actions(r: DemoReport, kind: str | None = None) -> list[dict]:  # type: ignore[type-arg]
-    return [a for a in r.actions if kind is None or a["reason"].startswith(kind + ":")]
+def actions(r: DemoReport, kind: ActionKind | None = None) -> list[Decision]:
+    return [a for a in r.actions if kind is None or a.action_kind is kind]
 
 
-def results(r: DemoReport) -> list[dict]:  # type: ignore[type-arg]
-    return [d for d in r.decisions if d["what"] == "result"]
+def results(r: DemoReport) -> list[Decision]:
+    return [d for d in r.decisions if d.what is DecisionKind.RESULT]
 
 
 def check_prefill(r: DemoReport) -> None:
-    relaunches = actions(r, "relaunch")
-    assert relaunches and relaunches[0]["cause"] == "prefill_burst"
-    assert "max_num_batched_tokens one rung down to 4096" in relaunches[0]["reason"]
+    relaunches = actions(r, ActionKind.RELAUNCH)
+    assert relaunches and relaunches[0].cause is Cause.PREFILL_BURST
+    assert "max_num_batched_tokens one rung down to 4096" in relaunches[0].reason
     assert any(
-        "--max-num-batched-tokens 4096 --enable-chunked-prefill" in d["reason"] for d in results(r)
+        "--max-num-batched-tokens 4096 --enable-chunked-prefill" in d.reason for d in results(r)
     )
     assert r.requests.get("ok", 0) > 0
     # The demo's default: the load goes through the gate, which holds what arrives while vLLM
@@ -47,18 +50,9 @@ def check_prefill(r: DemoReport) -> None:
 
 
 def check_exit_zero(r: DemoReport) -> None:
-    restarts = actions(r, "restart")
-    assert restarts and restarts[0]["cause"] == "engine_dead"
+    restarts = actions(r, ActionKind.RESTART)
+    assert restarts and restarts[0].cause is Cause.ENGINE_DEAD
     assert 0 in r.twin_exits  # it really died with status 0
-
-
-def audit(workdir: Path) -> list[dict]:  # type: ignore[type-arg]
-    out = []
-    with contextlib.suppress(OSError), (workdir / "state" / "audit.jsonl").open() as fh:
-        for line in fh:
-            with contextlib.suppress(json.JSONDecodeError):
-                out.append(json.loads(line))
-    return out
 
 
 def outcomes(workdir: Path) -> list[str]:
@@ -72,7 +66,7 @@ def outcomes(workdir: Path) -> list[str]:
 
 
 def an_action_ended(workdir: Path) -> bool:
-    return any(d["what"] == "result" for d in audit(workdir))
+    return any(d.what is DecisionKind.RESULT for d in audit.read(workdir / "state" / "audit.jsonl"))
 
 
 def an_action_ended_and_a_request_was_served(workdir: Path) -> bool:
@@ -126,7 +120,7 @@ def test_scenario(
         check(report)
     except AssertionError:
         print(f"bound {bound:g}s; {done.__name__}: {done(tmp_path)}")
-        print("\n".join(f"{d['what']}: {d['reason']}" for d in report.decisions))
+        print("\n".join(f"{d.what}: {d.reason}" for d in report.decisions))
         print(
             "alerts fired:",
             report.alerts_fired,

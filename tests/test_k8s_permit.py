@@ -2,8 +2,7 @@
 
 The fake (tests/fake_apiserver.py) is a real HTTP server on 127.0.0.1 answering as the API
 server does: resourceVersion preconditions and 409s, 404s for missing Leases, the PDB's status
-from its pods' readiness, 429 from the Eviction API on a spent budget. Nothing here has run
-against a real cluster.
+from its pods' readiness. Nothing here has run against a real cluster.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ except ImportError:
 
 from tests.fake_apiserver import FakeCluster, fake_apiserver
 from vllm_guardian.actuators.k8s_permit import LeasePermits
-from vllm_guardian.core.permit import PermitWait, WaitStatus, WriteResult, begin
+from vllm_guardian.core.permit import PermitWait, WaitStatus, begin
 
 L0 = "vllm-guardian-llama-0"
 PODS = {"llama-a": True, "llama-b": True, "llama-c": True}
@@ -141,25 +140,12 @@ def test_release_frees_the_permit_for_the_next(cluster: FakeCluster, url: str) -
     assert cluster.holder(L0) == "llama-b"
 
 
-def test_eviction_goes_through_the_pdb(cluster: FakeCluster, url: str) -> None:
-    p = permits(url, "llama-a")
-    cluster.set_ready("llama", "llama-b", False)
-    result, detail = p.evict("llama-a")
-    assert result is WriteResult.EXHAUSTED and "429" in detail and "disruption budget" in detail
-    assert "llama-a" in cluster.pdbs["llama"]["pods"]
-    cluster.set_ready("llama", "llama-b", True)
-    assert p.evict("llama-a") == (WriteResult.OK, "")
-    assert "llama-a" not in cluster.pdbs["llama"]["pods"]
-    assert p.evict("nope")[0] is WriteResult.ERROR
-
-
 def test_an_unreachable_api_server_is_waited_on_never_raised(free_port: int) -> None:
     p = permits(f"http://127.0.0.1:{free_port}", "llama-a")
     now = time.time()
     w = p.try_once(begin(now, 60), now)
     assert w.status is WaitStatus.WAITING and "did not answer" in w.reason
     assert p.release(now) == ()
-    assert p.evict("llama-a")[0] is WriteResult.ERROR
 
 
 def test_three_guardians_one_permit_never_two_disrupted_at_once(

@@ -14,11 +14,15 @@ import json
 from pathlib import Path
 
 from tests.conftest import read_fixture
+from vllm_guardian.actuators import audit
 from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import Config, parse_config
+from vllm_guardian.core.phases import Phase
+from vllm_guardian.core.policy import DecisionKind
 from vllm_guardian.daemon import Guardian
 from vllm_guardian.healing import Healing
 from vllm_guardian.model import (
+    ActionKind,
     HealthProbe,
     HealthState,
     LogEvent,
@@ -152,8 +156,8 @@ def test_replay_of_the_daemons_recording_makes_the_same_decisions_phase_by_phase
     ], phases_seen
     assert [d["what"] for d in live if d["what"] in ("action", "result")] == ["action", "result"]
     result = next(d for d in live if d["what"] == "result")
-    assert "relaunch succeeded" in result["reason"], result
-    assert "--max-num-batched-tokens" in result["reason"]
+    assert result["action_kind"] == "relaunch", result
+    assert "--max-num-batched-tokens" in result["reason"]  # the new flags, said to a person
     assert len(world.restarts) == 1
 
 
@@ -185,14 +189,17 @@ def test_a_guardian_killed_mid_action_finds_the_action_again(tmp_path: Path) -> 
         second.healing.runner.join(30)  # type: ignore[union-attr]
         clock.advance(2)
     second.close()
-    audit = [json.loads(x) for x in (tmp_path / "state" / "audit.jsonl").read_text().splitlines()]
-    started = [d for d in audit if d["what"] == "action"]
-    assert [d["action_id"] for d in started] == [reply["action_id"]], started
-    assert any(
-        d["what"] == "phase" and "guardian restarted during draining" in d["reason"] for d in audit
-    ), audit
-    result = [d for d in audit if d["what"] == "result"]
-    assert len(result) == 1 and "restart succeeded" in result[0]["reason"], result
+    decisions = audit.read(tmp_path / "state" / "audit.jsonl")
+    started = [d for d in decisions if d.what is DecisionKind.ACTION]
+    assert [d.action_id for d in started] == [reply["action_id"]], started
+    # The second guardian goes on where the first stopped: draining again, for the same action.
+    phases = [(d.action_id, d.phase) for d in decisions if d.what is DecisionKind.PHASE]
+    assert phases.count((reply["action_id"], Phase.DRAINING)) == 2, phases
+    result = [d for d in decisions if d.what is DecisionKind.RESULT]
+    assert [(d.action_kind, d.action_id) for d in result] == [
+        (ActionKind.RESTART, reply["action_id"])
+    ], result
+    assert not [d for d in decisions if d.what is DecisionKind.LATCH], decisions
     assert len(world.restarts) == 1
     state = second.healing.state.service("vllm")  # type: ignore[union-attr]
     # Decided once (one "action" record above); an operator's restart does not spend the

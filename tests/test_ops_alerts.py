@@ -28,6 +28,7 @@ import yaml
 from tests import hostneeds
 from tests.conftest import read_fixture
 from tests.httpfixture import Script, serve
+from tests.support import wait_for
 from vllm_guardian.config import PolicyConfig, SignalsConfig
 from vllm_guardian.gate.metrics import GateMetrics
 
@@ -312,19 +313,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            got = check()
-            if got:
-                return got
-        except requests.RequestException:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
 @contextmanager
 def process(cmd: list[str], log: Path, **kw: Any) -> Iterator[subprocess.Popen[bytes]]:
     with log.open("wb") as out:
@@ -410,7 +398,7 @@ def test_prometheus_scrapes_the_guardian_and_an_alert_reaches_alertmanager(tmp_p
             return [a for a in got if a["status"]["state"] == "active"]
 
         t0 = time.monotonic()
-        alerts = wait_for(am_alert, 60, "VllmKvCacheSaturated in Alertmanager")
+        alerts = wait_for(am_alert, "VllmKvCacheSaturated in Alertmanager")
         elapsed = time.monotonic() - t0
         labels = alerts[0]["labels"]
         assert labels["service"] == "vllm" and labels["severity"] == "warning"

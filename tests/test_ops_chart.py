@@ -395,7 +395,6 @@ def test_rbac_is_namespaced_and_minimal(objects: list[dict[str, Any]]) -> None:
         ("coordination.k8s.io", "leases", "create"),
         ("coordination.k8s.io", "leases", "update"),
         ("policy", "poddisruptionbudgets", "get"),
-        ("", "pods/eviction", "create"),
     }
     binding = one(objects, "RoleBinding")
     sa = one(objects, "ServiceAccount")

@@ -11,13 +11,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import requests
 
+from tests.support import wait_for
 from vllm_guardian.actuators.procmgr import Supervisor, process_start_ticks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,18 +48,6 @@ STUB = textwrap.dedent(
     srv.serve_forever()
     """
 )
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except (OSError, requests.RequestException):
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def alive(pid: int) -> bool:
@@ -123,10 +110,10 @@ def started(starts: Path) -> list[int]:
 def test_the_next_guardian_adopts_the_orphan_and_never_starts_a_second(setup) -> None:  # type: ignore[no-untyped-def]
     tmp_path, starts, guardian = setup
     first = guardian()
-    wait_for("the stub to start", lambda: len(started(starts)) == 1)
+    wait_for(lambda: len(started(starts)) == 1, "the stub to start")
     orphan = started(starts)[0]
     pid_file = tmp_path / "state" / "vllm.pid"
-    wait_for("the pid file", lambda: pid_file.read_text().split()[0] == str(orphan))
+    wait_for(lambda: pid_file.read_text().split()[0] == str(orphan), "the pid file")
 
     first.kill()  # kill -9: no chance to stop what it started
     first.wait(timeout=30)
@@ -134,24 +121,24 @@ def test_the_next_guardian_adopts_the_orphan_and_never_starts_a_second(setup) ->
 
     second = guardian()
     log = tmp_path / "guardian1.log"
-    wait_for("the adoption", lambda: f"adopting pid {orphan}" in log.read_text())
+    wait_for(lambda: f"adopting pid {orphan}" in log.read_text(), "the adoption")
     flight = tmp_path / "flight.jsonl"
     records_then = flight.read_text().count("\n")
     # Ten ticks of the second guardian later: still the one stub, no failed bind.
-    wait_for("ten more ticks", lambda: flight.read_text().count("\n") >= records_then + 10)
+    wait_for(lambda: flight.read_text().count("\n") >= records_then + 10, "ten more ticks")
     assert starts.read_text().splitlines() == [f"start {orphan}"], starts.read_text()
     assert alive(orphan) and second.poll() is None
 
     # The adopted process is supervised: when it dies, the guardian starts it again.
     os.kill(orphan, signal.SIGKILL)
-    wait_for("a restart of the dead orphan", lambda: len(started(starts)) == 2)
+    wait_for(lambda: len(started(starts)) == 2, "a restart of the dead orphan")
     new = started(starts)[1]
-    wait_for("the new pid file", lambda: pid_file.read_text().split()[0] == str(new))
+    wait_for(lambda: pid_file.read_text().split()[0] == str(new), "the new pid file")
     assert "fail" not in starts.read_text()
 
     second.send_signal(signal.SIGTERM)
     assert second.wait(timeout=60) == 0
-    wait_for("the stub to be stopped with the guardian", lambda: not alive(new))
+    wait_for(lambda: not alive(new), "the stub to be stopped with the guardian")
     assert not pid_file.exists()
 
 
@@ -178,7 +165,7 @@ def test_a_pid_file_that_does_not_name_our_process_is_not_adopted(
     )
     try:
         sup.start()
-        wait_for("a fresh start", lambda: sup.starts == 1 and sup.pid is not None)
+        wait_for(lambda: sup.starts == 1 and sup.pid is not None, "a fresh start")
         assert sup.adopted is None
         mine = sup.pid
         assert mine is not None

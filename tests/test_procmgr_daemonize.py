@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from vllm_guardian.actuators import audit as auditlog
 from vllm_guardian.actuators.procmgr import Supervisor
+from vllm_guardian.core.policy import DecisionKind, Withheld
 
 DAEMONIZING = textwrap.dedent(
     """
@@ -145,15 +147,16 @@ def test_the_guardian_audits_a_daemonizing_command_with_the_reason(
                 f"audit {audit.read_text() if audit.exists() else '(none)'}"
             )
             time.sleep(0.05)
-        records = [json.loads(line) for line in audit.read_text().splitlines()]
+        records = auditlog.read(audit)
         pid, port = (int(f) for f in marks.read_text().split())
         assert len(records) == 1, records
         (record,) = records
-        assert (record["service"], record["what"]) == ("vllm", "suppressed"), record
-        assert f"the command daemonized: pid {pid} still serves port {port}" in record["reason"]
-        assert (
-            "Not restarting it" in record["reason"] and "fix services[].command" in record["reason"]
-        )
+        assert (record.service, record.what, record.withheld) == (
+            "vllm", DecisionKind.SUPPRESSED, Withheld.DAEMONIZED,
+        ), record  # fmt: skip
+        # What a person reads: the pid, the port and the fix.
+        assert f"the command daemonized: pid {pid} still serves port {port}" in record.reason
+        assert "fix services[].command" in record.reason
     finally:
         healing.close()
 

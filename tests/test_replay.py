@@ -132,7 +132,7 @@ def test_a_new_config_changes_the_outcome(tmp_path: Path):
         "  kv_high_watermark_ratio: 1.0\n  kv_low_watermark_ratio: 0.5\n"
     )
     lines = run_replay(flight, cfg)
-    actions = [line["reason"].split(":")[0] for line in lines if line["what"] == "action"]
+    actions = [line["action_kind"] for line in lines if line["what"] == "action"]
     assert actions == ["restart"]
     gates = [line["what"] for line in lines].count("gate")
     assert gates == 2  # only at exactly 100 % (never at 90 %), held 10 s each time

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,20 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import read_fixture
 from tests.httpfixture import Script, serve
+from tests.support import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def wait_for(check: Callable[[], bool], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.1)
-    raise AssertionError("condition not met in time")
 
 
 def samples(base: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -85,32 +74,46 @@ def guardian(
 def test_exports_what_vllm_said_and_survives_its_failures(guardian):
     proc, base, script, cfg = guardian
     wait_for(
-        lambda: value(base, "vllm_guardian_kv_cache_usage_ratio", service="vllm") == 1.0
+        lambda: value(base, "vllm_guardian_kv_cache_usage_ratio", service="vllm") == 1.0,
+        "KV usage 1.0 (capture 04)",
     )  # capture 04
     assert requests.get(base + "/healthz", timeout=5).status_code == 200
     script.set("/metrics", body=read_fixture("metrics-pressure-07.prom").encode())
     wait_for(
         lambda: (
             value(base, "vllm_guardian_kv_cache_usage_ratio", service="vllm") == 0.9032258064516129
-        )
+        ),
+        "KV usage 0.903 (pressure 07)",
     )
     assert value(base, "vllm_guardian_requests_waiting", service="vllm") == 27.0
     assert value(base, "vllm_guardian_requests_running", service="vllm") == 5.0
-    wait_for(lambda: (value(base, "vllm_guardian_preemptions_per_second", service="vllm") or 0) > 0)
+    wait_for(
+        lambda: (value(base, "vllm_guardian_preemptions_per_second", service="vllm") or 0) > 0,
+        "a preemption rate",
+    )
 
     # Garbage: the source goes down, the guardian keeps serving and does not invent values.
     script.set("/metrics", body=b"<html>502 Bad Gateway</html>", content_type="text/html")
     wait_for(
-        lambda: value(base, "vllm_guardian_source_up", service="vllm", source="vllm_metrics") == 0.0
+        lambda: (
+            value(base, "vllm_guardian_source_up", service="vllm", source="vllm_metrics") == 0.0
+        ),
+        "the vLLM metrics source down",
     )
     assert value(base, "vllm_guardian_requests_waiting", service="vllm") is None
     # The engine dies.
     script.set("/health", status=503)
-    wait_for(lambda: value(base, "vllm_guardian_vllm_health", service="vllm") == 0.0)
+    wait_for(
+        lambda: value(base, "vllm_guardian_vllm_health", service="vllm") == 0.0,
+        "vLLM's health at 0",
+    )
     # It comes back.
     script.set("/health")
     script.set("/metrics", body=read_fixture("metrics-idle.prom").encode())
-    wait_for(lambda: value(base, "vllm_guardian_requests_waiting", service="vllm") == 0.0)
+    wait_for(
+        lambda: value(base, "vllm_guardian_requests_waiting", service="vllm") == 0.0,
+        "no request waiting again",
+    )
     assert value(base, "vllm_guardian_vllm_health", service="vllm") == 1.0
 
     # SIGHUP with a broken config: refused, still running with the old one.
@@ -122,7 +125,8 @@ def test_exports_what_vllm_said_and_survives_its_failures(guardian):
     wait_for(
         lambda: (
             proc.poll() is not None or (value(base, "vllm_guardian_ticks_total") or 0) >= ticks + 2
-        )
+        ),
+        "two ticks after the refused reload",
     )
     assert proc.poll() is None
     assert value(base, "vllm_guardian_requests_waiting", service="vllm") == 0.0
@@ -167,10 +171,16 @@ def test_exports_what_vllm_said_and_survives_its_failures(guardian):
 
 def test_the_server_disappearing_entirely(guardian):
     proc, base, script, _ = guardian
-    wait_for(lambda: value(base, "vllm_guardian_requests_waiting", service="vllm") is not None)
+    wait_for(
+        lambda: value(base, "vllm_guardian_requests_waiting", service="vllm") is not None,
+        "a first scrape",
+    )
     script.routes.clear()  # 404 everywhere
     wait_for(
-        lambda: value(base, "vllm_guardian_source_up", service="vllm", source="vllm_metrics") == 0.0
+        lambda: (
+            value(base, "vllm_guardian_source_up", service="vllm", source="vllm_metrics") == 0.0
+        ),
+        "the vLLM metrics source down",
     )
     assert proc.poll() is None
     assert requests.get(base + "/healthz", timeout=5).status_code == 200
@@ -186,7 +196,10 @@ def test_sighup_with_a_hostile_config_or_a_new_listen_keeps_the_daemon(guardian,
     def logged(text: str) -> int:
         return sum(text in line for line in list(lines))
 
-    wait_for(lambda: value(base, "vllm_guardian_requests_waiting", service="vllm") is not None)
+    wait_for(
+        lambda: value(base, "vllm_guardian_requests_waiting", service="vllm") is not None,
+        "a first scrape",
+    )
     good = cfg.read_text()
     url = good.split("    url: ", 1)[1].split("\n", 1)[0]
     hostile = [
@@ -198,14 +211,17 @@ def test_sighup_with_a_hostile_config_or_a_new_listen_keeps_the_daemon(guardian,
     for n, text in enumerate(hostile, 1):
         cfg.write_text(text)
         proc.send_signal(signal.SIGHUP)
-        wait_for(lambda n=n: logged("reload refused") >= n or proc.poll() is not None, 60)
+        wait_for(
+            lambda n=n: logged("reload refused") >= n or proc.poll() is not None,
+            "the reload refused",
+        )
         assert proc.poll() is None, "".join(lines)
         assert requests.get(base + "/healthz", timeout=5).status_code == 200
     # A new listen address: reported, and the old one keeps serving.
     port = base.rsplit(":", 1)[1]
     cfg.write_text(good.replace(f"127.0.0.1:{port}", f"127.0.0.1:{free_port + 1}"))
     proc.send_signal(signal.SIGHUP)
-    wait_for(lambda: logged("listen changes need a restart") >= 1, timeout=60)
+    wait_for(lambda: logged("listen changes need a restart") >= 1, "the listen change reported")
     assert requests.get(base + "/healthz", timeout=5).status_code == 200
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
@@ -221,7 +237,10 @@ def test_sighup_with_a_config_that_is_not_a_regular_file_keeps_the_daemon(guardi
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")))
     reader.start()
-    wait_for(lambda: value(base, "vllm_guardian_requests_waiting", service="vllm") is not None)
+    wait_for(
+        lambda: value(base, "vllm_guardian_requests_waiting", service="vllm") is not None,
+        "a first scrape",
+    )
     cfg.unlink()
     if kind == "fifo":
         os.mkfifo(cfg)

@@ -251,6 +251,26 @@ def test_the_decision_log_matches_the_golden_file(
     )
 
 
+@pytest.mark.parametrize(("case", "check"), CASES, ids=IDS)
+def test_each_decision_says_in_fields_what_happened(
+    run_of: Callable[[Case], Run], case: Case, check: Callable[[Run], None]
+) -> None:
+    """Code learns what happened from a decision's fields, never its wording: each decision on
+    an action names the action's kind (as the action itself has it), each result whether it
+    worked (as the action's result has it), and each "nothing done" what withheld it."""
+    run = run_of(case)
+    ok = {r.action_id: r.ok for r in run.results}
+    for d in run.decisions:
+        if d.action_id is not None and d.action_id in run.actions:
+            assert d.action_kind is run.actions[d.action_id].kind, d
+        if d.what is DecisionKind.RESULT:
+            assert d.ok is ok[d.action_id], d
+        if d.what is DecisionKind.SUPPRESSED:
+            assert d.withheld is not None, d
+        else:
+            assert d.withheld is None, d
+
+
 def test_a_case_is_deterministic(tmp_path: Path) -> None:
     """The same case twice gives the same log: nothing in the harness reads a real clock or an
     unseeded random source (the twin's request ids are uuids; nothing may depend on them)."""

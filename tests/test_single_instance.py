@@ -11,26 +11,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import read_fixture
 from tests.httpfixture import Script, serve
+from tests.support import wait_for
 from vllm_guardian.instancelock import acquire
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _wait_for(check: Callable[[], bool], what: str, seen: Callable[[], str], bound: float) -> None:
-    deadline = time.monotonic() + bound
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"{what}: not within {bound:.0f}s; seen: {seen()}")
 
 
 def _config(path: Path, url: str, port: int, state: Path, runtime: Path) -> Path:
@@ -80,11 +71,10 @@ def test_a_second_guardian_on_the_same_directories_refuses_to_start(
     second: subprocess.Popen[str] | None = None
     try:
         sock = first_run / "control.sock"
-        _wait_for(
+        wait_for(
             sock.exists,
             "the first guardian's control socket",
-            lambda: f"exit code {first.poll()}",
-            60,
+            seen=lambda: f"exit code {first.poll()}",
         )
         inode = sock.stat().st_ino
         state = first_state if shared in ("both", "state") else tmp_path / "state2"

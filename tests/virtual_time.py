@@ -153,8 +153,8 @@ class Run:
         return out
 
     def golden_rows(self) -> list[dict[str, Any]]:
-        """The typed decision log: no wording, only what was decided, when, why (the cause),
-        on which action, with which flags; plus the alerts that fired and resolved, and why a
+        """The typed decision log: no wording, only what was decided, when, why (the cause;
+        for nothing done, what withheld it), on which action, with which flags; plus the alerts that fired and resolved, and why a
         change was not delivered to the sinks (inhibited: vLLM down because of the guardian)."""
         rows: list[dict[str, Any]] = []
         for t, name, state, inhibited_by in self.alerts:
@@ -169,14 +169,15 @@ class Run:
                 "what": d.what.value,
                 "phase": d.phase.value if d.phase is not None else None,
                 "cause": d.cause.value if d.cause is not None else None,
-                "action": a.kind.value if a is not None else None,
+                "action": d.action_kind.value if d.action_kind is not None else None,
             }
+            if d.what is policy.DecisionKind.SUPPRESSED:
+                row["withheld"] = d.withheld.value if d.withheld is not None else None
             if d.what is policy.DecisionKind.ACTION and a is not None:
                 row["flags"] = [list(f) for f in a.flags]
                 row["env"] = [list(e) for e in a.env]
             if d.what is policy.DecisionKind.RESULT:
-                r = next((r for r in self.results if r.action_id == d.action_id), None)
-                row["ok"] = r.ok if r is not None else None
+                row["ok"] = d.ok
             rows.append(row)
         rows.sort(key=lambda r: r["t"])  # stable: alert transitions before that tick's decisions
         return rows

@@ -42,7 +42,9 @@ from pathlib import Path
 from typing import IO, Any, TextIO
 
 from vllm_guardian import incident_svg
+from vllm_guardian.actuators import audit
 from vllm_guardian.config import Config, PolicyConfig, SignalsConfig, parse_config
+from vllm_guardian.core.policy import Decision, DecisionKind
 from vllm_guardian.daemon import Guardian
 from vllm_guardian.demo_view import (
     AlertShown,
@@ -168,8 +170,8 @@ class DemoReport:
     # Alerts that fired only while the guardian held them back (name: why), never notified.
     alerts_held: dict[str, str] = field(default_factory=dict)
     causes: list[str] = field(default_factory=list)
-    actions: list[dict[str, Any]] = field(default_factory=list)
-    decisions: list[dict[str, Any]] = field(default_factory=list)
+    actions: list[Decision] = field(default_factory=list)  # the ACTION decisions
+    decisions: list[Decision] = field(default_factory=list)  # the whole audit log
     requests: dict[str, int] = field(default_factory=dict)
     twin_starts: int = 0
     twin_exits: list[int] = field(default_factory=list)
@@ -301,15 +303,6 @@ def _count_outcomes(path: Path) -> dict[str, int]:
     return counts
 
 
-def _read_audit(path: Path) -> list[dict[str, Any]]:
-    out = []
-    with contextlib.suppress(OSError), path.open() as fh:
-        for line in fh:
-            with contextlib.suppress(json.JSONDecodeError):
-                out.append(json.loads(line))
-    return out
-
-
 def frame(g: Guardian, opts: DemoOptions, elapsed: float, workdir: Path) -> Frame:
     """The guardian's latest tick, the audit log and the outcomes so far, as the demo shows them."""
     title = (
@@ -368,7 +361,7 @@ def frame(g: Guardian, opts: DemoOptions, elapsed: float, workdir: Path) -> Fram
     return Frame(
         title, now, elapsed, started=True, health=health, status=tuple(status), ready=ready,
         alerts=alerts, gate=gate_state, gate_line=gate_line,
-        decisions=decisions_from(_read_audit(workdir / "state" / "audit.jsonl")),
+        decisions=decisions_from(audit.read(workdir / "state" / "audit.jsonl")),
         requests=_count_outcomes(workdir / "outcomes.jsonl"),
     )  # fmt: skip
 
@@ -529,23 +522,26 @@ def alerts_in_flight(records: Iterable[Mapping[str, Any]]) -> FlightAlerts:
     return FlightAlerts(fired, {k: v for k, v in held.items() if k not in fired}, over)
 
 
-def kv_gated(audit: Sequence[dict[str, Any]]) -> bool:
+def kv_gated(decisions: Sequence[Decision]) -> bool:
     """The guardian closed /ready for KV pressure at least once (not for a forecast's relaunch)."""
     return any(
-        d.get("what") == "gate" and d.get("cause") == Cause.CONCURRENCY_OVERCOMMIT.value
-        for d in audit
+        d.what is DecisionKind.GATE and d.cause is Cause.CONCURRENCY_OVERCOMMIT for d in decisions
     )
 
 
 def _report(g: Guardian, opts: DemoOptions, workdir: Path) -> DemoReport:
     report = DemoReport(opts.scenario, workdir)
-    audit = _read_audit(workdir / "state" / "audit.jsonl")
-    report.decisions = audit
-    report.actions = [d for d in audit if d["what"] == "action"]
+    decisions = audit.read(workdir / "state" / "audit.jsonl")
+    report.decisions = decisions
+    report.actions = [d for d in decisions if d.what is DecisionKind.ACTION]
     report.causes = sorted(
-        {d["cause"] for d in audit if d.get("cause") and d["what"] in ("action", "latch")}
+        {
+            d.cause.value
+            for d in decisions
+            if d.cause is not None and d.what in (DecisionKind.ACTION, DecisionKind.LATCH)
+        }
     )
-    report.gated = kv_gated(audit)
+    report.gated = kv_gated(decisions)
     records: list[Mapping[str, Any]] = []
     for path in sorted((workdir / "state").glob("flight.jsonl*")):
         with contextlib.suppress(OSError), path.open() as fh:
@@ -593,19 +589,17 @@ def summary(report: DemoReport) -> list[str]:
     if report.capacity:
         lines.append(f"At the end, {report.capacity}")
     lines.append("Actions:")
-    results = {d.get("action_id"): d for d in report.decisions if d["what"] == "result"}
+    results = {d.action_id: d for d in report.decisions if d.what is DecisionKind.RESULT}
     for a in report.actions:
-        r = results.get(a.get("action_id"))
+        r = results.get(a.action_id)
         outcome = (
-            r["reason"]
+            r.reason
             if r
             else (
-                "escalated to a person"
-                if a["reason"].startswith(ActionKind.ESCALATE.value)
-                else "no result yet"
+                "escalated to a person" if a.action_kind is ActionKind.ESCALATE else "no result yet"
             )
         )
-        lines.append(f"  #{a.get('action_id')} {a['reason']}")
+        lines.append(f"  #{a.action_id} {a.reason}")
         lines.append(f"      → {outcome}")
     if not report.actions:
         lines.append("  none")

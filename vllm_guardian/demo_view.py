@@ -20,7 +20,9 @@ import textwrap
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import TextIO
+
+from vllm_guardian.core import policy
 
 WIDTH = 80  # into a pipe or a file, as every tool
 # A status line in the event log this often (seconds of the run): a pipe still shows the load
@@ -224,10 +226,5 @@ class EventLog:
         return [f"{clock(r.last.time_seconds)} decision (the same again, {r.count} in all)"]
 
 
-def decisions_from(audit: Sequence[Mapping[str, Any]]) -> tuple[Decision, ...]:
-    return tuple(
-        Decision(
-            float(d.get("time_seconds", 0.0)), str(d.get("what", "?")), str(d.get("reason", ""))
-        )
-        for d in audit
-    )
+def decisions_from(audit: Sequence[policy.Decision]) -> tuple[Decision, ...]:
+    return tuple(Decision(d.time_seconds, d.what.value, d.reason) for d in audit)

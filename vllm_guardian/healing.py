@@ -110,7 +110,6 @@ class Healing:
         self._actions_total: dict[tuple[str, str, str, bool], int] = {}
         self._saved: policy.PolicyState | None = None
         self._started: dict[int, Action] = {}  # actions under way, for their bundles
-        self.saved_ok = True  # the last save worked (the watchdog ping depends on it)
         self.save_error: str | None = None
         self.recent: collections.deque[policy.Decision] = collections.deque(maxlen=20)
         if backends is None:
@@ -224,8 +223,9 @@ class Healing:
     def _audit_daemonized(self, service: str, notice: str) -> None:
         """The supervisor's thread: its command daemonized and it stopped restarting it."""
         decision = policy.Decision(
-            self.clock.time(), service, policy.DecisionKind.SUPPRESSED, notice
-        )
+            self.clock.time(), service, policy.DecisionKind.SUPPRESSED, notice,
+            withheld=policy.Withheld.DAEMONIZED,
+        )  # fmt: skip
         if not self.audit.write([decision]):
             log.error("%s", self.audit.error)
 
@@ -358,16 +358,13 @@ class Healing:
 
     def _save(self) -> None:
         if self.state == self._saved:
-            self.saved_ok = True  # what is on disk is the current state
             self.save_error = None
             return
         try:
             save_state(self.state_path, self.state)
             self._saved = self.state
-            self.saved_ok = True
             self.save_error = None
         except OSError as e:
-            self.saved_ok = False
             self.save_error = f"cannot save the policy state to {self.state_path}: {e}"
             log.error("%s", self.save_error)
 

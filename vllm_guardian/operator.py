@@ -160,8 +160,7 @@ def follow(path: Path, service: str, action_id: int, timeout_seconds: float) -> 
         shown = len(decisions)
         ended = [d for d in decisions if d["what"] in ("result", "latch")]
         if ended:
-            ok = ended[-1]["what"] == "result" and "succeeded" in ended[-1]["reason"]
-            return EXIT_OK if ok else EXIT_FAIL
+            return EXIT_OK if ended[-1].get("ok") is True else EXIT_FAIL
         time.sleep(0.5)
     print(f"  still running after {timeout_seconds:.0f}s; follow it with `vllm-guardian status`")
     return EXIT_FAIL

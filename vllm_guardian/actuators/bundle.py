@@ -2,7 +2,8 @@
 
 Where it sits: the first step of a restart or relaunch (``actuators/executor.py``). It writes
 what the on-call person (and ``vllm-guardian diagnose --bundle``) needs to know what was going
-on just before the guardian acted, in the bundle format of ``docs/bundle.md``:
+on just before the guardian acted, in the bundle format of ``docs/bundle.md`` (written by that
+format's one writer, ``diagnose/bundle.py``):
 ``manifest.json``, ``metrics/<unix>.prom`` (a fresh scrape), ``health.json``, ``gpus.json``,
 ``cmdline.txt`` (secrets already redacted), ``unit.json``, ``journal.log`` (the matched log
 lines the guardian saw), ``flight.jsonl`` (the recent ticks), ``action.json`` and
@@ -16,17 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import json
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from vllm_guardian import httpget, incident_svg
 from vllm_guardian.config import ServiceConfig
-from vllm_guardian.core.signals import belongs_to
-from vllm_guardian.model import Action, GpuDevice, Snapshot, UnitState, XidEvent
+from vllm_guardian.diagnose.bundle import Bundle, gpus_document, unit_document, write_bundle
+from vllm_guardian.model import Action, Snapshot
 from vllm_guardian.recorder import to_jsonable
 from vllm_guardian.redact import redact_text
 
@@ -38,47 +38,6 @@ Context = Callable[[str], tuple[ServiceConfig | None, Sequence[Snapshot]]]
 Events = Callable[[], Sequence[Mapping[str, Any]]]
 PICTURE = "incident.svg"
 PICTURE_ERROR = "incident.svg.ERROR.txt"
-
-
-def unit_document(u: UnitState) -> dict[str, Any]:
-    """``unit.json`` of the bundle format (docs/bundle.md)."""
-    return {
-        "Id": u.unit,
-        "ActiveState": u.active_state,
-        "SubState": u.sub_state,
-        "Result": u.result,
-        "NRestarts": u.n_restarts,
-        "ExecMainStatus": u.exec_main_status,
-        "MainPID": u.main_pid,
-    }
-
-
-def gpus_document(
-    devices: Iterable[GpuDevice], unit: UnitState | None, xid_events: Iterable[XidEvent]
-) -> list[dict[str, Any]]:
-    """``gpus.json`` of the bundle format: each GPU, its processes (the service's marked), its XIDs."""
-    xids = list(xid_events)
-    return [
-        {
-            "index": d.index,
-            "name": d.name,
-            "memory_total_bytes": d.memory_total_bytes,
-            "memory_used_bytes": d.memory_used_bytes,
-            "processes": [
-                {
-                    "pid": p.pid,
-                    "name": p.name,
-                    "used_memory_bytes": p.used_memory_bytes,
-                    "service": belongs_to(p, unit),
-                }
-                for p in d.processes or ()
-            ],
-            "xid_events": [
-                {"xid": e.xid, "unix_time": e.time_seconds} for e in xids if e.gpu_index == d.index
-            ],
-        }
-        for d in devices
-    ]
 
 
 class BundleWriter:
@@ -108,14 +67,8 @@ class BundleWriter:
         now = history[-1].time_seconds if history else 0.0
         stamp = dt.datetime.fromtimestamp(now, dt.UTC).strftime("%Y%m%dT%H%M%SZ")
         path = self.root / f"{action.service}-{stamp}-{action.id}-{action.kind.value}"
-        (path / "metrics").mkdir(parents=True, exist_ok=True)
-        manifest = {
-            "format": 1,
-            "created": dt.datetime.fromtimestamp(now, dt.UTC).isoformat(),
-            "service": action.service,
-        }
-        (path / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        (path / "action.json").write_text(json.dumps(to_jsonable(action), indent=2) + "\n")
+        scrapes: tuple[tuple[float, str], ...] = ()
+        metrics_error = None
         if svc is not None:
             try:
                 resp = httpget.fetch(
@@ -125,15 +78,14 @@ class BundleWriter:
                     oversize=httpget.Oversize.TRUNCATE,
                 )
                 if resp.status == 200:
-                    (path / "metrics" / f"{int(now)}.prom").write_bytes(resp.body)
+                    scrapes = ((float(int(now)), resp.body.decode("utf-8", "replace")),)
                 if resp.truncated:
-                    (path / "metrics" / "ERROR.txt").write_text(
-                        "/metrics body over 32 MiB: cut there\n"
-                    )
-            except httpget.HttpGetError as e:  # names the URL, which may carry user:password
-                (path / "metrics" / "ERROR.txt").write_text(f"{redact_text(str(e))}\n")
+                    metrics_error = "/metrics body over 32 MiB: cut there"
+            except httpget.HttpGetError as e:  # names the URL; the format's writer redacts it
+                metrics_error = str(e)
         latest = history[-1] if history else None
         ss = latest.service(action.service) if latest is not None else None
+        health = None
         if ss is not None and ss.health is not None:
             h = ss.health
             health = {
@@ -141,25 +93,34 @@ class BundleWriter:
                 "error": redact_text(h.error) if h.error else h.error,
                 "latency_seconds": h.latency_seconds,
             }
-            (path / "health.json").write_text(json.dumps(health) + "\n")
-        if ss is not None and ss.unit is not None:
-            if ss.unit.cmdline:
-                (path / "cmdline.txt").write_text("\n".join(ss.unit.cmdline) + "\n")
-            (path / "unit.json").write_text(json.dumps(unit_document(ss.unit)) + "\n")
+        unit = ss.unit if ss is not None else None
+        gpus = None
         if latest is not None and latest.gpus is not None:
             xids = [e for snap in history if snap.gpus is not None for e in snap.gpus.xid_events]
-            doc = gpus_document(latest.gpus.devices, ss.unit if ss is not None else None, xids)
-            (path / "gpus.json").write_text(json.dumps(doc, indent=2) + "\n")
-        lines = [
+            gpus = gpus_document(latest.gpus.devices, unit, xids)
+        journal = tuple(
             ev.message
             for snap in history
             if (s := snap.service(action.service)) is not None and s.logs is not None
             for ev in s.logs.recent
-        ]
-        (path / "journal.log").write_text("".join(line + "\n" for line in lines))
-        with (path / "flight.jsonl").open("w") as fh:
-            for snap in history[-300:]:
-                fh.write(json.dumps({"snapshot": to_jsonable(snap)}, separators=(",", ":")) + "\n")
+        )
+        write_bundle(
+            Bundle(
+                origin=str(path),
+                service=action.service,
+                created=dt.datetime.fromtimestamp(now, dt.UTC).isoformat(),
+                scrapes=scrapes,
+                metrics_error=metrics_error,
+                health=health,
+                gpus=gpus,
+                cmdline=tuple(unit.cmdline) if unit is not None and unit.cmdline else None,
+                journal=journal,
+                unit=unit_document(unit) if unit is not None else None,
+                flight=tuple({"snapshot": to_jsonable(snap)} for snap in history[-300:]),
+                action=to_jsonable(action),
+            ),
+            path,
+        )
         self.draw(path, action.service, history[-300:])
         self._prune()
         return path

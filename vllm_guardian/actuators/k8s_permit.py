@@ -1,4 +1,4 @@
-"""Actuator: the fleet permit's Kubernetes edge (Lease objects, the PDB, the Eviction API).
+"""Actuator: the fleet permit's Kubernetes edge (Lease objects and the PDB).
 
 Where it sits: the act stage, only when ``fleet.permit`` is ``lease`` (the daemon never imports
 this module otherwise; lightkube comes with the ``k8s`` extra). It reads the
@@ -10,9 +10,6 @@ a 409 is a lost race, a 429 a spent budget, anything else an error the wait retr
 One try is bounded: it reads at most ``core/permit.MAX_PERMITS`` Leases, and given a time
 budget (the executor passes its call's timeout) it starts no API call that could end past it
 (each may take :data:`TIMEOUT_SECONDS`), so its thread ends within the phase that asked.
-
-Moving the pod off a faulted GPU goes through :meth:`LeasePermits.evict` (the Eviction API), so
-the PDB decides, as it does for a node drain.
 
 This adapter has run against a protocol-level fake (tests/fake_apiserver.py), not a real
 cluster.
@@ -33,7 +30,6 @@ from lightkube.config.models import Cluster, User
 from lightkube.models.coordination_v1 import LeaseSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
-from lightkube.resources.core_v1 import PodEviction
 from lightkube.resources.policy_v1 import PodDisruptionBudget
 
 from vllm_guardian.core.permit import (
@@ -255,16 +251,6 @@ class LeasePermits:
                 continue
             released.append(lease.name)
         return tuple(released)
-
-    def evict(self, pod: str) -> tuple[WriteResult, str]:
-        """Ask the Eviction API to move ``pod`` (e.g. off a faulted GPU): the PDB decides.
-        A 429 is the budget saying "not now". Never raises."""
-        body = PodEviction(metadata=ObjectMeta(name=pod, namespace=self.namespace))
-        try:
-            self.client.create(body, pod, namespace=self.namespace)
-        except Exception as e:
-            return _classify(e)
-        return WriteResult.OK, ""
 
     def close(self) -> None:
         self.client.close()

@@ -189,8 +189,6 @@ class PolicySettings:
     policy: PolicyConfig
     services: tuple[str, ...]
     rule_signals: Mapping[str, str] = field(default_factory=dict)  # alertname → signal
-    # The longest an action may take before its missing result counts as a failure.
-    action_timeout_seconds: float = 3600.0
     # fleet.permit: lease — a voluntary action first waits this long at most for a fleet
     # permit (core/phases.py AWAITING_PERMIT); None: no permit (one host, the default).
     permit_timeout_seconds: float | None = None
@@ -224,9 +222,29 @@ class DecisionKind(StrEnum):
     OPERATOR = "operator"  # an operator command, accepted or refused
 
 
+class Withheld(StrEnum):
+    """Why evidence was seen and nothing was done (a SUPPRESSED decision), for code to read:
+    the reason text says the same with its figures, for a person."""
+
+    BREAKER_LATCHED = "breaker_latched"  # a person must `resume` first
+    EVIDENCE_SHORT = "evidence_short"  # findings, none strong enough to act on yet
+    COOLDOWN = "cooldown"  # too soon after the last action
+    BACKOFF = "backoff"  # too soon after a failed action
+    EPISODES = "episodes"  # fewer episodes than the cause needs before a relaunch
+    GATED_ONLY = "gated_only"  # KV pressure: gated and alerted; a relaunch's conditions fail
+    AT_FLOOR = "at_floor"  # the lever is already as low as a relaunch would set it
+    PINNED = "pinned"  # every lowered lever is pinned: no step up yet
+    BUDGET_SPENT = "budget_spent"  # the restart budget is spent (no latch: nothing crashed)
+    FORECAST_WAIT = "forecast_wait"  # a forecast whose plan waits (a quiet moment, growth) or pages
+    UNCORROBORATED_LOG = "uncorroborated_log"  # a log line alone, held for a signal to agree
+    DAEMONIZED = "daemonized"  # the process backend's command left it: restarting cannot help
+
+
 @dataclass(frozen=True)
 class Decision:
-    """One line of the audit log: what was decided, why, on what evidence."""
+    """One line of the audit log: what was decided, why, on what evidence. Code reads the
+    fields (``what``, ``action_kind``, ``phase``, ``ok``, ``withheld``, ``cause``), never
+    ``reason``, which is written for a person."""
 
     time_seconds: float
     service: str
@@ -237,6 +255,12 @@ class Decision:
     action_id: int | None = None
     dry_run: bool = False
     phase: phases.Phase | None = None  # for PHASE decisions: the phase entered
+    # The kind of the action this decision starts, moves or ends (None: no action, or one this
+    # guardian run no longer knows).
+    action_kind: ActionKind | None = None
+    withheld: Withheld | None = None  # for SUPPRESSED decisions: why nothing was done
+    # An action ended (its RESULT, or the LATCH of one that failed for good): did it work.
+    ok: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -432,6 +456,7 @@ class _Ctx:
             evidence=evidence,
             action_id=self.next_id,
             dry_run=dry,
+            action_kind=kind,
         )
         self.next_id += 1
         s = replace(s, log_items=())  # the evidence is acted upon: it must not trigger again
@@ -458,6 +483,7 @@ class _Ctx:
                 "front door stays open",
                 action_id=action.id,
                 phase=progress.phase,
+                action_kind=kind,
             )
             return replace(s, action=progress, levels_before=before or _levels(s))
         self.decide(
@@ -467,10 +493,13 @@ class _Ctx:
             + (" and writing the flags file" if kind is ActionKind.RELAUNCH else ""),
             action_id=action.id,
             phase=progress.phase,
+            action_kind=kind,
         )
         return replace(s, action=progress, gate_open=False, gate_reason=f"{kind.value} in progress")
 
-    def note(self, s: ServiceState, reason: str, finding: Finding | None = None) -> ServiceState:
+    def note(
+        self, s: ServiceState, why: Withheld, reason: str, finding: Finding | None = None
+    ) -> ServiceState:
         """A 'nothing done, because' decision, logged once until the reason changes."""
         if reason == s.last_note:
             return s
@@ -481,6 +510,7 @@ class _Ctx:
             reason,
             cause=finding.cause if finding else None,
             evidence=evidence,
+            withheld=why,
         )
         return replace(s, last_note=reason)
 
@@ -639,7 +669,10 @@ def _advance(
     )  # fmt: skip
     ctx.ops.extend(adv.ops)
     for m in adv.moves:
-        ctx.decide(s, DecisionKind.PHASE, m.why, action_id=action.action_id, phase=m.phase)
+        ctx.decide(
+            s, DecisionKind.PHASE, m.why,
+            action_id=action.action_id, phase=m.phase, action_kind=action.kind,
+        )  # fmt: skip
     if adv.outcome is None:
         if (
             action.phase is phases.Phase.AWAITING_PERMIT
@@ -728,6 +761,8 @@ def _supersede(ctx: _Ctx, s: ServiceState, top: Finding) -> ServiceState:
         cause=top.cause,
         evidence=tuple(e.name for e in top.evidence),
         action_id=a.action_id,
+        action_kind=a.kind,
+        ok=False,
     )
     return s
 
@@ -767,6 +802,8 @@ def _finish(
             f"{kind.value} succeeded: {outcome.detail}",
             action_id=action_id,
             dry_run=dry_run,
+            action_kind=kind,
+            ok=True,
         )
     elif outcome.terminal:
         s = replace(
@@ -776,7 +813,10 @@ def _finish(
             gate_open=True,
             gate_reason="open",
         )
-        ctx.decide(s, DecisionKind.LATCH, s.breaker_reason or "", action_id=action_id)
+        ctx.decide(
+            s, DecisionKind.LATCH, s.breaker_reason or "",
+            action_id=action_id, action_kind=kind, ok=False,
+        )  # fmt: skip
     else:
         backoff = min(p.backoff_max_seconds, max(p.backoff_initial_seconds, 2 * s.backoff_seconds))
         s = replace(
@@ -792,6 +832,8 @@ def _finish(
             DecisionKind.RESULT,
             f"{kind.value} failed ({outcome.detail}); next try in {backoff:.0f}s",
             action_id=action_id,
+            action_kind=kind,
+            ok=False,
         )
     return s
 
@@ -937,6 +979,7 @@ def _remember(
             f"vLLM's log says {', '.join(sorted(set(held)))}, but /health, its processes and "
             "the GPUs show no failure: a log line alone is not acted on (a request's text can "
             f"reach the log); held {CORROBORATION_SECONDS:.0f} s for one to agree",
+            withheld=Withheld.UNCORROBORATED_LOG,
         )
     pending = tuple(items)
     return s if pending == s.log_items else replace(s, log_items=pending)
@@ -1116,7 +1159,9 @@ def _act(
     now = ctx.now
     if s.breaker_latched:
         return ctx.note(
-            s, f"breaker latched ({s.breaker_reason}): waiting for `vllm-guardian resume`"
+            s,
+            Withheld.BREAKER_LATCHED,
+            f"breaker latched ({s.breaker_reason}): waiting for `vllm-guardian resume`",
         )
     if _disrupting(s):
         return s
@@ -1131,7 +1176,10 @@ def _act(
     if top is None:
         if findings:
             return ctx.note(
-                s, f"{findings[0].cause.value}: evidence not yet enough to act", findings[0]
+                s,
+                Withheld.EVIDENCE_SHORT,
+                f"{findings[0].cause.value}: evidence not yet enough to act",
+                findings[0],
             )
         return _maybe_step_up(ctx, s, sig)
     spec = cause_spec(top.cause)
@@ -1149,12 +1197,14 @@ def _act(
     if now < s.cooldown_until and not _early_crash(s, top, now, p):
         return ctx.note(
             s,
+            Withheld.COOLDOWN,
             f"{top.cause.value}: in cooldown until {s.cooldown_until:.0f} after the last action",
             top,
         )
     if now < s.backoff_until and not (s.backoff_voluntary_only and _urgent(top)):
         return ctx.note(
             s,
+            Withheld.BACKOFF,
             f"{top.cause.value}: backing off after a failed action until {s.backoff_until:.0f}",
             top,
         )
@@ -1177,10 +1227,11 @@ def _act(
         # only where the operator enabled it and every measured condition holds.
         seqs = _concurrency_relaunch(s, sig, base, p)
         if isinstance(seqs, str):
-            return ctx.note(s, seqs, top)
+            return ctx.note(s, Withheld.GATED_ONLY, seqs, top)
         if seqs[0] <= s.rung(Lever.MAX_NUM_SEQS):
             return ctx.note(
                 s,
+                Withheld.AT_FLOOR,
                 f"{top.cause.value}: gated and alerted, no relaunch: --max-num-seqs is "
                 "already at or below 1.0x what the pool hosts",
                 top,
@@ -1188,12 +1239,14 @@ def _act(
         if not (step and episodes >= needed):
             return ctx.note(
                 s,
+                Withheld.EPISODES,
                 f"{top.cause.value}: gated; {episodes} episode(s) of {needed} before a relaunch",
                 top,
             )
     elif not crash and not (step and episodes >= needed):
         return ctx.note(
             s,
+            Withheld.EPISODES,
             f"{top.cause.value}: {episodes} episode(s) of {needed} before a relaunch",
             top,
         )
@@ -1270,15 +1323,21 @@ def _maybe_step_up(ctx: _Ctx, s: ServiceState, sig: ServiceSignals | None) -> Se
         return s
     if now < s.backoff_until:  # after a failed step up (or a wait for a permit that gave none)
         return ctx.note(
-            s, f"stable, but backing off after a failed action until {s.backoff_until:.0f}"
+            s,
+            Withheld.BACKOFF,
+            f"stable, but backing off after a failed action until {s.backoff_until:.0f}",
         )
     pinned = dict(s.pinned_until)
     candidates = [lv for lv, r in s.rungs if r > 0 and pinned.get(lv, -math.inf) <= now]
     if not candidates:
-        return ctx.note(s, "stable, but every lowered lever is pinned")
+        return ctx.note(s, Withheld.PINNED, "stable, but every lowered lever is pinned")
     restarts = tuple(t for t in s.restarts if now - t < p.restart_budget_window_seconds)
     if len(restarts) >= p.restart_budget:
-        return ctx.note(s, "stable, but stepping up needs a restart and the budget is spent")
+        return ctx.note(
+            s,
+            Withheld.BUDGET_SPENT,
+            "stable, but stepping up needs a restart and the budget is spent",
+        )
     lever = candidates[0]
     rung = s.rung(lever) - 1
     levels = _levels(s)
@@ -1782,24 +1841,33 @@ def _preempt(
             dry_run=gate_dry_run(p),
         )
     if plan.kind is None:
-        return ctx.note(s, f"{plan.cause.value}: {plan.reason}", finding)
+        return ctx.note(s, Withheld.FORECAST_WAIT, f"{plan.cause.value}: {plan.reason}", finding)
     assert f is not None  # a plan comes from a forecast
     # The cooldown keeps lagging counters from triggering a second action; the forecast cannot
     # lag (it reads only the current process), so when even its bound comes before the cooldown
     # ends, waiting means the OOM: act, still within the budget.
     if now < s.cooldown_until and f.seconds_latest >= s.cooldown_until - now:
         return ctx.note(
-            s, f"{plan.cause.value}: forecast, in cooldown until {s.cooldown_until:.0f}", finding
+            s,
+            Withheld.COOLDOWN,
+            f"{plan.cause.value}: forecast, in cooldown until {s.cooldown_until:.0f}",
+            finding,
         )
     if now < s.backoff_until:
         return ctx.note(
-            s, f"{plan.cause.value}: forecast, backing off until {s.backoff_until:.0f}", finding
+            s,
+            Withheld.BACKOFF,
+            f"{plan.cause.value}: forecast, backing off until {s.backoff_until:.0f}",
+            finding,
         )
     restarts = tuple(t for t in s.restarts if now - t < p.restart_budget_window_seconds)
     if len(restarts) >= p.restart_budget:
         # A forecast is not a crash: no latch, the alerts stand and the ladder acts on an OOM.
         return ctx.note(
-            s, f"{plan.cause.value}: forecast, but the restart budget is spent: alert only", finding
+            s,
+            Withheld.BUDGET_SPENT,
+            f"{plan.cause.value}: forecast, but the restart budget is spent: alert only",
+            finding,
         )
     if s.baseline is None and base is not None:
         s = replace(s, baseline=base)

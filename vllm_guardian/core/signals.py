@@ -790,21 +790,13 @@ def forecast_settings(cfg: SignalsConfig) -> ForecastSettings:
     )
 
 
-def memory_samples(
-    history: Sequence[Snapshot], service: str, gpu: int, utilization: float | None
-) -> list[MemorySample]:
-    """One GPU of a service, per snapshot, as the forecast reads it (None: not observed).
-
-    Each snapshot's sample is computed once and kept in its memo: the window is read whole on
-    every tick."""
-    return _memory_columns(history, service, [gpu], utilization)[gpu]
-
-
 def _memory_columns(
     history: Sequence[Snapshot], service: str, gpus: Sequence[int], utilization: float | None
 ) -> dict[int, list[MemorySample]]:
-    """:func:`memory_samples` of several GPUs in one pass over the snapshots: each snapshot
-    keeps its row (one sample per GPU) in its memo, and the rows are turned into columns."""
+    """Each GPU of a service, per snapshot, as the forecast reads it (None: not observed), in
+    one pass over the snapshots: each snapshot keeps its row (one sample per GPU) in its memo,
+    computed once (the window is read whole on every tick), and the rows are turned into
+    columns."""
     order = tuple(gpus)
     key = ("memory_samples", service, utilization, order)
     rows = []

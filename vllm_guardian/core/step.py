@@ -57,7 +57,6 @@ class StepSettings:
 class Effects:
     signals: Signals
     transitions: tuple[alerting.Transition, ...]  # alert changes to deliver to the sinks
-    firing: tuple[Alert, ...]  # every firing alert, inhibited or not: what the policy read
     alerts: tuple[Alert, ...]  # pending and firing, sorted (inhibited_by set where held)
     actions: tuple[Action, ...]  # actions started this tick (escalations: page a person)
     ops: tuple[OpRequest, ...]  # blocking actuator calls to start
@@ -66,7 +65,7 @@ class Effects:
     gates: tuple[tuple[str, GateState], ...]  # what /ready/<service> answers
     # Alert changes held back from the sinks (each alert's inhibited_by says why).
     inhibited: tuple[alerting.Transition, ...] = ()
-    # Firing alerts the sinks may announce and re-send: ``firing`` less the inhibited.
+    # Firing alerts the sinks may announce and re-send: the firing ``alerts`` less the inhibited.
     notifying: tuple[Alert, ...] = ()
     # Services whose vLLM is down because of the guardian (core/inhibition.py), by service.
     windows: tuple[inhibition.Window, ...] = ()
@@ -117,7 +116,6 @@ def step(
     effects = Effects(
         signals=signals,
         transitions=held.deliver,
-        firing=firing,
         alerts=current,
         actions=out.actions,
         ops=out.ops,

@@ -1,5 +1,10 @@
 """The incident bundle (docs/bundle.md): read from a directory or a ``.tar.gz``, and write.
 
+The format's one owner: the guardian's capture before an action (``actuators/bundle.py``) and
+``diagnose --save-bundle`` both write through :func:`write_bundle`; ``diagnose`` reads through
+:func:`read_bundle`. The documents it holds that are built from the guardian's own types
+(``unit.json``, ``gpus.json``) are built here too.
+
 Reading never raises on bad content: every missing, malformed or oversized file becomes a line
 in :attr:`Bundle.problems` and the rest is still used, so a damaged bundle gives a partial
 report with the reason instead of a traceback. Only a path that is neither a directory nor a
@@ -22,12 +27,14 @@ import tarfile
 import tempfile
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from vllm_guardian import recorder
+from vllm_guardian.core.signals import belongs_to
+from vllm_guardian.model import GpuDevice, UnitState, XidEvent
 from vllm_guardian.redact import redact_argv, redact_json, redact_text
 
 FORMAT = 1
@@ -65,6 +72,7 @@ class Bundle:
     created_seconds: float | None = None
     manifest: dict[str, Any] | None = None
     scrapes: tuple[tuple[float, str], ...] = ()  # (unix time, /metrics body), oldest first
+    metrics_error: str | None = None  # why a scrape is missing or cut (metrics/ERROR.txt)
     health: dict[str, Any] | None = None
     gpus: list[dict[str, Any]] | None = None
     cmdline: tuple[str, ...] | None = None
@@ -78,6 +86,50 @@ class Bundle:
     action: dict[str, Any] | None = None  # the action the policy was about to take
     picture: str | None = None  # where its incident picture (incident.svg) is, when it has one
     problems: tuple[str, ...] = field(default=())
+
+
+# --- the documents built from the guardian's types ------------------------------------------
+
+
+def unit_document(u: UnitState) -> dict[str, Any]:
+    """``unit.json`` of the bundle format (docs/bundle.md)."""
+    return {
+        "Id": u.unit,
+        "ActiveState": u.active_state,
+        "SubState": u.sub_state,
+        "Result": u.result,
+        "NRestarts": u.n_restarts,
+        "ExecMainStatus": u.exec_main_status,
+        "MainPID": u.main_pid,
+    }
+
+
+def gpus_document(
+    devices: Iterable[GpuDevice], unit: UnitState | None, xid_events: Iterable[XidEvent]
+) -> list[dict[str, Any]]:
+    """``gpus.json`` of the bundle format: each GPU, its processes (the service's marked), its XIDs."""
+    xids = list(xid_events)
+    return [
+        {
+            "index": d.index,
+            "name": d.name,
+            "memory_total_bytes": d.memory_total_bytes,
+            "memory_used_bytes": d.memory_used_bytes,
+            "processes": [
+                {
+                    "pid": p.pid,
+                    "name": p.name,
+                    "used_memory_bytes": p.used_memory_bytes,
+                    "service": belongs_to(p, unit),
+                }
+                for p in d.processes or ()
+            ],
+            "xid_events": [
+                {"xid": e.xid, "unix_time": e.time_seconds} for e in xids if e.gpu_index == d.index
+            ],
+        }
+        for d in devices
+    ]
 
 
 # --- reading ---------------------------------------------------------------------------------
@@ -334,6 +386,8 @@ def _read_dir(root: Path, origin: str) -> Bundle:
                 scrapes.append((t, body))
                 scrape_bytes += len(body)
         scrapes.reverse()
+    error_text = r.text("metrics/ERROR.txt", 64 * 1024) if mdir.is_dir() else None
+    metrics_error = error_text.strip() or None if error_text is not None else None
     journal_text = r.text("journal.log", MAX_JOURNAL_BYTES, tail=True)
     journal: tuple[str, ...] = ()
     if journal_text is not None:
@@ -366,6 +420,7 @@ def _read_dir(root: Path, origin: str) -> Bundle:
         created_seconds=_iso_seconds(created),
         manifest=manifest,
         scrapes=tuple(scrapes),
+        metrics_error=metrics_error,
         health=small["health.json"],
         gpus=gpus,
         cmdline=cmdline,
@@ -466,11 +521,15 @@ def _write_dir(b: Bundle, p: Path) -> None:
     p.mkdir(parents=True, exist_ok=True)
     manifest = {"format": FORMAT, "created": b.created, "service": b.service}
     _dump(p / "manifest.json", manifest)
-    if b.scrapes:
+    if b.scrapes or b.metrics_error:
         (p / "metrics").mkdir(exist_ok=True)
         for t, body in b.scrapes:
             stamp = str(int(t)) if float(t).is_integer() else f"{t:.3f}"
             (p / "metrics" / f"{stamp}.prom").write_text(body, encoding="utf-8")
+        if b.metrics_error:  # an error may name the URL, and a URL may carry user:password
+            (p / "metrics" / "ERROR.txt").write_text(
+                redact_text(b.metrics_error) + "\n", encoding="utf-8"
+            )
     for name, value in (
         ("health.json", b.health),
         ("gpus.json", b.gpus),

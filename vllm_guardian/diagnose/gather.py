@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from vllm_guardian import httpget
-from vllm_guardian.actuators.bundle import gpus_document, unit_document
 from vllm_guardian.clock import SystemClock
 from vllm_guardian.config import (
     NvmlSourceConfig,
@@ -37,7 +36,7 @@ from vllm_guardian.config import (
 )
 from vllm_guardian.control import ControlError, request
 from vllm_guardian.core.budget import parse_launch_flags
-from vllm_guardian.diagnose.bundle import Bundle
+from vllm_guardian.diagnose.bundle import Bundle, gpus_document, unit_document
 from vllm_guardian.gpu_state_format import ParsedStateFile, parse_state_file
 from vllm_guardian.model import GpuReading, UnitState
 from vllm_guardian.recorder import to_jsonable

@@ -35,14 +35,13 @@ exposition never stalls the proxy, for two uses:
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import time
 from urllib.parse import quote
 
 import aiohttp
 
+from vllm_guardian import ready_format
 from vllm_guardian.core.progress import ProgressReading
 from vllm_guardian.gate.admission import Admission
 from vllm_guardian.gate.progress import ProgressWatch
@@ -218,10 +217,7 @@ class Follower:
                 log.warning("gate: the guardian knows no service %r", self.service)
                 self._warned_unknown = True
             return None
-        reason = "closed"
-        with contextlib.suppress(ValueError, AttributeError, TypeError):
-            reason = str(json.loads(body).get("reason", reason))
-        return status == 200, reason
+        return status == 200, ready_format.reason_of(body, "closed")
 
     @property
     def metrics_interval_seconds(self) -> float:

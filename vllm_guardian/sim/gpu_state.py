@@ -15,23 +15,18 @@ from typing import Any
 
 from vllm_guardian.atomicfile import write_atomic
 from vllm_guardian.gpu_state_format import (
-    StateDevice,
-    StateProcess,
     StateXid,
 )
 
-# The document and its types live with the format (gpu_state_format.py); the twin's names:
-GpuProcess = StateProcess
-Xid = StateXid
-GpuReading = StateDevice
 
-
-def read_previous_xids(path: Path) -> tuple[Xid, ...]:
+def read_previous_xids(path: Path) -> tuple[StateXid, ...]:
     """XID events recorded by an earlier run (empty when there is no readable file)."""
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
         events = doc["devices"][0]["xid_events"]
-        return tuple(Xid(int(e["seq"]), int(e["xid"]), float(e["time_seconds"])) for e in events)
+        return tuple(
+            StateXid(int(e["seq"]), int(e["xid"]), float(e["time_seconds"])) for e in events
+        )
     except (OSError, ValueError, KeyError, IndexError, TypeError):
         return ()
 

@@ -44,7 +44,7 @@ from aiohttp import web
 
 from vllm_guardian import allocator_format as fmt
 from vllm_guardian.atomicfile import write_atomic
-from vllm_guardian.gpu_state_format import build_state
+from vllm_guardian.gpu_state_format import StateDevice, StateProcess, StateXid, build_state
 from vllm_guardian.sim.engine import (
     ENGINE_DEAD_MESSAGE,
     VLLM_VERSION,
@@ -63,9 +63,6 @@ from vllm_guardian.sim.exposition import (
 )
 from vllm_guardian.sim.flags import ServeOptions
 from vllm_guardian.sim.gpu_state import (
-    GpuProcess,
-    GpuReading,
-    Xid,
     read_previous_xids,
     write_state_atomically,
 )
@@ -234,7 +231,7 @@ class Twin:
         self.signal_received: int | None = None
         self.drain_deadline_sim: float | None = None
         self.ready_wall: float | None = None
-        self.previous_xids: tuple[Xid, ...] = ()
+        self.previous_xids: tuple[StateXid, ...] = ()
         if opts.gpu_state_file is not None:
             self.previous_xids = read_previous_xids(opts.gpu_state_file)
         self._last_gpu_write = -1e9
@@ -340,7 +337,7 @@ class Twin:
 
     # ---------------------------------------------------------------- GPU state
 
-    def gpu_reading(self) -> GpuReading:
+    def gpu_reading(self) -> StateDevice:
         e = self.engine
         mem = e.sampled_breakdown()  # a sample catches the step in flight: activation peaks show
         processes = []
@@ -351,10 +348,10 @@ class Twin:
             own = e.startup_process_bytes() if e.phase is EnginePhase.STARTING else 0
             others = e.other_bytes(e.now)
         if own:
-            processes.append(GpuProcess(self.pid, own))
+            processes.append(StateProcess(self.pid, own))
         nb = self.opts.scenario.neighbour
         if nb is not None and others:
-            processes.append(GpuProcess(nb.pid, others))
+            processes.append(StateProcess(nb.pid, others))
         busy, at = self._last_busy
         elapsed = e.now - at
         util = (e.busy_seconds - busy) / elapsed if elapsed > 0 else 0.0
@@ -364,11 +361,11 @@ class Twin:
         xids = (
             *self.previous_xids,
             *(
-                Xid(len(self.previous_xids) + x.seq, x.xid, self.wall_of(x.sim_seconds))
+                StateXid(len(self.previous_xids) + x.seq, x.xid, self.wall_of(x.sim_seconds))
                 for x in e.xid_events
             ),
         )
-        return GpuReading(e.gpu_total_bytes, tuple(processes), util, xids)
+        return StateDevice(e.gpu_total_bytes, tuple(processes), util, xids)
 
     # ---------------------------------------------------------------- the run's timeline
 
@@ -424,7 +421,7 @@ class Twin:
             reading = self.gpu_reading()
             self._xids_written = len(self.engine.xid_events)
         if process_gone:
-            reading = GpuReading(
+            reading = StateDevice(
                 reading.total_bytes,
                 tuple(p for p in reading.processes if p.pid != self.pid),
                 0.0,

@@ -82,10 +82,6 @@ MAX_ANCESTORS = 64
 # --- pure helpers (unit-tested without I/O) ---------------------------------------------------
 
 
-# The /proc parsers are shared with the unit and allocator sources (procfs.py).
-parse_proc_stat_ppid = parse_ppid
-
-
 # --- process attribution from /proc ----------------------------------------------------------
 
 
@@ -160,7 +156,7 @@ class _ProcReader:
         current = pid
         for _ in range(MAX_ANCESTORS):
             text = _read_small(self._root / str(current) / "stat")
-            ppid = parse_proc_stat_ppid(text) if text is not None else None
+            ppid = parse_ppid(text) if text is not None else None
             if ppid is None or ppid == 0 or ppid in seen:
                 break
             chain.append(ppid)
