@@ -285,6 +285,9 @@ class LogEventKind(StrEnum):
     WORKER_DIED = "worker_died"
     EXECUTE_TIMEOUT = "execute_timeout"
     PREEMPTION = "preemption"
+    # vLLM's hang watchdog (0.33's --watchdog-config) dumped every thread's stack: nothing fed
+    # it for its timeout. Logged at INFO; the only signature read at that level.
+    WATCHDOG_DUMP = "watchdog_dump"
     GPU_HARDWARE_ERROR = (
         "gpu_hardware_error"  # uncorrectable ECC, fallen off the bus: needs a reset
     )

@@ -294,6 +294,18 @@ def evidence_from_logs(
                     unambiguous=True,
                 )
             )
+        elif ev.kind is LogEventKind.WATCHDOG_DUMP:
+            # Hang evidence, not proof: a watchdog timeout shorter than the engine's idle feed
+            # (5 s) also fires while idle, and the engine may recover. The stall signal or the
+            # gate corroborates it.
+            out.append(
+                Evidence(
+                    Cause.ENGINE_DEAD,
+                    f"log:{ev.kind.value}",
+                    "vLLM's hang watchdog saw no progress for its timeout and dumped every "
+                    f"thread's stack to {dict(ev.details).get('dump_file', 'its dump file')}",
+                )
+            )
         elif ev.kind in _DEATH_KINDS:
             out.append(
                 Evidence(Cause.ENGINE_DEAD, f"log:{ev.kind.value}", _quote(ev), unambiguous=True)
