@@ -210,6 +210,10 @@ class GpuProcess:
     name: str | None = None
     cgroup: str | None = None
     ancestors: tuple[int, ...] = ()
+    # vLLM's weight-cache daemon (``vllm preload``, or a child of it): it holds a model's
+    # weights for engines started with ``--load-format ipc_cache``, inside their budget, and
+    # outlives their restarts on purpose.
+    weight_cache: bool = False
 
 
 @dataclass(frozen=True)
@@ -278,6 +282,9 @@ class LogEventKind(StrEnum):
     NO_KV_CACHE_MEMORY = "no_kv_cache_memory"
     MAX_SEQ_LEN_EXCEEDS_KV = "max_seq_len_exceeds_kv"
     FREE_MEMORY_BELOW_UTILIZATION = "free_memory_below_utilization"
+    # --load-format ipc_cache: the weights vLLM's weight-cache daemon (vllm preload) holds
+    # exceed the whole gpu_memory_utilization budget they are subtracted from.
+    EXTERNAL_WEIGHTS_EXCEED_BUDGET = "external_weights_exceed_budget"
     MEMORY_PROFILING_ERROR = "memory_profiling_error"
     STARTUP_FAILED = "startup_failed"
     ENGINE_FATAL = "engine_fatal"

@@ -276,6 +276,21 @@ def evidence_from_logs(
                     unambiguous=True,
                 )
             )
+        elif ev.kind is LogEventKind.EXTERNAL_WEIGHTS_EXCEED_BUDGET:
+            held = _detail(ev, "external_weights_bytes")
+            budget = _detail(ev, "requested_bytes")
+            util = dict(ev.details).get("gpu_memory_utilization", "its")
+            out.append(
+                Evidence(
+                    Cause.MODEL_DOES_NOT_FIT,
+                    f"log:{ev.kind.value}",
+                    f"the weights vLLM's weight-cache daemon (vllm preload) holds, "
+                    f"{_gib_text(held)}, exceed the whole budget at gpu_memory_utilization "
+                    f"{util} ({_gib_text(budget)}) they are subtracted from: raise --gpu-memory-utilization "
+                    "(the weights are on the card already), or cache a smaller or quantized model",
+                    unambiguous=True,
+                )
+            )
         elif ev.kind is LogEventKind.FREE_MEMORY_BELOW_UTILIZATION:
             out.append(
                 Evidence(

@@ -520,6 +520,14 @@ def belongs_to(proc: GpuProcess, unit: UnitState | None) -> bool:
     return False
 
 
+def in_budget(proc: GpuProcess, unit: UnitState | None) -> bool:
+    """Whether ``proc``'s GPU memory counts as the service's: its own processes, and vLLM's
+    weight-cache daemon (``vllm preload``), whose weights vLLM subtracts from the budget of an
+    engine started with ``--load-format ipc_cache``: never a hostile neighbour. Which GPUs are
+    the service's is still told by its own processes only (:func:`belongs_to`)."""
+    return proc.weight_cache or belongs_to(proc, unit)
+
+
 def _service_gpus(
     devices: Sequence[GpuDevice], svc: ServiceConfig, unit: UnitState | None
 ) -> list[GpuDevice]:
@@ -552,7 +560,7 @@ def _gpu_signals(
                 if p.used_memory_bytes is None:
                     unknown = True
                     continue
-                if belongs_to(p, unit):
+                if in_budget(p, unit):
                     mine_sum += p.used_memory_bytes
                 else:
                     other_sum += p.used_memory_bytes
@@ -840,8 +848,8 @@ def _memory_sample(
     neighbours: tuple[Neighbour, ...] = ()
     if dev is not None and dev.processes is not None:
         procs = [p for p in dev.processes if p.used_memory_bytes is not None]
-        mine = sum(p.used_memory_bytes or 0 for p in procs if belongs_to(p, unit))
-        others = [p for p in procs if not belongs_to(p, unit)]
+        mine = sum(p.used_memory_bytes or 0 for p in procs if in_budget(p, unit))
+        others = [p for p in procs if not in_budget(p, unit)]
         other = sum(p.used_memory_bytes or 0 for p in others)
         neighbours = tuple(Neighbour(p.pid, p.used_memory_bytes, p.name, p.cgroup) for p in others)
     reserved: int | None = None

@@ -123,7 +123,14 @@ def _gpu_devices(
                     problems.append(f"gpus.json[{n}].processes: an entry without a pid, ignored")
                     continue
                 assert isinstance(p, dict)
-                procs.append(GpuProcess(pid, _int(p.get("used_memory_bytes")), _str(p.get("name"))))
+                procs.append(
+                    GpuProcess(
+                        pid,
+                        _int(p.get("used_memory_bytes")),
+                        _str(p.get("name")),
+                        weight_cache=p.get("weight_cache") is True,
+                    )
+                )
                 if p.get("service") is True:
                     service_pids.add(pid)
         raw_xids = g.get("xid_events")
@@ -551,13 +558,16 @@ def analyze(
             index=d.index,
             name=d.name,
             memory_total_bytes=d.memory_total_bytes,
+            # vLLM's weight-cache daemon holds the engine's weights inside its budget.
             vllm_bytes=sum(
-                p.used_memory_bytes or 0 for p in d.processes or () if p.pid in service_pids
+                p.used_memory_bytes or 0
+                for p in d.processes or ()
+                if p.pid in service_pids or p.weight_cache
             ),
             others=tuple(
                 GpuProcessReport(p.pid, p.name, p.used_memory_bytes)
                 for p in d.processes or ()
-                if p.pid not in service_pids
+                if p.pid not in service_pids and not p.weight_cache
             ),
             free_bytes=d.memory_free_bytes,
             budget_bytes=int(util * d.memory_total_bytes)

@@ -224,6 +224,15 @@ _FREE_BELOW = re.compile(
     r"on startup is less than"
 )
 _FREE_BELOW_UTIL = re.compile(r"utilization \((?P<util>[\d.]+), (?P<req>[\d.]+) GiB\)")
+# With --load-format ipc_cache (vllm/v1/worker/utils.py request_memory, 0.31+): the budget is
+# gpu_memory_utilization's share less the weights vLLM's weight-cache daemon holds.
+_FREE_BELOW_EXTERNAL = re.compile(
+    r"after excluding external process's weights \((?P<util>[\d.]+), (?P<req>[\d.]+) GiB\)"
+)
+_EXTERNAL_EXCEED = re.compile(
+    r"Externally held weights on device\s*(?P<dev>[^\s(]*)\s*\((?P<ext>[\d.]+)/(?P<total>[\d.]+) "
+    r"GiB\) exceed the desired GPU memory utilization \((?P<util>[\d.]+), (?P<req>[\d.]+) GiB\)"
+)
 _PROFILING = re.compile(r"Error in memory profiling\.")
 _PROFILING_FREE = re.compile(
     r"Initial free memory (?P<init>[\d.]+) GiB, current free memory (?P<cur>[\d.]+) GiB"
@@ -336,7 +345,23 @@ def _match_body(line: str) -> tuple[LogEventKind, Details] | None:
                 ("gpu_memory_utilization", util.group("util")),
                 ("requested_bytes", _gib(util.group("req"))),
             ]
+        external = _FREE_BELOW_EXTERNAL.search(line)
+        if external:
+            d += [
+                ("gpu_memory_utilization", external.group("util")),
+                ("engine_budget_bytes", _gib(external.group("req"))),
+                ("external_weights", "true"),
+            ]
         return LogEventKind.FREE_MEMORY_BELOW_UTILIZATION, tuple(d)
+    m = _EXTERNAL_EXCEED.search(line)
+    if m:
+        return LogEventKind.EXTERNAL_WEIGHTS_EXCEED_BUDGET, (
+            *((("device", m.group("dev")),) if m.group("dev") else ()),
+            ("external_weights_bytes", _gib(m.group("ext"))),
+            ("total_bytes", _gib(m.group("total"))),
+            ("gpu_memory_utilization", m.group("util")),
+            ("requested_bytes", _gib(m.group("req"))),
+        )
     if _PROFILING.search(line):
         free = _PROFILING_FREE.search(line)
         details: Details = ()
