@@ -9,12 +9,14 @@ starts with the watchdog's own words (a request's text cannot start an engine's 
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import VLLM_FIXTURES
+from tests.sim.helpers import options
 from vllm_guardian.actuators.bundle import MAX_WATCHDOG_DUMP_BYTES, BundleWriter
 from vllm_guardian.config import ServiceConfig
 from vllm_guardian.core.diagnosis import evidence_from_logs
@@ -29,6 +31,8 @@ from vllm_guardian.model import (
     ServiceSnapshot,
     Snapshot,
 )
+from vllm_guardian.sim.server import Twin
+from vllm_guardian.sim.vllm_log import LogWriter
 from vllm_guardian.sources.logs import match_line, may_be_evidence
 
 WATCHDOG = VLLM_FIXTURES / "watchdog"
@@ -130,3 +134,25 @@ def test_the_incident_bundle_carries_the_dump_files(tmp_path: Path) -> None:
     assert "secrets.txt" in got["ERROR.txt"] and "VLLM_STACK_DUMP_x.log" in got["ERROR.txt"]
     assert "hunter2" not in "".join(got.values())
     assert "[Watchdog]Dumped stack" in read_bundle(path).journal[0]
+
+
+def test_the_twin_dumps_and_logs_like_vllm_when_hung(tmp_path: Path) -> None:
+    """The twin with ``--watchdog-config``: its engine hangs 30 s after it is ready
+    (``engine_hang``); once nothing fed the watchdog for its timeout, it writes the dump and
+    logs the line, once per hang, which the logs source reads as vLLM's."""
+    config = json.dumps({"timeout": 5, "check_interval": 1, "dump_dir": str(tmp_path)})
+    out = io.StringIO()
+    twin = Twin(options("--sim-model", "tiny", "--sim-scenario", "engine_hang",
+                        "--watchdog-config", config), LogWriter(4242, out))  # fmt: skip
+    e = twin.engine
+    e.advance(e.startup_seconds)
+    assert e.ready_at is not None
+    for t in range(45):
+        e.advance(e.ready_at + t)
+        twin.log.write(twin.watchdog_events(), 0.0)
+    lines = [line for line in out.getvalue().splitlines() if "[Watchdog]" in line]
+    dump = tmp_path / f"VLLM_STACK_DUMP_for_engine_0_{twin.pid}.log"
+    assert len(lines) == 1, lines
+    assert match_line(lines[0]) == (LogEventKind.WATCHDOG_DUMP, (("dump_file", str(dump)),))
+    text = dump.read_text()
+    assert "due to feed timeout" in text and "(most recent call first):" in text

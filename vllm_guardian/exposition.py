@@ -214,6 +214,12 @@ _SERVICE_GAUGES: tuple[tuple[str, str, str], ...] = (
         "Requests finished with reason abort or error, per second.",
     ),
     (
+        "admission_rejections_per_second",
+        "admission_rejections_per_second",
+        "Requests vLLM itself answered 503 at its queue limits (--max-num-queued-reqs/-tokens), "
+        "per second.",
+    ),
+    (
         "prefix_cache_hit_ratio",
         "prefix_cache_hit_ratio",
         "Prefix-cache hit ratio over the rate window (tokens).",

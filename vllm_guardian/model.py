@@ -150,6 +150,14 @@ class VllmScrape:
     rejected_values: int = 0  # NaN/Inf where a finite value is required
     duplicate_series: int = 0
     engines_dropped: int = 0  # engines past the parser's cap (sources/vllm_metrics.MAX_ENGINES)
+    # vllm:admission_rejections_total (0.32+: the 503s of --max-num-queued-reqs/-tokens) by
+    # reason, summed over models (it has no engine label); None: the series is not exported.
+    admission_rejections: tuple[tuple[str, float], ...] | None = None
+
+    @property
+    def admission_rejections_total(self) -> float | None:
+        r = self.admission_rejections
+        return None if r is None else sum(v for _, v in r)
 
     @functools.cached_property
     def sums(self) -> EngineSums:
@@ -174,6 +182,9 @@ class VllmScrape:
 class HealthState(StrEnum):
     UP = "up"
     ENGINE_DEAD = "engine_dead"  # 503 (>= 0.11) or 500 (older)
+    # 503 with the body of vLLM's elastic EP ScalingMiddleware: every request is refused while
+    # the data-parallel size changes. Not serving, and not dead: never restarted for it.
+    SCALING = "scaling"
     ERROR = "error"  # another status code
     REFUSED = "refused"  # nothing listening: starting up or gone
     TIMEOUT = "timeout"

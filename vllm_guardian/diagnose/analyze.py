@@ -520,6 +520,20 @@ def analyze(
                 "it wait until /wake_up, and no stall is judged, nor a restart earned, meanwhile",
             ),
         )
+    rejected = sig.admission_rejections_per_second
+    if rejected:
+        # vLLM's own queue limits answered 503: demand it did not serve (the capacity estimate
+        # counts it so); a sign of over capacity, not a fault of the engine.
+        result = dataclasses.replace(
+            result,
+            notes=(
+                *result.notes,
+                f"vLLM turned away {rejected:.1f} requests/s with HTTP 503 at its own queue "
+                "limit (vllm:admission_rejections_total; --max-num-queued-reqs / "
+                "--max-num-queued-tokens): demand it did not serve, counted as such in the "
+                "capacity estimate",
+            ),
+        )
     verdict = result.verdict
     causes = tuple(
         CauseReport(
@@ -711,6 +725,12 @@ def _signals_view(sig: ServiceSignals, scrapes: int, span: float) -> dict[str, A
         "headroom_exhaustion_latest_seconds": sig.headroom_exhaustion_latest_seconds,
         "headroom_exhaustion_cause": sig.forecast_cause.value if sig.forecast_cause else None,
         "headroom_exhaustion": [f.describe() for f in sig.forecasts],
+        # Only where vLLM turned requests away (0.32's --max-num-queued-reqs/-tokens).
+        **(
+            {"admission_rejections_per_second": sig.admission_rejections_per_second}
+            if sig.admission_rejections_per_second
+            else {}
+        ),
     }
 
 
