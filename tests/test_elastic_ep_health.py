@@ -19,8 +19,10 @@ from vllm_guardian.config import HealthSourceConfig, ServiceConfig, SignalsConfi
 from vllm_guardian.core import signals as sig
 from vllm_guardian.core.policy import PolicyState, ServiceState
 from vllm_guardian.core.step import gate_states
-from vllm_guardian.model import HealthProbe, HealthState, ServiceSnapshot, Snapshot
-from vllm_guardian.sources.health import HealthCollector
+from vllm_guardian.diagnose.analyze import analyze
+from vllm_guardian.diagnose.bundle import Bundle
+from vllm_guardian.model import Cause, HealthProbe, HealthState, ServiceSnapshot, Snapshot
+from vllm_guardian.sources.health import SCALING_ERROR_PREFIX, HealthCollector
 
 # The middleware's JSONResponse, as Starlette renders it.
 SCALING = json.dumps(
@@ -58,3 +60,13 @@ def test_scaling_is_neither_up_nor_dead() -> None:
     assert s.health_state is HealthState.SCALING
     ((_, gate),) = gate_states(PolicyState((ServiceState("vllm"),), 1), signals, dry_run=False)
     assert not gate.ready and "scaling" in gate.reason
+
+
+def test_diagnose_of_a_bundle_taken_while_scaling_names_no_dead_engine() -> None:
+    # The health source's own words, as the incident bundle's health.json keeps them.
+    probe_error = f"HTTP 503: {SCALING_ERROR_PREFIX} (vLLM refuses every request until …)"
+    report = analyze(Bundle(origin="t", health={"status_code": 503, "error": probe_error}))
+    assert report.verdict is not Cause.ENGINE_DEAD
+    assert any("elastic EP" in n for n in report.notes)
+    dead = analyze(Bundle(origin="t", health={"status_code": 503, "error": "HTTP 503"}))
+    assert dead.verdict is Cause.ENGINE_DEAD

@@ -57,7 +57,7 @@ from vllm_guardian.model import (
     XidEvent,
 )
 from vllm_guardian.recorder import snapshot_from_record
-from vllm_guardian.sources.health import classify_status
+from vllm_guardian.sources.health import SCALING_ERROR_PREFIX, classify_status
 from vllm_guardian.sources.logs import (
     MESSAGE_MAX_CHARS,
     display_line,
@@ -91,7 +91,9 @@ def health_probe(doc: dict[str, Any] | None) -> HealthProbe | None:
     code = _int(doc.get("status_code"))
     err = _str(doc.get("error"))
     latency = _float(doc.get("latency_seconds"))
-    if code is not None:
+    if code == 503 and err is not None and SCALING_ERROR_PREFIX in err:
+        state = HealthState.SCALING  # the guardian's probe read elastic EP's scaling 503
+    elif code is not None:
         state = classify_status(code)
     elif err and "timed out" in err.lower():
         state = HealthState.TIMEOUT
@@ -495,7 +497,12 @@ def analyze(
         scrapes=len(times),
         observed_seconds=span,
         log_events=events,
-        health_status_code=health.status_code if health else None,
+        # Elastic EP's scaling 503 is no dead engine's: no status code to judge by.
+        health_status_code=(
+            health.status_code
+            if health is not None and health.state is not HealthState.SCALING
+            else None
+        ),
         unit_active_state=unit.active_state,
         unit_result=unit.result,
         exec_main_status=unit.exec_main_status,
@@ -518,6 +525,17 @@ def analyze(
                 f"engine {', '.join(sleeping) or '(unnamed)'} asleep at the last scrape "
                 "(vllm:engine_sleep_state awake 0: put to sleep through /sleep); requests in "
                 "it wait until /wake_up, and no stall is judged, nor a restart earned, meanwhile",
+            ),
+        )
+    if health is not None and health.state is HealthState.SCALING:
+        result = dataclasses.replace(
+            result,
+            notes=(
+                *result.notes,
+                "/health answered 503 with vLLM's elastic EP scaling message: the data-parallel "
+                "size was changing (every request refused meanwhile), not a dead engine; one "
+                "that stays so is a scale that failed: POST /is_scaling_elastic_ep, then "
+                "restart it by hand",
             ),
         )
     rejected = sig.admission_rejections_per_second

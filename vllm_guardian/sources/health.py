@@ -29,6 +29,8 @@ DEEP_MAX_BODY_BYTES = 1024 * 1024
 # vLLM's elastic EP ScalingMiddleware (vllm/entrypoints/serve/elastic_ep/middleware.py, 0.32)
 # answers every request, /health included, with 503 and this JSON while /scale_elastic_ep runs.
 ELASTIC_EP_SCALING_ERROR = "The model is currently scaling. Please try again later."
+# How the probe's error says so (kept in the incident bundle's health.json, read by diagnose).
+SCALING_ERROR_PREFIX = "elastic EP scaling"
 
 
 def classify_status(status_code: int, body: bytes = b"") -> HealthState:
@@ -102,8 +104,8 @@ class HealthCollector:
         error = None if state is HealthState.UP else f"HTTP {resp.status}"
         if state is HealthState.SCALING:
             error = (
-                f"HTTP {resp.status}: elastic EP scaling (vLLM refuses every request until the "
-                "data-parallel size has changed): not serving, not dead"
+                f"HTTP {resp.status}: {SCALING_ERROR_PREFIX} (vLLM refuses every request until "
+                "the data-parallel size has changed): not serving, not dead"
             )
         hint = (
             f"/health sent a body over {HEALTH_MAX_BODY_BYTES} bytes: read that far, judged by "
