@@ -276,7 +276,7 @@ def test_a_malformed_profile_names_every_key_and_line(tmp_path: Path) -> None:
         "limits:\n"
         "  gpu_headroom_floor_bytes: 2 potatoes\n"
     )
-    rc, out, err = run("-c", str(p))
+    rc, out, err = run("--profile", str(p))
     assert rc == cli.EXIT_USAGE
     assert out == ""
     assert f"{p}:4: load.step_seconds: expected a number" in err
@@ -287,6 +287,36 @@ def test_a_malformed_profile_names_every_key_and_line(tmp_path: Path) -> None:
         parse_profile("load:\n  ramp: [1]\n  concurrency: 2\n", "x.yaml")
     with pytest.raises(ConfigInvalid, match="steps must go up"):
         parse_profile("load:\n  ramp: [4, 2]\n", "x.yaml")
+
+
+@pytest.mark.parametrize(
+    ("args", "rc", "said"),
+    [
+        (["--profile", "P"], cli.EXIT_USAGE, ["load.burst: unknown key"]),
+        (
+            ["-c", "P"],
+            cli.EXIT_USAGE,
+            ["-c/--config is deprecated here", "load.burst: unknown key"],
+        ),
+        (["--config", "P"], cli.EXIT_USAGE, ["use --profile", "load.burst: unknown key"]),
+        (["-c", "P", "--profile", "Q"], cli.EXIT_USAGE, ["give the profile once"]),
+    ],
+    ids=["--profile", "-c (deprecated)", "--config (deprecated)", "both, differing"],
+)
+def test_the_profile_is_profile_and_c_a_deprecated_alias(
+    tmp_path: Path, args: list[str], rc: int, said: list[str]
+) -> None:
+    """Everywhere else -c is the guardian's config; loadtest's -c was its load profile."""
+    p = tmp_path / "profile.yaml"
+    p.write_text("url: http://127.0.0.1:8000\nload:\n  burst: true\n")
+    got, out, err = run(
+        *[str(p) if a == "P" else str(tmp_path / "q.yaml") if a == "Q" else a for a in args]
+    )
+    assert (got, out) == (rc, "")
+    for text in said:
+        assert text in err, err
+    if args[0] == "--profile":
+        assert "deprecated" not in err
 
 
 def test_flags_are_bounded_like_the_profile() -> None:

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import read_fixture
+from vllm_guardian import replay
 from vllm_guardian.model import (
     GpuDevice,
     GpuReading,
@@ -288,3 +292,29 @@ def test_old_and_unknown_formats(tmp_path: Path):
     got, err = _replay_stderr(future, cfg)
     assert got == []
     assert "flight record format 4 is not one this version reads (1, 2, 3)" in err
+
+
+ISO_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ vllm ")
+
+
+def test_replay_reads_the_default_config_like_restart_and_prints_utc_times(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """-c is optional, as for restart and relaunch; people read ISO 8601 UTC, --json keeps
+    the Unix seconds."""
+    flight = tmp_path / "flight.jsonl"
+    recording(flight)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"state_dir: {tmp_path}\nservices:\n  - name: vllm\n")
+    monkeypatch.setattr(replay, "DEFAULT_CONFIG_PATH", str(cfg))
+    assert replay.main([str(flight), "--transitions"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines and all(ISO_UTC.match(line) for line in lines), lines
+    assert lines[0].startswith("2026-11-22T00:")  # the recording starts at 1795306000
+    assert replay.main([str(flight), "--json"]) == 0
+    first = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert isinstance(first["time_seconds"], float) and first["time_seconds"] > 1_795_306_000
+
+    monkeypatch.setattr(replay, "DEFAULT_CONFIG_PATH", str(tmp_path / "absent.yaml"))
+    assert replay.main([str(flight)]) == 2
+    assert "give the config to decide with: -c CONFIG" in capsys.readouterr().err

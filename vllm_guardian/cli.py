@@ -90,9 +90,41 @@ def _print_rules_errors(e: ConfigInvalid) -> None:
         print("  " + err.format(e.filename), file=sys.stderr)
 
 
+def _error_docs(e: ConfigInvalid) -> list[dict[str, Any]]:
+    return [
+        {"file": e.filename, "line": err.line, "key": err.path, "message": err.message}
+        for err in e.errors
+    ]
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
-    cfg = _load(args.config)
-    if cfg is None:
+    """Validate a config and its rules file; every error at once. With ``--json`` the same as
+    one object (docs/cli.md): text for people on stdout/stderr, the object for scripts."""
+    from vllm_guardian.redact import redact_text  # noqa: PLC0415
+
+    doc: dict[str, Any] = {
+        "schema": "vllm-guardian/check-config",
+        "schema_version": 1,
+        "config": args.config,
+        "ok": False,
+        "errors": [],
+        "warnings": [],
+    }
+
+    def emit(code: int) -> int:
+        if args.json:
+            print(json.dumps(doc, indent=2))
+        return code
+
+    try:
+        cfg = load_config(args.config)
+    except ConfigInvalid as e:
+        doc["errors"] = _error_docs(e)
+        if not args.json:
+            n = len(e.errors)
+            print(f"{args.config}: {n} error{'s' if n != 1 else ''}:", file=sys.stderr)
+            for err in e.errors:
+                print("  " + err.format(e.filename), file=sys.stderr)
         # The rules file is checked too, so one run shows every error in both files.
         named = _named_rules_file(args.config)
         if named is not None:
@@ -101,16 +133,42 @@ def cmd_check_config(args: argparse.Namespace) -> int:
             try:
                 parse_rules(read_text(named), named)
             except ConfigInvalid as e:
-                _print_rules_errors(e)
-        return EXIT_CONFIG
+                doc["errors"] += _error_docs(e)
+                if not args.json:
+                    _print_rules_errors(e)
+        return emit(EXIT_CONFIG)
     from vllm_guardian.actuators.alerts import load_rules  # noqa: PLC0415
 
     try:
         rules = load_rules(cfg.alerting)
     except ConfigInvalid as e:
-        _print_rules_errors(e)
-        return EXIT_CONFIG
-    for warning in missing_files(cfg):
+        doc["errors"] = _error_docs(e)
+        if not args.json:
+            _print_rules_errors(e)
+        return emit(EXIT_CONFIG)
+    doc["warnings"] = missing_files(cfg)
+    # URLs are shown redacted: user:password, ?token=, a webhook whose path is its secret.
+    sinks = ["log"] + [f"webhook {redact_text(u)}" for u in cfg.alerting.webhooks]
+    if cfg.alerting.alertmanager_url:
+        sinks.append(f"alertmanager {redact_text(cfg.alerting.alertmanager_url)}")
+    doc.update(
+        ok=True,
+        listen=cfg.listen,
+        alert_rules=len(rules),
+        dry_run=cfg.policy.dry_run,
+        alert_sinks=sinks,
+        services=[
+            {
+                "name": s.name,
+                "url": redact_text(s.url),
+                "gate_listen": s.gate.listen if s.gate is not None else None,
+            }
+            for s in cfg.services
+        ],
+    )
+    if args.json:
+        return emit(EXIT_OK)
+    for warning in doc["warnings"]:
         print(f"warning: {warning}", file=sys.stderr)
     names = ", ".join(s.name for s in cfg.services)
     mode = "dry-run (decides, does not act)" if cfg.policy.dry_run else "armed"
@@ -118,20 +176,14 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         f"{args.config}: OK ({len(cfg.services)} service(s): {names}; listen {cfg.listen}; "
         f"{len(rules)} alert rules; policy {mode})"
     )
-    from vllm_guardian.redact import redact_text  # noqa: PLC0415
-
-    # URLs are shown redacted: user:password, ?token=, a webhook whose path is its secret.
-    for s in cfg.services:
-        url = redact_text(s.url)
-        if s.gate is not None:
+    for svc in doc["services"]:
+        if svc["gate_listen"] is not None:
             print(
-                f"  gate for {s.name}: clients on {s.gate.listen} -> {url} (vllm-guardian-gate@{s.name}.service)"
+                f"  gate for {svc['name']}: clients on {svc['gate_listen']} -> {svc['url']} "
+                f"(vllm-guardian-gate@{svc['name']}.service)"
             )
         else:
-            print(f"  {s.name}: no gate: section, clients reach {url} directly")
-    sinks = ["log"] + [f"webhook {redact_text(u)}" for u in cfg.alerting.webhooks]
-    if cfg.alerting.alertmanager_url:
-        sinks.append(f"alertmanager {redact_text(cfg.alerting.alertmanager_url)}")
+            print(f"  {svc['name']}: no gate: section, clients reach {svc['url']} directly")
     print(f"  alert sinks: {', '.join(sinks)}")
     return EXIT_OK
 
@@ -318,12 +370,21 @@ def cmd_control(args: argparse.Namespace) -> int:
     try:
         reply = request(_socket_path(args), {"cmd": args.command, "service": args.service})
     except ControlError as e:
-        print(f"vllm-guardian {args.command}: {e}", file=sys.stderr)
-        return EXIT_FAIL
+        reply = {"ok": False, "error": str(e)}
+    changed = reply.get("changed") or []
+    if args.json:  # the fields of docs/cli.md, whatever the guardian's reply holds besides
+        doc = {
+            "command": args.command,
+            "service": args.service,
+            "ok": bool(reply.get("ok")),
+            "changed": list(changed) if reply.get("ok") else [],
+            "error": None if reply.get("ok") else str(reply.get("error")),
+        }
+        print(json.dumps(doc, indent=2))
+        return EXIT_OK if reply.get("ok") else EXIT_FAIL
     if not reply.get("ok"):
         print(f"vllm-guardian {args.command}: {reply.get('error')}", file=sys.stderr)
         return EXIT_FAIL
-    changed = reply.get("changed") or []
     what = {"pause": "paused (observing and alerting only)", "resume": "acting again"}[args.command]
     print(
         f"{', '.join(changed)}: {what}"
@@ -380,6 +441,11 @@ def build_parser() -> argparse.ArgumentParser:
         "file:line: key.path: why. Exit 0 valid, 2 invalid.",
     )
     with_config(c)
+    c.add_argument(
+        "--json",
+        action="store_true",
+        help="print the result as one JSON object (ok, errors, warnings, services; docs/cli.md)",
+    )
     s = sub.add_parser(
         "status",
         help="show what the running daemon sees",
@@ -410,6 +476,11 @@ def build_parser() -> argparse.ArgumentParser:
         cp.add_argument("service", nargs="?", help="one service (default: all)")
         cp.add_argument(
             "--socket", help="control socket path (default: <runtime_dir>/control.sock)"
+        )
+        cp.add_argument(
+            "--json",
+            action="store_true",
+            help="print the result as one JSON object (ok, changed, error; docs/cli.md)",
         )
     sub.add_parser(
         "restart",

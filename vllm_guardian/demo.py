@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TextIO
 
+from vllm_guardian import incident_svg
 from vllm_guardian.config import Config, PolicyConfig, SignalsConfig, parse_config
 from vllm_guardian.daemon import Guardian
 from vllm_guardian.demo_view import (
@@ -179,6 +180,8 @@ class DemoReport:
     # The over-capacity alert's summary each time it fired, and the last capacity estimate.
     over_capacity: list[str] = field(default_factory=list)
     capacity: str = ""
+    picture: Path | None = None  # the incident picture (incident.svg), when it was drawn
+    picture_error: str | None = None
 
 
 # The demo's wait without a processed token before the guardian restarts a stalled engine (the
@@ -553,6 +556,7 @@ def _report(g: Guardian, opts: DemoOptions, workdir: Path) -> DemoReport:
     report.alerts_fired, report.alerts_held = seen.fired, seen.held
     report.over_capacity = seen.over_capacity
     report.requests = _count_outcomes(workdir / "outcomes.jsonl")
+    report.picture, report.picture_error = draw_picture(workdir)
     if g.last is not None and g.last.signals.services:
         cap = g.last.signals.services[0].capacity
         report.capacity = cap.line() if cap is not None else ""
@@ -560,6 +564,18 @@ def _report(g: Guardian, opts: DemoOptions, workdir: Path) -> DemoReport:
         sup = g.healing.supervisors["vllm"]
         report.twin_starts, report.twin_exits = sup.starts, list(sup.exits)
     return report
+
+
+def draw_picture(workdir: Path) -> tuple[Path | None, str | None]:
+    """The run's incident picture from its flight record, as ``workdir/incident.svg``; or why
+    it could not be drawn (the summary says so, and the rest of the summary stands)."""
+    out = workdir / "incident.svg"
+    try:
+        tl = incident_svg.from_flight(workdir / "state" / "flight.jsonl", "vllm")
+        out.write_text(incident_svg.render(tl))
+    except Exception as e:  # a picture never costs the summary
+        return None, f"{type(e).__name__}: {e}"
+    return out, None
 
 
 def summary(report: DemoReport) -> list[str]:
@@ -612,9 +628,13 @@ def summary(report: DemoReport) -> list[str]:
             f"failed above: {failed}"
         )
     lines.append(f"vLLM twin starts: {report.twin_starts}; exit codes seen: {report.twin_exits}")
+    if report.picture is not None:
+        lines.append(f"Incident picture (open it in a browser): {report.picture}")
+    elif report.picture_error is not None:
+        lines.append(f"Incident picture: not drawn ({report.picture_error})")
     lines.append(
         f"Everything it wrote: {report.workdir} (guardian.log, audit.jsonl, flight.jsonl, "
-        "bundles/, vllm.log)"
+        "bundles/, vllm.log, incident.svg)"
     )
     return lines
 

@@ -115,8 +115,15 @@ class Healing:
         self.recent: collections.deque[policy.Decision] = collections.deque(maxlen=20)
         if backends is None:
             backends = self._build_backends()
+        # The recent decisions and alert transitions (JSON, as recorded): the alert and phase
+        # lanes of each bundle's incident picture.
+        self._events: collections.deque[dict[str, Any]] = collections.deque(maxlen=2000)
+        self._bundle_paths: dict[int, str] = {}  # action → its bundle, drawn again at its end
         self.bundles = BundleWriter(
-            state_dir / "bundles", self._bundle_context, cfg.policy.bundle_timeout_seconds
+            state_dir / "bundles",
+            self._bundle_context,
+            cfg.policy.bundle_timeout_seconds,
+            events=lambda: list(self._events),
         )
         self.runner = OpRunner(
             clock, state_dir, dict(backends), self._capture_bundle, self._fleet_permits(cfg)
@@ -263,7 +270,10 @@ class Healing:
             req.action_id, req.service, ActionKind.RESTART, req.cause, req.reason, (), False,
             req.flags, req.env,
         )  # fmt: skip
-        return self.bundles(action)
+        where = self.bundles(action)
+        if where is not None:
+            self._bundle_paths[req.action_id] = where
+        return where
 
     def take_results(self) -> tuple[OpResult, ...]:
         """The blocking calls that finished since the last tick: the next snapshot's
@@ -278,11 +288,13 @@ class Healing:
         recorder."""
         with self._lock:
             self.tick_state, fx = core_step.step(self.tick_state, history, now, self.settings)
-            self._apply(fx)
             # Inhibited transitions are recorded too: their alert's inhibited_by says why.
-            return fx.signals, [to_jsonable(d) for d in fx.decisions] + [
+            records = [to_jsonable(d) for d in fx.decisions] + [
                 {"transition": to_jsonable(t)} for t in (*fx.transitions, *fx.inhibited)
             ]
+            self._events.extend(records)  # before _apply: an action's end redraws its picture
+            self._apply(fx)
+            return fx.signals, records
 
     def _apply(self, fx: core_step.Effects) -> None:
         try:  # queued: a slow webhook never delays the tick
@@ -304,6 +316,8 @@ class Healing:
             self.runner.start(req)
         for r in fx.results:
             self._started.pop(r.action_id, None)
+            if (bundle := self._bundle_paths.pop(r.action_id, None)) is not None:
+                self.bundles.redraw(Path(bundle), r.service)
             self._count(r.service, r.kind.value, r.ok, r.dry_run)
         self._audit(fx.decisions)
         self._gates = dict(fx.gates)

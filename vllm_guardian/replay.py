@@ -1,4 +1,4 @@
-"""``vllm-guardian replay RECORDING -c CONFIG``: a past incident through today's rules and policy.
+"""``vllm-guardian replay RECORDING [-c CONFIG]``: a past incident through today's rules and policy.
 
 The flight recorder keeps every tick's snapshot. Replay feeds them, in order, to the same pure
 ``core/step.step`` the daemon runs (signals → alerts → policy, with the phases of an action)
@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import argparse
 import collections
+import datetime as dt
 import json
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from vllm_guardian.actuators.alerts import load_rules
-from vllm_guardian.config import Config, ConfigInvalid, load_config
+from vllm_guardian.config import DEFAULT_CONFIG_PATH, Config, ConfigInvalid, load_config
 from vllm_guardian.core import policy
 from vllm_guardian.core import step as core_step
 from vllm_guardian.daemon import history_span_seconds
@@ -102,6 +104,12 @@ def load_snapshots(path: str) -> Iterator[Snapshot | RecordError]:
             yield RecordError(path, 0, f"not a flight record: {e}")
 
 
+def iso(unix_seconds: float) -> str:
+    """A record's time as people read it: ISO 8601 in UTC, to the second (``--json`` keeps the
+    Unix seconds)."""
+    return dt.datetime.fromtimestamp(unix_seconds, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def main(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(
         prog="vllm-guardian replay",
@@ -113,9 +121,17 @@ def main(argv: Sequence[str]) -> int:
         "recording", help="a flight.jsonl (rotated siblings are read too, oldest first)"
     )
     ap.add_argument(
-        "-c", "--config", required=True, help="the config whose rules and policy decide"
+        "-c",
+        "--config",
+        default=DEFAULT_CONFIG_PATH,
+        help=f"the config whose rules and policy decide (default {DEFAULT_CONFIG_PATH}, as for "
+        "restart and relaunch)",
     )
-    ap.add_argument("--json", action="store_true", help="one JSON object per line")
+    ap.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per line (times as Unix seconds: time_seconds)",
+    )
     ap.add_argument("--transitions", action="store_true", help="also show alert transitions")
     args = ap.parse_args(argv)
     try:
@@ -123,6 +139,10 @@ def main(argv: Sequence[str]) -> int:
         load_rules(cfg.alerting)
     except ConfigInvalid as e:
         print(e, file=sys.stderr)
+        if args.config == DEFAULT_CONFIG_PATH and not Path(args.config).exists():
+            print(
+                "vllm-guardian replay: give the config to decide with: -c CONFIG", file=sys.stderr
+            )
         return 2
     errors: list[RecordError] = []
 
@@ -143,11 +163,11 @@ def main(argv: Sequence[str]) -> int:
         elif line.kind == "decision":
             b = line.body
             phase = f"{b['phase']}: " if b.get("phase") else ""
-            print(f"{b['time_seconds']:.0f} {b['service']} {b['what']:<10} {phase}{b['reason']}")
+            print(f"{iso(b['time_seconds'])} {b['service']} {b['what']:<10} {phase}{b['reason']}")
         else:
             a = line.body["alert"]
             print(
-                f"{line.time_seconds:.0f} {a['service']} alert {a['name']} {line.body['previous']} → {line.body['current']}"
+                f"{iso(line.time_seconds)} {a['service']} alert {a['name']} {line.body['previous']} → {line.body['current']}"
             )
     for bad in errors[:10]:
         print(f"{bad.file}:{bad.line}: skipped: {bad.message}", file=sys.stderr)

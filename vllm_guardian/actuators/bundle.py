@@ -6,24 +6,28 @@ on just before the guardian acted, in the bundle format of ``docs/bundle.md``:
 ``manifest.json``, ``metrics/<unix>.prom`` (a fresh scrape), ``health.json``, ``gpus.json``,
 ``cmdline.txt`` (secrets already redacted), ``unit.json``, ``journal.log`` (the matched log
 lines the guardian saw), ``flight.jsonl`` (the recent ticks), ``action.json`` and
-``watchdog/`` (the stack dumps of vLLM's hang watchdog that its log lines named).
+``incident.svg`` (the incident picture, ``incident_svg.py``: drawn at capture and drawn again,
+with every phase, when the action ends: :meth:`BundleWriter.redraw`), and ``watchdog/`` (the
+stack dumps of vLLM's hang watchdog that its log lines named).
 
 Time-boxed by ``policy.bundle_timeout_seconds``; a failure to capture never blocks the action.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import logging
 import os
 import re
 import stat
-from collections.abc import Callable, Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_guardian import httpget
+from vllm_guardian import httpget, incident_svg
 from vllm_guardian.config import ServiceConfig
 from vllm_guardian.core.signals import belongs_to
 from vllm_guardian.model import Action, GpuDevice, LogEventKind, Snapshot, UnitState, XidEvent
@@ -33,6 +37,11 @@ from vllm_guardian.redact import redact_text
 log = logging.getLogger("vllm_guardian.bundle")
 
 Context = Callable[[str], tuple[ServiceConfig | None, Sequence[Snapshot]]]
+# The recent decisions and alert transitions as the flight record holds them (JSON), for the
+# incident picture's alert and phase lanes.
+Events = Callable[[], Sequence[Mapping[str, Any]]]
+PICTURE = "incident.svg"
+PICTURE_ERROR = "incident.svg.ERROR.txt"
 
 # vLLM's hang watchdog (0.33's --watchdog-config) names its dump file in the line it logs
 # (vllm/utils/watch_dog.py: "<dump_dir>/VLLM_STACK_DUMP_for_<name>_<pid>.log"). Only a file
@@ -88,12 +97,18 @@ def gpus_document(
 
 class BundleWriter:
     def __init__(
-        self, root: Path, context: Context, timeout_seconds: float, keep: int = 50
+        self,
+        root: Path,
+        context: Context,
+        timeout_seconds: float,
+        keep: int = 50,
+        events: Events | None = None,
     ) -> None:
         self.root = root
         self.context = context
         self.timeout_seconds = timeout_seconds
         self.keep = keep
+        self.events = events
 
     def __call__(self, action: Action) -> str | None:
         try:
@@ -168,8 +183,54 @@ class BundleWriter:
         with (path / "flight.jsonl").open("w") as fh:
             for snap in history[-300:]:
                 fh.write(json.dumps({"snapshot": to_jsonable(snap)}, separators=(",", ":")) + "\n")
+        self.draw(path, action.service, history[-300:])
         self._prune()
         return path
+
+    def redraw(self, path: Path, service: str) -> threading.Thread | None:
+        """Draw the bundle's picture again when its action ends (called by ``healing.py`` on
+        the action's result, in the tick): at capture the action had only begun; now every
+        phase shows. The history and events are taken now; the drawing (tens of milliseconds
+        for 300 ticks on a busy host) runs in a thread of its own, returned, so the tick does
+        not wait for it."""
+        try:
+            _, history = self.context(service)
+            events = list(self.events()) if self.events is not None else []
+        except Exception:  # the tick calls this: nothing here may stop it
+            log.exception("incident picture for %s: no history", path)
+            return None
+        if not path.is_dir():
+            return None
+        t = threading.Thread(
+            target=self.draw,
+            args=(path, service, history[-300:], events),
+            name="incident-picture",
+            daemon=True,
+        )
+        t.start()
+        return t
+
+    def draw(
+        self,
+        path: Path,
+        service: str,
+        history: Sequence[Snapshot],
+        events: Sequence[Mapping[str, Any]] | None = None,
+    ) -> None:
+        """Write ``incident.svg`` (``events``: default the writer's own); an error drawing it is
+        written beside it and logged, and never costs the rest of the bundle."""
+        try:
+            if events is None:
+                events = list(self.events()) if self.events is not None else []
+            tl = incident_svg.timeline([to_jsonable(s) for s in history], events, service)
+            tmp = path / (PICTURE + ".tmp")
+            tmp.write_text(incident_svg.render(tl))
+            tmp.replace(path / PICTURE)
+            (path / PICTURE_ERROR).unlink(missing_ok=True)
+        except Exception as e:  # a picture is a convenience, never a reason to lose the bundle
+            log.exception("incident picture for %s failed", path)
+            with contextlib.suppress(OSError):
+                (path / PICTURE_ERROR).write_text(f"the incident picture was not drawn: {e!r}\n")
 
     def _prune(self) -> None:
         bundles = sorted(

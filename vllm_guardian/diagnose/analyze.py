@@ -619,6 +619,11 @@ def analyze(
             *result.notes,
             f"thresholds from {th.source}, read instantly (a rule's for_seconds is "
             "not waited for in a diagnosis)",
+            *(
+                (f"the incident's timeline as a picture: {b.picture} (open it in a browser)",)
+                if b.picture
+                else ()
+            ),
         ),
         signals=_signals_view(sig, len(times), span),
         kv_budget=bud.view,

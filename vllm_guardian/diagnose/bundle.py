@@ -76,6 +76,7 @@ class Bundle:
     allocator: tuple[tuple[str, dict[str, Any]], ...] = ()
     flight: tuple[dict[str, Any], ...] = ()  # flight-recorder records (the daemon's ticks)
     action: dict[str, Any] | None = None  # the action the policy was about to take
+    picture: str | None = None  # where its incident picture (incident.svg) is, when it has one
     problems: tuple[str, ...] = field(default=())
 
 
@@ -350,6 +351,14 @@ def _read_dir(root: Path, origin: str) -> Bundle:
             if doc is not None:
                 allocator.append((f.name, doc))
     flight = _flight(r)
+    picture = None
+    if (root / "incident.svg").is_file():
+        # A directory's picture can be opened where it is; an archive's is a member of it.
+        picture = (
+            str(Path(origin) / "incident.svg")
+            if Path(origin).is_dir()
+            else f"incident.svg inside {origin}"
+        )
     return Bundle(
         origin=origin,
         service=service,
@@ -368,6 +377,7 @@ def _read_dir(root: Path, origin: str) -> Bundle:
         allocator=tuple(allocator),
         flight=tuple(flight),
         action=small["action.json"],
+        picture=picture,
         problems=tuple(r.problems),
     )
 

@@ -78,7 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
         "sources; stop before harm; report the highest step that held and the flags to set.",
     )
     ap.add_argument("--url", help="the vLLM server's base URL, e.g. http://127.0.0.1:8000")
-    ap.add_argument("-c", "--config", help="a YAML load profile (docs/loadtest.md)")
+    ap.add_argument("--profile", help="a YAML load profile (docs/loadtest.md)")
+    # Elsewhere -c is the guardian's config; here it was the profile. Kept, with a warning.
+    ap.add_argument(
+        "-c", "--config", dest="config_alias", metavar="PROFILE", help="deprecated: use --profile"
+    )
     ap.add_argument("--model", help="the model name to request (default: the server's first)")
     g = ap.add_argument_group("load shape (flags override the profile)")
     g.add_argument(
@@ -142,7 +146,7 @@ def _range(text: str | None, what: str) -> tuple[int | None, int | None]:
 
 def build_profile(args: argparse.Namespace) -> Profile:
     """Profile file (if any) + flags, checked. Raises ConfigInvalid or ValueError."""
-    base = load_profile(args.config) if args.config else Profile()
+    base = load_profile(args.profile) if args.profile else Profile()
     p_min, p_max = _range(args.prompt_tokens, "prompt-tokens")
     o_min, o_max = _range(args.output_tokens, "output-tokens")
     shape_given = any(x is not None for x in (args.ramp, args.concurrency, args.rate))
@@ -181,7 +185,7 @@ def build_profile(args: argparse.Namespace) -> Profile:
         ld = replace(ld, ramp=doubling_ramp(64))
     profile = replace(profile, load=ld)
     _check_bounds(profile)
-    return check(profile, args.config or "<flags>")
+    return check(profile, args.profile or "<flags>")
 
 
 def _check_bounds(profile: Profile) -> None:
@@ -214,6 +218,17 @@ def main(
     argv: Sequence[str] | None = None, out: TextIO = sys.stdout, err: TextIO = sys.stderr
 ) -> int:
     args = build_parser().parse_args(argv)
+    if args.config_alias is not None:
+        print(
+            "vllm-guardian loadtest: -c/--config is deprecated here (elsewhere it is the "
+            "guardian's config): use --profile",
+            file=err,
+        )
+        if args.profile is None:
+            args.profile = args.config_alias
+        elif args.profile != args.config_alias:
+            print("vllm-guardian loadtest: give the profile once: --profile", file=err)
+            return EXIT_USAGE
     try:
         profile = build_profile(args)
     except ConfigInvalid as e:
