@@ -119,6 +119,10 @@ def test_a_pod_restart_does_not_wait_for_the_daemon() -> None:
     assert seen(snap, s, "vllm").device_pids == ((0, (4242,)),)
 
 
+# This test process's own mark: no other process on the machine carries it.
+MARK = f"vllm:{os.getpid()}"
+
+
 @pytest.fixture
 def group_with_a_daemon(tmp_path: Path):
     """A shell (the command, its own process group) that started ``vllm preload`` (a fake
@@ -126,7 +130,7 @@ def group_with_a_daemon(tmp_path: Path):
     fake = tmp_path / "vllm"
     fake.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(120)\n")
     fake.chmod(0o755)
-    env = dict(os.environ, VLLM_GUARDIAN_SUPERVISED="vllm:1")
+    env = dict(os.environ, VLLM_GUARDIAN_SUPERVISED=MARK)
     script = f"{fake} preload --model /m & sleep 120 & echo started; wait"
     proc = subprocess.Popen(["sh", "-c", script], start_new_session=True, env=env,
                             stdout=subprocess.PIPE)  # fmt: skip
@@ -163,7 +167,7 @@ def test_the_group_sweep_spares_the_daemon(group_with_a_daemon) -> None:
     proc, members = group_with_a_daemon
     daemon = next(m for m in members if b"preload" in _cmd(m))
     other = next(m for m in members if m != daemon)
-    assert marked_processes("vllm:1", outside_pgid=os.getpgid(os.getpid())) == sorted(
+    assert marked_processes(MARK, outside_pgid=os.getpgid(os.getpid())) == sorted(
         [proc.pid, other]
     )  # the daemon carries the mark too, but is no escapee
     signal_group(proc.pid, signal.SIGKILL)
