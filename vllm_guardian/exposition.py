@@ -168,6 +168,7 @@ _SERVICE_GAUGES: tuple[tuple[str, str], ...] = (  # (metric, the signal's field)
     ("prompt_tokens_per_second", "prompt_tokens_per_second"),
     ("generation_tokens_per_second", "generation_tokens_per_second"),
     ("request_failures_per_second", "request_failures_per_second"),
+    ("admission_rejections_per_second", "admission_rejections_per_second"),
     ("prefix_cache_hit_ratio", "prefix_cache_hit_ratio"),
     ("engine_stall_seconds", "stall_seconds"),
     ("kv_cache_capacity_tokens", "kv_cache_capacity_tokens"),

@@ -97,6 +97,13 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         ("service",),
     ),
     MetricSpec(
+        "admission_rejections_per_second",
+        GAUGE,
+        "Requests vLLM itself answered 503 at its queue limits (--max-num-queued-reqs/-tokens), "
+        "per second.",
+        ("service",),
+    ),
+    MetricSpec(
         "prefix_cache_hit_ratio",
         GAUGE,
         "Prefix-cache hit ratio over the rate window (tokens).",

@@ -150,6 +150,14 @@ class VllmScrape:
     rejected_values: int = 0  # NaN/Inf where a finite value is required
     duplicate_series: int = 0
     engines_dropped: int = 0  # engines past the parser's cap (sources/vllm_metrics.MAX_ENGINES)
+    # vllm:admission_rejections_total (0.32+: the 503s of --max-num-queued-reqs/-tokens) by
+    # reason, summed over models (it has no engine label); None: the series is not exported.
+    admission_rejections: tuple[tuple[str, float], ...] | None = None
+
+    @property
+    def admission_rejections_total(self) -> float | None:
+        r = self.admission_rejections
+        return None if r is None else sum(v for _, v in r)
 
     @functools.cached_property
     def sums(self) -> EngineSums:
@@ -174,6 +182,9 @@ class VllmScrape:
 class HealthState(StrEnum):
     UP = "up"
     ENGINE_DEAD = "engine_dead"  # 503 (>= 0.11) or 500 (older)
+    # 503 with the body of vLLM's elastic EP ScalingMiddleware: every request is refused while
+    # the data-parallel size changes. Not serving, and not dead: never restarted for it.
+    SCALING = "scaling"
     ERROR = "error"  # another status code
     REFUSED = "refused"  # nothing listening: starting up or gone
     TIMEOUT = "timeout"
@@ -210,6 +221,10 @@ class GpuProcess:
     name: str | None = None
     cgroup: str | None = None
     ancestors: tuple[int, ...] = ()
+    # vLLM's weight-cache daemon (``vllm preload``, or a child of it): it holds a model's
+    # weights for engines started with ``--load-format ipc_cache``, inside their budget, and
+    # outlives their restarts on purpose.
+    weight_cache: bool = False
 
 
 @dataclass(frozen=True)
@@ -278,6 +293,9 @@ class LogEventKind(StrEnum):
     NO_KV_CACHE_MEMORY = "no_kv_cache_memory"
     MAX_SEQ_LEN_EXCEEDS_KV = "max_seq_len_exceeds_kv"
     FREE_MEMORY_BELOW_UTILIZATION = "free_memory_below_utilization"
+    # --load-format ipc_cache: the weights vLLM's weight-cache daemon (vllm preload) holds
+    # exceed the whole gpu_memory_utilization budget they are subtracted from.
+    EXTERNAL_WEIGHTS_EXCEED_BUDGET = "external_weights_exceed_budget"
     MEMORY_PROFILING_ERROR = "memory_profiling_error"
     STARTUP_FAILED = "startup_failed"
     ENGINE_FATAL = "engine_fatal"
@@ -285,6 +303,9 @@ class LogEventKind(StrEnum):
     WORKER_DIED = "worker_died"
     EXECUTE_TIMEOUT = "execute_timeout"
     PREEMPTION = "preemption"
+    # vLLM's hang watchdog (0.33's --watchdog-config) dumped every thread's stack: nothing fed
+    # it for its timeout. Logged at INFO; the only signature read at that level.
+    WATCHDOG_DUMP = "watchdog_dump"
     GPU_HARDWARE_ERROR = (
         "gpu_hardware_error"  # uncorrectable ECC, fallen off the bus: needs a reset
     )

@@ -59,6 +59,26 @@ def parse_cgroup(text: str) -> str | None:
     return None
 
 
+# vLLM's CLI as a process runs it: its console script (``…/bin/vllm``, as itself or under the
+# interpreter its shebang names) or ``python -m vllm.entrypoints.cli.main``.
+_VLLM_CLI_MODULE = "vllm.entrypoints.cli.main"
+
+
+def is_weight_cache_command(cmdline: str) -> bool:
+    """Whether ``/proc/<pid>/cmdline`` (NUL-separated) is vLLM's weight-cache launcher,
+    ``vllm preload …`` (0.31+): the process whose ``spawn`` children hold a model's weights on
+    each GPU for engines started with ``--load-format ipc_cache``. The subcommand is the first
+    argument after the CLI that is not an option."""
+    argv = cmdline.split("\0")
+    for i, arg in enumerate(argv):
+        if arg.rpartition("/")[2] == "vllm" or (
+            arg == _VLLM_CLI_MODULE and i > 0 and argv[i - 1] == "-m"
+        ):
+            rest = [a for a in argv[i + 1 :] if a]
+            return bool(rest) and rest[0] == "preload"
+    return False
+
+
 def parse_pid_file(text: str) -> tuple[int, int] | None:
     """A supervisor's pid file, ``PID START_TICKS`` (procmgr writes it; the unit source reads
     it): the pair, or None when it is not exactly two decimal numbers."""

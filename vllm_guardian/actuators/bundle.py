@@ -8,7 +8,8 @@ format's one writer, ``diagnose/bundle.py``):
 ``cmdline.txt`` (secrets already redacted), ``unit.json``, ``journal.log`` (the matched log
 lines the guardian saw), ``flight.jsonl`` (the recent ticks), ``action.json`` and
 ``incident.svg`` (the incident picture, ``incident_svg.py``: drawn at capture and drawn again,
-with every phase, when the action ends: :meth:`BundleWriter.redraw`).
+with every phase, when the action ends: :meth:`BundleWriter.redraw`), and ``watchdog/`` (the
+stack dumps of vLLM's hang watchdog that its log lines named).
 
 Time-boxed by ``policy.bundle_timeout_seconds``; a failure to capture never blocks the action.
 """
@@ -18,15 +19,18 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
+import os
+import re
+import stat
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from vllm_guardian import httpget, incident_svg
 from vllm_guardian.config import ServiceConfig
 from vllm_guardian.diagnose.bundle import Bundle, gpus_document, unit_document, write_bundle
-from vllm_guardian.model import Action, Snapshot
+from vllm_guardian.model import Action, LogEventKind, Snapshot
 from vllm_guardian.recorder import to_jsonable
 from vllm_guardian.redact import redact_text
 
@@ -38,6 +42,14 @@ Context = Callable[[str], tuple[ServiceConfig | None, Sequence[Snapshot]]]
 Events = Callable[[], Sequence[Mapping[str, Any]]]
 PICTURE = "incident.svg"
 PICTURE_ERROR = "incident.svg.ERROR.txt"
+
+# vLLM's hang watchdog (0.33's --watchdog-config) names its dump file in the line it logs
+# (vllm/utils/watch_dog.py: "<dump_dir>/VLLM_STACK_DUMP_for_<name>_<pid>.log"). Only a file
+# named so is read: the path comes from a log line, and no other file may end up in a bundle.
+WATCHDOG_DUMP_NAME = re.compile(r"VLLM_STACK_DUMP_for_[A-Za-z0-9_.-]+_\d+\.log")
+MAX_WATCHDOG_DUMPS = 4  # the newest files named
+# A dump is every thread's stack, appended at each timeout: the tail holds the latest.
+MAX_WATCHDOG_DUMP_BYTES = 256 * 1024
 
 
 class BundleWriter:
@@ -121,6 +133,15 @@ class BundleWriter:
             ),
             path,
         )
+        dumps = [
+            dict(ev.details).get("dump_file", "")
+            for snap in history
+            if (s := snap.service(action.service)) is not None and s.logs is not None
+            for ev in s.logs.recent
+            if ev.kind is LogEventKind.WATCHDOG_DUMP
+        ]
+        if dumps:
+            copy_watchdog_dumps(dumps, path / "watchdog")
         self.draw(path, action.service, history[-300:])
         self._prune()
         return path
@@ -178,3 +199,47 @@ class BundleWriter:
             for f in sorted(old.rglob("*"), reverse=True):
                 f.unlink() if f.is_file() else f.rmdir()
             old.rmdir()
+
+
+def _read_tail(path: str, limit: int) -> bytes:
+    """The last ``limit`` bytes of a regular file, never following a link at its end."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"not a regular file ({stat.filemode(st.st_mode)})")
+        f.seek(max(0, st.st_size - limit))
+        data = f.read(limit)
+    if st.st_size > limit:  # start at a whole line
+        data = data[data.find(b"\n") + 1 :]
+    return data
+
+
+def copy_watchdog_dumps(paths: Iterable[str], into: Path) -> list[str]:
+    """Copy the newest :data:`MAX_WATCHDOG_DUMPS` of vLLM's watchdog dump files ``paths`` (from
+    its log lines, oldest first) into ``into``, each cut to its last
+    :data:`MAX_WATCHDOG_DUMP_BYTES` and redacted line by line like the journal. What could not
+    be copied (another mount namespace, not the watchdog's name, gone) is said in
+    ``into/ERROR.txt``. Returns the names copied."""
+    newest = list(dict.fromkeys(reversed([p for p in paths if p])))[:MAX_WATCHDOG_DUMPS]
+    into.mkdir(parents=True, exist_ok=True)
+    copied: list[str] = []
+    errors: list[str] = []
+    for p in reversed(newest):
+        name = Path(p).name
+        if not WATCHDOG_DUMP_NAME.fullmatch(name):
+            errors.append(f"{redact_text(p)}: not named as vLLM's watchdog names a dump, not read")
+            continue
+        try:
+            data = _read_tail(p, MAX_WATCHDOG_DUMP_BYTES)
+        except OSError as e:
+            errors.append(f"{redact_text(p)}: {redact_text(str(e.strerror or e))}")
+            continue
+        text = data.decode("utf-8", errors="replace")
+        (into / name).write_text(
+            "".join(redact_text(line) + "\n" for line in text.splitlines()), encoding="utf-8"
+        )
+        copied.append(name)
+    if errors:
+        (into / "ERROR.txt").write_text("".join(e + "\n" for e in errors))
+    return copied

@@ -61,6 +61,23 @@ class _Switch:
         return "a switch, no value"
 
 
+@dataclass(frozen=True)
+class _Choice:
+    values: tuple[str, ...]
+
+    def __call__(self, v: str) -> str | None:
+        return None if v in self.values else f"must be one of {', '.join(self.values)}"
+
+    def __str__(self) -> str:
+        return f"one of {', '.join(self.values)}"
+
+
+# vLLM's --load-format values an operator may switch between with `vllm-guardian relaunch
+# --set load_format=…`: vllm preload's weight cache (ipc_cache, 0.31+) and the loads that read
+# the same checkpoint from disk with no further configuration (back to disk when the cache's
+# daemon is down). Never "dummy" (random weights) nor formats that need a path or a config.
+LOAD_FORMATS = ("auto", "safetensors", "pt", "hf", "fastsafetensors", "instanttensor", "ipc_cache")
+
 # The only flags the guardian may ever set, with what each value must be.
 FLAGS: dict[str, Callable[[str], str | None]] = {
     "--max-num-seqs": _IntRange(1, 100_000),
@@ -69,6 +86,7 @@ FLAGS: dict[str, Callable[[str], str | None]] = {
     "--kv-cache-memory-bytes": _IntRange(1 << 20, 1 << 44),
     "--enable-chunked-prefill": _Switch(),
     "--enforce-eager": _Switch(),
+    "--load-format": _Choice(LOAD_FORMATS),
 }
 
 

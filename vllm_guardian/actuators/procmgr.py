@@ -51,7 +51,7 @@ from pathlib import Path
 
 from vllm_guardian.actuators import flags as flagsfile
 from vllm_guardian.clock import Clock, SystemClock
-from vllm_guardian.procfs import parse_pid_file
+from vllm_guardian.procfs import is_weight_cache_command, parse_pid_file
 from vllm_guardian.redact import redact_argv
 
 log = logging.getLogger("vllm_guardian.procmgr")
@@ -79,9 +79,54 @@ def _stat_fields(proc_root: Path, pid: int) -> list[str] | None:
     return text[text.rfind(")") + 2 :].split()  # from field 3 (state) on
 
 
+_MAX_ANCESTORS = 64  # a deeper chain does not occur; the bound stops a /proc that loops
+
+
+def is_weight_cache(pid: int, proc_root: Path = Path("/proc")) -> bool:
+    """Whether ``pid`` is vLLM's weight-cache launcher (``vllm preload``) or one of its
+    descendants (the daemons holding the weights are its ``spawn`` children, untitled). A
+    command that starts it beside ``vllm serve`` puts it in the command's process group and
+    environment: it must outlive every restart (that is what makes the restart fast)."""
+    for _ in range(_MAX_ANCESTORS):
+        try:
+            cmdline = (proc_root / str(pid) / "cmdline").read_bytes()
+        except OSError:
+            return False
+        if is_weight_cache_command(cmdline.decode("utf-8", errors="replace")):
+            return True
+        fields = _stat_fields(proc_root, pid)
+        if fields is None or len(fields) < 2 or fields[1] in ("0", "1", str(pid)):
+            return False
+        pid = int(fields[1])
+    return False
+
+
+def signal_group(pgid: int, sig: int, proc_root: Path = Path("/proc")) -> None:
+    """``killpg(pgid, sig)``, except that vLLM's weight-cache daemon (:func:`is_weight_cache`)
+    in the group is spared: each other member is signalled by itself then. Raises
+    ProcessLookupError, as killpg does, when the group is empty."""
+    members: list[int] = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(proc_root):
+            if name.isdigit():
+                fields = _stat_fields(proc_root, int(name))
+                if fields is not None and len(fields) > 2 and fields[2] == str(pgid):
+                    members.append(int(name))
+    spared = {m for m in members if is_weight_cache(m, proc_root)}
+    if not spared:
+        os.killpg(pgid, sig)
+        return
+    log.info("process group %d: sparing vLLM's weight-cache daemon %s", pgid, sorted(spared))
+    for m in members:
+        if m not in spared:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(m, sig)
+
+
 def marked_processes(mark: str, outside_pgid: int, proc_root: Path = Path("/proc")) -> list[int]:
     """Running processes whose environment carries ``SUPERVISED_ENV=mark``, except those in
-    process group ``outside_pgid`` (the command's, being killed), lowest pid first."""
+    process group ``outside_pgid`` (the command's, being killed) and vLLM's weight-cache daemon
+    (:func:`is_weight_cache`: it runs beside the server on purpose), lowest pid first."""
     needle = f"{SUPERVISED_ENV}={mark}".encode()
     me = os.getpid()
     found: list[int] = []
@@ -101,7 +146,7 @@ def marked_processes(mark: str, outside_pgid: int, proc_root: Path = Path("/proc
         fields = _stat_fields(proc_root, int(name))
         if fields is None or len(fields) < 3 or fields[0] in ("Z", "X"):
             continue
-        if fields[2] != str(outside_pgid):
+        if fields[2] != str(outside_pgid) and not is_weight_cache(int(name), proc_root):
             found.append(int(name))
     return sorted(found)
 
@@ -486,7 +531,7 @@ class Supervisor:
             # The leader is gone; anything left in its group is an orphan still holding GPU
             # memory that the next start needs (systemd does the same when a unit's main exits).
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
+                signal_group(proc.pid, signal.SIGKILL)
             escaped = marked_processes(self._mark, proc.pid)
             with self._lock:
                 since = self._start_ticks if self._proc is proc else None
@@ -557,11 +602,11 @@ class Supervisor:
         except subprocess.TimeoutExpired:
             log.warning("%s: still running %.0fs after SIGTERM; SIGKILL", self.name, timeout)
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+                signal_group(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
         # Workers in the group that outlived the leader hold GPU memory: end them too.
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+            signal_group(proc.pid, signal.SIGKILL)
 
     def restart(self, timeout_seconds: float | None = None) -> tuple[bool, bool, str]:
         """Stop (drain via SIGTERM) and start again. Returns (ok, terminal, detail).

@@ -90,6 +90,9 @@ class CapacitySample:
     # and requests it turned away (counter since it started). Demand vLLM never sees.
     gate_queued: float | None = None
     gate_rejected_total: float | None = None
+    # vllm:admission_rejections_total: requests vLLM itself answered 503 at its queue limits
+    # (--max-num-queued-reqs/-tokens). Demand it turned away, like the gate's.
+    admission_rejected_total: float | None = None
 
 
 @dataclass(frozen=True)
@@ -209,7 +212,9 @@ def estimate(
         (s.time_seconds, (s.running or 0.0) + (s.waiting or 0.0) + (s.gate_queued or 0.0))
         for s in counted
     ]
-    turned_away = _increase([s.gate_rejected_total for s in counted])
+    turned_away = _increase([s.gate_rejected_total for s in counted]) + _increase(
+        [s.admission_rejected_total for s in counted]
+    )
     if finished <= 0 and turned_away <= 0 and all(v <= 0 for _, v in in_engine):
         return CapacityEstimate(CapacityState.IDLE, "idle: no request arrived or ran", span)
     waited = sum(

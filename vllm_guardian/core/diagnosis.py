@@ -276,6 +276,21 @@ def evidence_from_logs(
                     unambiguous=True,
                 )
             )
+        elif ev.kind is LogEventKind.EXTERNAL_WEIGHTS_EXCEED_BUDGET:
+            held = _detail(ev, "external_weights_bytes")
+            budget = _detail(ev, "requested_bytes")
+            util = dict(ev.details).get("gpu_memory_utilization", "its")
+            out.append(
+                Evidence(
+                    Cause.MODEL_DOES_NOT_FIT,
+                    f"log:{ev.kind.value}",
+                    f"the weights vLLM's weight-cache daemon (vllm preload) holds, "
+                    f"{_gib_text(held)}, exceed the whole budget at gpu_memory_utilization "
+                    f"{util} ({_gib_text(budget)}) they are subtracted from: raise --gpu-memory-utilization "
+                    "(the weights are on the card already), or cache a smaller or quantized model",
+                    unambiguous=True,
+                )
+            )
         elif ev.kind is LogEventKind.FREE_MEMORY_BELOW_UTILIZATION:
             out.append(
                 Evidence(
@@ -292,6 +307,18 @@ def evidence_from_logs(
                     "log:gpu_hardware_error",
                     _quote(ev),
                     unambiguous=True,
+                )
+            )
+        elif ev.kind is LogEventKind.WATCHDOG_DUMP:
+            # Hang evidence, not proof: a watchdog timeout shorter than the engine's idle feed
+            # (5 s) also fires while idle, and the engine may recover. The stall signal or the
+            # gate corroborates it.
+            out.append(
+                Evidence(
+                    Cause.ENGINE_DEAD,
+                    f"log:{ev.kind.value}",
+                    "vLLM's hang watchdog saw no progress for its timeout and dumped every "
+                    f"thread's stack to {dict(ev.details).get('dump_file', 'its dump file')}",
                 )
             )
         elif ev.kind in _DEATH_KINDS:

@@ -647,10 +647,11 @@ def seen(snapshot: Snapshot, sig: ServiceSignals | None, name: str) -> phases.Se
 
 
 def _host_pids(device: GpuDevice | None) -> tuple[int, ...] | None:
-    """The pids holding memory on a device (None: gone, unreadable, or not listed)."""
+    """The pids holding memory on a device (None: gone, unreadable, or not listed), but vLLM's
+    weight-cache daemon's, which keeps the weights across the restart on purpose."""
     if device is None or device.error is not None or device.processes is None:
         return None
-    return tuple(sorted({p.pid for p in device.processes}))
+    return tuple(sorted({p.pid for p in device.processes if not p.weight_cache}))
 
 
 def _advance(

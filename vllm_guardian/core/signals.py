@@ -109,6 +109,9 @@ class ServiceSignals:
     prompt_tokens_per_second: float | None = None
     generation_tokens_per_second: float | None = None
     request_failures_per_second: float | None = None
+    # Requests vLLM itself answered 503 at its queue limits (vllm:admission_rejections_total,
+    # --max-num-queued-reqs/-tokens), per second over the rate window; None: not exported.
+    admission_rejections_per_second: float | None = None
     prefix_cache_hit_ratio: float | None = None
     # Requests in the engine and no progress (core/progress.py), for this long.
     stall_seconds: float | None = None
@@ -520,6 +523,14 @@ def belongs_to(proc: GpuProcess, unit: UnitState | None) -> bool:
     return False
 
 
+def in_budget(proc: GpuProcess, unit: UnitState | None) -> bool:
+    """Whether ``proc``'s GPU memory counts as the service's: its own processes, and vLLM's
+    weight-cache daemon (``vllm preload``), whose weights vLLM subtracts from the budget of an
+    engine started with ``--load-format ipc_cache``: never a hostile neighbour. Which GPUs are
+    the service's is still told by its own processes only (:func:`belongs_to`)."""
+    return proc.weight_cache or belongs_to(proc, unit)
+
+
 def _service_gpus(
     devices: Sequence[GpuDevice], svc: ServiceConfig, unit: UnitState | None
 ) -> list[GpuDevice]:
@@ -552,7 +563,7 @@ def _gpu_signals(
                 if p.used_memory_bytes is None:
                     unknown = True
                     continue
-                if belongs_to(p, unit):
+                if in_budget(p, unit):
                     mine_sum += p.used_memory_bytes
                 else:
                     other_sum += p.used_memory_bytes
@@ -629,7 +640,8 @@ def derive_service(
     base = ServiceSignals(
         service=svc.name,
         health_state=health,
-        vllm_up=None if health is None else health is HealthState.UP,
+        # Elastic EP scaling: neither up nor down (VllmEngineDead must not restart it).
+        vllm_up=None if health in (None, HealthState.SCALING) else health is HealthState.UP,
         metrics_up=scrape is not None,
         stats_enabled=None if scrape is None else scrape.stats_enabled,
         log_events=cur.logs.counts if cur.logs is not None else (),
@@ -687,6 +699,14 @@ def derive_service(
             ),
             prompt_tokens_per_second=_sum_opt([rates[k][4] for k in keys]),
             request_failures_per_second=_sum_opt([rates[k][5] for k in keys]),
+            admission_rejections_per_second=rate(
+                [
+                    (snap.time_seconds, total, s.process_start_time_seconds)
+                    for snap in rate_win
+                    if (s := _scrape(snap, svc.name)) is not None
+                    and (total := s.admission_rejections_total) is not None
+                ]
+            ),
             prefix_cache_hit_ratio=prefix_ratio,
             stall_seconds=stall,
             stalled=None if stall is None else stall >= cfg.stall_seconds,
@@ -778,6 +798,7 @@ def _capacity_sample(snap: Snapshot, service: str) -> CapacitySample:
         gate_rejected_total=(
             None if gate is None or gate.rejected_total is None else gate.rejected_total
         ),
+        admission_rejected_total=scrape.admission_rejections_total,
     )
 
 
@@ -832,8 +853,8 @@ def _memory_sample(
     neighbours: tuple[Neighbour, ...] = ()
     if dev is not None and dev.processes is not None:
         procs = [p for p in dev.processes if p.used_memory_bytes is not None]
-        mine = sum(p.used_memory_bytes or 0 for p in procs if belongs_to(p, unit))
-        others = [p for p in procs if not belongs_to(p, unit)]
+        mine = sum(p.used_memory_bytes or 0 for p in procs if in_budget(p, unit))
+        others = [p for p in procs if not in_budget(p, unit)]
         other = sum(p.used_memory_bytes or 0 for p in others)
         neighbours = tuple(Neighbour(p.pid, p.used_memory_bytes, p.name, p.cgroup) for p in others)
     reserved: int | None = None

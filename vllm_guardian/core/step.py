@@ -30,7 +30,15 @@ from types import MappingProxyType
 from vllm_guardian.config import ServiceConfig, SignalsConfig
 from vllm_guardian.core import alerting, inhibition, policy
 from vllm_guardian.core.signals import Signals, derive
-from vllm_guardian.model import Action, ActionResult, Alert, GateState, OpRequest, Snapshot
+from vllm_guardian.model import (
+    Action,
+    ActionResult,
+    Alert,
+    GateState,
+    HealthState,
+    OpRequest,
+    Snapshot,
+)
 
 
 @dataclass(frozen=True)
@@ -137,7 +145,7 @@ def gate_states(
     out = []
     for s in state.services:
         sig = signals.service(s.service)
-        if sig is not None and sig.vllm_up is False:
+        if sig is not None and (sig.vllm_up is False or sig.health_state is HealthState.SCALING):
             gate = GateState(False, f"vLLM is not up ({sig.health_state})")
         elif not s.gate_open and (not dry_run or s.action is not None):
             # An action under way is real (an operator's command acts in dry-run too): its

@@ -57,7 +57,7 @@ from vllm_guardian.model import (
     XidEvent,
 )
 from vllm_guardian.recorder import snapshot_from_record
-from vllm_guardian.sources.health import classify_status
+from vllm_guardian.sources.health import SCALING_ERROR_PREFIX, classify_status
 from vllm_guardian.sources.logs import (
     MESSAGE_MAX_CHARS,
     display_line,
@@ -91,7 +91,9 @@ def health_probe(doc: dict[str, Any] | None) -> HealthProbe | None:
     code = _int(doc.get("status_code"))
     err = _str(doc.get("error"))
     latency = _float(doc.get("latency_seconds"))
-    if code is not None:
+    if code == 503 and err is not None and SCALING_ERROR_PREFIX in err:
+        state = HealthState.SCALING  # the guardian's probe read elastic EP's scaling 503
+    elif code is not None:
         state = classify_status(code)
     elif err and "timed out" in err.lower():
         state = HealthState.TIMEOUT
@@ -123,7 +125,14 @@ def _gpu_devices(
                     problems.append(f"gpus.json[{n}].processes: an entry without a pid, ignored")
                     continue
                 assert isinstance(p, dict)
-                procs.append(GpuProcess(pid, _int(p.get("used_memory_bytes")), _str(p.get("name"))))
+                procs.append(
+                    GpuProcess(
+                        pid,
+                        _int(p.get("used_memory_bytes")),
+                        _str(p.get("name")),
+                        weight_cache=p.get("weight_cache") is True,
+                    )
+                )
                 if p.get("service") is True:
                     service_pids.add(pid)
         raw_xids = g.get("xid_events")
@@ -488,7 +497,12 @@ def analyze(
         scrapes=len(times),
         observed_seconds=span,
         log_events=events,
-        health_status_code=health.status_code if health else None,
+        # Elastic EP's scaling 503 is no dead engine's: no status code to judge by.
+        health_status_code=(
+            health.status_code
+            if health is not None and health.state is not HealthState.SCALING
+            else None
+        ),
         unit_active_state=unit.active_state,
         unit_result=unit.result,
         exec_main_status=unit.exec_main_status,
@@ -511,6 +525,31 @@ def analyze(
                 f"engine {', '.join(sleeping) or '(unnamed)'} asleep at the last scrape "
                 "(vllm:engine_sleep_state awake 0: put to sleep through /sleep); requests in "
                 "it wait until /wake_up, and no stall is judged, nor a restart earned, meanwhile",
+            ),
+        )
+    if health is not None and health.state is HealthState.SCALING:
+        result = dataclasses.replace(
+            result,
+            notes=(
+                *result.notes,
+                "/health answered 503 with vLLM's elastic EP scaling message: the data-parallel "
+                "size was changing (every request refused meanwhile), not a dead engine; one "
+                "that stays so is a scale that failed: POST /is_scaling_elastic_ep, then "
+                "restart it by hand",
+            ),
+        )
+    rejected = sig.admission_rejections_per_second
+    if rejected:
+        # vLLM's own queue limits answered 503: demand it did not serve (the capacity estimate
+        # counts it so); a sign of over capacity, not a fault of the engine.
+        result = dataclasses.replace(
+            result,
+            notes=(
+                *result.notes,
+                f"vLLM turned away {rejected:.1f} requests/s with HTTP 503 at its own queue "
+                "limit (vllm:admission_rejections_total; --max-num-queued-reqs / "
+                "--max-num-queued-tokens): demand it did not serve, counted as such in the "
+                "capacity estimate",
             ),
         )
     verdict = result.verdict
@@ -551,13 +590,16 @@ def analyze(
             index=d.index,
             name=d.name,
             memory_total_bytes=d.memory_total_bytes,
+            # vLLM's weight-cache daemon holds the engine's weights inside its budget.
             vllm_bytes=sum(
-                p.used_memory_bytes or 0 for p in d.processes or () if p.pid in service_pids
+                p.used_memory_bytes or 0
+                for p in d.processes or ()
+                if p.pid in service_pids or p.weight_cache
             ),
             others=tuple(
                 GpuProcessReport(p.pid, p.name, p.used_memory_bytes)
                 for p in d.processes or ()
-                if p.pid not in service_pids
+                if p.pid not in service_pids and not p.weight_cache
             ),
             free_bytes=d.memory_free_bytes,
             budget_bytes=int(util * d.memory_total_bytes)
@@ -706,6 +748,12 @@ def _signals_view(sig: ServiceSignals, scrapes: int, span: float) -> dict[str, A
         "headroom_exhaustion_latest_seconds": sig.headroom_exhaustion_latest_seconds,
         "headroom_exhaustion_cause": sig.forecast_cause.value if sig.forecast_cause else None,
         "headroom_exhaustion": [f.describe() for f in sig.forecasts],
+        # Only where vLLM turned requests away (0.32's --max-num-queued-reqs/-tokens).
+        **(
+            {"admission_rejections_per_second": sig.admission_rejections_per_second}
+            if sig.admission_rejections_per_second
+            else {}
+        ),
     }
 
 

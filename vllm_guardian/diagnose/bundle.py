@@ -121,6 +121,8 @@ def gpus_document(
                     "name": p.name,
                     "used_memory_bytes": p.used_memory_bytes,
                     "service": belongs_to(p, unit),
+                    # vLLM's weight-cache daemon (``vllm preload``): only where it is one.
+                    **({"weight_cache": True} if p.weight_cache else {}),
                 }
                 for p in d.processes or ()
             ],

@@ -280,6 +280,11 @@ def render_text(r: Report, verbose: bool = False, width: int = WIDTH) -> str:
             f"{_num(s.get('requests_running'))}  waiting {_num(s.get('requests_waiting'))}  "
             f"preempt/s {_num(s.get('preemptions_per_second'), '{:.2f}')}  "
             f"tok/s {_num(s.get('generation_tokens_per_second'), '{:.0f}')}"
+            + (
+                f"  503/s {_num(s.get('admission_rejections_per_second'), '{:.2f}')}"
+                if s.get("admission_rejections_per_second")
+                else ""
+            )
         )
     if s.get("headroom_exhaustion"):
         out.append("FORECAST (GPU memory exhaustion)")

@@ -244,6 +244,7 @@ class VllmView:
     histograms: dict[str, Histogram]
     cache_labels: Labels
     created_unix_seconds: float
+    admission_rejections: dict[str, int] = field(default_factory=dict)
 
 
 def vllm_families(v: VllmView) -> list[Family]:
@@ -319,7 +320,7 @@ def vllm_families(v: VllmView) -> list[Family]:
             "vllm:admission_rejections",
             _HELP["admission_rejections"],
             [
-                ((("model_name", v.model_name), ("reason", r)), 0.0)
+                ((("model_name", v.model_name), ("reason", r)), v.admission_rejections.get(r, 0))
                 for r in ("max_num_queued_reqs", "max_num_queued_tokens")
             ],
             t0,

@@ -9,6 +9,7 @@ user's (and the guardian's ``$VLLM_GUARDIAN_ARGS``) override them, as on a real 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -50,10 +51,30 @@ class ServeOptions:
     alloc_conf: str | None = None
     # Twin-only: after the engine's death, the watchdog's exit waits until this file exists.
     exit_hold_file: Path | None = None
+    # vLLM 0.33's --watchdog-config: (timeout in seconds, dump_dir); None: dormant (as vLLM is
+    # without a dump_dir).
+    watchdog: tuple[float, Path] | None = None
 
 
 class FlagError(ValueError):
     """A flag combination vLLM itself rejects at start-up."""
+
+
+def _watchdog(raw: str | None) -> tuple[float, Path] | None:
+    """--watchdog-config's JSON as vLLM 0.33 reads it: dormant without a dump_dir; the
+    timeout defaults to 300 s (vllm/utils/watch_dog.py)."""
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        raise FlagError(f"--watchdog-config: not JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise FlagError("--watchdog-config: must be a JSON object")
+    dump_dir, timeout = doc.get("dump_dir"), doc.get("timeout", 300)
+    if not isinstance(timeout, int | float) or timeout <= 0:
+        raise FlagError(f"--watchdog-config: timeout must be > 0 seconds, got {timeout!r}")
+    return (float(timeout), Path(dump_dir)) if isinstance(dump_dir, str) and dump_dir else None
 
 
 def human_int(text: str) -> int:
@@ -80,6 +101,10 @@ def build_parser(prog: str = "vllm serve") -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     p.add_argument("--max-model-len", type=human_int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
+    # vLLM 0.32's admission limit: HTTP 503 past this many unfinished requests (async_llm.py).
+    p.add_argument("--max-num-queued-reqs", type=int, default=None)
+    # vLLM 0.33's hang watchdog: JSON {"timeout": s, "check_interval": s, "dump_dir": path}.
+    p.add_argument("--watchdog-config", default=None)
     p.add_argument("--max-num-batched-tokens", type=human_int, default=None)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
@@ -201,6 +226,7 @@ def parse_serve_args(
         gpu_memory_utilization=ns.gpu_memory_utilization,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
+        max_num_queued_reqs=ns.max_num_queued_reqs,
         max_num_batched_tokens=batched,
         block_size=ns.block_size or 16,
         enable_prefix_caching=True
@@ -241,6 +267,7 @@ def parse_serve_args(
         allocator_interval_seconds=_allocator_interval(environ),
         alloc_conf=alloc_conf or None,
         exit_hold_file=ns.sim_exit_hold_file,
+        watchdog=_watchdog(ns.watchdog_config),
     )
 
 

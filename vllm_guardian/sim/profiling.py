@@ -52,6 +52,8 @@ class EngineConfig:
     expandable_segments: bool
     served_model_name: str
     model_path: str
+    # --max-num-queued-reqs: past this many unfinished requests the API server answers 503.
+    max_num_queued_reqs: int | None = None
 
 
 class StartupFailureKind(enum.Enum):

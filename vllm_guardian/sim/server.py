@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import faulthandler
 import http
 import itertools
 import json
@@ -49,6 +50,7 @@ from vllm_guardian.sim.engine import (
     ENGINE_DEAD_MESSAGE,
     VLLM_VERSION,
     EnginePhase,
+    LogEvent,
     Proc,
     RequestDelta,
     SimEngine,
@@ -66,6 +68,7 @@ from vllm_guardian.sim.gpu_state import (
     read_previous_xids,
     write_state_atomically,
 )
+from vllm_guardian.sim.scenarios import FaultKind
 from vllm_guardian.sim.scheduler import FinishReason
 from vllm_guardian.sim.timeline import FaultEntry, Timeline, read_timeline, write_timeline
 from vllm_guardian.sim.vllm_log import LogWriter
@@ -105,6 +108,13 @@ class ApiError(Exception):
         self.body = {
             "error": {"message": message, "type": err_type, "param": param, "code": status}
         }
+
+
+# vllm/exceptions.py QueueOverflowError (0.32): the 503 of --max-num-queued-reqs.
+QUEUE_FULL_MESSAGE = (
+    "The engine is currently busy and cannot accept new requests. "
+    "Please try again later or on a different instance."
+)
 
 
 def too_long_error(max_model_len: int, prompt_tokens: int) -> ApiError:
@@ -222,6 +232,11 @@ class Twin:
         self.lock = threading.Lock()
         self.lifecycle = Lifecycle.STARTING
         self.streams: dict[str, asyncio.Queue[RequestDelta]] = {}
+        # The hang watchdog (--watchdog-config): the hang last dumped for, the dumps' number.
+        self._watchdog_dumped: float | None = None
+        self._watchdog_seq = 0
+        # vllm:admission_rejections_total by reason (the API server's, like vLLM's).
+        self.admission_rejections = {"max_num_queued_reqs": 0, "max_num_queued_tokens": 0}
         # The HTTP server's event loop (its own thread): deltas reach the streams through it.
         self.loop: asyncio.AbstractEventLoop | None = None
         self.http_stats = HttpStats(self.wall0)
@@ -250,9 +265,42 @@ class Twin:
     def tick(self) -> None:
         with self.lock:
             deltas = self.engine.advance(self.sim_now())
-            logs = self.engine.take_logs()
+            logs = self.engine.take_logs() + self.watchdog_events()
             self._dispatch(deltas)
         self.log.write(logs, time.time())
+
+    def watchdog_events(self) -> list[LogEvent]:
+        """vLLM 0.33's hang watchdog (--watchdog-config): a hung engine core feeds it no more;
+        once its timeout has passed it appends every thread's stack to its dump file (here the
+        twin's own threads, through faulthandler as vLLM does) and logs where, at INFO, once
+        per hang (vllm/utils/watch_dog.py)."""
+        if self.opts.watchdog is None or self.engine.phase is not EnginePhase.HUNG:
+            return []
+        timeout, dump_dir = self.opts.watchdog
+        hung = max(
+            (f.sim_seconds for f in self.engine.faults if f.kind is FaultKind.HANG), default=None
+        )
+        if hung is None or hung == self._watchdog_dumped or self.engine.now - hung < timeout:
+            return []
+        self._watchdog_dumped = hung
+        self._watchdog_seq += 1
+        path = dump_dir / f"VLLM_STACK_DUMP_for_engine_0_{self.pid}.log"
+        try:
+            dump_dir.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as f:
+                f.write(
+                    f"\nCall stack dump #{self._watchdog_seq} at {time.ctime()} due to feed "
+                    "timeout\n\n"
+                )
+                f.flush()
+                faulthandler.dump_traceback(file=f, all_threads=True)
+                f.write("\n" + "=" * 64 + "\n")
+        except OSError as e:
+            message = f"[Watchdog]Failed to dump stack trace to {path}: {e}"
+            return [LogEvent(self.engine.now, Proc.ENGINE_CORE, "WARNING", "watch_dog.py:124",
+                             message)]  # fmt: skip
+        message = f"[Watchdog]Dumped stack to {path} due to feed timeout"
+        return [LogEvent(self.engine.now, Proc.ENGINE_CORE, "INFO", "watch_dog.py:117", message)]
 
     def _dispatch(self, deltas: list[RequestDelta]) -> None:
         out: list[tuple[asyncio.Queue[RequestDelta], RequestDelta]] = []
@@ -291,6 +339,14 @@ class Twin:
         model = body.get("model")
         if model is not None and model != cfg.served_model_name:
             raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        limit = cfg.max_num_queued_reqs
+        if limit is not None:
+            with self.lock:
+                if len(self.streams) + 1 > limit:
+                    # vLLM 0.32's AsyncLLM admission check: QueueOverflowError, counted by
+                    # reason in vllm:admission_rejections_total.
+                    self.admission_rejections["max_num_queued_reqs"] += 1
+                    raise ApiError(503, QUEUE_FULL_MESSAGE, "Service Unavailable")
         ids = prompt_ids(body, chat)
         max_tokens_raw = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens_raw is not None and (
@@ -476,6 +532,7 @@ class Twin:
                         "generation_tokens": st.generation_tokens,
                     },
                     request_success=dict(st.request_success),
+                    admission_rejections=dict(self.admission_rejections),
                     histograms=st.histograms,
                     cache_labels=cache_config_labels(
                         self.opts.engine,

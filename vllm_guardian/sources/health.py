@@ -26,12 +26,31 @@ HEALTH_MAX_BODY_BYTES = 64 * 1024
 DEEP_MAX_BODY_BYTES = 1024 * 1024
 
 
-def classify_status(status_code: int) -> HealthState:
+# vLLM's elastic EP ScalingMiddleware (vllm/entrypoints/serve/elastic_ep/middleware.py, 0.32)
+# answers every request, /health included, with 503 and this JSON while /scale_elastic_ep runs.
+ELASTIC_EP_SCALING_ERROR = "The model is currently scaling. Please try again later."
+# How the probe's error says so (kept in the incident bundle's health.json, read by diagnose).
+SCALING_ERROR_PREFIX = "elastic EP scaling"
+
+
+def classify_status(status_code: int, body: bytes = b"") -> HealthState:
+    """/health's answer: 200 up; 503 (500 before 0.11) a dead engine, except the 503 of elastic
+    EP's scaling, told by its body (a dead engine's 503 has none)."""
     if status_code == 200:
         return HealthState.UP
+    if status_code == 503 and body and _elastic_ep_scaling(body):
+        return HealthState.SCALING
     if status_code in (500, 503):
         return HealthState.ENGINE_DEAD
     return HealthState.ERROR
+
+
+def _elastic_ep_scaling(body: bytes) -> bool:
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and doc.get("error") == ELASTIC_EP_SCALING_ERROR
 
 
 class HealthCollector:
@@ -80,9 +99,14 @@ class HealthCollector:
             else:
                 probe = HealthProbe(HealthState.ERROR, None, None, e.detail)
             return Reading(self.kind, self.service, probe)
-        state = classify_status(resp.status)
+        state = classify_status(resp.status, resp.body)
         deep = self._deep_probe() if state is HealthState.UP and self._cfg.deep_probe else None
         error = None if state is HealthState.UP else f"HTTP {resp.status}"
+        if state is HealthState.SCALING:
+            error = (
+                f"HTTP {resp.status}: {SCALING_ERROR_PREFIX} (vLLM refuses every request until "
+                "the data-parallel size has changed): not serving, not dead"
+            )
         hint = (
             f"/health sent a body over {HEALTH_MAX_BODY_BYTES} bytes: read that far, judged by "
             "its status"

@@ -224,6 +224,15 @@ _FREE_BELOW = re.compile(
     r"on startup is less than"
 )
 _FREE_BELOW_UTIL = re.compile(r"utilization \((?P<util>[\d.]+), (?P<req>[\d.]+) GiB\)")
+# With --load-format ipc_cache (vllm/v1/worker/utils.py request_memory, 0.31+): the budget is
+# gpu_memory_utilization's share less the weights vLLM's weight-cache daemon holds.
+_FREE_BELOW_EXTERNAL = re.compile(
+    r"after excluding external process's weights \((?P<util>[\d.]+), (?P<req>[\d.]+) GiB\)"
+)
+_EXTERNAL_EXCEED = re.compile(
+    r"Externally held weights on device\s*(?P<dev>[^\s(]*)\s*\((?P<ext>[\d.]+)/(?P<total>[\d.]+) "
+    r"GiB\) exceed the desired GPU memory utilization \((?P<util>[\d.]+), (?P<req>[\d.]+) GiB\)"
+)
 _PROFILING = re.compile(r"Error in memory profiling\.")
 _PROFILING_FREE = re.compile(
     r"Initial free memory (?P<init>[\d.]+) GiB, current free memory (?P<cur>[\d.]+) GiB"
@@ -252,6 +261,12 @@ _PREEMPTION = re.compile(
     r"Sequence group (?P<group>\S+) is preempted by PreemptionMode\.(?P<mode>\w+) mode"
 )
 _PREEMPTION_TOTAL = re.compile(r"total_num_cumulative_preemption=(\d+)")
+# vLLM's hang watchdog (vllm/utils/watch_dog.py, 0.33's --watchdog-config): after ``timeout``
+# seconds without a feed it appends every thread's stack to its dump file and logs this at
+# INFO through the engine's logger. Read at INFO only from the engine core or a worker and
+# only as the whole message (a request's text can end an engine's message, never start it).
+WATCHDOG_DUMPED = "[Watchdog]Dumped stack to "
+_WATCHDOG_DUMP = re.compile(r"\[Watchdog\]Dumped stack to (?P<file>\S+) due to feed timeout")
 
 
 def _first_group(m: re.Match[str] | None) -> str | None:
@@ -330,7 +345,23 @@ def _match_body(line: str) -> tuple[LogEventKind, Details] | None:
                 ("gpu_memory_utilization", util.group("util")),
                 ("requested_bytes", _gib(util.group("req"))),
             ]
+        external = _FREE_BELOW_EXTERNAL.search(line)
+        if external:
+            d += [
+                ("gpu_memory_utilization", external.group("util")),
+                ("engine_budget_bytes", _gib(external.group("req"))),
+                ("external_weights", "true"),
+            ]
         return LogEventKind.FREE_MEMORY_BELOW_UTILIZATION, tuple(d)
+    m = _EXTERNAL_EXCEED.search(line)
+    if m:
+        return LogEventKind.EXTERNAL_WEIGHTS_EXCEED_BUDGET, (
+            *((("device", m.group("dev")),) if m.group("dev") else ()),
+            ("external_weights_bytes", _gib(m.group("ext"))),
+            ("total_bytes", _gib(m.group("total"))),
+            ("gpu_memory_utilization", m.group("util")),
+            ("requested_bytes", _gib(m.group("req"))),
+        )
     if _PROFILING.search(line):
         free = _PROFILING_FREE.search(line)
         details: Details = ()
@@ -490,11 +521,11 @@ def may_be_evidence(line: str) -> bool:
         # A process's name has no ") " in it: the first one ends "(NAME pid=N)".
         end = line.find(") ", 1, _PROCESS_END_WITHIN)
         if end > 0 and line.startswith(_QUIET_AFTER_PROCESS, end + 2):
-            return False
+            return WATCHDOG_DUMPED in line
     elif line[0] == "{":
         at = line.find(_JSON_LEVEL, 0, _PROCESS_END_WITHIN)
         if at >= 0 and line.startswith(_JSON_QUIET, at):
-            return False
+            return WATCHDOG_DUMPED in line
     return True
 
 
@@ -508,8 +539,10 @@ def match_line(line: str) -> tuple[LogEventKind, Details] | None:
     if not may_be_evidence(line):
         return None
     origin = line_origin(line)
-    if origin is None or origin.level in _QUIET_LEVELS:
+    if origin is None:
         return None
+    if origin.level in _QUIET_LEVELS:
+        return _watchdog_dump(origin)
     only = _ONLY.get(origin.writer)
     # A text line's message is one line; a JSON record's may hold several (a traceback), each
     # the engine's own as the text format's header on every line would say.
@@ -518,6 +551,14 @@ def match_line(line: str) -> tuple[LogEventKind, Details] | None:
         if found is not None and (only is None or found[0] is only):
             return found
     return None
+
+
+def _watchdog_dump(origin: Origin) -> tuple[LogEventKind, Details] | None:
+    """The hang watchdog's INFO line, when the engine core or a worker logged it."""
+    if origin.writer is not Writer.ENGINE:
+        return None
+    m = _WATCHDOG_DUMP.fullmatch(origin.message)
+    return (LogEventKind.WATCHDOG_DUMP, (("dump_file", m.group("file")),)) if m else None
 
 
 # Which details identify an incident (see the module docstring); other kinds: the kind alone.

@@ -57,7 +57,7 @@ from vllm_guardian.model import (
     SourceKind,
     XidEvent,
 )
-from vllm_guardian.procfs import parse_cgroup, parse_ppid
+from vllm_guardian.procfs import is_weight_cache_command, parse_cgroup, parse_ppid
 from vllm_guardian.sources.base import failed
 
 log = logging.getLogger(__name__)
@@ -122,12 +122,14 @@ class _ProcReader:
     def _describe(self, p: GpuProcess, cache: dict[int, GpuProcess]) -> GpuProcess:
         known = cache.get(p.pid)
         if known is None:
+            ancestors = self.ancestors(p.pid)
             known = GpuProcess(
                 pid=p.pid,
                 used_memory_bytes=None,
                 name=self.name(p.pid),
                 cgroup=self.cgroup(p.pid),
-                ancestors=self.ancestors(p.pid),
+                ancestors=ancestors,
+                weight_cache=any(self.weight_cache(a) for a in (p.pid, *ancestors) if a != 1),
             )
             cache[p.pid] = known
         return GpuProcess(
@@ -136,6 +138,7 @@ class _ProcReader:
             name=known.name,
             cgroup=known.cgroup,
             ancestors=known.ancestors,
+            weight_cache=known.weight_cache,
         )
 
     def name(self, pid: int) -> str | None:
@@ -143,6 +146,12 @@ class _ProcReader:
         if text is None:
             return None
         return text.rstrip("\n") or None
+
+    def weight_cache(self, pid: int) -> bool:
+        """Whether ``pid`` is vLLM's weight-cache launcher (``vllm preload``): its children
+        hold the weights (they have no title of their own), so the daemon is told by it."""
+        text = _read_small(self._root / str(pid) / "cmdline")
+        return text is not None and is_weight_cache_command(text)
 
     def cgroup(self, pid: int) -> str | None:
         text = _read_small(self._root / str(pid) / "cgroup")

@@ -65,12 +65,14 @@ _CACHE_INFO = "vllm:cache_config_info"
 # is read: 0 is asleep (vllm/v1/metrics/loggers.py, record_sleep_state).
 _SLEEP_STATE = "vllm:engine_sleep_state"
 _START_TIME = "process_start_time_seconds"
+# The 503s of vLLM's own queue limits, by reason; model_name and no engine label (0.32+).
+_ADMISSION = "vllm:admission_rejections_total"
 # Must lie in [0, 1]. (V0 exports the hit-rate gauge as -1 with prefix caching off: that is
 # rejected by the negative check, which reads as "unknown", as it should.)
 _RATIOS = {"kv_cache_usage_ratio", "prefix_cache_hit_ratio"}
 
 WANTED: frozenset[str] = frozenset(
-    [*_SCALARS, _SUCCESS, _CACHE_INFO, _START_TIME, _SLEEP_STATE]
+    [*_SCALARS, _SUCCESS, _CACHE_INFO, _START_TIME, _SLEEP_STATE, _ADMISSION]
     + [f"{h}{suffix}" for h in _HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")]
 )
 
@@ -138,6 +140,7 @@ _KIND: dict[str, tuple[str, str]] = {
     _CACHE_INFO: ("cache", ""),
     _START_TIME: ("start", ""),
     _SLEEP_STATE: ("sleep", ""),
+    _ADMISSION: ("admission", ""),
 }
 
 
@@ -252,6 +255,8 @@ class _Accumulated:
     start_at: int = -1
     checked: list[int] = field(default_factory=list)  # positions that must be finite, >= 0
     ratios: list[int] = field(default_factory=list)  # positions that must be <= 1
+    # vllm:admission_rejections_total: (model_name, reason) → (value, position)
+    admission: dict[tuple[str, str], tuple[float, int]] = field(default_factory=dict)
 
 
 def _accumulate(samples: Iterable[tuple[promtext.Sample, int]]) -> _Accumulated:
@@ -271,6 +276,17 @@ def _accumulate(samples: Iterable[tuple[promtext.Sample, int]]) -> _Accumulated:
                 out.start_at = at
             else:
                 out.rejected += 1
+            continue
+        if kind == "admission":
+            labels = dict(s.labels)
+            key_ = (labels.get("model_name", ""), labels.get("reason", ""))
+            out.checked.append(at)
+            if not isfinite(value) or value < 0:
+                out.rejected += 1
+            elif key_ in out.admission:
+                out.duplicates += 1
+            else:
+                out.admission[key_] = (value, at)
             continue
         if kind == "cache":
             # It carries every CacheConfig field and `engine`, but no model_name.
@@ -344,6 +360,16 @@ def _accumulate(samples: Iterable[tuple[promtext.Sample, int]]) -> _Accumulated:
     return out
 
 
+def _admission(
+    found: Iterable[tuple[tuple[str, str], float]],
+) -> tuple[tuple[str, float], ...] | None:
+    """Admission rejections by reason, summed over models; None when none was exported."""
+    by_reason: dict[str, float] = {}
+    for (_, reason), value in found:
+        by_reason[reason] = by_reason.get(reason, 0.0) + value
+    return tuple(sorted(by_reason.items())) if by_reason else None
+
+
 def _engines_in_order(acc: _Accumulated) -> list[_EngineAcc]:
     return sorted(acc.engines.values(), key=lambda e: (e.model_name, _engine_order(e.engine)))
 
@@ -360,6 +386,7 @@ def _full_parse(text: str, body_bytes: int | None, parser: VllmParser) -> VllmSc
         rejected_values=acc.rejected,
         duplicate_series=acc.duplicates,
         engines_dropped=len(acc.dropped),
+        admission_rejections=_admission((k, v) for k, (v, _) in acc.admission.items()),
     )
 
 
@@ -458,6 +485,7 @@ class _Plan:
     ratios: tuple[int, ...]  # positions that must be <= 1
     start_at: int  # process_start_time_seconds (-1: none)
     engines: tuple[_EnginePlan, ...]  # in the scrape's order
+    admission_at: tuple[tuple[tuple[str, str], int], ...]  # (model_name, reason) → position
     stats_enabled: bool
     malformed_lines: int
     duplicate_series: int
@@ -491,6 +519,7 @@ class _Plan:
             rejected_values=0,
             duplicate_series=self.duplicate_series,
             engines_dropped=self.engines_dropped,
+            admission_rejections=_admission((k, values[i]) for k, i in self.admission_at),
         )
 
 
@@ -561,6 +590,7 @@ def _make_plan(
         ratios=tuple(acc.ratios),
         start_at=acc.start_at,
         engines=tuple(engines),
+        admission_at=tuple((k, at) for k, (_, at) in acc.admission.items()),
         stats_enabled=scrape.stats_enabled,
         malformed_lines=scrape.malformed_lines,
         duplicate_series=acc.duplicates,
