@@ -81,6 +81,29 @@ def check_hang_once(r: Run) -> None:
     assert len(r.twin_starts) == 2
 
 
+def check_input_hang(r: Run) -> None:
+    # The engine core's input thread dies at 30 s of the run's clock (once: the timeline): the
+    # requests it had finish, the engine reads idle, new ones are never answered. The gate sees
+    # them wait: restarted once, as input-hung, and the new engine serves.
+    assert len(r.started()) == 1, r.explain()
+    restart = r.started("restart")
+    assert restart and restart[0].cause is Cause.ENGINE_INPUT_HANG, r.explain()
+    assert "VllmEngineInputHang" in restart[0].evidence
+    assert "VllmEngineStalled" not in r.alerts_fired  # by its metrics, the engine is idle
+    assert result_of(r, restart[0].id) is True
+
+
+def check_operator_pause(r: Run) -> None:
+    # Paused at 30 s for 120 simulated seconds (30 s here) with requests in it, past the
+    # stall wait (8 s) many times: never judged stalled or input-hung, never restarted. What
+    # the pause costs is the operator's: clients whose requests waited through it past their
+    # 30 s gave up (the load's timeouts).
+    assert r.started() == [], [a.reason for a in r.started()]
+    assert not {"VllmEngineStalled", "VllmEngineInputHang"} & set(r.alerts_fired), r.alerts_fired
+    assert len(r.twin_starts) == 1 and r.twin_exits == []
+    assert r.requests["ok"] > 0, r.requests
+
+
 def check_xid(r: Run) -> None:
     assert [a.kind for a in r.started()] == [ActionKind.ESCALATE]
     assert r.started()[0].cause is Cause.GPU_HARDWARE_FAULT
@@ -185,6 +208,9 @@ CASES: list[tuple[Case, Callable[[Run], None]]] = [
     (Case("exit_zero_death", "exit_zero_death", 6, 40), check_exit_zero),
     (Case("engine_hang", "engine_hang", 6, 45), check_hang),
     (Case("engine_hang_once", "engine_hang", 6, 45, timeline=True), check_hang_once),
+    (Case("engine_input_hang", "engine_input_hang", 6, 45, timeline=True, gate=True),
+     check_input_hang),
+    (Case("operator_pause", "operator_pause", 4, 60, gate=True), check_operator_pause),
     (Case("xid_fault", "xid_fault", 6, 35), check_xid),
     (Case("kv_thrash", "kv_thrash", 4, 45, (), COOL_8), check_kv),
     (Case("fragmentation_creep", "fragmentation_creep", 8, 35, FRAGMENTATION, COOL_5),

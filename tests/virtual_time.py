@@ -29,8 +29,10 @@ So a case here is the same experiment as the real-process demo with the same opt
 the scheduling noise of a busy machine.
 
 Left out, on purpose: the allocator source (the twin has no in-vLLM plugin, so the real source
-reports "no plugin data"), the admission gate (the demo has none) and alert delivery (what the
-step delivers and what it inhibits is recorded instead).
+reports "no plugin data"), the admission gate's holding and queueing (the demo has none; a
+case with ``gate=True`` has its status only: every request forwarded at once, and which have
+had no answer yet) and alert delivery (what the step delivers and what it inhibits is recorded
+instead).
 
 Why in ``tests/`` and not in the package: the twin stands in for vLLM and must not depend on the
 guardian (this harness imports both), and nothing the product ships runs it.
@@ -69,6 +71,7 @@ from vllm_guardian.gpu_state_format import (
 from vllm_guardian.model import (
     Action,
     ActionResult,
+    GateObservation,
     HealthProbe,
     HealthState,
     Op,
@@ -117,6 +120,10 @@ class Case:
     # True: the twin's processes share a timeline file (--sim-timeline-file), so the scenario's
     # one-off faults keep their place on the run's clock across restarts (the demo does not).
     timeline: bool = False
+    # True: a gate stands in front of the twin, and the guardian reads its status each tick:
+    # the requests it sent and not finished, and which of them have had no answer yet (the
+    # load's own requests: the gate forwards each at once).
+    gate: bool = False
 
 
 @dataclass
@@ -331,6 +338,7 @@ class VirtualWorld:
         self.xids_written = 0
         self.xid_seq: dict[str, int] = {}
         self.inflight: dict[int, tuple[VirtualTwin, str, Queue[RequestDelta], float]] = {}
+        self.answered: set[int] = set()  # in flight, and a byte of the answer came
         profile = SCENARIOS[case.scenario].load
         self.plan = deque(
             plan_requests(profile, LOAD_SEED, 100_000, case.duration_seconds * case.speed)
@@ -371,6 +379,7 @@ class VirtualWorld:
             for i, (owner, _, _, _) in list(self.inflight.items()):
                 if owner is twin:  # the connection ends with the process
                     del self.inflight[i]
+                    self.answered.discard(i)
                     self.run.requests[OutcomeKind.INCOMPLETE.value] += 1
         self.twin = None
         self.kill_at = None
@@ -456,6 +465,7 @@ class VirtualWorld:
                     d = q.get_nowait()
                 except QueueEmpty:
                     break
+                self.answered.add(i)
                 if d.request_id == "":  # the twin cut the stream (drain timed out)
                     kind = OutcomeKind.INCOMPLETE
                 elif d.error is not None:
@@ -466,6 +476,7 @@ class VirtualWorld:
                 kind = OutcomeKind.TIMEOUT  # the client gives up; the twin never notices
             if kind is not None:
                 del self.inflight[i]
+                self.answered.discard(i)
                 self.run.requests[kind.value] += 1
 
     # --- the guardian's sources, at their parsing boundary ----------------------------------
@@ -478,8 +489,10 @@ class VirtualWorld:
             out.append(Reading(SourceKind.VLLM_METRICS, SERVICE,
                                parse_vllm_metrics(twin.metrics_text())))  # fmt: skip
             code = 503 if twin.engine.death is not None else 200
+            # /is_paused where the twin serves vLLM's development routes, as the source asks.
+            paused = twin.engine.paused if twin.opts.dev_mode and code == 200 else None
             out.append(Reading(SourceKind.HEALTH, SERVICE,
-                               HealthProbe(classify_status(code), code, 0.001)))  # fmt: skip
+                               HealthProbe(classify_status(code), code, 0.001, paused=paused)))  # fmt: skip
         else:
             out.append(Reading(SourceKind.VLLM_METRICS, SERVICE, None,
                                "GET /metrics: connection refused",
@@ -493,8 +506,23 @@ class VirtualWorld:
                          (pid,) if pid else ())  # fmt: skip
         out.append(Reading(SourceKind.UNIT, SERVICE, unit))
         out.append(Reading(SourceKind.LOGS, SERVICE, self.logs.take()))
+        if self.case.gate:
+            out.append(Reading(SourceKind.GATE, SERVICE, self._gate()))
         out.append(self._nvml())
         return out
+
+    def _gate(self) -> GateObservation:
+        """The gate's status: what it sent and has not finished, and the oldest of those with
+        no answer yet (gate/proxy.py's unanswered)."""
+        waiting = [sent for i, (_, _, _, sent) in self.inflight.items() if i not in self.answered]
+        return GateObservation(
+            True,
+            in_flight=len(self.inflight),
+            queued=0,
+            open=True,
+            unanswered=len(waiting),
+            oldest_unanswered_seconds=round(self.now - min(waiting), 3) if waiting else 0.0,
+        )
 
     def _nvml(self) -> Reading:
         if self.gpu_doc is None:

@@ -772,6 +772,8 @@ class _Handler:
             resp = _send(
                 200, twin.metrics_text().encode(), "text/plain; version=0.0.4; charset=utf-8"
             )
+        elif path == "/is_paused" and twin.opts.dev_mode:
+            status, resp = 200, _json(200, {"is_paused": twin.engine.paused})
         elif path == "/version":
             status, resp = 200, _json(200, {"version": VLLM_VERSION})
         elif path == "/sim/clock":
@@ -818,6 +820,16 @@ class _Handler:
             status = 503 if self.twin.engine.death is not None else 200
             self._observe(request, status, length, 0, start)
             return _send(status, b"")
+        if path in ("/pause", "/resume") and self.twin.opts.dev_mode:
+            # vLLM's (VLLM_SERVER_DEV_MODE=1): mode=keep's freeze for any mode (no abort here).
+            with self.twin.lock:
+                if path == "/pause":
+                    self.twin.engine.pause()
+                else:
+                    self.twin.engine.resume()
+            resp = _json(200, {"status": "paused" if path == "/pause" else "resumed"})
+            self._observe(request, 200, length, _length(resp), start)
+            return resp
         if path not in ("/v1/completions", "/v1/chat/completions"):
             status = (
                 405 if path in ("/health", "/metrics", "/version", "/load", "/v1/models") else 404
