@@ -19,6 +19,7 @@ file) keeps its smoke tests in ``test_heal_e2e.py``.
 
 from __future__ import annotations
 
+import datetime as dt
 import difflib
 import json
 import os
@@ -32,6 +33,9 @@ import pytest
 
 from tests.virtual_time import Case, Run, run_case
 from vllm_guardian.core.policy import DecisionKind
+from vllm_guardian.diagnose.analyze import analyze
+from vllm_guardian.diagnose.bundle import read_bundle
+from vllm_guardian.diagnose.report import to_json
 from vllm_guardian.model import ActionKind, Cause
 from vllm_guardian.recorder import FlightRecorder, read_records, snapshot_from_record, to_jsonable
 from vllm_guardian.replay import replay
@@ -333,3 +337,61 @@ def test_replay_of_the_recording_makes_the_same_decisions(
             lineterm="",
         )
     )
+
+
+GUARDIAN_SAID = "the guardian acted on it"  # diagnose's evidence read from action.json
+
+
+@pytest.mark.parametrize(("case", "check"), CASES, ids=IDS)
+def test_diagnose_on_the_bundle_the_guardian_saved_names_the_actions_cause(
+    run_of: Callable[[Case], Run], case: Case, check: Callable[[Run], None]
+) -> None:
+    """Every incident bundle the run's guardian saved as it acted, read by ``vllm-guardian
+    diagnose`` as an on-call engineer would: its verdict is the cause in the bundle's own
+    ``action.json``, and what diagnose reads in the bundle itself (its scrapes, log lines, the
+    daemon's flight record judged with the daemon's windows) shows that cause too: not only
+    the action's own word for it."""
+    run = run_of(case)
+    for action_id, path in run.bundles:
+        # An action with no cause (the step back up to the operator's baseline after a stable
+        # period) has nothing wrong to name: healthy.
+        said = json.loads((path / "action.json").read_text())["cause"] or "healthy"
+        # As `vllm-guardian diagnose --bundle PATH --config CONFIG` reads it: the daemon's
+        # config gives the windows it judged its flight record with (the demo's 8 s stall).
+        assert run.config is not None
+        report = to_json(analyze(read_bundle(path), signals=run.config.signals))
+        found = {c["id"]: c["evidence"] for c in report["causes"]}
+        own = [e for e in found.get(said, []) if not e.startswith(GUARDIAN_SAID)]
+        print(f"{case.name} action {action_id}: {said}; verdict {report['verdict']}; own {own}")
+        assert report["verdict"] == said, (path, report["verdict"], report["notes"])
+        assert own or said == "healthy", (path, report)
+
+
+def test_diagnose_says_a_paused_server_is_paused_and_since_when(
+    run_of: Callable[[Case], Run], tmp_path: Path
+) -> None:
+    """operator_pause has no action, so no bundle: one is written as the daemon's flight
+    record stood 10 ticks before the resume. diagnose names no cause (healthy: nothing is
+    broken) and says the server is paused, since when, and that requests wait through it."""
+    case = next(c for c, _ in CASES if c.name == "operator_pause")
+    run = run_of(case)
+    paused = [i for i, s in enumerate(run.snapshots) if (h := s.services[0].health) and h.paused]
+    assert paused, "the twin never paused"
+    upto = run.snapshots[: paused[-10] + 1]
+    bundle = tmp_path / "paused"
+    bundle.mkdir()
+    created = dt.datetime.fromtimestamp(upto[-1].time_seconds, dt.UTC).isoformat()
+    (bundle / "manifest.json").write_text(
+        json.dumps({"format": 1, "created": created, "service": "vllm"})
+    )
+    with (bundle / "flight.jsonl").open("w") as fh:
+        for snap in upto:
+            fh.write(json.dumps({"snapshot": to_jsonable(snap)}) + "\n")
+    assert run.config is not None
+    report = to_json(analyze(read_bundle(bundle), signals=run.config.signals))
+    held_for = upto[-1].time_seconds - run.snapshots[paused[0]].time_seconds
+    said = [n for n in report["notes"] if n.startswith("vLLM paused for")]
+    print(report["verdict"], said)
+    assert report["verdict"] == "healthy", report
+    assert said and f"paused for {held_for:.0f} s" in said[0], (held_for, report["notes"])
+    assert "requests have waited" in said[0] and "/resume" in said[0], said

@@ -55,6 +55,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from vllm_guardian.actuators import flags as flagsfile
 from vllm_guardian.actuators.alerts import load_rules
+from vllm_guardian.actuators.bundle import BundleWriter
 from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import Config
 from vllm_guardian.core import policy
@@ -124,6 +125,9 @@ class Case:
     # the requests it sent and not finished, and which of them have had no answer yet (the
     # load's own requests: the gate forwards each at once).
     gate: bool = False
+    # True: the bundle step writes the real incident bundle (actuators/bundle.BundleWriter, the
+    # twin's exposition as its scrape) under the run's directory, for diagnose to read.
+    bundles: bool = True
 
 
 @dataclass
@@ -141,6 +145,8 @@ class Run:
     twin_exits: list[tuple[float, int]] = field(default_factory=list)  # (t, status)
     engines: list[EngineConfig] = field(default_factory=list)  # each twin that parsed its flags
     snapshots: list[Snapshot] = field(default_factory=list)  # every tick's, as recorded
+    # The incident bundles the guardian's bundle step wrote (Case.bundles): (action id, path).
+    bundles: list[tuple[int, Path]] = field(default_factory=list)
     config: Config | None = None
     ticks: int = 0
 
@@ -339,6 +345,13 @@ class VirtualWorld:
         self.xid_seq: dict[str, int] = {}
         self.inflight: dict[int, tuple[VirtualTwin, str, Queue[RequestDelta], float]] = {}
         self.answered: set[int] = set()  # in flight, and a byte of the answer came
+        svc_cfg = self.cfg.service(SERVICE)
+        self.bundle_writer = BundleWriter(
+            workdir / "bundles",
+            lambda _: (svc_cfg, list(self.history)),
+            timeout_seconds=5.0,
+            read_metrics=self._scrape_for_bundle,
+        )
         profile = SCENARIOS[case.scenario].load
         self.plan = deque(
             plan_requests(profile, LOAD_SEED, 100_000, case.duration_seconds * case.speed)
@@ -408,6 +421,10 @@ class VirtualWorld:
             self._restart(req)
             return
         ok, terminal, detail = True, False, "bundle captured (virtual)"
+        if req.op is Op.BUNDLE and self.case.bundles:
+            path = self.bundle_writer.capture(self.run.actions[req.action_id])
+            self.run.bundles.append((req.action_id, path))
+            detail = f"bundle captured in {path}"
         if req.op is Op.WRITE_FLAGS:
             try:
                 self.flags = flagsfile.validate(req.flags, req.env)
@@ -417,6 +434,10 @@ class VirtualWorld:
         self.results.append(
             OpResult(req.action_id, req.service, req.op, ok, terminal, detail, self.now)
         )
+
+    def _scrape_for_bundle(self, _svc: object) -> bytes | None:
+        twin = self.twin
+        return twin.metrics_text().encode() if twin is not None and twin.listening else None
 
     # --- the GPU state file ----------------------------------------------------------------
 

@@ -74,12 +74,20 @@ def gpus_document(
 
 class BundleWriter:
     def __init__(
-        self, root: Path, context: Context, timeout_seconds: float, keep: int = 50
+        self,
+        root: Path,
+        context: Context,
+        timeout_seconds: float,
+        keep: int = 50,
+        read_metrics: Callable[[ServiceConfig], bytes | None] | None = None,
     ) -> None:
         self.root = root
         self.context = context
         self.timeout_seconds = timeout_seconds
         self.keep = keep
+        # How the fresh /metrics scrape is taken: GET over HTTP; the virtual-time tests hand in
+        # the twin's exposition (nothing listens there), None when it does not answer.
+        self.read_metrics = read_metrics
 
     def __call__(self, action: Action) -> str | None:
         try:
@@ -101,7 +109,13 @@ class BundleWriter:
         }
         (path / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         (path / "action.json").write_text(json.dumps(to_jsonable(action), indent=2) + "\n")
-        if svc is not None:
+        if svc is not None and self.read_metrics is not None:
+            body = self.read_metrics(svc)
+            if body is None:
+                (path / "metrics" / "ERROR.txt").write_text("GET /metrics: no answer\n")
+            else:
+                (path / "metrics" / f"{int(now)}.prom").write_bytes(body)
+        elif svc is not None:
             try:
                 resp = httpget.fetch(
                     svc.url.rstrip("/") + "/metrics",

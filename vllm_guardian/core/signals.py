@@ -130,6 +130,7 @@ class ServiceSignals:
     # unknown. Nothing is judged stalled or hung meanwhile. ``held_waiting_seconds``: how long
     # requests have waited through it (0: none wait).
     held_by_operator: OperatorHold | None = None
+    held_seconds: float | None = None  # held for this long, as far back as the history sees
     held_waiting_seconds: float | None = None
     counter_reset: bool = False  # vLLM restarted within the rate window
     kv_cache_capacity_tokens: int | None = None
@@ -542,20 +543,28 @@ def _unreached_seconds(history: Sequence[Snapshot], service: str) -> float | Non
 
 def _operator_hold(
     history: Sequence[Snapshot], service: str
-) -> tuple[OperatorHold | None, float | None]:
+) -> tuple[OperatorHold | None, float | None, float | None]:
     """Whether an operator holds the server asleep (``vllm:engine_sleep_state``) or paused
-    (``/is_paused``) now, and for how long requests have waited through it: the hold or None,
-    and the seconds back to the first snapshot of the run of snapshots held with
-    requests waiting (in the engine, or held or unanswered at the gate); 0 when none wait."""
+    (``/is_paused``) now, since when, and for how long requests have waited through it: the
+    hold or None; the seconds back to the first snapshot of the run of held snapshots; and the
+    seconds back to the first of those with requests waiting all along (in the engine, or held
+    or unanswered at the gate), 0 when none wait now."""
     state = _held_state(history[-1], service)
     if state is None:
-        return None, None
-    since: float | None = None
+        return None, None, None
+    now = history[-1].time_seconds
+    held_since = waiting_since = now
+    waiting = True
     for snap in reversed(history):
-        if _held_state(snap, service) is None or not _requests_wait(snap, service):
+        if _held_state(snap, service) is None:
             break
-        since = snap.time_seconds
-    return state, 0.0 if since is None else history[-1].time_seconds - since
+        held_since = snap.time_seconds
+        waiting = waiting and _requests_wait(snap, service)
+        if waiting:
+            waiting_since = snap.time_seconds
+    if not _requests_wait(history[-1], service):
+        return state, now - held_since, 0.0
+    return state, now - held_since, now - waiting_since
 
 
 def _held_state(snap: Snapshot, service: str) -> OperatorHold | None:
@@ -776,11 +785,12 @@ def derive_service(
             engines=tuple(per_engine),
         )
     unreached = _unreached_seconds(history, svc.name)
-    held, held_waiting = _operator_hold(history, svc.name)
+    held, held_for, held_waiting = _operator_hold(history, svc.name)
     fields.update(
         unreached_seconds=unreached,
         input_hung=None if unreached is None else unreached >= cfg.stall_seconds,
         held_by_operator=held,
+        held_seconds=held_for,
         held_waiting_seconds=held_waiting,
     )
     fields["recent_log_events"] = _recent_log_events(history, cfg.rate_window_seconds, svc.name)
