@@ -92,9 +92,10 @@ NOT_LIVE = {
     # The guardian with a gate restarts it, and diagnose on its bundle names it
     # (tests/test_scenarios_vt.py).
     "engine_input_hang": "a blind spot of --url: only the gate sees it",
-    # Needs vLLM's development routes; its verdict (healthy, paused, since when) is asserted on
-    # the daemon's flight record in tests/test_scenarios_vt.py.
+    # Need vLLM's development routes; never restarted, asserted on virtual time
+    # (tests/test_scenarios_vt.py), and diagnose's "paused, since when" there too.
     "operator_pause": "asserted on virtual time",
+    "operator_sleep": "asserted on virtual time",
 }
 
 

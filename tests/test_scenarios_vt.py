@@ -108,6 +108,14 @@ def check_operator_pause(r: Run) -> None:
     assert r.requests["ok"] > 0, r.requests
 
 
+def check_operator_sleep(r: Run) -> None:
+    # Asleep (level 1, requests kept in it) at 30 s for 120 simulated seconds: frozen requests
+    # in the engine, new ones unanswered at the gate, exactly a hang's shape on both counts;
+    # vllm:engine_sleep_state says it sleeps. Never judged stalled or input-hung, never
+    # restarted.
+    check_operator_pause(r)
+
+
 def check_xid(r: Run) -> None:
     assert [a.kind for a in r.started()] == [ActionKind.ESCALATE]
     assert r.started()[0].cause is Cause.GPU_HARDWARE_FAULT
@@ -215,6 +223,7 @@ CASES: list[tuple[Case, Callable[[Run], None]]] = [
     (Case("engine_input_hang", "engine_input_hang", 6, 45, timeline=True, gate=True),
      check_input_hang),
     (Case("operator_pause", "operator_pause", 4, 60, gate=True), check_operator_pause),
+    (Case("operator_sleep", "operator_sleep", 4, 60, gate=True), check_operator_sleep),
     (Case("xid_fault", "xid_fault", 6, 35), check_xid),
     (Case("kv_thrash", "kv_thrash", 4, 45, (), COOL_8), check_kv),
     (Case("fragmentation_creep", "fragmentation_creep", 8, 35, FRAGMENTATION, COOL_5),

@@ -424,7 +424,7 @@ class VirtualWorld:
         if req.op is Op.BUNDLE and self.case.bundles:
             path = self.bundle_writer.capture(self.run.actions[req.action_id])
             self.run.bundles.append((req.action_id, path))
-            detail = f"bundle captured in {path}"
+            detail = f"written to {path}"
         if req.op is Op.WRITE_FLAGS:
             try:
                 self.flags = flagsfile.validate(req.flags, req.env)

@@ -6,6 +6,7 @@ zero lies on that clock, as the server computes it from ``--sim-epoch`` or the t
 
 from __future__ import annotations
 
+import io
 import itertools
 
 import pytest
@@ -15,6 +16,9 @@ from vllm_guardian.sim.engine import EnginePhase, SimEngine
 from vllm_guardian.sim.flags import FlagError
 from vllm_guardian.sim.load import plan_requests
 from vllm_guardian.sim.scenarios import SCENARIOS, FaultKind, fault_schedule
+from vllm_guardian.sim.server import Twin
+from vllm_guardian.sim.vllm_log import LogWriter
+from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
 
 EAGER = ("--enforce-eager",)  # start-up 21 simulated seconds for the 8B model
 
@@ -204,3 +208,22 @@ def test_a_pause_freezes_the_scheduler_and_a_resume_lets_it_go() -> None:
     said = [ev.message for ev in e.take_logs()]
     assert "setting pause state to PAUSED_ALL" in said
     assert "setting pause state to UNPAUSED" in said
+
+
+def test_a_sleep_pauses_and_says_so_in_the_sleep_gauges() -> None:
+    """operator_sleep: /sleep?level=1&mode=keep at 30 s pauses the scheduler (its requests
+    stay) and the twin's /metrics reads vllm:engine_sleep_state as vLLM's record_sleep_state
+    sets it; /wake_up 120 s later resumes."""
+    twin = Twin(options("--sim-scenario", "operator_sleep", *EAGER), LogWriter(0, io.StringIO()))
+    assert twin.opts.dev_mode  # the scenario's operator uses vLLM's development routes
+    e = run(twin.engine, 0.0)
+    assert e.ready_at is not None
+    drive(e, plan_requests(e.scenario.load, 0, 3000, 60.0), 60.0)
+    assert [f.kind for f in e.faults] == [FaultKind.PAUSE, FaultKind.SLEEP]
+    assert e.paused and e.sleep_level == 1
+    (scraped,) = parse_vllm_metrics(twin.metrics_text()).engines
+    assert scraped.asleep is True and (scraped.requests_running or 0) > 0
+    e.advance(e.ready_at + 151.0)
+    assert [f.kind for f in e.faults][-2:] == [FaultKind.WAKE, FaultKind.RESUME]
+    (scraped,) = parse_vllm_metrics(twin.metrics_text()).engines
+    assert scraped.asleep is False and not e.paused

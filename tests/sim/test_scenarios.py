@@ -18,7 +18,7 @@ CAUSES = {
 
 
 def test_every_scenario_names_a_cause_of_the_vocabulary() -> None:
-    assert len(SCENARIOS) == 12
+    assert len(SCENARIOS) == 13
     for s in SCENARIOS.values():
         assert s.expected_cause in CAUSES
     # A low hit rate is harmless: prefix_cache_waste is a negative control, never the verdict.

@@ -173,6 +173,8 @@ class SimEngine:
         # An operator paused the scheduler (/pause?mode=keep): no step; adds wait here.
         self.paused = False
         self._held_adds: list[SimRequest] = []
+        # Asleep at this level (vLLM's /sleep, which pauses the scheduler first); None: awake.
+        self.sleep_level: int | None = None
         self._schedule: Iterator[tuple[float, FaultKind]] | None = None
         self._next_fault: tuple[float, FaultKind] | None = None
         self._next_log_at = LOG_STATS_INTERVAL_SECONDS
@@ -520,6 +522,10 @@ class SimEngine:
             self.pause()
         elif kind is FaultKind.RESUME:
             self.resume()
+        elif kind is FaultKind.SLEEP:
+            self.sleep(self.scenario.sleep_level)
+        elif kind is FaultKind.WAKE:
+            self.wake_up()
         elif kind is FaultKind.DEATH:
             self.faults.append(FaultRecord(kind, self.now))
             self._die(
@@ -560,6 +566,21 @@ class SimEngine:
             for req in self._held_adds:
                 self.scheduler.add(req)
         self._held_adds = []
+
+    def sleep(self, level: int) -> None:
+        """vLLM's ``POST /sleep?level=N&mode=keep``: the scheduler paused first (its requests
+        stay), then the weights offloaded (level 1) or discarded (2); level 0 only pauses."""
+        self.pause()
+        if self.sleep_level is None:
+            self.faults.append(FaultRecord(FaultKind.SLEEP, self.now))
+        self.sleep_level = level
+
+    def wake_up(self) -> None:
+        """``POST /wake_up``, then ``/resume`` (vLLM keeps the scheduler paused until then)."""
+        if self.sleep_level is not None:
+            self.faults.append(FaultRecord(FaultKind.WAKE, self.now))
+        self.sleep_level = None
+        self.resume()
 
     # ----------------------------------------------------------------- the step
 

@@ -79,6 +79,10 @@ class FaultKind(enum.Enum):
     # requests in it; new ones queue before it until the resume.
     PAUSE = "pause"
     RESUME = "resume"
+    # An operator's POST /sleep?level=N&mode=keep (it pauses the scheduler first), and the
+    # /wake_up and /resume that end it.
+    SLEEP = "sleep"
+    WAKE = "wake"
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,9 @@ class Scenario:
     input_hang_at_seconds: float | None = None
     pause_at_seconds: float | None = None
     pause_for_seconds: float | None = None  # None: never resumed
+    sleep_at_seconds: float | None = None
+    sleep_for_seconds: float | None = None  # None: never woken
+    sleep_level: int = 1
     # Serve vLLM's development routes (/pause, /resume, /is_paused), as VLLM_SERVER_DEV_MODE=1.
     dev_mode: bool = False
     # exit_zero_death exits 0 whatever --sim-exit-code says (that is the scenario).
@@ -117,6 +124,13 @@ class Scenario:
                     if self.pause_at_seconds is None or self.pause_for_seconds is None
                     else self.pause_at_seconds + self.pause_for_seconds,
                     FaultKind.RESUME,
+                ),
+                (self.sleep_at_seconds, FaultKind.SLEEP),
+                (
+                    None
+                    if self.sleep_at_seconds is None or self.sleep_for_seconds is None
+                    else self.sleep_at_seconds + self.sleep_for_seconds,
+                    FaultKind.WAKE,
                 ),
             )
             if at is not None
@@ -228,6 +242,15 @@ SCENARIOS: dict[str, Scenario] = {
             "two minutes with requests in it, then resumes; not a hang, never restarted",
             pause_at_seconds=30.0,
             pause_for_seconds=120.0,
+            dev_mode=True,
+        ),
+        Scenario(
+            "operator_sleep",
+            "healthy",
+            "negative control: an operator puts vLLM to sleep (POST /sleep?level=1&mode=keep) "
+            "for two minutes with requests in it, then wakes it; not a hang, never restarted",
+            sleep_at_seconds=30.0,
+            sleep_for_seconds=120.0,
             dev_mode=True,
         ),
         Scenario(

@@ -486,6 +486,7 @@ class Twin:
                         any(k == "block_size" for k, _ in self.opts.non_default_args),
                     ),
                     created_unix_seconds=self.ready_wall or self.wall0,
+                    sleep_level=e.sleep_level,
                 )
             return render_metrics(runtime_families(self.runtime_registry), view, self.http_stats)
 
@@ -820,14 +821,20 @@ class _Handler:
             status = 503 if self.twin.engine.death is not None else 200
             self._observe(request, status, length, 0, start)
             return _send(status, b"")
-        if path in ("/pause", "/resume") and self.twin.opts.dev_mode:
+        if path in ("/pause", "/resume", "/sleep", "/wake_up") and self.twin.opts.dev_mode:
             # vLLM's (VLLM_SERVER_DEV_MODE=1): mode=keep's freeze for any mode (no abort here).
             with self.twin.lock:
+                e = self.twin.engine
                 if path == "/pause":
-                    self.twin.engine.pause()
+                    e.pause()
+                elif path == "/resume":
+                    e.resume()
+                elif path == "/sleep":
+                    e.sleep(int(request.query.get("level", "1")))
                 else:
-                    self.twin.engine.resume()
-            resp = _json(200, {"status": "paused" if path == "/pause" else "resumed"})
+                    e.wake_up()
+            said = {"/pause": "paused", "/resume": "resumed", "/sleep": "sleeping"}
+            resp = _json(200, {"status": said.get(path, "awake")})
             self._observe(request, 200, length, _length(resp), start)
             return resp
         if path not in ("/v1/completions", "/v1/chat/completions"):
