@@ -15,10 +15,13 @@ missing gate.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
+from tests.conftest import VLLM_FIXTURES
 from tests.test_signals import derive, engine, snap
 from vllm_guardian.core.signals import OperatorHold
 from vllm_guardian.model import GateObservation, HealthProbe, HealthState, ServiceSnapshot, Snapshot
@@ -129,3 +132,59 @@ def test_an_unreadable_scrape_ends_what_can_be_vouched_for() -> None:
     history[18] = replace(history[18], services=(gap,))  # t=36: /metrics unreadable
     s = derive(*history)
     assert (s.unreached_seconds, s.input_hung) == (2.0, False)
+
+
+# --- the real vLLM 0.32, paused -----------------------------------------------------------------
+
+PAUSE_CAPTURE = json.loads((VLLM_FIXTURES / "pause-0.32.json").read_text())
+
+
+def captured(step: str) -> dict[str, Any]:
+    return next(s for s in PAUSE_CAPTURE["steps"] if s["step"] == step)
+
+
+def test_a_request_sent_to_a_paused_vllm_is_neither_running_nor_waiting() -> None:
+    """Measured (tests/vllm_tier/capture_pause.py): a request sent to vLLM 0.32 paused with
+    /pause?mode=keep is queued before the scheduler, so the engine reports nothing in it,
+    /health answers 200, and the request is unanswered: the input hang's shape exactly. Only
+    /is_paused (true) tells them apart, and with it nothing is judged."""
+    seen = captured("paused, a second request sent 3 s ago")
+    later = captured("paused, 3 s later")
+    for s in (seen, later):
+        assert s["health"] == 200 and json.loads(s["is_paused"]["body"]) == {"is_paused": True}
+        m = s["metrics"]
+        assert (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"]) == (0.0, 0.0)
+    assert later["metrics"] == seen["metrics"]  # nothing moved
+    assert [s["status"] for s in PAUSE_CAPTURE["steps"] if s["step"] == "answers"] == [[200, 200]]
+
+    def tick(t: float, paused: bool | None) -> Snapshot:
+        m = later["metrics"]
+        e = engine(
+            requests_running=m["vllm:num_requests_running"],
+            requests_waiting=m["vllm:num_requests_waiting"],
+            generation_tokens_total=m["vllm:generation_tokens_total"],
+            prompt_tokens_total=m["vllm:prompt_tokens_total"],
+            kv_cache_usage_ratio=m["vllm:kv_cache_usage_perc"],
+        )
+        return with_gate(snap(t, e), gate(t), paused=paused)
+
+    history = [tick(float(t), paused=True) for t in range(0, 42, 2)]
+    s = derive(*history)
+    assert (s.unreached_seconds, s.input_hung, s.held_by_operator) == (
+        None,
+        None,
+        OperatorHold.PAUSED,
+    )
+    # Read without /is_paused, the same readings are a hang: why the health source asks it.
+    blind = derive(*[tick(float(t), paused=None) for t in range(0, 42, 2)])
+    assert (blind.unreached_seconds, blind.input_hung) == (40.0, True)
+
+
+def test_the_twin_logs_the_pause_as_vllm_does() -> None:
+    """The scheduler's line, as the real capture has it (file, line and text)."""
+    real = [line for line in PAUSE_CAPTURE["log_lines"] if "pause state" in line]
+    assert [line.split("] ", 1)[1] for line in real] == [
+        "setting pause state to PAUSED_ALL",
+        "setting pause state to UNPAUSED",
+    ]
+    assert all("[scheduler.py:2756]" in line and "(EngineCore" in line for line in real)

@@ -92,8 +92,9 @@ def test_deep_probe_failure_is_reported(script: Script, http_server: str):
 @pytest.mark.parametrize(
     ("status", "body", "paused"),
     [
-        (200, b'{"is_paused": true}', True),
-        (200, b'{"is_paused": false}', False),
+        # as vLLM 0.32 answered (tests/fixtures/vllm/pause-0.32.json)
+        (200, b'{"is_paused":true}', True),
+        (200, b'{"is_paused":false}', False),
         (404, b'{"detail": "Not Found"}', None),  # no dev mode: no /pause either
         (500, b'{"error": "Failed to fetch pause status: boom"}', None),
         (200, b"[1]", None),
