@@ -40,6 +40,7 @@ EXPECTED = [
     (Cause.PREFILL_BURST,             Lever.MAX_NUM_BATCHED_TOKENS,  False, True,  Pressure.DEVICE_MEMORY),
     (Cause.KV_CACHE_BLOWOUT,          None,                          True,  False, Pressure.KV_CACHE),
     (Cause.CONCURRENCY_OVERCOMMIT,    Lever.MAX_NUM_SEQS,            False, False, Pressure.KV_CACHE),
+    (Cause.ENGINE_INPUT_HANG,         None,                          False, False, Pressure.NONE),
     (Cause.ENGINE_DEAD,               None,                          False, True,  Pressure.NONE),
     (Cause.GPU_MEMORY_OVERCOMMIT,     Lever.GPU_MEMORY_UTILIZATION,  False, True,  Pressure.DEVICE_MEMORY),
     (Cause.PREFIX_CACHE_WASTE,        None,                          False, False, Pressure.KV_CACHE),

@@ -77,6 +77,8 @@ TRIGGERS: dict[str, dict[al.SeriesKey, dict[str, float | None]]] = {
     "VllmOverCapacity": {SVC: {"capacity_demand_ratio": 2.1, "capacity_replicas_needed": 2.0}},
     "VllmEngineStalled": {SVC: {"stalled": 1.0}},
     "VllmEngineDead": {SVC: {"vllm_up": 0.0}},
+    "VllmEngineInputHang": {SVC: {"input_hung": 1.0}},
+    "VllmHeldWithRequestsWaiting": {SVC: {"held_waiting_seconds": 300.0}},
     "VllmGpuMemoryOverBudget": {SVC: {"memory_over_budget_bytes": 3.0 * GIB}},
     "VllmGpuSharedWithOtherProcess": {GPU0: {"other_processes_memory_bytes": 2.0 * GIB}},
     "VllmGpuHeadroomLow": {GPU0: {"headroom_bytes": 0.5 * GIB}},

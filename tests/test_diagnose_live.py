@@ -85,6 +85,20 @@ PLANS = {
 }
 
 
+# Twin scenarios not run live, and why (each adds a twin and up to a minute to CI).
+NOT_LIVE = {
+    # --url reads vLLM alone: requests that never reach the engine are seen only by whoever
+    # sent them (the gate's unanswered requests); vLLM itself reads as an idle, healthy server.
+    # The guardian with a gate restarts it, and diagnose on its bundle names it
+    # (tests/test_scenarios_vt.py).
+    "engine_input_hang": "a blind spot of --url: only the gate sees it",
+    # Need vLLM's development routes; never restarted, asserted on virtual time
+    # (tests/test_scenarios_vt.py), and diagnose's "paused, since when" there too.
+    "operator_pause": "asserted on virtual time",
+    "operator_sleep": "asserted on virtual time",
+}
+
+
 def _twin_view(url: str) -> tuple[dict[str, Any], str]:
     try:
         clock = requests.get(f"{url}/sim/clock", timeout=5).json()
@@ -197,12 +211,13 @@ def live_reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str
 
 
 def test_every_twin_scenario_has_a_plan() -> None:
-    assert set(PLANS) == set(SCENARIOS)
+    assert set(PLANS) | set(NOT_LIVE) == set(SCENARIOS)
+    assert not set(PLANS) & set(NOT_LIVE)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # the first one runs the module fixture: every scenario
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
+@pytest.mark.parametrize("name", sorted(PLANS))
 def test_live_verdict_names_the_scenarios_cause(name: str, live_reports: dict[str, Any]) -> None:
     result = live_reports[name]
     report = result["report"]

@@ -181,3 +181,36 @@ def test_an_upstream_without_metrics_is_served_on_its_health(stub: Stub) -> None
         assert r.status_code == 200
     finally:
         g.stop()
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/completions", "/v1/sse"], ids=["continued stream (relay)", "bytes as they come"]
+)
+def test_a_request_sent_and_not_yet_answered_is_counted(stub: Stub, path: str) -> None:
+    """The gate's status says how many requests it sent to vLLM have had no byte of their
+    answer yet, and the oldest's age: with vLLM's engine idle by its metrics, the requests that
+    never reached it (core/progress.py, unreached_seconds). The stream's headers came at once;
+    only its body counts as an answer."""
+    g = GateThread(stub.url)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(
+                requests.post, g.url + path, json={"prompt": "hi", "max_tokens": 1, "stream": True},
+                headers={"X-Stub-Hold-Body": "1"}, timeout=60,
+            )  # fmt: skip
+            seen = wait_for(
+                lambda: (
+                    (s := status(g))["unanswered"] == 1
+                    and float(s["oldest_unanswered_seconds"]) >= 0.3,  # type: ignore[arg-type]
+                    s,
+                ),
+                "one request unanswered for 0.3 s",
+            )
+            print(seen)
+            stub.set_release()
+            answer = sent.result(timeout=60)
+            assert answer.status_code == 200 and b"[DONE]" in answer.content, answer.content
+        done = status(g)
+        assert (done["unanswered"], done["oldest_unanswered_seconds"]) == (0, 0.0), done
+    finally:
+        g.stop()

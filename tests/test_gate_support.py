@@ -197,6 +197,19 @@ class Stub:
         if path == "/v1/hold":
             await self.release.wait()
             return web.json_response({"ok": True})
+        if request.headers.get("X-Stub-Hold-Body") == "1":
+            # vLLM whose engine never gets the request: a stream's headers at once, no body
+            # until released (then one completion chunk, as vLLM writes it, and [DONE]).
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await self.release.wait()
+            chunk = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m",
+                     "choices": [{"index": 0, "text": "hi", "logprobs": None,
+                                  "finish_reason": "length", "stop_reason": None,
+                                  "prompt_token_ids": [1], "token_ids": [2]}]}  # fmt: skip
+            await resp.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+            await resp.write_eof()
+            return resp
         if path == "/v1/sse":
             n = int(request.query.get("n", "5"))
             delay = float(request.query.get("delay", "0"))

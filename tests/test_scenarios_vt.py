@@ -19,6 +19,7 @@ file) keeps its smoke tests in ``test_heal_e2e.py``.
 
 from __future__ import annotations
 
+import datetime as dt
 import difflib
 import json
 import os
@@ -32,6 +33,9 @@ import pytest
 
 from tests.virtual_time import Case, Run, run_case
 from vllm_guardian.core.policy import DecisionKind
+from vllm_guardian.diagnose.analyze import analyze
+from vllm_guardian.diagnose.bundle import read_bundle
+from vllm_guardian.diagnose.report import to_json
 from vllm_guardian.model import ActionKind, Cause
 from vllm_guardian.recorder import FlightRecorder, read_records, snapshot_from_record, to_jsonable
 from vllm_guardian.replay import replay
@@ -79,6 +83,37 @@ def check_hang_once(r: Run) -> None:
     check_hang(r)
     assert len(r.started()) == 1, r.explain()
     assert len(r.twin_starts) == 2
+
+
+def check_input_hang(r: Run) -> None:
+    # The engine core's input thread dies at 30 s of the run's clock (once: the timeline): the
+    # requests it had finish, the engine reads idle, new ones are never answered. The gate sees
+    # them wait: restarted once, as input-hung, and the new engine serves.
+    assert len(r.started()) == 1, r.explain()
+    restart = r.started("restart")
+    assert restart and restart[0].cause is Cause.ENGINE_INPUT_HANG, r.explain()
+    assert "VllmEngineInputHang" in restart[0].evidence
+    assert "VllmEngineStalled" not in r.alerts_fired  # by its metrics, the engine is idle
+    assert result_of(r, restart[0].id) is True
+
+
+def check_operator_pause(r: Run) -> None:
+    # Paused at 30 s for 120 simulated seconds (30 s here) with requests in it, past the
+    # stall wait (8 s) many times: never judged stalled or input-hung, never restarted. What
+    # the pause costs is the operator's: clients whose requests waited through it past their
+    # 30 s gave up (the load's timeouts).
+    assert r.started() == [], [a.reason for a in r.started()]
+    assert not {"VllmEngineStalled", "VllmEngineInputHang"} & set(r.alerts_fired), r.alerts_fired
+    assert len(r.twin_starts) == 1 and r.twin_exits == []
+    assert r.requests["ok"] > 0, r.requests
+
+
+def check_operator_sleep(r: Run) -> None:
+    # Asleep (level 1, requests kept in it) at 30 s for 120 simulated seconds: frozen requests
+    # in the engine, new ones unanswered at the gate, exactly a hang's shape on both counts;
+    # vllm:engine_sleep_state says it sleeps. Never judged stalled or input-hung, never
+    # restarted.
+    check_operator_pause(r)
 
 
 def check_xid(r: Run) -> None:
@@ -185,6 +220,10 @@ CASES: list[tuple[Case, Callable[[Run], None]]] = [
     (Case("exit_zero_death", "exit_zero_death", 6, 40), check_exit_zero),
     (Case("engine_hang", "engine_hang", 6, 45), check_hang),
     (Case("engine_hang_once", "engine_hang", 6, 45, timeline=True), check_hang_once),
+    (Case("engine_input_hang", "engine_input_hang", 6, 45, timeline=True, gate=True),
+     check_input_hang),
+    (Case("operator_pause", "operator_pause", 4, 60, gate=True), check_operator_pause),
+    (Case("operator_sleep", "operator_sleep", 4, 60, gate=True), check_operator_sleep),
     (Case("xid_fault", "xid_fault", 6, 35), check_xid),
     (Case("kv_thrash", "kv_thrash", 4, 45, (), COOL_8), check_kv),
     (Case("fragmentation_creep", "fragmentation_creep", 8, 35, FRAGMENTATION, COOL_5),
@@ -327,3 +366,61 @@ def test_replay_of_the_recording_makes_the_same_decisions(
             lineterm="",
         )
     )
+
+
+GUARDIAN_SAID = "the guardian acted on it"  # diagnose's evidence read from action.json
+
+
+@pytest.mark.parametrize(("case", "check"), CASES, ids=IDS)
+def test_diagnose_on_the_bundle_the_guardian_saved_names_the_actions_cause(
+    run_of: Callable[[Case], Run], case: Case, check: Callable[[Run], None]
+) -> None:
+    """Every incident bundle the run's guardian saved as it acted, read by ``vllm-guardian
+    diagnose`` as an on-call engineer would: its verdict is the cause in the bundle's own
+    ``action.json``, and what diagnose reads in the bundle itself (its scrapes, log lines, the
+    daemon's flight record judged with the daemon's windows) shows that cause too: not only
+    the action's own word for it."""
+    run = run_of(case)
+    for action_id, path in run.bundles:
+        # An action with no cause (the step back up to the operator's baseline after a stable
+        # period) has nothing wrong to name: healthy.
+        said = json.loads((path / "action.json").read_text())["cause"] or "healthy"
+        # As `vllm-guardian diagnose --bundle PATH --config CONFIG` reads it: the daemon's
+        # config gives the windows it judged its flight record with (the demo's 8 s stall).
+        assert run.config is not None
+        report = to_json(analyze(read_bundle(path), signals=run.config.signals))
+        found = {c["id"]: c["evidence"] for c in report["causes"]}
+        own = [e for e in found.get(said, []) if not e.startswith(GUARDIAN_SAID)]
+        print(f"{case.name} action {action_id}: {said}; verdict {report['verdict']}; own {own}")
+        assert report["verdict"] == said, (path, report["verdict"], report["notes"])
+        assert own or said == "healthy", (path, report)
+
+
+def test_diagnose_says_a_paused_server_is_paused_and_since_when(
+    run_of: Callable[[Case], Run], tmp_path: Path
+) -> None:
+    """operator_pause has no action, so no bundle: one is written as the daemon's flight
+    record stood 10 ticks before the resume. diagnose names no cause (healthy: nothing is
+    broken) and says the server is paused, since when, and that requests wait through it."""
+    case = next(c for c, _ in CASES if c.name == "operator_pause")
+    run = run_of(case)
+    paused = [i for i, s in enumerate(run.snapshots) if (h := s.services[0].health) and h.paused]
+    assert paused, "the twin never paused"
+    upto = run.snapshots[: paused[-10] + 1]
+    bundle = tmp_path / "paused"
+    bundle.mkdir()
+    created = dt.datetime.fromtimestamp(upto[-1].time_seconds, dt.UTC).isoformat()
+    (bundle / "manifest.json").write_text(
+        json.dumps({"format": 1, "created": created, "service": "vllm"})
+    )
+    with (bundle / "flight.jsonl").open("w") as fh:
+        for snap in upto:
+            fh.write(json.dumps({"snapshot": to_jsonable(snap)}) + "\n")
+    assert run.config is not None
+    report = to_json(analyze(read_bundle(bundle), signals=run.config.signals))
+    held_for = upto[-1].time_seconds - run.snapshots[paused[0]].time_seconds
+    said = [n for n in report["notes"] if n.startswith("vLLM paused for")]
+    print(report["verdict"], said)
+    assert report["verdict"] == "healthy", report
+    assert said and f"paused for {held_for:.0f} s" in said[0], (held_for, report["notes"])
+    assert "requests have waited" in said[0] and "/resume" in said[0], said

@@ -85,3 +85,41 @@ def test_deep_probe_failure_is_reported(script: Script, http_server: str):
     )
     assert probe.state is HealthState.UP  # type: ignore[union-attr]
     assert probe.deep is not None and not probe.deep.ok and probe.deep.status_code == 500  # type: ignore[union-attr]
+
+
+# vLLM's GET /is_paused (vllm/entrypoints/rl/online/api_router.py in 0.32, registered only
+# with VLLM_SERVER_DEV_MODE=1): {"is_paused": <bool>}; without dev mode, FastAPI's 404.
+@pytest.mark.parametrize(
+    ("status", "body", "paused"),
+    [
+        # as vLLM 0.32 answered (tests/fixtures/vllm/pause-0.32.json)
+        (200, b'{"is_paused":true}', True),
+        (200, b'{"is_paused":false}', False),
+        (404, b'{"detail": "Not Found"}', None),  # no dev mode: no /pause either
+        (500, b'{"error": "Failed to fetch pause status: boom"}', None),
+        (200, b"[1]", None),
+    ],
+)
+def test_is_paused_is_read_beside_health(
+    script: Script, http_server: str, status: int, body: bytes, paused: bool | None
+) -> None:
+    script.set("/health")
+    route = script.set("/is_paused", status=status, body=body, content_type="application/json")
+    collector = HealthCollector(
+        ServiceConfig(name="v", url=http_server), HealthSourceConfig(), FakeClock()
+    )
+    for _ in range(3):
+        r = collector.collect()
+        assert r.payload.state is HealthState.UP  # type: ignore[union-attr]
+        assert r.payload.paused is paused  # type: ignore[union-attr]
+    # a server without the route is asked once, not on every tick
+    assert route.hits == (1 if status == 404 else 3)
+
+
+def test_a_hung_is_paused_is_no_answer_and_health_still_counts(script: Script, http_server: str):
+    """/is_paused asks the engine core: a hung one never answers. /health's answer stands."""
+    script.set("/health")
+    script.set("/is_paused", delay_seconds=5.0, body=b'{"is_paused": true}')
+    cfg = HealthSourceConfig(timeout_seconds=0.5)
+    r = HealthCollector(ServiceConfig(name="v", url=http_server), cfg, FakeClock()).collect()
+    assert r.payload.state is HealthState.UP and r.payload.paused is None  # type: ignore[union-attr]

@@ -29,8 +29,10 @@ So a case here is the same experiment as the real-process demo with the same opt
 the scheduling noise of a busy machine.
 
 Left out, on purpose: the allocator source (the twin has no in-vLLM plugin, so the real source
-reports "no plugin data"), the admission gate (the demo has none) and alert delivery (what the
-step delivers and what it inhibits is recorded instead).
+reports "no plugin data"), the admission gate's holding and queueing (the demo has none; a
+case with ``gate=True`` has its status only: every request forwarded at once, and which have
+had no answer yet) and alert delivery (what the step delivers and what it inhibits is recorded
+instead).
 
 Why in ``tests/`` and not in the package: the twin stands in for vLLM and must not depend on the
 guardian (this harness imports both), and nothing the product ships runs it.
@@ -53,6 +55,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from vllm_guardian.actuators import flags as flagsfile
 from vllm_guardian.actuators.alerts import load_rules
+from vllm_guardian.actuators.bundle import BundleWriter
 from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import Config
 from vllm_guardian.core import policy
@@ -69,6 +72,7 @@ from vllm_guardian.gpu_state_format import (
 from vllm_guardian.model import (
     Action,
     ActionResult,
+    GateObservation,
     HealthProbe,
     HealthState,
     Op,
@@ -117,6 +121,13 @@ class Case:
     # True: the twin's processes share a timeline file (--sim-timeline-file), so the scenario's
     # one-off faults keep their place on the run's clock across restarts (the demo does not).
     timeline: bool = False
+    # True: a gate stands in front of the twin, and the guardian reads its status each tick:
+    # the requests it sent and not finished, and which of them have had no answer yet (the
+    # load's own requests: the gate forwards each at once).
+    gate: bool = False
+    # True: the bundle step writes the real incident bundle (actuators/bundle.BundleWriter, the
+    # twin's exposition as its scrape) under the run's directory, for diagnose to read.
+    bundles: bool = True
 
 
 @dataclass
@@ -134,6 +145,8 @@ class Run:
     twin_exits: list[tuple[float, int]] = field(default_factory=list)  # (t, status)
     engines: list[EngineConfig] = field(default_factory=list)  # each twin that parsed its flags
     snapshots: list[Snapshot] = field(default_factory=list)  # every tick's, as recorded
+    # The incident bundles the guardian's bundle step wrote (Case.bundles): (action id, path).
+    bundles: list[tuple[int, Path]] = field(default_factory=list)
     config: Config | None = None
     ticks: int = 0
 
@@ -332,6 +345,14 @@ class VirtualWorld:
         self.xids_written = 0
         self.xid_seq: dict[str, int] = {}
         self.inflight: dict[int, tuple[VirtualTwin, str, Queue[RequestDelta], float]] = {}
+        self.answered: set[int] = set()  # in flight, and a byte of the answer came
+        svc_cfg = self.cfg.service(SERVICE)
+        self.bundle_writer = BundleWriter(
+            workdir / "bundles",
+            lambda _: (svc_cfg, list(self.history)),
+            timeout_seconds=5.0,
+            read_metrics=self._scrape_for_bundle,
+        )
         profile = SCENARIOS[case.scenario].load
         self.plan = deque(
             plan_requests(profile, LOAD_SEED, 100_000, case.duration_seconds * case.speed)
@@ -372,6 +393,7 @@ class VirtualWorld:
             for i, (owner, _, _, _) in list(self.inflight.items()):
                 if owner is twin:  # the connection ends with the process
                     del self.inflight[i]
+                    self.answered.discard(i)
                     self.run.requests[OutcomeKind.INCOMPLETE.value] += 1
         self.twin = None
         self.kill_at = None
@@ -400,6 +422,10 @@ class VirtualWorld:
             self._restart(req)
             return
         ok, terminal, detail = True, False, "bundle captured (virtual)"
+        if req.op is Op.BUNDLE and self.case.bundles:
+            path = self.bundle_writer.capture(self.run.actions[req.action_id])
+            self.run.bundles.append((req.action_id, path))
+            detail = f"written to {path}"
         if req.op is Op.WRITE_FLAGS:
             try:
                 self.flags = flagsfile.validate(req.flags, req.env)
@@ -409,6 +435,10 @@ class VirtualWorld:
         self.results.append(
             OpResult(req.action_id, req.service, req.op, ok, terminal, detail, self.now)
         )
+
+    def _scrape_for_bundle(self, _svc: object) -> bytes | None:
+        twin = self.twin
+        return twin.metrics_text().encode() if twin is not None and twin.listening else None
 
     # --- the GPU state file ----------------------------------------------------------------
 
@@ -457,6 +487,7 @@ class VirtualWorld:
                     d = q.get_nowait()
                 except QueueEmpty:
                     break
+                self.answered.add(i)
                 if d.request_id == "":  # the twin cut the stream (drain timed out)
                     kind = OutcomeKind.INCOMPLETE
                 elif d.error is not None:
@@ -467,6 +498,7 @@ class VirtualWorld:
                 kind = OutcomeKind.TIMEOUT  # the client gives up; the twin never notices
             if kind is not None:
                 del self.inflight[i]
+                self.answered.discard(i)
                 self.run.requests[kind.value] += 1
 
     # --- the guardian's sources, at their parsing boundary ----------------------------------
@@ -479,8 +511,10 @@ class VirtualWorld:
             out.append(Reading(SourceKind.VLLM_METRICS, SERVICE,
                                parse_vllm_metrics(twin.metrics_text())))  # fmt: skip
             code = 503 if twin.engine.death is not None else 200
+            # /is_paused where the twin serves vLLM's development routes, as the source asks.
+            paused = twin.engine.paused if twin.opts.dev_mode and code == 200 else None
             out.append(Reading(SourceKind.HEALTH, SERVICE,
-                               HealthProbe(classify_status(code), code, 0.001)))  # fmt: skip
+                               HealthProbe(classify_status(code), code, 0.001, paused=paused)))  # fmt: skip
         else:
             out.append(Reading(SourceKind.VLLM_METRICS, SERVICE, None,
                                "GET /metrics: connection refused",
@@ -494,8 +528,23 @@ class VirtualWorld:
                          (pid,) if pid else ())  # fmt: skip
         out.append(Reading(SourceKind.UNIT, SERVICE, unit))
         out.append(Reading(SourceKind.LOGS, SERVICE, self.logs.take()))
+        if self.case.gate:
+            out.append(Reading(SourceKind.GATE, SERVICE, self._gate()))
         out.append(self._nvml())
         return out
+
+    def _gate(self) -> GateObservation:
+        """The gate's status: what it sent and has not finished, and the oldest of those with
+        no answer yet (gate/proxy.py's unanswered)."""
+        waiting = [sent for i, (_, _, _, sent) in self.inflight.items() if i not in self.answered]
+        return GateObservation(
+            True,
+            in_flight=len(self.inflight),
+            queued=0,
+            open=True,
+            unanswered=len(waiting),
+            oldest_unanswered_seconds=round(self.now - min(waiting), 3) if waiting else 0.0,
+        )
 
     def _nvml(self) -> Reading:
         if self.gpu_doc is None:

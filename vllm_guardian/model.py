@@ -207,6 +207,10 @@ class HealthProbe:
     latency_seconds: float | None
     error: str | None = None
     deep: DeepProbe | None = None
+    # vLLM's GET /is_paused (served with VLLM_SERVER_DEV_MODE=1, beside /pause and /resume): an
+    # operator froze its scheduler. None: not asked, not served (404: no /pause either), or no
+    # answer; /metrics does not show a pause.
+    paused: bool | None = None
 
 
 # --- GPUs (NVML) -----------------------------------------------------------------------------
@@ -383,6 +387,11 @@ class GateObservation:
     held_total: int | None = None  # counters since the gate started
     retried_total: int | None = None
     rejected_total: int | None = None
+    # Requests forwarded to vLLM that have had no byte of their answer's body yet, and the age
+    # of the oldest: with the engine reporting nothing in it, requests that never reached its
+    # scheduler (core/signals.py, ``unreached_seconds``). None: a gate that does not say.
+    unanswered: int | None = None
+    oldest_unanswered_seconds: float | None = None
     error: str | None = None
 
 
@@ -462,6 +471,9 @@ class Cause(StrEnum):
     PREFIX_CACHE_WASTE = "prefix_cache_waste"  # only to say "no": a low hit rate is harmless
     MODEL_DOES_NOT_FIT = "model_does_not_fit"
     ENGINE_DEAD = "engine_dead"
+    # Requests sent to vLLM never reach its scheduler (the engine core's input thread died or
+    # blocks): /health 200, the engine idle by its metrics, the answers never start.
+    ENGINE_INPUT_HANG = "engine_input_hang"
     GPU_HARDWARE_FAULT = "gpu_hardware_fault"
     HEALTHY = "healthy"
 

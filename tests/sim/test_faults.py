@@ -6,6 +6,7 @@ zero lies on that clock, as the server computes it from ``--sim-epoch`` or the t
 
 from __future__ import annotations
 
+import io
 import itertools
 
 import pytest
@@ -15,6 +16,9 @@ from vllm_guardian.sim.engine import EnginePhase, SimEngine
 from vllm_guardian.sim.flags import FlagError
 from vllm_guardian.sim.load import plan_requests
 from vllm_guardian.sim.scenarios import SCENARIOS, FaultKind, fault_schedule
+from vllm_guardian.sim.server import Twin
+from vllm_guardian.sim.vllm_log import LogWriter
+from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
 
 EAGER = ("--enforce-eager",)  # start-up 21 simulated seconds for the 8B model
 
@@ -165,3 +169,61 @@ def test_a_restarted_process_meets_the_later_recurrences_only() -> None:
 def test_a_fault_interval_must_be_positive(value: str) -> None:
     with pytest.raises(FlagError, match="--sim-fault-every must be > 0"):
         options("--sim-fault-every", value)
+
+
+def test_the_input_hang_reaches_no_request_to_the_scheduler() -> None:
+    """engine_input_hang at 30 s (vllm#26139, #47958): what the engine held finishes; what is
+    added after never reaches the scheduler, so the engine reports nothing in it, forever."""
+    e = run(engine("engine_input_hang", zero=None), 0.0)
+    assert e.ready_at is not None
+    drive(e, plan_requests(e.scenario.load, 0, 3000, 60.0), 60.0)
+    assert [f.kind for f in e.faults] == [FaultKind.INPUT_HANG]
+    assert e.faults[0].sim_seconds == pytest.approx(e.ready_at + 30.0, abs=0.5)
+    assert e.phase is EnginePhase.READY and e.accepting and e.death is None  # /health 200
+    assert (e.stats.num_requests_running, e.stats.num_requests_waiting) == (0, 0)
+    assert e.num_unfinished > 0  # the API server's requests: never answered
+    finished = sum(e.stats.request_success.values())
+    e.advance(e.now + 60.0)
+    assert sum(e.stats.request_success.values()) == finished
+
+
+def test_a_pause_freezes_the_scheduler_and_a_resume_lets_it_go() -> None:
+    """operator_pause: /pause?mode=keep at 30 s, /resume 120 s later. Its requests stay in the
+    scheduler, nothing steps, adds wait before it; vLLM's scheduler logs each state it sets."""
+    e = run(engine("operator_pause", zero=None), 0.0)
+    assert e.ready_at is not None
+    drive(e, plan_requests(e.scenario.load, 0, 3000, 90.0), 90.0)
+    assert [f.kind for f in e.faults] == [FaultKind.PAUSE] and e.paused
+    frozen = (e.stats.num_requests_running, e.stats.num_requests_waiting)
+    tokens = e.stats.generation_tokens
+    assert sum(frozen) > 0  # requests frozen in it
+    e.add_request("late", ["1"] * 10, 4)
+    e.advance(e.now + 30.0)
+    assert (e.stats.num_requests_running, e.stats.num_requests_waiting) == frozen
+    assert e.stats.generation_tokens == tokens
+    e.advance(e.ready_at + 151.0)
+    assert [f.kind for f in e.faults] == [FaultKind.PAUSE, FaultKind.RESUME] and not e.paused
+    e.advance(e.now + 30.0)
+    assert e.num_unfinished == 0  # the frozen ones and the late one all finished
+    said = [ev.message for ev in e.take_logs()]
+    assert "setting pause state to PAUSED_ALL" in said
+    assert "setting pause state to UNPAUSED" in said
+
+
+def test_a_sleep_pauses_and_says_so_in_the_sleep_gauges() -> None:
+    """operator_sleep: /sleep?level=1&mode=keep at 30 s pauses the scheduler (its requests
+    stay) and the twin's /metrics reads vllm:engine_sleep_state as vLLM's record_sleep_state
+    sets it; /wake_up 120 s later resumes."""
+    twin = Twin(options("--sim-scenario", "operator_sleep", *EAGER), LogWriter(0, io.StringIO()))
+    assert twin.opts.dev_mode  # the scenario's operator uses vLLM's development routes
+    e = run(twin.engine, 0.0)
+    assert e.ready_at is not None
+    drive(e, plan_requests(e.scenario.load, 0, 3000, 60.0), 60.0)
+    assert [f.kind for f in e.faults] == [FaultKind.PAUSE, FaultKind.SLEEP]
+    assert e.paused and e.sleep_level == 1
+    (scraped,) = parse_vllm_metrics(twin.metrics_text()).engines
+    assert scraped.asleep is True and (scraped.requests_running or 0) > 0
+    e.advance(e.ready_at + 151.0)
+    assert [f.kind for f in e.faults][-2:] == [FaultKind.WAKE, FaultKind.RESUME]
+    (scraped,) = parse_vllm_metrics(twin.metrics_text()).engines
+    assert scraped.asleep is False and not e.paused

@@ -12,12 +12,13 @@ from vllm_guardian.sim.scenarios import SCENARIOS
 CAUSES = {
     "gpu_memory_overcommit", "kv_cache_blowout", "concurrency_overcommit", "prefill_burst",
     "allocator_fragmentation", "prefix_cache_waste", "model_does_not_fit", "engine_dead",
+    "engine_input_hang",
     "gpu_hardware_fault", "healthy",
 }  # fmt: skip
 
 
 def test_every_scenario_names_a_cause_of_the_vocabulary() -> None:
-    assert len(SCENARIOS) == 10
+    assert len(SCENARIOS) == 13
     for s in SCENARIOS.values():
         assert s.expected_cause in CAUSES
     # A low hit rate is harmless: prefix_cache_waste is a negative control, never the verdict.

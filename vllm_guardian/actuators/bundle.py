@@ -60,12 +60,16 @@ class BundleWriter:
         timeout_seconds: float,
         keep: int = 50,
         events: Events | None = None,
+        read_metrics: Callable[[ServiceConfig], bytes | None] | None = None,
     ) -> None:
         self.root = root
         self.context = context
         self.timeout_seconds = timeout_seconds
         self.keep = keep
         self.events = events
+        # How the fresh /metrics scrape is taken: GET over HTTP; the virtual-time tests hand in
+        # the twin's exposition (nothing listens there), None when it does not answer.
+        self.read_metrics = read_metrics
 
     def __call__(self, action: Action) -> str | None:
         try:
@@ -81,7 +85,13 @@ class BundleWriter:
         path = self.root / f"{action.service}-{stamp}-{action.id}-{action.kind.value}"
         scrapes: tuple[tuple[float, str], ...] = ()
         metrics_error = None
-        if svc is not None:
+        if svc is not None and self.read_metrics is not None:
+            body = self.read_metrics(svc)
+            if body is None:
+                metrics_error = "GET /metrics: no answer"
+            else:
+                scrapes = ((float(int(now)), body.decode("utf-8", "replace")),)
+        elif svc is not None:
             try:
                 resp = httpget.fetch(
                     svc.url.rstrip("/") + "/metrics",

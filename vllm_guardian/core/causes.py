@@ -177,8 +177,25 @@ CAUSES: Mapping[Cause, CauseSpec] = {
             remedy=Remedy.ADD_CAPACITY,
         ),
         CauseSpec(
-            Cause.ENGINE_DEAD,
+            Cause.ENGINE_INPUT_HANG,
+            # More specific than a dead engine: it says where the requests are lost.
             specificity=6,
+            pressure=Pressure.NONE,
+            lever=None,
+            # Not a crash: the evidence is a wait (the gate's oldest unanswered request), so a
+            # restarted instance that hangs again waits out the cooldown like a stall.
+            crashes=False,
+            escalation=None,
+            already_down=True,
+            restart_first=True,
+            episodes_to_step=None,
+            verdict=True,
+            explained_by_misfit=False,
+            remedy=Remedy.RESTART,
+        ),
+        CauseSpec(
+            Cause.ENGINE_DEAD,
+            specificity=7,
             pressure=Pressure.NONE,
             lever=None,
             crashes=True,
@@ -192,7 +209,7 @@ CAUSES: Mapping[Cause, CauseSpec] = {
         ),
         CauseSpec(
             Cause.GPU_MEMORY_OVERCOMMIT,
-            specificity=7,
+            specificity=8,
             pressure=Pressure.DEVICE_MEMORY,
             lever=Lever.GPU_MEMORY_UTILIZATION,
             crashes=True,
@@ -206,7 +223,7 @@ CAUSES: Mapping[Cause, CauseSpec] = {
         ),
         CauseSpec(
             Cause.PREFIX_CACHE_WASTE,
-            specificity=8,
+            specificity=9,
             pressure=Pressure.KV_CACHE,
             # V1's cached blocks are evictable: no flag frees memory here.
             lever=None,
@@ -221,7 +238,7 @@ CAUSES: Mapping[Cause, CauseSpec] = {
         ),
         CauseSpec(
             Cause.HEALTHY,
-            specificity=9,
+            specificity=10,
             pressure=Pressure.NONE,
             lever=None,
             crashes=False,

@@ -32,7 +32,7 @@ GIB = 1024**3
 
 # Signals whose firing alone is proof, not a hint: one of them can justify a destructive action.
 UNAMBIGUOUS_SIGNALS = frozenset(
-    {"vllm_up", "stalled", "xid_reset_class", "log_events.cuda_oom", "log_events.engine_dead",
+    {"vllm_up", "stalled", "input_hung", "xid_reset_class", "log_events.cuda_oom", "log_events.engine_dead",
      "log_events.engine_fatal", "log_events.worker_died", "log_events.non_torch_oom",
      "log_events.no_kv_cache_memory", "log_events.max_seq_len_exceeds_kv",
      "log_events.free_memory_below_utilization", "policy.unit_exited"}
@@ -618,6 +618,17 @@ def evidence_from_signals(
                 unambiguous=True,
             )
         )
+    if sig.input_hung:
+        ev.append(
+            Evidence(
+                Cause.ENGINE_INPUT_HANG,
+                "input_hung",
+                f"a request sent to vLLM has had no answer for {sig.unreached_seconds or 0:.0f} s "
+                "and the engine reported nothing running or waiting all that time: the requests "
+                "never reached its scheduler",
+                unambiguous=True,
+            )
+        )
     others = sig.other_processes_memory_bytes
     if others is not None and others > th.other_processes_bytes:
         ev.append(
@@ -803,7 +814,7 @@ def classify(obs: Observations) -> Classification:
     structure = Structure(
         health=health,
         unit_active_state=obs.unit_active_state,
-        stalled=bool(sig is not None and sig.stalled),
+        stalled=bool(sig is not None and (sig.stalled or sig.input_hung)),
         reset_class_xid=any(x in RESET_CLASS_XIDS for _, x in obs.xid_events),
     )
     kept = corroborated(evidence, structural_failures(structure))

@@ -636,7 +636,8 @@ def seen(snapshot: Snapshot, sig: ServiceSignals | None, name: str) -> phases.Se
         main_pid=svc.unit.main_pid if svc is not None and svc.unit is not None else None,
         gpu_pids=pids,
         metrics_up=bool(sig is not None and sig.metrics_up),
-        stalled=bool(sig is not None and sig.stalled),
+        # Requests lost before the engine (input_hung) finish no more than a hung engine's.
+        stalled=bool(sig is not None and (sig.stalled or sig.input_hung)),
         engine_dead=health is HealthState.ENGINE_DEAD,
         by_device=by_device,
         device_pids=device_pids,
@@ -941,7 +942,7 @@ def _structure(
         health=sig.health_state if sig is not None else None,
         unit_active_state=unit.active_state if unit is not None and unit.unit else None,
         process_restarted=restarted,
-        stalled=bool(sig is not None and sig.stalled),
+        stalled=bool(sig is not None and (sig.stalled or sig.input_hung)),
         reset_class_xid=sig is not None
         and any(x in RESET_CLASS_XIDS for _, x, _ in sig.recent_xid_events),
     )

@@ -70,10 +70,12 @@ class ProgressReading:
     process_start_time_seconds: float | None
 
     @staticmethod
-    def of(scrape: VllmScrape) -> ProgressReading | None:
-        """The reading, or None when it cannot be judged: no engine, an engine asleep, or an
+    def of(scrape: VllmScrape, paused: bool | None = None) -> ProgressReading | None:
+        """The reading, or None when it cannot be judged: no engine, an engine asleep, a server
+        paused (``paused``: vLLM's ``/is_paused``, which ``/metrics`` does not show), or an
         engine that reports neither running nor waiting, or neither token counter."""
-        if not scrape.engines:
+        if not scrape.engines or paused:
+            # Paused (/pause): the scheduler is frozen by an operator; as asleep, below.
             return None
         inside = 0.0
         marks = []
@@ -123,3 +125,38 @@ def quiet_seconds(newest_first: Iterable[tuple[float, ProgressReading | None]]) 
             break
         since, cur = t, earlier
     return now - since
+
+
+def unreached_seconds(
+    oldest_unanswered_seconds: float | None,
+    newest_first: Iterable[tuple[float, ProgressReading | None]],
+) -> float | None:
+    """How long requests sent to vLLM have not reached its engine, as of the newest reading.
+
+    The hang that looks idle: vLLM's API server accepts requests and hands them to the engine
+    core's input thread; when that thread dies or blocks (vllm#26139, #47958) they never reach
+    the scheduler, so the engine reports nothing running or waiting, makes no progress because
+    it has nothing to do, and ``/health`` answers 200. Only whoever sent the requests sees it:
+    the gate's oldest forwarded request with no byte of its answer yet
+    (``oldest_unanswered_seconds``).
+
+    The answer is the shorter of that age and how long the engine has reported nothing in it
+    (``requests_in_engine`` 0 at every reading back to then): a request the engine holds
+    (a long prefill, a queue, a non-streamed answer still generating) is in it and never
+    counts here, it is the stall's to judge (:func:`quiet_seconds`). 0 when nothing is
+    unanswered or the engine holds requests; None when the age is unknown (no gate) or the
+    newest reading cannot be judged (an engine asleep or paused, ``/metrics`` unreadable)."""
+    if oldest_unanswered_seconds is None:
+        return None
+    it = iter(newest_first)
+    now, cur = next(it, (0.0, None))
+    if cur is None:
+        return None
+    if oldest_unanswered_seconds <= 0 or cur.requests_in_engine > 0:
+        return 0.0
+    since = now
+    for t, earlier in it:
+        if earlier is None or earlier.requests_in_engine > 0 or now - t > oldest_unanswered_seconds:
+            break
+        since = t
+    return min(oldest_unanswered_seconds, now - since)

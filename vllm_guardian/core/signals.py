@@ -24,6 +24,7 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from enum import StrEnum
 
 from vllm_guardian.config import ServiceConfig, SignalsConfig
 from vllm_guardian.core.allocator import AllocatorGpuSignals, allocator_fields, physical_gpu
@@ -41,7 +42,7 @@ from vllm_guardian.core.forecast import (
     Neighbour,
     forecast,
 )
-from vllm_guardian.core.progress import ProgressReading, quiet_seconds
+from vllm_guardian.core.progress import ProgressReading, quiet_seconds, unreached_seconds
 from vllm_guardian.model import (
     Cause,
     EngineMetrics,
@@ -94,6 +95,13 @@ class LatencyQuantile:
     seconds: float
 
 
+class OperatorHold(StrEnum):
+    """What an operator did that stops vLLM's engine on purpose (never a hang, never restarted)."""
+
+    ASLEEP = "asleep"  # POST /sleep: vllm:engine_sleep_state{sleep_state="awake"} 0
+    PAUSED = "paused"  # POST /pause: GET /is_paused answers true
+
+
 @dataclass(frozen=True)
 class ServiceSignals:
     service: str
@@ -116,6 +124,17 @@ class ServiceSignals:
     # Requests in the engine and no progress (core/progress.py), for this long.
     stall_seconds: float | None = None
     stalled: bool | None = None
+    # Requests the gate forwarded with no answer while the engine reported nothing in it, for
+    # this long (core/progress.py, unreached_seconds): the engine core's input is lost.
+    # ``input_hung`` past ``stall_seconds``. None without a gate.
+    unreached_seconds: float | None = None
+    input_hung: bool | None = None
+    # An operator holds the server: "asleep" (/sleep) or "paused" (/pause); None: neither, or
+    # unknown. Nothing is judged stalled or hung meanwhile. ``held_waiting_seconds``: how long
+    # requests have waited through it (0: none wait).
+    held_by_operator: OperatorHold | None = None
+    held_seconds: float | None = None  # held for this long, as far back as the history sees
+    held_waiting_seconds: float | None = None
     counter_reset: bool = False  # vLLM restarted within the rate window
     kv_cache_capacity_tokens: int | None = None
     # Where the pool's size was read: "cache_config_info" (/metrics), "vLLM log" (each engine's
@@ -495,8 +514,10 @@ def _progress_reading(snap: Snapshot, service: str) -> ProgressReading | None:
     memo = snap.memo
     if key in memo:
         return memo[key]  # type: ignore[no-any-return]
-    scrape = _scrape(snap, service)
-    reading = memo[key] = None if scrape is None else ProgressReading.of(scrape)
+    svc = snap.service(service)
+    scrape = svc.vllm if svc is not None else None
+    paused = svc.health.paused if svc is not None and svc.health is not None else None
+    reading = memo[key] = None if scrape is None else ProgressReading.of(scrape, paused)
     return reading
 
 
@@ -507,6 +528,73 @@ def _stall_seconds(history: Sequence[Snapshot], service: str) -> float | None:
     return quiet_seconds(
         (snap.time_seconds, _progress_reading(snap, service)) for snap in reversed(history)
     )
+
+
+def _unreached_seconds(history: Sequence[Snapshot], service: str) -> float | None:
+    """How long requests the gate forwarded have had no answer while the engine reported
+    nothing in it (:func:`vllm_guardian.core.progress.unreached_seconds`): the hang that looks
+    idle. None without a gate that says (none configured, unreachable, an older gate)."""
+    svc = history[-1].service(service)
+    gate = svc.gate if svc is not None else None
+    if gate is None or not gate.reachable:
+        return None
+    return unreached_seconds(
+        gate.oldest_unanswered_seconds,
+        ((snap.time_seconds, _progress_reading(snap, service)) for snap in reversed(history)),
+    )
+
+
+def _operator_hold(
+    history: Sequence[Snapshot], service: str
+) -> tuple[OperatorHold | None, float | None, float | None]:
+    """Whether an operator holds the server asleep (``vllm:engine_sleep_state``) or paused
+    (``/is_paused``) now, since when, and for how long requests have waited through it: the
+    hold or None; the seconds back to the first snapshot of the run of held snapshots; and the
+    seconds back to the first of those with requests waiting all along (in the engine, or held
+    or unanswered at the gate), 0 when none wait now."""
+    state = _held_state(history[-1], service)
+    if state is None:
+        return None, None, None
+    now = history[-1].time_seconds
+    held_since = waiting_since = now
+    waiting = True
+    for snap in reversed(history):
+        if _held_state(snap, service) is None:
+            break
+        held_since = snap.time_seconds
+        waiting = waiting and _requests_wait(snap, service)
+        if waiting:
+            waiting_since = snap.time_seconds
+    if not _requests_wait(history[-1], service):
+        return state, now - held_since, 0.0
+    return state, now - held_since, now - waiting_since
+
+
+def _held_state(snap: Snapshot, service: str) -> OperatorHold | None:
+    svc = snap.service(service)
+    if svc is None:
+        return None
+    if svc.vllm is not None and any(e.asleep for e in svc.vllm.engines):
+        return OperatorHold.ASLEEP
+    if svc.health is not None and svc.health.paused:
+        return OperatorHold.PAUSED
+    return None
+
+
+def _requests_wait(snap: Snapshot, service: str) -> bool:
+    svc = snap.service(service)
+    if svc is None:
+        return False
+    inside = svc.vllm is not None and any(
+        (e.requests_running or 0.0) + (e.requests_waiting or 0.0) > 0 for e in svc.vllm.engines
+    )
+    gate = svc.gate
+    at_gate = (
+        gate is not None
+        and gate.reachable
+        and ((gate.queued or 0) > 0 or (gate.unanswered or 0) > 0)
+    )
+    return inside or at_gate
 
 
 def belongs_to(proc: GpuProcess, unit: UnitState | None) -> bool:
@@ -716,6 +804,15 @@ def derive_service(
             latency=_latency(_window(history, cfg.quantile_window_seconds), svc.name, keys),
             engines=tuple(per_engine),
         )
+    unreached = _unreached_seconds(history, svc.name)
+    held, held_for, held_waiting = _operator_hold(history, svc.name)
+    fields.update(
+        unreached_seconds=unreached,
+        input_hung=None if unreached is None else unreached >= cfg.stall_seconds,
+        held_by_operator=held,
+        held_seconds=held_for,
+        held_waiting_seconds=held_waiting,
+    )
     fields["recent_log_events"] = _recent_log_events(history, cfg.rate_window_seconds, svc.name)
     cap = estimate(
         capacity_samples(_window(history, cfg.capacity_window_seconds), svc.name),

@@ -36,7 +36,12 @@ from vllm_guardian.core.budget import (
 )
 from vllm_guardian.core.capacity import CapacityEstimate, CapacityState
 from vllm_guardian.core.levers import sequences_hosted
-from vllm_guardian.core.signals import ServiceSignals, derive_service, histogram_quantile
+from vllm_guardian.core.signals import (
+    OperatorHold,
+    ServiceSignals,
+    derive_service,
+    histogram_quantile,
+)
 from vllm_guardian.diagnose.bundle import Bundle
 from vllm_guardian.diagnose.recommend import Context, recommend
 from vllm_guardian.diagnose.report import CauseReport, GpuProcessReport, GpuReport, Report
@@ -407,10 +412,13 @@ def analyze(
     mode: str = "bundle",
     thresholds: diagnosis.Thresholds | None = None,
     policy: PolicyConfig | None = None,
+    signals: SignalsConfig | None = None,
 ) -> Report:
     """The report for one bundle. ``thresholds`` come from the rule set the daemon evaluates
     (the shipped rules and the config's ``rules_file``), read in instant mode; ``policy`` is
-    the config's ``policy:`` (the levers' steps and floors), the shipped one without it."""
+    the config's ``policy:`` (the levers' steps and floors), the shipped one without it;
+    ``signals`` the config's ``signals:``, the windows the daemon judged its flight record
+    with (the stall's wait), the shipped ones without it."""
     th = thresholds or diagnosis.Thresholds()
     problems = list(b.problems)
     service = b.service
@@ -470,6 +478,7 @@ def analyze(
     svc_cfg = ServiceConfig(name=service, gpus=_service_gpus(devices, service_pids))
     sig: ServiceSignals = derive_service(history, svc_cfg, cfg)
     sig = _with_forecast(sig, flight, svc_cfg)
+    sig = _with_daemon_judgement(sig, flight, svc_cfg, signals or SignalsConfig())
     flags = parse_launch_flags(b.cmdline or ())
     for bad in flags.unknown_values:
         problems.append(f"cmdline.txt: cannot read {bad}")
@@ -550,6 +559,31 @@ def analyze(
                 "limit (vllm:admission_rejections_total; --max-num-queued-reqs / "
                 "--max-num-queued-tokens): demand it did not serve, counted as such in the "
                 "capacity estimate",
+            ),
+        )
+    if sig.held_by_operator is OperatorHold.PAUSED:
+        waited = sig.held_waiting_seconds or 0.0
+        result = dataclasses.replace(
+            result,
+            notes=(
+                *result.notes,
+                f"vLLM paused for {sig.held_seconds or 0:.0f} s at the daemon's last tick "
+                "(GET /is_paused true: an operator's POST /pause; the guardian never pauses it, "
+                "and /metrics does not show a pause; vLLM's access log has the POST /pause line "
+                "and its client)"
+                + (f"; requests have waited {waited:.0f} s through it" if waited else "")
+                + ": they wait until /resume, and no stall or input hang is judged, nor a "
+                "restart earned, meanwhile",
+            ),
+        )
+    elif sig.held_by_operator is OperatorHold.ASLEEP and not sleeping and sig.held_seconds:
+        result = dataclasses.replace(
+            result,
+            notes=(
+                *result.notes,
+                f"vLLM asleep for {sig.held_seconds:.0f} s at the daemon's last tick "
+                "(vllm:engine_sleep_state awake 0: an operator's POST /sleep); no stall is "
+                "judged, nor a restart earned, meanwhile",
             ),
         )
     verdict = result.verdict
@@ -695,6 +729,33 @@ def _with_forecast(
         headroom_exhaustion_latest_seconds=f.headroom_exhaustion_latest_seconds,
         forecast_cause=f.forecast_cause,
     )
+
+
+def _with_daemon_judgement(
+    sig: ServiceSignals, flight: Sequence[Snapshot], svc_cfg: ServiceConfig, cfg: SignalsConfig
+) -> ServiceSignals:
+    """A hang as the daemon judged it at its last tick, from its flight record with its own
+    windows (``cfg``: the config's ``signals:``). A hang is a wait over many ticks: the bundle's
+    own scrape, taken as the guardian acted, is one more frozen (or idle-looking) reading and
+    cannot show it alone; the flight record can, as it did to the daemon. Only adds: what the
+    bundle's scrapes show stays."""
+    ticks = [s for s in flight if s.service(svc_cfg.name) is not None]
+    if not ticks:
+        return sig
+    d = derive_service(ticks, svc_cfg, cfg)
+    out = sig
+    if d.stalled and not sig.stalled:
+        out = dataclasses.replace(out, stalled=True, stall_seconds=d.stall_seconds)
+    if d.input_hung and not sig.input_hung:
+        out = dataclasses.replace(out, input_hung=True, unreached_seconds=d.unreached_seconds)
+    if d.held_by_operator is not None and sig.held_by_operator is None:
+        out = dataclasses.replace(
+            out,
+            held_by_operator=d.held_by_operator,
+            held_seconds=d.held_seconds,
+            held_waiting_seconds=d.held_waiting_seconds,
+        )
+    return out
 
 
 def _models_max_len(models: dict[str, Any] | None) -> int | None:

@@ -21,6 +21,7 @@ from vllm_guardian.config import (
     NvmlSourceConfig,
     PolicyConfig,
     ServiceConfig,
+    SignalsConfig,
     load_config,
 )
 from vllm_guardian.core import diagnosis
@@ -135,17 +136,20 @@ def diagnose(argv: Sequence[str]) -> int:
             return EXIT_USAGE
         thresholds = diagnosis.Thresholds()
         policy: PolicyConfig | None = None
+        signals: SignalsConfig | None = None
         if args.config:
             read = _read_config(args.config)
             if read is None:
                 return EXIT_USAGE
-            policy, thresholds = read[0].policy, read[1]
+            policy, thresholds, signals = read[0].policy, read[1], read[0].signals
         try:
             bundle = read_bundle(args.bundle)
         except BundleError as e:
             print(f"vllm-guardian diagnose: {e}", file=sys.stderr)
             return EXIT_USAGE
-        return _emit(analyze(bundle, "bundle", thresholds, policy), args.json, args.verbose)
+        return _emit(
+            analyze(bundle, "bundle", thresholds, policy, signals), args.json, args.verbose
+        )
     nvml = NvmlSourceConfig()
     socket: str | None = None
     thresholds = diagnosis.Thresholds()  # --url alone: the shipped rules' numbers

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 import logging
 import time
@@ -212,6 +213,12 @@ class GateProxy:
         self.pool = pool
         self.metrics = metrics
         self.open_exchanges = 0
+        # Requests sent to vLLM and not yet answered with a byte of body, by attempt: when
+        # they were sent (perf_counter), and their answer once its head came. The status's
+        # oldest_unanswered_seconds: vLLM idle by its metrics while this grows is a request
+        # that never reached its engine (core/progress.py, unreached_seconds).
+        self._sent: dict[int, tuple[float, UpstreamResponse | None]] = {}
+        self._sent_ids = itertools.count()
         self.bodies = BodyBudget(settings.body_budget_bytes, metrics)
         self._body_limits = settings.body_limits
 
@@ -296,6 +303,7 @@ class GateProxy:
             "upstream_healthy": self.follower.upstream_healthy,
             "guardian_ready": self.follower.guardian_ready,
             "oldest_wait_seconds": round(a.oldest_wait_seconds, 3),
+            **self._unanswered(),
             "longest_wait_seconds": round(a.longest_wait_seconds, 3),
             "admitted_total": m.total("admitted"),
             "held_total": m.total("held"),
@@ -303,6 +311,16 @@ class GateProxy:
             "rejected_total": m.total("rejected"),
             "continued_total": m.continuations("continued"),
             "continuations_failed_total": m.continuations("failed"),
+        }
+
+    def _unanswered(self) -> dict[str, object]:
+        """How many requests sent to vLLM have no byte of their answer yet, and the oldest's
+        age in seconds (0 when none)."""
+        now = time.perf_counter()
+        ages = [now - t for t, up in self._sent.values() if up is None or not up.body_started]
+        return {
+            "unanswered": len(ages),
+            "oldest_unanswered_seconds": round(max(ages, default=0.0), 3),
         }
 
     async def _exchange(
@@ -376,6 +394,16 @@ class GateProxy:
                 self.admission.release(hold.ticket)
 
     async def _send(self, ex: _Exchange, started: float, overhead: float) -> web.StreamResponse:
+        sent = next(self._sent_ids)
+        self._sent[sent] = (time.perf_counter(), None)
+        try:
+            return await self._send_once(ex, started, overhead, sent)
+        finally:
+            del self._sent[sent]
+
+    async def _send_once(
+        self, ex: _Exchange, started: float, overhead: float, sent: int
+    ) -> web.StreamResponse:
         request = ex.request
         pre_send = overhead + time.perf_counter() - started
         try:
@@ -387,6 +415,7 @@ class GateProxy:
             )
         except UpstreamError as e:
             raise _UpstreamBroke(e.phase, str(e)) from None
+        self._sent[sent] = (self._sent[sent][0], up)
         if (
             isinstance(ex.plan, Plan)
             and up.status == 200

@@ -102,6 +102,10 @@ class UpstreamResponse:
                 raise UpstreamError("before_first_byte", "bad Content-Length")
         self._keep = "close" not in headers.get("Connection", "").lower()
         self._eof = False
+        # A byte of the body arrived: vLLM sends a streamed answer's headers before the engine
+        # has the request, so only the body says the request reached it (gate/proxy.py's
+        # unanswered requests).
+        self.body_started = False
         self._chunk_left = 0  # chunked: bytes left in the current chunk
         if head_request or status in _NO_BODY_STATUSES or 100 <= status < 200:
             self._eof = True
@@ -119,6 +123,12 @@ class UpstreamResponse:
 
     async def read(self) -> bytes:
         """The next piece of the body as it arrives; ``b""`` once it is complete."""
+        data = await self._read_body()
+        if data:
+            self.body_started = True
+        return data
+
+    async def _read_body(self) -> bytes:
         if self._eof:
             return b""
         conn = self._conn

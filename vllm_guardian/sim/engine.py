@@ -167,6 +167,14 @@ class SimEngine:
         # The scenario's zero on this engine's clock; None until known (at readiness).
         self.scenario_zero: float | None = scenario_zero_seconds
         self.faults: list[FaultRecord] = []
+        # The engine core's input thread is gone (FaultKind.INPUT_HANG): accepted requests are
+        # the API server's alone, the scheduler never sees them.
+        self.input_lost = False
+        # An operator paused the scheduler (/pause?mode=keep): no step; adds wait here.
+        self.paused = False
+        self._held_adds: list[SimRequest] = []
+        # Asleep at this level (vLLM's /sleep, which pauses the scheduler first); None: awake.
+        self.sleep_level: int | None = None
         self._schedule: Iterator[tuple[float, FaultKind]] | None = None
         self._next_fault: tuple[float, FaultKind] | None = None
         self._next_log_at = LOG_STATS_INTERVAL_SECONDS
@@ -222,10 +230,17 @@ class SimEngine:
         )
         req = SimRequest(request_id, self.now, len(prompt_words), max_tokens, hashes, stop_at)
         self._requests[request_id] = req
+        if self.input_lost:
+            return  # sent to the engine core's input socket; nobody reads it
+        if self.paused:
+            self._held_adds.append(req)  # vLLM queues adds while paused
+            return
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
+        if req is not None and req in self._held_adds:
+            self._held_adds.remove(req)
         if req is not None and self.scheduler is not None:
             self.scheduler.remove(req)
             self.stats.request_success[FinishReason.ABORT] += 1
@@ -336,7 +351,7 @@ class SimEngine:
                 break
             assert self.scheduler is not None
             idle = not self.scheduler.running and not self.scheduler.waiting
-            if idle or self.phase is EnginePhase.HUNG:
+            if idle or self.phase is EnginePhase.HUNG or self.paused:
                 if idle:
                     self.sampled_activation_bytes = 0
                 self.now = max(self.now, min(until_seconds, self._next_event_time()))
@@ -498,6 +513,19 @@ class SimEngine:
                 self.faults.append(FaultRecord(kind, self.now))
             # No log line: a hung engine says nothing; the stats logger keeps printing zeros.
             self.phase = EnginePhase.HUNG
+        elif kind is FaultKind.INPUT_HANG:
+            self.faults.append(FaultRecord(kind, self.now))
+            # No log line: the issues' reports show none; the engine finishes what it holds and
+            # then reports an idle server.
+            self.input_lost = True
+        elif kind is FaultKind.PAUSE:
+            self.pause()
+        elif kind is FaultKind.RESUME:
+            self.resume()
+        elif kind is FaultKind.SLEEP:
+            self.sleep(self.scenario.sleep_level)
+        elif kind is FaultKind.WAKE:
+            self.wake_up()
         elif kind is FaultKind.DEATH:
             self.faults.append(FaultRecord(kind, self.now))
             self._die(
@@ -514,6 +542,45 @@ class SimEngine:
                 "asynchronously reported at some other API call, so the stacktrace below might "
                 "be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1",
             )
+
+    def pause(self) -> None:
+        """vLLM's ``POST /pause?mode=keep``: the scheduler stops stepping, its requests stay in
+        it; new ones queue before it. vLLM's scheduler logs the state it sets."""
+        if not self.paused:
+            self.faults.append(FaultRecord(FaultKind.PAUSE, self.now))
+            # vllm/v1/core/sched/scheduler.py (0.32), set_pause_state
+            self._log(
+                Proc.ENGINE_CORE, "INFO", "scheduler.py:2756", "setting pause state to PAUSED_ALL"
+            )
+        self.paused = True
+
+    def resume(self) -> None:
+        """``POST /resume``: the scheduler steps again and takes the queued adds."""
+        if self.paused:
+            self.faults.append(FaultRecord(FaultKind.RESUME, self.now))
+            self._log(
+                Proc.ENGINE_CORE, "INFO", "scheduler.py:2756", "setting pause state to UNPAUSED"
+            )
+        self.paused = False
+        if self.scheduler is not None:
+            for req in self._held_adds:
+                self.scheduler.add(req)
+        self._held_adds = []
+
+    def sleep(self, level: int) -> None:
+        """vLLM's ``POST /sleep?level=N&mode=keep``: the scheduler paused first (its requests
+        stay), then the weights offloaded (level 1) or discarded (2); level 0 only pauses."""
+        self.pause()
+        if self.sleep_level is None:
+            self.faults.append(FaultRecord(FaultKind.SLEEP, self.now))
+        self.sleep_level = level
+
+    def wake_up(self) -> None:
+        """``POST /wake_up``, then ``/resume`` (vLLM keeps the scheduler paused until then)."""
+        if self.sleep_level is not None:
+            self.faults.append(FaultRecord(FaultKind.WAKE, self.now))
+        self.sleep_level = None
+        self.resume()
 
     # ----------------------------------------------------------------- the step
 

@@ -245,6 +245,7 @@ class VllmView:
     cache_labels: Labels
     created_unix_seconds: float
     admission_rejections: dict[str, int] = field(default_factory=dict)
+    sleep_level: int | None = None  # None: awake; else the level of vLLM's /sleep
 
 
 def vllm_families(v: VllmView) -> list[Family]:
@@ -273,8 +274,14 @@ def vllm_families(v: VllmView) -> list[Family]:
             "vllm:engine_sleep_state",
             _HELP["engine_sleep_state"],
             [
-                ((*lab, ("sleep_state", state)), 1.0 if state == "awake" else 0.0)
-                for state in ("awake", "weights_offloaded", "discard_all")
+                # vLLM's record_sleep_state: awake 1 when awake; asleep, awake 0 and the
+                # level's own state 1 (level 0, a pause only: all three 0).
+                ((*lab, ("sleep_state", state)), 1.0 if on else 0.0)
+                for state, on in (
+                    ("awake", v.sleep_level is None),
+                    ("weights_offloaded", v.sleep_level == 1),
+                    ("discard_all", v.sleep_level == 2),
+                )
             ],
         ),
         g("kv_cache_usage_perc", v.kv_cache_usage_ratio),

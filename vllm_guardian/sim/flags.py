@@ -54,6 +54,9 @@ class ServeOptions:
     # vLLM 0.33's --watchdog-config: (timeout in seconds, dump_dir); None: dormant (as vLLM is
     # without a dump_dir).
     watchdog: tuple[float, Path] | None = None
+    # vLLM's development routes (/pause, /resume, /is_paused): VLLM_SERVER_DEV_MODE=1, or the
+    # scenario's operator uses them.
+    dev_mode: bool = False
 
 
 class FlagError(ValueError):
@@ -264,6 +267,7 @@ def parse_serve_args(
         fault_every_seconds=ns.sim_fault_every,
         non_default_args=non_default,
         allocator_dir=Path(d) if (d := environ.get(ALLOCATOR_ENV_DIR, "").strip()) else None,
+        dev_mode=scenario.dev_mode or environ.get("VLLM_SERVER_DEV_MODE", "0") == "1",
         allocator_interval_seconds=_allocator_interval(environ),
         alloc_conf=alloc_conf or None,
         exit_hold_file=ns.sim_exit_hold_file,

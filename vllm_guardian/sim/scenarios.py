@@ -72,6 +72,17 @@ class FaultKind(enum.Enum):
     DEATH = "death"
     XID = "xid"
     OOM = "oom"  # memory-driven: not scheduled, recorded when a step does not fit
+    # The engine core's input thread dies (vllm#26139, #47958): requests the API server accepts
+    # never reach the scheduler; those already in it finish. /health stays 200.
+    INPUT_HANG = "input_hang"
+    # An operator's POST /pause?mode=keep, and its /resume: the scheduler freezes with its
+    # requests in it; new ones queue before it until the resume.
+    PAUSE = "pause"
+    RESUME = "resume"
+    # An operator's POST /sleep?level=N&mode=keep (it pauses the scheduler first), and the
+    # /wake_up and /resume that end it.
+    SLEEP = "sleep"
+    WAKE = "wake"
 
 
 @dataclass(frozen=True)
@@ -88,6 +99,14 @@ class Scenario:
     death_at_seconds: float | None = None
     xid_at_seconds: float | None = None
     xid: int = 48
+    input_hang_at_seconds: float | None = None
+    pause_at_seconds: float | None = None
+    pause_for_seconds: float | None = None  # None: never resumed
+    sleep_at_seconds: float | None = None
+    sleep_for_seconds: float | None = None  # None: never woken
+    sleep_level: int = 1
+    # Serve vLLM's development routes (/pause, /resume, /is_paused), as VLLM_SERVER_DEV_MODE=1.
+    dev_mode: bool = False
     # exit_zero_death exits 0 whatever --sim-exit-code says (that is the scenario).
     forced_exit_code: int | None = None
 
@@ -98,6 +117,21 @@ class Scenario:
                 (self.hang_at_seconds, FaultKind.HANG),
                 (self.death_at_seconds, FaultKind.DEATH),
                 (self.xid_at_seconds, FaultKind.XID),
+                (self.input_hang_at_seconds, FaultKind.INPUT_HANG),
+                (self.pause_at_seconds, FaultKind.PAUSE),
+                (
+                    None
+                    if self.pause_at_seconds is None or self.pause_for_seconds is None
+                    else self.pause_at_seconds + self.pause_for_seconds,
+                    FaultKind.RESUME,
+                ),
+                (self.sleep_at_seconds, FaultKind.SLEEP),
+                (
+                    None
+                    if self.sleep_at_seconds is None or self.sleep_for_seconds is None
+                    else self.sleep_at_seconds + self.sleep_for_seconds,
+                    FaultKind.WAKE,
+                ),
             )
             if at is not None
         ]
@@ -193,6 +227,31 @@ SCENARIOS: dict[str, Scenario] = {
             "engine_dead",
             "the engine stops stepping: /health stays 200, tokens stop, requests wait",
             hang_at_seconds=30.0,
+        ),
+        Scenario(
+            "engine_input_hang",
+            "engine_input_hang",
+            "the engine core's input thread dies: /health 200, nothing running or waiting, "
+            "new requests never answered",
+            input_hang_at_seconds=30.0,
+        ),
+        Scenario(
+            "operator_pause",
+            "healthy",
+            "negative control: an operator pauses the scheduler (POST /pause?mode=keep) for "
+            "two minutes with requests in it, then resumes; not a hang, never restarted",
+            pause_at_seconds=30.0,
+            pause_for_seconds=120.0,
+            dev_mode=True,
+        ),
+        Scenario(
+            "operator_sleep",
+            "healthy",
+            "negative control: an operator puts vLLM to sleep (POST /sleep?level=1&mode=keep) "
+            "for two minutes with requests in it, then wakes it; not a hang, never restarted",
+            sleep_at_seconds=30.0,
+            sleep_for_seconds=120.0,
+            dev_mode=True,
         ),
         Scenario(
             "exit_zero_death",

@@ -540,6 +540,7 @@ class Twin:
                         any(k == "block_size" for k, _ in self.opts.non_default_args),
                     ),
                     created_unix_seconds=self.ready_wall or self.wall0,
+                    sleep_level=e.sleep_level,
                 )
             return render_metrics(runtime_families(self.runtime_registry), view, self.http_stats)
 
@@ -826,6 +827,8 @@ class _Handler:
             resp = _send(
                 200, twin.metrics_text().encode(), "text/plain; version=0.0.4; charset=utf-8"
             )
+        elif path == "/is_paused" and twin.opts.dev_mode:
+            status, resp = 200, _json(200, {"is_paused": twin.engine.paused})
         elif path == "/version":
             status, resp = 200, _json(200, {"version": VLLM_VERSION})
         elif path == "/sim/clock":
@@ -872,6 +875,22 @@ class _Handler:
             status = 503 if self.twin.engine.death is not None else 200
             self._observe(request, status, length, 0, start)
             return _send(status, b"")
+        if path in ("/pause", "/resume", "/sleep", "/wake_up") and self.twin.opts.dev_mode:
+            # vLLM's (VLLM_SERVER_DEV_MODE=1): mode=keep's freeze for any mode (no abort here).
+            with self.twin.lock:
+                e = self.twin.engine
+                if path == "/pause":
+                    e.pause()
+                elif path == "/resume":
+                    e.resume()
+                elif path == "/sleep":
+                    e.sleep(int(request.query.get("level", "1")))
+                else:
+                    e.wake_up()
+            said = {"/pause": "paused", "/resume": "resumed", "/sleep": "sleeping"}
+            resp = _json(200, {"status": said.get(path, "awake")})
+            self._observe(request, 200, length, _length(resp), start)
+            return resp
         if path not in ("/v1/completions", "/v1/chat/completions"):
             status = (
                 405 if path in ("/health", "/metrics", "/version", "/load", "/v1/models") else 404

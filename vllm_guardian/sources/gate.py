@@ -81,6 +81,8 @@ def parse_status(body: bytes) -> GateObservation:
         held_total=_int(doc, "held_total"),
         retried_total=_int(doc, "retried_total"),
         rejected_total=_int(doc, "rejected_total"),
+        unanswered=_int(doc, "unanswered"),
+        oldest_unanswered_seconds=_float(doc, "oldest_unanswered_seconds"),
     )
 
 

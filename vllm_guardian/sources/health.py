@@ -70,6 +70,10 @@ class HealthCollector:
         # One connection kept between /health probes (httpget.KeepAlive: a restarted vLLM's
         # closed connection is dropped or retried once afresh; a hung one is bounded as ever).
         self._keep_alive = httpget.KeepAlive()
+        # vLLM serves /is_paused only with VLLM_SERVER_DEV_MODE=1 (beside /pause): False once it
+        # answered 404, so a server without it is not asked (and its access log not filled)
+        # again until /health says it went away.
+        self._pause_route: bool | None = None
 
     def collect(self) -> Reading:
         url = self._base + "/health"
@@ -100,6 +104,9 @@ class HealthCollector:
                 probe = HealthProbe(HealthState.ERROR, None, None, e.detail)
             return Reading(self.kind, self.service, probe)
         state = classify_status(resp.status, resp.body)
+        paused = self._paused(0.9 * timeout - latency) if state is HealthState.UP else None
+        if state is not HealthState.UP:
+            self._pause_route = None  # a restarted vLLM may serve /is_paused: ask it again
         deep = self._deep_probe() if state is HealthState.UP and self._cfg.deep_probe else None
         error = None if state is HealthState.UP else f"HTTP {resp.status}"
         if state is HealthState.SCALING:
@@ -116,9 +123,35 @@ class HealthCollector:
         return Reading(
             self.kind,
             self.service,
-            HealthProbe(state, resp.status, latency, error, deep),
+            HealthProbe(state, resp.status, latency, error, deep, paused),
             hint=hint,
         )
+
+    def _paused(self, left_seconds: float) -> bool | None:
+        """vLLM's ``GET /is_paused``: whether an operator paused its scheduler (``/pause``),
+        which ``/metrics`` does not show. None when not served or not answered in time (it asks
+        the engine core, which a hung engine never answers)."""
+        if self._pause_route is False or left_seconds <= 0.05:
+            return None
+        try:
+            resp = httpget.fetch(
+                self._base + "/is_paused",
+                cancel=self._cancel,
+                keep_alive=self._keep_alive,
+                deadline_seconds=left_seconds,
+                max_body_bytes=HEALTH_MAX_BODY_BYTES,
+            )
+        except httpget.HttpGetError:
+            return None
+        if resp.status == 404:
+            self._pause_route = False
+            return None
+        try:
+            answer = json.loads(resp.body).get("is_paused") if resp.status == 200 else None
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            answer = None
+        self._pause_route = True
+        return answer if isinstance(answer, bool) else None
 
     def _deep_probe(self) -> DeepProbe | None:
         now = self._clock.monotonic()
