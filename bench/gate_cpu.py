@@ -537,8 +537,8 @@ async def drive(args: argparse.Namespace, targets: dict[str, tuple[int, int]]) -
                 print(
                     f"rep {rep} {kind:5} × {n:5} {t:6} {p.us_per_unit:8.1f} µs/unit "
                     f"(net {p.us_per_unit_net:6.1f}) busy {p.core_busy:5.0%} {p.rate_per_s:8.0f}/s"
-                    + (f" +gap p99 {p.gap_p99_added_ms:6.1f} ms stalled {stalled}"
-                       f" rss/stream {p.rss_per_stream_kib:.1f} KiB" if kind == "sse" else "")
+                    + (f" +gap p99 {p.gap_p99_added_ms:6.1f} ms stalled {stalled}" if kind == "sse" else "")
+                    + (f" rss/stream {p.rss_per_stream_kib:.1f} KiB" if p.rss_per_stream_kib is not None else "")
                     + f"  load {la[0]:.2f}",
                     flush=True,
                 )  # fmt: skip
