@@ -26,7 +26,8 @@ Measured per load point, in a window of ``--seconds`` after a ramp:
   ``/health`` on its own), and the proxy core's share used;
 * SSE: events/s delivered against the offered rate, the added gap p99 (the gaps between
   events as the client received them, minus the stub's pace), and streams stalled (a gap of
-  more than ``--stall-seconds``, or no event for that long at the window's end);
+  more than ``--stall-seconds``, or nothing received for that long at the window's end, a
+  stream never answered included);
 * memory per active stream: the proxy's RSS during the window minus its RSS before the
   first point, divided by the streams;
 * unary: requests/s with N keep-alive connections in a closed loop.
@@ -266,7 +267,8 @@ class SseClient(asyncio.Protocol):
         self.w, self.req, self.ident, self.done = w, req, ident, done
         self.t: asyncio.Transport | None = None
         self.tail = b""
-        self.last: float | None = None
+        self.last: float | None = None  # the last event of the current stream
+        self.seen = time.perf_counter()  # the last bytes of any stream, or the connection
         self.ended = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -274,7 +276,7 @@ class SseClient(asyncio.Protocol):
         self.t.write(self.req)
 
     def data_received(self, data: bytes) -> None:
-        now = time.perf_counter()
+        now = self.seen = time.perf_counter()
         seen = self.tail + data
         n = data.count(b"\n\n") + (self.tail[-1:] == b"\n" and data[:1] == b"\n")
         if not self.ended and b"[DONE]" in seen:
@@ -394,12 +396,16 @@ async def run_point(
     w.on = True
     cpu0, t0 = proc_cpu_s(pid), time.perf_counter()
     await asyncio.sleep(args.seconds)
+    # A window with nothing received measures nothing: it goes on until something is (a
+    # proxy starved of its core by other work), within a generous bound.
+    while not (w.events or w.requests) and time.perf_counter() - t0 < 60:
+        await asyncio.sleep(0.05)
     cpu1, t1 = proc_cpu_s(pid), time.perf_counter()
     w.on = False
     rss = proc_rss_bytes(pid)
-    if kind == "sse":  # a stream silent at the window's end is stalled too
+    if kind == "sse":  # silent at the window's end (or never answered): stalled too
         for p in protos:
-            if p.last is not None and t1 - p.last > w.stall_s:
+            if t1 - p.seen > w.stall_s:
                 w.stalled.add(p.ident)
     for t in conns:
         t.abort()
