@@ -237,6 +237,46 @@ def serve_stub(port: int, events: int, gap_s: float) -> None:
     server.close()
 
 
+# --- a gate with its collections logged (this file, run with --gate-gc-log FILE ARGS...) ------
+
+
+def gate_with_gc_log(out: str, gate_argv: list[str]) -> None:
+    """Run ``vllm-guardian gate`` recording each collection: generation, CPU and wall seconds
+    (CPU: the collection's own work, whatever the scheduler does); written to ``out`` at exit."""
+    import gc  # noqa: PLC0415
+    import runpy  # noqa: PLC0415
+
+    log: list[tuple[int, float, float, float]] = []
+    started = [0.0, 0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[:] = [time.thread_time(), time.perf_counter()]
+        else:
+            cpu, wall = time.thread_time() - started[0], time.perf_counter() - started[1]
+            log.append((info["generation"], cpu, wall, time.monotonic()))
+
+    gc.callbacks.append(on_gc)
+    sys.argv = ["vllm_guardian.gate", *gate_argv]
+    try:
+        runpy.run_module("vllm_guardian.gate", run_name="__main__")
+    finally:
+        Path(out).write_text(json.dumps(log))
+
+
+def gc_summary(name: str, path: Path, since: float) -> str:
+    """The collections of one gate from the first load point on (start-up's are not the hot
+    path's): CPU ms, as the collection's own work."""
+    log = [e for e in (json.loads(path.read_text()) if path.exists() else []) if e[3] >= since]
+    full = [cpu for gen, cpu, _, _ in log if gen == 2]
+    young = [cpu for gen, cpu, _, _ in log if gen < 2]
+    return (
+        f"- {name}: {len(young)} young collections (max {max(young, default=0) * 1e3:.2f} ms "
+        f"CPU), {len(full)} full (max {max(full, default=0) * 1e3:.2f} ms CPU, total "
+        f"{sum(full) * 1e3:.1f} ms)"
+    )
+
+
 # --- the client --------------------------------------------------------------------------
 
 
@@ -519,6 +559,7 @@ async def drive(args: argparse.Namespace, targets: dict[str, tuple[int, int]]) -
     points: list[Point] = []
     idle = {t: (idle_rate(pid, args.idle_seconds), proc_rss_bytes(pid)) for t, (_, pid) in targets.items()}  # fmt: skip
     loads = [("sse", n) for n in args.streams] + [("unary", n) for n in args.unary]
+    args.load_started = time.monotonic()
     for rep in range(args.repeat):
         for kind, n in loads:
             for t, (port, pid) in targets.items():
@@ -575,11 +616,20 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gate-cpu"))
     ap.add_argument("--profile", metavar="FILE", help="run the gate under cProfile, into FILE")
+    ap.add_argument(
+        "--gc-log", metavar="DIR", help="log every gate's collections into DIR and summarise them"
+    )
+    ap.add_argument("--gate-gc-log", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="a smoke run: tiny loads, nothing written")
     ap.add_argument("--serve-stub", type=int, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    args, rest = ap.parse_known_args(argv)
+    if rest and not args.gate_gc_log:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.serve_stub:
         serve_stub(args.serve_stub, args.events_per_stream, 1 / args.event_rate)
+        return 0
+    if args.gate_gc_log:
+        gate_with_gc_log(args.gate_gc_log, rest)
         return 0
     if args.quick:
         args.streams, args.unary, args.repeat = "4", "2", 1
@@ -621,6 +671,12 @@ def main(argv: list[str] | None = None) -> int:
                          *args.gate_args.split()]  # fmt: skip
                 if args.profile and name == "gate":  # cProfile's cost inflates the figures
                     argv_[1:3] = ["-m", "cProfile", "-o", args.profile, "-m", "vllm_guardian.gate"]
+                elif args.gc_log:
+                    argv_[1:3] = [
+                        __file__,
+                        "--gate-gc-log",
+                        str(Path(args.gc_log) / f"{name}.json"),
+                    ]
                 tree = Path(args.base).resolve() if name == "gate-base" else ROOT
                 env = {**os.environ, "PYTHONPATH": str(tree)}
             else:
@@ -636,6 +692,12 @@ def main(argv: list[str] | None = None) -> int:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as r:
             points = r.run(drive(args, targets))
     table = summarize(points)
+    if args.gc_log:  # written by each gate as it stopped
+        table += ["", "Collections in each gate, start to stop:"] + [
+            gc_summary(n, Path(args.gc_log) / f"{n}.json", args.load_started)
+            for n in names
+            if n.startswith("gate")
+        ]
     print("\n".join(table))
     if args.quick:
         return 0
