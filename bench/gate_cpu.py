@@ -611,8 +611,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     ap.add_argument(
         "--gate-args", default="--release-rate 0",
-        help="extra gate flags (default: no release pacing, which caps a queue once it forms "
-        "at 50 requests/s; this measures the data path)",
+        help="extra gate flags (default: no release pacing, so that a moment's hold during the "
+        "run cannot leave a queue released at 50 requests/s; this measures the data path)",
     )  # fmt: skip
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gate-cpu"))
     ap.add_argument("--profile", metavar="FILE", help="run the gate under cProfile, into FILE")
