@@ -606,6 +606,81 @@ def test_the_state_settles_only_what_has_text() -> None:
     assert isinstance(st.decide(), Complete)
 
 
+def _chat_chunk(delta: str, ids: list[int] | None = None, finish: str | None = None) -> bytes:
+    choice = (f'{{"index":0,{delta},"logprobs":null,"finish_reason":'
+              f'{json.dumps(finish)}' + (f',"token_ids":{json.dumps(ids)}' if ids is not None else "") + "}")  # fmt: skip
+    return (b'data: {"id":"chatcmpl-a","object":"chat.completion.chunk","created":5,"model":"m",'
+            b'"choices":[' + choice.encode() + b'],"usage":null}\n\n')  # fmt: skip
+
+
+# The events a stream's hot path reads from its bytes, and their neighbours it must leave to the
+# full decoding: after a first chunk, each event, for a completion and for a chat stream.
+COMPLETION_EVENTS = [
+    ("text and an id", _chunk([8], " b")),
+    ("two ids", _chunk([8, 9], " b c")),
+    ("ids and no text yet (held back)", _chunk([5], "")),
+    ("then the text that settles them", _chunk([6], "é")),
+    ("no ids", _chunk([], " x")),
+    ("a key's pattern inside the text", _chunk([3], '"token_ids":[1],"finish_reason":null')),
+    ("a second choice", _chunk([4], " y").replace(b'"stop_reason"', b'"index":1,"stop_reason"')),
+    ("spaces (not compact)", _chunk([4], " y").replace(b'"finish_reason":null', b'"finish_reason": null')),
+    ("usage", _chunk([4], " y").replace(b'"model":"m"', b'"model":"m","usage":{"prompt_tokens":2,"completion_tokens":3,"total_tokens":5}')),
+    ("the last one", _chunk([2], " z", finish="length")),
+]  # fmt: skip
+CHAT_EVENTS = [
+    ("content and an id", _chat_chunk('"delta":{"content":" b"}', [8])),
+    ("ids and no content yet (held back)", _chat_chunk('"delta":{"content":""}', [5])),
+    ("null content", _chat_chunk('"delta":{"content":null}', [6])),
+    ("then its text", _chat_chunk('"delta":{"content":"é"}', [7])),
+    ("no delta content", _chat_chunk('"delta":{}', [9])),
+    ("content with spaces", _chat_chunk('"delta":{"content": "x"}', [9])),
+    ("a tool call", _chat_chunk('"delta":{"tool_calls":[{"index":0}]}', [4])),
+    ("reasoning", _chat_chunk('"delta":{"reasoning_content":"hm"}', [3])),
+    ("the last one", _chat_chunk('"delta":{"content":"."}', [2], finish="stop")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("wants_ids", [False, True], ids=["ids stripped", "client's ids"])
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_reading_a_token_chunk_from_its_bytes_does_what_decoding_it_does(
+    chat: bool, wants_ids: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    req = body(max_tokens=10, return_token_ids=True if wants_ids else None)
+    if chat:
+        req = {k: v for k, v in req.items() if k != "prompt"}
+        req["messages"] = [{"role": "user", "content": "hi"}]
+    p = plan(path, json.dumps(req).encode(), enabled=True)
+    assert isinstance(p, Plan)
+    first = _chat_chunk('"delta":{"role":"assistant","content":""}', []) if chat else _chunk([7], " a", prompt=[1, 2])  # fmt: skip
+    events = CHAT_EVENTS if chat else COMPLETION_EVENTS
+
+    def run() -> tuple[list[Any], tuple[Any, ...]]:
+        st = StreamState(p)
+        out = []
+        for ev in [first, *(e for _, e in events)]:
+            step = st.on_event(ev)
+            out.append((step.kind, [json.loads(e[6:]) for e in step.data.split(b"\n\n") if e]))
+        return out, (st.token_ids, st.settled, st.last_text_tokens, st.unhonest, st.usage_seen,
+                     st.finish_reason, st.take_pending())  # fmt: skip
+
+    read_from_bytes: list[bool] = []
+    real = StreamState._token_chunk
+
+    def spy(self: StreamState, raw: bytes, payload: bytes) -> Any:
+        step = real(self, raw, payload)
+        read_from_bytes.append(step is not None)
+        return step
+
+    monkeypatch.setattr(StreamState, "_token_chunk", spy)
+    fast = run()
+    # The plain token chunks took the byte path (the first chunk is always decoded).
+    plain = 6 if not chat else 5
+    assert read_from_bytes[1:] == [True] * plain + [False] * (len(events) - plain)
+    monkeypatch.setattr(StreamState, "_token_chunk", lambda *_: None)
+    assert fast == run()
+
+
 def test_sse_events_are_cut_where_they_end() -> None:
     sp = SseSplitter(100)
     assert sp.feed(b"data: 1\n\nda") == [b"data: 1\n\n"]

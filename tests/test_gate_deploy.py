@@ -660,3 +660,16 @@ def test_check_config_names_each_gate_and_reports_a_bad_section_with_key_and_lin
         f"{bad}:6: services[0].gate.listen: 127.0.0.1:8000 is already services[0].url's address"
         in err
     ), err
+
+
+def test_once_up_the_gate_freezes_what_start_up_allocated_and_sizes_the_young_generation() -> None:
+    # In a process of its own: the collector's settings are the whole interpreter's.
+    code = (
+        "import gc\n"
+        "from vllm_guardian.gate import cli\n"
+        "assert gc.get_freeze_count() == 0\n"
+        "cli.tame_collector()\n"
+        "assert gc.get_freeze_count() > 0, gc.get_freeze_count()\n"
+        "assert gc.get_threshold()[0] == cli.GC_GEN0_THRESHOLD, gc.get_threshold()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -119,6 +119,38 @@ def test_an_answer_is_framed_and_its_connection_kept_only_when_reusable(
     assert server.connections == (1 if kept else 2)
 
 
+CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+CHUNKED_BODY = b"5;x=y\r\nhello\r\n6\r\n world\r\n1\r\n!\r\n0\r\nX-T: 1\r\n\r\n"
+# How the chunked body arrives: the proxy's read parses what came, whatever the split.
+SPLITS = [
+    ("in one packet", [CHUNKED_BODY]),
+    ("byte by byte", [CHUNKED_BODY[i : i + 1] for i in range(len(CHUNKED_BODY))]),
+    ("at every CRLF", [part + b"\r\n" for part in CHUNKED_BODY.split(b"\r\n")[:-1]]),
+]
+
+
+@pytest.mark.parametrize("parts", [s[1] for s in SPLITS], ids=[s[0] for s in SPLITS])
+def test_a_chunked_body_is_the_same_however_its_bytes_arrive(parts: list[bytes]) -> None:
+    async def test(pool: UpstreamPool, server: Server) -> None:
+        assert await body_of(pool) == (200, b"hello world!", None)
+        assert await body_of(pool) == (200, b"ok", 2)
+
+    server = run([[CHUNKED_HEAD, *parts], [OK]], test)
+    assert server.connections == 1  # read to its end: kept
+
+
+def test_the_chunks_that_came_together_are_handed_on_in_one_read() -> None:
+    async def test(pool: UpstreamPool, server: Server) -> None:
+        up = await pool.request("POST", "/v1/x", [], b"{}")
+        pieces = []
+        while piece := await up.read():
+            pieces.append(piece)
+        up.release()
+        assert pieces == [b"hello world!"]
+
+    run([[CHUNKED_HEAD + CHUNKED_BODY]], test)
+
+
 def test_the_request_goes_out_as_one_message_with_host_length_and_the_given_headers() -> None:
     async def test(pool: UpstreamPool, server: Server) -> None:
         await body_of(pool, "POST", b'{"a": 1}')

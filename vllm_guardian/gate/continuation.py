@@ -334,6 +334,9 @@ class StreamState:
         payload = line[5:].strip()
         if payload == b"[DONE]":
             return Step(Kind.DONE, self._flush(raw))
+        step = self._token_chunk(raw, payload)
+        if step is not None:
+            return step
         try:
             doc = json.loads(payload)
         except (ValueError, UnicodeDecodeError, RecursionError):
@@ -361,6 +364,55 @@ class StreamState:
         if textless:
             # Ids whose text vLLM still holds back: sent with the text that settles them, so
             # a cut before it rolls them back without the client having seen them.
+            self._pending.append(out)
+            return Step(Kind.RELAY, b"")
+        return self._relay(out)
+
+    def _token_chunk(self, raw: bytes, payload: bytes) -> Step | None:
+        """The common event read without decoding it: one choice, its text (or chat content)
+        and ids, nothing else the stream keeps (no usage, finish, prompt ids, tool calls,
+        reasoning, error), past the first chunk of a first attempt. What :meth:`_chunk` would
+        do with it, on the bytes: keep the ids, strip them unless the client asked for them.
+        None: any other event (decoded in full). A key's pattern cannot occur inside a JSON
+        string, whose quotes are escaped."""
+        if self.id is None or self.continuing or payload.count(b'"index":') != 1:
+            return None
+        at = payload.find(b'"token_ids":[')
+        if (
+            at < 0
+            or b'"finish_reason":null' not in payload
+            or b'"usage":{' in payload
+            or b'"prompt_token_ids":[' in payload
+            or b'"error"' in payload
+        ):
+            return None
+        if self.plan.chat:
+            if b'"tool_calls"' in payload or b'"reasoning' in payload:
+                return None
+            key = payload.find(b'"content":')
+            if key >= 0 and payload[key + 10 : key + 11] not in (b'"', b"n"):
+                return None  # not compact JSON
+            text = key >= 0 and payload[key + 10 : key + 12] not in (b'""', b"nu")
+        else:
+            key = payload.find(b'"text":"')
+            if key < 0:
+                return None
+            text = payload[key + 8 : key + 9] != b'"'
+        end = payload.find(b"]", at)
+        listed = payload[at + 13 : end]
+        try:
+            ids = [int(t) for t in listed.split(b",")] if listed.strip() else []
+        except ValueError:
+            return None
+        out = raw
+        if not self.plan.wants_token_ids:
+            start = raw.find(b'"token_ids":[')
+            out = raw[: start + 12] + b"null" + raw[raw.find(b"]", start) + 1 :]
+        self.token_ids.extend(ids)
+        if text:
+            self.settled = len(self.token_ids)
+            self.last_text_tokens = len(ids)
+        elif ids:
             self._pending.append(out)
             return Step(Kind.RELAY, b"")
         return self._relay(out)
@@ -607,6 +659,8 @@ class SseSplitter:
         self._max = max_event_bytes
 
     def feed(self, data: bytes) -> list[bytes]:
+        if not self._buf and data.find(b"\n\n") == len(data) - 2:
+            return [data]  # one whole event, as vLLM writes them: no copy
         self._buf += data
         events: list[bytes] = []
         start = 0

@@ -447,6 +447,10 @@ class GateProxy:
                 # their write (the wait for the upstream in between is not the gate's).
                 self.metrics.overhead_seconds.observe(pre_send + time.perf_counter() - t_first)
                 refused = ex.plan if isinstance(ex.plan, Refusal) else None
+                if refused is not None and any(m in first for m in DYING_MARKERS):
+                    # vLLM's error event for a dead engine came with the first bytes.
+                    self.metrics.continuation(Outcome.REFUSED.value, refused.value)
+                    refused = None
                 while True:
                     try:
                         chunk = await up.read()

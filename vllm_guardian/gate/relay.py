@@ -157,15 +157,22 @@ class ContinuingRelay:
                 return Cut.CONNECTION, None
             if not data:
                 return Cut.CONNECTION, None  # ended without [DONE]; a partial event is dropped
+            # What one read brought goes to the client in one write (one chunk, one syscall).
+            out: list[bytes] = []
             for event in splitter.feed(data):
                 step = self.state.on_event(event)
                 if step.kind is Kind.CUT:
+                    if out:
+                        await self._write(b"".join(out), first)
                     return Cut.ERROR_EVENT, step.data
                 if step.data:
-                    await self._write(step.data, first)
+                    out.append(step.data)
                 if step.kind is Kind.DONE:
+                    await self._write(b"".join(out), first)
                     await self._drain(up)
                     return None, None
+            if out:
+                await self._write(out[0] if len(out) == 1 else b"".join(out), first)
             if splitter.overflowing:  # not SSE as vLLM writes it: passed on as it is
                 self.state.unreadable = True
                 await self._write(splitter.take_rest(), first)

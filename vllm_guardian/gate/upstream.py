@@ -107,6 +107,9 @@ class UpstreamResponse:
         # unanswered requests).
         self.body_started = False
         self._chunk_left = 0  # chunked: bytes left in the current chunk
+        self._crlf_due = False  # chunked: the CRLF after a chunk's data is next
+        self._trailers = False  # chunked: the last chunk was read, trailers follow
+        self._raw = b""  # chunked: bytes read and not parsed yet
         if head_request or status in _NO_BODY_STATUSES or 100 <= status < 200:
             self._eof = True
         elif self.chunked:
@@ -152,24 +155,61 @@ class UpstreamResponse:
         return data
 
     async def _read_chunked(self, reader: asyncio.StreamReader) -> bytes:
-        while self._chunk_left == 0:
-            line = await reader.readuntil(b"\r\n")
+        # One read of what has arrived, its framing parsed here: one await per piece (an SSE
+        # event is one chunk), not three (size line, data, CRLF), and every chunk that came in
+        # one packet handed on at once.
+        while True:
+            data = self._parse_chunks()
+            if data or self._eof:
+                return data
+            more = await reader.read(READ_BYTES)
+            if not more:
+                raise asyncio.IncompleteReadError(b"", self._chunk_left)
+            self._raw = self._raw + more if self._raw else more
+
+    def _parse_chunks(self) -> bytes:
+        """The payload of the chunks in ``_raw`` (what is complete of them), framing consumed."""
+        raw, pos, end_of_raw = self._raw, 0, len(self._raw)
+        pieces: list[bytes] = []
+        while pos < end_of_raw:
+            if self._chunk_left:
+                take = min(self._chunk_left, end_of_raw - pos)
+                pieces.append(raw[pos : pos + take])
+                pos += take
+                self._chunk_left -= take
+                self._crlf_due = self._chunk_left == 0
+                continue
+            if self._crlf_due:
+                if end_of_raw - pos < 2:
+                    break
+                if raw[pos : pos + 2] != b"\r\n":
+                    raise ValueError("chunk not followed by CRLF")
+                pos += 2
+                self._crlf_due = False
+                continue
+            eol = raw.find(b"\r\n", pos)
+            if eol < 0:
+                if end_of_raw - pos > MAX_HEAD_BYTES:
+                    raise ValueError("chunk size line too long")
+                break
+            line, pos = raw[pos:eol], eol + 2
+            if self._trailers:  # not forwarded (the proxy re-frames the body)
+                if not line:
+                    self._eof = True
+                    if pos < end_of_raw:  # bytes past the answer: the connection is not reused
+                        self._keep = False
+                    break
+                continue
             size = int(line.split(b";", 1)[0].strip(), 16)  # ValueError: malformed
             if size < 0:
                 raise ValueError("negative chunk size")
             if size == 0:
-                while (await reader.readuntil(b"\r\n")) != b"\r\n":
-                    pass  # trailers: not forwarded (the proxy re-frames the body)
-                self._eof = True
-                return b""
+                self._trailers = True
             self._chunk_left = size
-        data = await reader.read(min(self._chunk_left, READ_BYTES))
-        if not data:
-            raise asyncio.IncompleteReadError(b"", self._chunk_left)
-        self._chunk_left -= len(data)
-        if self._chunk_left == 0 and await reader.readexactly(2) != b"\r\n":
-            raise ValueError("chunk not followed by CRLF")
-        return data
+        self._raw = raw[pos:] if pos < end_of_raw else b""
+        if len(pieces) == 1:
+            return pieces[0]
+        return b"".join(pieces)
 
     def release(self) -> None:
         """The exchange is over: a complete answer's connection is kept for the next one,

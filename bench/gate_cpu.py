@@ -1,0 +1,722 @@
+"""Benchmark: the gate's CPU per SSE event and per unary request, against nginx, same run.
+
+Run: .venv/bin/python bench/gate_cpu.py [--repeat 3] [--seconds 5] [--out bench/results/gate-cpu]
+     (``--quick``: one repeat, small loads, no files written: what tests/test_bench_gate_cpu.py runs)
+
+Layout, all on 127.0.0.1: the proxy under test (``vllm-guardian gate`` with its defaults, or
+Debian's nginx with one process, ``master_process off``, ``proxy_buffering off``, HTTP/1.1
+keep-alive to the upstream) is pinned to core 0 with ``taskset``; the client (this process)
+and a cheap upstream stub (a raw asyncio protocol on uvloop, a subprocess) are pinned to
+core 1. Both proxies run side by side the whole time and take turns, load point by load
+point, so drift on a shared machine hits both alike.
+
+The stub answers ``POST /v1/completions`` like vLLM: a ~300-byte JSON answer, or with
+``"stream": true`` a chunked ``text/event-stream`` of ``--events-per-stream`` completion
+chunks (with ``token_ids`` when the request asks ``return_token_ids``, as the gate does for
+continuation), one every ``1 / --event-rate`` seconds per stream, then ``data: [DONE]``.
+Streams are paced by one timer wheel (5 ms ticks), not a task per stream, so 2,000 streams
+cost the stub little. A finished stream's connection sends the next request at once.
+
+Measured per load point, in a window of ``--seconds`` after a ramp:
+
+* CPU per unit of work: the proxy process's user + system time from ``/proc/PID/stat``
+  over the window, divided by the events (or requests) the client received in it. Robust on
+  a noisy machine: other work slows the proxy down but does not add to its CPU time. Also
+  the same after subtracting the proxy's idle CPU rate (the gate polls the upstream's
+  ``/health`` on its own), and the proxy core's share used;
+* SSE: events/s delivered against the offered rate, the added gap p99 (the gaps between
+  events as the client received them, minus the stub's pace), and streams stalled (a gap of
+  more than ``--stall-seconds``, or nothing received for that long at the window's end, a
+  stream never answered included);
+* memory per active stream: the proxy's RSS during the window minus its RSS before the
+  first point, divided by the streams;
+* unary: requests/s with N keep-alive connections in a closed loop.
+
+Each point is measured ``--repeat`` times; the table gives the median and the range, and the
+host's load average beside each repeat. Results go to ``OUT.json`` and ``OUT.md`` with the
+command line and the commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import resource
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import cast
+
+ROOT = Path(__file__).resolve().parent.parent
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+TICK_S = 0.005
+
+NGINX_CONF = """
+master_process off;
+worker_processes 1;
+worker_rlimit_nofile 20000;
+pid {d}/nginx.pid;
+error_log {d}/error.log warn;
+events {{ worker_connections 10000; }}
+http {{
+    access_log off;
+    client_body_temp_path {d}/body;
+    proxy_temp_path {d}/proxy;
+    fastcgi_temp_path {d}/fastcgi;
+    uwsgi_temp_path {d}/uwsgi;
+    scgi_temp_path {d}/scgi;
+    keepalive_requests 100000;
+    upstream vllm {{ server 127.0.0.1:{upstream}; keepalive 4096; }}
+    server {{
+        listen 127.0.0.1:{port} backlog=4096;
+        client_max_body_size 32m;
+        location / {{
+            proxy_pass http://vllm;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_read_timeout 600s;
+        }}
+    }}
+}}
+"""
+
+UNARY_BODY = json.dumps(
+    {"model": "demo", "prompt": "the quick brown fox", "max_tokens": 1}
+).encode()
+STREAM_BODY = json.dumps(
+    {"model": "demo", "prompt": "the quick brown fox", "max_tokens": 100, "stream": True}
+).encode()
+
+
+# --- the stub upstream (this file, run with --serve-stub PORT) -------------------------------
+
+
+def serve_stub(port: int, events: int, gap_s: float) -> None:
+    import uvloop  # noqa: PLC0415 (only the stub's process needs it)
+
+    answer = json.dumps(
+        {"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "demo",
+         "choices": [{"index": 0, "text": " tok", "logprobs": None, "finish_reason": "length",
+                      "stop_reason": None}],
+         "usage": {"prompt_tokens": 4, "total_tokens": 5, "completion_tokens": 1}}
+    ).encode()  # fmt: skip
+    unary = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+        + str(len(answer)).encode()
+        + b"\r\n\r\n"
+        + answer
+    )
+    empty = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+    missing = b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"
+    sse_head = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\n"
+        b"Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+
+    def chunk(data: bytes) -> bytes:
+        return b"%x\r\n%s\r\n" % (len(data), data)
+
+    def event(i: int, ids: bool) -> bytes:
+        choice = '"index":0,"text":" tok","logprobs":null'
+        if i == 0 and ids:
+            choice += ',"prompt_token_ids":[1,2,3,4]'
+        last = i == events - 1
+        choice += ',"finish_reason":"length","stop_reason":null' if last else (
+            ',"finish_reason":null,"stop_reason":null'
+        )  # fmt: skip
+        if ids:
+            choice += f',"token_ids":[{1000 + i}]'
+        doc = (
+            '{"id":"cmpl-0","object":"text_completion","created":1,"model":"demo",'
+            f'"choices":[{{{choice}}}],"usage":null}}'
+        )
+        return chunk(b"data: " + doc.encode() + b"\n\n")
+
+    with_ids = [event(i, True) for i in range(events)]
+    without = [event(i, False) for i in range(events)]
+    tail = chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+    slots = max(1, round(gap_s / TICK_S))
+    wheel: list[set[Stream]] = [set() for _ in range(slots)]
+    tick = 0
+
+    class Stream:
+        __slots__ = ("conn", "evs", "i")
+
+        def __init__(self, conn: Conn, evs: list[bytes]) -> None:
+            self.conn, self.i, self.evs = conn, 0, evs
+
+    class Conn(asyncio.Protocol):
+        def __init__(self) -> None:
+            self.buf = b""
+            self.t: asyncio.Transport | None = None
+            self.stream: Stream | None = None
+            self.slot = 0
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.t = cast("asyncio.Transport", transport)  # uvloop's is not a subclass
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.stream is not None:
+                wheel[self.slot].discard(self.stream)
+                self.stream = None
+
+        def data_received(self, data: bytes) -> None:
+            self.buf += data
+            while True:
+                end = self.buf.find(b"\r\n\r\n")
+                if end < 0:
+                    return
+                head = self.buf[:end].lower()
+                n = 0
+                at = head.find(b"content-length:")
+                if at >= 0:
+                    n = int(head[at + 15 :].split(b"\r\n", 1)[0])
+                if len(self.buf) < end + 4 + n:
+                    return
+                body = self.buf[end + 4 : end + 4 + n]
+                self.buf = self.buf[end + 4 + n :]
+                self.answer(head, body)
+
+        def answer(self, head: bytes, body: bytes) -> None:
+            assert self.t is not None
+            if head.startswith(b"get /health"):
+                self.t.write(empty)
+            elif not head.startswith(b"post"):
+                self.t.write(missing)
+            elif b'"stream":true' in body.replace(b" ", b""):
+                ids = b'"return_token_ids":true' in body.replace(b" ", b"")
+                self.t.write(sse_head)
+                self.stream = Stream(self, with_ids if ids else without)
+                self.slot = (tick + 1) % slots
+                wheel[self.slot].add(self.stream)
+            else:
+                self.t.write(unary)
+
+    loop = uvloop.new_event_loop()
+    asyncio.set_event_loop(loop)
+    t0 = loop.time()
+
+    def on_tick() -> None:
+        nonlocal tick
+        tick += 1
+        slot = wheel[tick % slots]
+        done = []
+        for s in slot:
+            t = s.conn.t
+            assert t is not None
+            t.write(s.evs[s.i])
+            s.i += 1
+            if s.i == len(s.evs):
+                t.write(tail)
+                done.append(s)
+        for s in done:
+            slot.discard(s)
+            s.conn.stream = None
+        # Paced against the start: a late tick does not shift the later ones.
+        loop.call_at(max(loop.time(), t0 + (tick + 1) * TICK_S), on_tick)
+
+    loop.call_at(t0 + TICK_S, on_tick)
+    server = loop.run_until_complete(
+        loop.create_server(Conn, "127.0.0.1", port, backlog=4096, reuse_address=True)
+    )
+    loop.add_signal_handler(signal.SIGTERM, loop.stop)
+    loop.run_forever()
+    server.close()
+
+
+# --- a gate with its collections logged (this file, run with --gate-gc-log FILE ARGS...) ------
+
+
+def gate_with_gc_log(out: str, gate_argv: list[str]) -> None:
+    """Run ``vllm-guardian gate`` recording each collection: generation, CPU and wall seconds
+    (CPU: the collection's own work, whatever the scheduler does); written to ``out`` at exit."""
+    import gc  # noqa: PLC0415
+    import runpy  # noqa: PLC0415
+
+    log: list[tuple[int, float, float, float]] = []
+    started = [0.0, 0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[:] = [time.thread_time(), time.perf_counter()]
+        else:
+            cpu, wall = time.thread_time() - started[0], time.perf_counter() - started[1]
+            log.append((info["generation"], cpu, wall, time.monotonic()))
+
+    gc.callbacks.append(on_gc)
+    sys.argv = ["vllm_guardian.gate", *gate_argv]
+    try:
+        runpy.run_module("vllm_guardian.gate", run_name="__main__")
+    finally:
+        Path(out).write_text(json.dumps(log))
+
+
+def gc_summary(name: str, path: Path, since: float) -> str:
+    """The collections of one gate from the first load point on (start-up's are not the hot
+    path's): CPU ms, as the collection's own work."""
+    log = [e for e in (json.loads(path.read_text()) if path.exists() else []) if e[3] >= since]
+    full = [cpu for gen, cpu, _, _ in log if gen == 2]
+    young = [cpu for gen, cpu, _, _ in log if gen < 2]
+    return (
+        f"- {name}: {len(young)} young collections (max {max(young, default=0) * 1e3:.2f} ms "
+        f"CPU), {len(full)} full (max {max(full, default=0) * 1e3:.2f} ms CPU, total "
+        f"{sum(full) * 1e3:.1f} ms)"
+    )
+
+
+# --- the client --------------------------------------------------------------------------
+
+
+class Window:
+    """What the client saw of one load point, counted only while ``on``."""
+
+    def __init__(self, stall_s: float) -> None:
+        self.on = False
+        self.events = 0
+        self.requests = 0
+        self.gaps: list[float] = []
+        self.stall_s = stall_s
+        self.stalled: set[int] = set()
+
+
+def _stream_request(port: int, body: bytes) -> bytes:
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Content-Type: application/json\r\nAuthorization: Bearer bench\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+
+
+class SseClient(asyncio.Protocol):
+    """One keep-alive connection: a streamed completion, and the next as soon as it ends."""
+
+    def __init__(self, w: Window, req: bytes, ident: int, done: asyncio.Future[None]) -> None:
+        self.w, self.req, self.ident, self.done = w, req, ident, done
+        self.t: asyncio.Transport | None = None
+        self.tail = b""
+        self.last: float | None = None  # the last event of the current stream
+        self.seen = time.perf_counter()  # the last bytes of any stream, or the connection
+        self.ended = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.t = cast("asyncio.Transport", transport)  # uvloop's is not a subclass
+        self.t.write(self.req)
+
+    def data_received(self, data: bytes) -> None:
+        now = self.seen = time.perf_counter()
+        seen = self.tail + data
+        n = data.count(b"\n\n") + (self.tail[-1:] == b"\n" and data[:1] == b"\n")
+        if not self.ended and b"[DONE]" in seen:
+            n -= 1
+            self.ended = True
+        self.tail = data[-8:]
+        if n > 0:
+            w = self.w
+            if w.on:
+                w.events += n
+                if self.last is not None:
+                    gap = now - self.last
+                    w.gaps.append(gap)
+                    if gap > w.stall_s:
+                        w.stalled.add(self.ident)
+                    w.gaps.extend([0.0] * (n - 1))  # several events in one read
+            self.last = now
+        if self.ended and seen.endswith(b"0\r\n\r\n"):
+            if self.w.on:
+                self.w.requests += 1
+            self.ended, self.tail, self.last = False, b"", None
+            assert self.t is not None
+            self.t.write(self.req)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+class UnaryClient(asyncio.Protocol):
+    """One keep-alive connection in a closed loop of unary requests."""
+
+    def __init__(self, w: Window, req: bytes, done: asyncio.Future[None]) -> None:
+        self.w, self.req, self.done = w, req, done
+        self.buf = b""
+        self.t: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.t = cast("asyncio.Transport", transport)  # uvloop's is not a subclass
+        self.t.write(self.req)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buf[:end].lower()
+            at = head.find(b"content-length:")
+            n = int(head[at + 15 :].split(b"\r\n", 1)[0]) if at >= 0 else 0
+            if len(self.buf) < end + 4 + n:
+                return
+            self.buf = self.buf[end + 4 + n :]
+            if self.w.on:
+                self.w.requests += 1
+            assert self.t is not None
+            self.t.write(self.req)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of the process (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def proc_rss_bytes(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
+
+
+@dataclass
+class Point:
+    target: str
+    kind: str  # "sse" or "unary"
+    concurrency: int
+    repeat: int
+    seconds: float
+    cpu_s: float
+    units: int  # events (sse) or requests (unary) received in the window
+    us_per_unit: float
+    us_per_unit_net: float  # less the proxy's idle CPU rate
+    core_busy: float
+    rate_per_s: float
+    offered_per_s: float | None = None
+    gap_p99_added_ms: float | None = None
+    stalled_streams: int | None = None
+    rss_per_stream_kib: float | None = None
+    load_avg: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    gc: dict[str, float] = field(default_factory=dict)
+
+
+async def run_point(
+    port: int, pid: int, kind: str, n: int, args: argparse.Namespace, idle: tuple[float, int]
+) -> tuple[float, int, float, int, list[float], int, float]:
+    """Drive one load point; (cpu_s, units, seconds, rss, gaps, stalled, ramp)."""
+    loop = asyncio.get_running_loop()
+    w = Window(args.stall_seconds)
+    conns: list[asyncio.Transport] = []
+    protos: list[SseClient] = []
+    dones: list[asyncio.Future[None]] = []
+    ramp = min(2.0, max(0.2, n / 1000)) if kind == "sse" else 0.2
+    for i in range(n):
+        done: asyncio.Future[None] = loop.create_future()
+        dones.append(done)
+        if kind == "sse":
+            proto: asyncio.Protocol = SseClient(w, _stream_request(port, STREAM_BODY), i, done)
+            protos.append(proto)  # type: ignore[arg-type]
+        else:
+            proto = UnaryClient(w, _stream_request(port, UNARY_BODY), done)
+        t, _ = await loop.create_connection(lambda p=proto: p, "127.0.0.1", port)  # type: ignore[misc]
+        conns.append(t)
+        await asyncio.sleep(ramp / n)
+    await asyncio.sleep(args.warmup)
+    w.on = True
+    cpu0, t0 = proc_cpu_s(pid), time.perf_counter()
+    await asyncio.sleep(args.seconds)
+    # A window with nothing received measures nothing: it goes on until something is (a
+    # proxy starved of its core by other work), within a generous bound.
+    while not (w.events or w.requests) and time.perf_counter() - t0 < 60:
+        await asyncio.sleep(0.05)
+    cpu1, t1 = proc_cpu_s(pid), time.perf_counter()
+    w.on = False
+    rss = proc_rss_bytes(pid)
+    if kind == "sse":  # silent at the window's end (or never answered): stalled too
+        for p in protos:
+            if t1 - p.seen > w.stall_s:
+                w.stalled.add(p.ident)
+    for t in conns:
+        t.abort()
+    await asyncio.wait(dones, timeout=10)
+    await asyncio.sleep(0.5)  # the proxy closes its side
+    units = w.events if kind == "sse" else w.requests
+    return cpu1 - cpu0, units, t1 - t0, rss, w.gaps, len(w.stalled), ramp
+
+
+def idle_rate(pid: int, seconds: float) -> float:
+    c0, t0 = proc_cpu_s(pid), time.perf_counter()
+    time.sleep(seconds)
+    return (proc_cpu_s(pid) - c0) / (time.perf_counter() - t0)
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
+
+
+@contextlib.contextmanager
+def process(
+    argv: list[str], port: int, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"{argv[0]}: nothing listens on 127.0.0.1:{port}")
+            time.sleep(0.1)
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pinned(core: int | None, argv: list[str]) -> list[str]:
+    return argv if core is None else ["taskset", "-c", str(core), *argv]
+
+
+def commit(tree: Path = ROOT) -> str:
+    try:
+        out = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return out + ("+dirty" if dirty else "")
+
+
+def summarize(points: list[Point]) -> list[str]:
+    """The markdown table: per load, the median over repeats (range) for each target."""
+    lines = [
+        "| load | target | µs/unit (median, range) | net of idle | core busy | rate/s | "
+        "offered/s | +gap p99 ms | stalled | RSS KiB/stream |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    loads = list(dict.fromkeys((p.kind, p.concurrency) for p in points))
+    targets = list(dict.fromkeys(p.target for p in points))
+    ratios: list[str] = []
+    for kind, n in loads:
+        med: dict[str, float] = {}
+        for t in targets:
+            ps = [p for p in points if (p.kind, p.concurrency, p.target) == (kind, n, t)]
+            if not ps:
+                continue
+            us = [p.us_per_unit for p in ps]
+            med[t] = statistics.median(us)
+            unit = "event" if kind == "sse" else "request"
+
+            def m(xs: list[float | None], f: str) -> str:
+                v = [x for x in xs if x is not None]
+                return format(statistics.median(v), f) if v else "–"
+
+            lines.append(
+                f"| {kind} × {n} | {t} | {med[t]:.1f} µs/{unit} ({min(us):.1f}–{max(us):.1f}) | "
+                f"{m([p.us_per_unit_net for p in ps], '.1f')} | "
+                f"{m([p.core_busy for p in ps], '.0%')} | {m([p.rate_per_s for p in ps], '.0f')} | "
+                f"{m([p.offered_per_s for p in ps], '.0f')} | "
+                f"{m([p.gap_p99_added_ms for p in ps], '.1f')} | "
+                f"{max((p.stalled_streams or 0) for p in ps) if kind == 'sse' else '–'} | "
+                f"{m([p.rss_per_stream_kib for p in ps], '.1f')} |"
+            )
+        if "nginx" in med and med["nginx"] > 0:
+            for g in ("gate", "gate-base"):
+                if g in med:
+                    ratios.append(f"- {kind} × {n}: {g} ÷ nginx = {med[g] / med['nginx']:.2f}×")
+    return [*lines, "", *ratios]
+
+
+async def drive(args: argparse.Namespace, targets: dict[str, tuple[int, int]]) -> list[Point]:
+    # Stopped with SIGTERM (SIGINT is ignored in a background job): the servers stop too.
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    points: list[Point] = []
+    idle = {t: (idle_rate(pid, args.idle_seconds), proc_rss_bytes(pid)) for t, (_, pid) in targets.items()}  # fmt: skip
+    loads = [("sse", n) for n in args.streams] + [("unary", n) for n in args.unary]
+    args.load_started = time.monotonic()
+    for rep in range(args.repeat):
+        for kind, n in loads:
+            for t, (port, pid) in targets.items():
+                la = os.getloadavg()
+                cpu, units, secs, rss, gaps, stalled, _ = await run_point(port, pid, kind, n, args, idle[t])  # fmt: skip
+                net = max(0.0, cpu - idle[t][0] * secs)
+                p = Point(
+                    target=t, kind=kind, concurrency=n, repeat=rep, seconds=round(secs, 3),
+                    cpu_s=round(cpu, 3), units=units,
+                    us_per_unit=round(cpu / units * 1e6, 2) if units else float("inf"),
+                    us_per_unit_net=round(net / units * 1e6, 2) if units else float("inf"),
+                    core_busy=round(cpu / secs, 3), rate_per_s=round(units / secs, 1),
+                    load_avg=(round(la[0], 2), round(la[1], 2), round(la[2], 2)),
+                )  # fmt: skip
+                if kind == "sse":
+                    p.offered_per_s = n * args.event_rate
+                    p.gap_p99_added_ms = round((pct(gaps, 0.99) - 1 / args.event_rate) * 1e3, 2)
+                    p.stalled_streams = stalled
+                    if rep == 0:  # loads rise in the first repeat; freed memory is kept after
+                        p.rss_per_stream_kib = round((rss - idle[t][1]) / n / 1024, 2)
+                points.append(p)
+                print(
+                    f"rep {rep} {kind:5} × {n:5} {t:6} {p.us_per_unit:8.1f} µs/unit "
+                    f"(net {p.us_per_unit_net:6.1f}) busy {p.core_busy:5.0%} {p.rate_per_s:8.0f}/s"
+                    + (f" +gap p99 {p.gap_p99_added_ms:6.1f} ms stalled {stalled}" if kind == "sse" else "")
+                    + (f" rss/stream {p.rss_per_stream_kib:.1f} KiB" if p.rss_per_stream_kib is not None else "")
+                    + f"  load {la[0]:.2f}",
+                    flush=True,
+                )  # fmt: skip
+    return points
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--streams", default="16,128,512,2000", help="concurrent SSE streams per point")
+    ap.add_argument("--unary", default="1,16,128", help="keep-alive connections per unary point")
+    ap.add_argument("--event-rate", type=float, default=20.0, help="events/s per stream")
+    ap.add_argument("--events-per-stream", type=int, default=100)
+    ap.add_argument("--seconds", type=float, default=5.0, help="measurement window per point")
+    ap.add_argument("--warmup", type=float, default=1.0, help="seconds after the ramp")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--stall-seconds", type=float, default=1.0)
+    ap.add_argument("--idle-seconds", type=float, default=3.0)
+    ap.add_argument("--targets", default="gate,nginx")
+    ap.add_argument(
+        "--base", metavar="TREE",
+        help="also measure the gate of another checkout (target gate-base), e.g. the commit "
+        "before a change, in the same run",
+    )  # fmt: skip
+    ap.add_argument(
+        "--gate-args", default="--release-rate 0",
+        help="extra gate flags (default: no release pacing, so that a moment's hold during the "
+        "run cannot leave a queue released at 50 requests/s; this measures the data path)",
+    )  # fmt: skip
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gate-cpu"))
+    ap.add_argument("--profile", metavar="FILE", help="run the gate under cProfile, into FILE")
+    ap.add_argument(
+        "--gc-log", metavar="DIR", help="log every gate's collections into DIR and summarise them"
+    )
+    ap.add_argument("--gate-gc-log", help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help="a smoke run: tiny loads, nothing written")
+    ap.add_argument("--serve-stub", type=int, help=argparse.SUPPRESS)
+    args, rest = ap.parse_known_args(argv)
+    if rest and not args.gate_gc_log:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.serve_stub:
+        serve_stub(args.serve_stub, args.events_per_stream, 1 / args.event_rate)
+        return 0
+    if args.gate_gc_log:
+        gate_with_gc_log(args.gate_gc_log, rest)
+        return 0
+    if args.quick:
+        args.streams, args.unary, args.repeat = "4", "2", 1
+        args.seconds, args.warmup, args.idle_seconds = 0.6, 0.2, 0.2
+        args.events_per_stream = 10
+    args.streams = [int(x) for x in str(args.streams).split(",") if x]
+    args.unary = [int(x) for x in str(args.unary).split(",") if x]
+    names = [t for t in args.targets.split(",") if t]
+    if args.base:
+        names.insert(names.index("gate") + 1 if "gate" in names else 0, "gate-base")
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    if "nginx" in names and not Path(nginx).exists():
+        if os.environ.get("VLLM_GUARDIAN_REQUIRE_TOOLS") == "1":
+            raise SystemExit("nginx not found (apt-get install nginx-light)")
+        print("nginx not found: measuring the gate alone")
+        names.remove("nginx")
+    cores = os.sched_getaffinity(0)
+    proxy_core, client_core = (0, 1) if {0, 1} <= cores and shutil.which("taskset") else (None, None)  # fmt: skip
+    if client_core is not None:
+        os.sched_setaffinity(0, {client_core})
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    py = sys.executable
+    up = free_port()
+    stub = pinned(client_core, [py, __file__, "--serve-stub", str(up),
+                                "--events-per-stream", str(args.events_per_stream),
+                                "--event-rate", str(args.event_rate)])  # fmt: skip
+    command = " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])
+    print(f"# bench/gate_cpu.py at {commit()}, proxy on core {proxy_core}, client and stub on core {client_core}")  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="bench-gate-cpu-") as tmp, contextlib.ExitStack() as stack:  # fmt: skip
+        stack.enter_context(process(stub, up))
+        targets: dict[str, tuple[int, int]] = {}
+        for name in names:
+            port = free_port()
+            env = None
+            if name.startswith("gate"):
+                argv_ = [py, "-m", "vllm_guardian.gate", "--listen", f"127.0.0.1:{port}",
+                         "--upstream", f"http://127.0.0.1:{up}", "--log-level", "WARNING",
+                         *args.gate_args.split()]  # fmt: skip
+                if args.profile and name == "gate":  # cProfile's cost inflates the figures
+                    argv_[1:3] = ["-m", "cProfile", "-o", args.profile, "-m", "vllm_guardian.gate"]
+                elif args.gc_log:
+                    argv_[1:3] = [
+                        __file__,
+                        "--gate-gc-log",
+                        str(Path(args.gc_log) / f"{name}.json"),
+                    ]
+                tree = Path(args.base).resolve() if name == "gate-base" else ROOT
+                env = {**os.environ, "PYTHONPATH": str(tree)}
+            else:
+                d = Path(tmp) / "nginx"
+                d.mkdir()
+                conf = d / "nginx.conf"
+                conf.write_text(NGINX_CONF.format(d=d, upstream=up, port=port))
+                argv_ = [nginx, "-p", str(d), "-e", str(d / "error.log"), "-c", str(conf), "-g", "daemon off;"]  # fmt: skip
+            proc = stack.enter_context(process(pinned(proxy_core, argv_), port, env))
+            targets[name] = (port, proc.pid)
+        import uvloop  # noqa: PLC0415
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as r:
+            points = r.run(drive(args, targets))
+    table = summarize(points)
+    if args.gc_log:  # written by each gate as it stopped
+        table += ["", "Collections in each gate, start to stop:"] + [
+            gc_summary(n, Path(args.gc_log) / f"{n}.json", args.load_started)
+            for n in names
+            if n.startswith("gate")
+        ]
+    print("\n".join(table))
+    if args.quick:
+        return 0
+    out = Path(args.out)
+    meta = {"command": command, "commit": commit(), "cores": os.cpu_count(),
+            "proxy_core": proxy_core, "client_core": client_core,
+            "event_rate": args.event_rate, "events_per_stream": args.events_per_stream,
+            "seconds": args.seconds, "repeat": args.repeat, "load_avg_end": os.getloadavg(),
+            "gate_args": args.gate_args, "base": args.base and commit(Path(args.base))}  # fmt: skip
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "points": [asdict(p) for p in points]}, indent=1) + "\n")  # fmt: skip
+    out.with_suffix(".md").write_text(
+        f"# gate vs nginx: CPU per SSE event and per unary request\n\n`{command}` at `{meta['commit']}`; "
+        f"proxy pinned to core {proxy_core}, client and stub on core {client_core}; "
+        f"{args.repeat} repeats of {args.seconds:g} s per point; "
+        f"load average per repeat in the JSON (`load_avg`), at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}.\n\n"
+        + "\n".join(table) + "\n"
+    )  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

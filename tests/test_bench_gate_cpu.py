@@ -1,0 +1,50 @@
+"""bench/gate_cpu.py drives both proxies and reports CPU per event and per request (a tiny
+load: the harness works, not a figure). nginx is skipped when absent, unless
+VLLM_GUARDIAN_REQUIRE_TOOLS=1 (CI installs it: scripts/test)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+HAVE_NGINX = shutil.which("nginx") is not None or Path("/usr/sbin/nginx").exists()
+
+
+@pytest.mark.skipif(
+    not HAVE_NGINX and os.environ.get("VLLM_GUARDIAN_REQUIRE_TOOLS") != "1",
+    reason="nginx is not installed (apt-get install nginx-light)",
+)
+def test_the_cpu_bench_measures_the_gate_and_nginx_per_event_and_per_request() -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gate_cpu.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    rows = {
+        tuple(cells[:2]): cells
+        for line in out.splitlines()
+        if line.startswith("| ")
+        and len(cells := [c.strip() for c in line.strip("|").split("|")]) == 10
+    }
+    for target in ("gate", "nginx"):
+        # Events and requests reached the client through each proxy, stalls are counted, and
+        # the proxy's CPU per unit is a number (0 when it used less than a clock tick).
+        sse = rows[("sse × 4", target)]
+        assert re.fullmatch(r"[\d.]+ µs/event \(.*\)", sse[2]), sse
+        assert float(sse[5]) > 0 and sse[8].isdigit(), sse
+        unary = rows[("unary × 2", target)]
+        assert re.fullmatch(r"[\d.]+ µs/request \(.*\)", unary[2]), unary
+        assert float(unary[5]) > 0, unary
+    assert re.search(r"unary × 2: gate ÷ nginx = [\d.]+×", out), out
