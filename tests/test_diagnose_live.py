@@ -216,6 +216,7 @@ def test_every_twin_scenario_has_a_plan() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # its twins run as many at once as the cores allow: not beside a worker
 @pytest.mark.timeout(1200)  # the first one runs the module fixture: every scenario
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_live_verdict_names_the_scenarios_cause(name: str, live_reports: dict[str, Any]) -> None:
