@@ -38,7 +38,7 @@ import pytest
 from tests.vllm_tier import support
 from tests.vllm_tier.support import StreamResult
 from tests.vllm_tier.test_vllm_real import Guarded, guardian_config
-from vllm_guardian.daemon import Guardian
+from vllm_guardian.daemon import Guardian, TickResult
 from vllm_guardian.demo import free_port
 from vllm_guardian.model import AlertState
 
@@ -117,50 +117,53 @@ def guarded(
 
 @dataclass
 class Watch:
-    """What the guardian derived, every 0.25 s: its stall, the engine's counters and gauges."""
+    """What the guardian derived at every one of its ticks: its stall, the engine's counters and
+    gauges. Each tick's result is recorded as the guardian records it (its ``_record`` step),
+    not sampled by a thread: beside a CI load a sampling thread missed the one tick on which
+    the stall crossed its wait before the guardian acted (ci run, 2026-11-26, load ~9)."""
 
     g: Guarded
     rows: list[dict[str, Any]] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            last = self.g.guardian.last
-            if last is not None:
-                sig = last.signals.service("vllm")
-                svc = last.snapshot.service("vllm")
-                eng = svc.vllm.engines[0] if svc and svc.vllm and svc.vllm.engines else None
-                assert self.g.guardian.healing is not None
-                self.rows.append(
-                    {
-                        "t": last.snapshot.time_seconds,
-                        "stall": sig.stall_seconds if sig else None,
-                        "stalled": sig.stalled if sig else None,
-                        "running": eng.requests_running if eng else None,
-                        "kv": eng.kv_cache_usage_ratio if eng else None,
-                        "tokens": (
-                            (eng.prompt_tokens_total or 0) + (eng.generation_tokens_total or 0)
-                            if eng
-                            else None
-                        ),
-                        "firing": sorted(
-                            a.name
-                            for a in self.g.guardian.healing.view().alerts
-                            if a.state is AlertState.FIRING
-                        ),
-                    }
-                )
-            self._stop.wait(0.25)
+    def _row(self, last: TickResult) -> None:
+        sig = last.signals.service("vllm")
+        svc = last.snapshot.service("vllm")
+        eng = svc.vllm.engines[0] if svc and svc.vllm and svc.vllm.engines else None
+        assert self.g.guardian.healing is not None
+        self.rows.append(
+            {
+                "t": last.snapshot.time_seconds,
+                "stall": sig.stall_seconds if sig else None,
+                "stalled": sig.stalled if sig else None,
+                "running": eng.requests_running if eng else None,
+                "kv": eng.kv_cache_usage_ratio if eng else None,
+                "tokens": (
+                    (eng.prompt_tokens_total or 0) + (eng.generation_tokens_total or 0)
+                    if eng
+                    else None
+                ),
+                "firing": sorted(
+                    a.name
+                    for a in self.g.guardian.healing.view().alerts
+                    if a.state is AlertState.FIRING
+                ),
+            }
+        )
 
     @contextlib.contextmanager
     def running(self) -> Iterator[Watch]:
-        t = threading.Thread(target=self._run, daemon=True)
-        t.start()
+        guardian = self.g.guardian
+        record = guardian._record
+
+        def recorded(result: TickResult) -> None:
+            self._row(result)
+            record(result)
+
+        guardian._record = recorded  # type: ignore[method-assign]
         try:
             yield self
         finally:
-            self._stop.set()
-            t.join(timeout=10)
+            guardian._record = record  # type: ignore[method-assign]
 
     def longest_flat_tokens_while_running(self) -> float:
         """The longest span of the guardian's snapshots with a request running and the token
