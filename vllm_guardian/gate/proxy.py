@@ -26,7 +26,12 @@ One exchange, in order:
    where the client's text ends (``relay.py``, ``continuation.py``) unless the request is one a
    continuation cannot serve honestly; any other stream the upstream cuts is cut for the
    client too, never replayed;
-5. a client that goes away cancels the handler (``handler_cancellation``): a queued request
+5. while the follower's progress watch sees the engine hung, the exchanges it could still save
+   (not answered yet and not retried yet; a continued stream with continuations left) are
+   taken back: their upstream connection is closed (``UpstreamPool.take_back``), which vLLM
+   reads as an abort, and they go the way of 4, waiting at the head of the queue for the
+   restarted engine;
+6. a client that goes away cancels the handler (``handler_cancellation``): a queued request
    leaves the queue; a forwarded one has its upstream connection closed, which is how vLLM
    learns to abort it and free its KV blocks.
 
@@ -126,8 +131,9 @@ class ProxySettings:
         )
 
     # A streamed completion or chat completion the upstream cuts is continued (relay.py), at
-    # most this often.
+    # most this often; not at all when off, or on a route listed in continuation_off_routes.
     continuation: bool = True
+    continuation_off_routes: frozenset[str] = frozenset()
     max_continuations: int = 1
     # While a cut stream waits for the server: an SSE comment this often.
     keepalive_comment_seconds: float = 5.0
@@ -322,7 +328,12 @@ class GateProxy:
                 return openai_error(
                     400, "request JSON nested too deeply for the gate to read", "BadRequestError"
                 )
-            stream_plan = continuation.plan(request.rel_url.path, body, enabled=self.s.continuation)
+            path = request.rel_url.path
+            stream_plan = continuation.plan(
+                path,
+                body,
+                enabled=self.s.continuation and path not in self.s.continuation_off_routes,
+            )
             if isinstance(stream_plan, Plan):
                 body = stream_plan.upstream_body
             overhead += time.perf_counter() - started
@@ -355,7 +366,7 @@ class GateProxy:
             retried = False
             while True:
                 try:
-                    return await self._send(exchange, started, overhead)
+                    return await self._send(exchange, started, overhead, retried)
                 except _UpstreamBroke as e:
                     self.metrics.upstream_error(e.phase)
                     self.follower.suspect()
@@ -375,7 +386,9 @@ class GateProxy:
             if hold.ticket is not None:
                 self.admission.release(hold.ticket)
 
-    async def _send(self, ex: _Exchange, started: float, overhead: float) -> web.StreamResponse:
+    async def _send(
+        self, ex: _Exchange, started: float, overhead: float, retried: bool
+    ) -> web.StreamResponse:
         request = ex.request
         pre_send = overhead + time.perf_counter() - started
         try:
@@ -384,6 +397,8 @@ class GateProxy:
                 ex.target,
                 ex.headers.items(),
                 ex.body if ex.body or request.body_exists else None,
+                # Until its answer is committed, a hung engine's exchange is sent again.
+                saveable=request.method == "POST" and not retried,
             )
         except UpstreamError as e:
             raise _UpstreamBroke(e.phase, str(e)) from None
@@ -406,6 +421,7 @@ class GateProxy:
             except UpstreamError as e:
                 raise _UpstreamBroke("before_first_byte", str(e)) from None
             t_first = time.perf_counter()
+            up.set_saveable(False)  # committed: a hang cuts it only if the engine's restart does
             resp = self._answer_for(up)
             if up.content_length is not None:
                 resp.content_length = up.content_length

@@ -18,6 +18,10 @@ what follows a cut. This module does the I/O, in order:
    an error answer), the client gets what it would have had without the gate's help: vLLM's
    error event and ``[DONE]`` when that was the cut, a cut connection otherwise.
 
+A hung engine's streams are cut by the gate itself: while the follower's progress watch holds,
+the pool closes the connection of every answer marked saveable (``UpstreamPool.take_back``),
+here one with a continuation left; the cut is then handled as above and counted as ``hang``.
+
 A cut before anything reached the client is left to the proxy's retry (``UpstreamError``), as
 for any other request. Every decision is counted in ``continuations_total{outcome, reason}``
 and logged with the request's id (its ``X-Request-Id``, else one the gate makes) and the
@@ -129,6 +133,8 @@ class ContinuingRelay:
                     )
                 self.metrics.upstream_error("streaming")
                 self.follower.suspect()
+                if cut is Cut.CONNECTION and up.taken_back:
+                    cut = Cut.HANG
                 try:
                     up = await self._next(cut, held)
                 except _GaveUp:
@@ -184,6 +190,8 @@ class ContinuingRelay:
         if self.resp is None:
             self.resp = self._response_factory(first)
             await self.resp.prepare(self.request)
+            # Committed: from now a hang takes it back only to continue it.
+            first.set_saveable(self.state.continuations < self.s.max_continuations)
         await self.resp.write(data)
 
     # --- after a cut -------------------------------------------------------------------------
@@ -211,7 +219,11 @@ class ContinuingRelay:
                 if decision.check_tail and not await self._tail_settled(decision.check_tail):
                     await self._give_up(Outcome.REFUSED, Refusal.UNSETTLED_TEXT, held)
                 st.continuations += 1
-                up = await self._send(decision.path or self.target, decision.body)
+                up = await self._send(
+                    decision.path or self.target,
+                    decision.body,
+                    saveable=st.continuations < self.s.max_continuations,
+                )
                 if up is None:
                     continue  # the server broke again before answering: decided anew
                 if up.status == 200:
@@ -256,9 +268,11 @@ class ContinuingRelay:
                 waiting.cancel()
                 await asyncio.wait({waiting})
 
-    async def _send(self, path: str, body: bytes) -> UpstreamResponse | None:
+    async def _send(self, path: str, body: bytes, *, saveable: bool) -> UpstreamResponse | None:
         try:
-            return await self.pool.request("POST", path, self.headers.items(), body)
+            return await self.pool.request(
+                "POST", path, self.headers.items(), body, saveable=saveable
+            )
         except UpstreamError as e:
             self.metrics.upstream_error(e.phase)
             self.follower.suspect()
