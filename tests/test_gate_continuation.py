@@ -673,6 +673,8 @@ def test_the_config_keys_and_the_flags_agree_and_reach_the_proxy(tmp_path: Any) 
     flags = ["-c", str(cfg), "--continuation-off-route", "/v1/completions"]
     s = gate_cli.settings_from_args(gate_cli.build_parser().parse_args(flags))
     assert s.proxy.continuation_off_routes == {"/v1/completions"}  # the flags replace the key
+    # A request taken back from a hung engine waits the rest of the guardian's stall wait too.
+    assert s.proxy.taken_back_extra_wait_seconds == 2 * gate_cli.DEFAULTS["stall_hold"]
     for text, line, key in [
         ("      max_continuations: -1\n", 5, "max_continuations"),
         ("      continuation: maybe\n", 5, "continuation"),

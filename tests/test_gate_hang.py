@@ -60,15 +60,21 @@ def twin_on(tmp: Path, port: int, *extra: str) -> TwinProc:
 
 
 class HungGate:
-    """A gate whose progress watch holds after 1 s without progress."""
+    """A gate whose progress watch holds after 1 s without progress. A held request waits 1 s
+    at most; one taken back from the hung engine 60 s more (the time the engine would have
+    held it before a restart), which the restart here needs."""
 
     def __init__(self, upstream: str) -> None:
         self.lt = LoopThread("gate")
         self.gate = Gate(
             GateSettings(
-                proxy=ProxySettings(upstream=upstream, keepalive_comment_seconds=0.5),
+                proxy=ProxySettings(
+                    upstream=upstream,
+                    keepalive_comment_seconds=0.5,
+                    taken_back_extra_wait_seconds=60.0,
+                ),
                 listen_port=0,
-                limits=Limits(max_wait_seconds=120.0, release_rate_per_second=0),
+                limits=Limits(max_wait_seconds=1.0, release_rate_per_second=0),
                 poll_interval_seconds=0.05,
                 kv_poll_interval_seconds=0.1,
                 suspect_seconds=0.2,

@@ -396,6 +396,8 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
             continuation=args.continuation == "on",
             max_continuations=args.max_continuations,
             continuation_off_routes=frozenset(args.continuation_off_routes),
+            # The guardian's stall wait (signals.stall_seconds, 30 s) is three holds (10 s).
+            taken_back_extra_wait_seconds=2 * args.stall_hold,
         ),
         listen_host=host,
         listen_port=port,

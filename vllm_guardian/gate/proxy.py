@@ -137,6 +137,11 @@ class ProxySettings:
     max_continuations: int = 1
     # While a cut stream waits for the server: an SSE comment this often.
     keepalive_comment_seconds: float = 5.0
+    # A request taken back from a hung engine waits this much longer than max_wait_seconds:
+    # the time the guardian would still have left it in the engine before its restart cut it
+    # (its stall wait is three times the gate's hold: the CLI sets twice the hold). Taken back
+    # sooner, it must not time out sooner.
+    taken_back_extra_wait_seconds: float = 0.0
 
 
 def openai_error(
@@ -156,9 +161,10 @@ def openai_error(
 class _UpstreamBroke(Exception):
     """The upstream failed before the answer was committed (nothing sent to the client)."""
 
-    def __init__(self, phase: str, detail: str) -> None:
+    def __init__(self, phase: str, detail: str, *, taken_back: bool = False) -> None:
         super().__init__(detail)
         self.phase = phase
+        self.taken_back = taken_back
 
 
 class MalformedSink(Protocol):
@@ -176,7 +182,7 @@ class _Exchange:
     headers: CIMultiDict[str]
     body: bytes | bytearray
     plan: Plan | Refusal | None
-    wait_again: Callable[[], Awaitable[None]]
+    wait_again: Callable[[float], Awaitable[None]]
 
 
 @dataclass
@@ -353,13 +359,15 @@ class GateProxy:
         headers = _forward_headers(request.headers, REQUEST_DROP)
         target = str(request.rel_url)
 
-        async def wait_again() -> None:
+        async def wait_again(extra_wait_seconds: float = 0.0) -> None:
             """Wait for the next instance like a new arrival, but first in line."""
             assert cost is not None
             if hold.ticket is not None:
                 self.admission.release(hold.ticket)
                 hold.ticket = None
-            hold.ticket = await self.admission.acquire(key, cost, front=True)
+            hold.ticket = await self.admission.acquire(
+                key, cost, front=True, extra_wait_seconds=extra_wait_seconds
+            )
 
         exchange = _Exchange(request, target, headers, body, stream_plan, wait_again)
         try:
@@ -375,7 +383,9 @@ class GateProxy:
                     retried = True
                     self.metrics.retried.inc()
                     try:
-                        await wait_again()
+                        await wait_again(
+                            self.s.taken_back_extra_wait_seconds if e.taken_back else 0.0
+                        )
                     except Rejected as r:
                         return openai_error(
                             r.status, r.message, "ServiceUnavailableError",
@@ -401,7 +411,7 @@ class GateProxy:
                 saveable=request.method == "POST" and not retried,
             )
         except UpstreamError as e:
-            raise _UpstreamBroke(e.phase, str(e)) from None
+            raise _UpstreamBroke(e.phase, str(e), taken_back=e.taken_back) from None
         if (
             isinstance(ex.plan, Plan)
             and up.status == 200
@@ -419,7 +429,9 @@ class GateProxy:
                 else:
                     first = await up.read()
             except UpstreamError as e:
-                raise _UpstreamBroke("before_first_byte", str(e)) from None
+                raise _UpstreamBroke(
+                    "before_first_byte", str(e), taken_back=up.taken_back
+                ) from None
             t_first = time.perf_counter()
             up.set_saveable(False)  # committed: a hang cuts it only if the engine's restart does
             resp = self._answer_for(up)
@@ -471,7 +483,11 @@ class GateProxy:
         event is the proxy's to retry, like any other."""
         relay = ContinuingRelay(
             plan=p,
-            settings=RelaySettings(self.s.max_continuations, self.s.keepalive_comment_seconds),
+            settings=RelaySettings(
+                self.s.max_continuations,
+                self.s.keepalive_comment_seconds,
+                self.s.taken_back_extra_wait_seconds,
+            ),
             request=ex.request,
             target=ex.target,
             headers=ex.headers,
@@ -484,7 +500,7 @@ class GateProxy:
         try:
             return await relay.run(up)
         except UpstreamError as e:
-            raise _UpstreamBroke(e.phase, str(e)) from None
+            raise _UpstreamBroke(e.phase, str(e), taken_back=e.taken_back) from None
 
     @staticmethod
     def _answer_for(up: UpstreamResponse) -> _Answer:

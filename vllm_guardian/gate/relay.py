@@ -74,6 +74,7 @@ SMALL_ANSWER_BYTES = 64 * 1024
 class RelaySettings:
     max_continuations: int = 1
     keepalive_comment_seconds: float = 5.0
+    taken_back_extra_wait_seconds: float = 0.0  # ProxySettings'
 
 
 class _GaveUp(Exception):
@@ -94,7 +95,7 @@ class ContinuingRelay:
         pool: UpstreamPool,
         follower: Follower,
         metrics: GateMetrics,
-        wait_ready: Callable[[], Awaitable[None]],
+        wait_ready: Callable[[float], Awaitable[None]],
         response_factory: Callable[[UpstreamResponse], web.StreamResponse],
     ) -> None:
         self.state = StreamState(plan)
@@ -130,6 +131,7 @@ class ContinuingRelay:
                         "the upstream cut the stream before its first event"
                         if held is None
                         else held.decode("utf-8", "replace")[:200],
+                        taken_back=up.taken_back,
                     )
                 self.metrics.upstream_error("streaming")
                 self.follower.suspect()
@@ -213,7 +215,9 @@ class ContinuingRelay:
                 if st.continuations >= self.s.max_continuations:
                     await self._give_up(Outcome.FAILED, Failure.EXHAUSTED, held)
                 try:
-                    await self._wait_ready_telling_the_client()
+                    await self._wait_ready_telling_the_client(
+                        self.s.taken_back_extra_wait_seconds if cut is Cut.HANG else 0.0
+                    )
                 except Rejected:
                     await self._give_up(Outcome.FAILED, Failure.WAIT_TIMEOUT, held)
                 if decision.check_tail and not await self._tail_settled(decision.check_tail):
@@ -250,11 +254,11 @@ class ContinuingRelay:
             self._count(Outcome.FAILED, Failure.CLIENT_GONE)
             raise
 
-    async def _wait_ready_telling_the_client(self) -> None:
+    async def _wait_ready_telling_the_client(self, extra_wait_seconds: float) -> None:
         """The admission's wait (raises ``Rejected``), with a comment to the client now and
         every ``keepalive_comment_seconds``: its connection and its proxies see a live stream."""
         assert self.resp is not None
-        waiting = asyncio.ensure_future(self.wait_ready())
+        waiting = asyncio.ensure_future(self.wait_ready(extra_wait_seconds))
         try:
             await self.resp.write(KEEPALIVE)
             while True:

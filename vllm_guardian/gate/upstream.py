@@ -51,9 +51,10 @@ class UpstreamError(Exception):
     """The exchange with the upstream failed: ``connect`` (no connection), ``before_first_byte``
     (no complete answer head) or ``streaming`` (the body was cut or malformed)."""
 
-    def __init__(self, phase: str, detail: str) -> None:
+    def __init__(self, phase: str, detail: str, *, taken_back: bool = False) -> None:
         super().__init__(detail)
         self.phase = phase
+        self.taken_back = taken_back  # the gate closed it (UpstreamPool.take_back)
 
 
 class _Conn:
@@ -243,6 +244,10 @@ class UpstreamPool:
         self._busy.add(conn)
         try:
             return await self._exchange(conn, head, body, head_request=method == "HEAD")
+        except UpstreamError as e:
+            self._busy.discard(conn)
+            e.taken_back = conn.taken_back
+            raise
         except BaseException:
             self._busy.discard(conn)
             raise
