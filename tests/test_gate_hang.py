@@ -2,15 +2,16 @@
 
 The twin's ``engine_hang`` fault (the engine stops stepping 30 simulated seconds after it is
 ready; ``/health`` stays 200, ``/metrics`` freezes with the requests still in it) behind a real
-gate whose progress watch holds after 1 s. Streams that were generating, and streams and unary
+gate whose progress watch holds after 2 s. Streams that were generating, and streams and unary
 requests that reached the hung engine and got nothing, are in flight when it hangs. The gate
 takes them back (closes their upstream connections); the test then does what the guardian
 does, a restart (the twin killed, a fresh one on the same port), and every client gets its
 whole answer: one uninterrupted stream, with the text of an uncut one.
 
 The twin's text is one " tok" per token, so an uncut answer of N tokens is known without
-running one. About 15 s: two twin starts (~3 s each), ~2 s to the hang, the rest the
-generation of ~30,000 tokens a request at 15 simulated seconds a second.
+running one. About 14 s: two twin starts (~3 s each), ~1.5 s to the hang (the requests go 7
+simulated seconds before it), the gate's 2 s hold, the rest the generation of 8,000 tokens a
+request at 20 simulated seconds a second.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def twin_on(tmp: Path, port: int, *extra: str) -> TwinProc:
 
 
 class HungGate:
-    """A gate whose progress watch holds after 1 s without progress. A held request waits 1 s
+    """A gate whose progress watch holds after 2 s without progress. A held request waits 1 s
     at most; one taken back from the hung engine 60 s more (the time the engine would have
     held it before a restart), which the restart here needs."""
 
@@ -78,7 +79,7 @@ class HungGate:
                 poll_interval_seconds=0.05,
                 kv_poll_interval_seconds=0.1,
                 suspect_seconds=0.2,
-                stall_hold_seconds=1.0,
+                stall_hold_seconds=2.0,
                 shutdown_timeout_seconds=1.0,
             )
         )
@@ -166,7 +167,7 @@ def test_a_hung_engines_requests_are_taken_back_and_served_by_the_restarted_one(
             early.append(pool.submit(unary, g.url))
             wait_for(lambda: clock()["phase"] == "hung", lambda: f"the hang: {clock()}")
             assert not any(f.done() for f in early), [f.result() for f in early if f.done()]
-            # Sent into the hung engine before the gate holds (its watch needs 1 s), where
+            # Sent into the hung engine before the gate holds (its watch needs 2 s), where
             # nothing comes back for them (or held by the gate, on a slow machine).
             late = [pool.submit(stream, g.url), pool.submit(unary, g.url)]
             # All five wait in the gate's queue: none is left in the hung engine.
