@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -100,9 +101,18 @@ def request(stream: bool, prompt: list[int], max_tokens: int) -> dict[str, Any]:
 
 class SdkClient:
     """``sdk_client.py`` against ``base_url`` (``.../v1``); ``waves`` of requests, the first
-    sent at once, each further one on :meth:`next_wave`."""
+    sent at once, each further one on :meth:`next_wave`. ``on_text`` (requests, call): the
+    reader calls ``call`` once, in its own thread, when all those requests have text (a test
+    thread polling was scheduled late beside a CPU hog)."""
 
-    def __init__(self, venv: Path, base_url: str, waves: list[list[dict[str, Any]]]) -> None:
+    def __init__(
+        self,
+        venv: Path,
+        base_url: str,
+        waves: list[list[dict[str, Any]]],
+        on_text: tuple[set[int], Callable[[], None]] | None = None,
+    ) -> None:
+        self.on_text = on_text
         self.count = sum(len(w) for w in waves)
         self.proc = subprocess.Popen(
             [str(venv / "bin" / "python"), str(support.HERE / "sdk_client.py"), base_url,
@@ -120,6 +130,9 @@ class SdkClient:
             event = json.loads(line)
             if event["event"] == "text":
                 self.with_text.add(event["i"])
+                if self.on_text is not None and self.on_text[0] <= self.with_text:
+                    call, self.on_text = self.on_text[1], None
+                    call()
             else:
                 self.done[event["i"]] = event
 
