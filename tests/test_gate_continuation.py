@@ -366,14 +366,31 @@ def test_a_stream_continuation_cannot_serve_is_cut_as_before(
     assert g.metric("refused", reason) == 1
 
 
-def test_switched_off_a_cut_stream_is_cut(
-    gates: Callable[..., GateOn], fake: FakeCompletions
-) -> None:
-    g = gates(continuation=False)
+COMPLETIONS, CHAT_ROUTE = "/v1/completions", "/v1/chat/completions"
+OFF = [  # (the gate's settings, the route a cut stream took, continued)
+    ({"continuation": False}, COMPLETIONS, False),
+    ({"continuation": False}, CHAT_ROUTE, False),
+    ({"continuation_off_routes": frozenset({CHAT_ROUTE})}, CHAT_ROUTE, False),
+    ({"continuation_off_routes": frozenset({CHAT_ROUTE})}, COMPLETIONS, True),
+    ({"continuation_off_routes": frozenset({COMPLETIONS})}, COMPLETIONS, False),
+    ({"continuation_off_routes": frozenset({COMPLETIONS})}, CHAT_ROUTE, True),
+]
+
+
+@pytest.mark.parametrize(("settings", "path", "continued"), OFF)
+def test_switched_off_globally_or_for_its_route_a_cut_stream_is_cut(
+    gates: Callable[..., GateOn], fake: FakeCompletions, settings: dict[str, Any], path: str,
+    continued: bool,
+) -> None:  # fmt: skip
+    g = gates(**settings)
     fake.cut_next(CutSpec(5, "reset"))
-    got = Read(g.url, body())
-    assert got.cut and len(fake.bodies) == 1 and "return_token_ids" not in fake.bodies[0]
-    assert g.metric("refused", "disabled") == 1
+    got = Read(g.url, chat_body() if path == CHAT_ROUTE else body(), path=path)
+    if continued:
+        assert not got.cut and len(fake.bodies) == 2
+        assert g.metric("continued", "connection") == 1
+    else:
+        assert got.cut and len(fake.bodies) == 1 and "return_token_ids" not in fake.bodies[0]
+        assert g.metric("refused", "disabled") == 1
 
 
 def test_at_most_max_continuations(gates: Callable[..., GateOn], fake: FakeCompletions) -> None:
@@ -716,9 +733,18 @@ def test_the_config_keys_and_the_flags_agree_and_reach_the_proxy(tmp_path: Any) 
         gate_cli.build_parser().parse_args(["-c", str(cfg), "--continuation", "on"])
     )
     assert (s.proxy.continuation, s.proxy.max_continuations) == (True, 3)
+    cfg.write_text(head + "      continuation_off_routes: [/v1/chat/completions]\n")
+    s = gate_cli.settings_from_args(gate_cli.build_parser().parse_args(["-c", str(cfg)]))
+    assert s.proxy.continuation_off_routes == {"/v1/chat/completions"}
+    flags = ["-c", str(cfg), "--continuation-off-route", "/v1/completions"]
+    s = gate_cli.settings_from_args(gate_cli.build_parser().parse_args(flags))
+    assert s.proxy.continuation_off_routes == {"/v1/completions"}  # the flags replace the key
+    # A request taken back from a hung engine waits the rest of the guardian's stall wait too.
+    assert s.proxy.taken_back_extra_wait_seconds == 2 * gate_cli.DEFAULTS["stall_hold"]
     for text, line, key in [
         ("      max_continuations: -1\n", 5, "max_continuations"),
         ("      continuation: maybe\n", 5, "continuation"),
+        ("      continuation_off_routes: [/v1/embeddings]\n", 5, "continuation_off_routes[0]"),
     ]:
         with pytest.raises(ConfigInvalid) as e:
             parse_config(head + text, "c.yaml")

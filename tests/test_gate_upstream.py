@@ -228,6 +228,41 @@ def test_a_cancelled_exchange_closes_its_connection() -> None:
     run([[HANG]], test)
 
 
+CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def test_take_back_closes_only_the_saveable_exchanges_each_read_failing_like_a_cut() -> None:
+    """A hung engine (the follower's progress watch): the exchanges marked saveable are taken
+    back, whether still waiting for the head or mid-answer; the others are left alone."""
+
+    async def test(pool: UpstreamPool, server: Server) -> None:
+        waiting = asyncio.create_task(pool.request("POST", "/v1/a", [], b"{}", saveable=True))
+        while not server.requests:  # the script goes by arrival: this one first
+            await asyncio.sleep(0.01)
+        streaming = await pool.request("POST", "/v1/b", [], b"{}", saveable=True)
+        assert await streaming.read() == b"abc"
+        committed = await pool.request("POST", "/v1/c", [], b"{}", saveable=True)
+        committed.set_saveable(False)  # its answer reached the client: not sent again
+        left = await pool.request("POST", "/v1/d", [], b"{}")
+        assert pool.take_back() == 2
+        assert pool.take_back() == 0  # once each
+        with pytest.raises(UpstreamError) as e:
+            await waiting
+        assert e.value.phase == "before_first_byte"
+        with pytest.raises(UpstreamError) as e:
+            await streaming.read()
+        assert e.value.phase == "streaming" and streaming.taken_back
+        assert not committed.taken_back and not left.taken_back
+        for up in (streaming, committed, left):
+            up.release()
+        while server.closed_by_peer < 4:  # two taken back, two released unfinished
+            await asyncio.sleep(0.01)
+
+    stream = [CHUNKED_HEAD + b"3\r\nabc\r\n", HANG]
+    server = run([[HANG], stream, stream, stream], test)
+    assert server.connections == 4
+
+
 def test_an_unfinished_answer_released_closes_its_connection() -> None:
     async def test(pool: UpstreamPool, server: Server) -> None:
         up = await pool.request("POST", "/v1/x", [], b"{}")

@@ -126,6 +126,16 @@ def _check_sha256(v: str) -> str | None:
     return None
 
 
+# The routes whose streams the gate continues (gate/continuation.py's paths).
+CONTINUATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
+def _check_continuation_route(v: str) -> str | None:
+    if v not in CONTINUATION_ROUTES:
+        return f"must be one of {', '.join(CONTINUATION_ROUTES)}"
+    return None
+
+
 def _check_header_name(v: str) -> str | None:
     if not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+", v):
         return "must be an HTTP header name, e.g. Authorization"
@@ -208,6 +218,11 @@ class GateConfig:
     # One by default: a request that itself kills the engine kills at most one more.
     continuation: bool = True
     max_continuations: int = field(default=1, metadata=_bounds(0, 10))
+    # Routes whose streams are not continued while continuation is on for the others
+    # (--continuation-off-route): /v1/completions, /v1/chat/completions.
+    continuation_off_routes: tuple[str, ...] = field(
+        default=(), metadata=_bounds(check=_check_continuation_route)
+    )
 
     @property
     def listen_address(self) -> tuple[str, int]:

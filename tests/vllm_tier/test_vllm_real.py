@@ -17,9 +17,11 @@ whole module shares one guardian and one vLLM and the tests run in file order:
    ``--shutdown-timeout 30``: every in-flight stream completes, and a client that honours
    ``/ready`` sends nothing to the dying server;
 6. engine death (SIGKILL of EngineCore): /health 503, exit 0, the guardian names
-   ``engine_dead`` and the server is started exactly once more; a greedy stream through a gate
-   (in-process, following the guardian) is cut by the same death and continued on the new
-   server, and its text equals an uncut run's byte for byte.
+   ``engine_dead`` and the server is started exactly once more; through the deployed gate
+   (``vllm-guardian gate -c``, following the guardian) a greedy stream is cut by the same
+   death and continued on the new server, its text an uncut run's byte for byte, and an
+   OpenAI SDK client (retries off) with two streams generating and a unary request in flight
+   gets every answer whole.
 
 Skipped (with the reason) without the vLLM venv; ``scripts/test`` builds it with
 ``scripts/vllm-setup`` and sets ``VLLM_GUARDIAN_REQUIRE_VLLM=1``, which turns the skip into a
@@ -49,15 +51,17 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.test_gate_support import LoopThread
 from tests.vllm_tier import support
+from tests.vllm_tier.frontdoor import (
+    GateProcess,
+    SdkClient,
+    first_difference,
+    request,
+)
 from tests.vllm_tier.support import MODEL_NAME, Sampler, StreamResult
 from vllm_guardian.config import Config, parse_config
 from vllm_guardian.daemon import Guardian
 from vllm_guardian.demo import DEMO_RULES, free_port
-from vllm_guardian.gate.admission import Limits
-from vllm_guardian.gate.proxy import ProxySettings
-from vllm_guardian.gate.server import Gate, GateSettings
 from vllm_guardian.model import AlertState
 from vllm_guardian.sources.vllm_metrics import WANTED, parse_vllm_metrics
 
@@ -1004,50 +1008,31 @@ def test_operator_relaunch_drains_in_flight_streams_and_holds_new_work(guarded: 
 GATED_TOKENS = 600  # the greedy stream through the gate: about 5 of the 32 blocks
 
 
-class GatedClient:
-    """A gate in front of the module's vLLM, following its guardian, on a loop of its own;
-    its settings are the production defaults but for the wait, which spans a restart here."""
-
-    def __init__(self, guarded: Guarded) -> None:
-        self.lt = LoopThread("gate")
-        self.gate = Gate(
-            GateSettings(
-                proxy=ProxySettings(upstream=guarded.url),
-                listen_port=0,
-                guardian=guarded.guardian_url,
-                limits=Limits(max_wait_seconds=300),
-            )
-        )
-        self.lt.run(self.gate.start())
-        self.url = f"http://127.0.0.1:{self.gate.port}"
-
-    def metric(self, outcome: str) -> float:
-        """continuations_total for ``outcome``, over its reasons."""
-        text = self.gate.metrics.render().decode()
-        return sum(
-            s.value
-            for fam in text_string_to_metric_families(text)
-            for s in fam.samples
-            if s.name == "vllm_guardian_gate_continuations_total"
-            and s.labels.get("outcome") == outcome
-        )
-
-    def stop(self) -> None:
-        self.lt.run(self.gate.stop())
-        self.lt.close()
-
-
 # --- 6. engine death -----------------------------------------------------------------------
 
 
 @pytest.fixture
-def gate(guarded: Guarded) -> Iterator[GatedClient]:
-    g = GatedClient(guarded)
+def gate(guarded: Guarded) -> Iterator[GateProcess]:
+    """The deployed gate (``vllm-guardian gate -c``), its defaults but for the wait, which
+    spans a restart here."""
+    g = GateProcess(guarded.workdir, guarded.vllm_port, guarded.guardian_port, max_wait_seconds=300)
     yield g
     g.stop()
 
 
-def test_engine_death_is_named_and_restarted_once(guarded: Guarded, gate: GatedClient) -> None:
+# An OpenAI SDK client's requests through the gate when the engine dies: (stream, seed, tokens).
+# 1,900 tokens: the engine had generated all of 600 before the client read its first (a run of
+# 2026-11-26), and then nothing is cut.
+SDK_IN_FLIGHT = [(True, 3101, 1900), (True, 3102, 1900), (False, 3103, 1900)]
+
+
+def _sdk_wave() -> list[dict[str, Any]]:
+    return [request(st, support.prompt_ids(32, seed), n) for st, seed, n in SDK_IN_FLIGHT]
+
+
+def test_engine_death_is_named_and_restarted_once(
+    guarded: Guarded, gate: GateProcess, vllm_venv: Path
+) -> None:
     sup = guarded.supervisor
     healing = guarded.guardian.healing
     assert healing is not None
@@ -1089,26 +1074,29 @@ def test_engine_death_is_named_and_restarted_once(guarded: Guarded, gate: GatedC
     # The streams reach the engine before the kill: a first token arrived, as the client sees
     # it (the guardian's scrape of /metrics can time out meanwhile: seen beside a CPU hog).
     # Whether one is still running when the engine dies depends on the machine's pace:
-    # reported below, not required. The gated one starts then, and the kill comes after its
-    # tenth event: mid-way (it had finished before the burst's first token in one run).
+    # reported below, not required.
     assert streaming.wait(120), "no stream got a first token within 120 s"
-    # The reader itself kills the engine at its tenth event: a test thread polling the count
-    # was scheduled late beside a CPU hog (the client had 341 of 600 events, and the engine
-    # had generated all 600, so nothing was cut and nothing continued).
+    # The engine dies when an OpenAI SDK client's two streams (1,900 tokens each) have their
+    # first text, its unary request in flight, and the gated stream sent with them: the reader
+    # of the SDK client's events kills it. (Killed at the gated stream's tenth event, the
+    # engine had generated all of them, 600 and 1,900 tokens: the client reads far behind it.)
     kills: list[float] = []
 
     def kill_engine() -> None:
         kills.append(time.monotonic())
         os.kill(engine[0], signal.SIGKILL)
 
-    gated = support.TextStream(on_event=(10, kill_engine))
+    sdk = SdkClient(vllm_venv, gate.url + "/v1", [[], _sdk_wave()], on_text=({0, 1}, kill_engine))
+    gated = support.TextStream()
     gated_thread = threading.Thread(
         target=support.stream_text, args=(gate.url, greedy, gated), daemon=True
     )
     gated_thread.start()
-    support.wait_for(lambda: bool(kills), 120, "the gated stream's tenth event", every=0.05)
-    gated_at_kill = 10
+    sdk.next_wave()  # the SDK imported and the gated stream sent: its requests now
+    support.wait_for(lambda: bool(kills), 120, "the SDK client's first text", every=0.05)
     killed_at = kills[0]
+    gated_at_kill = gated.events
+    sdk_in_flight_at_kill = len(SDK_IN_FLIGHT) - len(sdk.done)  # as the client saw it
     statuses: list[int | None] = []
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and 503 not in statuses:
@@ -1135,7 +1123,35 @@ def test_engine_death_is_named_and_restarted_once(guarded: Guarded, gate: GatedC
     time.sleep(5)
     guarded.ticks_after(10, 120, "after the cooldown, vLLM up")
     gated_thread.join(timeout=300)
-    continued = gate.metric("continued")
+    try:
+        through_gate = sdk.results(timeout=300)
+    finally:
+        sdk.stop()
+    continuations = gate.continuations()
+    continued = sum(v for k, v in continuations.items() if k.startswith("continued/"))
+    uncut_sdk = SdkClient(vllm_venv, guarded.url + "/v1", [_sdk_wave()])
+    try:
+        sdk_uncut = uncut_sdk.results(timeout=300)
+    finally:
+        uncut_sdk.stop()
+    REPORT["sdk_through_gate"] = {
+        "in_flight_at_kill": sdk_in_flight_at_kill,
+        "answers": [
+            {
+                "error": a["error"],
+                "finish": a["finish"],
+                "ids": len(a["ids"]),
+                "completion_tokens": (a["usage"] or {}).get("completion_tokens"),
+                "same_text": a["text"] == u["text"],
+                "first_difference": first_difference(a["text"], u["text"]),
+                "gap_at": a["gap_at"],
+            }
+            for a, u in zip(through_gate, sdk_uncut, strict=True)
+        ],
+        "continuations": continuations,
+        "retried_total": gate.status()["retried_total"],
+    }
+    print("\nSDK client through the gate:", json.dumps(REPORT["sdk_through_gate"], indent=1))
     REPORT["gated_stream"] = {
         "events_at_kill": gated_at_kill,
         "events": gated.events,
@@ -1177,14 +1193,28 @@ def test_engine_death_is_named_and_restarted_once(guarded: Guarded, gate: GatedC
     # well behind the engine on this machine), and then the client rightly gets the whole stream
     # with nothing to continue. So the cut is reported; what the client got is required either
     # way. (tests/test_gate_continuation.py cuts a scripted upstream mid-stream every time.)
+    # The SDK client (retries off) lost nothing: every answer whole, one stream each. Their
+    # text beside the same requests sent straight to the new server is reported, not required
+    # equal: greedy text depends on the batch on this CPU build (test_vllm_progress.py).
+    sdk_report = REPORT["sdk_through_gate"]
+    assert sdk_in_flight_at_kill > 0, sdk_report
+    # ...and the death cut at least one of them: continued (the gated stream's continuation,
+    # if any, shows in its keep-alives), or sent again whole.
+    sdk_continued = continued - (1 if gated.keepalives > 0 else 0)
+    assert sdk_continued + sdk_report["retried_total"] > 0, sdk_report
+    for (_, _, n), a, u in zip(SDK_IN_FLIGHT, through_gate, sdk_uncut, strict=True):
+        assert a["error"] is None and u["error"] is None, sdk_report
+        assert a["finish"] == "length" and a["usage"]["completion_tokens"] == n, sdk_report
+        assert len(a["ids"]) == 1, sdk_report
     g = REPORT["gated_stream"]
-    g["cut_by_the_death"] = continued > 0
-    assert continued in (0, 1), g
+    # Its keep-alives say it waited for the server: the death cut it (continued counts the
+    # SDK client's streams too).
+    g["cut_by_the_death"] = gated.keepalives > 0
+    assert continued <= 1 + sum(1 for st, _, _ in SDK_IN_FLIGHT if st), g
     assert gated.done and not gated.errors and gated.failure is None, g
     assert gated.text.encode() == uncut.text.encode(), (gated.text, uncut.text)
     assert len(gated.ids) == 1 and len(gated.created) == 1, g
     assert gated.finish_reason == "length", g
-    assert gated.keepalives > 0 or not continued, g  # a continued stream waited for the server
     assert gated.usage == uncut.usage, (gated.usage, uncut.usage)
     # Whether a stream was still running at the kill depends on this machine's pace (all four
     # sometimes finish first), so a cut stream is reported, not required.

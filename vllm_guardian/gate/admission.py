@@ -263,9 +263,13 @@ class Admission:
         used = max(float(self.committed_tokens), self.kv_observed_used_tokens)
         return used + cost.kv_tokens <= cap * (1.0 - self.limits.kv_reserve_ratio)
 
-    async def acquire(self, key: str, cost: Cost, *, front: bool = False) -> Ticket:
+    async def acquire(
+        self, key: str, cost: Cost, *, front: bool = False, extra_wait_seconds: float = 0.0
+    ) -> Ticket:
         """Wait for admission (FIFO); raises :class:`Rejected` when the request cannot wait.
-        ``front`` puts a retried request at the head: it had been admitted once already."""
+        ``front`` puts a retried request at the head: it had been admitted once already.
+        ``extra_wait_seconds`` lengthens its wait past ``max_wait_seconds`` (a request taken
+        back from a hung engine keeps the time it would have waited in there)."""
         if self._closed:
             raise Rejected(RejectReason.SHUTDOWN, "the gate is shutting down", 1)
         if self.open and not self._queue and self.kv_fits(cost):
@@ -284,9 +288,8 @@ class Admission:
         self.metrics.held.inc()
         self._wake.set()
         try:
-            ticket = await asyncio.wait_for(
-                asyncio.shield(waiter.future), self.limits.max_wait_seconds
-            )
+            max_wait = self.limits.max_wait_seconds + extra_wait_seconds
+            ticket = await asyncio.wait_for(asyncio.shield(waiter.future), max_wait)
         except TimeoutError:
             if waiter.future.done() and not waiter.future.exception():
                 ticket = waiter.future.result()  # granted in the same instant: take it
@@ -295,7 +298,7 @@ class Admission:
                 self.metrics.rejected.labels(RejectReason.WAIT_TIMEOUT.value).inc()
                 raise Rejected(
                     RejectReason.WAIT_TIMEOUT,
-                    f"the upstream did not accept new requests within {self.limits.max_wait_seconds:g} s ({self.reason})",
+                    f"the upstream did not accept new requests within {max_wait:g} s ({self.reason})",
                     self.limits.retry_after_seconds,
                 ) from None
         except asyncio.CancelledError:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from vllm_guardian.config import ConfigInvalid, load_config
+from vllm_guardian.config import CONTINUATION_ROUTES, ConfigInvalid, load_config
 from vllm_guardian.gate.admission import Limits
 from vllm_guardian.gate.proxy import ProxySettings
 from vllm_guardian.gate.server import Gate, GateSettings
@@ -71,6 +71,7 @@ DEFAULTS: dict[str, Any] = {
     "shutdown_timeout": 5.0,
     "continuation": "on",
     "max_continuations": 1,
+    "continuation_off_routes": (),
     "log_level": "INFO",
 }
 
@@ -268,6 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help=f"continuations of one request at most (default {_shown('max_continuations')})",
     )
+    o.add_argument(
+        "--continuation-off-route",
+        dest="continuation_off_routes",
+        action="append",
+        choices=CONTINUATION_ROUTES,
+        help="do not continue the streams of this route while --continuation is on (repeat it)",
+    )
     o.add_argument("--log-level", help="DEBUG, INFO (default), WARNING, ERROR")
     return ap  # fmt: skip
 
@@ -322,6 +330,7 @@ def values_from_config(path: str, service: str) -> dict[str, Any]:
         "shutdown_timeout": g.shutdown_timeout_seconds,
         "continuation": "on" if g.continuation else "off",
         "max_continuations": g.max_continuations,
+        "continuation_off_routes": g.continuation_off_routes,
     }
 
 
@@ -387,6 +396,9 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
             metrics_path=args.metrics_path,
             continuation=args.continuation == "on",
             max_continuations=args.max_continuations,
+            continuation_off_routes=frozenset(args.continuation_off_routes),
+            # The guardian's stall wait (signals.stall_seconds, 30 s) is three holds (10 s).
+            taken_back_extra_wait_seconds=2 * args.stall_hold,
         ),
         listen_host=host,
         listen_port=port,

@@ -113,6 +113,7 @@ class Cut(enum.StrEnum):
 
     CONNECTION = "connection"  # reset or closed before ``[DONE]``
     ERROR_EVENT = "error_event"  # vLLM's error event for a dead engine
+    HANG = "hang"  # taken back by the gate from a hung engine (its progress watch)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,10 @@ exposition never stalls the proxy, for two uses:
 * the progress watch (:mod:`vllm_guardian.gate.progress`; ``stall_hold_seconds`` > 0), at least
   every tenth of ``stall_hold_seconds`` (1 s at the default): requests in vLLM and no progress
   (``core/progress.py``) for ``stall_hold_seconds`` holds new requests, until the engine is
-  seen to move or the guardian's restart brings up an engine that processes them.
+  seen to move or the guardian's restart brings up an engine that processes them. While it
+  holds, every poll also takes back what the hung engine holds (``take_back``: the proxy's
+  pool closes the connections of the exchanges it can send again or continue), so they wait
+  at the head of the queue for the restarted engine instead of inside the hung one.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from urllib.parse import quote
 
 import aiohttp
@@ -72,6 +76,7 @@ class Follower:
         suspect_seconds: float,
         stall_hold_seconds: float = 0.0,
         health_grace_seconds: float = 3.0,
+        take_back: Callable[[], int] | None = None,
     ) -> None:
         self.admission = admission
         self.session = session
@@ -85,6 +90,8 @@ class Follower:
         self.health_grace_seconds = health_grace_seconds
         self._silent_since: float | None = None  # when /health stopped answering in time
         self.progress = ProgressWatch(stall_hold_seconds)
+        self.take_back = take_back
+        self.taken_back = 0  # exchanges taken back from a hung engine, in all
         self._parser = VllmParser()
         self._warned_unknown = False
         self._warned_oversize = False
@@ -145,10 +152,21 @@ class Follower:
             self.admission.set_state(False, why)
         elif stalled is not None:
             self.admission.set_state(False, stalled)
+            self._take_back(stalled)
         elif verdict is not None and not verdict[0]:
             self.admission.set_state(False, f"guardian: {verdict[1]}")
         else:
             self.admission.set_state(True, "open")
+
+    def _take_back(self, why: str) -> None:
+        """The engine is hung: what it holds and the gate can save is taken back (it waits
+        for the restarted engine at the head of the queue; vLLM aborts what it had)."""
+        if self.take_back is None:
+            return
+        taken = self.take_back()
+        if taken:
+            self.taken_back += taken
+            log.warning("gate: %s; %d requests in it taken back, to be sent again", why, taken)
 
     def _through_silence(self, healthy: bool | None, why: str, now: float) -> tuple[bool, str]:
         """``healthy`` None (no answer in time): still healthy if the last answer was, for

@@ -26,7 +26,12 @@ One exchange, in order:
    where the client's text ends (``relay.py``, ``continuation.py``) unless the request is one a
    continuation cannot serve honestly; any other stream the upstream cuts is cut for the
    client too, never replayed;
-5. a client that goes away cancels the handler (``handler_cancellation``): a queued request
+5. while the follower's progress watch sees the engine hung, the exchanges it could still save
+   (not answered yet and not retried yet; a continued stream with continuations left) are
+   taken back: their upstream connection is closed (``UpstreamPool.take_back``), which vLLM
+   reads as an abort, and they go the way of 4, waiting at the head of the queue for the
+   restarted engine;
+6. a client that goes away cancels the handler (``handler_cancellation``): a queued request
    leaves the queue; a forwarded one has its upstream connection closed, which is how vLLM
    learns to abort it and free its KV blocks.
 
@@ -127,11 +132,17 @@ class ProxySettings:
         )
 
     # A streamed completion or chat completion the upstream cuts is continued (relay.py), at
-    # most this often.
+    # most this often; not at all when off, or on a route listed in continuation_off_routes.
     continuation: bool = True
+    continuation_off_routes: frozenset[str] = frozenset()
     max_continuations: int = 1
     # While a cut stream waits for the server: an SSE comment this often.
     keepalive_comment_seconds: float = 5.0
+    # A request taken back from a hung engine waits this much longer than max_wait_seconds:
+    # the time the guardian would still have left it in the engine before its restart cut it
+    # (its stall wait is three times the gate's hold: the CLI sets twice the hold). Taken back
+    # sooner, it must not time out sooner.
+    taken_back_extra_wait_seconds: float = 0.0
 
 
 def openai_error(
@@ -151,9 +162,10 @@ def openai_error(
 class _UpstreamBroke(Exception):
     """The upstream failed before the answer was committed (nothing sent to the client)."""
 
-    def __init__(self, phase: str, detail: str) -> None:
+    def __init__(self, phase: str, detail: str, *, taken_back: bool = False) -> None:
         super().__init__(detail)
         self.phase = phase
+        self.taken_back = taken_back
 
 
 class MalformedSink(Protocol):
@@ -171,7 +183,7 @@ class _Exchange:
     headers: CIMultiDict[str]
     body: bytes | bytearray
     plan: Plan | Refusal | None
-    wait_again: Callable[[], Awaitable[None]]
+    wait_again: Callable[[float], Awaitable[None]]
 
 
 @dataclass
@@ -340,7 +352,12 @@ class GateProxy:
                 return openai_error(
                     400, "request JSON nested too deeply for the gate to read", "BadRequestError"
                 )
-            stream_plan = continuation.plan(request.rel_url.path, body, enabled=self.s.continuation)
+            path = request.rel_url.path
+            stream_plan = continuation.plan(
+                path,
+                body,
+                enabled=self.s.continuation and path not in self.s.continuation_off_routes,
+            )
             if isinstance(stream_plan, Plan):
                 body = stream_plan.upstream_body
             overhead += time.perf_counter() - started
@@ -360,20 +377,22 @@ class GateProxy:
         headers = _forward_headers(request.headers, REQUEST_DROP)
         target = str(request.rel_url)
 
-        async def wait_again() -> None:
+        async def wait_again(extra_wait_seconds: float = 0.0) -> None:
             """Wait for the next instance like a new arrival, but first in line."""
             assert cost is not None
             if hold.ticket is not None:
                 self.admission.release(hold.ticket)
                 hold.ticket = None
-            hold.ticket = await self.admission.acquire(key, cost, front=True)
+            hold.ticket = await self.admission.acquire(
+                key, cost, front=True, extra_wait_seconds=extra_wait_seconds
+            )
 
         exchange = _Exchange(request, target, headers, body, stream_plan, wait_again)
         try:
             retried = False
             while True:
                 try:
-                    return await self._send(exchange, started, overhead)
+                    return await self._send(exchange, started, overhead, retried)
                 except _UpstreamBroke as e:
                     self.metrics.upstream_error(e.phase)
                     self.follower.suspect()
@@ -382,7 +401,9 @@ class GateProxy:
                     retried = True
                     self.metrics.retried.inc()
                     try:
-                        await wait_again()
+                        await wait_again(
+                            self.s.taken_back_extra_wait_seconds if e.taken_back else 0.0
+                        )
                     except Rejected as r:
                         return openai_error(
                             r.status, r.message, "ServiceUnavailableError",
@@ -393,16 +414,18 @@ class GateProxy:
             if hold.ticket is not None:
                 self.admission.release(hold.ticket)
 
-    async def _send(self, ex: _Exchange, started: float, overhead: float) -> web.StreamResponse:
+    async def _send(
+        self, ex: _Exchange, started: float, overhead: float, retried: bool
+    ) -> web.StreamResponse:
         sent = next(self._sent_ids)
         self._sent[sent] = (time.perf_counter(), None)
         try:
-            return await self._send_once(ex, started, overhead, sent)
+            return await self._send_once(ex, started, overhead, sent, retried)
         finally:
             del self._sent[sent]
 
     async def _send_once(
-        self, ex: _Exchange, started: float, overhead: float, sent: int
+        self, ex: _Exchange, started: float, overhead: float, sent: int, retried: bool
     ) -> web.StreamResponse:
         request = ex.request
         pre_send = overhead + time.perf_counter() - started
@@ -412,9 +435,11 @@ class GateProxy:
                 ex.target,
                 ex.headers.items(),
                 ex.body if ex.body or request.body_exists else None,
+                # Until its answer is committed, a hung engine's exchange is sent again.
+                saveable=request.method == "POST" and not retried,
             )
         except UpstreamError as e:
-            raise _UpstreamBroke(e.phase, str(e)) from None
+            raise _UpstreamBroke(e.phase, str(e), taken_back=e.taken_back) from None
         self._sent[sent] = (self._sent[sent][0], up)
         if (
             isinstance(ex.plan, Plan)
@@ -433,8 +458,11 @@ class GateProxy:
                 else:
                     first = await up.read()
             except UpstreamError as e:
-                raise _UpstreamBroke("before_first_byte", str(e)) from None
+                raise _UpstreamBroke(
+                    "before_first_byte", str(e), taken_back=up.taken_back
+                ) from None
             t_first = time.perf_counter()
+            up.set_saveable(False)  # committed: a hang cuts it only if the engine's restart does
             resp = self._answer_for(up)
             if up.content_length is not None:
                 resp.content_length = up.content_length
@@ -488,7 +516,11 @@ class GateProxy:
         event is the proxy's to retry, like any other."""
         relay = ContinuingRelay(
             plan=p,
-            settings=RelaySettings(self.s.max_continuations, self.s.keepalive_comment_seconds),
+            settings=RelaySettings(
+                self.s.max_continuations,
+                self.s.keepalive_comment_seconds,
+                self.s.taken_back_extra_wait_seconds,
+            ),
             request=ex.request,
             target=ex.target,
             headers=ex.headers,
@@ -501,7 +533,7 @@ class GateProxy:
         try:
             return await relay.run(up)
         except UpstreamError as e:
-            raise _UpstreamBroke(e.phase, str(e)) from None
+            raise _UpstreamBroke(e.phase, str(e), taken_back=e.taken_back) from None
 
     @staticmethod
     def _answer_for(up: UpstreamResponse) -> _Answer:

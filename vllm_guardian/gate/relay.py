@@ -18,6 +18,10 @@ what follows a cut. This module does the I/O, in order:
    an error answer), the client gets what it would have had without the gate's help: vLLM's
    error event and ``[DONE]`` when that was the cut, a cut connection otherwise.
 
+A hung engine's streams are cut by the gate itself: while the follower's progress watch holds,
+the pool closes the connection of every answer marked saveable (``UpstreamPool.take_back``),
+here one with a continuation left; the cut is then handled as above and counted as ``hang``.
+
 A cut before anything reached the client is left to the proxy's retry (``UpstreamError``), as
 for any other request. Every decision is counted in ``continuations_total{outcome, reason}``
 and logged with the request's id (its ``X-Request-Id``, else one the gate makes) and the
@@ -70,6 +74,7 @@ SMALL_ANSWER_BYTES = 64 * 1024
 class RelaySettings:
     max_continuations: int = 1
     keepalive_comment_seconds: float = 5.0
+    taken_back_extra_wait_seconds: float = 0.0  # ProxySettings'
 
 
 class _GaveUp(Exception):
@@ -90,7 +95,7 @@ class ContinuingRelay:
         pool: UpstreamPool,
         follower: Follower,
         metrics: GateMetrics,
-        wait_ready: Callable[[], Awaitable[None]],
+        wait_ready: Callable[[float], Awaitable[None]],
         response_factory: Callable[[UpstreamResponse], web.StreamResponse],
     ) -> None:
         self.state = StreamState(plan)
@@ -126,9 +131,12 @@ class ContinuingRelay:
                         "the upstream cut the stream before its first event"
                         if held is None
                         else held.decode("utf-8", "replace")[:200],
+                        taken_back=up.taken_back,
                     )
                 self.metrics.upstream_error("streaming")
                 self.follower.suspect()
+                if cut is Cut.CONNECTION and up.taken_back:
+                    cut = Cut.HANG
                 try:
                     up = await self._next(cut, held)
                 except _GaveUp:
@@ -191,6 +199,8 @@ class ContinuingRelay:
         if self.resp is None:
             self.resp = self._response_factory(first)
             await self.resp.prepare(self.request)
+            # Committed: from now a hang takes it back only to continue it.
+            first.set_saveable(self.state.continuations < self.s.max_continuations)
         await self.resp.write(data)
 
     # --- after a cut -------------------------------------------------------------------------
@@ -212,13 +222,19 @@ class ContinuingRelay:
                 if st.continuations >= self.s.max_continuations:
                     await self._give_up(Outcome.FAILED, Failure.EXHAUSTED, held)
                 try:
-                    await self._wait_ready_telling_the_client()
+                    await self._wait_ready_telling_the_client(
+                        self.s.taken_back_extra_wait_seconds if cut is Cut.HANG else 0.0
+                    )
                 except Rejected:
                     await self._give_up(Outcome.FAILED, Failure.WAIT_TIMEOUT, held)
                 if decision.check_tail and not await self._tail_settled(decision.check_tail):
                     await self._give_up(Outcome.REFUSED, Refusal.UNSETTLED_TEXT, held)
                 st.continuations += 1
-                up = await self._send(decision.path or self.target, decision.body)
+                up = await self._send(
+                    decision.path or self.target,
+                    decision.body,
+                    saveable=st.continuations < self.s.max_continuations,
+                )
                 if up is None:
                     continue  # the server broke again before answering: decided anew
                 if up.status == 200:
@@ -245,11 +261,11 @@ class ContinuingRelay:
             self._count(Outcome.FAILED, Failure.CLIENT_GONE)
             raise
 
-    async def _wait_ready_telling_the_client(self) -> None:
+    async def _wait_ready_telling_the_client(self, extra_wait_seconds: float) -> None:
         """The admission's wait (raises ``Rejected``), with a comment to the client now and
         every ``keepalive_comment_seconds``: its connection and its proxies see a live stream."""
         assert self.resp is not None
-        waiting = asyncio.ensure_future(self.wait_ready())
+        waiting = asyncio.ensure_future(self.wait_ready(extra_wait_seconds))
         try:
             await self.resp.write(KEEPALIVE)
             while True:
@@ -263,9 +279,11 @@ class ContinuingRelay:
                 waiting.cancel()
                 await asyncio.wait({waiting})
 
-    async def _send(self, path: str, body: bytes) -> UpstreamResponse | None:
+    async def _send(self, path: str, body: bytes, *, saveable: bool) -> UpstreamResponse | None:
         try:
-            return await self.pool.request("POST", path, self.headers.items(), body)
+            return await self.pool.request(
+                "POST", path, self.headers.items(), body, saveable=saveable
+            )
         except UpstreamError as e:
             self.metrics.upstream_error(e.phase)
             self.follower.suspect()

@@ -78,6 +78,9 @@ class Gate:
             cookie_jar=aiohttp.DummyCookieJar(),  # a proxy keeps no client's cookies
         )
         self.admission = Admission(s.limits, self.metrics)
+        self._pool = UpstreamPool(
+            s.proxy.upstream, connect_timeout_seconds=s.proxy.connect_timeout_seconds
+        )
         self.follower = Follower(
             self.admission,
             self._session,
@@ -89,9 +92,7 @@ class Gate:
             suspect_seconds=s.suspect_seconds,
             health_grace_seconds=s.health_grace_seconds,
             stall_hold_seconds=s.stall_hold_seconds,
-        )
-        self._pool = UpstreamPool(
-            s.proxy.upstream, connect_timeout_seconds=s.proxy.connect_timeout_seconds
+            take_back=self._pool.take_back,
         )
         malformed = MalformedRequests(self.metrics, s.malformed_log_interval_seconds)
         self.proxy = GateProxy(

@@ -19,7 +19,10 @@ What it does and does not do, on purpose:
   next taken, before anything is written to it, and one idle longer than
   ``keepalive_seconds`` is closed instead of reused;
 * errors are one type, :class:`UpstreamError`, with the phase the proxy counts them under; no
-  redirects, cookies, decompression or proxies (the gate forwards, it does not browse).
+  redirects, cookies, decompression or proxies (the gate forwards, it does not browse);
+* :meth:`UpstreamPool.take_back` closes the connections of the exchanges under way that their
+  sender marked ``saveable`` (a hung engine: the follower's progress watch). Their reads fail as
+  a cut would, which is what the proxy retries and the relay continues, and vLLM aborts them.
 """
 
 from __future__ import annotations
@@ -48,18 +51,23 @@ class UpstreamError(Exception):
     """The exchange with the upstream failed: ``connect`` (no connection), ``before_first_byte``
     (no complete answer head) or ``streaming`` (the body was cut or malformed)."""
 
-    def __init__(self, phase: str, detail: str) -> None:
+    def __init__(self, phase: str, detail: str, *, taken_back: bool = False) -> None:
         super().__init__(detail)
         self.phase = phase
+        self.taken_back = taken_back  # the gate closed it (UpstreamPool.take_back)
 
 
 class _Conn:
-    __slots__ = ("idle_since", "reader", "writer")
+    __slots__ = ("idle_since", "reader", "saveable", "taken_back", "writer")
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
         self.idle_since = 0.0
+        # While busy: whether take_back may close it (its exchange can be sent again or
+        # continued), and whether it did.
+        self.saveable = False
+        self.taken_back = False
 
     def usable(self, now: float, keepalive_seconds: float) -> bool:
         return (
@@ -87,6 +95,7 @@ class UpstreamResponse:
     ) -> None:
         self._pool = pool
         self._conn: _Conn | None = conn
+        self._origin = conn  # kept after release: whether it was taken back
         self.status = status
         self.reason = reason
         self.headers = headers
@@ -123,6 +132,15 @@ class UpstreamResponse:
 
     def at_eof(self) -> bool:
         return self._eof
+
+    @property
+    def taken_back(self) -> bool:
+        """The gate closed this answer's connection (:meth:`UpstreamPool.take_back`)."""
+        return self._origin.taken_back
+
+    def set_saveable(self, saveable: bool) -> None:
+        """Whether :meth:`UpstreamPool.take_back` may close this answer's connection from now."""
+        self._origin.saveable = saveable
 
     async def read(self) -> bytes:
         """The next piece of the body as it arrives; ``b""`` once it is complete."""
@@ -217,6 +235,7 @@ class UpstreamResponse:
         conn, self._conn = self._conn, None
         if conn is None:
             return
+        self._pool._busy.discard(conn)
         if self._eof and self._keep:
             self._pool._put(conn)
         else:
@@ -248,6 +267,7 @@ class UpstreamPool:
         self.keepalive_seconds = keepalive_seconds
         self.max_idle = max_idle
         self._idle: list[_Conn] = []
+        self._busy: set[_Conn] = set()  # handed out for an exchange, not released yet
         self._closed = False
 
     async def request(
@@ -256,9 +276,12 @@ class UpstreamPool:
         target: str,
         headers: Iterable[tuple[str, str]],
         body: bytes | bytearray | None,
+        *,
+        saveable: bool = False,
     ) -> UpstreamResponse:
         """Send one request (``target``: path and query, appended to the base URL's path) and
-        read its answer's head. Raises :class:`UpstreamError`."""
+        read its answer's head. Raises :class:`UpstreamError`. ``saveable``: :meth:`take_back`
+        may close it (the sender can send it again or continue it)."""
         lines = [f"{method} {self.base_path}{target} HTTP/1.1", f"Host: {self.host_header}"]
         lines += [f"{k}: {v}" for k, v in headers]
         if body is not None:
@@ -267,7 +290,27 @@ class UpstreamPool:
             lines.append("Content-Length: 0")  # as aiohttp's client did: an empty body, said so
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape")
         conn = await self._take()
-        return await self._exchange(conn, head, body, head_request=method == "HEAD")
+        conn.saveable, conn.taken_back = saveable, False
+        self._busy.add(conn)
+        try:
+            return await self._exchange(conn, head, body, head_request=method == "HEAD")
+        except UpstreamError as e:
+            self._busy.discard(conn)
+            e.taken_back = conn.taken_back
+            raise
+        except BaseException:
+            self._busy.discard(conn)
+            raise
+
+    def take_back(self) -> int:
+        """Close the connection of every exchange under way that is marked saveable (the
+        engine behind them is hung); how many. Each one's pending read fails like a cut."""
+        taken = 0
+        for conn in [c for c in self._busy if c.saveable and not c.taken_back]:
+            conn.taken_back = True
+            conn.close()
+            taken += 1
+        return taken
 
     async def _exchange(
         self, conn: _Conn, head: bytes, body: bytes | bytearray | None, *, head_request: bool
