@@ -80,6 +80,7 @@ class HungGate:
                 kv_poll_interval_seconds=0.1,
                 suspect_seconds=0.2,
                 stall_hold_seconds=2.0,
+                take_back_hung=True,  # experimental, off by default
                 shutdown_timeout_seconds=1.0,
             )
         )

@@ -207,6 +207,12 @@ class GateConfig:
     # third of signals.stall_seconds, after which the guardian restarts it: a false alarm costs
     # held requests latency, not failures (gate/progress.py). 0: off.
     stall_hold_seconds: float = field(default=10.0, metadata=_bounds(0, 3600))
+    # While the stall hold holds, close the connections of the requests the hung engine holds
+    # and send them again (or continue them) once it serves again (--take-back-hung).
+    # Experimental, off: on the real vLLM tier a taken back request was sometimes sent again
+    # into the still hung engine before the guardian's restart, and cut a second time by it
+    # (docs/gate.md, "Across a hang").
+    take_back_hung: bool = False
     # Where the gate serves its own metrics (vLLM's /metrics is then read on vLLM itself).
     metrics_path: str = field(default="/metrics", metadata=_bounds(check=_check_metrics_path))
     # In-flight requests get this long to finish on SIGTERM; queued ones get 503 at once.

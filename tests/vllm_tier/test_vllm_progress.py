@@ -12,14 +12,11 @@ process manager, armed (``dry_run: false``), with the stall wait of the tier (8 
    armed guardian restarted vLLM under it.)
 2. **A stopped engine core is still a hang.** The same length again; once the engine is
    prefilling it, its EngineCore is stopped with SIGSTOP: the guardian names the engine hung
-   (``stalled``, cause ``engine_dead``) and restarts vLLM once. **No request through the front
-   door is lost to it:** the deployed gate (``vllm-guardian gate -c``, its hold at 3 s) is in
-   front, and an OpenAI SDK client (retries off) has two greedy streams generating and a
-   unary request in flight through it when the core stops, and sends a stream and a unary
-   request into the stopped engine right after. The gate takes them back from the hung engine
-   and sends them to the restarted one: every request completes, whole, one stream each. (Each
-   text is reported beside the same request's sent straight to the restarted server: on this
-   CPU build greedy text depends on the batch, so equality is not required here.)
+   (``stalled``, cause ``engine_dead``) and restarts vLLM once. (The gate's experimental
+   take-back of a hung engine's requests, ``--take-back-hung``, is off by default: checked
+   through the deployed gate with an OpenAI SDK client, two runs of five lost two and three
+   requests, sent again into the still hung engine before the restart and cut a second time
+   by it; docs/gate.md, "Across a hang".)
 
 The model makes the module slower than the tiny one's (a 46 MB model, ~15 s per long prompt):
 about 2-3 minutes in all on the 2-core machine, most of it the two vLLM starts.
@@ -43,13 +40,6 @@ from typing import Any
 import pytest
 
 from tests.vllm_tier import support
-from tests.vllm_tier.frontdoor import (
-    GateProcess,
-    SdkClient,
-    first_difference,
-    request,
-    wait_for_text,
-)
 from tests.vllm_tier.support import StreamResult
 from tests.vllm_tier.test_vllm_real import Guarded, guardian_config
 from vllm_guardian.daemon import Guardian, TickResult
@@ -231,41 +221,11 @@ def test_one_long_prompt_alone_is_served_without_a_restart(guarded: Guarded) -> 
     assert sup.starts == starts and sup.pid == pid
 
 
-# Through the gate: streams generating when the core stops and a unary request in flight, then
-# a stream and a unary request sent into the stopped engine (each (stream, prompt seed, tokens)).
-# 600 tokens: with 300 both streams had finished before the stop once on a quiet host (the stop
-# waits for the long prompt's prefill to show); 5 blocks each, so the pool passes 10 % only
-# once the long prompt's chunks are in it.
-IN_FLIGHT = [(True, 21, 600), (True, 22, 600), (False, 23, 600)]
-INTO_THE_HANG = [(True, 24, 100), (False, 25, 100)]
-
-
-def _waves() -> list[list[dict[str, Any]]]:
-    return [
-        [request(st, support.prompt_ids(32, seed), n) for st, seed, n in wave]
-        for wave in (IN_FLIGHT, INTO_THE_HANG)
-    ]
-
-
-@pytest.fixture
-def front_door(guarded: Guarded) -> Iterator[GateProcess]:
-    gate = GateProcess(
-        guarded.workdir, guarded.vllm_port, guarded.guardian_port,
-        stall_hold_seconds=3, max_wait_seconds=300,
-    )  # fmt: skip
-    yield gate
-    gate.stop()
-
-
-def test_a_stopped_engine_core_is_named_hung_and_restarted(
-    guarded: Guarded, vllm_venv: Path, front_door: GateProcess
-) -> None:
+def test_a_stopped_engine_core_is_named_hung_and_restarted(guarded: Guarded) -> None:
     sup = guarded.supervisor
     starts = sup.starts
     audit_before = len(guarded.audit())
     engine = _engine_core(guarded)
-    client = SdkClient(vllm_venv, front_door.url + "/v1", _waves())
-    wait_for_text(client, {0, 1}, 120)  # the streams are generating
     results: list[StreamResult] = []
     t = threading.Thread(
         target=lambda: results.append(
@@ -279,20 +239,14 @@ def test_a_stopped_engine_core_is_named_hung_and_restarted(
     try:
         with Watch(guarded).running() as watch:
             t.start()
-            # The streams hold a few blocks; the long prompt's chunks fill the pool.
             support.wait_for(
-                lambda: any(w["running"] and (w["kv"] or 0) > 0.1 for w in watch.rows),
+                lambda: any(w["running"] and (w["kv"] or 0) > 0 for w in watch.rows),
                 120,
                 "the guardian to see the prompt being prefilled",
                 every=0.1,
             )
             os.kill(engine, signal.SIGSTOP)
             stopped_at = time.monotonic()
-            in_flight_at_stop = len(IN_FLIGHT) - len(client.done)
-            streams_at_stop = sum(
-                1 for i, (st, _, _) in enumerate(IN_FLIGHT) if st and i not in client.done
-            )
-            client.next_wave()  # into the stopped engine, before the gate's hold
             support.wait_for(
                 lambda: any(d["what"] == "action" for d in guarded.audit()[audit_before:]),
                 120,
@@ -322,16 +276,6 @@ def test_a_stopped_engine_core_is_named_hung_and_restarted(
     )
     support.wait_for(lambda: support.healthy(guarded.url), 120, "vLLM up again")
     t.join(timeout=60)
-    try:
-        through_gate = client.results(timeout=300)
-    finally:
-        client.stop()
-    gate_status, continuations = front_door.status(), front_door.continuations()
-    uncut_client = SdkClient(vllm_venv, guarded.url + "/v1", [[r for w in _waves() for r in w]])
-    try:
-        uncut = uncut_client.results(timeout=300)
-    finally:
-        uncut_client.stop()
     REPORT["stopped_engine"] = {
         "named_after_stop_s": round(named_after, 1),
         "stall_max_s": max((w["stall"] or 0.0 for w in watch.rows), default=None),
@@ -341,50 +285,8 @@ def test_a_stopped_engine_core_is_named_hung_and_restarted(
         ],
         "starts_added": sup.starts - starts,
         "request": [(r.status, (r.error or "")[:80]) for r in results],
-        "front_door": {
-            "in_flight_at_stop": in_flight_at_stop,
-            "streams_at_stop": streams_at_stop,
-            "answers": [
-                {
-                    "error": a["error"],
-                    "finish": a["finish"],
-                    "ids": len(a["ids"]),
-                    "completion_tokens": (a["usage"] or {}).get("completion_tokens"),
-                    "same_text": a["text"] == u["text"],
-                    "chars": len(a["text"]),
-                    "gap_at": a["gap_at"],
-                    "first_difference": first_difference(a["text"], u["text"]),
-                    "heads": [a["text"][:120], u["text"][:120]] if a["text"] != u["text"] else None,
-                }
-                for a, u in zip(through_gate, uncut, strict=True)
-            ],
-            "continuations": continuations,
-            "retried_total": gate_status["retried_total"],
-            "taken_back_log": [
-                line for line in front_door.log().splitlines() if "taken back" in line
-            ],
-        },
     }
     print("\nstopped engine core:", json.dumps(REPORT["stopped_engine"], indent=1))
     assert any(w["stalled"] for w in watch.rows), REPORT["stopped_engine"]
     assert actions and all(a["cause"] == "engine_dead" for a in actions), actions
     assert sup.starts - starts == 1, REPORT["stopped_engine"]
-    # The front door lost nothing: every answer whole, one stream each. Its text is reported
-    # beside the same request's sent straight to the restarted server, not required equal:
-    # on this CPU build a greedy request's text depends on the batch it ran in (the random
-    # model's logits are near-ties), and requests the gate re-sent whole, generated by the
-    # restarted server alone, differed from the reference run too (docs/vllm-tier.md).
-    door = REPORT["stopped_engine"]["front_door"]
-    # What the stop caught depends on how fast the engine generated before it: every request
-    # it caught must come back whole, and at least one stream must have been caught (else the
-    # run showed nothing about continuation: it says so).
-    assert streams_at_stop >= 1, ("no stream was still generating at the stop", door)
-    for (_, _, n), a, u in zip(IN_FLIGHT + INTO_THE_HANG, through_gate, uncut, strict=True):
-        assert a["error"] is None and u["error"] is None, door
-        assert a["finish"] == "length" and a["usage"]["completion_tokens"] == n, door
-        assert len(a["ids"]) == 1, door
-    # The streams generating at the stop were continued: taken back from the hung engine (or, on a
-    # host too busy for the gate to see the hang first, cut by the restart).
-    continued = sum(continuations.get(f"continued/{r}", 0) for r in ("hang", "connection"))
-    assert continued == streams_at_stop, door
-    assert door["taken_back_log"], door

@@ -67,6 +67,7 @@ DEFAULTS: dict[str, Any] = {
     "poll_interval": 0.1,
     "kv_poll_interval": 0.5,
     "stall_hold": 10.0,
+    "take_back_hung": "off",
     "metrics_path": "/metrics",
     "shutdown_timeout": 5.0,
     "continuation": "on",
@@ -251,6 +252,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"engine (default {_shown('stall_hold')}; 0: off)",
     )
     o.add_argument(
+        "--take-back-hung",
+        choices=("on", "off"),
+        help="while --stall-hold holds, close the upstream connections of the requests the hung "
+        "engine holds and send them again (or continue them) once it is served again: "
+        f"experimental (default {_shown('take_back_hung')}; docs/gate.md, 'Across a hang')",
+    )
+    o.add_argument(
         "--metrics-path",
         help=f"where the gate serves its own metrics (default {_shown('metrics_path')}; vLLM's /metrics is then reached on vLLM itself)",
     )
@@ -326,6 +334,7 @@ def values_from_config(path: str, service: str) -> dict[str, Any]:
         "poll_interval": g.poll_interval_seconds,
         "kv_poll_interval": g.kv_poll_interval_seconds,
         "stall_hold": g.stall_hold_seconds,
+        "take_back_hung": "on" if g.take_back_hung else "off",
         "metrics_path": g.metrics_path,
         "shutdown_timeout": g.shutdown_timeout_seconds,
         "continuation": "on" if g.continuation else "off",
@@ -417,6 +426,7 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
         poll_interval_seconds=args.poll_interval,
         kv_poll_interval_seconds=args.kv_poll_interval,
         stall_hold_seconds=args.stall_hold,
+        take_back_hung=args.take_back_hung == "on",
         shutdown_timeout_seconds=args.shutdown_timeout,
     )
 

@@ -45,6 +45,9 @@ class GateSettings:
     health_grace_seconds: float = 3.0
     # Requests in vLLM and no progress this long: hold new ones (gate/progress.py).
     stall_hold_seconds: float = 10.0
+    # While it holds, take back what the hung engine holds (follower.py): off by default, see
+    # docs/gate.md ("Across a hang").
+    take_back_hung: bool = False
     shutdown_timeout_seconds: float = 5.0
     # Client connections open at once (each also holds one to vLLM while busy); past it the
     # longest-idle one is closed. Idle (head not sent yet, or kept alive): closed after this.
@@ -92,7 +95,7 @@ class Gate:
             suspect_seconds=s.suspect_seconds,
             health_grace_seconds=s.health_grace_seconds,
             stall_hold_seconds=s.stall_hold_seconds,
-            take_back=self._pool.take_back,
+            take_back=self._pool.take_back if s.take_back_hung else None,
         )
         malformed = MalformedRequests(self.metrics, s.malformed_log_interval_seconds)
         self.proxy = GateProxy(
