@@ -730,14 +730,25 @@ def test_kv_pressure_is_seen_alerted_gated_and_ungated(guarded: Guarded) -> None
     audit_before = len(guarded.audit())
     watch = GuardianWatch(guarded)
     sampler = Sampler(guarded.url)
+    unsaturated: list[dict[str, Any]] = []
     with watch.running(), sampler.running():
-        t0 = time.monotonic()
-        results = support.burst(guarded.url, **BURST)
-        seconds = time.monotonic() - t0
-        # After the burst: the gate opens again below the low watermark and stays open.
-        support.wait_for(lambda: guarded.ready_status() == 200, 30, "/ready/vllm 200 again")
-        time.sleep(3)
+        while True:
+            t0 = time.monotonic()
+            results = support.burst(guarded.url, **BURST)
+            seconds = time.monotonic() - t0
+            # After the burst: the gate opens again below the low watermark and stays open.
+            support.wait_for(lambda: guarded.ready_status() == 200, 30, "/ready/vllm 200 again")
+            time.sleep(3)
+            gated = any(d["what"] == "gate" for d in guarded.audit()[audit_before:])
+            if gated or watch.max("kv") >= 0.9 or len(unsaturated) >= 2:
+                break
+            # The burst never held the pool full for one of the guardian's ticks: beside a CPU
+            # hog the API server handed vLLM 3 requests at a time and its KV gauge read 0.9 in
+            # 1 of 11 scrapes (ci13, 2026-11-26: the guardian's peak 0.87, no gate). That
+            # measures the host, not the guardian: the burst runs again (35 s), reported.
+            unsaturated.append(_pressure_numbers(sampler, results, seconds))
     real = _pressure_numbers(sampler, results, seconds)
+    real["unsaturated_bursts"] = unsaturated
     decisions = guarded.audit()[audit_before:]
     gates = [d for d in decisions if d["what"] in ("gate", "ungate")]
     real.update(
@@ -1097,11 +1108,14 @@ def test_engine_death_is_named_and_restarted_once(
     killed_at = kills[0]
     gated_at_kill = gated.events
     sdk_in_flight_at_kill = len(SDK_IN_FLIGHT) - len(sdk.done)  # as the client saw it
+    # /health until it says 503 or the API server is gone (it exits 0 some seconds after the
+    # death). Each call may wait 5 s: beside a CPU hog the shutting-down server answered none
+    # within 2 s and exited 10 s after the kill (ci13, 2026-11-26), so no 503 was read.
     statuses: list[int | None] = []
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and 503 not in statuses:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and 503 not in statuses and len(sup.exits) <= exits:
         try:
-            statuses.append(support.session().get(guarded.url + "/health", timeout=2).status_code)
+            statuses.append(support.session().get(guarded.url + "/health", timeout=5).status_code)
         except support.requests.RequestException:
             statuses.append(None)
         time.sleep(0.1)
@@ -1168,6 +1182,7 @@ def test_engine_death_is_named_and_restarted_once(
     actions = [d for d in decisions if d["what"] == "action"]
     REPORT["engine_death"] = {
         "health_after_kill": statuses[-5:],
+        "health_polls_after_kill": len(statuses),
         "exit_code": sup.exits[exits] if len(sup.exits) > exits else None,
         "api_server_exit_after_kill_s": round(exited_after, 1),
         "streams": [
@@ -1179,7 +1194,11 @@ def test_engine_death_is_named_and_restarted_once(
     }
     print("\nengine death:", json.dumps(REPORT["engine_death"], indent=1))
 
-    assert 503 in statuses
+    # The dead engine's server never says it is up again, and says 503 where it answers at all
+    # before it exits (a busy host may leave it no time to answer: then nothing but errors).
+    after = statuses[next((i for i, c in enumerate(statuses) if c != 200), len(statuses)) :]
+    assert 200 not in after, REPORT["engine_death"]
+    assert 503 in statuses or (after and all(c is None for c in after)), REPORT["engine_death"]
     assert sup.exits[exits] == 0  # vLLM exits 0 with a dead engine: Restart=always is needed
     assert actions and all(a["cause"] == "engine_dead" for a in actions)
     assert sup.starts - starts == 1, REPORT["engine_death"]
