@@ -127,6 +127,11 @@ LIGHT = LoadProfile(rate_per_second=0.4, prompt_tokens_min=200, prompt_tokens_ma
                     output_tokens_min=600, output_tokens_max=900)  # fmt: skip
 
 
+# Alone (after the workers, tests/test_tiers.py): the twin meets its OOM only when the load's
+# long prompts arrive together; beside another worker and a CPU hog the load generator fell
+# behind, they arrived spread out, and the twin served them all without meeting it (ci15,
+# 2026-11-26: no exit in 110 s; it exits in 3-14 s here otherwise).
+@pytest.mark.alone
 @pytest.mark.parametrize(
     ("scenario", "extra", "profile", "speed"),
     [
@@ -156,10 +161,10 @@ def test_runtime_oom_end_to_end(
         # The fault strikes within seconds of simulated load; the bound is generous for a busy
         # host (a 15 s bound failed beside other tests' processes at load average ~9).
         try:
-            code = t.wait_exit(timeout_seconds=120)
+            code = t.wait_exit(timeout_seconds=90)
         except subprocess.TimeoutExpired:
             raise AssertionError(
-                f"the twin did not exit within 120 s; the load: "
+                f"the twin did not exit within 90 s; the load: "
                 f"{[r.summary() for r in results] or 'still running'}; the twin's log ends:\n"
                 + t.stderr()[-3000:]
             ) from None
