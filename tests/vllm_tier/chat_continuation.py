@@ -226,6 +226,7 @@ def check_a_cut_chat_stream_is_continued_byte_for_byte(server: str, model: Path)
     exact = continue_final_exact = cuts = 0
     refused: list[dict[str, Any]] = []
     misses: list[dict[str, Any]] = []
+    uncut_runs: list[dict[str, Any]] = []  # the stream ended before its cut
     try:
         # A fresh server's first request is a short one (test_vllm_real, test 0).
         read_chat(server, {"model": support.MODEL_NAME, "max_tokens": 2, "stream": True,
@@ -255,6 +256,13 @@ def check_a_cut_chat_stream_is_continued_byte_for_byte(server: str, model: Path)
                     grew = {k for k in after if after[k] > before.get(k, 0.0)}
                     assert grew == {("refused", "unsettled_text")}, (grew, seen)
                     refused.append({"conversation": conv, "cut": cut})
+                    continue
+                if proxy.paths == [CHAT] and got.text == uncut.text:
+                    # This run's stream had fewer events than the cut: vLLM merged its chunks
+                    # (its API server lagging, as beside a CPU hog: ci15, 2026-11-26), so it
+                    # ended whole before the proxy's cut. Nothing to continue; not counted.
+                    cuts -= 1
+                    uncut_runs.append({"conversation": conv, "cut": cut})
                     continue
                 assert proxy.paths == [CHAT, "/v1/completions"], seen  # cut, then continued
                 assert got.text == uncut.text, seen
@@ -293,6 +301,7 @@ def check_a_cut_chat_stream_is_continued_byte_for_byte(server: str, model: Path)
         proxy.stop()
         REPORT["token_level_exact"] = f"{exact}/{cuts}"
         REPORT["refused_unsettled_text"] = refused
+        REPORT["ended_before_the_cut"] = uncut_runs
         REPORT["continue_final_message_exact"] = f"{continue_final_exact}/{exact}"
         REPORT["continue_final_message_misses"] = misses
         print("\nchat continuation tier:", json.dumps(REPORT, indent=1))
