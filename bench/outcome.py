@@ -110,7 +110,7 @@ OVER_CAPACITY_ALERT = "VllmOverCapacity"
 # of the wall clock: a request failed by the fault can end that much "before" it.
 FAULT_SLACK_SECONDS = 0.1
 FAILED = {OutcomeKind.HTTP_ERROR, OutcomeKind.STREAM_ERROR, OutcomeKind.INCOMPLETE,
-          OutcomeKind.CONNECTION_ERROR, OutcomeKind.TIMEOUT}  # fmt: skip
+          OutcomeKind.CONNECTION_ERROR, OutcomeKind.TIMEOUT, OutcomeKind.ABORTED}  # fmt: skip
 
 
 @dataclasses.dataclass

@@ -20,6 +20,9 @@ KV pool. The faults (``tests/vllm_tier/faults``, a test-only vLLM plugin):
   ``/health`` still answers 200.
 * **steady** — the same load, no fault (the control).
 
+* **overload** — no fault: about twice what the server completes with its KV pool full, for
+  five minutes (the over-capacity alert's window and its two minutes).
+
 Operators: ``unguarded`` (a supervisor that restarts vLLM like ``Restart=always``),
 ``unguarded-on-failure`` (``Restart=on-failure``: vLLM's exit 0 after an engine death leaves it
 down), ``sidecar`` (the runbook's threshold loop), ``guardian+gate`` (the deployed form: the
@@ -32,8 +35,11 @@ steps are a few hundred tokens, not the thousands of a GPU's). Real time: no spe
 Per run the twin benchmark's measures (bench/outcome.py: failed split in flight / during an
 outage / other, time to detect and to recover, downtime, goodput, latency), the vLLM cold
 start measured in the same run (the physical limit of recovery), the OOMs vLLM logged, the
-operator's actions and the final flags. Writes ``outcome-vllm.md`` and ``outcome-vllm.json``
-(``-quick`` suffixed for ``--quick``) to ``--out``.
+operator's actions and the final flags. Each run is appended to ``outcome-vllm.runs.jsonl`` in
+``--out`` as it ends, with its command and commit (a later run of the same scenario, operator
+and seed replaces it), and the report is written from that file: ``outcome-vllm.{md,json,svg}``
+(``-quick`` suffixed for ``--quick``), each real cell beside the twin's (``--twin``).
+``--report-only`` writes the report again without running anything.
 """
 
 from __future__ import annotations
@@ -84,6 +90,7 @@ BASE_FLAGS = (
     "--max-num-batched-tokens", "1024", "--shutdown-timeout", "10",
 )  # fmt: skip
 FAULT_AT_SECONDS = 45.0
+OVERLOAD_RATE = 1.0
 # The tiny model on two cores serves a few requests a second; this load keeps it busy, not
 # saturated, so the steady control fails nothing. Bursts of long prompts every 30 s: the
 # prefill whose step is over the budget in prefill_oom.
@@ -101,23 +108,48 @@ LOAD = LoadProfile(
 )
 
 
+# An overload: about twice what the server completes with its KV pool full (longer answers,
+# more often), no fault. No restart or flag cures it; the guardian must not act, and its
+# over-capacity alert (two minutes over its two-minute window) must fire: a longer window.
+OVERLOAD_LOAD = dataclasses.replace(
+    LOAD,
+    rate_per_second=OVERLOAD_RATE,
+    prompt_tokens_min=100,
+    prompt_tokens_max=300,
+    output_tokens_min=400,
+    output_tokens_max=800,
+    burst_size=0,
+)
+OVERLOAD_DURATION_SECONDS = 300.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Scenario:
     name: str
+    twin: str  # the twin benchmark's scenario for the same failure (bench/outcome.py)
     oom_budget: bool = False  # the plugin's activation budget is armed
     kill_engine_at: float | None = None
     hang_engine_at: float | None = None
+    load: LoadProfile = LOAD
+    min_duration_seconds: float = 0.0  # the window the scenario needs, whatever --duration says
 
 
 SCENARIOS = {
     s.name: s
     for s in (
-        Scenario("prefill_oom", oom_budget=True),
-        Scenario("engine_death", kill_engine_at=FAULT_AT_SECONDS),
-        Scenario("engine_hang", hang_engine_at=FAULT_AT_SECONDS),
-        Scenario("steady"),
+        Scenario("prefill_oom", "prefill_burst", oom_budget=True),
+        Scenario("engine_death", "exit_zero_death", kill_engine_at=FAULT_AT_SECONDS),
+        Scenario("engine_hang", "engine_hang", hang_engine_at=FAULT_AT_SECONDS),
+        Scenario(
+            "overload",
+            "kv_thrash",
+            load=OVERLOAD_LOAD,
+            min_duration_seconds=OVERLOAD_DURATION_SECONDS,
+        ),
+        Scenario("steady", "steady"),
     )
 }
+FAULTS = ("prefill_oom", "engine_death", "engine_hang")
 
 
 @dataclasses.dataclass
@@ -126,6 +158,7 @@ class RealRun(twin.Run):
     logged_ooms: int = 0  # CUDA OOMs the guardian's matcher found in vLLM's log
     named_causes: list[str] = dataclasses.field(default_factory=list)
     load_average: tuple[float, float] = (0.0, 0.0)  # before, after
+    deaths_after_last_action: int = 0  # /health drops after the operator's last action
 
 
 def fault_env(scenario: Scenario, workdir: Path) -> dict[str, str]:
@@ -173,8 +206,8 @@ def guardian_config(
     return parse_config(path.read_text(), str(path))
 
 
-def plan(seed: int, duration: float) -> list[PlannedRequest]:
-    out = plan_requests(LOAD, seed, 100_000, duration)
+def plan(scenario: Scenario, seed: int, duration: float) -> list[PlannedRequest]:
+    out = plan_requests(scenario.load, seed, 100_000, duration)
     rng = random.Random(f"stream-{seed}")
     return [dataclasses.replace(p, stream=rng.random() < twin.STREAM_SHARE) for p in out]
 
@@ -249,6 +282,7 @@ def run_one(
     keep: bool,
 ) -> RealRun:  # fmt: skip
     scenario = SCENARIOS[scenario_name]
+    duration = max(duration, scenario.min_duration_seconds)
     run = RealRun(scenario_name, operator, seed)
     load_before = _load_average()
     started = time.monotonic()
@@ -317,7 +351,7 @@ def run_one(
 
                 faults = Faults(scenario, workdir, api_pid, load_start).__enter__()
                 result = run_load(
-                    load_url, plan(seed, duration), model=MODEL, stream=False,
+                    load_url, plan(scenario, seed, duration), model=MODEL, stream=False,
                     max_duration_seconds=duration, max_in_flight=256,
                     request_timeout_seconds=twin.REQUEST_TIMEOUT_SECONDS,
                 )  # fmt: skip
@@ -365,6 +399,10 @@ def run_one(
     run.actions = [a for _, a in actions]
     run.restarts = len(restarts)
     run.oom_crashes = len(downs.downs) if scenario.oom_budget else 0
+    last_action = max((t for t, _ in actions), default=None)
+    if last_action is not None:
+        # The action's own stop is not a death: count drops a restart's length after it.
+        run.deaths_after_last_action = sum(1 for t in downs.downs if t > last_action + 5.0)
     twin.measure(run, outcomes, load_start, duration, fault_times,
                  sorted([*(t for t, _ in actions), *restarts]))  # fmt: skip
     run.wall_seconds = time.monotonic() - started
@@ -372,9 +410,78 @@ def run_one(
     return run
 
 
-def _median(runs: Sequence[RealRun], name: str) -> float | None:
-    vals = [getattr(r, name) for r in runs if getattr(r, name) is not None]
-    return statistics.median(vals) if vals else None
+def runs_file(out: Path, quick: bool) -> Path:
+    return out / f"outcome-vllm{'-quick' if quick else ''}.runs.jsonl"
+
+
+def read_runs(path: Path) -> list[tuple[RealRun, dict[str, Any]]]:
+    """Every run the file holds, each with its invocation (command, commit); a run appended
+    later for the same scenario, operator and seed replaces the earlier one."""
+    by: dict[tuple[str, str, int], tuple[RealRun, dict[str, Any]]] = {}
+    fields = {f.name for f in dataclasses.fields(RealRun)}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            r = RealRun(**{k: v for k, v in d["run"].items() if k in fields})
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SystemExit(f"{path}:{n}: not a run record: {exc}") from exc
+        r.load_average = tuple(r.load_average)  # type: ignore[assignment]
+        by[(r.scenario, r.operator, r.seed)] = (r, d["invocation"])
+    return list(by.values())
+
+
+def cells_of(runs: Sequence[RealRun]) -> list[twin.Cell]:
+    """The runs as the twin benchmark's cells (its measures, verdict and chart), named by the
+    twin's scenario for the same failure, in the matrix's order."""
+    out = []
+    for name, sc in SCENARIOS.items():
+        for op in OPERATORS:
+            rs = sorted((r for r in runs if r.scenario == name and r.operator == op),
+                        key=lambda r: r.seed)  # fmt: skip
+            if not rs:
+                continue
+            before = max(r.load_average[0] for r in rs)
+            after = max(r.load_average[1] for r in rs)
+            cores = os.cpu_count() or 1
+            out.append(twin.Cell(sc.twin, op, list(rs), (before, 0.0, 0.0), (after, 0.0, 0.0),
+                                 max(before, after) > cores))  # fmt: skip
+    return out
+
+
+def real_name(twin_name: str) -> str:
+    return next(n for n, s in SCENARIOS.items() if s.twin == twin_name)
+
+
+def real_checks(runs: Sequence[RealRun]) -> list[str]:
+    """What the real engine adds to the twin's verdict: prefill_oom's cause named from vLLM's
+    own log, no OOM death after the relaunch, the unguarded server dying again and again."""
+    lines = []
+    g = [r for r in runs if r.scenario == "prefill_oom" and r.operator == "guardian+gate"]
+    u = [r for r in runs if r.scenario == "prefill_oom" and r.operator == "unguarded"]
+    if g:
+        named = all("prefill_burst" in r.named_causes for r in g)
+        after = [r.deaths_after_last_action for r in g]
+        lines.append(
+            f"- prefill_oom, real engine: guardian named prefill_burst from vLLM's log in "
+            f"{sum('prefill_burst' in r.named_causes for r in g)} of {len(g)} runs "
+            f"{'✓' if named else '✗'}; OOM deaths after its last relaunch {after} "
+            f"{'✓' if all(a == 0 for a in after) else '✗'}"
+            + (f"; unguarded died {[r.oom_crashes for r in u]} times "
+               f"{'✓' if all(r.oom_crashes >= 2 for r in u) else '✗'}" if u else "")
+        )  # fmt: skip
+    return lines
+
+
+def _mm(runs: Sequence[Any], name: str, fmt: str = "{:.1f}") -> str:
+    vals = [v for r in runs if (v := getattr(r, name)) is not None]
+    if not vals:
+        return "–"
+    med, lo, hi = statistics.median(vals), min(vals), max(vals)
+    if lo == hi:
+        return fmt.format(med)
+    return f"{fmt.format(med)} ({fmt.format(lo)}–{fmt.format(hi)})"
 
 
 def batched(flags: str) -> str:
@@ -384,31 +491,159 @@ def batched(flags: str) -> str:
     return f"--max-num-batched-tokens {values[-1]}" if values else "—"
 
 
-def markdown(runs: Sequence[RealRun], args: argparse.Namespace, commit: str) -> str:
+def twin_cells(path: Path) -> dict[tuple[str, str], twin.Cell]:
+    """The twin benchmark's report (bench/results/outcome.json), by (twin scenario, operator)."""
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for c in d.get("cells", []):
+        runs = [twin.Run(**{k: v for k, v in r.items() if k != "failed_pct"}) for r in c["runs"]]
+        out[(c["scenario"], c["operator"])] = twin.Cell(
+            c["scenario"], c["operator"], runs, tuple(c["load_before"]), tuple(c["load_after"]),
+            c["busy"], c.get("commit") or d.get("commit"))  # fmt: skip
+    return out
+
+
+def markdown(
+    pairs: Sequence[tuple[RealRun, dict[str, Any]]], twins: dict[tuple[str, str], twin.Cell],
+    twin_source: str,
+) -> str:  # fmt: skip
+    runs = [r for r, _ in pairs]
+    cells = cells_of(runs)
+    by = {(c.scenario, c.operator): c for c in cells}
+    invocations: dict[tuple[str, str], list[str]] = {}
+    for r, inv in pairs:
+        key = (" ".join(inv.get("command", [])), str(inv.get("commit")))
+        invocations.setdefault(key, []).append(f"{r.scenario}/{r.operator}/{r.seed}")
     lines = [
         "# Outcome on a real vLLM (0.32, CPU build, the tier's tiny model)",
         "",
-        f"Command: `.venv/bin/python bench/outcome_vllm.py {' '.join(args.argv)}` at {commit}.",
+        "The faults run through vLLM's own code (bench/outcome_vllm.py's docstring: a test-only "
+        "plugin raises torch's CUDA OOM in the model runner, SIGKILLs or blocks the engine core; "
+        "`overload` is real KV thrash at about twice what the server completes). Real time, no "
+        "speed-up; one run at a time on this 2-core host.",
+        "",
+        "Runs, each from one invocation (command, commit):",
+        "",
+    ]
+    for (cmd, commit), names in invocations.items():
+        lines.append(f"- `.venv/bin/python bench/outcome_vllm.py {cmd}` at {commit}: "
+                     f"{len(names)} runs ({', '.join(names)})")  # fmt: skip
+    lines += ["", "## The goal, per scenario (medians over the seeds)", ""]
+    for sc in SCENARIOS.values():
+        v = twin.verdict(sc.twin, by)
+        if v is not None:
+            lines.append(v.replace(f"- {sc.twin}:", f"- {sc.name}:", 1))
+    lines += real_checks(runs)
+    lines += [
+        "",
+        "## Real engine",
+        "",
+        "Each value: median over the seeds (min–max). *Split*: failed in flight at a fault / "
+        "arrived during an outage / other. *Detect*: the fault → the operator's first action or "
+        "vLLM's restart; *recover*: the fault → the first success among requests sent after it. "
+        "*Cold start*: this run's first vLLM start to `/health` 200, the physical limit of "
+        "recovery. *Failed* counts every request not answered whole: an HTTP error, a cut or "
+        "errored stream, a timeout, a refused connection, or vLLM's 200 with finish_reason "
+        '"abort".',
+        "",
+        "| scenario | operator | seeds | sent | failed % | split | detect s | recover s "
+        "| cold start s | down s | goodput tok/s | p99 TTFT s | OOMs logged | restarts | actions "
+        "| final flags | alerts | load before → after |",
+        "|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|",
+    ]
+    for c in cells:
+        rs: list[RealRun] = c.runs  # type: ignore[assignment]
+        split = "/".join(
+            twin._f(c.median(m), "{:.0f}")
+            for m in ("failed_in_flight", "failed_during_outage", "failed_other")
+        )
+        acts = sorted({a for r in rs for a in r.actions})
+        alerts = sorted({a for r in rs for a in r.alerts_fired})
+        lines.append(
+            f"| {real_name(c.scenario)} | {c.operator} | {','.join(str(r.seed) for r in rs)} "
+            f"| {_mm(rs, 'sent', '{:.0f}')} | {_mm(rs, 'failed_pct')} | {split} "
+            f"| {_mm(rs, 'time_to_detect_seconds')} | {_mm(rs, 'time_to_recover_seconds')} "
+            f"| {_mm(rs, 'cold_start_seconds')} | {_mm(rs, 'downtime_seconds')} "
+            f"| {_mm(rs, 'goodput_tokens_per_second', '{:.0f}')} | {_mm(rs, 'p99_ttft_seconds')} "
+            f"| {_mm(rs, 'logged_ooms', '{:.0f}')} | {_mm(rs, 'restarts', '{:.0f}')} "
+            f"| {'; '.join(acts) or '—'} | {', '.join(sorted({batched(r.final_flags) for r in rs}))} "
+            f"| {', '.join(alerts) or '—'} "
+            f"| {c.load_before[0]:.1f} → {c.load_after[0]:.1f}{' **busy**' if c.busy else ''} |"
+        )
+    lines += [
+        "",
+        f"## Beside the twin (bench/results/outcome.md{twin_source})",
+        "",
+        "The twin's cell for the same failure and operator: its scenario is the real one's "
+        "stand-in (`prefill_oom` ↔ `prefill_burst`, `engine_death` ↔ `exit_zero_death`, "
+        "`overload` ↔ `kv_thrash`). Real | twin, medians (the twin's seeds 7, 8, 9 at 4× speed: "
+        "its times are simulated seconds).",
+        "",
+        "| scenario | operator | failed % real \\| twin | split real \\| twin "
+        "| detect s real \\| twin | recover s real \\| twin | restarts real \\| twin |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in cells:
+        t = twins.get((c.scenario, c.operator))
+
+        def both(m: str, fmt: str = "{:.1f}", c: twin.Cell = c, t: twin.Cell | None = t) -> str:
+            return f"{twin._f(c.median(m), fmt)} \\| {twin._f(t.median(m), fmt) if t else '–'}"
+
+        def split(cell: twin.Cell | None) -> str:
+            if cell is None:
+                return "–"
+            return "/".join(twin._f(cell.median(m), "{:.0f}") for m in
+                            ("failed_in_flight", "failed_during_outage", "failed_other"))  # fmt: skip
+
+        lines.append(
+            f"| {real_name(c.scenario)} ↔ {c.scenario} | {c.operator} | {both('failed_pct')} "
+            f"| {split(c)} \\| {split(t)} | {both('time_to_detect_seconds')} "
+            f"| {both('time_to_recover_seconds')} | {both('restarts', '{:.0f}')} |"
+        )
+    lines += [
+        "",
+        "## Every run",
         "",
         "| scenario | operator | seed | sent | failed | in flight | outage | other | detect s "
-        "| recover s | cold start s | downtime s | OOMs logged | restarts | actions | final flags "
-        "| load before→after |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| recover s | cold start s | downtime s | OOMs logged | deaths after the last action "
+        "| restarts | actions | final flags | load before→after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
-
-        def f(v: float | None) -> str:
-            return "—" if v is None else f"{v:.1f}"
-
+        f = twin._f
         lines.append(
             f"| {r.scenario} | {r.operator} | {r.seed} | {r.sent} | {r.failed} "
             f"({r.failed_pct:.1f} %) | {r.failed_in_flight} | {r.failed_during_outage} | "
             f"{r.failed_other} | {f(r.time_to_detect_seconds)} | {f(r.time_to_recover_seconds)} | "
             f"{f(r.cold_start_seconds)} | {r.downtime_seconds:.1f} | {r.logged_ooms} | "
-            f"{r.restarts} | {'; '.join(r.actions) or '—'} | {batched(r.final_flags)} "
-            f"| {r.load_average[0]:.1f}→{r.load_average[1]:.1f} |"
+            f"{r.deaths_after_last_action} | {r.restarts} | {'; '.join(r.actions) or '—'} "
+            f"| {batched(r.final_flags)} | {r.load_average[0]:.1f}→{r.load_average[1]:.1f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def chart(runs: Sequence[RealRun]) -> str:
+    """The twin benchmark's chart (failed % per scenario and operator), the real names on it."""
+    svg = twin.chart_svg(cells_of(runs))
+    for name, sc in SCENARIOS.items():
+        svg = svg.replace(f">{sc.twin}<", f">{name}<")
+    return svg.replace("Failed requests (%)", "Failed requests (%) on a real vLLM")
+
+
+def write_report(out: Path, quick: bool, twin_json: Path) -> str:
+    pairs = read_runs(runs_file(out, quick))
+    suffix = "-quick" if quick else ""
+    twins = twin_cells(twin_json)
+    md = markdown(pairs, twins, "" if twins else ": not found")
+    (out / f"outcome-vllm{suffix}.md").write_text(md)
+    (out / f"outcome-vllm{suffix}.svg").write_text(chart([r for r, _ in pairs]))
+    (out / f"outcome-vllm{suffix}.json").write_text(json.dumps(
+        {"runs": [dataclasses.asdict(r) | {"failed_pct": r.failed_pct, "invocation": inv}
+                  for r, inv in pairs]}, indent=1, default=str))  # fmt: skip
+    return md
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -421,38 +656,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=180.0, help="load window, seconds")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--keep", action="store_true", help="keep each run's directory and logs")
+    p.add_argument("--report-only", action="store_true",
+                   help="write the report from the runs already in OUT's runs file")  # fmt: skip
+    p.add_argument("--twin", type=Path, default=ROOT / "bench" / "results" / "outcome.json",
+                   help="the twin benchmark's report to put beside")  # fmt: skip
     args = p.parse_args(argv)
-    args.argv = argv
     if args.quick:
         args.scenarios, args.operators = "prefill_oom", ",".join(QUICK_OPERATORS)
-    # The commit the run starts from (a later checkout of the tree must not rename it).
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True, check=False).stdout.strip()  # fmt: skip
-    venv = support.vllm_venv_or_skip()
-    model = Path(tempfile.mkdtemp(prefix="outcome-vllm-model-"))
-    support.build_model(venv, model)
-    runs: list[RealRun] = []
-    lock = support.host_lock()
-    try:
-        for scenario in args.scenarios.split(","):
-            for operator in args.operators.split(","):
-                for seed in (int(s) for s in args.seeds.split(",")):
-                    r = run_one(scenario, operator, seed, args.duration, venv, model, args.keep)
-                    runs.append(r)
-                    print(json.dumps(dataclasses.asdict(r), default=str), flush=True)
-    finally:
-        lock.close()
-    suffix = "-quick" if args.quick else ""
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"outcome-vllm{suffix}.json").write_text(
-        json.dumps(
-            {"command": argv, "commit": commit, "runs": [dataclasses.asdict(r) for r in runs]},
-            indent=1,
-            default=str,
-        )
-    )
-    (args.out / f"outcome-vllm{suffix}.md").write_text(markdown(runs, args, commit))
-    print(markdown(runs, args, commit))
+    if not args.report_only:
+        # The commit the run starts from (a later checkout of the tree must not rename it).
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, check=False).stdout.strip()  # fmt: skip
+        invocation = {"command": argv, "commit": commit}
+        venv = support.vllm_venv_or_skip()
+        model = Path(tempfile.mkdtemp(prefix="outcome-vllm-model-"))
+        support.build_model(venv, model)
+        lock = support.host_lock()
+        try:
+            for scenario in args.scenarios.split(","):
+                for operator in args.operators.split(","):
+                    for seed in (int(s) for s in args.seeds.split(",")):
+                        r = run_one(scenario, operator, seed, args.duration, venv, model,
+                                    args.keep)  # fmt: skip
+                        record = {"run": dataclasses.asdict(r), "invocation": invocation}
+                        # Appended as it ends: a long run stopped early keeps what it measured.
+                        with runs_file(args.out, args.quick).open("a") as f:
+                            f.write(json.dumps(record, default=str) + "\n")
+                        print(json.dumps(dataclasses.asdict(r), default=str), flush=True)
+        finally:
+            lock.close()
+    print(write_report(args.out, args.quick, args.twin))
     return 0
 
 

@@ -115,6 +115,14 @@ class Scripted:
             writer.write(sse + chunk + f"{len(err):x}\r\n".encode() + err + b"\r\n0\r\n\r\n")
         elif self.behaviour == "ended_without_done":  # a clean end, but no [DONE]
             writer.write(sse + chunk + b"0\r\n\r\n")
+        elif self.behaviour == "aborted_unary":  # vLLM at shutdown: 200, finish_reason "abort"
+            body = b'{"usage": {"completion_tokens": 0}, "choices": [{"finish_reason": "abort"}]}'
+            writer.write(f"HTTP/1.1 200 OK\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
+        elif self.behaviour == "aborted_stream":  # a token, an "abort" delta, then [DONE]
+            abort = b'data: {"choices": [{"text": "", "finish_reason": "abort"}]}\n\n'
+            done = b"data: [DONE]\n\n"
+            writer.write(sse + chunk + b"".join(f"{len(e):x}\r\n".encode() + e + b"\r\n"
+                                                for e in (abort, done)) + b"0\r\n\r\n")  # fmt: skip
         elif self.behaviour == "http_500":
             body = b'{"error": {"message": "cannot schedule new futures after shutdown"}}'
             writer.write(f"HTTP/1.1 500 x\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
@@ -146,6 +154,10 @@ class Scripted:
         ("error_event", True, OutcomeKind.STREAM_ERROR, 1),
         ("ended_without_done", True, OutcomeKind.INCOMPLETE, 1),
         ("http_500", False, OutcomeKind.HTTP_ERROR, 0),
+        # vLLM answers the requests it aborts (at shutdown, on a client's or an engine's
+        # abort) with 200 and finish_reason "abort": no answer, whatever the status says.
+        ("aborted_unary", False, OutcomeKind.ABORTED, 0),
+        ("aborted_stream", True, OutcomeKind.ABORTED, 1),
         ("hang_up", False, OutcomeKind.CONNECTION_ERROR, 0),
         ("silent", False, OutcomeKind.TIMEOUT, 0),
     ],

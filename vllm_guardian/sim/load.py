@@ -56,6 +56,9 @@ class OutcomeKind(enum.Enum):
     INCOMPLETE = "incomplete"  # the stream ended without [DONE]
     CONNECTION_ERROR = "connection_error"
     TIMEOUT = "timeout"  # no answer within the request's own time bound
+    # HTTP 200 with finish_reason "abort": vLLM aborted the request (its shutdown, an engine
+    # abort) and answered it empty or cut: no answer, whatever the status says.
+    ABORTED = "aborted"
     NOT_SENT = "not_sent"  # the window closed before its arrival
 
 
@@ -206,6 +209,10 @@ class _Answer:
         self.finish = choice.get("finish_reason") or self.finish
         return None
 
+    def kind(self) -> OutcomeKind:
+        """A whole answer's kind: OK, unless vLLM ended it with finish_reason "abort"."""
+        return OutcomeKind.ABORTED if self.finish == "abort" else OutcomeKind.OK
+
     def outcome(self, kind: OutcomeKind, status: int | None, error: str | None) -> RequestOutcome:
         now = time.monotonic()
         p = self.planned
@@ -239,14 +246,14 @@ def send_one(
                 return outcome(OutcomeKind.HTTP_ERROR, resp.status_code, resp.text[:500])
             if not stream:
                 answer.unary(resp.json())
-                return outcome(OutcomeKind.OK, 200, None)
+                return outcome(answer.kind(), 200, None)
             for event in _sse_events(resp):
                 error = answer.event(event)
                 if error is not None:
                     return outcome(OutcomeKind.STREAM_ERROR, 200, error)
                 if answer.done:
                     break
-            kind = OutcomeKind.OK if answer.done else OutcomeKind.INCOMPLETE
+            kind = answer.kind() if answer.done else OutcomeKind.INCOMPLETE
             return outcome(kind, 200, None)
     except requests.exceptions.ChunkedEncodingError as exc:
         return outcome(OutcomeKind.INCOMPLETE, 200, type(exc).__name__)
@@ -286,7 +293,7 @@ async def _send_one_async(
                 return outcome(OutcomeKind.HTTP_ERROR, resp.status, text[:500])
             if not stream:
                 answer.unary(json.loads(await resp.read()))
-                return outcome(OutcomeKind.OK, 200, None)
+                return outcome(answer.kind(), 200, None)
             async for raw in resp.content:
                 line = raw.decode("utf-8", "replace").rstrip("\r\n")
                 if not line.startswith("data: "):
@@ -296,7 +303,7 @@ async def _send_one_async(
                     return outcome(OutcomeKind.STREAM_ERROR, 200, error)
                 if answer.done:
                     break
-            kind = OutcomeKind.OK if answer.done else OutcomeKind.INCOMPLETE
+            kind = answer.kind() if answer.done else OutcomeKind.INCOMPLETE
             return outcome(kind, 200, None)
     except TimeoutError as exc:  # aiohttp's ServerTimeoutError is one
         return outcome(OutcomeKind.TIMEOUT, None, type(exc).__name__)

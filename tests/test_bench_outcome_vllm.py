@@ -1,0 +1,106 @@
+"""The real-engine outcome benchmark's report: runs appended as they end, read back, judged by
+the twin benchmark's verdict plus the real engine's own checks, and put beside the twin.
+
+Hand-made runs in, the report's fields out; the harness itself runs on the real vLLM tier
+(``--quick``) and in the benchmark, never here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def bench() -> ModuleType:
+    name = "bench_outcome_vllm"
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / "outcome_vllm.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(b: ModuleType, scenario: str, operator: str, seed: int, **kw: object) -> object:
+    base = {"sent": 100, "failed": 0, "cold_start_seconds": 28.0, "load_average": (0.5, 0.6)}
+    return b.RealRun(scenario, operator, seed, **(base | kw))
+
+
+def write(path: Path, b: ModuleType, runs: list[object], commit: str = "abc1234") -> None:
+    with path.open("a") as f:
+        for r in runs:
+            inv = {"command": ["--seeds", "7,8"], "commit": commit}
+            f.write(json.dumps({"run": dataclasses.asdict(r), "invocation": inv}) + "\n")
+
+
+def test_the_report_judges_real_runs_and_puts_the_twin_beside(tmp_path: Path) -> None:
+    b = bench()
+    runs = [
+        *(run(b, "prefill_oom", "unguarded", s, failed=60, oom_crashes=4) for s in (7, 8)),
+        *(run(b, "prefill_oom", "sidecar", s, failed=50) for s in (7, 8)),
+        *(
+            run(
+                b,
+                "prefill_oom",
+                "guardian+gate",
+                s,
+                failed=3,
+                named_causes=["prefill_burst"],
+                actions=["relaunch: prefill_burst"],
+                deaths_after_last_action=0,
+            )
+            for s in (7, 8)
+        ),
+        run(b, "steady", "unguarded", 7),
+        run(b, "steady", "guardian+gate", 7),
+    ]
+    write(b.runs_file(tmp_path, False), b, runs)
+    twin = {"cells": [{"scenario": "prefill_burst", "operator": "guardian+gate",
+                       "load_before": [0, 0, 0], "load_after": [0, 0, 0], "busy": False,
+                       "runs": [{"scenario": "prefill_burst", "operator": "guardian+gate",
+                                 "seed": 7, "sent": 279, "failed": 2}]}]}  # fmt: skip
+    (tmp_path / "twin.json").write_text(json.dumps(twin))
+    md = b.write_report(tmp_path, False, tmp_path / "twin.json")
+    assert "- prefill_oom: met" in md, md
+    assert "- steady: met" in md, md
+    assert "named prefill_burst from vLLM's log in 2 of 2 runs ✓" in md, md
+    assert "OOM deaths after its last relaunch [0, 0] ✓" in md, md
+    # The twin's cell beside the real one: 3 % real, 0.7 % (2 of 279) on the twin.
+    row = next(line for line in md.splitlines() if line.startswith("| prefill_oom ↔ prefill_burst | guardian+gate"))  # fmt: skip
+    assert "3.0 \\| 0.7" in row, row
+    assert "`.venv/bin/python bench/outcome_vllm.py --seeds 7,8` at abc1234: 8 runs" in md, md
+    svg = (tmp_path / "outcome-vllm.svg").read_text()
+    assert ">prefill_oom<" in svg and ">prefill_burst<" not in svg
+    saved = json.loads((tmp_path / "outcome-vllm.json").read_text())
+    assert len(saved["runs"]) == 8 and saved["runs"][0]["invocation"]["commit"] == "abc1234"
+
+
+def test_a_missed_goal_is_named_and_a_later_run_replaces_an_earlier(tmp_path: Path) -> None:
+    b = bench()
+    path = b.runs_file(tmp_path, False)
+    write(path, b, [run(b, "engine_death", "unguarded", 7, failed=40),
+                    run(b, "engine_death", "guardian+gate", 7, failed=30)])  # fmt: skip
+    md = b.write_report(tmp_path, False, tmp_path / "absent.json")
+    assert "- engine_death: MISSED" in md and "bench/results/outcome.md: not found" in md, md
+    write(path, b, [run(b, "engine_death", "guardian+gate", 7, failed=1)], commit="def5678")
+    md = b.write_report(tmp_path, False, tmp_path / "absent.json")
+    assert "- engine_death: met" in md, md
+    assert "at def5678: 1 runs (engine_death/guardian+gate/7)" in md, md
+
+
+def test_a_corrupt_runs_file_names_its_line(tmp_path: Path) -> None:
+    b = bench()
+    path = b.runs_file(tmp_path, False)
+    write(path, b, [run(b, "steady", "unguarded", 7)])
+    with path.open("a") as f:
+        f.write('{"run": {"scenario": "steady"\n')
+    with pytest.raises(SystemExit, match=r"outcome-vllm\.runs\.jsonl:2: not a run record"):
+        b.read_runs(path)
