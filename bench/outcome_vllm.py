@@ -90,7 +90,7 @@ BASE_FLAGS = (
     "--max-num-batched-tokens", "1024", "--shutdown-timeout", "10",
 )  # fmt: skip
 FAULT_AT_SECONDS = 45.0
-OVERLOAD_RATE = 1.0
+OVERLOAD_RATE = 1.6
 # The tiny model on two cores serves a few requests a second; this load keeps it busy, not
 # saturated, so the steady control fails nothing. Bursts of long prompts every 30 s: the
 # prefill whose step is over the budget in prefill_oom.
@@ -109,8 +109,9 @@ LOAD = LoadProfile(
 
 
 # An overload: about twice what the server completes with its KV pool full (longer answers,
-# more often), no fault. No restart or flag cures it; the guardian must not act, and its
-# over-capacity alert (two minutes over its two-minute window) must fire: a longer window.
+# more often: at 1.0 a second it served 430 of the 600 tokens a second asked, 32 of 307 timing
+# out; 1.6 asks about 2x), no fault. No restart or flag cures it; the guardian must not act, and
+# its over-capacity alert (two minutes over its two-minute window) must fire: a longer window.
 OVERLOAD_LOAD = dataclasses.replace(
     LOAD,
     rate_per_second=OVERLOAD_RATE,
@@ -650,8 +651,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS))
-    p.add_argument("--operators", default=",".join(OPERATORS))
+    p.add_argument("--scenarios", default=None, help="default: all (--quick: prefill_oom)")
+    p.add_argument("--operators", default=None,
+                   help="default: all (--quick: unguarded,guardian+gate)")  # fmt: skip
     p.add_argument("--seeds", default="7")
     p.add_argument("--duration", type=float, default=180.0, help="load window, seconds")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
@@ -661,8 +663,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--twin", type=Path, default=ROOT / "bench" / "results" / "outcome.json",
                    help="the twin benchmark's report to put beside")  # fmt: skip
     args = p.parse_args(argv)
-    if args.quick:
-        args.scenarios, args.operators = "prefill_oom", ",".join(QUICK_OPERATORS)
+    if args.scenarios is None:
+        args.scenarios = "prefill_oom" if args.quick else ",".join(SCENARIOS)
+    if args.operators is None:
+        args.operators = ",".join(QUICK_OPERATORS if args.quick else OPERATORS)
+    for name, known in (("scenarios", SCENARIOS), ("operators", OPERATORS)):
+        unknown = set(getattr(args, name).split(",")) - set(known)
+        if unknown:
+            p.error(f"--{name}: unknown {sorted(unknown)}; known: {', '.join(known)}")
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         # The commit the run starts from (a later checkout of the tree must not rename it).
