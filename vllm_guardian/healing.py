@@ -1,8 +1,8 @@
 """The act half of the tick: apply the effects of the pure ``core/step.step`` in one place.
 
-Where it sits: the daemon collects a snapshot, appends it to the history and calls
-:meth:`Healing.run`, which calls ``step`` (signals → alerts → policy → readiness, all pure)
-and then applies its effects, in order:
+Where it sits: the daemon collects a snapshot and calls :meth:`Healing.run`, which hands it to
+the tick driver (``core/driver.py``: the history window, then ``step``: signals → alerts →
+policy → readiness, all pure) and then applies its effects, in order:
 
 1. alert transitions are queued to the sinks (delivery never blocks the tick); those the step
    inhibited (vLLM down because of the guardian's own restart: ``core/inhibition.py``) are not,
@@ -45,6 +45,7 @@ from vllm_guardian.config import Config
 from vllm_guardian.container import container_mode, pod_identity
 from vllm_guardian.core import alerting, inhibition, policy
 from vllm_guardian.core import step as core_step
+from vllm_guardian.core.driver import Driver, history_span_seconds, settings_from_config
 from vllm_guardian.core.signals import Signals
 from vllm_guardian.model import (
     Action,
@@ -88,21 +89,22 @@ class Healing:
         self,
         cfg: Config,
         clock: Clock,
-        history: Sequence[Snapshot],
+        history: collections.deque[Snapshot] | None = None,
         backends: Mapping[str, RestartBackend] | None = None,
         dispatcher: AlertDispatcher | None = None,
     ) -> None:
         self.cfg = cfg
         self.clock = clock
-        self._history = history
         self.rules = load_rules(cfg.alerting)
         self.dispatcher = dispatcher or AlertDispatcher(cfg.alerting, clock)
         state_dir = Path(cfg.state_dir)
         self.state_path = state_dir / "policy-state.json"
         self.audit = AuditLog(state_dir / "audit.jsonl", identity=pod_identity(os.environ))
         names = [s.name for s in cfg.services]
-        self.settings = self._settings(cfg, self.rules)
-        self.tick_state = core_step.initial(names, self._restore(self.state_path))
+        # The window (shared with the daemon's, which observes through a drain too), the
+        # settings and the state: what surrounds the pure step, built as replay builds it.
+        self.driver = Driver.for_config(cfg, self.rules, history)
+        self.driver.state = core_step.initial(names, self._restore(self.state_path))
         self.supervisors: dict[str, Supervisor] = {}
         self._lock = threading.RLock()
         self._gates: dict[str, GateState] = {}
@@ -165,26 +167,17 @@ class Healing:
             log.error("fleet.permit is lease but the permit adapter cannot start: %s", e)
             return None
 
-    @staticmethod
-    def _settings(cfg: Config, rules: Sequence[alerting.Rule]) -> core_step.StepSettings:
-        lease = cfg.fleet.permit == "lease"
-        permit = cfg.fleet.wait_timeout_seconds if lease else None
-        # Renewed three times per Lease duration: a renewal lost to a slow API server still
-        # leaves two before a guardian mid-action loses its permit to another replica.
-        renew = cfg.fleet.lease_ttl_seconds / 3 if lease else None
-        return core_step.settings_for(
-            rules,
-            policy.PolicySettings(
-                cfg.policy,
-                tuple(s.name for s in cfg.services),
-                {r.name: r.signal for r in rules},
-                permit_timeout_seconds=permit,
-                permit_renew_seconds=renew,
-                commands=policy.commands_of(cfg),
-            ),
-            cfg.services,
-            cfg.signals,
-        )
+    @property
+    def settings(self) -> core_step.StepSettings:
+        return self.driver.settings
+
+    @property
+    def tick_state(self) -> core_step.TickState:
+        return self.driver.state
+
+    @tick_state.setter
+    def tick_state(self, state: core_step.TickState) -> None:
+        self.driver.state = state
 
     @property
     def state(self) -> policy.PolicyState:
@@ -263,7 +256,7 @@ class Healing:
     # --- what the actuators need ---------------------------------------------------------------
 
     def _bundle_context(self, service: str) -> tuple[Any, Sequence[Snapshot]]:
-        return self.cfg.service(service), list(self._history)
+        return self.cfg.service(service), list(self.driver.history)
 
     def _capture_bundle(self, req: OpRequest) -> str | None:
         action = self._started.get(req.action_id) or Action(
@@ -282,12 +275,12 @@ class Healing:
 
     # --- one tick ------------------------------------------------------------------------------
 
-    def run(self, history: Sequence[Snapshot], now: float) -> tuple[Signals, list[dict[str, Any]]]:
-        """Step the pure core over ``history`` (newest last) and apply its effects. Returns the
-        derived signals and the tick's records (decisions, alert transitions) for the flight
-        recorder."""
+    def run(self, snapshot: Snapshot, now: float) -> tuple[Signals, list[dict[str, Any]]]:
+        """Hand this tick's ``snapshot`` to the driver (window, then the pure step) and apply
+        the effects. Returns the derived signals and the tick's records (decisions, alert
+        transitions) for the flight recorder."""
         with self._lock:
-            self.tick_state, fx = core_step.step(self.tick_state, history, now, self.settings)
+            fx = self.driver.tick(snapshot, now)
             # Inhibited transitions are recorded too: their alert's inhibited_by says why.
             records = [to_jsonable(d) for d in fx.decisions] + [
                 {"transition": to_jsonable(t)} for t in (*fx.transitions, *fx.inhibited)
@@ -476,7 +469,7 @@ class Healing:
             self.dispatcher = AlertDispatcher(cfg.alerting, self.clock)
             self.rules = rules
             self.cfg = cfg
-            self.settings = self._settings(cfg, rules)
+            self.driver.reconfigure(settings_from_config(cfg, rules), history_span_seconds(cfg))
             self.tick_state = replace(
                 self.tick_state, policy=policy.initial_state(names, self.state, restarted=False)
             )

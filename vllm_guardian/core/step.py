@@ -1,8 +1,8 @@
 """One tick's whole decision: ``step(state, history, now, settings) → (state, effects)``. Pure.
 
-Where it sits: between collecting and acting. The daemon collects a snapshot, appends it to its
-history and calls :func:`step`; ``replay`` feeds recorded snapshots to the same function; so do
-the tests and ``bench/tick.py``. In order:
+Where it sits: between collecting and acting. Every runner of the tick (the daemon, ``replay``,
+the virtual-time harness, the inhibition tests, ``bench/forecast.py``) hands its snapshots to
+one ``core/driver.Driver``, which keeps the history window and calls :func:`step`. In order:
 
 1. derive the signals from the history window (``core/signals.py``);
 2. evaluate the alert rules (``core/alerting.py``) with the policy's own figures of the previous
@@ -22,7 +22,6 @@ audit, results to count, readiness to publish. The shell applies them in one pla
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -90,13 +89,6 @@ def settings_for(
 
 def initial(services: Sequence[str], previous: policy.PolicyState | None = None) -> TickState:
     return TickState(policy.initial_state(services, previous))
-
-
-def trim(history: collections.deque[Snapshot], span_seconds: float) -> None:
-    """Keep the window the signals need (and at least the newest snapshot)."""
-    now = history[-1].time_seconds
-    while len(history) > 1 and history[0].time_seconds < now - span_seconds:
-        history.popleft()
 
 
 def step(
