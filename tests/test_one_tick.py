@@ -299,3 +299,50 @@ def test_replay_of_a_fleet_guardians_recording_waits_for_the_permit_as_the_daemo
     assert replayed == live, "replay and the daemon disagree:\n" + "\n".join(
         json.dumps(x) for x in [*live, "---", *replayed]
     )
+
+
+def test_replay_applies_the_operators_commands_where_the_daemon_took_them(tmp_path: Path) -> None:
+    """pause, resume and restart on the control socket act at once (the front door closes with
+    the command) and are kept in the next tick's snapshot, their decisions in its record: replay
+    applies them again at the same point, so it meets the daemon's decisions, the operator's
+    restart phase by phase included (and a refused command's decision)."""
+    cfg = parse_config(CONFIG.format(d=tmp_path))
+    clock = FakeClock()
+    world = World()
+    world.clock = clock
+    g = guardian_on(cfg, clock, world)
+    healing = g.healing
+    assert healing is not None
+    commands = {
+        3: ("pause", None, {}),
+        6: ("resume", None, {}),
+        8: ("restart", "vllm", {"who": "alice"}),
+        9: ("restart", "vllm", {"who": "bob"}),  # refused: an action is under way
+    }
+    try:
+        for i in range(20):
+            g.tick()
+            healing.runner.join(30)
+            clock.advance(1)
+            if i in commands:
+                cmd, service, args = commands[i]
+                healing.control(cmd, service, **args)
+            clock.advance(1)
+    finally:
+        g.close()
+
+    records = [r for r in read_records(tmp_path / "flight.jsonl") if isinstance(r, dict)]
+    live = [d for r in records for d in r["decisions"] if "transition" not in d]
+    said = [(d["what"], d["phase"]) for d in live]
+    for want in [("pause", None), ("resume", None), ("action", None), ("operator", None),
+                 ("phase", "draining"), ("result", None)]:  # fmt: skip
+        assert want in said, (want, said)
+    replayed = [
+        line.body
+        for line in replay([snapshot_from_record(r) for r in records], cfg)
+        if line.kind == "decision"
+    ]
+    assert replayed == live, "replay and the daemon disagree:\n" + "\n".join(
+        json.dumps(x) for x in [*live, "---", *replayed]
+    )
+    assert len(world.restarts) == 1

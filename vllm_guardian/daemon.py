@@ -187,7 +187,8 @@ class Guardian:
         signals: Signals | None = None
         if self.healing is not None:
             try:
-                signals, records = self.healing.run(snapshot, now)
+                # The snapshot as stepped: with the operator commands taken since the last tick.
+                snapshot, signals, records = self.healing.run(snapshot, now)
                 decisions.extend(records)
                 for name, gate in self.healing.gates().items():
                     self.exposition.set_gate(name, gate)

@@ -52,7 +52,9 @@ from vllm_guardian.model import (
     ActionKind,
     Alert,
     AlertState,
+    CommandKind,
     GateState,
+    OperatorCommand,
     OpRequest,
     OpResult,
     Snapshot,
@@ -114,6 +116,8 @@ class Healing:
         self._started: dict[int, Action] = {}  # actions under way, for their bundles
         self.save_error: str | None = None
         self.recent: collections.deque[policy.Decision] = collections.deque(maxlen=20)
+        # The decisions of the operator commands taken since the last tick, for its record.
+        self._command_records: list[dict[str, Any]] = []
         if backends is None:
             backends = self._build_backends()
         # The recent decisions and alert transitions (JSON, as recorded): the alert and phase
@@ -275,19 +279,23 @@ class Healing:
 
     # --- one tick ------------------------------------------------------------------------------
 
-    def run(self, snapshot: Snapshot, now: float) -> tuple[Signals, list[dict[str, Any]]]:
+    def run(self, snapshot: Snapshot, now: float) -> tuple[Snapshot, Signals, list[dict[str, Any]]]:
         """Hand this tick's ``snapshot`` to the driver (window, then the pure step) and apply
-        the effects. Returns the derived signals and the tick's records (decisions, alert
-        transitions) for the flight recorder."""
+        the effects. Returns the snapshot as stepped (with the operator commands taken since
+        the last tick), the derived signals and the tick's records (the commands' decisions,
+        then the step's decisions and alert transitions) for the flight recorder."""
         with self._lock:
             fx = self.driver.tick(snapshot, now)
+            commands, self._command_records = self._command_records, []
             # Inhibited transitions are recorded too: their alert's inhibited_by says why.
-            records = [to_jsonable(d) for d in fx.decisions] + [
-                {"transition": to_jsonable(t)} for t in (*fx.transitions, *fx.inhibited)
-            ]
+            records = (
+                commands
+                + [to_jsonable(d) for d in fx.decisions]
+                + [{"transition": to_jsonable(t)} for t in (*fx.transitions, *fx.inhibited)]
+            )
             self._events.extend(records)  # before _apply: an action's end redraws its picture
             self._apply(fx)
-            return fx.signals, records
+            return self.driver.history[-1], fx.signals, records
 
     def _apply(self, fx: core_step.Effects) -> None:
         try:  # queued: a slow webhook never delays the tick
@@ -405,20 +413,22 @@ class Healing:
                     "decisions": [to_jsonable(d) for d in got],
                     "phase": running.phase.value if running is not None else None,
                 }
+        if cmd not in ("pause", "resume"):
+            return {"ok": False, "error": f"unknown command {cmd!r}"}
         with self._lock:
-            state = self.state
-            if cmd == "pause":
-                state, decisions = policy.pause(state, service, now)
-            elif cmd == "resume":
-                state, decisions = policy.resume(state, service, now)
-            else:
-                return {"ok": False, "error": f"unknown command {cmd!r}"}
-            self.tick_state = replace(self.tick_state, policy=state)
+            decisions = self._command(OperatorCommand(now, CommandKind(cmd), service)).decisions
             self.audit.write(decisions)
             self._save()
         for d in decisions:
             log.warning("operator %s [%s]: %s", d.what.value, d.service, d.reason)
         return {"ok": True, "changed": [d.service for d in decisions]}
+
+    def _command(self, cmd: OperatorCommand) -> policy.PolicyOutput:
+        """Through the driver (the caller holds the lock): applied now, kept in the next
+        snapshot, its decisions in the next tick's flight record, so replay applies it again."""
+        out = self.driver.command(cmd)
+        self._command_records.extend(to_jsonable(d) for d in out.decisions)
+        return out
 
     def _operator(
         self, cmd: str, service: str | None, now: float, args: Mapping[str, Any]
@@ -435,13 +445,11 @@ class Healing:
         if cmd == "restart" and (content.flags or args.get("reset")):
             return {"ok": False, "error": "restart takes no flags: use relaunch"}
         who = str(args.get("who") or "an operator")[:200]
-        kind = ActionKind.RESTART if cmd == "restart" else ActionKind.RELAUNCH
         with self._lock:
-            out = policy.operator_action(
-                self.state, service, kind, content.flags, bool(args.get("reset")), who,
-                bool(args.get("force")), now, self.settings.policy,
+            out = self._command(
+                OperatorCommand(now, CommandKind(cmd), service, content.flags,
+                                bool(args.get("reset")), who, bool(args.get("force")))
             )  # fmt: skip
-            self.tick_state = replace(self.tick_state, policy=out.state)
             s = out.state.service(service)
             if out.actions and not s.gate_open:
                 # The front door closes with the command, not at the next tick: that tick may

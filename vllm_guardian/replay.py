@@ -3,11 +3,13 @@
 The flight recorder keeps every tick's snapshot. Replay feeds them, in order, to the same tick
 driver the daemon runs (``core/driver.py``: the settings built from the config, the history
 window, then the pure ``core/step.step``: signals → alerts → policy, with the phases of an
-action) with the given config, and prints what would have been decided, phase by phase. Nothing is
-executed. The blocking calls an action asks for (bundle, flags file, restart) get their results
-from the recording when it holds them (a guardian that acted recorded each call's result in the
-next snapshot), matched by service and call in order; a recording without any (an observing or
-dry-run guardian) has each call succeed at the next recorded tick. Everything else an action
+action) with the given config, and prints what would have been decided, phase by phase.
+Nothing is executed. The blocking calls an action asks for (bundle, flags file, restart) get
+their results from the recording when it holds them (a guardian that acted recorded each call's
+result in the next snapshot), matched by service and call in order; a recording without any (an
+observing or dry-run guardian) has each call succeed at the next recorded tick. The operator's
+commands (pause, resume, restart, relaunch) are in the recording too, each in the snapshot of
+the tick after it, and are applied again where the daemon took them. Everything else an action
 waits for (the drain, the old instance's GPU memory, readiness) is read from the recorded
 snapshots, so an operator can try a new threshold or ladder on a real incident before arming it.
 """
@@ -45,6 +47,13 @@ def replay(snapshots: Iterable[Snapshot], cfg: Config) -> Iterator[ReplayLine]:
     pending: list[OpRequest] = []  # calls the replayed policy asked for, not yet answered
     for snap in snaps:
         now = snap.time_seconds
+        # The operator's commands came between the last tick and this one: applied again
+        # first, as the daemon applied them, their calls then answered like the policy's.
+        for cmd in snap.commands:
+            out = driver.command(cmd)
+            pending.extend(out.ops)
+            for d in out.decisions:
+                yield ReplayLine(cmd.time_seconds, "decision", to_jsonable(d))
         results, pending = _answer(pending, snap, recorded)
         fx = driver.tick(replace(snap, op_results=results), now)
         for t in (*fx.transitions, *fx.inhibited):  # inhibited: its alert's inhibited_by is set

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
+from dataclasses import replace
 
 from vllm_guardian.config import Config
 from vllm_guardian.core import alerting, policy
@@ -20,11 +21,12 @@ from vllm_guardian.core.step import (
     Effects,
     StepSettings,
     TickState,
+    command,
     initial,
     settings_for,
     step,
 )
-from vllm_guardian.model import Snapshot
+from vllm_guardian.model import OperatorCommand, Snapshot
 
 
 def settings_from_config(cfg: Config, rules: Sequence[alerting.Rule]) -> StepSettings:
@@ -91,6 +93,7 @@ class Driver:
         self.history: collections.deque[Snapshot] = (
             history if history is not None else collections.deque()
         )
+        self._commands: list[OperatorCommand] = []  # taken since the last tick, in order
 
     @classmethod
     def for_config(
@@ -108,9 +111,20 @@ class Driver:
         """Into the window, without deciding."""
         remember(self.history, snapshot, self.span_seconds)
 
+    def command(self, cmd: OperatorCommand) -> policy.PolicyOutput:
+        """An operator's command, applied now (``core/step.command``) and kept for the next
+        snapshot."""
+        self.state, out = command(self.state, cmd, self.settings)
+        self._commands.append(cmd)
+        return out
+
     def tick(self, snapshot: Snapshot, now: float) -> Effects:
-        """One tick: ``snapshot`` into the window, then the step at ``now``. The snapshot stays
-        in the window even if the step raises (the daemon goes on observing)."""
+        """One tick: ``snapshot`` into the window, with the commands taken since the last tick
+        (``history[-1]`` is the snapshot to record), then the step at ``now``. The snapshot
+        stays in the window even if the step raises (the daemon goes on observing)."""
+        if self._commands:
+            snapshot = replace(snapshot, commands=tuple(self._commands))
+            self._commands = []
         self.observe(snapshot)
         self.state, fx = step(self.state, list(self.history), now, self.settings)
         return fx

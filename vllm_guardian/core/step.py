@@ -23,7 +23,7 @@ audit, results to count, readiness to publish. The shell applies them in one pla
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from vllm_guardian.config import ServiceConfig, SignalsConfig
@@ -31,10 +31,13 @@ from vllm_guardian.core import alerting, inhibition, policy
 from vllm_guardian.core.signals import Signals, derive
 from vllm_guardian.model import (
     Action,
+    ActionKind,
     ActionResult,
     Alert,
+    CommandKind,
     GateState,
     HealthState,
+    OperatorCommand,
     OpRequest,
     Snapshot,
 )
@@ -128,6 +131,29 @@ def step(
     )
     new = TickState(out.state, MappingProxyType(held.alerts), run_since, served, held.settled)
     return new, effects
+
+
+def command(
+    state: TickState, cmd: OperatorCommand, settings: StepSettings
+) -> tuple[TickState, policy.PolicyOutput]:
+    """An operator's command between two ticks, at ``cmd.time_seconds``: pause, resume, or an
+    action (restart, relaunch) with the same phases as the policy's own, refused while another
+    runs. Applied when it comes, not at the next tick: the front door closes with the command
+    (that tick may wait on the bundle's capture). The driver keeps the command for the next
+    snapshot, where replay finds it and applies it again at the same point."""
+    p, now = state.policy, cmd.time_seconds
+    if cmd.kind in (CommandKind.PAUSE, CommandKind.RESUME):
+        change = policy.pause if cmd.kind is CommandKind.PAUSE else policy.resume
+        new, decisions = change(p, cmd.service, now)
+        out = policy.PolicyOutput(new, (), decisions)
+    else:
+        if cmd.service is None:
+            raise ValueError(f"{cmd.kind.value} needs a service")
+        kind = ActionKind.RESTART if cmd.kind is CommandKind.RESTART else ActionKind.RELAUNCH
+        out = policy.operator_action(
+            p, cmd.service, kind, cmd.flags, cmd.reset, cmd.who, cmd.force, now, settings.policy
+        )
+    return replace(state, policy=out.state), out
 
 
 def gate_states(
