@@ -42,6 +42,7 @@ TOKENS = 8000
 HANG_AT_SECONDS = 30.0  # the engine_hang scenario's, simulated
 SEND_AT_SECONDS = HANG_AT_SECONDS - 7
 PROMPT = "the quick brown fox"
+ABORTED_TOKENS = 2000  # a request's in the restart test: generating when the SIGTERM comes
 
 
 def wait_for(cond: Callable[[], bool], what: Callable[[], str], timeout: float = 60.0) -> None:
@@ -105,9 +106,9 @@ class HungGate:
         self.lt.close()
 
 
-def stream(url: str) -> dict[str, Any]:
+def stream(url: str, tokens: int = TOKENS) -> dict[str, Any]:
     """A streamed completion read to its end: its text, last finish_reason, usage, events."""
-    doc = {"model": "tiny", "prompt": PROMPT, "max_tokens": TOKENS, "stream": True,
+    doc = {"model": "tiny", "prompt": PROMPT, "max_tokens": tokens, "stream": True,
            "temperature": 0, "ignore_eos": True,
            "stream_options": {"include_usage": True}}  # fmt: skip
     text, finish, usage, ids, done, first_text_at = "", None, None, set(), False, None
@@ -129,8 +130,8 @@ def stream(url: str) -> dict[str, Any]:
             "first_text_at": first_text_at}  # fmt: skip
 
 
-def unary(url: str) -> dict[str, Any]:
-    doc = {"model": "tiny", "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0,
+def unary(url: str, tokens: int = TOKENS) -> dict[str, Any]:
+    doc = {"model": "tiny", "prompt": PROMPT, "max_tokens": tokens, "temperature": 0,
            "ignore_eos": True}  # fmt: skip
     r = requests.post(f"{url}/v1/completions", json=doc, timeout=120)
     assert r.status_code == 200, r.text
@@ -206,3 +207,69 @@ def test_a_hung_engines_requests_are_taken_back_and_served_by_the_restarted_one(
     assert had_text >= 1, answers[:2]
     assert continued.endswith(f" {had_text:.1f}"), (continued, had_text)
     assert taken_back >= 3 and retried == taken_back - had_text, (taken_back, retried, had_text)
+
+
+def test_a_restarts_aborted_answers_are_continued_or_sent_again(
+    tmp_path: Path, free_port: int, twins: list[TwinProc]
+) -> None:
+    """vLLM shutting down (the guardian's restart: SIGTERM, ``--shutdown-timeout 0``) answers
+    what it aborts with HTTP 200 and ``finish_reason: "abort"``. Through the gate, two streams
+    generating and a unary request in flight at the SIGTERM each get their whole answer from
+    the restarted twin: the streams continued, the unary request sent again; no client sees
+    the abort. About 6 s: two twin starts (~2 s each), the SIGTERM after 300 of 3 × 2,000
+    tokens (~3 s of generation left), the rest on the restarted twin."""
+    t0 = time.monotonic()
+    # A 70B model's step: 2,000 tokens take ~3 s at 20 simulated seconds a second.
+    old = twin_on(tmp_path, free_port, "--sim-model", "llama-3-70b")
+    twins.append(old)
+    print(f"twin up {time.monotonic() - t0:.1f} s")
+    lt = LoopThread("gate")
+    gate = Gate(
+        GateSettings(
+            proxy=ProxySettings(upstream=old.url, keepalive_comment_seconds=0.5),
+            listen_port=0,
+            limits=Limits(max_wait_seconds=60.0, release_rate_per_second=0),
+            poll_interval_seconds=0.05,
+            suspect_seconds=0.2,
+            stall_hold_seconds=0,
+            shutdown_timeout_seconds=1.0,
+        )
+    )
+    lt.run(gate.start())
+    url = f"http://127.0.0.1:{gate.port}"
+
+    def generated() -> float:
+        text = requests.get(f"{old.url}/metrics", timeout=10).text
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:generation_tokens_total{")
+        )
+
+    with ThreadPoolExecutor(4) as pool:
+        try:
+            futures = [pool.submit(stream, url, ABORTED_TOKENS), pool.submit(stream, url, ABORTED_TOKENS),
+                       pool.submit(unary, url, ABORTED_TOKENS)]  # fmt: skip
+            wait_for(lambda: generated() >= 300, lambda: f"tokens generated: {generated()}")
+            assert not any(f.done() for f in futures), [f.result() for f in futures if f.done()]
+            stopped_at = time.monotonic()
+            print(f"generating {time.monotonic() - t0:.1f} s")
+            stop(old)  # SIGTERM: the twin answers what it aborts, then exits
+            print(f"stopped {time.monotonic() - t0:.1f} s")
+            twins.append(twin_on(tmp_path, free_port))
+            print(f"restarted {time.monotonic() - t0:.1f} s")
+            answers = [f.result(timeout=120) for f in futures]
+            print(f"served {time.monotonic() - t0:.1f} s")
+            text = requests.get(f"{url}/metrics", timeout=10).text
+        finally:
+            lt.run(gate.stop())
+            lt.close()
+    expected = " tok" * ABORTED_TOKENS
+    for a in answers:
+        assert (len(a["text"]), a["finish"]) == (len(expected), "length")
+        assert a["text"] == expected and a["usage"]["completion_tokens"] == ABORTED_TOKENS
+    for a in answers[:2]:
+        assert a["done"] and len(a["ids"]) == 1, a["ids"]
+        assert a["first_text_at"] is not None and a["first_text_at"] < stopped_at
+    assert 'continuations_total{outcome="continued",reason="abort",service="vllm"} 2.0' in text
+    assert 'upstream_errors_total{phase="aborted",service="vllm"} 1.0' in text
