@@ -6,7 +6,9 @@ gate whose progress watch holds after 2 s. Streams that were generating, and str
 requests that reached the hung engine and got nothing, are in flight when it hangs. The gate
 takes them back (closes their upstream connections); the test then does what the guardian
 does, a restart (the twin killed, a fresh one on the same port), and every client gets its
-whole answer: one uninterrupted stream, with the text of an uncut one.
+whole answer: one uninterrupted stream, with the text of an uncut one. Before the restart the
+test ends the gate's hold by hand, as it ended on the real vLLM with the engine still hung:
+what was taken back stays in the gate until the engine is a new one.
 
 The twin's text is one " tok" per token, so an uncut answer of N tokens is known without
 running one. About 14 s: two twin starts (~3 s each), ~1.5 s to the hang (the requests go 7
@@ -180,6 +182,20 @@ def test_a_hung_engines_requests_are_taken_back_and_served_by_the_restarted_one(
             taken_back_at, taken_back = time.monotonic(), g.taken_back
             print(f"taken back {time.monotonic() - t0:.1f} s after the gate started")
             assert not g.status()["open"]
+            # The hold ends with the engine still hung (on the real vLLM it did, and what was
+            # sent again went into the hung engine): what was taken back stays in the gate
+            # until the engine is a new one.
+            follower = g.gate.follower
+            assert follower is not None
+            follower.progress.hold_after_seconds = 1e9
+            polls = follower.polls
+            wait_for(
+                lambda: follower.polls >= polls + 10 and follower.progress.stalled() is None,
+                lambda: f"ten polls after the hold ended: {g.status()}",
+            )
+            status = g.status()
+            assert (status["queue_depth"], status["in_flight"], status["open"]) == (5, 0, False)
+            assert "taken back" in status["reason"], status
             # What the guardian does after signals.stall_seconds: a restart.
             stop(hung)
             twins.append(twin_on(tmp_path, free_port))

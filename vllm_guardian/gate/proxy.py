@@ -33,7 +33,8 @@ One exchange, in order:
    (not answered yet and not retried yet; a continued stream with continuations left) are
    taken back: their upstream connection is closed (``UpstreamPool.take_back``), which vLLM
    reads as an abort, and they go the way of 4, waiting at the head of the queue for the
-   restarted engine;
+   restarted engine (the follower keeps the gate closed until the engine is a new one, or the
+   same one generates again: ``follower.py``);
 6. a client that goes away cancels the handler (``handler_cancellation``): a queued request
    leaves the queue; a forwarded one has its upstream connection closed, which is how vLLM
    learns to abort it and free its KV blocks.
