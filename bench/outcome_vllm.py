@@ -91,6 +91,11 @@ BASE_FLAGS = (
 )  # fmt: skip
 FAULT_AT_SECONDS = 45.0
 OVERLOAD_RATE = 1.6
+# The load client's bound on each request. The twin's client waits 30 s of real time at 4x
+# speed: 120 s on the engine's clock, on which its restarts, drains and holds run. The same
+# budget here, where the engine's clock is real time: 120 s (a real vLLM's restart takes
+# 25-45 s on this host; at 30 s a client gives up on requests the gate still holds).
+REQUEST_TIMEOUT_SECONDS = 120.0
 # The tiny model on two cores serves a few requests a second; this load keeps it busy, not
 # saturated, so the steady control fails nothing. Bursts of long prompts every 30 s: the
 # prefill whose step is over the budget in prefill_oom.
@@ -160,6 +165,7 @@ class RealRun(twin.Run):
     named_causes: list[str] = dataclasses.field(default_factory=list)
     load_average: tuple[float, float] = (0.0, 0.0)  # before, after
     deaths_after_last_action: int = 0  # /health drops after the operator's last action
+    request_timeout_seconds: float = 30.0  # the load client's bound (30: before it was set)
 
 
 def fault_env(scenario: Scenario, workdir: Path) -> dict[str, str]:
@@ -280,11 +286,11 @@ def _load_average() -> float:
 
 def run_one(
     scenario_name: str, operator: str, seed: int, duration: float, venv: Path, model: Path,
-    keep: bool,
+    keep: bool, request_timeout: float = REQUEST_TIMEOUT_SECONDS,
 ) -> RealRun:  # fmt: skip
     scenario = SCENARIOS[scenario_name]
     duration = max(duration, scenario.min_duration_seconds)
-    run = RealRun(scenario_name, operator, seed)
+    run = RealRun(scenario_name, operator, seed, request_timeout_seconds=request_timeout)
     load_before = _load_average()
     started = time.monotonic()
     prefix = f"outcome-vllm-{scenario_name}-{operator}-{seed}-"
@@ -354,7 +360,7 @@ def run_one(
                 result = run_load(
                     load_url, plan(scenario, seed, duration), model=MODEL, stream=False,
                     max_duration_seconds=duration, max_in_flight=256,
-                    request_timeout_seconds=twin.REQUEST_TIMEOUT_SECONDS,
+                    request_timeout_seconds=request_timeout,
                 )  # fmt: skip
                 outcomes = list(result.outcomes)
                 faults.__exit__()
@@ -526,6 +532,10 @@ def markdown(
         "`overload` is real KV thrash at about twice what the server completes). Real time, no "
         "speed-up; one run at a time on this 2-core host.",
         "",
+        "The load client's bound per request: "
+        + ", ".join(f"{t:g} s" for t in sorted({r.request_timeout_seconds for r in runs}))
+        + " (a request held longer than that by the gate counts as failed: the client left).",
+        "",
         "Runs, each from one invocation (command, commit):",
         "",
     ]
@@ -658,6 +668,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=180.0, help="load window, seconds")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--keep", action="store_true", help="keep each run's directory and logs")
+    p.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT_SECONDS,
+                   help="the load client's bound per request, seconds")  # fmt: skip
     p.add_argument("--report-only", action="store_true",
                    help="write the report from the runs already in OUT's runs file")  # fmt: skip
     p.add_argument("--twin", type=Path, default=ROOT / "bench" / "results" / "outcome.json",
@@ -686,7 +698,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for operator in args.operators.split(","):
                     for seed in (int(s) for s in args.seeds.split(",")):
                         r = run_one(scenario, operator, seed, args.duration, venv, model,
-                                    args.keep)  # fmt: skip
+                                    args.keep, args.request_timeout)  # fmt: skip
                         record = {"run": dataclasses.asdict(r), "invocation": invocation}
                         # Appended as it ends: a long run stopped early keeps what it measured.
                         with runs_file(args.out, args.quick).open("a") as f:
