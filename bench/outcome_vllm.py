@@ -166,6 +166,7 @@ class RealRun(twin.Run):
     load_average: tuple[float, float] = (0.0, 0.0)  # before, after
     deaths_after_last_action: int = 0  # /health drops after the operator's last action
     request_timeout_seconds: float = 30.0  # the load client's bound (30: before it was set)
+    failed_kinds: dict[str, int] = dataclasses.field(default_factory=dict)  # how each failed
 
 
 def fault_env(scenario: Scenario, workdir: Path) -> dict[str, str]:
@@ -412,6 +413,12 @@ def run_one(
         run.deaths_after_last_action = sum(1 for t in downs.downs if t > last_action + 5.0)
     twin.measure(run, outcomes, load_start, duration, fault_times,
                  sorted([*(t for t, _ in actions), *restarts]))  # fmt: skip
+    for o in outcomes:
+        if o.kind in twin.FAILED:
+            key = (
+                o.kind.value if o.http_status in (None, 200) else f"{o.kind.value} {o.http_status}"
+            )
+            run.failed_kinds[key] = run.failed_kinds.get(key, 0) + 1
     run.wall_seconds = time.monotonic() - started
     run.load_average = (load_before, _load_average())
     return run
@@ -620,8 +627,8 @@ def markdown(
         "",
         "| scenario | operator | seed | sent | failed | in flight | outage | other | detect s "
         "| recover s | cold start s | downtime s | OOMs logged | deaths after the last action "
-        "| restarts | actions | final flags | load before→after |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| restarts | actions | final flags | how they failed | load before→after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         f = twin._f
@@ -631,7 +638,9 @@ def markdown(
             f"{r.failed_other} | {f(r.time_to_detect_seconds)} | {f(r.time_to_recover_seconds)} | "
             f"{f(r.cold_start_seconds)} | {r.downtime_seconds:.1f} | {r.logged_ooms} | "
             f"{r.deaths_after_last_action} | {r.restarts} | {'; '.join(r.actions) or '—'} "
-            f"| {batched(r.final_flags)} | {r.load_average[0]:.1f}→{r.load_average[1]:.1f} |"
+            f"| {batched(r.final_flags)} "
+            f"| {', '.join(f'{k} {v}' for k, v in sorted(r.failed_kinds.items())) or '—'} "
+            f"| {r.load_average[0]:.1f}→{r.load_average[1]:.1f} |"
         )
     return "\n".join(lines) + "\n"
 
