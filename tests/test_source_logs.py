@@ -15,18 +15,16 @@ from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import LogsSourceConfig, ServiceConfig
 from vllm_guardian.model import LogEventKind, LogReading, Reading
 from vllm_guardian.sources.logs import (
-    CONTINUED,
     DEDUP_WINDOW_SECONDS,
     FILE_SLICE_BYTES,
     EventCounter,
     FileFollower,
     LineSplitter,
     LogsCollector,
-    match_line,
     parse_journal_line,
-    parse_size_bytes,
     split_message,
 )
+from vllm_guardian.vllm_log_format import CONTINUED, match_line, parse_size_bytes
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 K = LogEventKind
@@ -124,7 +122,7 @@ HOSTILE_LINES = [
     "Traceback (most recent call last):",
     *HOSTILE_TEXT,
     # a header that does not start the line: what a request put after a NUL byte or a
-    # line separator, or a journal entry that continues a cut line (sources.logs.CONTINUED)
+    # line separator, or a journal entry that continues a cut line (vllm_log_format.CONTINUED)
     *(lead + ENGINE + OOM_21 for lead in (" ", "x", "\u2028", "\x00", "… ")),
     # a request id or header value a client chose, in the request logger (INFO) and in uvicorn's
     # access log
