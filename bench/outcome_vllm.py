@@ -79,7 +79,7 @@ from vllm_guardian.demo import free_port  # noqa: E402
 from vllm_guardian.model import LogEventKind  # noqa: E402
 from vllm_guardian.sim.load import PlannedRequest, plan_requests, run_load  # noqa: E402
 from vllm_guardian.sim.scenarios import LoadProfile  # noqa: E402
-from vllm_guardian.sources.logs import match_line  # noqa: E402
+from vllm_guardian.vllm_log_format import match_line  # noqa: E402
 
 OPERATORS = ("unguarded", "unguarded-on-failure", "sidecar", "guardian+gate")
 QUICK_OPERATORS = ("unguarded", "guardian+gate")
