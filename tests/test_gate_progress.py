@@ -9,6 +9,7 @@ scriptable stub serving real vLLM 0.32 /metrics captures, frozen (hung) and movi
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -212,6 +213,79 @@ def test_a_request_sent_and_not_yet_answered_is_counted(stub: Stub, path: str) -
             assert answer.status_code == 200 and b"[DONE]" in answer.content, answer.content
         done = status(g)
         assert (done["unanswered"], done["oldest_unanswered_seconds"]) == (0, 0.0), done
+    finally:
+        g.stop()
+
+
+IDLE = (FIXTURES / "metrics-idle.prom").read_text()  # nothing running or waiting, frozen
+
+
+def _abandon(g: GateThread, stub: Stub) -> None:
+    """One client sends a request the stub never answers (``/v1/hold``: no head, no body,
+    as vLLM whose engine never gets it) and gives up once the stub has it, as a client's
+    timeout does; the gate then closes its upstream connection."""
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    before = stub.calls.get("/v1/hold", 0)
+    with socket.create_connection(("127.0.0.1", g.gate.port), timeout=60) as client:
+        client.sendall(
+            b"POST /v1/hold HTTP/1.1\r\nHost: gate\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        wait_for(
+            lambda: (stub.calls.get("/v1/hold", 0) > before and stub.active == 1, stub.calls),
+            "the request reached the upstream",
+        )
+    wait_for(lambda: (stub.active == 0, stub.active), "the gate gave the request up upstream")
+
+
+def _unanswered_for(g: GateThread, seconds: float) -> dict[str, object]:
+    seen = wait_for(
+        lambda: (
+            (s := status(g))["unanswered"] == 0
+            and float(s["oldest_unanswered_seconds"]) >= seconds,  # type: ignore[arg-type]
+            s,
+        ),
+        f"no request alive, and the oldest unanswered age past {seconds} s",
+    )
+    print(seen)
+    assert isinstance(seen, dict)
+    return seen
+
+
+def test_a_request_its_client_gave_up_on_still_counts_until_vllm_answers(stub: Stub) -> None:
+    """The hang that looks idle must show whatever the clients' patience: on the real vLLM
+    0.32 an engine core blocked while idle, clients with a 30 s timeout, and each request left
+    the gate at 30 s, so the oldest unanswered age never reached the guardian's 30 s. A request
+    that ended without a byte of its answer counts from its send until vLLM answers one."""
+    stub.metrics_text = IDLE
+    g = GateThread(stub.url)
+    try:
+        _abandon(g, stub)
+        _unanswered_for(g, 1.0)  # on, past the client's patience (it left at once)
+        _abandon(g, stub)  # a later one does not reset the age: the first is older
+        first = _unanswered_for(g, 1.5)
+        # vLLM answers a request: its engine's input works, the age is forgotten.
+        r = requests.post(g.url + "/v1/echo", json={"prompt": "hi", "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200
+        done = status(g)
+        assert (done["unanswered"], done["oldest_unanswered_seconds"]) == (0, 0.0), (first, done)
+    finally:
+        g.stop()
+
+
+def test_a_restarted_engine_forgets_the_request_given_up_on(stub: Stub) -> None:
+    """After the guardian's restart (/health failed, then 200) an idle new engine reports
+    nothing unanswered: the given-up request was the old engine's, and must not restart the
+    new one again."""
+    stub.metrics_text = IDLE
+    g = GateThread(stub.url)
+    try:
+        _abandon(g, stub)
+        _unanswered_for(g, 0.5)
+        _restarted(stub, g)
+        wait_for(lambda: (status(g)["upstream_healthy"] is True, status(g)), "/health is back")
+        after = [status(g)["oldest_unanswered_seconds"] for _ in range(5)]
+        assert after == [0.0] * 5, after
     finally:
         g.stop()
 
