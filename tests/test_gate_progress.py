@@ -12,6 +12,7 @@ import logging
 import socket
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 import requests
@@ -20,8 +21,17 @@ from tests.conftest import VLLM_FIXTURES as FIXTURES
 from tests.expositions import captured_series
 from tests.hostile import wait_for
 from tests.test_gate_support import GateThread, Stub
+from vllm_guardian.config import PolicyConfig, SignalsConfig
 from vllm_guardian.core.progress import ProgressReading
-from vllm_guardian.gate.progress import EngineMark, ProgressWatch, why_send_again
+from vllm_guardian.gate.progress import (
+    UNANSWERED_FORGET_SECONDS,
+    EngineMark,
+    ProgressWatch,
+    Unanswered,
+    abandoned,
+    still_unanswered,
+    why_send_again,
+)
 from vllm_guardian.model import EngineMetrics, VllmScrape
 from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
 
@@ -215,6 +225,59 @@ def test_a_request_sent_and_not_yet_answered_is_counted(stub: Stub, path: str) -
         assert (done["unanswered"], done["oldest_unanswered_seconds"]) == (0, 0.0), done
     finally:
         g.stop()
+
+
+# --- a request its client gave up on, before vLLM answered --------------------------------------
+
+IDLE_R = R(100, 0, kv=0.0)
+SENT = Unanswered(10.0, EngineMark.of(IDLE_R, 0), IDLE_R)
+BLIND = Unanswered(10.0, EngineMark(None, None, 0), None)  # sent with no reading of /metrics
+# (what was kept, seconds since its send, /health failures since, the reading now, kept still?)
+FORGET: list[tuple[str, Unanswered, float, int, ProgressReading | None, bool]] = [
+    ("idle and frozen: still unreached", SENT, 60, 0, IDLE_R, True),
+    ("no reading now: not forgotten on missing data", SENT, 60, 0, None, True),
+    ("just at the bound", SENT, UNANSWERED_FORGET_SECONDS, 0, IDLE_R, True),
+    ("past the bound: forgotten without news", SENT, UNANSWERED_FORGET_SECONDS + 1, 0, IDLE_R, False),
+    ("/health failed since: a restarted engine", SENT, 60, 1, IDLE_R, False),
+    ("another process (its start time)", SENT, 60, 0, replace(IDLE_R, process_start_time_seconds=2.0), False),
+    ("the engine moved since: a request reached it (KV usage)", SENT, 60, 0, R(100, 0, kv=0.01), False),
+    ("the engine generated tokens since", SENT, 60, 0, R(101, 0, kv=0.0), False),
+    ("sent with no reading: only a restart or the bound tell", BLIND, 60, 0, R(101, 0), True),
+    ("sent with no reading, /health failed since", BLIND, 60, 1, R(101, 0), False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("case", "kept", "age", "failures", "now_reading", "still"), FORGET, ids=[c[0] for c in FORGET]
+)
+def test_a_given_up_request_counts_until_the_engine_is_seen_to_take_requests(
+    case: str,
+    kept: Unanswered,
+    age: float,
+    failures: int,
+    now_reading: ProgressReading | None,
+    still: bool,
+) -> None:
+    mark = EngineMark.of(now_reading, failures)
+    got = still_unanswered(kept, kept.sent_at + age, mark, now_reading)
+    assert got == (kept if still else None)
+
+
+def test_the_earliest_given_up_request_is_kept() -> None:
+    later = replace(SENT, sent_at=SENT.sent_at + 5)
+    assert abandoned(None, later) == later
+    assert abandoned(later, SENT) == SENT
+    assert abandoned(SENT, later) == SENT
+    assert still_unanswered(None, 100.0, SENT.engine, IDLE_R) is None
+
+
+def test_the_bound_outlasts_the_guardians_wait_and_ends_within_its_cooldown() -> None:
+    """Long enough for the guardian to act on the hang (its stall wait, then its first
+    backoff), short enough that an age the gate failed to tie to the old engine is gone before
+    the cooldown after a restart ends (no second restart for it)."""
+    policy, signals = PolicyConfig(), SignalsConfig()
+    assert signals.stall_seconds + policy.backoff_initial_seconds < UNANSWERED_FORGET_SECONDS
+    assert policy.cooldown_seconds > UNANSWERED_FORGET_SECONDS
 
 
 IDLE = (FIXTURES / "metrics-idle.prom").read_text()  # nothing running or waiting, frozen
