@@ -24,6 +24,7 @@ from tests.test_gate_support import GateThread, Stub
 from vllm_guardian.config import PolicyConfig, SignalsConfig
 from vllm_guardian.core.progress import ProgressReading
 from vllm_guardian.gate.progress import (
+    GIVEN_UP_MIN_SECONDS,
     UNANSWERED_FORGET_SECONDS,
     EngineMark,
     ProgressWatch,
@@ -263,11 +264,26 @@ def test_a_given_up_request_counts_until_the_engine_is_seen_to_take_requests(
     assert got == (kept if still else None)
 
 
-def test_the_earliest_given_up_request_is_kept() -> None:
-    later = replace(SENT, sent_at=SENT.sent_at + 5)
-    assert abandoned(None, later) == later
-    assert abandoned(later, SENT) == SENT
-    assert abandoned(SENT, later) == SENT
+LATER = replace(SENT, sent_at=SENT.sent_at + 5)
+MIN = GIVEN_UP_MIN_SECONDS
+# (what was kept, the request given up, when it was given up, what is kept then)
+GIVEN_UP: list[tuple[str, Unanswered | None, Unanswered, float, Unanswered | None]] = [
+    ("the first", None, LATER, LATER.sent_at + MIN, LATER),
+    ("an earlier one replaces a later", LATER, SENT, SENT.sent_at + MIN, SENT),
+    ("a later one does not replace an earlier", SENT, LATER, LATER.sent_at + MIN, SENT),
+    ("given up too soon: vLLM may not have handed it to its engine yet", None, SENT, SENT.sent_at + MIN - 0.1, None),
+    ("given up too soon keeps what was kept", LATER, SENT, SENT.sent_at + 1, LATER),
+    ("sent with no reading: reached and dropped cannot be told from never reached", None, BLIND, BLIND.sent_at + 60, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("case", "kept", "given_up", "at", "now_kept"), GIVEN_UP, ids=[c[0] for c in GIVEN_UP]
+)
+def test_the_earliest_request_given_up_after_a_while_is_kept(
+    case: str, kept: Unanswered | None, given_up: Unanswered, at: float, now_kept: Unanswered | None
+) -> None:
+    assert abandoned(kept, given_up, at) == now_kept
     assert still_unanswered(None, 100.0, SENT.engine, IDLE_R) is None
 
 
@@ -283,10 +299,11 @@ def test_the_bound_outlasts_the_guardians_wait_and_ends_within_its_cooldown() ->
 IDLE = (FIXTURES / "metrics-idle.prom").read_text()  # nothing running or waiting, frozen
 
 
-def _abandon(g: GateThread, stub: Stub) -> None:
+def _abandon(g: GateThread, stub: Stub, after_seconds: float = 0.0) -> None:
     """One client sends a request the stub never answers (``/v1/hold``: no head, no body,
-    as vLLM whose engine never gets it) and gives up once the stub has it, as a client's
-    timeout does; the gate then closes its upstream connection."""
+    as vLLM whose engine never gets it) and gives up once the stub has had it for
+    ``after_seconds``, as a client's timeout does; the gate then closes its upstream
+    connection."""
     body = b'{"prompt": "hi", "max_tokens": 1}'
     before = stub.calls.get("/v1/hold", 0)
     with socket.create_connection(("127.0.0.1", g.gate.port), timeout=60) as client:
@@ -298,7 +315,42 @@ def _abandon(g: GateThread, stub: Stub) -> None:
             lambda: (stub.calls.get("/v1/hold", 0) > before and stub.active == 1, stub.calls),
             "the request reached the upstream",
         )
+        wait_for(
+            lambda: (
+                float(status(g)["oldest_unanswered_seconds"]) >= after_seconds,  # type: ignore[arg-type]
+                status(g),
+            ),
+            f"the request unanswered for {after_seconds} s",
+        )
     wait_for(lambda: (stub.active == 0, stub.active), "the gate gave the request up upstream")
+
+
+# Clients give up after this; the gate counts a request given up after 0.2 s (5 s by default:
+# gate/progress.py, GIVEN_UP_MIN_SECONDS).
+PATIENCE = 0.3
+
+
+def _gate_reading_metrics(stub: Stub, **proxy: object) -> GateThread:
+    """A gate that counts requests given up after 0.2 s, once it has a reading of /metrics."""
+    g = GateThread(stub.url, proxy={"given_up_min_seconds": 0.2, **proxy})
+    follower = g.gate.follower
+    assert follower is not None
+    wait_for(lambda: (follower.progress.last is not None, stub.calls), "a reading of /metrics")
+    return g
+
+
+def test_a_request_given_up_at_once_says_nothing_about_the_engine(stub: Stub) -> None:
+    """A client that cancels at once may leave before vLLM's API server hands its request to
+    the engine: on an idle, working server nothing shows it, and it must not read as a hang."""
+    stub.metrics_text = IDLE
+    g = GateThread(stub.url)  # requests given up within 5 s do not count
+    try:
+        wait_for(lambda: (g.gate.follower.progress.last is not None, stub.calls), "a reading")  # type: ignore[union-attr]
+        _abandon(g, stub)
+        after = [status(g)["oldest_unanswered_seconds"] for _ in range(5)]
+        assert after == [0.0] * 5, after
+    finally:
+        g.stop()
 
 
 def _unanswered_for(g: GateThread, seconds: float) -> dict[str, object]:
@@ -321,11 +373,11 @@ def test_a_request_its_client_gave_up_on_still_counts_until_vllm_answers(stub: S
     the gate at 30 s, so the oldest unanswered age never reached the guardian's 30 s. A request
     that ended without a byte of its answer counts from its send until vLLM answers one."""
     stub.metrics_text = IDLE
-    g = GateThread(stub.url)
+    g = _gate_reading_metrics(stub)
     try:
-        _abandon(g, stub)
-        _unanswered_for(g, 1.0)  # on, past the client's patience (it left at once)
-        _abandon(g, stub)  # a later one does not reset the age: the first is older
+        _abandon(g, stub, PATIENCE)
+        _unanswered_for(g, 1.0)  # on, past the client's patience
+        _abandon(g, stub, PATIENCE)  # a later one does not reset the age: the first is older
         first = _unanswered_for(g, 1.5)
         # vLLM answers a request: its engine's input works, the age is forgotten.
         r = requests.post(g.url + "/v1/echo", json={"prompt": "hi", "max_tokens": 1}, timeout=60)
@@ -341,9 +393,9 @@ def test_a_restarted_engine_forgets_the_request_given_up_on(stub: Stub) -> None:
     nothing unanswered: the given-up request was the old engine's, and must not restart the
     new one again."""
     stub.metrics_text = IDLE
-    g = GateThread(stub.url)
+    g = _gate_reading_metrics(stub)
     try:
-        _abandon(g, stub)
+        _abandon(g, stub, PATIENCE)
         _unanswered_for(g, 0.5)
         _restarted(stub, g)
         wait_for(lambda: (status(g)["upstream_healthy"] is True, status(g)), "/health is back")

@@ -61,6 +61,7 @@ from vllm_guardian.core import policy
 from vllm_guardian.core.driver import Driver
 from vllm_guardian.daemon import assemble
 from vllm_guardian.demo import DemoOptions, demo_config
+from vllm_guardian.gate.progress import GIVEN_UP_MIN_SECONDS
 from vllm_guardian.gpu_state_format import (
     StateDevice,
     StateFileError,
@@ -338,8 +339,9 @@ class VirtualWorld:
         self.xid_seq: dict[str, int] = {}
         self.inflight: dict[int, tuple[VirtualTwin, str, Queue[RequestDelta], float]] = {}
         self.answered: set[int] = set()  # in flight, and a byte of the answer came
-        # The gate's earliest request given up before any answer (gate/progress.py's
-        # Unanswered): kept until an answer's first byte, or the engine's restart.
+        # The gate's earliest request given up before any answer, at least GIVEN_UP_MIN_SECONDS
+        # after its send (gate/progress.py's Unanswered): kept until an answer's first byte,
+        # or the engine's restart.
         self.given_up_at: float | None = None
         svc_cfg = self.cfg.service(SERVICE)
         self.bundle_writer = BundleWriter(
@@ -493,7 +495,7 @@ class VirtualWorld:
                     kind = OutcomeKind.OK
             if kind is None and self.now - sent >= self.case.client_timeout_seconds:
                 kind = OutcomeKind.TIMEOUT  # the client gives up; the twin never notices
-                if i not in self.answered:
+                if i not in self.answered and self.now - sent >= GIVEN_UP_MIN_SECONDS:
                     kept = self.given_up_at
                     self.given_up_at = sent if kept is None else min(kept, sent)
             if kind is not None:

@@ -150,9 +150,26 @@ class Unanswered:
 UNANSWERED_FORGET_SECONDS = 300.0
 
 
-def abandoned(kept: Unanswered | None, sent: Unanswered) -> Unanswered:
-    """What the proxy keeps once the request ``sent`` ended with no byte of its answer: the
-    earlier of the two."""
+# A request given up sooner than this after its send says nothing about the engine: vLLM's API
+# server may not have handed it to the engine yet (it tokenizes first; a client that cancels
+# at once is dropped before that), and on a working engine a request in it longer moves
+# /metrics (its prefill's KV blocks, its prefix-cache query, its tokens). Clients that give up
+# sooner than this are not waiting on the engine's input, and cannot show its hang.
+GIVEN_UP_MIN_SECONDS = 5.0
+
+
+def abandoned(
+    kept: Unanswered | None,
+    sent: Unanswered,
+    now: float,
+    min_seconds: float = GIVEN_UP_MIN_SECONDS,
+) -> Unanswered | None:
+    """What the proxy keeps once the request ``sent`` ended at ``now`` with no byte of its
+    answer: the earlier of the two. Not ``sent`` when it was given up within ``min_seconds``,
+    or was sent with no reading of vLLM's /metrics: then a request that reached the engine and
+    was dropped when its client left cannot be told from one that never reached it."""
+    if sent.reading is None or now - sent.sent_at < min_seconds:
+        return kept
     return kept if kept is not None and kept.sent_at <= sent.sent_at else sent
 
 

@@ -73,6 +73,7 @@ from vllm_guardian.gate.continuation import Outcome, Plan, Refusal
 from vllm_guardian.gate.follower import Follower
 from vllm_guardian.gate.metrics import CONTENT_TYPE, GateMetrics
 from vllm_guardian.gate.progress import (
+    GIVEN_UP_MIN_SECONDS,
     UNANSWERED_FORGET_SECONDS,
     Unanswered,
     abandoned,
@@ -168,6 +169,8 @@ class ProxySettings:
     # A request sent to vLLM that ended with no answer counts in oldest_unanswered_seconds
     # until vLLM answers, moves or is a new engine, at most this long (gate/progress.py).
     unanswered_forget_seconds: float = UNANSWERED_FORGET_SECONDS
+    # ... if it was out at least this long (gate/progress.py, GIVEN_UP_MIN_SECONDS).
+    given_up_min_seconds: float = GIVEN_UP_MIN_SECONDS
 
 
 def openai_error(
@@ -485,7 +488,9 @@ class GateProxy:
                 if _answered(up):
                     self._abandoned = None  # the engine's input works
                 elif reached and (up is None or not up.body_started):
-                    self._abandoned = abandoned(self._abandoned, work)
+                    self._abandoned = abandoned(
+                        self._abandoned, work, time.perf_counter(), self.s.given_up_min_seconds
+                    )
 
     async def _send_once(
         self, ex: _Exchange, started: float, overhead: float, sent: int, retried: bool
