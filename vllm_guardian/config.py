@@ -160,6 +160,14 @@ class GateConfig:
     max_queued_tokens: int = field(default=1_000_000, metadata=_bounds(0, 10**10))
     # A held request gets its 503 after this long (--max-wait): a restart with model load fits.
     max_wait_seconds: float = field(default=60.0, metadata=_bounds(0.1, 3600))
+    # A request held while the guardian's /ready says a restart or relaunch is in progress
+    # waits up to this much longer (--restart-extra-wait; 0: not at all), while the restart
+    # lasts and the reopened gate releases the queue, never past the client's own timeout
+    # (the X-Stainless-Timeout of OpenAI's SDKs). 30 s: a hung engine's new arrivals are held
+    # from 10 s after the hang, the guardian restarts it at 30 s and the twin's new engine
+    # serves at ~71 s, 1 s after their 60 s ran out (bench/outcome.py, engine_hang); a real
+    # model load is longer and varies, and 90 s in all stays under the SDKs' 600 s.
+    restart_extra_wait_seconds: float = field(default=30.0, metadata=_bounds(0, 3600))
     # Queued requests released per second once open, in bursts of release_burst (0: no limit),
     # so a reopening does not cause the next spike.
     release_rate_per_second: float = field(default=50.0, metadata=_bounds(0, 100_000))

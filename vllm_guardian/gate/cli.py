@@ -50,6 +50,7 @@ DEFAULTS: dict[str, Any] = {
     "max_queue": 1024,
     "max_queued_tokens": 1_000_000,
     "max_wait": 60.0,
+    "restart_extra_wait": 30.0,
     "release_rate": 50.0,
     "release_burst": 8,
     "per_key_share": 0.0,
@@ -157,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-wait",
         type=float,
         help=f"seconds a request waits at most before its 503 (default {_shown('max_wait')})",
+    )
+    q.add_argument(
+        "--restart-extra-wait",
+        type=float,
+        help="seconds longer a request held while the guardian restarts or relaunches vLLM may "
+        "wait, never past the client's own timeout "
+        f"(default {_shown('restart_extra_wait')}; 0: no longer)",
     )
     q.add_argument(
         "--release-rate",
@@ -317,6 +325,7 @@ def values_from_config(path: str, service: str) -> dict[str, Any]:
         "max_queue": g.max_queue_requests,
         "max_queued_tokens": g.max_queued_tokens,
         "max_wait": g.max_wait_seconds,
+        "restart_extra_wait": g.restart_extra_wait_seconds,
         "release_rate": g.release_rate_per_second,
         "release_burst": g.release_burst,
         "per_key_share": g.per_key_share_ratio,
@@ -370,6 +379,8 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
         raise UsageError("--max-wait and the poll intervals must be > 0")
     if args.stall_hold < 0:
         raise UsageError("--stall-hold must be >= 0 (0: off)")
+    if args.restart_extra_wait < 0:
+        raise UsageError("--restart-extra-wait must be >= 0 (0: no longer)")
     known = frozenset(k.lower() for k in args.known_keys_sha256)
     if any(not re.fullmatch(r"[0-9a-f]{64}", k) for k in known):
         raise UsageError("--known-key-sha256 takes a SHA-256 digest: 64 hex digits")
@@ -422,6 +433,7 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
             kv_admission=args.kv_admission == "on",
             kv_reserve_ratio=args.kv_reserve,
             retry_after_seconds=args.retry_after,
+            restart_extra_wait_seconds=args.restart_extra_wait,
         ),
         poll_interval_seconds=args.poll_interval,
         kv_poll_interval_seconds=args.kv_poll_interval,

@@ -105,6 +105,27 @@ STATUS_PATH = "/gate/status"
 # The one client every request without a vouched-for key counts as (no header value can hold a
 # newline, so no client can name it).
 UNKNOWN_KEY = "\n(unknown)"
+# How long the client itself waits, in seconds, as OpenAI's SDKs (Python, Node) say it on every
+# request: the total, and the Python SDK's read timeout (the wait for the first answer bytes,
+# which is what a held request spends). The wait for a restart never goes past the shorter.
+CLIENT_TIMEOUT_HEADERS = ("X-Stainless-Timeout", "X-Stainless-Read-Timeout")
+
+
+def client_timeout_seconds(headers: Mapping[str, str]) -> float | None:
+    """The shortest positive, finite timeout the client's headers say; None when they say
+    none (or only what is not a number: ignored, never trusted to lengthen a wait)."""
+    found: list[float] = []
+    for name in CLIENT_TIMEOUT_HEADERS:
+        raw = headers.get(name)
+        if raw is None:
+            continue
+        try:
+            value = float(raw)
+        except ValueError:
+            continue
+        if 0 < value < float("inf"):
+            found.append(value)
+    return min(found, default=None)
 
 
 @dataclass(frozen=True)
@@ -355,6 +376,8 @@ class GateProxy:
         hold = _Hold()
         cost: Cost | None = None
         key = self.client_key(request.headers.get(self.s.key_header))
+        client_timeout = client_timeout_seconds(request.headers)
+        arrived = time.monotonic()
         overhead = 0.0
         stream_plan: Plan | Refusal | None = None
         if request.method == "POST":
@@ -375,7 +398,9 @@ class GateProxy:
                 body = stream_plan.upstream_body
             overhead += time.perf_counter() - started
             try:
-                hold.ticket = await self.admission.acquire(key, cost)
+                hold.ticket = await self.admission.acquire(
+                    key, cost, client_timeout_seconds=client_timeout
+                )
             except Rejected as r:
                 return openai_error(
                     r.status,
@@ -396,8 +421,13 @@ class GateProxy:
             if hold.ticket is not None:
                 self.admission.release(hold.ticket)
                 hold.ticket = None
+            left = None if client_timeout is None else client_timeout - (time.monotonic() - arrived)
             hold.ticket = await self.admission.acquire(
-                key, cost, front=True, extra_wait_seconds=extra_wait_seconds
+                key,
+                cost,
+                front=True,
+                extra_wait_seconds=extra_wait_seconds,
+                client_timeout_seconds=left,
             )
 
         exchange = _Exchange(request, target, headers, body, stream_plan, wait_again)
