@@ -33,7 +33,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from vllm_guardian.config import CONTINUATION_ROUTES, ConfigInvalid, load_config
+from vllm_guardian.config import (
+    CONTINUATION_ROUTES,
+    ConfigInvalid,
+    check_fallback_url,
+    load_config,
+)
 from vllm_guardian.gate.admission import Limits
 from vllm_guardian.gate.proxy import ProxySettings
 from vllm_guardian.gate.server import Gate, GateSettings
@@ -74,6 +79,8 @@ DEFAULTS: dict[str, Any] = {
     "continuation": "on",
     "max_continuations": 1,
     "continuation_off_routes": (),
+    "fallback_url": None,
+    "fallback_after": 10.0,
     "log_level": "INFO",
 }
 
@@ -292,6 +299,18 @@ def build_parser() -> argparse.ArgumentParser:
         choices=CONTINUATION_ROUTES,
         help="do not continue the streams of this route while --continuation is on (repeat it)",
     )
+    o.add_argument(
+        "--fallback-url",
+        help="another replica of the same model (e.g. its Kubernetes Service): a continuation "
+        "or a held completion that waited --fallback-after for this server goes there "
+        "instead (default: none, off)",
+    )
+    o.add_argument(
+        "--fallback-after",
+        type=float,
+        help="seconds a continuation or a held completion waits for this server before "
+        f"the fallback (default {_shown('fallback_after')})",
+    )
     o.add_argument("--log-level", help="DEBUG, INFO (default), WARNING, ERROR")
     return ap  # fmt: skip
 
@@ -349,6 +368,8 @@ def values_from_config(path: str, service: str) -> dict[str, Any]:
         "continuation": "on" if g.continuation else "off",
         "max_continuations": g.max_continuations,
         "continuation_off_routes": g.continuation_off_routes,
+        "fallback_url": g.fallback_url,
+        "fallback_after": g.fallback_after_seconds,
     }
 
 
@@ -401,6 +422,10 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
         )
     if args.max_continuations < 0:
         raise UsageError("--max-continuations must be >= 0")
+    if args.fallback_url is not None and (problem := check_fallback_url(args.fallback_url)):
+        raise UsageError(f"--fallback-url {problem}")  # not the value: it may hold a secret
+    if args.fallback_after < 0:
+        raise UsageError("--fallback-after must be >= 0")
     return GateSettings(
         proxy=ProxySettings(
             upstream=args.upstream,
@@ -417,6 +442,8 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
             continuation=args.continuation == "on",
             max_continuations=args.max_continuations,
             continuation_off_routes=frozenset(args.continuation_off_routes),
+            fallback_url=args.fallback_url.rstrip("/") if args.fallback_url else None,
+            fallback_after_seconds=args.fallback_after,
             # The guardian's stall wait (signals.stall_seconds, 30 s) is three holds (10 s).
             taken_back_extra_wait_seconds=2 * args.stall_hold,
         ),
