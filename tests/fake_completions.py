@@ -100,6 +100,7 @@ class FakeCompletions:
     healthy: bool = True
     token_ids_known: bool = True  # False: return_token_ids is ignored (an older server)
     reasoning_chunks: int = 0  # chat: the first chunks are reasoning, not content
+    models_answer: bool = True  # False: /v1/models answers 503 (a server going down)
     paths: list[str] = field(default_factory=list)  # of the generation requests, in order
     bodies: list[dict[str, Any]] = field(default_factory=list)
     detokenized: list[list[int]] = field(default_factory=list)
@@ -128,6 +129,7 @@ class FakeCompletions:
         self.healthy = True
         self.token_ids_known = True
         self.reasoning_chunks = 0
+        self.models_answer = True
         self.paths.clear()
         self.bodies.clear()
         self.detokenized.clear()
@@ -159,6 +161,8 @@ class FakeCompletions:
             self.detokenized.append(list(doc["tokens"]))
             text = b"".join(piece(t) for t in doc["tokens"]).decode("utf-8", "replace")
             return web.json_response({"prompt": text})
+        if request.path == "/v1/models" and not self.models_answer:
+            return web.Response(status=503)
         if request.path == "/v1/models":
             card = {"id": "tiny", "object": "model", "max_model_len": MAX_MODEL_LEN}
             return web.json_response({"object": "list", "data": [card]})

@@ -23,11 +23,20 @@ from typing import Any
 import pytest
 import requests
 
-from tests.fake_completions import CutSpec, FakeCompletions, tokenize
+from tests.fake_completions import MAX_MODEL_LEN, CutSpec, FakeCompletions, tokenize
 from tests.sim import twinproc
 from tests.support import wait_for
-from tests.test_gate_continuation import KEEPALIVE, PROMPT, GateOn, Read, body, direct
-from vllm_guardian.config import check_fallback_url
+from tests.test_gate_continuation import (
+    CHAT,
+    KEEPALIVE,
+    PROMPT,
+    GateOn,
+    Read,
+    body,
+    chat_body,
+    direct,
+)
+from vllm_guardian.config import ConfigInvalid, check_fallback_url, parse_config
 from vllm_guardian.demo import free_port
 from vllm_guardian.gate import cli as gate_cli
 
@@ -128,6 +137,24 @@ def test_a_fallback_that_does_not_take_the_continuation_leaves_it_to_this_server
     assert g.metric("continued", "connection") == 1
     assert g.metric("fallback", "connection") == 0
     assert len(replica.bodies) == (1 if fallback == "500" else 0)
+
+
+def test_a_chat_stream_without_a_max_reads_the_context_length_from_the_fallback(
+    gates: Callable[..., GateOn], local: FakeCompletions, replica: FakeCompletions
+) -> None:
+    """A chat continuation with no max asks for the server's max_model_len; with this
+    server going down, the fallback (the same model) says it."""
+    g = gates(local.url, fallback_url=replica.url)
+    doc = chat_body(max_tokens=None)
+    expected = direct(local, doc, CHAT)
+    local.models_answer = False
+    local.cut_next(CutSpec(6, "reset", down=True))
+    got = Read(g.url, doc, path=CHAT)
+    assert (got.status, got.cut) == (200, False)
+    assert got.without_keepalives() == expected
+    (cont,) = replica.bodies
+    assert cont["max_tokens"] == MAX_MODEL_LEN
+    assert g.metric("fallback", "connection") == 1
 
 
 def test_a_stream_continuation_refuses_is_not_sent_to_the_fallback(
@@ -289,3 +316,23 @@ def test_two_twins_the_local_one_killed_the_stream_completes_from_the_other(
     finally:
         twinproc.stop(local)
         twinproc.stop(other)
+
+
+def test_the_config_keys_reach_the_proxy_and_a_rejected_url_is_not_echoed(tmp_path: Path) -> None:
+    head = "services:\n  - name: vllm\n    url: http://127.0.0.1:8000\n    gate:\n"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(head + "      fallback_url: http://vllm.models.svc:8001/\n"
+                   "      fallback_after_seconds: 4\n"
+                   "      restart_extra_wait_seconds: 45\n")  # fmt: skip
+    s = gate_cli.settings_from_args(gate_cli.build_parser().parse_args(["-c", str(cfg)]))
+    assert (s.proxy.fallback_url, s.proxy.fallback_after_seconds) == (
+        "http://vllm.models.svc:8001",
+        4,
+    )
+    assert s.limits.restart_extra_wait_seconds == 45
+    flags = ["-c", str(cfg), "--fallback-after", "2", "--restart-extra-wait", "0"]
+    s = gate_cli.settings_from_args(gate_cli.build_parser().parse_args(flags))
+    assert (s.proxy.fallback_after_seconds, s.limits.restart_extra_wait_seconds) == (2, 0)
+    with pytest.raises(ConfigInvalid) as e:
+        parse_config(head + "      fallback_url: http://admin:s3cret-pass@replica:8000\n", "c.yaml")
+    assert "fallback_url" in str(e.value) and "s3cret-pass" not in str(e.value), str(e.value)

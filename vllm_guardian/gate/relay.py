@@ -261,6 +261,9 @@ class ContinuingRelay:
                 max_model_len = None
                 if st.needs_context_length:
                     max_model_len = await self._max_model_len()
+                    if max_model_len is None and self.fallback is not None:
+                        # This server is down: the fallback serves the same model.
+                        max_model_len = await self._max_model_len(self.fallback.pool)
                 decision = st.decide(max_model_len)
                 if isinstance(decision, Refusal):
                     await self._give_up(Outcome.REFUSED, decision, held)
@@ -401,16 +404,17 @@ class ContinuingRelay:
             self.follower.suspect()
             return None
 
-    async def _max_model_len(self) -> int | None:
-        """The served model's ``max_model_len`` from vLLM's ``/v1/models`` (None when it
-        cannot be had), for a chat stream with no max of its own."""
+    async def _max_model_len(self, pool: UpstreamPool | None = None) -> int | None:
+        """The served model's ``max_model_len`` from vLLM's ``/v1/models`` (on ``pool``, this
+        server's by default; None when it cannot be had), for a chat stream with no max of its
+        own."""
         headers = []
         auth = self.headers.get("Authorization")
         if auth is not None:
             headers.append(("Authorization", auth))
         model = self.state.plan.request.get("model")
         try:
-            up = await self.pool.request("GET", "/v1/models", headers, None)
+            up = await (pool or self.pool).request("GET", "/v1/models", headers, None)
             try:
                 status, answer = up.status, await _read_small(up)
             finally:
