@@ -103,6 +103,7 @@ class FakeCompletions:
     models_answer: bool = True  # False: /v1/models answers 503 (a server going down)
     paths: list[str] = field(default_factory=list)  # of the generation requests, in order
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)  # of the same requests
     detokenized: list[list[int]] = field(default_factory=list)
     _cuts: list[CutSpec | None] = field(default_factory=list)
 
@@ -132,6 +133,7 @@ class FakeCompletions:
         self.models_answer = True
         self.paths.clear()
         self.bodies.clear()
+        self.headers.clear()
         self.detokenized.clear()
         self._cuts.clear()
 
@@ -170,6 +172,7 @@ class FakeCompletions:
         if request.path in ("/v1/completions", "/v1/chat/completions") and request.method == "POST":
             body = await request.json()
             self.bodies.append(body)
+            self.headers.append(dict(request.headers))
             self.paths.append(request.path)
             cut = self._cuts.pop(0) if self._cuts else None
             if not self.healthy:

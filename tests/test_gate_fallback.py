@@ -108,6 +108,7 @@ def test_a_cut_stream_is_continued_on_the_fallback_as_one_uncut_stream(
     delivered = FakeCompletions.generate(tokenize(PROMPT), 7)
     assert cont["prompt"] == tokenize(PROMPT) + delivered
     assert cont["request_id"] == "r1-cont1"
+    assert replica.headers[0]["X-Vllm-Guardian-Fallback"] == "1"
     assert g.metric("fallback", "connection") == 1
     assert g.metric("continued", "connection") == 0
 
@@ -184,22 +185,25 @@ def test_a_held_completion_is_sent_whole_to_the_fallback(
     r = requests.post(f"{g.url}/v1/completions", json=doc, timeout=30)
     assert (r.status_code, r.content) == (200, expected)
     assert [b["prompt"] for b in replica.bodies] == [PROMPT]
+    assert replica.headers[-1]["X-Vllm-Guardian-Fallback"] == "1"  # no gate sends it on again
     assert fallbacks(g, "sent") == 1 and admission.queue_depth == 0
 
 
 @pytest.mark.parametrize(
-    ("fallback", "doc"),
+    ("fallback", "doc", "headers"),
     [
-        ("500", body(stream=False)),
-        ("refused", body(stream=False)),
-        ("up", body(stream=False, n=2)),
-        ("up", body(stream=False, response_format={"type": "json_object"})),
+        ("500", body(stream=False), {}),
+        ("refused", body(stream=False), {}),
+        ("up", body(stream=False, n=2), {}),
+        ("up", body(stream=False, response_format={"type": "json_object"}), {}),
+        ("up", body(stream=False), {"X-Vllm-Guardian-Fallback": "1"}),
     ],
     ids=[
         "fallback answers 500",
         "fallback refuses",
         "n=2 never goes",
         "constrained output never goes",
+        "what a gate's fallback sent never goes again (no loop through a Service)",
     ],
 )
 def test_otherwise_a_held_request_waits_for_this_server(
@@ -208,6 +212,7 @@ def test_otherwise_a_held_request_waits_for_this_server(
     replica: FakeCompletions,
     fallback: str,
     doc: dict[str, Any],
+    headers: dict[str, str],
 ) -> None:
     replica.healthy = fallback != "500"
     g = gates(local.url, fallback_url=refused_url() if fallback == "refused" else replica.url)
@@ -216,7 +221,9 @@ def test_otherwise_a_held_request_waits_for_this_server(
     assert admission is not None
     wait_for(lambda: not admission.open, "the gate to close")
     with ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(requests.post, f"{g.url}/v1/completions", json=doc, timeout=60)
+        answer = pool.submit(
+            requests.post, f"{g.url}/v1/completions", json=doc, headers=headers, timeout=60
+        )
         if fallback == "up":
             wait_for(lambda: admission.oldest_wait_seconds > 3 * FALLBACK_AFTER_SECONDS,
                      "the request held past fallback_after", seen=answer.done)  # fmt: skip

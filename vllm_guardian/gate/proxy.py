@@ -72,7 +72,7 @@ from vllm_guardian.gate.body import (
 from vllm_guardian.gate.continuation import Outcome, Plan, Refusal
 from vllm_guardian.gate.follower import Follower
 from vllm_guardian.gate.metrics import CONTENT_TYPE, GateMetrics
-from vllm_guardian.gate.relay import ContinuingRelay, Fallback, RelaySettings
+from vllm_guardian.gate.relay import FALLBACK_HEADER, ContinuingRelay, Fallback, RelaySettings
 from vllm_guardian.gate.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from vllm_guardian.redact import redact_text
 
@@ -491,8 +491,10 @@ class GateProxy:
         the queue: the fallback's answer when it took it (anything but a 5xx), else None once
         this server admits it."""
         acquiring = self.admission.acquire(key, cost, client_timeout_seconds=client_timeout)
-        if self.fallback is None or not continuation.fallback_allowed(
-            request.rel_url.path, body, plan
+        if (
+            self.fallback is None
+            or FALLBACK_HEADER in request.headers  # a gate's fallback already: not again
+            or not continuation.fallback_allowed(request.rel_url.path, body, plan)
         ):
             hold.ticket = await acquiring  # no task of its own on the hot path
             return None
@@ -521,7 +523,7 @@ class GateProxy:
             up = await self.fallback.pool.request(
                 request.method,
                 str(request.rel_url),
-                _forward_headers(request.headers, REQUEST_DROP).items(),
+                [*_forward_headers(request.headers, REQUEST_DROP).items(), (FALLBACK_HEADER, "1")],
                 body,
             )
         except UpstreamError as e:
@@ -688,7 +690,8 @@ class GateProxy:
             metrics=self.metrics,
             wait_ready=ex.wait_again,
             response_factory=self._answer_for,
-            fallback=self.fallback,
+            # A gate's fallback already (it came from another gate): not again.
+            fallback=self.fallback if FALLBACK_HEADER not in ex.request.headers else None,
         )
         try:
             return await relay.run(up)

@@ -66,6 +66,11 @@ from vllm_guardian.gate.upstream import UpstreamError, UpstreamPool, UpstreamRes
 log = logging.getLogger("vllm_guardian.gate")
 
 KEEPALIVE = b": keep-alive\n\n"
+# On what a gate sends to its fallback replica: a gate that gets it never sends it to a
+# fallback again. In a pod the fallback is the model's Service, which may route back to this
+# pod's gate or to another gate with a fallback: each would pass it on every
+# fallback_after_seconds, for ever, without it.
+FALLBACK_HEADER = "X-Vllm-Guardian-Fallback"
 DONE = b"data: [DONE]\n\n"
 # One event held whole at most: the first chunk carries the prompt's ids (~6 bytes a token).
 MAX_EVENT_BYTES = 16 * 1024 * 1024
@@ -376,7 +381,7 @@ class ContinuingRelay:
                 up = await pool.request(
                     "POST",
                     decision.path or self.target,
-                    self.headers.items(),
+                    [*self.headers.items(), (FALLBACK_HEADER, "1")],
                     decision.body,
                     saveable=self.state.continuations + 1 < self.s.max_continuations,
                 )
