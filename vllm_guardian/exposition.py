@@ -439,7 +439,9 @@ class ExpositionServer:
                 # before the guardian has seen vLLM serve).
                 answer = ready_format.ReadyAnswer(name, False, "starting: no tick yet")
             else:
-                answer = ready_format.ReadyAnswer(name, gate.ready, gate.reason)
+                answer = ready_format.ReadyAnswer(
+                    name, gate.ready, gate.reason, gate.restart_in_progress
+                )
             return answer.status, ready_format.encode(answer), ready_format.CONTENT_TYPE
         if path == "/":
             links = b"<html><body><a href='/metrics'>/metrics</a> <a href='/healthz'>/healthz</a></body></html>"

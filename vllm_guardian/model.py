@@ -625,7 +625,9 @@ class OpResult:
 
 @dataclass(frozen=True)
 class GateState:
-    """What /ready/<service> answers: 200 when ready, 503 with the reason when not."""
+    """What /ready/<service> answers: 200 when ready, 503 with the reason when not; whether
+    a restart or relaunch is in progress (the gate waits longer for it: ready_format.py)."""
 
     ready: bool
     reason: str
+    restart_in_progress: bool = False
