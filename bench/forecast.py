@@ -333,7 +333,8 @@ def run(scenario: str, seed: int, minutes: float, guarded: bool) -> Result:
             if tr.current is AlertState.FIRING and tr.alert.name in EXHAUSTION_RULES:
                 res.exhaustion_alerts.append((since_ready, tr.alert.name))
         for d in fx.decisions:
-            if d.what == "gate" and "forecast:" in d.reason:
+            # The forecast's gate names the forecast as its evidence (the KV gate its gauge).
+            if d.what == "gate" and "forecast" in d.evidence:
                 res.forecast_gates.append((since_ready, d.reason))
         for a in fx.actions:
             res.actions.append((since_ready, a.kind.value, a.reason))

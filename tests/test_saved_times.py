@@ -25,7 +25,15 @@ from vllm_guardian.core.phases import (
     Phase,
     phase_limit_seconds,
 )
-from vllm_guardian.core.policy import Lever, LogItem, PolicyState, ServiceState
+from vllm_guardian.core.policy import (
+    FrontDoorHolder,
+    Lever,
+    LogItem,
+    PolicySettings,
+    PolicyState,
+    ServiceState,
+    bound_saved_times,
+)
 from vllm_guardian.healing import Healing
 from vllm_guardian.model import ActionKind, Cause
 from vllm_guardian.statefile import save_state
@@ -41,6 +49,8 @@ def _saved(at: float, phase: Phase = Phase.DRAINING) -> ServiceState:
     return ServiceState(
         "vllm",
         gate_open=False,
+        gate_reason="restart in progress",
+        gate_holder=FrontDoorHolder.ACTION,
         gate_closed_at=at,
         cooldown_until=at + p.cooldown_seconds,
         backoff_until=at + p.backoff_max_seconds,
@@ -188,3 +198,27 @@ def test_a_state_saved_on_a_sound_clock_loads_unchanged(
     assert loaded == replace(saved, action=loaded.action)
     assert replace(loaded.action, orphaned=False) == saved.action  # orphaned: a new guardian
     assert "ahead" not in caplog.text
+
+
+# A state saved before the front door's holder was a field: who closed it, from what it kept.
+# (its gate_reason, whether an action past its permit wait was under way, who it names)
+OLD_DOORS: list[tuple[str, bool, Phase | None, FrontDoorHolder | None]] = [
+    ("open", True, None, None),
+    ("forecast: pid 7 is growing on the GPU", False, None, FrontDoorHolder.FORECAST),
+    ("restart in progress", False, Phase.DRAINING, FrontDoorHolder.ACTION),
+    ("KV cache usage 95% at or above the high watermark 90%", False, None,
+     FrontDoorHolder.KV_PRESSURE),
+    ("KV cache usage 95% at or above the high watermark 90%", False, Phase.AWAITING_PERMIT,
+     FrontDoorHolder.KV_PRESSURE),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("reason", "is_open", "phase", "holder"), OLD_DOORS)
+def test_a_state_saved_before_the_holder_field_names_who_holds_the_front_door(
+    reason: str, is_open: bool, phase: Phase | None, holder: FrontDoorHolder | None
+) -> None:
+    saved = replace(_saved(1000.0), gate_open=is_open, gate_reason=reason, gate_holder=None)
+    saved = replace(saved, action=replace(saved.action, phase=phase) if phase else None)
+    settings = PolicySettings(PolicyConfig(), ("vllm",))
+    bounded, _ = bound_saved_times(PolicyState((saved,)), 1000.0, settings)
+    assert bounded.service("vllm").gate_holder is holder
