@@ -255,6 +255,7 @@ def _quote(ev: LogEvent) -> str:
 def evidence_from_logs(
     events: Iterable[LogEvent], signals: ServiceSignals | None
 ) -> list[Evidence]:
+    """The evidence of this tick's log events, one per event that names a cause."""
     out = []
     events = list(events)
     # An OOM logged with "EngineCore failed to start" happened while loading weights or
@@ -265,85 +266,74 @@ def evidence_from_logs(
             out.append(classify_startup_oom(ev, signals))
         elif ev.kind is LogEventKind.CUDA_OOM:
             out.append(classify_oom(ev, signals))
-        elif ev.kind is LogEventKind.NO_KV_CACHE_MEMORY:
-            out.append(
-                Evidence(
-                    Cause.MODEL_DOES_NOT_FIT,
-                    "log:no_kv_cache_memory",
-                    "weights and activations leave no room for a KV cache at this gpu_memory_utilization "
-                    "(a lower one only makes it worse): raise it, lower max_num_batched_tokens, or use a "
-                    "smaller or quantized model",
-                    unambiguous=True,
-                )
-            )
-        elif ev.kind is LogEventKind.EXTERNAL_WEIGHTS_EXCEED_BUDGET:
-            held = _detail(ev, "external_weights_bytes")
-            budget = _detail(ev, "requested_bytes")
-            util = dict(ev.details).get("gpu_memory_utilization", "its")
-            out.append(
-                Evidence(
-                    Cause.MODEL_DOES_NOT_FIT,
-                    f"log:{ev.kind.value}",
-                    f"the weights vLLM's weight-cache daemon (vllm preload) holds, "
-                    f"{_gib_text(held)}, exceed the whole budget at gpu_memory_utilization "
-                    f"{util} ({_gib_text(budget)}) they are subtracted from: raise --gpu-memory-utilization "
-                    "(the weights are on the card already), or cache a smaller or quantized model",
-                    unambiguous=True,
-                )
-            )
-        elif ev.kind is LogEventKind.FREE_MEMORY_BELOW_UTILIZATION:
-            out.append(
-                Evidence(
-                    Cause.GPU_MEMORY_OVERCOMMIT,
-                    f"log:{ev.kind.value}",
-                    _quote(ev),
-                    unambiguous=True,
-                )
-            )
-        elif ev.kind is LogEventKind.GPU_HARDWARE_ERROR:
-            out.append(
-                Evidence(
-                    Cause.GPU_HARDWARE_FAULT,
-                    "log:gpu_hardware_error",
-                    _quote(ev),
-                    unambiguous=True,
-                )
-            )
-        elif ev.kind is LogEventKind.WATCHDOG_DUMP:
-            # Hang evidence, not proof: a watchdog timeout shorter than the engine's idle feed
-            # (5 s) also fires while idle, and the engine may recover. The stall signal or the
-            # gate corroborates it.
-            out.append(
-                Evidence(
-                    Cause.ENGINE_DEAD,
-                    f"log:{ev.kind.value}",
-                    "vLLM's hang watchdog saw no progress for its timeout and dumped every "
-                    f"thread's stack to {dict(ev.details).get('dump_file', 'its dump file')}",
-                )
-            )
-        elif ev.kind in _DEATH_KINDS:
-            out.append(
-                Evidence(Cause.ENGINE_DEAD, f"log:{ev.kind.value}", _quote(ev), unambiguous=True)
-            )
-        elif ev.kind is LogEventKind.NON_TORCH_OOM:
-            out.append(
-                Evidence(
-                    Cause.GPU_MEMORY_OVERCOMMIT,
-                    "log:non_torch_oom",
-                    "a CUDA allocation outside PyTorch failed (cuBLAS/NCCL workspace): too little headroom",
-                    unambiguous=True,
-                )
-            )
-        elif ev.kind is LogEventKind.MAX_SEQ_LEN_EXCEEDS_KV:
-            out.append(
-                Evidence(
-                    Cause.KV_CACHE_BLOWOUT,
-                    f"log:{ev.kind.value}",
-                    _quote(ev),
-                    unambiguous=True,
-                )
-            )
+        else:
+            found = _memory_log_evidence(ev) or _failure_log_evidence(ev)
+            if found is not None:
+                out.append(found)
     return out
+
+
+def _memory_log_evidence(ev: LogEvent) -> Evidence | None:
+    """A log event that says the memory does not suffice (but a CUDA OOM: classified above)."""
+    if ev.kind is LogEventKind.NO_KV_CACHE_MEMORY:
+        return Evidence(
+            Cause.MODEL_DOES_NOT_FIT,
+            "log:no_kv_cache_memory",
+            "weights and activations leave no room for a KV cache at this gpu_memory_utilization "
+            "(a lower one only makes it worse): raise it, lower max_num_batched_tokens, or use a "
+            "smaller or quantized model",
+            unambiguous=True,
+        )
+    if ev.kind is LogEventKind.EXTERNAL_WEIGHTS_EXCEED_BUDGET:
+        held = _detail(ev, "external_weights_bytes")
+        budget = _detail(ev, "requested_bytes")
+        util = dict(ev.details).get("gpu_memory_utilization", "its")
+        return Evidence(
+            Cause.MODEL_DOES_NOT_FIT,
+            f"log:{ev.kind.value}",
+            f"the weights vLLM's weight-cache daemon (vllm preload) holds, "
+            f"{_gib_text(held)}, exceed the whole budget at gpu_memory_utilization "
+            f"{util} ({_gib_text(budget)}) they are subtracted from: raise --gpu-memory-utilization "
+            "(the weights are on the card already), or cache a smaller or quantized model",
+            unambiguous=True,
+        )
+    if ev.kind is LogEventKind.FREE_MEMORY_BELOW_UTILIZATION:
+        return Evidence(
+            Cause.GPU_MEMORY_OVERCOMMIT, f"log:{ev.kind.value}", _quote(ev), unambiguous=True
+        )
+    if ev.kind is LogEventKind.NON_TORCH_OOM:
+        return Evidence(
+            Cause.GPU_MEMORY_OVERCOMMIT,
+            "log:non_torch_oom",
+            "a CUDA allocation outside PyTorch failed (cuBLAS/NCCL workspace): too little headroom",
+            unambiguous=True,
+        )
+    if ev.kind is LogEventKind.MAX_SEQ_LEN_EXCEEDS_KV:
+        return Evidence(
+            Cause.KV_CACHE_BLOWOUT, f"log:{ev.kind.value}", _quote(ev), unambiguous=True
+        )
+    return None
+
+
+def _failure_log_evidence(ev: LogEvent) -> Evidence | None:
+    """A log event that says the GPU or the engine failed."""
+    if ev.kind is LogEventKind.GPU_HARDWARE_ERROR:
+        return Evidence(
+            Cause.GPU_HARDWARE_FAULT, "log:gpu_hardware_error", _quote(ev), unambiguous=True
+        )
+    if ev.kind is LogEventKind.WATCHDOG_DUMP:
+        # Hang evidence, not proof: a watchdog timeout shorter than the engine's idle feed
+        # (5 s) also fires while idle, and the engine may recover. The stall signal or the
+        # gate corroborates it.
+        return Evidence(
+            Cause.ENGINE_DEAD,
+            f"log:{ev.kind.value}",
+            "vLLM's hang watchdog saw no progress for its timeout and dumped every "
+            f"thread's stack to {dict(ev.details).get('dump_file', 'its dump file')}",
+        )
+    if ev.kind in _DEATH_KINDS:
+        return Evidence(Cause.ENGINE_DEAD, f"log:{ev.kind.value}", _quote(ev), unambiguous=True)
+    return None
 
 
 def evidence_from_allocator(
@@ -575,38 +565,7 @@ def evidence_from_signals(
     th = th or Thresholds()
     ev: list[Evidence] = []
     notes: list[str] = []
-    kv = sig.kv_cache_usage_ratio
-    waiting = sig.requests_waiting
-    pre = sig.preemptions_per_second
-    span = f"{observed_seconds:.0f} s" if observed_seconds else "one scrape"
-    full = kv is not None and kv >= th.kv_full_ratio
-    if full and pre is not None and pre > th.preemptions_per_second:
-        assert kv is not None
-        ev.append(
-            Evidence(
-                Cause.CONCURRENCY_OVERCOMMIT,
-                "kv:preemption_thrash",
-                f"KV pool {100 * kv:.0f} % full and {pre:.2f} preemptions/s over {span}: "
-                "the pool cannot host the sequences admitted",
-            )
-        )
-        # A queue behind a thrashing pool is a second, independent reading of the same cause.
-        if waiting is not None and waiting > 0:
-            long = f" (> {th.waiting_long:.0f}: not draining)" if waiting > th.waiting_long else ""
-            ev.append(
-                Evidence(
-                    Cause.CONCURRENCY_OVERCOMMIT,
-                    "kv:queue",
-                    f"{waiting:.0f} requests waiting{long} while running ones are preempted",
-                )
-            )
-    elif full:
-        assert kv is not None
-        notes.append(
-            f"KV pool {100 * kv:.0f} % full with {waiting or 0:.0f} waiting but "
-            + ("no preemption" if pre is not None else "no preemption rate yet (one scrape)")
-            + ": healthy queueing, admission is doing its job"
-        )
+    _kv_readings(sig, observed_seconds, th, ev, notes)
     if sig.stalled:
         ev.append(
             Evidence(
@@ -661,6 +620,49 @@ def evidence_from_signals(
             "on demand; measured on vLLM 0.32), not a reason to disable it"
         )
     return ev, notes
+
+
+def _kv_readings(
+    sig: ServiceSignals,
+    observed_seconds: float,
+    th: Thresholds,
+    ev: list[Evidence],
+    notes: list[str],
+) -> None:
+    """The KV pool's readings (part of :func:`evidence_from_signals`): a full pool that
+    thrashes is evidence, one that queues is a note."""
+    kv = sig.kv_cache_usage_ratio
+    waiting = sig.requests_waiting
+    pre = sig.preemptions_per_second
+    span = f"{observed_seconds:.0f} s" if observed_seconds else "one scrape"
+    full = kv is not None and kv >= th.kv_full_ratio
+    if full and pre is not None and pre > th.preemptions_per_second:
+        assert kv is not None
+        ev.append(
+            Evidence(
+                Cause.CONCURRENCY_OVERCOMMIT,
+                "kv:preemption_thrash",
+                f"KV pool {100 * kv:.0f} % full and {pre:.2f} preemptions/s over {span}: "
+                "the pool cannot host the sequences admitted",
+            )
+        )
+        # A queue behind a thrashing pool is a second, independent reading of the same cause.
+        if waiting is not None and waiting > 0:
+            long = f" (> {th.waiting_long:.0f}: not draining)" if waiting > th.waiting_long else ""
+            ev.append(
+                Evidence(
+                    Cause.CONCURRENCY_OVERCOMMIT,
+                    "kv:queue",
+                    f"{waiting:.0f} requests waiting{long} while running ones are preempted",
+                )
+            )
+    elif full:
+        assert kv is not None
+        notes.append(
+            f"KV pool {100 * kv:.0f} % full with {waiting or 0:.0f} waiting but "
+            + ("no preemption" if pre is not None else "no preemption rate yet (one scrape)")
+            + ": healthy queueing, admission is doing its job"
+        )
 
 
 def evidence_from_xids(xids: Sequence[tuple[int, int]]) -> tuple[list[Evidence], list[str]]:

@@ -48,6 +48,7 @@ from vllm_guardian.model import (
     EngineMetrics,
     GpuDevice,
     GpuProcess,
+    GpuReading,
     HealthState,
     Histogram,
     LogEventKind,
@@ -738,72 +739,7 @@ def derive_service(
     rate_win = _window(history, cfg.rate_window_seconds)
     utilization: float | None = None
     if scrape is not None and scrape.engines:
-        engines = scrape.engines
-        keys = [e.key for e in engines]
-        rates = _engine_rates(rate_win, svc.name, keys)  # in the order of _RATE_FIELDS
-        per_engine = []
-        for e in engines:
-            r = rates[e.key]
-            per_engine.append(
-                EngineSignals(
-                    e.model_name,
-                    e.engine,
-                    e.kv_cache_usage_ratio,
-                    e.requests_running,
-                    e.requests_waiting,
-                    r[0],
-                    r[1],
-                )
-            )
-        hits = _sum_opt([rates[k][2] for k in keys])
-        queries = _sum_opt([rates[k][3] for k in keys])
-        if queries:
-            prefix_ratio: float | None = (hits or 0.0) / queries
-        else:
-            v0 = [e.prefix_cache_hit_ratio for e in engines if e.prefix_cache_hit_ratio is not None]
-            prefix_ratio = sum(v0) / len(v0) if v0 else None
-        caps = [e.cache_config.capacity_tokens if e.cache_config else None for e in engines]
-        utils = [
-            e.cache_config.gpu_memory_utilization_ratio
-            for e in engines
-            if e.cache_config and e.cache_config.gpu_memory_utilization_ratio is not None
-        ]
-        utilization = max(utils) if utils else None
-        starts = {
-            s.process_start_time_seconds
-            for snap in rate_win
-            if (s := _scrape(snap, svc.name)) is not None
-            and s.process_start_time_seconds is not None
-        }
-        stall = _stall_seconds(history, svc.name)
-        fields.update(
-            kv_cache_usage_ratio=_kv_usage(engines),
-            requests_running=_sum_opt([e.requests_running for e in engines]),
-            requests_waiting=_sum_opt([e.requests_waiting for e in engines]),
-            requests_swapped=_sum_opt([e.requests_swapped for e in engines]),
-            preemptions_per_second=_sum_opt([p.preemptions_per_second for p in per_engine]),
-            generation_tokens_per_second=_sum_opt(
-                [p.generation_tokens_per_second for p in per_engine]
-            ),
-            prompt_tokens_per_second=_sum_opt([rates[k][4] for k in keys]),
-            request_failures_per_second=_sum_opt([rates[k][5] for k in keys]),
-            admission_rejections_per_second=rate(
-                [
-                    (snap.time_seconds, total, s.process_start_time_seconds)
-                    for snap in rate_win
-                    if (s := _scrape(snap, svc.name)) is not None
-                    and (total := s.admission_rejections_total) is not None
-                ]
-            ),
-            prefix_cache_hit_ratio=prefix_ratio,
-            stall_seconds=stall,
-            stalled=None if stall is None else stall >= cfg.stall_seconds,
-            counter_reset=len(starts) > 1,
-            **_kv_capacity(caps, cur.logs),
-            gpu_memory_utilization_ratio=utilization,
-            latency=_latency(_window(history, cfg.quantile_window_seconds), svc.name, keys),
-            engines=tuple(per_engine),
-        )
+        utilization = _engine_fields(history, rate_win, svc, cfg, cur, scrape, fields)
     unreached = _unreached_seconds(history, svc.name)
     held, held_for, held_waiting = _operator_hold(history, svc.name)
     fields.update(
@@ -825,36 +761,127 @@ def derive_service(
     )
     fields.update(allocator_fields(history, svc.name, cfg.rate_window_seconds))
     if now_snap.gpus is not None:
-        devices = _service_gpus(now_snap.gpus.devices, svc, cur.unit)
-        gpus = _gpu_signals(devices, cur.unit, utilization, svc.gpu_memory_by_device)
-        indices = {d.index for d in devices}
-        service_mem = _sum_int([g.service_memory_bytes for g in gpus]) if gpus else None
-        budget = _sum_int([g.budget_bytes for g in gpus]) if gpus else None
-        frozen = frozenset(indices)
-        slope_points = [
-            (snap.time_seconds, float(h))
-            for snap in _window(history, cfg.slope_window_seconds)
-            if (h := _kept_headroom(snap, indices, frozen)) is not None
-        ]
-        fields.update(
-            gpus=gpus,
-            gpu_memory_by_device=svc.gpu_memory_by_device,
-            memory_budget_bytes=budget,
-            service_memory_bytes=service_mem,
-            memory_over_budget_bytes=(
-                max(0, service_mem - budget)
-                if service_mem is not None and budget is not None
-                else None
-            ),
-            other_processes_memory_bytes=_sum_int([g.other_memory_bytes for g in gpus])
-            if gpus
-            else None,
-            headroom_bytes=_headroom(now_snap, indices),
-            headroom_slope_bytes_per_second=slope(slope_points),
-            recent_xid_events=_recent_xids(rate_win, indices),
-        )
-        fields.update(_forecast_fields(history, svc, cfg, sorted(indices), utilization))
+        fields.update(_gpu_fields(history, rate_win, svc, cfg, cur, now_snap.gpus, utilization))
     return replace(base, **fields)  # type: ignore[arg-type]
+
+
+def _engine_fields(
+    history: Sequence[Snapshot],
+    rate_win: Sequence[Snapshot],
+    svc: ServiceConfig,
+    cfg: SignalsConfig,
+    cur: ServiceSnapshot,
+    scrape: VllmScrape,
+    fields: dict[str, object],
+) -> float | None:
+    """The engines' signals (part of :func:`derive_service`), into ``fields``; returns the
+    gpu_memory_utilization vLLM reports it runs with (None: not reported)."""
+    engines = scrape.engines
+    keys = [e.key for e in engines]
+    rates = _engine_rates(rate_win, svc.name, keys)  # in the order of _RATE_FIELDS
+    per_engine = []
+    for e in engines:
+        r = rates[e.key]
+        per_engine.append(
+            EngineSignals(
+                e.model_name,
+                e.engine,
+                e.kv_cache_usage_ratio,
+                e.requests_running,
+                e.requests_waiting,
+                r[0],
+                r[1],
+            )
+        )
+    hits = _sum_opt([rates[k][2] for k in keys])
+    queries = _sum_opt([rates[k][3] for k in keys])
+    if queries:
+        prefix_ratio: float | None = (hits or 0.0) / queries
+    else:
+        v0 = [e.prefix_cache_hit_ratio for e in engines if e.prefix_cache_hit_ratio is not None]
+        prefix_ratio = sum(v0) / len(v0) if v0 else None
+    caps = [e.cache_config.capacity_tokens if e.cache_config else None for e in engines]
+    utils = [
+        e.cache_config.gpu_memory_utilization_ratio
+        for e in engines
+        if e.cache_config and e.cache_config.gpu_memory_utilization_ratio is not None
+    ]
+    utilization = max(utils) if utils else None
+    starts = {
+        s.process_start_time_seconds
+        for snap in rate_win
+        if (s := _scrape(snap, svc.name)) is not None and s.process_start_time_seconds is not None
+    }
+    stall = _stall_seconds(history, svc.name)
+    fields.update(
+        kv_cache_usage_ratio=_kv_usage(engines),
+        requests_running=_sum_opt([e.requests_running for e in engines]),
+        requests_waiting=_sum_opt([e.requests_waiting for e in engines]),
+        requests_swapped=_sum_opt([e.requests_swapped for e in engines]),
+        preemptions_per_second=_sum_opt([p.preemptions_per_second for p in per_engine]),
+        generation_tokens_per_second=_sum_opt([p.generation_tokens_per_second for p in per_engine]),
+        prompt_tokens_per_second=_sum_opt([rates[k][4] for k in keys]),
+        request_failures_per_second=_sum_opt([rates[k][5] for k in keys]),
+        admission_rejections_per_second=rate(
+            [
+                (snap.time_seconds, total, s.process_start_time_seconds)
+                for snap in rate_win
+                if (s := _scrape(snap, svc.name)) is not None
+                and (total := s.admission_rejections_total) is not None
+            ]
+        ),
+        prefix_cache_hit_ratio=prefix_ratio,
+        stall_seconds=stall,
+        stalled=None if stall is None else stall >= cfg.stall_seconds,
+        counter_reset=len(starts) > 1,
+        **_kv_capacity(caps, cur.logs),
+        gpu_memory_utilization_ratio=utilization,
+        latency=_latency(_window(history, cfg.quantile_window_seconds), svc.name, keys),
+        engines=tuple(per_engine),
+    )
+    return utilization
+
+
+def _gpu_fields(
+    history: Sequence[Snapshot],
+    rate_win: Sequence[Snapshot],
+    svc: ServiceConfig,
+    cfg: SignalsConfig,
+    cur: ServiceSnapshot,
+    gpus_seen: GpuReading,
+    utilization: float | None,
+) -> dict[str, object]:
+    """The service's GPUs' signals (part of :func:`derive_service`): memory, headroom, XIDs
+    and the exhaustion forecast."""
+    fields: dict[str, object] = {}
+    devices = _service_gpus(gpus_seen.devices, svc, cur.unit)
+    gpus = _gpu_signals(devices, cur.unit, utilization, svc.gpu_memory_by_device)
+    indices = {d.index for d in devices}
+    service_mem = _sum_int([g.service_memory_bytes for g in gpus]) if gpus else None
+    budget = _sum_int([g.budget_bytes for g in gpus]) if gpus else None
+    frozen = frozenset(indices)
+    slope_points = [
+        (snap.time_seconds, float(h))
+        for snap in _window(history, cfg.slope_window_seconds)
+        if (h := _kept_headroom(snap, indices, frozen)) is not None
+    ]
+    fields.update(
+        gpus=gpus,
+        gpu_memory_by_device=svc.gpu_memory_by_device,
+        memory_budget_bytes=budget,
+        service_memory_bytes=service_mem,
+        memory_over_budget_bytes=(
+            max(0, service_mem - budget) if service_mem is not None and budget is not None else None
+        ),
+        other_processes_memory_bytes=_sum_int([g.other_memory_bytes for g in gpus])
+        if gpus
+        else None,
+        headroom_bytes=_headroom(history[-1], indices),
+        headroom_slope_bytes_per_second=slope(slope_points),
+        recent_xid_events=_recent_xids(rate_win, indices),
+    )
+    fields.update(_forecast_fields(history, svc, cfg, sorted(indices), utilization))
+    return fields
 
 
 def capacity_samples(window: Sequence[Snapshot], service: str) -> list[CapacitySample]:
