@@ -286,7 +286,7 @@ def test_a_permit_wait_that_times_out_spends_no_budget_and_holds_no_crash(
     from vllm_guardian.core.policy import Lever
 
     assert r.svc.rung(Lever.MAX_NUM_BATCHED_TOKENS) == 1, "vLLM still runs one rung down"
-    assert r.svc.last_step_up == (), "nothing stepped up"
+    assert r.svc.levels.last_step_up == (), "nothing stepped up"
     assert r.svc.backoff_until > t, "a voluntary action backs off after a fruitless wait"
     r.tick(_row(t + 2, logs=("oom",), health="dead"))
     log = "\n".join(f"{d.what} {d.action_id} {d.phase}: {d.reason}" for d in r.decisions)

@@ -27,6 +27,7 @@ from vllm_guardian.core.phases import (
 )
 from vllm_guardian.core.policy import (
     FrontDoorHolder,
+    Levels,
     Lever,
     LogItem,
     PolicySettings,
@@ -58,9 +59,11 @@ def _saved(at: float, phase: Phase = Phase.DRAINING) -> ServiceState:
         restarts=(at - 10, at),
         ready_since=at,
         started_seconds=at,
-        rungs=((Lever.MAX_NUM_SEQS, 1),),
-        last_step_up=((Lever.MAX_NUM_SEQS, at),),
-        pinned_until=((Lever.MAX_NUM_SEQS, at + p.pin_seconds),),
+        levels=Levels(
+            rungs=((Lever.MAX_NUM_SEQS, 1),),
+            last_step_up=((Lever.MAX_NUM_SEQS, at),),
+            pinned_until=((Lever.MAX_NUM_SEQS, at + p.pin_seconds),),
+        ),
         episodes=((Cause.CONCURRENCY_OVERCOMMIT, at),),
         last_pressure_seconds=at,
         log_items=(LogItem(Cause.ENGINE_DEAD, "EngineDeadError", "the engine died", at),),
@@ -119,7 +122,7 @@ Bound = Callable[[PolicyConfig], float]
 BOUNDS: list[tuple[str, Times, Bound]] = [
     ("cooldown_until", lambda s: [s.cooldown_until], lambda p: p.cooldown_seconds),
     ("backoff_until", lambda s: [s.backoff_until], lambda p: p.backoff_max_seconds),
-    ("pinned_until", lambda s: _second(s.pinned_until), lambda p: p.pin_seconds),
+    ("pinned_until", lambda s: _second(s.levels.pinned_until), lambda p: p.pin_seconds),
     ("action.deadline (draining)", lambda s: [s.action.deadline] if s.action else [],
      lambda p: p.drain_timeout_seconds),
     ("action.permit_retry_at", lambda s: [s.action.permit_retry_at] if s.action else [],
@@ -128,7 +131,7 @@ BOUNDS: list[tuple[str, Times, Bound]] = [
     ("restarts", lambda s: list(s.restarts), lambda p: 0.0),
     ("ready_since", lambda s: [s.ready_since or 0.0], lambda p: 0.0),
     ("started_seconds", lambda s: [s.started_seconds or 0.0], lambda p: 0.0),
-    ("last_step_up", lambda s: _second(s.last_step_up), lambda p: 0.0),
+    ("last_step_up", lambda s: _second(s.levels.last_step_up), lambda p: 0.0),
     ("episodes", lambda s: _second(s.episodes), lambda p: 0.0),
     ("last_pressure_seconds", lambda s: [s.last_pressure_seconds or 0.0], lambda p: 0.0),
     ("log_items", lambda s: [x.seen_at for x in s.log_items], lambda p: 0.0),

@@ -59,6 +59,7 @@ def load_state(path: Path) -> policy.PolicyState | None:
             raise _Unusable(f"a JSON {type(raw).__name__}, not an object")
         if raw.get("format") != STATE_FORMAT:
             raise _Unusable(f"unknown format {raw.get('format')!r}")
+        _group_levels(raw["state"])
         state: policy.PolicyState = from_jsonable(policy.PolicyState, raw["state"])
         return state
     except FileNotFoundError:
@@ -68,6 +69,20 @@ def load_state(path: Path) -> policy.PolicyState | None:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         _set_aside(path, str(e))
     return None
+
+
+# A state saved before a service's levels were grouped (ServiceState.levels) has them flat.
+_LEVEL_FIELDS = ("rungs", "last_step_up", "pinned_until", "operator_flags", "baseline")
+
+
+def _group_levels(state: object) -> None:
+    """Move the flat level fields of each saved service into its ``levels`` (in place)."""
+    services = state.get("services") if isinstance(state, dict) else None
+    for svc in services if isinstance(services, list) else ():
+        if isinstance(svc, dict) and "levels" not in svc:
+            flat = {k: svc.pop(k) for k in _LEVEL_FIELDS if k in svc}
+            if flat:
+                svc["levels"] = flat
 
 
 def _set_aside(path: Path, why: str) -> None:

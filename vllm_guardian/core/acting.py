@@ -27,7 +27,7 @@ from vllm_guardian.core.policy_state import (
     ServiceState,
     Withheld,
 )
-from vllm_guardian.core.rungs import describe_flags, levels_of, restore_levels
+from vllm_guardian.core.rungs import describe_flags, restore_levels
 from vllm_guardian.core.signals import ServiceSignals
 from vllm_guardian.model import (
     Action,
@@ -117,7 +117,7 @@ class Ctx:
                 phase=progress.phase,
                 action_kind=kind,
             )
-            return replace(s, action=progress, levels_before=before or levels_of(s))
+            return replace(s, action=progress, levels_before=before or s.levels)
         self.decide(
             s,
             DecisionKind.PHASE,

@@ -31,7 +31,6 @@ from vllm_guardian.core.policy_state import DecisionKind, ServiceState, Withheld
 from vllm_guardian.core.rungs import (
     can_step_down,
     default_baseline,
-    levels_of,
     lever_value,
     nearest_seqs_rung,
     service_flags,
@@ -196,9 +195,11 @@ def act_on_findings(
             f"{top.cause.value}: backing off after a failed action until {s.backoff_until:.0f}",
             top,
         )
-    base = s.baseline or default_baseline(sig, cmdline, gpu_total_bytes)
-    if s.baseline is None:
-        s = replace(s, baseline=base)  # rungs are relative to it: stepping up must use the same
+    base = s.levels.baseline or default_baseline(sig, cmdline, gpu_total_bytes)
+    if s.levels.baseline is None:
+        s = replace(
+            s, levels=replace(s.levels, baseline=base)
+        )  # rungs are relative to it: stepping up must use the same
     step = _may_step_down(ctx, s, top, sig, base)
     if isinstance(step, ServiceState):
         return step
@@ -307,7 +308,7 @@ def _relaunch_down(
     count calls for); a lever stepped up shortly before is pinned there."""
     p = ctx.settings.policy
     now = ctx.now
-    levels = levels_of(s)
+    levels = s.levels
     before = s.rung(lever)
     rung = before + 1
     why = ""
@@ -316,9 +317,10 @@ def _relaunch_down(
         if isinstance(seqs, tuple):
             rung, why = seqs[0], f" ({seqs[1]})"
     s = set_rung(s, lever, rung)
-    last_up = dict(s.last_step_up).get(lever)
+    last_up = dict(s.levels.last_step_up).get(lever)
     if last_up is not None and now - last_up <= p.pin_seconds:
-        s = replace(s, pinned_until=set_time(s.pinned_until, lever, now + p.pin_seconds))
+        pinned = set_time(s.levels.pinned_until, lever, now + p.pin_seconds)
+        s = replace(s, levels=replace(s.levels, pinned_until=pinned))
     flags, env = service_flags(s, base, p)
     value = lever_value(lever, rung, base, p)
     how = "one rung" if rung == before + 1 else f"{rung - before} rungs"
@@ -334,8 +336,8 @@ def _relaunch_down(
 def _maybe_step_up(ctx: Ctx, s: ServiceState, sig: ServiceSignals | None) -> ServiceState:
     p = ctx.settings.policy
     now = ctx.now
-    base = s.baseline
-    if not s.rungs or base is None:
+    base = s.levels.baseline
+    if not s.levels.rungs or base is None:
         return s
     quiet_since = max(t for t in (s.last_pressure_seconds, s.ready_since, 0.0) if t is not None)
     if now - quiet_since < p.stable_for_seconds or now < s.cooldown_until:
@@ -346,8 +348,8 @@ def _maybe_step_up(ctx: Ctx, s: ServiceState, sig: ServiceSignals | None) -> Ser
             Withheld.BACKOFF,
             f"stable, but backing off after a failed action until {s.backoff_until:.0f}",
         )
-    pinned = dict(s.pinned_until)
-    candidates = [lv for lv, r in s.rungs if r > 0 and pinned.get(lv, -math.inf) <= now]
+    pinned = dict(s.levels.pinned_until)
+    candidates = [lv for lv, r in s.levels.rungs if r > 0 and pinned.get(lv, -math.inf) <= now]
     if not candidates:
         return ctx.note(s, Withheld.PINNED, "stable, but every lowered lever is pinned")
     restarts = recent_restarts(s, now, p)
@@ -359,11 +361,11 @@ def _maybe_step_up(ctx: Ctx, s: ServiceState, sig: ServiceSignals | None) -> Ser
         )
     lever = candidates[0]
     rung = s.rung(lever) - 1
-    levels = levels_of(s)
+    levels = s.levels
     s = set_rung(s, lever, rung)
     s = replace(
         s,
-        last_step_up=set_time(s.last_step_up, lever, now),
+        levels=replace(s.levels, last_step_up=set_time(s.levels.last_step_up, lever, now)),
         restarts=(*restarts, now),
         last_note="",
     )

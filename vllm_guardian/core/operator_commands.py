@@ -22,7 +22,7 @@ from vllm_guardian.core.policy_state import (
     PolicySettings,
     PolicyState,
 )
-from vllm_guardian.core.rungs import describe_flags, levels_of, service_flags, set_rung
+from vllm_guardian.core.rungs import describe_flags, service_flags, set_rung
 from vllm_guardian.model import (
     ActionKind,
 )
@@ -112,29 +112,34 @@ def operator_action(
     if refusal is not None:
         ctx.decide(s, DecisionKind.OPERATOR, f"{kind.value} asked by {who} refused: {refusal}")
         return PolicyOutput(state, (), tuple(ctx.decisions))
-    levels = levels_of(s)
+    levels = s.levels
     if reset:
-        s = replace(s, operator_flags=(), rungs=(), pinned_until=(), baseline=None)
+        s = replace(
+            s,
+            levels=replace(s.levels, operator_flags=(), rungs=(), pinned_until=(), baseline=None),
+        )
     if sets:
-        by_flag = dict(s.operator_flags)
+        by_flag = dict(s.levels.operator_flags)
         by_flag.update(sets)
-        s = replace(s, operator_flags=tuple(sorted(by_flag.items())))
+        s = replace(s, levels=replace(s.levels, operator_flags=tuple(sorted(by_flag.items()))))
         for flag, value in sets:
             lever = lever_of_flag(flag)
             if lever is None:
                 continue
             s = set_rung(s, lever, 0)
-            b = s.baseline
+            b = s.levels.baseline
             spec = lever_spec(lever)
             if b is None or spec.baseline_field is None:
                 continue  # captured from the running command line once vLLM is back
-            s = replace(s, baseline=spec.rebased(b, value))
+            s = replace(s, levels=replace(s.levels, baseline=spec.rebased(b, value)))
     if s.breaker_latched and force:
         ctx.decide(
             s, DecisionKind.OPERATOR, f"--force by {who}: acting although the breaker is latched"
         )
     flags, env = (
-        service_flags(s, s.baseline, p) if s.baseline is not None else (s.operator_flags, ())
+        service_flags(s, s.levels.baseline, p)
+        if s.levels.baseline is not None
+        else (s.levels.operator_flags, ())
     )
     what = (
         "reset to the operator's base flags"

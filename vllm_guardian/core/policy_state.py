@@ -45,13 +45,16 @@ class LogItem:
 
 @dataclass(frozen=True)
 class Levels:
-    """What a relaunch changes in the state before it restarts anything: the rungs and what
-    pins them, the operator's flags and baseline. Kept while its wait for a fleet permit lasts,
-    and restored when the wait ends without one: vLLM still runs with these."""
+    """What vLLM runs with, as far as the policy sets it (``ServiceState.levels``): the rungs
+    and what pins them, the operator's flags and baseline. A relaunch changes them before it
+    restarts anything; the levels before are kept while its wait for a fleet permit lasts
+    (``ServiceState.levels_before``), and restored when the wait ends without one."""
 
     rungs: tuple[tuple[Lever, int], ...] = ()
     last_step_up: tuple[tuple[Lever, float], ...] = ()
     pinned_until: tuple[tuple[Lever, float], ...] = ()
+    # Flags an operator set with `vllm-guardian relaunch --set` (whitelisted, validated by the
+    # shell before they get here); `--reset` clears them and every rung.
     operator_flags: tuple[tuple[str, str], ...] = ()
     baseline: Baseline | None = None
 
@@ -87,13 +90,11 @@ class ServiceState:
     ready_since: float | None = None  # when our last action left the service ready
     started_seconds: float | None = None  # when the current vLLM process started (as seen)
     main_pid: int | None = None
-    rungs: tuple[tuple[Lever, int], ...] = ()
-    last_step_up: tuple[tuple[Lever, float], ...] = ()
-    pinned_until: tuple[tuple[Lever, float], ...] = ()
+    # The rungs, what pins them, the operator's flags and baseline: what vLLM runs with.
+    levels: Levels = Levels()
     episodes: tuple[tuple[Cause, float], ...] = ()  # pressure episodes: (cause, start)
     active_causes: tuple[Cause, ...] = ()
     last_pressure_seconds: float | None = None
-    baseline: Baseline | None = None
     last_note: str = ""  # the last "nothing done because ..." decision, to log it once
     # Instant evidence (log lines) not yet acted on, each with the structural signals that
     # agreed with it (core/diagnosis.corroborated): only those count. (A state file saved before
@@ -113,14 +114,11 @@ class ServiceState:
     # pressure window: its median is what the pool hosts (a single reading is noise: 1-7 and
     # 3-28 in the measured runs).
     running_samples: tuple[tuple[float, float], ...] = ()
-    # Flags an operator set with `vllm-guardian relaunch --set` (whitelisted, validated by the
-    # shell before they get here); `--reset` clears them and every rung.
-    operator_flags: tuple[tuple[str, str], ...] = ()
     # The levels before the action waiting for a fleet permit changed them (None: no wait).
     levels_before: Levels | None = None
 
     def rung(self, lever: Lever) -> int:
-        return dict(self.rungs).get(lever, 0)
+        return dict(self.levels.rungs).get(lever, 0)
 
     @property
     def in_flight(self) -> int | None:

@@ -271,7 +271,9 @@ def preempt(
     s = replace(s, forecast_since=since if since is not None else (now if f else None))
     if s.breaker_latched or s.in_flight is not None:
         return s
-    base = s.baseline or (default_baseline(sig, cmdline, gpu_total) if sig is not None else None)
+    base = s.levels.baseline or (
+        default_baseline(sig, cmdline, gpu_total) if sig is not None else None
+    )
     plan = preemptive_action(sig, s, now, p, base, gpu_total)
     if plan is None:
         if s.gate_holder is FrontDoorHolder.FORECAST:
@@ -307,8 +309,8 @@ def preempt(
     if held is not None:
         return held
     restarts = recent_restarts(s, now, p)
-    if s.baseline is None and base is not None:
-        s = replace(s, baseline=base)
+    if s.levels.baseline is None and base is not None:
+        s = replace(s, levels=replace(s.levels, baseline=base))
     s = replace(
         s,
         restarts=(*restarts, now),
@@ -320,7 +322,7 @@ def preempt(
     )
     if plan.kind is ActionKind.RELAUNCH and plan.lever is not None and base is not None:
         s = set_rung(s, plan.lever, s.rung(plan.lever) + plan.rungs)
-    flags, env = service_flags(s, base, p) if base is not None else (s.operator_flags, ())
+    flags, env = service_flags(s, base, p) if base is not None else (s.levels.operator_flags, ())
     return ctx.act(s, plan.kind, finding, "pre-emptive: " + plan.reason, flags, env)
 
 

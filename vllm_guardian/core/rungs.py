@@ -20,7 +20,7 @@ from vllm_guardian.core.levers import (
     Step,
     lever_spec,
 )
-from vllm_guardian.core.policy_state import Levels, ServiceState
+from vllm_guardian.core.policy_state import ServiceState
 from vllm_guardian.core.signals import ServiceSignals
 
 
@@ -113,9 +113,9 @@ def service_flags(
 ) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
     """The rungs' flags with the operator's own on top; a lever the policy has lowered since
     (rung > 0) is the rung's value, computed from a baseline that took the operator's value."""
-    flags, env = flags_for(dict(s.rungs), base, p)
+    flags, env = flags_for(dict(s.levels.rungs), base, p)
     mine = {f for f, _ in flags}
-    merged = tuple((f, v) for f, v in s.operator_flags if f not in mine) + flags
+    merged = tuple((f, v) for f, v in s.levels.operator_flags if f not in mine) + flags
     return merged, env
 
 
@@ -132,30 +132,18 @@ def set_time(
     return tuple(sorted(d.items()))
 
 
-def levels_of(s: ServiceState) -> Levels:
-    return Levels(s.rungs, s.last_step_up, s.pinned_until, s.operator_flags, s.baseline)
-
-
 def restore_levels(s: ServiceState) -> ServiceState:
     """A wait for a permit ended without one: the levels vLLM still runs with, back."""
     b = s.levels_before
     if b is None:
         return s
-    return replace(
-        s,
-        rungs=b.rungs,
-        last_step_up=b.last_step_up,
-        pinned_until=b.pinned_until,
-        operator_flags=b.operator_flags,
-        baseline=b.baseline,
-        levels_before=None,
-    )
+    return replace(s, levels=b, levels_before=None)
 
 
 def set_rung(s: ServiceState, lever: Lever, rung: int) -> ServiceState:
-    d = dict(s.rungs)
+    d = dict(s.levels.rungs)
     if rung > 0:
         d[lever] = rung
     else:
         d.pop(lever, None)
-    return replace(s, rungs=tuple(sorted(d.items())))
+    return replace(s, levels=replace(s.levels, rungs=tuple(sorted(d.items()))))

@@ -12,6 +12,7 @@ from typing import TypeVar
 from vllm_guardian.core import phases
 from vllm_guardian.core.policy_state import (
     FrontDoorHolder,
+    Levels,
     PolicySettings,
     PolicyState,
     ServiceState,
@@ -98,21 +99,15 @@ def bound_saved_times(
                     settings.permit_renew_seconds or 0.0,
                 ),
             )
-        levels = s.levels_before
-        if levels is not None:
-            levels = replace(
-                levels,
-                last_step_up=b.keyed("levels_before.last_step_up", levels.last_step_up),
-                pinned_until=b.keyed(
-                    "levels_before.pinned_until", levels.pinned_until, p.pin_seconds
-                ),
-            )
         out.append(
             replace(
                 s,
                 action=action,
                 gate_holder=_front_door_holder(s),
-                levels_before=levels,
+                levels=_bounded_levels(b, "", s.levels, p.pin_seconds),
+                levels_before=None
+                if s.levels_before is None
+                else _bounded_levels(b, "levels_before.", s.levels_before, p.pin_seconds),
                 gate_closed_at=b.maybe("gate_closed_at", s.gate_closed_at),
                 cooldown_until=b.at_most("cooldown_until", s.cooldown_until, p.cooldown_seconds),
                 backoff_until=b.at_most("backoff_until", s.backoff_until, backoff),
@@ -120,8 +115,6 @@ def bound_saved_times(
                 restarts=tuple(b.at_most("restarts", t) for t in s.restarts),
                 ready_since=b.maybe("ready_since", s.ready_since),
                 started_seconds=b.maybe("started_seconds", s.started_seconds),
-                last_step_up=b.keyed("last_step_up", s.last_step_up),
-                pinned_until=b.keyed("pinned_until", s.pinned_until, p.pin_seconds),
                 episodes=b.keyed("episodes", s.episodes),
                 last_pressure_seconds=b.maybe("last_pressure_seconds", s.last_pressure_seconds),
                 log_items=tuple(
@@ -153,3 +146,12 @@ def _front_door_holder(s: ServiceState) -> FrontDoorHolder | None:
     if s.action is not None and s.action.phase is not phases.Phase.AWAITING_PERMIT:
         return FrontDoorHolder.ACTION
     return FrontDoorHolder.KV_PRESSURE
+
+
+def _bounded_levels(b: _Bounded, what: str, levels: Levels, pin_seconds: float) -> Levels:
+    """The levels' times bounded: a step up happened by now; a pin lasts its duration."""
+    return replace(
+        levels,
+        last_step_up=b.keyed(f"{what}last_step_up", levels.last_step_up),
+        pinned_until=b.keyed(f"{what}pinned_until", levels.pinned_until, pin_seconds),
+    )

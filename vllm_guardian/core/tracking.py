@@ -106,14 +106,14 @@ def capture_baseline(
 ) -> ServiceState:
     """Record the operator's baseline once, while the guardian owns no flag and vLLM is up
     (so its reported gpu_memory_utilization and the GPU's size are known, not guessed)."""
-    if s.baseline is not None or s.rungs or sig is None or not gpu_total:
+    if s.levels.baseline is not None or s.levels.rungs or sig is None or not gpu_total:
         return s
     if (
         sig.gpu_memory_utilization_ratio is None
         and parse_launch_flags(cmdline or ()).gpu_memory_utilization_ratio is None
     ):
         return s
-    return replace(s, baseline=default_baseline(sig, cmdline, gpu_total))
+    return replace(s, levels=replace(s.levels, baseline=default_baseline(sig, cmdline, gpu_total)))
 
 
 def instant_signal(signal: str) -> bool:
