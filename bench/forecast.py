@@ -303,7 +303,7 @@ def run(scenario: str, seed: int, minutes: float, guarded: bool) -> Result:
             while i < len(plan) and first_ready + plan[i].at_seconds <= t:
                 held.append(plan[i])
                 i += 1
-        if not guarded or tick_state.policy.service("vllm").gate_open:
+        if not guarded or tick_state.policy.service("vllm").front_door.open:
             if svc.ready:
                 e = svc.engine
                 assert e is not None

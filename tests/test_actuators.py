@@ -549,6 +549,21 @@ def test_a_state_saved_with_flat_levels_keeps_its_rungs_and_flags(tmp_path: Path
     assert s.restarts == (1.0,)
 
 
+def test_status_reads_the_rungs_from_the_policy_state_the_daemon_sends():
+    """`vllm-guardian status` renders the policy state as the control socket sends it
+    (to_jsonable): the rungs are under the service's levels."""
+    from vllm_guardian.cli import render_status
+    from vllm_guardian.recorder import to_jsonable
+
+    state = PolicyState((ServiceState("vllm", levels=Levels(rungs=((Lever.MAX_NUM_SEQS, 2),))),))
+    reply = {"version": "x", "signals": {"services": [{"service": "vllm"}]}}
+    text = render_status({**reply, "policy": to_jsonable(state)})
+    print(text)
+    assert "max_num_seqs rung 2" in text
+    fresh = PolicyState((ServiceState("vllm"),))
+    assert "flags: operator baseline" in render_status({**reply, "policy": to_jsonable(fresh)})
+
+
 def test_a_state_saved_before_log_items_keeps_its_breaker(tmp_path: Path):
     """Log evidence was saved as plain tuples (`pending`); an upgrade reads the rest of that
     state (a latched breaker stays latched) and drops those items: nothing agreed with them."""

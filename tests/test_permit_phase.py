@@ -185,7 +185,7 @@ def test_a_step_up_waits_for_the_permit_with_the_front_door_open(permit_run: typ
     r.refuse = True
     r.run(Row(500), Row(1002))  # stable: a step up is due, voluntary
     assert r.svc.action is not None and r.svc.action.phase is Phase.AWAITING_PERMIT
-    assert r.svc.gate_open, "the front door stays open while waiting for a permit"
+    assert r.svc.front_door.open, "the front door stays open while waiting for a permit"
     step_up = r.svc.action.action_id
     waiting = [d for d in r.decisions if d.phase is Phase.AWAITING_PERMIT]
     # Entered, then a try refused: both on record, the refusal with the cluster's answer.
@@ -248,7 +248,7 @@ def test_a_crash_while_waiting_for_a_permit_ends_the_wait_and_acts_at_once(
     assert r.svc.backoff_until <= 1010, "no backoff: the crash is acted on now\n" + log
     assert r.svc.action is not None and r.svc.action.action_id != waiting, log
     assert r.svc.action.phase is not Phase.AWAITING_PERMIT, "a crash needs no permit\n" + log
-    assert not r.svc.gate_open, "the crash action holds the front door"
+    assert not r.svc.front_door.open, "the crash action holds the front door"
     assert (waiting, Op.RELEASE_PERMIT) in {(o.action_id, o.op) for o in r.ops}, (
         "whatever the wait may hold is given back\n" + log
     )

@@ -502,7 +502,7 @@ def test_pause_holds_everything():
     r = Run()
     r.state, _ = pause(r.state, None, 0)
     r.run(Row(1, kv=0.99, alerts=("EngineDead",), health=HealthState.ENGINE_DEAD))
-    assert r.actions == [] and r.svc.gate_open
+    assert r.actions == [] and r.svc.front_door.open
 
 
 # --- a log line alone acts on nothing --------------------------------------------------------

@@ -237,7 +237,7 @@ def test_a_neighbour_is_not_gated_around_while_its_forecast_stands() -> None:
     for t in range(0, 20, 2):
         run.tick(float(t), replace(nb, kv_cache_usage_ratio=0.1))
     s = run.state.service("vllm")
-    assert s.gate_open
+    assert s.front_door.open
     assert [d for d in run.decisions if d.what == "gate"] == []
     assert run.actions == []
     notes = [d for d in run.decisions if d.withheld is Withheld.FORECAST_WAIT]

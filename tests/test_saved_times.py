@@ -26,18 +26,18 @@ from vllm_guardian.core.phases import (
     phase_limit_seconds,
 )
 from vllm_guardian.core.policy import (
+    FrontDoor,
     FrontDoorHolder,
     Levels,
     Lever,
     LogItem,
-    PolicySettings,
     PolicyState,
     ServiceState,
-    bound_saved_times,
 )
 from vllm_guardian.healing import Healing
 from vllm_guardian.model import ActionKind, Cause
-from vllm_guardian.statefile import save_state
+from vllm_guardian.recorder import to_jsonable
+from vllm_guardian.statefile import load_state, save_state
 
 DAY = 86400.0
 FLEET_WAIT_SECONDS = 300.0
@@ -49,10 +49,7 @@ def _saved(at: float, phase: Phase = Phase.DRAINING) -> ServiceState:
     p = PolicyConfig()
     return ServiceState(
         "vllm",
-        gate_open=False,
-        gate_reason="restart in progress",
-        gate_holder=FrontDoorHolder.ACTION,
-        gate_closed_at=at,
+        front_door=FrontDoor(FrontDoorHolder.ACTION, "restart in progress", at),
         cooldown_until=at + p.cooldown_seconds,
         backoff_until=at + p.backoff_max_seconds,
         backoff_seconds=p.backoff_max_seconds,
@@ -127,7 +124,7 @@ BOUNDS: list[tuple[str, Times, Bound]] = [
      lambda p: p.drain_timeout_seconds),
     ("action.permit_retry_at", lambda s: [s.action.permit_retry_at] if s.action else [],
      lambda p: PERMIT_RETRY_SECONDS),
-    ("gate_closed_at", lambda s: [s.gate_closed_at or 0.0], lambda p: 0.0),
+    ("gate_closed_at", lambda s: [s.front_door.closed_at or 0.0], lambda p: 0.0),
     ("restarts", lambda s: list(s.restarts), lambda p: 0.0),
     ("ready_since", lambda s: [s.ready_since or 0.0], lambda p: 0.0),
     ("started_seconds", lambda s: [s.started_seconds or 0.0], lambda p: 0.0),
@@ -203,25 +200,34 @@ def test_a_state_saved_on_a_sound_clock_loads_unchanged(
     assert "ahead" not in caplog.text
 
 
-# A state saved before the front door's holder was a field: who closed it, from what it kept.
-# (its gate_reason, whether an action past its permit wait was under way, who it names)
-OLD_DOORS: list[tuple[str, bool, Phase | None, FrontDoorHolder | None]] = [
-    ("open", True, None, None),
-    ("forecast: pid 7 is growing on the GPU", False, None, FrontDoorHolder.FORECAST),
-    ("restart in progress", False, Phase.DRAINING, FrontDoorHolder.ACTION),
-    ("KV cache usage 95% at or above the high watermark 90%", False, None,
+# A state saved before the front door was a record saved it flat, without who closed it.
+# (its gate_open, gate_reason, whether an action was under way and in what phase, the holder
+# it loads with)
+OLD_DOORS: list[tuple[bool, str, Phase | None, FrontDoorHolder | None]] = [
+    (True, "open", None, None),
+    (True, "paused: gate held open", Phase.DRAINING, None),
+    (False, "forecast: pid 7 is growing on the GPU", None, FrontDoorHolder.FORECAST),
+    (False, "restart in progress", Phase.DRAINING, FrontDoorHolder.ACTION),
+    (False, "KV cache usage 95% at or above the high watermark 90%", None,
      FrontDoorHolder.KV_PRESSURE),
-    ("KV cache usage 95% at or above the high watermark 90%", False, Phase.AWAITING_PERMIT,
+    (False, "KV cache usage 95% at or above the high watermark 90%", Phase.AWAITING_PERMIT,
      FrontDoorHolder.KV_PRESSURE),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("reason", "is_open", "phase", "holder"), OLD_DOORS)
-def test_a_state_saved_before_the_holder_field_names_who_holds_the_front_door(
-    reason: str, is_open: bool, phase: Phase | None, holder: FrontDoorHolder | None
+@pytest.mark.parametrize(("is_open", "reason", "phase", "holder"), OLD_DOORS)
+def test_a_state_saved_with_a_flat_front_door_names_who_holds_it(
+    tmp_path: Path, is_open: bool, reason: str, phase: Phase | None, holder: FrontDoorHolder | None
 ) -> None:
-    saved = replace(_saved(1000.0), gate_open=is_open, gate_reason=reason, gate_holder=None)
+    saved = _saved(1000.0)
     saved = replace(saved, action=replace(saved.action, phase=phase) if phase else None)
-    settings = PolicySettings(PolicyConfig(), ("vllm",))
-    bounded, _ = bound_saved_times(PolicyState((saved,)), 1000.0, settings)
-    assert bounded.service("vllm").gate_holder is holder
+    service = to_jsonable(saved)
+    del service["front_door"]
+    service.update(gate_open=is_open, gate_reason=reason, gate_closed_at=990.0)
+    path = tmp_path / "policy-state.json"
+    path.write_text(json.dumps({"format": 1, "state": {"services": [service]}}))
+    state = load_state(path)
+    assert state is not None
+    door = state.service("vllm").front_door
+    assert door == FrontDoor(holder, reason, 990.0)
+    assert door.open is is_open

@@ -450,11 +450,11 @@ class Healing:
             )  # fmt: skip
             self.tick_state = replace(self.tick_state, policy=out.state)
             s = out.state.service(service)
-            if out.actions and not s.gate_open:
+            if out.actions and not s.front_door.open:
                 # The front door closes with the command, not at the next tick: that tick may
                 # wait on the bundle's capture, and a client honouring /ready must not be sent
                 # in meanwhile (the drain would not count it; vLLM's SIGTERM would fail it).
-                self._gates[service] = GateState(False, s.gate_reason)
+                self._gates[service] = GateState(False, s.front_door.reason)
             for action in out.actions:
                 self._started[action.id] = action
             for req in out.ops:

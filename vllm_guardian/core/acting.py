@@ -130,9 +130,7 @@ class Ctx:
         return replace(
             s,
             action=progress,
-            gate_open=False,
-            gate_reason=f"{kind.value} in progress",
-            gate_holder=FrontDoorHolder.ACTION,
+            front_door=s.front_door.closed(FrontDoorHolder.ACTION, f"{kind.value} in progress"),
         )
 
     def note(
@@ -244,9 +242,9 @@ def advance_action(
         ):  # the permit is granted: from here on the action holds the front door
             s = replace(
                 s,
-                gate_open=False,
-                gate_reason=f"{action.kind.value} in progress",
-                gate_holder=FrontDoorHolder.ACTION,
+                front_door=s.front_door.closed(
+                    FrontDoorHolder.ACTION, f"{action.kind.value} in progress"
+                ),
                 levels_before=None,
             )
         return replace(s, action=adv.progress)
@@ -357,9 +355,7 @@ def finish(
             backoff_seconds=0.0,
             backoff_until=0.0,
             backoff_voluntary_only=False,
-            gate_open=True,
-            gate_reason="open",
-            gate_holder=None,
+            front_door=s.front_door.opened(),
         )
         ctx.decide(
             s,
@@ -375,9 +371,7 @@ def finish(
             s,
             breaker_latched=True,
             breaker_reason=f"{kind.value} failed for good: {outcome.detail}",
-            gate_open=True,
-            gate_reason="open",
-            gate_holder=None,
+            front_door=s.front_door.opened(),
         )
         ctx.decide(
             s, DecisionKind.LATCH, s.breaker_reason or "",
@@ -390,9 +384,7 @@ def finish(
             backoff_seconds=backoff,
             backoff_until=ctx.now + backoff,
             backoff_voluntary_only=False,
-            gate_open=True,
-            gate_reason="open",
-            gate_holder=None,
+            front_door=s.front_door.opened(),
         )
         ctx.decide(
             s,

@@ -59,6 +59,7 @@ from vllm_guardian.core.operator_commands import operator_action, pause, resume
 from vllm_guardian.core.policy_state import (
     Decision,
     DecisionKind,
+    FrontDoor,
     FrontDoorHolder,
     Levels,
     LogItem,
@@ -102,6 +103,7 @@ __all__ = [
     "Baseline",
     "Decision",
     "DecisionKind",
+    "FrontDoor",
     "FrontDoorHolder",
     "Levels",
     "Lever",
@@ -173,9 +175,9 @@ def _decide_service(
     restarted = pid_before is not None and s.main_pid != pid_before
     s = advance_action(ctx, s, snapshot, sig)
     if s.paused:
-        if s.gate_open:
+        if s.front_door.open:
             return s
-        return replace(s, gate_open=True, gate_reason="paused: gate held open", gate_holder=None)
+        return replace(s, front_door=s.front_door.opened("paused: gate held open"))
     s = gate_on_kv(ctx, s, sig)
     svc_snap = snapshot.service(name)
     unit = svc_snap.unit if svc_snap is not None else None

@@ -8,7 +8,7 @@ Pure data, read and written by every stage of the policy; the state is saved aft
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from vllm_guardian.config import Config, PolicyConfig
@@ -60,7 +60,7 @@ class Levels:
 
 
 class FrontDoorHolder(StrEnum):
-    """Who holds the front door closed (``ServiceState.gate_holder``): each opens only what it
+    """Who holds the front door closed (``FrontDoor.holder``): each opens only what it
     closed."""
 
     KV_PRESSURE = "kv_pressure"  # KV cache usage at the high watermark (core/tracking.py)
@@ -69,12 +69,32 @@ class FrontDoorHolder(StrEnum):
 
 
 @dataclass(frozen=True)
+class FrontDoor:
+    """The service's front door (``/ready/<service>`` and the gate): open, or held closed by
+    one holder, and why. Read by ``core/step.py`` for the gate's state; written by who closes
+    it and, when it ends, by what they hold it for."""
+
+    holder: FrontDoorHolder | None = None  # None: open
+    reason: str = "open"  # for a person; code reads ``holder``
+    closed_at: float | None = None  # when KV pressure or the forecast last closed it
+
+    @property
+    def open(self) -> bool:
+        return self.holder is None
+
+    def opened(self, reason: str = "open") -> FrontDoor:
+        return replace(self, holder=None, reason=reason)
+
+    def closed(self, holder: FrontDoorHolder, reason: str, at: float | None = None) -> FrontDoor:
+        """Closed by ``holder``; ``at``: the time the KV gate's minimum closed time runs from
+        (None: kept)."""
+        return FrontDoor(holder, reason, self.closed_at if at is None else at)
+
+
+@dataclass(frozen=True)
 class ServiceState:
     service: str
-    gate_open: bool = True
-    gate_reason: str = "open"  # for a person; code reads gate_holder
-    gate_holder: FrontDoorHolder | None = None  # None: the front door is open
-    gate_closed_at: float | None = None
+    front_door: FrontDoor = FrontDoor()
     paused: bool = False
     breaker_latched: bool = False
     breaker_reason: str | None = None

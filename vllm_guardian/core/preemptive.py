@@ -276,8 +276,8 @@ def preempt(
     )
     plan = preemptive_action(sig, s, now, p, base, gpu_total)
     if plan is None:
-        if s.gate_holder is FrontDoorHolder.FORECAST:
-            s = replace(s, gate_open=True, gate_reason="open", gate_holder=None)
+        if s.front_door.holder is FrontDoorHolder.FORECAST:
+            s = replace(s, front_door=s.front_door.opened())
             ctx.decide(
                 s, DecisionKind.UNGATE, "the exhaustion forecast cleared", dry_run=gate_dry_run(p)
             )
@@ -285,14 +285,11 @@ def preempt(
     finding = Finding(
         plan.cause, 1.0, (Evidence(plan.cause, "forecast:" + plan.cause.value, plan.reason),)
     )
-    if plan.gate and s.gate_open:
+    if plan.gate and s.front_door.open:
         reason = f"forecast: {plan.reason}"
         s = replace(
             s,
-            gate_open=False,
-            gate_reason=reason,
-            gate_holder=FrontDoorHolder.FORECAST,
-            gate_closed_at=now,
+            front_door=s.front_door.closed(FrontDoorHolder.FORECAST, reason, now),
         )
         ctx.decide(
             s,

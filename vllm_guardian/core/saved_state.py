@@ -11,7 +11,6 @@ from typing import TypeVar
 
 from vllm_guardian.core import phases
 from vllm_guardian.core.policy_state import (
-    FrontDoorHolder,
     Levels,
     PolicySettings,
     PolicyState,
@@ -103,12 +102,13 @@ def bound_saved_times(
             replace(
                 s,
                 action=action,
-                gate_holder=_front_door_holder(s),
                 levels=_bounded_levels(b, "", s.levels, p.pin_seconds),
                 levels_before=None
                 if s.levels_before is None
                 else _bounded_levels(b, "levels_before.", s.levels_before, p.pin_seconds),
-                gate_closed_at=b.maybe("gate_closed_at", s.gate_closed_at),
+                front_door=replace(
+                    s.front_door, closed_at=b.maybe("gate_closed_at", s.front_door.closed_at)
+                ),
                 cooldown_until=b.at_most("cooldown_until", s.cooldown_until, p.cooldown_seconds),
                 backoff_until=b.at_most("backoff_until", s.backoff_until, backoff),
                 backoff_seconds=backoff,
@@ -132,20 +132,6 @@ def bound_saved_times(
         )
         notes.extend(b.notes)
     return replace(state, services=tuple(out)), tuple(notes)
-
-
-def _front_door_holder(s: ServiceState) -> FrontDoorHolder | None:
-    """Who holds the front door of a saved service. A state saved before ``gate_holder``
-    existed loads with None while the door is closed: its reason says who closed it (the
-    exhaustion forecast wrote its own prefix), else the action under way, else KV pressure
-    (the only other closer)."""
-    if s.gate_open or s.gate_holder is not None:
-        return s.gate_holder
-    if s.gate_reason.startswith("forecast:"):
-        return FrontDoorHolder.FORECAST
-    if s.action is not None and s.action.phase is not phases.Phase.AWAITING_PERMIT:
-        return FrontDoorHolder.ACTION
-    return FrontDoorHolder.KV_PRESSURE
 
 
 def _bounded_levels(b: _Bounded, what: str, levels: Levels, pin_seconds: float) -> Levels:

@@ -60,20 +60,17 @@ def track_process(s: ServiceState, snapshot: Snapshot, name: str, now: float) ->
 def gate_on_kv(ctx: Ctx, s: ServiceState, sig: ServiceSignals | None) -> ServiceState:
     if disrupting(s):
         return s  # the action holds the front door closed until it ends
-    if s.gate_holder is FrontDoorHolder.FORECAST:
+    if s.front_door.holder is FrontDoorHolder.FORECAST:
         return s  # held by the exhaustion forecast (preempt opens it)
     p = ctx.settings.policy
     kv = sig.kv_cache_usage_ratio if sig is not None else None
     if kv is None:
         return s  # missing data holds the gate where it is
-    if s.gate_open and kv >= p.kv_high_watermark_ratio:
+    if s.front_door.open and kv >= p.kv_high_watermark_ratio:
         reason = f"KV cache usage {kv:.0%} at or above the high watermark {p.kv_high_watermark_ratio:.0%}"
         s = replace(
             s,
-            gate_open=False,
-            gate_reason=reason,
-            gate_holder=FrontDoorHolder.KV_PRESSURE,
-            gate_closed_at=ctx.now,
+            front_door=s.front_door.closed(FrontDoorHolder.KV_PRESSURE, reason, ctx.now),
         )
         ctx.decide(
             s,
@@ -84,13 +81,13 @@ def gate_on_kv(ctx: Ctx, s: ServiceState, sig: ServiceSignals | None) -> Service
             dry_run=gate_dry_run(p),
         )
     elif (
-        not s.gate_open
+        not s.front_door.open
         and kv < p.kv_low_watermark_ratio
-        and ctx.now - (s.gate_closed_at if s.gate_closed_at is not None else -math.inf)
+        and ctx.now - (s.front_door.closed_at if s.front_door.closed_at is not None else -math.inf)
         >= p.gate_min_closed_seconds
     ):
         reason = f"KV cache usage {kv:.0%} below the low watermark {p.kv_low_watermark_ratio:.0%}"
-        s = replace(s, gate_open=True, gate_reason="open", gate_holder=None)
+        s = replace(s, front_door=s.front_door.opened())
         ctx.decide(
             s,
             DecisionKind.UNGATE,
