@@ -28,6 +28,7 @@ from vllm_guardian.core.phases import (
 from vllm_guardian.core.policy import (
     FrontDoor,
     FrontDoorHolder,
+    HoldOff,
     Levels,
     Lever,
     LogItem,
@@ -50,9 +51,11 @@ def _saved(at: float, phase: Phase = Phase.DRAINING) -> ServiceState:
     return ServiceState(
         "vllm",
         front_door=FrontDoor(FrontDoorHolder.ACTION, "restart in progress", at),
-        cooldown_until=at + p.cooldown_seconds,
-        backoff_until=at + p.backoff_max_seconds,
-        backoff_seconds=p.backoff_max_seconds,
+        hold_off=HoldOff(
+            cooldown_until=at + p.cooldown_seconds,
+            backoff_until=at + p.backoff_max_seconds,
+            backoff_seconds=p.backoff_max_seconds,
+        ),
         restarts=(at - 10, at),
         ready_since=at,
         started_seconds=at,
@@ -117,8 +120,8 @@ Times = Callable[[ServiceState], list[float]]
 Bound = Callable[[PolicyConfig], float]
 # (what, its times in the loaded state, how far past now each may lie)
 BOUNDS: list[tuple[str, Times, Bound]] = [
-    ("cooldown_until", lambda s: [s.cooldown_until], lambda p: p.cooldown_seconds),
-    ("backoff_until", lambda s: [s.backoff_until], lambda p: p.backoff_max_seconds),
+    ("cooldown_until", lambda s: [s.hold_off.cooldown_until], lambda p: p.cooldown_seconds),
+    ("backoff_until", lambda s: [s.hold_off.backoff_until], lambda p: p.backoff_max_seconds),
     ("pinned_until", lambda s: _second(s.levels.pinned_until), lambda p: p.pin_seconds),
     ("action.deadline (draining)", lambda s: [s.action.deadline] if s.action else [],
      lambda p: p.drain_timeout_seconds),

@@ -316,8 +316,8 @@ def render_status(st: dict[str, Any]) -> str:
         lines.append(
             f"  restarts in the last hour: {used} of {budget}"
             + (
-                f"  cooldown {svc['cooldown_until'] - now:.0f}s"
-                if svc.get("cooldown_until", 0) > now
+                f"  cooldown {cooldown - now:.0f}s"
+                if (cooldown := (svc.get("hold_off") or {}).get("cooldown_until", 0)) > now
                 else ""
             )
         )

@@ -361,7 +361,7 @@ def _healing_families(view: HealingView, now: float) -> Iterator[Metric]:
         f.add("dry_run", svc, _bool(view.dry_run))
         for lever, rung in s.levels.rungs:
             f.add("policy_rung", [s.service, lever.value], rung)
-        cooldown = max(0.0, s.cooldown_until - now)
+        cooldown = max(0.0, s.hold_off.cooldown_until - now)
         f.add("cooldown_remaining_seconds", svc, cooldown)
     yield from f
     actions = catalogue.counter("actions")

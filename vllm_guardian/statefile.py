@@ -72,21 +72,26 @@ def load_state(path: Path) -> policy.PolicyState | None:
     return None
 
 
-# A state saved before a service's levels were grouped (ServiceState.levels) has them flat.
-_LEVEL_FIELDS = ("rungs", "last_step_up", "pinned_until", "operator_flags", "baseline")
+# A state saved before a service's levels and hold-off were records (ServiceState.levels,
+# ServiceState.hold_off) has their fields flat.
+_GROUPS = {
+    "levels": ("rungs", "last_step_up", "pinned_until", "operator_flags", "baseline"),
+    "hold_off": ("cooldown_until", "backoff_until", "backoff_seconds", "backoff_voluntary_only"),
+}
 
 
 def _group_flat_fields(state: object) -> None:
-    """A state saved before the levels and the front door were records of their own: each
-    saved service's flat fields moved into them (in place)."""
+    """A state saved before the levels, the hold-off and the front door were records of their
+    own: each saved service's flat fields moved into them (in place)."""
     services = state.get("services") if isinstance(state, dict) else None
     for svc in services if isinstance(services, list) else ():
         if not isinstance(svc, dict):
             continue
-        if "levels" not in svc:
-            flat = {k: svc.pop(k) for k in _LEVEL_FIELDS if k in svc}
-            if flat:
-                svc["levels"] = flat
+        for group, names in _GROUPS.items():
+            if group not in svc:
+                flat = {k: svc.pop(k) for k in names if k in svc}
+                if flat:
+                    svc[group] = flat
         if "front_door" not in svc and "gate_open" in svc:
             svc["front_door"] = _front_door(svc)
 

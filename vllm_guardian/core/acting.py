@@ -21,6 +21,7 @@ from vllm_guardian.core.policy_state import (
     Decision,
     DecisionKind,
     FrontDoorHolder,
+    HoldOff,
     Levels,
     PolicySettings,
     PolicyState,
@@ -262,7 +263,11 @@ def advance_action(
         ctx, restore_levels(give_back_slot(replace(s, action=None), action)),
         action.action_id, action.kind, replace(adv.outcome, detail=detail), False,
     )  # fmt: skip
-    return s if s.breaker_latched else replace(s, backoff_voluntary_only=True)
+    return (
+        s
+        if s.breaker_latched
+        else replace(s, hold_off=replace(s.hold_off, backoff_voluntary_only=True))
+    )
 
 
 def give_back_slot(s: ServiceState, action: phases.ActionProgress) -> ServiceState:
@@ -351,10 +356,7 @@ def finish(
         s = replace(
             s,
             ready_since=ctx.now,
-            cooldown_until=ctx.now + p.cooldown_seconds,
-            backoff_seconds=0.0,
-            backoff_until=0.0,
-            backoff_voluntary_only=False,
+            hold_off=HoldOff(cooldown_until=ctx.now + p.cooldown_seconds),
             front_door=s.front_door.opened(),
         )
         ctx.decide(
@@ -378,12 +380,17 @@ def finish(
             action_id=action_id, action_kind=kind, ok=False,
         )  # fmt: skip
     else:
-        backoff = min(p.backoff_max_seconds, max(p.backoff_initial_seconds, 2 * s.backoff_seconds))
+        backoff = min(
+            p.backoff_max_seconds, max(p.backoff_initial_seconds, 2 * s.hold_off.backoff_seconds)
+        )
         s = replace(
             s,
-            backoff_seconds=backoff,
-            backoff_until=ctx.now + backoff,
-            backoff_voluntary_only=False,
+            hold_off=replace(
+                s.hold_off,
+                backoff_seconds=backoff,
+                backoff_until=ctx.now + backoff,
+                backoff_voluntary_only=False,
+            ),
             front_door=s.front_door.opened(),
         )
         ctx.decide(

@@ -132,9 +132,11 @@ def held_back(s: ServiceState, top: Finding, now: float, p: PolicyConfig) -> boo
     """The cooldown or the backoff holds ``top`` back (as :func:`act_on_findings` decides below)."""
     if cause_spec(top.cause).escalation is not None:
         return False
-    if now < s.cooldown_until and not _early_crash(s, top, now, p):
+    if now < s.hold_off.cooldown_until and not _early_crash(s, top, now, p):
         return True
-    return now < s.backoff_until and not (s.backoff_voluntary_only and urgent_finding(top))
+    return now < s.hold_off.backoff_until and not (
+        s.hold_off.backoff_voluntary_only and urgent_finding(top)
+    )
 
 
 def _episodes(s: ServiceState, cause: Cause) -> int:
@@ -181,18 +183,20 @@ def act_on_findings(
     spec = cause_spec(top.cause)
     if spec.escalation is not None:
         return latch(ctx, s, spec.escalation, top)
-    if now < s.cooldown_until and not _early_crash(s, top, now, p):
+    if now < s.hold_off.cooldown_until and not _early_crash(s, top, now, p):
         return ctx.note(
             s,
             Withheld.COOLDOWN,
-            f"{top.cause.value}: in cooldown until {s.cooldown_until:.0f} after the last action",
+            f"{top.cause.value}: in cooldown until {s.hold_off.cooldown_until:.0f} after the last action",
             top,
         )
-    if now < s.backoff_until and not (s.backoff_voluntary_only and urgent_finding(top)):
+    if now < s.hold_off.backoff_until and not (
+        s.hold_off.backoff_voluntary_only and urgent_finding(top)
+    ):
         return ctx.note(
             s,
             Withheld.BACKOFF,
-            f"{top.cause.value}: backing off after a failed action until {s.backoff_until:.0f}",
+            f"{top.cause.value}: backing off after a failed action until {s.hold_off.backoff_until:.0f}",
             top,
         )
     base = s.levels.baseline or default_baseline(sig, cmdline, gpu_total_bytes)
@@ -340,13 +344,15 @@ def _maybe_step_up(ctx: Ctx, s: ServiceState, sig: ServiceSignals | None) -> Ser
     if not s.levels.rungs or base is None:
         return s
     quiet_since = max(t for t in (s.last_pressure_seconds, s.ready_since, 0.0) if t is not None)
-    if now - quiet_since < p.stable_for_seconds or now < s.cooldown_until:
+    if now - quiet_since < p.stable_for_seconds or now < s.hold_off.cooldown_until:
         return s
-    if now < s.backoff_until:  # after a failed step up (or a wait for a permit that gave none)
+    if (
+        now < s.hold_off.backoff_until
+    ):  # after a failed step up (or a wait for a permit that gave none)
         return ctx.note(
             s,
             Withheld.BACKOFF,
-            f"stable, but backing off after a failed action until {s.backoff_until:.0f}",
+            f"stable, but backing off after a failed action until {s.hold_off.backoff_until:.0f}",
         )
     pinned = dict(s.levels.pinned_until)
     candidates = [lv for lv, r in s.levels.rungs if r > 0 and pinned.get(lv, -math.inf) <= now]

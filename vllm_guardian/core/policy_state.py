@@ -92,6 +92,20 @@ class FrontDoor:
 
 
 @dataclass(frozen=True)
+class HoldOff:
+    """What holds the next action off: the cooldown after one that worked (lagging counters
+    must not trigger a second), the backoff after one that failed (doubling). Written when an
+    action ends (``core/acting.finish``); read by the ladder and the pre-emptive stage."""
+
+    cooldown_until: float = 0.0
+    backoff_until: float = 0.0
+    backoff_seconds: float = 0.0
+    # The backoff follows a wait for a fleet permit that restarted nothing: it holds voluntary
+    # actions only (a crash is acted on at once).
+    backoff_voluntary_only: bool = False
+
+
+@dataclass(frozen=True)
 class ServiceState:
     service: str
     front_door: FrontDoor = FrontDoor()
@@ -99,12 +113,7 @@ class ServiceState:
     breaker_latched: bool = False
     breaker_reason: str | None = None
     action: phases.ActionProgress | None = None  # the restart or relaunch under way
-    cooldown_until: float = 0.0
-    backoff_until: float = 0.0
-    backoff_seconds: float = 0.0
-    # The backoff follows a wait for a fleet permit that restarted nothing: it holds voluntary
-    # actions only (a crash is acted on at once).
-    backoff_voluntary_only: bool = False
+    hold_off: HoldOff = HoldOff()  # the cooldown after an action, the backoff after a failure
     restarts: tuple[float, ...] = ()  # guardian restarts/relaunches, for the budget
     early_failures: int = 0
     ready_since: float | None = None  # when our last action left the service ready

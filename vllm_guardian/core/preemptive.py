@@ -333,18 +333,18 @@ def _withheld(
     # The cooldown keeps lagging counters from triggering a second action; the forecast cannot
     # lag (it reads only the current process), so when even its bound comes before the cooldown
     # ends, waiting means the OOM: act, still within the budget.
-    if now < s.cooldown_until and f.seconds_latest >= s.cooldown_until - now:
+    if now < s.hold_off.cooldown_until and f.seconds_latest >= s.hold_off.cooldown_until - now:
         return ctx.note(
             s,
             Withheld.COOLDOWN,
-            f"{plan.cause.value}: forecast, in cooldown until {s.cooldown_until:.0f}",
+            f"{plan.cause.value}: forecast, in cooldown until {s.hold_off.cooldown_until:.0f}",
             finding,
         )
-    if now < s.backoff_until:
+    if now < s.hold_off.backoff_until:
         return ctx.note(
             s,
             Withheld.BACKOFF,
-            f"{plan.cause.value}: forecast, backing off until {s.backoff_until:.0f}",
+            f"{plan.cause.value}: forecast, backing off until {s.hold_off.backoff_until:.0f}",
             finding,
         )
     if budget_spent(recent_restarts(s, now, p), p):

@@ -76,7 +76,7 @@ def bound_saved_times(
     out: list[ServiceState] = []
     for s in state.services:
         b = _Bounded(now, s.service)
-        backoff = min(max(s.backoff_seconds, 0.0), p.backoff_max_seconds)
+        backoff = min(max(s.hold_off.backoff_seconds, 0.0), p.backoff_max_seconds)
         action = s.action
         if action is not None:
             limit = phases.phase_limit_seconds(action.phase, p, settings.permit_timeout_seconds)
@@ -109,9 +109,14 @@ def bound_saved_times(
                 front_door=replace(
                     s.front_door, closed_at=b.maybe("gate_closed_at", s.front_door.closed_at)
                 ),
-                cooldown_until=b.at_most("cooldown_until", s.cooldown_until, p.cooldown_seconds),
-                backoff_until=b.at_most("backoff_until", s.backoff_until, backoff),
-                backoff_seconds=backoff,
+                hold_off=replace(
+                    s.hold_off,
+                    cooldown_until=b.at_most(
+                        "cooldown_until", s.hold_off.cooldown_until, p.cooldown_seconds
+                    ),
+                    backoff_until=b.at_most("backoff_until", s.hold_off.backoff_until, backoff),
+                    backoff_seconds=backoff,
+                ),
                 restarts=tuple(b.at_most("restarts", t) for t in s.restarts),
                 ready_since=b.maybe("ready_since", s.ready_since),
                 started_seconds=b.maybe("started_seconds", s.started_seconds),
