@@ -37,10 +37,9 @@ sys.path.insert(0, str(ROOT))
 
 from vllm_guardian.actuators.alerts import default_rules_text  # noqa: E402
 from vllm_guardian.allocator_format import AllocatorStats  # noqa: E402
-from vllm_guardian.config import PolicyConfig, ServiceConfig, SignalsConfig  # noqa: E402
-from vllm_guardian.core import step as core_step  # noqa: E402
+from vllm_guardian.config import Config, PolicyConfig, ServiceConfig, SignalsConfig  # noqa: E402
 from vllm_guardian.core.alerting import parse_rules  # noqa: E402
-from vllm_guardian.core.policy import PolicySettings  # noqa: E402
+from vllm_guardian.core.driver import Driver  # noqa: E402
 from vllm_guardian.model import (  # noqa: E402
     AlertState,
     AllocatorProcess,
@@ -268,16 +267,14 @@ def run(scenario: str, seed: int, minutes: float, guarded: bool) -> Result:
     svc.start(0.0)
     plan = plan_requests(SCENARIOS[scenario].load, seed, 1_000_000, minutes * 60.0)
     held: list = []  # type: ignore[type-arg]
-    sig_cfg = SignalsConfig()
-    pol = PolicyConfig(dry_run=False, backend="process")
-    rules = parse_rules(default_rules_text(), "defaults")
-    settings = core_step.settings_for(
-        rules, PolicySettings(pol, ("vllm",), {r.name: r.signal for r in rules}),
-        [ServiceConfig(name="vllm")], sig_cfg,
-    )  # fmt: skip
-    span = sig_cfg.forecast_window_seconds + 2 * TICK
-    tick_state = core_step.initial(["vllm"])
-    history: list[Snapshot] = []
+    cfg = Config(
+        services=(ServiceConfig(name="vllm"),),
+        interval_seconds=TICK,
+        policy=PolicyConfig(dry_run=False, backend="process"),
+        signals=SignalsConfig(),
+    )
+    # The daemon's tick driver: settings from the config, its history window, its state.
+    driver = Driver.for_config(cfg, parse_rules(default_rules_text(), "defaults"))
     log_counts: dict = {}  # type: ignore[type-arg]
     op_results: tuple[OpResult, ...] = ()
     next_flags: tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]] | None = None
@@ -303,7 +300,7 @@ def run(scenario: str, seed: int, minutes: float, guarded: bool) -> Result:
             while i < len(plan) and first_ready + plan[i].at_seconds <= t:
                 held.append(plan[i])
                 i += 1
-        if not guarded or tick_state.policy.service("vllm").front_door.open:
+        if not guarded or driver.state.policy.service("vllm").front_door.open:
             if svc.ready:
                 e = svc.engine
                 assert e is not None
@@ -325,9 +322,7 @@ def run(scenario: str, seed: int, minutes: float, guarded: bool) -> Result:
             continue
         # The guardian's tick: the same pure step the daemon and `replay` run.
         snap = snapshot(svc, t, op_results, log_counts)
-        history.append(snap)
-        history = [s for s in history if s.time_seconds >= t - span]
-        tick_state, fx = core_step.step(tick_state, history, t, settings)
+        fx = driver.tick(snap, t)
         since_ready = t - (first_ready or 0.0)
         for tr in fx.transitions:
             if tr.current is AlertState.FIRING and tr.alert.name in EXHAUSTION_RULES:

@@ -88,7 +88,9 @@ def chat_prompt(messages: list[dict[str, Any]]) -> list[int]:
 @dataclass(frozen=True)
 class CutSpec:
     after_events: int  # chunks written before the cut (0: none)
-    how: str = "reset"  # reset | close (clean end, no [DONE]) | error_event
+    # reset | close (clean end, no [DONE]) | error_event | abort (vLLM's answer to a request
+    # it aborts as it shuts down: HTTP 200, ``finish_reason: "abort"``, then [DONE])
+    how: str = "reset"
     down: bool = False  # /health answers 503 from the cut on, until heal()
 
 
@@ -193,6 +195,14 @@ class FakeCompletions:
                 self.healthy = False
             if cut.how == "error_event":
                 return _dead_500()
+            if cut.how == "abort":  # no token yet: vLLM's unary answer is empty
+                cid, created = self._ids(body)
+                aborted = {
+                    "id": cid, "object": "text_completion", "created": created, "model": "tiny",
+                    "choices": [{"index": 0, "text": "", "finish_reason": "abort"}],
+                    "usage": _usage(len(self._prompt_ids(body)), 0),
+                }  # fmt: skip
+                return web.json_response(aborted)
             assert request.transport is not None
             request.transport.abort()
             raise ConnectionResetError("fake: dies before answering")
@@ -239,7 +249,12 @@ class FakeCompletions:
             events += 1
         for start in range(0, len(out), self.tokens_per_chunk):
             if cut is not None and events == cut.after_events:
-                return await self._cut(request, resp, cut)
+                return await self._cut(
+                    request,
+                    resp,
+                    cut,
+                    (cid, obj, created, chat, ids_back, len(prompt), start, opts),
+                )
             group = out[start : start + self.tokens_per_chunk]
             text = "".join(decoder.decode(piece(t)) for t in group)
             done = start + len(group) == len(out)
@@ -270,7 +285,9 @@ class FakeCompletions:
             events += 1
             await asyncio.sleep(0)
         if cut is not None and events == cut.after_events:
-            return await self._cut(request, resp, cut)
+            return await self._cut(
+                request, resp, cut, (cid, obj, created, chat, ids_back, len(prompt), len(out), opts)
+            )
         if opts.get("include_usage"):
             final = {
                 "id": cid, "object": obj, "created": created, "model": "tiny",
@@ -283,10 +300,18 @@ class FakeCompletions:
         return resp
 
     async def _cut(
-        self, request: web.Request, resp: web.StreamResponse, cut: CutSpec
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        cut: CutSpec,
+        at: tuple[str, str, int, bool, bool, int, int, dict[str, Any]],
     ) -> web.StreamResponse:
         if cut.down:
             self.healthy = False
+        if cut.how == "abort":
+            await resp.write(_aborted(*at))
+            await resp.write_eof()
+            return resp
         if cut.how == "error_event":
             err = {"error": {"message": DEAD, "type": "InternalServerError", "param": None,
                              "code": 500}}  # fmt: skip
@@ -300,6 +325,39 @@ class FakeCompletions:
         assert request.transport is not None
         request.transport.abort()
         return resp
+
+
+def _aborted(
+    cid: str,
+    obj: str,
+    created: int,
+    chat: bool,
+    ids_back: bool,
+    prompt: int,
+    tokens: int,
+    opts: dict[str, Any],
+) -> bytes:
+    """The end vLLM writes to a stream it aborts (its shutdown): a last chunk with no token
+    and ``finish_reason: "abort"``, the usage chunk when asked for, ``[DONE]``."""
+    choice: dict[str, Any]
+    if chat:
+        choice = {"index": 0, "delta": {"content": ""}, "logprobs": None,
+                  "finish_reason": "abort", "stop_reason": None,
+                  "token_ids": [] if ids_back else None}  # fmt: skip
+    else:
+        choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": "abort",
+                  "stop_reason": None, "prompt_token_ids": None,
+                  "token_ids": [] if ids_back else None}  # fmt: skip
+    last: dict[str, Any] = {"id": cid, "object": obj, "created": created, "model": "tiny",
+                            "choices": [choice]}  # fmt: skip
+    if opts.get("continuous_usage_stats"):
+        last["usage"] = _usage(prompt, tokens)
+    out = b"data: " + _compact(last) + b"\n\n"
+    if opts.get("include_usage"):
+        final = {"id": cid, "object": obj, "created": created, "model": "tiny", "choices": [],
+                 "usage": _usage(prompt, tokens), "system_fingerprint": FINGERPRINT}  # fmt: skip
+        out += b"data: " + _compact(final) + b"\n\n"
+    return out + b"data: [DONE]\n\n"
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:

@@ -678,7 +678,7 @@ def test_process_backend_passes_the_allocator_directory(
             "policy": {"backend": "process"},
         }
     )
-    healing = Healing(parse_config(text, "test.yaml"), SystemClock(), [])
+    healing = Healing(parse_config(text, "test.yaml"), SystemClock())
     try:
         _, env = healing.supervisors["vllm"].argv_and_env()
         want = None if expected is None else expected.format(tmp=tmp_path)

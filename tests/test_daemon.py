@@ -13,7 +13,8 @@ from tests.conftest import read_fixture
 from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import parse_config
 from vllm_guardian.control import request
-from vllm_guardian.daemon import Guardian, SdNotifier, assemble, history_span_seconds
+from vllm_guardian.core.driver import history_span_seconds
+from vllm_guardian.daemon import Guardian, SdNotifier, assemble
 from vllm_guardian.model import HealthProbe, HealthState, Reading, SourceKind
 from vllm_guardian.recorder import read_records, snapshot_from_record
 from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics

@@ -36,6 +36,7 @@ from vllm_guardian.gate.admission import Limits
 from vllm_guardian.gate.continuation import (
     Complete,
     Continue,
+    Kind,
     Plan,
     Refusal,
     SseSplitter,
@@ -780,3 +781,130 @@ def test_an_upstream_that_sends_no_token_ids_is_not_continued(
     got = Read(g.url, body())
     assert got.cut and len(fake.bodies) == 1
     assert g.metric("refused", "no_token_ids") == 1
+
+
+# --- vLLM's aborted answer (HTTP 200, finish_reason "abort") is a cut, not an answer ------------
+#
+# vLLM shutting down (a restart's SIGTERM) answers what it aborts with a 200: a stream whose last
+# chunk says ``finish_reason: "abort"`` before ``[DONE]``, a unary answer with no token.
+
+
+@pytest.mark.parametrize(
+    ("path", "extra"),
+    [
+        (COMPLETIONS, {}),
+        (COMPLETIONS, {"stream_options": {"include_usage": True}}),
+        (COMPLETIONS, {"return_token_ids": True}),
+        (CHAT_ROUTE, {"stream_options": {"include_usage": True}}),
+    ],
+    ids=["plain", "usage", "client_token_ids", "chat"],
+)
+def test_an_aborted_stream_is_continued_as_one_uncut_stream(
+    gates: Callable[..., GateOn], fake: FakeCompletions, path: str, extra: dict[str, Any]
+) -> None:
+    """The abort chunk (and the usage that follows it) never reaches the client: it reads the
+    uncut stream, ending with the real finish."""
+    g = gates()
+    doc = chat_body(**extra) if path == CHAT_ROUTE else body(**extra)
+    expected = direct(fake, doc, path)
+    fake.bodies.clear()
+    fake.cut_next(CutSpec(7, "abort", down=True))
+    got = Read(g.url, doc, heal_on_keepalive(fake), path=path)
+    print(got.data.decode(errors="replace")[-600:])
+    assert (got.status, got.cut) == (200, False)
+    assert b'"abort"' not in got.data
+    assert got.without_keepalives() == expected
+    assert len(fake.bodies) == 2
+    assert g.metric("continued", "abort") == 1
+
+
+def test_a_stream_aborted_before_its_first_token_is_sent_again_whole(
+    gates: Callable[..., GateOn], fake: FakeCompletions
+) -> None:
+    g = gates()
+    expected = direct(fake, body())
+    fake.bodies.clear()
+    fake.cut_next(CutSpec(0, "abort"))
+    got = Read(g.url, body())
+    assert got.data == expected and len(fake.bodies) == 2
+    assert fake.bodies[1] == fake.bodies[0]
+    text = requests.get(f"{g.url}/metrics", timeout=5).text
+    assert 'vllm_guardian_gate_retried_total{service="vllm"} 1.0' in text
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"max_continuations": 1}, {"continuation": False},
+     {"continuation_off_routes": frozenset({COMPLETIONS})}],
+    ids=["past_max_continuations", "off", "off_for_its_route"],
+)  # fmt: skip
+def test_an_abort_the_gate_does_not_continue_reaches_the_client_as_vllm_sent_it(
+    gates: Callable[..., GateOn], fake: FakeCompletions, settings: dict[str, Any]
+) -> None:
+    """Never a stream that looks complete: the client sees ``finish_reason: "abort"``, then
+    the usage chunk it asked for and ``[DONE]``, as vLLM wrote them."""
+    g = gates(**settings)
+    doc = body(stream_options={"include_usage": True})
+    cuts = [CutSpec(5, "abort")]
+    if "max_continuations" in settings:
+        cuts.insert(0, CutSpec(5, "reset"))
+    fake.cut_next(*cuts)
+    got = Read(g.url, doc)
+    assert (got.status, got.cut) == (200, False)
+    chunks = [json.loads(e[6:]) for e in got.events if e.startswith(b"data: {")]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "abort"
+    assert chunks[-1]["choices"] == [] and "usage" in chunks[-1]
+    assert got.events[-1] == b"data: [DONE]\n\n"
+    assert b'"token_ids":[' not in got.data  # the ids the gate asked for stay the gate's
+    if "max_continuations" in settings:
+        assert len(fake.bodies) == 2
+        assert g.metric("failed", "max_continuations") == 1
+        settled = len(fake.bodies[1]["prompt"]) - len(tokenize(PROMPT))
+        # Counted once over both answers: what the first settled, five of the second.
+        assert chunks[-1]["usage"]["completion_tokens"] == settled + 5
+    else:
+        assert len(fake.bodies) == 1
+        assert g.metric("refused", "disabled") == 1
+
+
+def test_an_aborted_unary_completion_is_sent_again_whole(
+    gates: Callable[..., GateOn], fake: FakeCompletions
+) -> None:
+    g = gates()
+    doc = body(stream=None)
+    expected = requests.post(f"{fake.url}/v1/completions", json=doc, timeout=30).json()
+    fake.bodies.clear()
+    fake.cut_next(CutSpec(0, "abort", down=True))
+    threading.Timer(0.5, fake.heal).start()  # the next instance comes up; the gate waits for it
+    r = requests.post(f"{g.url}/v1/completions", json=doc, timeout=60)
+    assert r.status_code == 200 and r.json() == expected
+    assert fake.bodies == [doc, doc]
+    text = requests.get(f"{g.url}/metrics", timeout=5).text
+    assert 'vllm_guardian_gate_retried_total{service="vllm"} 1.0' in text
+    assert 'upstream_errors_total{phase="aborted",service="vllm"} 1.0' in text
+
+
+def test_a_unary_completion_aborted_twice_gets_vllms_answer(
+    gates: Callable[..., GateOn], fake: FakeCompletions
+) -> None:
+    """Past the one retry the client gets vLLM's own aborted answer, not a 502: it says
+    what happened."""
+    g = gates()
+    doc = body(stream=None)
+    fake.cut_next(CutSpec(0, "abort"), CutSpec(0, "abort"))
+    r = requests.post(f"{g.url}/v1/completions", json=doc, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "abort"
+    assert len(fake.bodies) == 2
+
+
+def test_an_abort_chunk_is_a_cut_of_its_own() -> None:
+    p = plan("/v1/completions", json.dumps(body()).encode(), enabled=True)
+    assert isinstance(p, Plan)
+    st = StreamState(p)
+    assert st.on_event(_chunk([11], " w11", prompt=[1, 2])).kind is Kind.RELAY
+    step = st.on_event(_chunk([], "", finish="abort"))
+    assert step.kind is Kind.ABORT and b'"finish_reason":"abort"' in step.data
+    assert b'"token_ids":null' in step.data  # as vLLM writes it for a client without ids
+    assert st.finish_reason is None
+    decision = st.decide()
+    assert isinstance(decision, Continue) and decision.settled_tokens == 1

@@ -6,7 +6,9 @@ gate whose progress watch holds after 2 s. Streams that were generating, and str
 requests that reached the hung engine and got nothing, are in flight when it hangs. The gate
 takes them back (closes their upstream connections); the test then does what the guardian
 does, a restart (the twin killed, a fresh one on the same port), and every client gets its
-whole answer: one uninterrupted stream, with the text of an uncut one.
+whole answer: one uninterrupted stream, with the text of an uncut one. Before the restart the
+test ends the gate's hold by hand, as it ended on the real vLLM with the engine still hung:
+what was taken back stays in the gate until the engine is a new one.
 
 The twin's text is one " tok" per token, so an uncut answer of N tokens is known without
 running one. About 14 s: two twin starts (~3 s each), ~1.5 s to the hang (the requests go 7
@@ -42,6 +44,7 @@ TOKENS = 8000
 HANG_AT_SECONDS = 30.0  # the engine_hang scenario's, simulated
 SEND_AT_SECONDS = HANG_AT_SECONDS - 7
 PROMPT = "the quick brown fox"
+ABORTED_TOKENS = 4000  # a request's in the restart test: generating when the SIGTERM comes
 
 
 def wait_for(cond: Callable[[], bool], what: Callable[[], str], timeout: float = 60.0) -> None:
@@ -105,9 +108,9 @@ class HungGate:
         self.lt.close()
 
 
-def stream(url: str) -> dict[str, Any]:
+def stream(url: str, tokens: int = TOKENS) -> dict[str, Any]:
     """A streamed completion read to its end: its text, last finish_reason, usage, events."""
-    doc = {"model": "tiny", "prompt": PROMPT, "max_tokens": TOKENS, "stream": True,
+    doc = {"model": "tiny", "prompt": PROMPT, "max_tokens": tokens, "stream": True,
            "temperature": 0, "ignore_eos": True,
            "stream_options": {"include_usage": True}}  # fmt: skip
     text, finish, usage, ids, done, first_text_at = "", None, None, set(), False, None
@@ -129,8 +132,8 @@ def stream(url: str) -> dict[str, Any]:
             "first_text_at": first_text_at}  # fmt: skip
 
 
-def unary(url: str) -> dict[str, Any]:
-    doc = {"model": "tiny", "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0,
+def unary(url: str, tokens: int = TOKENS) -> dict[str, Any]:
+    doc = {"model": "tiny", "prompt": PROMPT, "max_tokens": tokens, "temperature": 0,
            "ignore_eos": True}  # fmt: skip
     r = requests.post(f"{url}/v1/completions", json=doc, timeout=120)
     assert r.status_code == 200, r.text
@@ -179,6 +182,20 @@ def test_a_hung_engines_requests_are_taken_back_and_served_by_the_restarted_one(
             taken_back_at, taken_back = time.monotonic(), g.taken_back
             print(f"taken back {time.monotonic() - t0:.1f} s after the gate started")
             assert not g.status()["open"]
+            # The hold ends with the engine still hung (on the real vLLM it did, and what was
+            # sent again went into the hung engine): what was taken back stays in the gate
+            # until the engine is a new one.
+            follower = g.gate.follower
+            assert follower is not None
+            follower.progress.hold_after_seconds = 1e9
+            polls = follower.polls
+            wait_for(
+                lambda: follower.polls >= polls + 10 and follower.progress.stalled() is None,
+                lambda: f"ten polls after the hold ended: {g.status()}",
+            )
+            status = g.status()
+            assert (status["queue_depth"], status["in_flight"], status["open"]) == (5, 0, False)
+            assert "taken back" in status["reason"], status
             # What the guardian does after signals.stall_seconds: a restart.
             stop(hung)
             twins.append(twin_on(tmp_path, free_port))
@@ -206,3 +223,70 @@ def test_a_hung_engines_requests_are_taken_back_and_served_by_the_restarted_one(
     assert had_text >= 1, answers[:2]
     assert continued.endswith(f" {had_text:.1f}"), (continued, had_text)
     assert taken_back >= 3 and retried == taken_back - had_text, (taken_back, retried, had_text)
+
+
+def test_a_restarts_aborted_answers_are_continued_or_sent_again(
+    tmp_path: Path, free_port: int, twins: list[TwinProc]
+) -> None:
+    """vLLM shutting down (the guardian's restart: SIGTERM, ``--shutdown-timeout 0``) answers
+    what it aborts with HTTP 200 and ``finish_reason: "abort"``. Through the gate, two streams
+    generating and a unary request in flight at the SIGTERM each get their whole answer from
+    the restarted twin: the streams continued, the unary request sent again; no client sees
+    the abort. About 7 s: two twin starts (~2 s each), the SIGTERM after 300 of 3 × 4,000
+    tokens, the rest on the restarted twin."""
+    t0 = time.monotonic()
+    # A 70B model's step: 4,000 tokens take ~6 s at 20 simulated seconds a second (the
+    # SIGTERM comes well before, on a busy machine too); the restarted twin's model is fast.
+    old = twin_on(tmp_path, free_port, "--sim-model", "llama-3-70b")
+    twins.append(old)
+    print(f"twin up {time.monotonic() - t0:.1f} s")
+    lt = LoopThread("gate")
+    gate = Gate(
+        GateSettings(
+            proxy=ProxySettings(upstream=old.url, keepalive_comment_seconds=0.5),
+            listen_port=0,
+            limits=Limits(max_wait_seconds=60.0, release_rate_per_second=0),
+            poll_interval_seconds=0.05,
+            suspect_seconds=0.2,
+            stall_hold_seconds=0,
+            shutdown_timeout_seconds=1.0,
+        )
+    )
+    lt.run(gate.start())
+    url = f"http://127.0.0.1:{gate.port}"
+
+    def generated() -> float:
+        text = requests.get(f"{old.url}/metrics", timeout=10).text
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:generation_tokens_total{")
+        )
+
+    with ThreadPoolExecutor(4) as pool:
+        try:
+            futures = [pool.submit(stream, url, ABORTED_TOKENS), pool.submit(stream, url, ABORTED_TOKENS),
+                       pool.submit(unary, url, ABORTED_TOKENS)]  # fmt: skip
+            wait_for(lambda: generated() >= 300, lambda: f"tokens generated: {generated()}")
+            assert not any(f.done() for f in futures), [f.result() for f in futures if f.done()]
+            stopped_at = time.monotonic()
+            print(f"generating {time.monotonic() - t0:.1f} s")
+            stop(old)  # SIGTERM: the twin answers what it aborts, then exits
+            print(f"stopped {time.monotonic() - t0:.1f} s")
+            twins.append(twin_on(tmp_path, free_port))
+            print(f"restarted {time.monotonic() - t0:.1f} s")
+            answers = [f.result(timeout=120) for f in futures]
+            print(f"served {time.monotonic() - t0:.1f} s")
+            text = requests.get(f"{url}/metrics", timeout=10).text
+        finally:
+            lt.run(gate.stop())
+            lt.close()
+    expected = " tok" * ABORTED_TOKENS
+    for a in answers:
+        assert (len(a["text"]), a["finish"]) == (len(expected), "length")
+        assert a["text"] == expected and a["usage"]["completion_tokens"] == ABORTED_TOKENS
+    for a in answers[:2]:
+        assert a["done"] and len(a["ids"]) == 1, a["ids"]
+        assert a["first_text_at"] is not None and a["first_text_at"] < stopped_at
+    assert 'continuations_total{outcome="continued",reason="abort",service="vllm"} 2.0' in text
+    assert 'upstream_errors_total{phase="aborted",service="vllm"} 1.0' in text

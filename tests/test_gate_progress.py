@@ -9,7 +9,7 @@ scriptable stub serving real vLLM 0.32 /metrics captures, frozen (hung) and movi
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -20,7 +20,7 @@ from tests.expositions import captured_series
 from tests.hostile import wait_for
 from tests.test_gate_support import GateThread, Stub
 from vllm_guardian.core.progress import ProgressReading
-from vllm_guardian.gate.progress import ProgressWatch
+from vllm_guardian.gate.progress import EngineMark, ProgressWatch, why_send_again
 from vllm_guardian.model import EngineMetrics, VllmScrape
 from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
 
@@ -214,3 +214,105 @@ def test_a_request_sent_and_not_yet_answered_is_counted(stub: Stub, path: str) -
         assert (done["unanswered"], done["oldest_unanswered_seconds"]) == (0, 0.0), done
     finally:
         g.stop()
+
+
+# --- a hung engine's requests, taken back, wait for a new engine ---------------------------------
+
+FROZEN = (FIXTURES / "metrics-under-load-02.prom").read_text()  # 31 requests in vLLM
+START = "process_start_time_seconds 1.79530556889e+09"
+assert START in FROZEN
+
+
+def _restarted(stub: Stub, g: GateThread) -> None:
+    stub.healthy = False  # the guardian's restart: /health refused or 503, then 200
+    wait_for(lambda: (g.gate.follower.upstream_healthy is False, status(g)), "/health failed")  # type: ignore[union-attr]
+    stub.healthy = True
+
+
+def _new_process(stub: Stub, g: GateThread) -> None:
+    stub.metrics_text = FROZEN.replace(START, "process_start_time_seconds 1.8e+09")
+
+
+def _generates(stub: Stub, g: GateThread) -> None:
+    # A later capture of the same process: 41,131 tokens generated, not 7,745.
+    stub.metrics_text = (FIXTURES / "metrics-under-load-05.prom").read_text()
+
+
+NEW_ENGINE = [
+    ("restarted: /health failed, then answered", _restarted),
+    ("a new process: its start time changed", _new_process),
+    ("the same engine generated tokens again: a false alarm", _generates),
+]
+
+
+@pytest.mark.parametrize("new_engine", [n for _, n in NEW_ENGINE], ids=[i for i, _ in NEW_ENGINE])
+def test_a_taken_back_request_waits_for_a_new_engine_not_for_the_hold_to_end(
+    stub: Stub, new_engine: Callable[[Stub, GateThread], None]
+) -> None:
+    """The hold can end while the engine is still hung (seen on the real vLLM: a request sent
+    again into it was lost; here /metrics stops answering, and the watch never holds on
+    missing data). What was taken back stays in the gate, the gate closed, until the engine
+    it goes to is another one, or the same one generates again. About 1.5 s."""
+    g = GateThread(
+        stub.url,
+        proxy={"taken_back_extra_wait_seconds": 60.0},
+        gate={"take_back_hung": True, "stall_hold_seconds": 0.5},
+        max_wait_seconds=60.0,
+    )
+    follower = g.gate.follower
+    assert follower is not None
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            try:
+                sent = pool.submit(
+                    requests.post, g.url + "/v1/hold", json={"prompt": "hi", "max_tokens": 1},
+                    timeout=60,
+                )  # fmt: skip
+                wait_for(lambda: (stub.active == 1, stub.calls), "the request reached the engine")
+                stub.metrics_text = FROZEN  # the engine hangs with it
+                wait_for(
+                    lambda: (follower.taken_back == 1 and status(g)["queue_depth"] == 1, status(g)),
+                    "the request taken back, waiting in the gate's queue",
+                )
+                stub.metrics_text = None  # no reading: the hold ends, the engine is still hung
+                polls, reads = follower.polls, stub.calls.get("/metrics", 0)
+                seen = wait_for(
+                    lambda: (
+                        follower.polls >= polls + 10 and stub.calls.get("/metrics", 0) >= reads + 5,
+                        (stub.calls, status(g)),
+                    ),
+                    "ten polls and five /metrics reads after the hold ended",
+                )
+                print(seen)
+                assert stub.calls["/v1/hold"] == 1, "sent again into the hung engine"
+                now = status(g)
+                assert now["open"] is False and "taken back" in str(now["reason"]), now
+                stub.set_release()  # what answers now is the new engine (or the engine again)
+                new_engine(stub, g)
+                assert sent.result(timeout=60).status_code == 200
+            finally:  # a failure above must not leave the client waiting
+                stub.set_release()
+        assert stub.calls["/v1/hold"] == 2
+        wait_for(lambda: (status(g)["open"] is True, status(g)), "the gate open again")
+    finally:
+        g.stop()
+
+
+def mark(start: float | None, generated: float | None, failures: int = 0) -> EngineMark:
+    return EngineMark(start, generated, failures)
+
+
+SEND_AGAIN = [  # (taken back from, now, sent again)
+    (mark(1.0, 100), mark(1.0, 100), False),  # the same engine, still hung
+    (mark(1.0, 100), mark(None, None), False),  # no reading: nothing tells
+    (mark(None, None), mark(1.0, 0), False),  # no reading then: nothing to compare
+    (mark(1.0, 100), mark(1.0, 100, failures=1), True),  # /health failed since: a restart
+    (mark(1.0, 100), mark(2.0, 0), True),  # another process
+    (mark(1.0, 100), mark(1.0, 101), True),  # the engine generates again
+    (mark(1.0, 100), mark(1.0, 90), False),  # not the same count, not a new process: no sign
+]
+
+
+@pytest.mark.parametrize(("taken_from", "now", "again"), SEND_AGAIN)
+def test_what_tells_a_new_engine(taken_from: EngineMark, now: EngineMark, again: bool) -> None:
+    assert (why_send_again(taken_from, now) is not None) is again

@@ -82,20 +82,25 @@ class GateThread:
         upstream: str,
         guardian: str | None = None,
         proxy: dict[str, Any] | None = None,
+        gate: dict[str, Any] | None = None,
         **limits: Any,
     ) -> None:
         self.lt = LoopThread("gate")
-        self.settings = GateSettings(
-            proxy=replace(
-                ProxySettings(upstream=upstream, max_body_bytes=8 * 1024 * 1024), **(proxy or {})
+        self.settings = replace(
+            GateSettings(
+                proxy=replace(
+                    ProxySettings(upstream=upstream, max_body_bytes=8 * 1024 * 1024),
+                    **(proxy or {}),
+                ),
+                listen_port=0,
+                guardian=guardian,
+                limits=replace(Limits(), **limits),
+                poll_interval_seconds=0.02,
+                kv_poll_interval_seconds=0.1,
+                suspect_seconds=0.2,
+                shutdown_timeout_seconds=1.0,
             ),
-            listen_port=0,
-            guardian=guardian,
-            limits=replace(Limits(), **limits),
-            poll_interval_seconds=0.02,
-            kv_poll_interval_seconds=0.1,
-            suspect_seconds=0.2,
-            shutdown_timeout_seconds=1.0,
+            **(gate or {}),
         )
         self.gate = Gate(self.settings)
         self.lt.run(self.gate.start())

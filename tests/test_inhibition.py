@@ -2,10 +2,11 @@
 
 A restart or relaunch of a real model takes minutes (the model loads), and ``VllmEngineDead``
 (``vllm_up == 0`` for 60 s, critical) would page the on-call person for something the guardian
-did on purpose and is watching. Each case drives the pure ``core/step.step`` tick by tick on a
-fake clock (sources at their parsing boundary, the blocking calls answered by hand) and reads
-its effects: ``transitions`` is what the shell delivers to the sinks, ``inhibited`` what it
-holds back, ``alerts`` what status and the exposition show, ``firing`` what the policy read.
+did on purpose and is watching. Each case drives the daemon's tick driver (``core/driver.py``:
+the window, then the pure ``core/step.step``) tick by tick on a fake clock (sources at their
+parsing boundary, the blocking calls answered by hand) and reads its effects: ``transitions``
+is what the shell delivers to the sinks, ``inhibited`` what it holds back, ``alerts`` what
+status and the exposition show, ``firing`` what the policy read.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from vllm_guardian.config import parse_config
 from vllm_guardian.core import alerting, inhibition, policy
 from vllm_guardian.core import step as core_step
 from vllm_guardian.core.alerting import SinkResult, Transition
+from vllm_guardian.core.driver import Driver
 from vllm_guardian.daemon import assemble
 from vllm_guardian.healing import Healing
 from vllm_guardian.model import (
@@ -90,15 +92,15 @@ class World:
             alerting.parse_rules(default_rules_text(), "rules.yaml"),
             alerting.parse_rules(self.extra_rules, "extra.yaml") if self.extra_rules else (),
         )
-        names = tuple(s.name for s in cfg.services)
-        self.settings = core_step.settings_for(
-            rules,
-            policy.PolicySettings(cfg.policy, names, {r.name: r.signal for r in rules}),
-            cfg.services,
-            cfg.signals,
-        )
-        self.state = core_step.initial(names)
-        self.history: list[object] = []
+        self.driver = Driver.for_config(cfg, rules)
+
+    @property
+    def state(self) -> core_step.TickState:
+        return self.driver.state
+
+    @state.setter
+    def state(self, state: core_step.TickState) -> None:
+        self.driver.state = state
 
     def readings(self) -> list[Reading]:
         out: list[Reading] = []
@@ -132,8 +134,7 @@ class World:
         ]  # fmt: skip
         results, self.results = self.results, []
         snap = assemble(self.now, ["vllm"], readings, statuses, results)
-        self.history = [*self.history, snap][-200:]
-        self.state, fx = core_step.step(self.state, self.history, self.now, self.settings)  # type: ignore[arg-type]
+        fx = self.driver.tick(snap, self.now)
         self.fx.append(fx)
         for req in fx.ops:  # the bundle, flags and permit calls answer by the next tick
             if req.op is not Op.RESTART:
@@ -145,7 +146,7 @@ class World:
     def operator_restart(self) -> int:
         out = policy.operator_action(
             self.state.policy, "vllm", ActionKind.RESTART, (), False, "test", False, self.now,
-            self.settings.policy,
+            self.driver.settings.policy,
         )  # fmt: skip
         assert out.actions, out.decisions
         self.state = replace(self.state, policy=out.state)
@@ -442,7 +443,7 @@ def test_the_shell_hands_the_sinks_nothing_inhibited(tmp_path: Path) -> None:
     clock = FakeClock(T0)
     sink = Recording()
     dispatcher = AlertDispatcher(cfg.alerting, clock, sinks=[(sink, "recording")])
-    healing = Healing(cfg, clock, [], backends={}, dispatcher=dispatcher)
+    healing = Healing(cfg, clock, backends={}, dispatcher=dispatcher)
     try:
         for fx in w.fx:  # the calls were answered by the test's world: only the alerts here
             healing._apply(replace(fx, ops=(), actions=(), results=()))

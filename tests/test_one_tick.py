@@ -1,4 +1,4 @@
-"""One tick in one place: the daemon and ``replay`` run the same ``core/step.step``.
+"""One tick in one place: the daemon and ``replay`` run the same tick driver (``core/driver.py``).
 
 A real :class:`~vllm_guardian.daemon.Guardian` (sources at the boundary scripted, a restart
 backend that brings vLLM back with a new pid, a fake clock) lives through a prefill OOM: it
@@ -225,3 +225,124 @@ def test_an_operators_command_closes_the_front_door_at_once(tmp_path: Path) -> N
     assert not gate.ready and gate.reason, gate
     g.healing.runner.join(30)
     g.close()
+
+
+FLEET = """
+fleet:
+  permit: lease
+  model: llama
+  pdb: llama
+  wait_timeout_seconds: 300
+  lease_ttl_seconds: 90
+"""
+
+
+class Permits:
+    """The fleet permit (actuators/executor.py PermitBackend): granted at the first try."""
+
+    def __init__(self) -> None:
+        self.asked: list[float] = []
+
+    def acquire(self, now: float, timeout_seconds: float) -> tuple[bool, bool, str]:
+        self.asked.append(now)
+        return True, False, "permit vllm-guardian-llama-0 granted"
+
+    def release_all(self, now: float, timeout_seconds: float) -> tuple[bool, bool, str]:
+        return True, False, "released"
+
+
+def test_replay_of_a_fleet_guardians_recording_waits_for_the_permit_as_the_daemon_did(
+    tmp_path: Path,
+) -> None:
+    """fleet.permit: lease makes a voluntary action (the step back up after a crash lowered a
+    rung) first take a fleet permit. Replay builds its settings from the config as the daemon
+    does, so it asks for the permit at the same tick and reads its recorded grant: the same
+    decisions, the permit phase included (a replay without the permit would drain at once)."""
+    text = (
+        CONFIG.format(d=tmp_path).replace("policy:\n", "policy:\n  stable_for_seconds: 30\n")
+        + FLEET
+    )
+    cfg = parse_config(text)
+    clock = FakeClock()
+    world = World()
+    world.clock = clock
+    g = guardian_on(cfg, clock, world)
+    permits = Permits()
+    g.healing.runner.permits = permits  # type: ignore[union-attr]
+    try:
+        for i in range(80):
+            if i == 10:  # a prefill OOM kills the engine: relaunched a rung lower, no permit
+                world.logs = (
+                    LogEvent(
+                        LogEventKind.CUDA_OOM,
+                        clock.time(),
+                        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 6.00 GiB.",
+                        (("tried_bytes", str(6 * GIB)),),
+                    ),
+                )
+                world.up = False
+            g.tick()
+            g.healing.runner.join(30)  # type: ignore[union-attr]
+            clock.advance(2)
+    finally:
+        g.close()
+
+    records = [r for r in read_records(tmp_path / "flight.jsonl") if isinstance(r, dict)]
+    live = [d for r in records for d in r["decisions"] if "transition" not in d]
+    replayed = [
+        line.body
+        for line in replay([snapshot_from_record(r) for r in records], cfg)
+        if line.kind == "decision"
+    ]
+    phases = [d["phase"] for d in live if d["what"] == "phase"]
+    assert "awaiting_permit" in phases and permits.asked, phases  # the daemon took a permit
+    assert replayed == live, "replay and the daemon disagree:\n" + "\n".join(
+        json.dumps(x) for x in [*live, "---", *replayed]
+    )
+
+
+def test_replay_applies_the_operators_commands_where_the_daemon_took_them(tmp_path: Path) -> None:
+    """pause, resume and restart on the control socket act at once (the front door closes with
+    the command) and are kept in the next tick's snapshot, their decisions in its record: replay
+    applies them again at the same point, so it meets the daemon's decisions, the operator's
+    restart phase by phase included (and a refused command's decision)."""
+    cfg = parse_config(CONFIG.format(d=tmp_path))
+    clock = FakeClock()
+    world = World()
+    world.clock = clock
+    g = guardian_on(cfg, clock, world)
+    healing = g.healing
+    assert healing is not None
+    commands = {
+        3: ("pause", None, {}),
+        6: ("resume", None, {}),
+        8: ("restart", "vllm", {"who": "alice"}),
+        9: ("restart", "vllm", {"who": "bob"}),  # refused: an action is under way
+    }
+    try:
+        for i in range(20):
+            g.tick()
+            healing.runner.join(30)
+            clock.advance(1)
+            if i in commands:
+                cmd, service, args = commands[i]
+                healing.control(cmd, service, **args)
+            clock.advance(1)
+    finally:
+        g.close()
+
+    records = [r for r in read_records(tmp_path / "flight.jsonl") if isinstance(r, dict)]
+    live = [d for r in records for d in r["decisions"] if "transition" not in d]
+    said = [(d["what"], d["phase"]) for d in live]
+    for want in [("pause", None), ("resume", None), ("action", None), ("operator", None),
+                 ("phase", "draining"), ("result", None)]:  # fmt: skip
+        assert want in said, (want, said)
+    replayed = [
+        line.body
+        for line in replay([snapshot_from_record(r) for r in records], cfg)
+        if line.kind == "decision"
+    ]
+    assert replayed == live, "replay and the daemon disagree:\n" + "\n".join(
+        json.dumps(x) for x in [*live, "---", *replayed]
+    )
+    assert len(world.restarts) == 1

@@ -135,7 +135,7 @@ def test_the_guardian_audits_a_daemonizing_command_with_the_reason(
             "policy": {"backend": "process"},
         }
     )
-    healing = Healing(parse_config(text, "test.yaml"), SystemClock(), [])
+    healing = Healing(parse_config(text, "test.yaml"), SystemClock())
     audit = state / "audit.jsonl"
     sup = healing.supervisors["vllm"]
     healing.start()

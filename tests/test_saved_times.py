@@ -105,7 +105,7 @@ def _load(tmp_path: Path, saved: ServiceState, clock: FakeClock) -> ServiceState
             },
         }
     )
-    healing = Healing(parse_config(text, "test.yaml"), clock, [], backends={})
+    healing = Healing(parse_config(text, "test.yaml"), clock, backends={})
     try:
         return healing.state.service("vllm")
     finally:

@@ -59,8 +59,8 @@ from vllm_guardian.actuators.bundle import BundleWriter
 from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import Config
 from vllm_guardian.core import policy
-from vllm_guardian.core import step as core_step
-from vllm_guardian.daemon import assemble, history_span_seconds
+from vllm_guardian.core.driver import Driver
+from vllm_guardian.daemon import assemble
 from vllm_guardian.demo import DemoOptions, demo_config
 from vllm_guardian.gpu_state_format import (
     StateDevice,
@@ -318,17 +318,8 @@ class VirtualWorld:
         svc = self.cfg.service(SERVICE)
         assert svc is not None and svc.command
         self.command = tuple(svc.command)
-        rules = load_rules(self.cfg.alerting)
-        names = tuple(s.name for s in self.cfg.services)
-        self.settings = core_step.settings_for(
-            rules,
-            policy.PolicySettings(self.cfg.policy, names, {r.name: r.signal for r in rules}),
-            self.cfg.services,
-            self.cfg.signals,
-        )
-        self.state = core_step.initial(names)
-        self.history: deque[Snapshot] = deque()
-        self.span = history_span_seconds(self.cfg)
+        # The daemon's tick driver: its settings, window and state, built from the config.
+        self.driver = Driver.for_config(self.cfg, load_rules(self.cfg.alerting))
         self.clock = FakeClock(T0)
         self.run = Run(case, config=self.cfg)
         self.flags: flagsfile.FlagsContent | None = None
@@ -349,7 +340,7 @@ class VirtualWorld:
         svc_cfg = self.cfg.service(SERVICE)
         self.bundle_writer = BundleWriter(
             workdir / "bundles",
-            lambda _: (svc_cfg, list(self.history)),
+            lambda _: (svc_cfg, list(self.driver.history)),
             timeout_seconds=5.0,
             read_metrics=self._scrape_for_bundle,
         )
@@ -572,10 +563,8 @@ class VirtualWorld:
         ]  # fmt: skip
         results, self.results = self.results, []
         snap = assemble(now, [SERVICE], readings, statuses, results)
-        self.history.append(snap)
         self.run.snapshots.append(snap)
-        core_step.trim(self.history, self.span)
-        self.state, fx = core_step.step(self.state, list(self.history), now, self.settings)
+        fx = self.driver.tick(snap, now)
         t = round(now - T0, 3)
         for tr in fx.transitions:
             self.run.alerts.append((t, tr.alert.name, tr.current.value, None))

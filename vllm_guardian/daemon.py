@@ -4,10 +4,12 @@ One tick:
 
 1. **collect** every source in parallel, each under its own timeout; a source that fails or
    hangs becomes a down :class:`SourceStatus`, never an exception;
-2. assemble the :class:`Snapshot` and append it to the bounded history;
+2. assemble the :class:`Snapshot` and append it to the bounded history (the tick driver's
+   window, ``core/driver.py``, when the guardian heals);
 3. **derive** signals (pure, ``core/signals.py``; inside ``step`` when the guardian heals);
-4. **decide** and **act**: ``Healing.run`` calls the pure ``core/step.step`` (signals, alerts,
-   policy, readiness) and applies its effects in one place (``healing.py``);
+4. **decide** and **act**: ``Healing.run`` hands the snapshot to the tick driver, which runs
+   the pure ``core/step.step`` (signals, alerts, policy, readiness), and applies its effects
+   in one place (``healing.py``);
 5. **publish** to ``/metrics`` and ``/ready``;
 6. **record** one flight-recorder line;
 7. ``sd_notify`` ``WATCHDOG=1`` and a readable ``STATUS=`` line.
@@ -43,8 +45,8 @@ from vllm_guardian.container import ConfigWatch, container_mode
 from vllm_guardian.control import ControlServer
 from vllm_guardian.core import policy
 from vllm_guardian.core.allocator import attribute as attribute_allocator
+from vllm_guardian.core.driver import history_span_seconds, remember
 from vllm_guardian.core.signals import ServiceSignals, Signals, derive
-from vllm_guardian.core.step import trim
 from vllm_guardian.exposition import ExpositionServer, GuardianCollector, Published
 from vllm_guardian.healing import Healing
 from vllm_guardian.model import (
@@ -122,18 +124,6 @@ def _sources_unchanged(old: Config, new: Config) -> bool:
     )
 
 
-def history_span_seconds(cfg: Config) -> float:
-    s = cfg.signals
-    return max(
-        s.rate_window_seconds,
-        s.quantile_window_seconds,
-        s.slope_window_seconds,
-        2 * s.stall_seconds,
-        s.capacity_window_seconds,
-        s.forecast_window_seconds,
-    ) + (2 * cfg.interval_seconds)
-
-
 class Guardian:
     def __init__(
         self,
@@ -190,14 +180,15 @@ class Guardian:
         results = self.healing.take_results() if self.healing is not None else ()
         snapshot = assemble(now, [s.name for s in self.cfg.services], readings, statuses, results)
         self._invalidate_units(self.history[-1] if self.history else None, snapshot)
-        self.history.append(snapshot)
-        trim(self.history, history_span_seconds(self.cfg))
+        if self.healing is None:  # observing only; else the tick driver appends it
+            remember(self.history, snapshot, history_span_seconds(self.cfg))
         decisions: list[Mapping[str, Any]] = []
         tick_ok = True  # the watchdog is pinged only when the tick did its work
         signals: Signals | None = None
         if self.healing is not None:
             try:
-                signals, records = self.healing.run(list(self.history), now)
+                # The snapshot as stepped: with the operator commands taken since the last tick.
+                snapshot, signals, records = self.healing.run(snapshot, now)
                 decisions.extend(records)
                 for name, gate in self.healing.gates().items():
                     self.exposition.set_gate(name, gate)
@@ -447,8 +438,7 @@ class Guardian:
         snapshot = assemble(
             self.clock.time(), [s.name for s in self.cfg.services], readings, statuses, ()
         )
-        self.history.append(snapshot)
-        trim(self.history, history_span_seconds(self.cfg))
+        remember(self.history, snapshot, history_span_seconds(self.cfg))
         signals = derive(list(self.history), self.cfg.services, self.cfg.signals)
         view = self.healing.view() if self.healing is not None else None
         self.exposition.publish(

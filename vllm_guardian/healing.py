@@ -1,8 +1,8 @@
 """The act half of the tick: apply the effects of the pure ``core/step.step`` in one place.
 
-Where it sits: the daemon collects a snapshot, appends it to the history and calls
-:meth:`Healing.run`, which calls ``step`` (signals → alerts → policy → readiness, all pure)
-and then applies its effects, in order:
+Where it sits: the daemon collects a snapshot and calls :meth:`Healing.run`, which hands it to
+the tick driver (``core/driver.py``: the history window, then ``step``: signals → alerts →
+policy → readiness, all pure) and then applies its effects, in order:
 
 1. alert transitions are queued to the sinks (delivery never blocks the tick); those the step
    inhibited (vLLM down because of the guardian's own restart: ``core/inhibition.py``) are not,
@@ -45,13 +45,16 @@ from vllm_guardian.config import Config
 from vllm_guardian.container import container_mode, pod_identity
 from vllm_guardian.core import alerting, inhibition, policy
 from vllm_guardian.core import step as core_step
+from vllm_guardian.core.driver import Driver, history_span_seconds, settings_from_config
 from vllm_guardian.core.signals import Signals
 from vllm_guardian.model import (
     Action,
     ActionKind,
     Alert,
     AlertState,
+    CommandKind,
     GateState,
+    OperatorCommand,
     OpRequest,
     OpResult,
     Snapshot,
@@ -88,21 +91,22 @@ class Healing:
         self,
         cfg: Config,
         clock: Clock,
-        history: Sequence[Snapshot],
+        history: collections.deque[Snapshot] | None = None,
         backends: Mapping[str, RestartBackend] | None = None,
         dispatcher: AlertDispatcher | None = None,
     ) -> None:
         self.cfg = cfg
         self.clock = clock
-        self._history = history
         self.rules = load_rules(cfg.alerting)
         self.dispatcher = dispatcher or AlertDispatcher(cfg.alerting, clock)
         state_dir = Path(cfg.state_dir)
         self.state_path = state_dir / "policy-state.json"
         self.audit = AuditLog(state_dir / "audit.jsonl", identity=pod_identity(os.environ))
         names = [s.name for s in cfg.services]
-        self.settings = self._settings(cfg, self.rules)
-        self.tick_state = core_step.initial(names, self._restore(self.state_path))
+        # The window (shared with the daemon's, which observes through a drain too), the
+        # settings and the state: what surrounds the pure step, built as replay builds it.
+        self.driver = Driver.for_config(cfg, self.rules, history)
+        self.driver.state = core_step.initial(names, self._restore(self.state_path))
         self.supervisors: dict[str, Supervisor] = {}
         self._lock = threading.RLock()
         self._gates: dict[str, GateState] = {}
@@ -112,6 +116,8 @@ class Healing:
         self._started: dict[int, Action] = {}  # actions under way, for their bundles
         self.save_error: str | None = None
         self.recent: collections.deque[policy.Decision] = collections.deque(maxlen=20)
+        # The decisions of the operator commands taken since the last tick, for its record.
+        self._command_records: list[dict[str, Any]] = []
         if backends is None:
             backends = self._build_backends()
         # The recent decisions and alert transitions (JSON, as recorded): the alert and phase
@@ -165,26 +171,17 @@ class Healing:
             log.error("fleet.permit is lease but the permit adapter cannot start: %s", e)
             return None
 
-    @staticmethod
-    def _settings(cfg: Config, rules: Sequence[alerting.Rule]) -> core_step.StepSettings:
-        lease = cfg.fleet.permit == "lease"
-        permit = cfg.fleet.wait_timeout_seconds if lease else None
-        # Renewed three times per Lease duration: a renewal lost to a slow API server still
-        # leaves two before a guardian mid-action loses its permit to another replica.
-        renew = cfg.fleet.lease_ttl_seconds / 3 if lease else None
-        return core_step.settings_for(
-            rules,
-            policy.PolicySettings(
-                cfg.policy,
-                tuple(s.name for s in cfg.services),
-                {r.name: r.signal for r in rules},
-                permit_timeout_seconds=permit,
-                permit_renew_seconds=renew,
-                commands=policy.commands_of(cfg),
-            ),
-            cfg.services,
-            cfg.signals,
-        )
+    @property
+    def settings(self) -> core_step.StepSettings:
+        return self.driver.settings
+
+    @property
+    def tick_state(self) -> core_step.TickState:
+        return self.driver.state
+
+    @tick_state.setter
+    def tick_state(self, state: core_step.TickState) -> None:
+        self.driver.state = state
 
     @property
     def state(self) -> policy.PolicyState:
@@ -263,7 +260,7 @@ class Healing:
     # --- what the actuators need ---------------------------------------------------------------
 
     def _bundle_context(self, service: str) -> tuple[Any, Sequence[Snapshot]]:
-        return self.cfg.service(service), list(self._history)
+        return self.cfg.service(service), list(self.driver.history)
 
     def _capture_bundle(self, req: OpRequest) -> str | None:
         action = self._started.get(req.action_id) or Action(
@@ -282,19 +279,23 @@ class Healing:
 
     # --- one tick ------------------------------------------------------------------------------
 
-    def run(self, history: Sequence[Snapshot], now: float) -> tuple[Signals, list[dict[str, Any]]]:
-        """Step the pure core over ``history`` (newest last) and apply its effects. Returns the
-        derived signals and the tick's records (decisions, alert transitions) for the flight
-        recorder."""
+    def run(self, snapshot: Snapshot, now: float) -> tuple[Snapshot, Signals, list[dict[str, Any]]]:
+        """Hand this tick's ``snapshot`` to the driver (window, then the pure step) and apply
+        the effects. Returns the snapshot as stepped (with the operator commands taken since
+        the last tick), the derived signals and the tick's records (the commands' decisions,
+        then the step's decisions and alert transitions) for the flight recorder."""
         with self._lock:
-            self.tick_state, fx = core_step.step(self.tick_state, history, now, self.settings)
+            fx = self.driver.tick(snapshot, now)
+            commands, self._command_records = self._command_records, []
             # Inhibited transitions are recorded too: their alert's inhibited_by says why.
-            records = [to_jsonable(d) for d in fx.decisions] + [
-                {"transition": to_jsonable(t)} for t in (*fx.transitions, *fx.inhibited)
-            ]
+            records = (
+                commands
+                + [to_jsonable(d) for d in fx.decisions]
+                + [{"transition": to_jsonable(t)} for t in (*fx.transitions, *fx.inhibited)]
+            )
             self._events.extend(records)  # before _apply: an action's end redraws its picture
             self._apply(fx)
-            return fx.signals, records
+            return self.driver.history[-1], fx.signals, records
 
     def _apply(self, fx: core_step.Effects) -> None:
         try:  # queued: a slow webhook never delays the tick
@@ -412,20 +413,22 @@ class Healing:
                     "decisions": [to_jsonable(d) for d in got],
                     "phase": running.phase.value if running is not None else None,
                 }
+        if cmd not in ("pause", "resume"):
+            return {"ok": False, "error": f"unknown command {cmd!r}"}
         with self._lock:
-            state = self.state
-            if cmd == "pause":
-                state, decisions = policy.pause(state, service, now)
-            elif cmd == "resume":
-                state, decisions = policy.resume(state, service, now)
-            else:
-                return {"ok": False, "error": f"unknown command {cmd!r}"}
-            self.tick_state = replace(self.tick_state, policy=state)
+            decisions = self._command(OperatorCommand(now, CommandKind(cmd), service)).decisions
             self.audit.write(decisions)
             self._save()
         for d in decisions:
             log.warning("operator %s [%s]: %s", d.what.value, d.service, d.reason)
         return {"ok": True, "changed": [d.service for d in decisions]}
+
+    def _command(self, cmd: OperatorCommand) -> policy.PolicyOutput:
+        """Through the driver (the caller holds the lock): applied now, kept in the next
+        snapshot, its decisions in the next tick's flight record, so replay applies it again."""
+        out = self.driver.command(cmd)
+        self._command_records.extend(to_jsonable(d) for d in out.decisions)
+        return out
 
     def _operator(
         self, cmd: str, service: str | None, now: float, args: Mapping[str, Any]
@@ -442,13 +445,11 @@ class Healing:
         if cmd == "restart" and (content.flags or args.get("reset")):
             return {"ok": False, "error": "restart takes no flags: use relaunch"}
         who = str(args.get("who") or "an operator")[:200]
-        kind = ActionKind.RESTART if cmd == "restart" else ActionKind.RELAUNCH
         with self._lock:
-            out = policy.operator_action(
-                self.state, service, kind, content.flags, bool(args.get("reset")), who,
-                bool(args.get("force")), now, self.settings.policy,
+            out = self._command(
+                OperatorCommand(now, CommandKind(cmd), service, content.flags,
+                                bool(args.get("reset")), who, bool(args.get("force")))
             )  # fmt: skip
-            self.tick_state = replace(self.tick_state, policy=out.state)
             s = out.state.service(service)
             if out.actions and not s.front_door.open:
                 # The front door closes with the command, not at the next tick: that tick may
@@ -476,7 +477,7 @@ class Healing:
             self.dispatcher = AlertDispatcher(cfg.alerting, self.clock)
             self.rules = rules
             self.cfg = cfg
-            self.settings = self._settings(cfg, rules)
+            self.driver.reconfigure(settings_from_config(cfg, rules), history_span_seconds(cfg))
             self.tick_state = replace(
                 self.tick_state, policy=policy.initial_state(names, self.state, restarted=False)
             )

@@ -439,6 +439,10 @@ class Snapshot:
     action_results: tuple[ActionResult, ...] = field(default=())
     # Actuator calls that finished since the previous tick (the restart's blocking steps).
     op_results: tuple[OpResult, ...] = field(default=())
+    # Operator commands the guardian took since the previous tick, in order: applied when they
+    # came (core/driver.py), kept here so the flight record shows them and replay applies them
+    # again at the same point.
+    commands: tuple[OperatorCommand, ...] = field(default=())
 
     def service(self, name: str) -> ServiceSnapshot | None:
         for s in self.services:
@@ -581,6 +585,29 @@ class OpRequest:
     timeout_seconds: float = 0.0
     reason: str = ""  # the action's reason, for the bundle's manifest
     cause: Cause | None = None
+
+
+class CommandKind(StrEnum):
+    """An operator's command on the control socket that changes the policy state."""
+
+    PAUSE = "pause"
+    RESUME = "resume"
+    RESTART = "restart"
+    RELAUNCH = "relaunch"
+
+
+@dataclass(frozen=True)
+class OperatorCommand:
+    """One operator command as the policy takes it (its flags already validated by the shell):
+    the input of ``core/step.command``."""
+
+    time_seconds: float
+    kind: CommandKind
+    service: str | None  # None: every service (pause and resume only)
+    flags: tuple[tuple[str, str], ...] = ()  # relaunch: the flags to set
+    reset: bool = False  # relaunch: back to the operator's baseline
+    who: str = "an operator"
+    force: bool = False  # act although the breaker is latched or the service paused
 
 
 @dataclass(frozen=True)

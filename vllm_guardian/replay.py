@@ -1,12 +1,15 @@
 """``vllm-guardian replay RECORDING [-c CONFIG]``: a past incident through today's rules and policy.
 
-The flight recorder keeps every tick's snapshot. Replay feeds them, in order, to the same pure
-``core/step.step`` the daemon runs (signals → alerts → policy, with the phases of an action)
-with the given config, and prints what would have been decided, phase by phase. Nothing is
-executed. The blocking calls an action asks for (bundle, flags file, restart) get their results
-from the recording when it holds them (a guardian that acted recorded each call's result in the
-next snapshot), matched by service and call in order; a recording without any (an observing or
-dry-run guardian) has each call succeed at the next recorded tick. Everything else an action
+The flight recorder keeps every tick's snapshot. Replay feeds them, in order, to the same tick
+driver the daemon runs (``core/driver.py``: the settings built from the config, the history
+window, then the pure ``core/step.step``: signals → alerts → policy, with the phases of an
+action) with the given config, and prints what would have been decided, phase by phase.
+Nothing is executed. The blocking calls an action asks for (bundle, flags file, restart) get
+their results from the recording when it holds them (a guardian that acted recorded each call's
+result in the next snapshot), matched by service and call in order; a recording without any (an
+observing or dry-run guardian) has each call succeed at the next recorded tick. The operator's
+commands (pause, resume, restart, relaunch) are in the recording too, each in the snapshot of
+the tick after it, and are applied again where the daemon took them. Everything else an action
 waits for (the drain, the old instance's GPU memory, readiness) is read from the recorded
 snapshots, so an operator can try a new threshold or ladder on a real incident before arming it.
 """
@@ -14,7 +17,6 @@ snapshots, so an operator can try a new threshold or ladder on a real incident b
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime as dt
 import json
 import sys
@@ -25,9 +27,7 @@ from typing import Any
 
 from vllm_guardian.actuators.alerts import load_rules
 from vllm_guardian.config import DEFAULT_CONFIG_PATH, Config, ConfigInvalid, load_config
-from vllm_guardian.core import policy
-from vllm_guardian.core import step as core_step
-from vllm_guardian.daemon import history_span_seconds
+from vllm_guardian.core.driver import Driver
 from vllm_guardian.model import OpRequest, OpResult, Snapshot
 from vllm_guardian.recorder import RecordError, read_records, snapshot_from_record, to_jsonable
 
@@ -42,27 +42,20 @@ class ReplayLine:
 def replay(snapshots: Iterable[Snapshot], cfg: Config) -> Iterator[ReplayLine]:
     snaps = list(snapshots)
     recorded = any(s.op_results for s in snaps)
-    rules = load_rules(cfg.alerting)
-    names = tuple(s.name for s in cfg.services)
-    settings = core_step.settings_for(
-        rules,
-        policy.PolicySettings(
-            cfg.policy, names, {r.name: r.signal for r in rules}, commands=policy.commands_of(cfg)
-        ),
-        cfg.services,
-        cfg.signals,
-    )
-    state = core_step.initial(names)
-    history: collections.deque[Snapshot] = collections.deque()
+    # Settings, window and step as the daemon builds them (a fleet guardian's permit included).
+    driver = Driver.for_config(cfg, load_rules(cfg.alerting))
     pending: list[OpRequest] = []  # calls the replayed policy asked for, not yet answered
-    span = history_span_seconds(cfg)
     for snap in snaps:
         now = snap.time_seconds
+        # The operator's commands came between the last tick and this one: applied again
+        # first, as the daemon applied them, their calls then answered like the policy's.
+        for cmd in snap.commands:
+            out = driver.command(cmd)
+            pending.extend(out.ops)
+            for d in out.decisions:
+                yield ReplayLine(cmd.time_seconds, "decision", to_jsonable(d))
         results, pending = _answer(pending, snap, recorded)
-        snap = replace(snap, op_results=results)
-        history.append(snap)
-        core_step.trim(history, span)
-        state, fx = core_step.step(state, list(history), now, settings)
+        fx = driver.tick(replace(snap, op_results=results), now)
         for t in (*fx.transitions, *fx.inhibited):  # inhibited: its alert's inhibited_by is set
             yield ReplayLine(now, "transition", to_jsonable(t))
         pending.extend(fx.ops)

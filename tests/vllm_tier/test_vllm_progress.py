@@ -16,7 +16,8 @@ process manager, armed (``dry_run: false``), with the stall wait of the tier (8 
    take-back of a hung engine's requests, ``--take-back-hung``, is off by default: checked
    through the deployed gate with an OpenAI SDK client, two runs of five lost two and three
    requests, sent again into the still hung engine before the restart and cut a second time
-   by it; docs/gate.md, "Across a hang".)
+   by it. The gate now keeps them until the engine is a new one; not run on this tier since;
+   docs/gate.md, "Across a hang".)
 
 The model makes the module slower than the tiny one's (a 46 MB model, ~15 s per long prompt):
 about 2-3 minutes in all on the 2-core machine, most of it the two vLLM starts.

@@ -1,8 +1,8 @@
 """One tick's whole decision: ``step(state, history, now, settings) → (state, effects)``. Pure.
 
-Where it sits: between collecting and acting. The daemon collects a snapshot, appends it to its
-history and calls :func:`step`; ``replay`` feeds recorded snapshots to the same function; so do
-the tests and ``bench/tick.py``. In order:
+Where it sits: between collecting and acting. Every runner of the tick (the daemon, ``replay``,
+the virtual-time harness, the inhibition tests, ``bench/forecast.py``) hands its snapshots to
+one ``core/driver.Driver``, which keeps the history window and calls :func:`step`. In order:
 
 1. derive the signals from the history window (``core/signals.py``);
 2. evaluate the alert rules (``core/alerting.py``) with the policy's own figures of the previous
@@ -22,9 +22,8 @@ audit, results to count, readiness to publish. The shell applies them in one pla
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from vllm_guardian.config import ServiceConfig, SignalsConfig
@@ -32,10 +31,13 @@ from vllm_guardian.core import alerting, inhibition, policy
 from vllm_guardian.core.signals import Signals, derive
 from vllm_guardian.model import (
     Action,
+    ActionKind,
     ActionResult,
     Alert,
+    CommandKind,
     GateState,
     HealthState,
+    OperatorCommand,
     OpRequest,
     Snapshot,
 )
@@ -92,13 +94,6 @@ def initial(services: Sequence[str], previous: policy.PolicyState | None = None)
     return TickState(policy.initial_state(services, previous))
 
 
-def trim(history: collections.deque[Snapshot], span_seconds: float) -> None:
-    """Keep the window the signals need (and at least the newest snapshot)."""
-    now = history[-1].time_seconds
-    while len(history) > 1 and history[0].time_seconds < now - span_seconds:
-        history.popleft()
-
-
 def step(
     state: TickState, history: Sequence[Snapshot], now: float, settings: StepSettings
 ) -> tuple[TickState, Effects]:
@@ -136,6 +131,29 @@ def step(
     )
     new = TickState(out.state, MappingProxyType(held.alerts), run_since, served, held.settled)
     return new, effects
+
+
+def command(
+    state: TickState, cmd: OperatorCommand, settings: StepSettings
+) -> tuple[TickState, policy.PolicyOutput]:
+    """An operator's command between two ticks, at ``cmd.time_seconds``: pause, resume, or an
+    action (restart, relaunch) with the same phases as the policy's own, refused while another
+    runs. Applied when it comes, not at the next tick: the front door closes with the command
+    (that tick may wait on the bundle's capture). The driver keeps the command for the next
+    snapshot, where replay finds it and applies it again at the same point."""
+    p, now = state.policy, cmd.time_seconds
+    if cmd.kind in (CommandKind.PAUSE, CommandKind.RESUME):
+        change = policy.pause if cmd.kind is CommandKind.PAUSE else policy.resume
+        new, decisions = change(p, cmd.service, now)
+        out = policy.PolicyOutput(new, (), decisions)
+    else:
+        if cmd.service is None:
+            raise ValueError(f"{cmd.kind.value} needs a service")
+        kind = ActionKind.RESTART if cmd.kind is CommandKind.RESTART else ActionKind.RELAUNCH
+        out = policy.operator_action(
+            p, cmd.service, kind, cmd.flags, cmd.reset, cmd.who, cmd.force, now, settings.policy
+        )
+    return replace(state, policy=out.state), out
 
 
 def gate_states(

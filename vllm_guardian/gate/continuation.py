@@ -50,6 +50,10 @@ DYING_MARKERS = (
     "EngineDeadError",
     "EngineCore encountered an issue",
 )
+# vLLM's finish_reason for a request it aborted (its shutdown, an engine stopping): answered
+# with HTTP 200, but not an answer. As vLLM serialises it (compact JSON).
+ABORT_FINISH = "abort"
+ABORT_MARKER = b'"finish_reason":"abort"'
 # The decoder's stand-in for bytes that do not make a whole character yet.
 REPLACEMENT_CHARACTER = "\ufffd"
 # How many settled ids /detokenize is asked about: a character is at most 4 bytes, a token at
@@ -114,6 +118,9 @@ class Cut(enum.StrEnum):
     CONNECTION = "connection"  # reset or closed before ``[DONE]``
     ERROR_EVENT = "error_event"  # vLLM's error event for a dead engine
     HANG = "hang"  # taken back by the gate from a hung engine (its progress watch)
+    # vLLM's own end for a request it aborted (its shutdown): a last chunk with
+    # ``finish_reason: "abort"`` before ``[DONE]``, HTTP 200 all the same
+    ABORT = "abort"
 
 
 @dataclass(frozen=True)
@@ -270,6 +277,27 @@ def dying_message(message: str) -> bool:
     return any(m in message for m in DYING_MARKERS)
 
 
+def _aborted(doc: Mapping[str, Any]) -> bool:
+    """A chunk or answer in which vLLM ended a choice with ``finish_reason: "abort"``."""
+    choices = doc.get("choices")
+    return isinstance(choices, list) and any(
+        isinstance(c, dict) and c.get("finish_reason") == ABORT_FINISH for c in choices
+    )
+
+
+def aborted_answer(body: bytes) -> bool:
+    """A whole unary answer (``/v1/completions``, ``/v1/chat/completions``) in which vLLM
+    aborted a choice: HTTP 200, and the request was not served (vLLM shutting down answers
+    what it aborts that way, with no token or some)."""
+    if b'"abort"' not in body:
+        return False  # the common answer: not decoded
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return False
+    return isinstance(doc, dict) and _aborted(doc)
+
+
 # --- one stream's events -----------------------------------------------------------------------
 
 
@@ -277,6 +305,9 @@ class Kind(enum.Enum):
     RELAY = "relay"  # write ``data`` to the client
     DONE = "done"  # ``data: [DONE]``: write it, the stream is complete
     CUT = "cut"  # vLLM's error event for a dead engine: the attempt is over
+    # vLLM's last chunk for a request it aborted: the attempt is over (``data`` is that chunk
+    # as the client would have it, held: it reaches the client only if the gate gives up)
+    ABORT = "abort"
 
 
 @dataclass(frozen=True)
@@ -356,12 +387,21 @@ class StreamState:
             # A chat stream's continuation is a completion: its chunks become the chat's.
             doc = _chat_chunk_of(doc)
             converted = True
+        aborted = _aborted(doc)
+        before = (len(self.token_ids), self.finish_reason)
         try:
             changed, textless = self._chunk(doc)
         except (TypeError, ValueError, AttributeError):
             self.unreadable = True
             return self._relay(raw)
         out = b"data: " + _encode(doc) + b"\n\n" if changed or converted else raw
+        if aborted:
+            # Not the stream's end: a cut. vLLM's abort carries no token; one that did would
+            # not be the client's whole text, so the stream is not continued then.
+            if len(self.token_ids) != before[0]:
+                self.unreadable = True
+            self.finish_reason = before[1]
+            return Step(Kind.ABORT, out)
         if textless:
             # Ids whose text vLLM still holds back: sent with the text that settles them, so
             # a cut before it rolls them back without the client having seen them.

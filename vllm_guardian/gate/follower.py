@@ -32,7 +32,12 @@ exposition never stalls the proxy, for two uses:
   seen to move or the guardian's restart brings up an engine that processes them. While it
   holds, every poll also takes back what the hung engine holds (``take_back``: the proxy's
   pool closes the connections of the exchanges it can send again or continue), so they wait
-  at the head of the queue for the restarted engine instead of inside the hung one.
+  at the head of the queue for the restarted engine instead of inside the hung one. The gate
+  then stays closed until the engine is a new one (``/health`` failed since, or vLLM's process
+  start time changed) or the same one generates tokens again
+  (:func:`~vllm_guardian.gate.progress.why_send_again`), at most ``take_back_wait_seconds``
+  (what a taken back request may wait): the hold alone can end while the engine is still
+  hung, and what was sent again into it then was lost.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ import aiohttp
 from vllm_guardian import ready_format
 from vllm_guardian.core.progress import ProgressReading
 from vllm_guardian.gate.admission import Admission
-from vllm_guardian.gate.progress import ProgressWatch
+from vllm_guardian.gate.progress import EngineMark, ProgressWatch, why_send_again
 from vllm_guardian.gate.upstream import UpstreamError, UpstreamPool
 from vllm_guardian.sources.vllm_metrics import VllmParser, parse_vllm_metrics
 
@@ -77,6 +82,7 @@ class Follower:
         stall_hold_seconds: float = 0.0,
         health_grace_seconds: float = 3.0,
         take_back: Callable[[], int] | None = None,
+        take_back_wait_seconds: float = 0.0,
     ) -> None:
         self.admission = admission
         self.session = session
@@ -92,6 +98,12 @@ class Follower:
         self.progress = ProgressWatch(stall_hold_seconds)
         self.take_back = take_back
         self.taken_back = 0  # exchanges taken back from a hung engine, in all
+        self.take_back_wait_seconds = take_back_wait_seconds
+        self._health_failures = 0  # /health refused or not 200 (not: silent), since the start
+        # The engine requests were taken back from, while they wait for another (None: none
+        # wait), and until when the gate holds for them.
+        self._taken_back_from: EngineMark | None = None
+        self._taken_back_until = 0.0
         self._parser = VllmParser()
         self._warned_unknown = False
         self._warned_oversize = False
@@ -139,6 +151,8 @@ class Follower:
     async def poll_once(self) -> None:
         (healthy, why), verdict = await asyncio.gather(self._health(), self._guardian_ready())
         self.polls += 1
+        if healthy is False:
+            self._health_failures += 1
         healthy, why = self._through_silence(healthy, why, time.monotonic())
         self.upstream_healthy = healthy
         self.guardian_ready = verdict[0] if verdict is not None else None
@@ -153,6 +167,8 @@ class Follower:
         elif stalled is not None:
             self.admission.set_state(False, stalled)
             self._take_back(stalled)
+        elif (waiting := self._waiting_for_new_engine(time.monotonic())) is not None:
+            self.admission.set_state(False, waiting)
         elif verdict is not None and not verdict[0]:
             self.admission.set_state(False, f"guardian: {verdict[1]}")
         else:
@@ -166,7 +182,26 @@ class Follower:
         taken = self.take_back()
         if taken:
             self.taken_back += taken
+            if self._taken_back_from is None:
+                self._taken_back_from = EngineMark.of(self.progress.last, self._health_failures)
+            self._taken_back_until = time.monotonic() + self.take_back_wait_seconds
             log.warning("gate: %s; %d requests in it taken back, to be sent again", why, taken)
+
+    def _waiting_for_new_engine(self, now: float) -> str | None:
+        """Why the gate stays closed for the requests taken back from a hung engine (they go
+        to the next engine, not into that one again), or None."""
+        mark = self._taken_back_from
+        if mark is None:
+            return None
+        why = why_send_again(mark, EngineMark.of(self.progress.last, self._health_failures))
+        if why is None and now < self._taken_back_until:
+            return "requests taken back from the hung engine wait for a new one"
+        self._taken_back_from = None
+        log.info(
+            "gate: %s: the requests taken back from the hung engine are sent again",
+            why or f"no new engine within {self.take_back_wait_seconds:g} s",
+        )
+        return None
 
     def _through_silence(self, healthy: bool | None, why: str, now: float) -> tuple[bool, str]:
         """``healthy`` None (no answer in time): still healthy if the last answer was, for

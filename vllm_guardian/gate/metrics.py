@@ -100,7 +100,8 @@ class GateMetrics:
         ).labels(*s)
         self.upstream_errors = Counter(
             f"{NS}_upstream_errors",
-            "Exchanges the upstream broke (refused, reset, cut mid-stream), by phase.",
+            "Exchanges the upstream broke (refused, reset, cut mid-stream, or answered 200 with "
+            "finish_reason abort before a byte reached the client: aborted), by phase.",
             ["service", "phase"],
             registry=r,
         )
@@ -152,7 +153,7 @@ class GateMetrics:
                        "too_large", "too_deep", "shutdown", "body_timeout", "body_too_slow",
                        "body_budget"):  # fmt: skip
             self._rejected.labels(service, reason)
-        for phase in ("connect", "before_first_byte", "streaming"):
+        for phase in ("connect", "before_first_byte", "aborted", "streaming"):
             self.upstream_errors.labels(service, phase)
         for phase in ("queued", "streaming"):
             self.client_disconnects.labels(service, phase)

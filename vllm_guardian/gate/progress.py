@@ -25,7 +25,11 @@ forgets what was seen: the gate never holds on missing data, it serves on ``/hea
 
 from __future__ import annotations
 
-from vllm_guardian.core.progress import ProgressReading, moved
+from dataclasses import dataclass
+
+from vllm_guardian.core.progress import MARK_FIELDS, ProgressReading, moved
+
+_GENERATED = MARK_FIELDS.index("generation_tokens_total")
 
 
 class ProgressWatch:
@@ -52,6 +56,11 @@ class ProgressWatch:
         ):
             self._progress_at = now
 
+    @property
+    def last(self) -> ProgressReading | None:
+        """The newest reading (None: none, or the newest could not be had)."""
+        return self._last
+
     def stalled(self) -> str | None:
         """Why new requests should be held (as of the last reading), or None."""
         if (
@@ -68,3 +77,51 @@ class ProgressWatch:
             f"vLLM made no progress for {quiet:.0f} s with "
             f"{self._last.requests_in_engine:.0f} requests in it: new requests are held"
         )
+
+
+@dataclass(frozen=True)
+class EngineMark:
+    """The engine as the follower's polls tell one from another: taken when the gate takes
+    requests back from a hung engine, compared at each poll while they wait (the follower's
+    :meth:`~vllm_guardian.gate.follower.Follower.poll_once`)."""
+
+    process_start_time_seconds: float | None  # vLLM's API server process
+    generation_tokens: float | None  # over all engines; None where a scrape lacks it
+    health_failures: int  # /health refused or not 200, as the follower has counted them
+
+    @staticmethod
+    def of(reading: ProgressReading | None, health_failures: int) -> EngineMark:
+        generated: float | None = None
+        if reading is not None and reading.engines:
+            values = [e.values[_GENERATED] for e in reading.engines]
+            if all(v is not None for v in values):
+                generated = sum(v for v in values if v is not None)
+        start = reading.process_start_time_seconds if reading is not None else None
+        return EngineMark(start, generated, health_failures)
+
+
+def why_send_again(taken_from: EngineMark, now: EngineMark) -> str | None:
+    """Why the requests taken back from the engine ``taken_from`` may be sent now, or None
+    while the engine they would go to may still be that hung one.
+
+    A new engine: ``/health`` failed since (a restart: the process gone, or vLLM's 503 for a
+    dead engine), or vLLM's process start time changed. Or the same engine generated tokens
+    (a false alarm, or it runs again): a hung engine core counts none, and the API server
+    cannot count them without it. The end of the hold alone is not enough: a reading that
+    cannot be had ends it too (the watch never holds on missing data), and on the real vLLM
+    requests sent again then went into the still hung engine and were lost."""
+    if now.health_failures > taken_from.health_failures:
+        return "vLLM's /health failed since: a restarted server"
+    if (
+        taken_from.process_start_time_seconds is not None
+        and now.process_start_time_seconds is not None
+        and now.process_start_time_seconds != taken_from.process_start_time_seconds
+    ):
+        return "a new vLLM process"
+    if (
+        taken_from.generation_tokens is not None
+        and now.generation_tokens is not None
+        and now.generation_tokens > taken_from.generation_tokens
+    ):
+        return "the engine generates tokens again"
+    return None

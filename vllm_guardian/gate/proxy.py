@@ -19,7 +19,10 @@ One exchange, in order:
    Until then a failed exchange — refused, reset, or vLLM's "going away" 500 (``cannot schedule
    new futures after shutdown``, ``EngineDeadError``): the request never ran, or its answer was
    never sent — is retried once, at the head of the queue, so it waits for the new instance. A
-   unary request is answered whole or not at all, so this covers it entirely. After that the
+   unary request is answered whole or not at all, so this covers it entirely; that includes
+   vLLM's answer to a unary completion it aborted as it shut down (HTTP 200, ``finish_reason:
+   "abort"``: not an answer), which the proxy reads whole before committing. Past the one
+   retry the client gets that answer as vLLM sent it. After that the
    answer is committed and streamed chunk by chunk as it arrives, at the client's pace
    (``write`` waits for the socket, so a slow client slows the upstream read instead of
    filling memory). A streamed completion or chat completion the upstream cuts after that is continued
@@ -30,7 +33,8 @@ One exchange, in order:
    (not answered yet and not retried yet; a continued stream with continuations left) are
    taken back: their upstream connection is closed (``UpstreamPool.take_back``), which vLLM
    reads as an abort, and they go the way of 4, waiting at the head of the queue for the
-   restarted engine;
+   restarted engine (the follower keeps the gate closed until the engine is a new one, or the
+   same one generates again: ``follower.py``);
 6. a client that goes away cancels the handler (``handler_cancellation``): a queued request
    leaves the queue; a forwarded one has its upstream connection closed, which is how vLLM
    learns to abort it and free its KV blocks.
@@ -88,6 +92,15 @@ RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
 # a request without an answer yet is safe to send once more to the next instance.
 DYING_MARKERS = tuple(m.encode() for m in continuation.DYING_MARKERS)
 DYING_BODY_MAX_BYTES = 64 * 1024
+# What a relayed stream carries when vLLM ended it without serving it: its error event for a
+# dead engine, or its chunk with finish_reason "abort" (counted as a cut the gate refused).
+CUT_MARKERS = (*DYING_MARKERS, continuation.ABORT_MARKER)
+# A unary answer to a completion is read whole up to this before a byte of it goes to the
+# client, to tell vLLM's aborted answer (HTTP 200, finish_reason "abort") from an answer.
+# vLLM writes a unary answer at once, whole; a longer one is relayed unread (an aborted
+# answer that long had tokens, and is passed on as vLLM sent it).
+UNARY_CHECK_MAX_BYTES = 1024 * 1024
+UNARY_PATHS = (continuation.COMPLETIONS_PATH, continuation.CHAT_PATH)
 STATUS_PATH = "/gate/status"
 # The one client every request without a vouched-for key counts as (no header value can hold a
 # newline, so no client can name it).
@@ -455,6 +468,19 @@ class GateProxy:
                         raise _UpstreamBroke(
                             "before_first_byte", first.decode("utf-8", "replace")[:200]
                         )
+                elif (
+                    up.status == 200
+                    and request.method == "POST"
+                    and request.rel_url.path in UNARY_PATHS
+                    and up.headers.get("Content-Type", "").startswith("application/json")
+                ):
+                    first = await self._read_at_most(up, UNARY_CHECK_MAX_BYTES)
+                    if (
+                        not retried
+                        and len(first) < UNARY_CHECK_MAX_BYTES
+                        and continuation.aborted_answer(first)
+                    ):
+                        raise _UpstreamBroke("aborted", first.decode("utf-8", "replace")[:200])
                 else:
                     first = await up.read()
             except UpstreamError as e:
@@ -475,8 +501,9 @@ class GateProxy:
                 # their write (the wait for the upstream in between is not the gate's).
                 self.metrics.overhead_seconds.observe(pre_send + time.perf_counter() - t_first)
                 refused = ex.plan if isinstance(ex.plan, Refusal) else None
-                if refused is not None and any(m in first for m in DYING_MARKERS):
-                    # vLLM's error event for a dead engine came with the first bytes.
+                if refused is not None and any(m in first for m in CUT_MARKERS):
+                    # vLLM's error event for a dead engine (or its abort) came with the first
+                    # bytes.
                     self.metrics.continuation(Outcome.REFUSED.value, refused.value)
                     refused = None
                 while True:
@@ -492,8 +519,9 @@ class GateProxy:
                         return resp
                     if not chunk:
                         break
-                    if refused is not None and any(m in chunk for m in DYING_MARKERS):
-                        # vLLM's error event for a dead engine, passed on as it came.
+                    if refused is not None and any(m in chunk for m in CUT_MARKERS):
+                        # vLLM's error event for a dead engine (or its abort chunk), passed on
+                        # as it came.
                         self.metrics.continuation(Outcome.REFUSED.value, refused.value)
                         refused = None
                     await resp.write(chunk)

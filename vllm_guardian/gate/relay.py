@@ -7,8 +7,10 @@ what follows a cut. This module does the I/O, in order:
 
 1. events are read as they arrive, rewritten (the ids the gate asked for are stripped) and
    written to the client at its pace, like the byte relay;
-2. at a cut (the connection reset or closed before ``[DONE]``, or vLLM's error event for a
-   dead engine) the client's connection stays open: an SSE comment (``: keep-alive``) goes out
+2. at a cut (the connection reset or closed before ``[DONE]``, vLLM's error event for a
+   dead engine, or its chunk with ``finish_reason: "abort"``: vLLM shutting down answers what
+   it aborts with a 200 and that chunk, which is not the stream's end) the client's connection
+   stays open: an SSE comment (``: keep-alive``) goes out
    at once and every ``keepalive_comment_seconds`` while the gate waits for the server to be
    ready, exactly as a held request waits (the proxy's ``wait_ready``: the admission queue, at
    its head, within ``max_wait_seconds``);
@@ -16,7 +18,8 @@ what follows a cut. This module does the I/O, in order:
    handled the same way, up to ``max_continuations``;
 4. when the gate gives up (refused, past ``max_continuations``, no ready server within the wait,
    an error answer), the client gets what it would have had without the gate's help: vLLM's
-   error event and ``[DONE]`` when that was the cut, a cut connection otherwise.
+   error event and ``[DONE]`` when that was the cut, vLLM's abort chunk (its usage chunk) and
+   ``[DONE]`` when that was, a cut connection otherwise.
 
 A hung engine's streams are cut by the gate itself: while the follower's progress watch holds,
 the pool closes the connection of every answer marked saveable (``UpstreamPool.take_back``),
@@ -127,7 +130,7 @@ class ContinuingRelay:
                     return self.resp
                 if self.resp is None:  # the proxy counts it, and retries it whole
                     raise UpstreamError(
-                        "before_first_byte",
+                        "aborted" if cut is Cut.ABORT else "before_first_byte",
                         "the upstream cut the stream before its first event"
                         if held is None
                         else held.decode("utf-8", "replace")[:200],
@@ -156,7 +159,8 @@ class ContinuingRelay:
         self, up: UpstreamResponse, first: UpstreamResponse
     ) -> tuple[Cut | None, bytes | None]:
         """Relay one answer's events: (None, None) once ``[DONE]`` is written, else how it
-        was cut and, for vLLM's error event, that event."""
+        was cut and, for vLLM's error event, that event (for its abort, that chunk and what
+        followed it before ``[DONE]``)."""
         splitter = SseSplitter(MAX_EVENT_BYTES)
         while True:
             try:
@@ -167,12 +171,19 @@ class ContinuingRelay:
                 return Cut.CONNECTION, None  # ended without [DONE]; a partial event is dropped
             # What one read brought goes to the client in one write (one chunk, one syscall).
             out: list[bytes] = []
-            for event in splitter.feed(data):
+            events = splitter.feed(data)
+            for i, event in enumerate(events):
                 step = self.state.on_event(event)
                 if step.kind is Kind.CUT:
                     if out:
                         await self._write(b"".join(out), first)
                     return Cut.ERROR_EVENT, step.data
+                if step.kind is Kind.ABORT:
+                    if out:
+                        await self._write(b"".join(out), first)
+                    return Cut.ABORT, step.data + await self._after_abort(
+                        up, splitter, events[i + 1 :]
+                    )
                 if step.data:
                     out.append(step.data)
                 if step.kind is Kind.DONE:
@@ -184,6 +195,31 @@ class ContinuingRelay:
             if splitter.overflowing:  # not SSE as vLLM writes it: passed on as it is
                 self.state.unreadable = True
                 await self._write(splitter.take_rest(), first)
+
+    async def _after_abort(
+        self, up: UpstreamResponse, splitter: SseSplitter, events: list[bytes]
+    ) -> bytes:
+        """What vLLM writes after its abort chunk, up to ``[DONE]`` (the usage chunk, when
+        asked for): held with it, for a client that gets the abort as vLLM sent it."""
+        tail: list[bytes] = []
+        size = 0
+        while True:
+            for event in events:
+                if event.strip() == DONE.strip():
+                    await self._drain(up)
+                    return b"".join(tail)
+                data = self.state.on_event(event).data
+                tail.append(data)
+                size += len(data)
+            if size > SMALL_ANSWER_BYTES:
+                return b"".join(tail)
+            try:
+                data = await up.read()
+            except UpstreamError:
+                return b"".join(tail)
+            if not data:
+                return b"".join(tail)
+            events = splitter.feed(data)
 
     @staticmethod
     async def _drain(up: UpstreamResponse) -> None:

@@ -96,6 +96,9 @@ class Gate:
             health_grace_seconds=s.health_grace_seconds,
             stall_hold_seconds=s.stall_hold_seconds,
             take_back=self._pool.take_back if s.take_back_hung else None,
+            # What a taken back request may wait (proxy.py): the gate holds for it that long.
+            take_back_wait_seconds=s.limits.max_wait_seconds
+            + s.proxy.taken_back_extra_wait_seconds,
         )
         malformed = MalformedRequests(self.metrics, s.malformed_log_interval_seconds)
         self.proxy = GateProxy(
