@@ -67,7 +67,7 @@ from vllm_guardian.sim.flags import parse_serve_args  # noqa: E402
 from vllm_guardian.sim.load import plan_requests  # noqa: E402
 from vllm_guardian.sim.scenarios import SCENARIOS  # noqa: E402
 from vllm_guardian.sim.vllm_log import format_line  # noqa: E402
-from vllm_guardian.sources.logs import match_line  # noqa: E402
+from vllm_guardian.vllm_log_format import match_line  # noqa: E402
 
 TICK = 2.0
 SUPERVISOR_RESTART_SECONDS = 5.0  # systemd RestartSec=5

@@ -12,10 +12,11 @@ import contextlib
 import json
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+from tests import support
 
 
 @dataclass
@@ -230,15 +231,17 @@ def partial_bodies(
 def wait_for(
     check: Callable[[], tuple[bool, object]], what: str, timeout_seconds: float = 60.0
 ) -> object:
-    """Poll ``check()`` (``(holds, what was seen)``) until it holds; fail naming the last seen."""
-    deadline = time.monotonic() + timeout_seconds
-    seen: object = None
-    while time.monotonic() < deadline:
+    """:func:`tests.support.wait_for` for a check that says what it saw, ``(holds, seen)``:
+    returns the last seen once it holds, fails naming it. A check that raises has not held yet
+    (a hostile peer makes the first tries fail); its exception is what was seen."""
+    last: list[object] = [None]
+
+    def holds() -> bool:
         try:
-            ok, seen = check()
+            ok, last[0] = check()
         except Exception as e:  # the check may fail until the condition holds
-            ok, seen = False, f"{type(e).__name__}: {e}"
-        if ok:
-            return seen
-        time.sleep(0.1)
-    raise AssertionError(f"{what}: not within {timeout_seconds:g}s; last seen: {seen!r}")
+            ok, last[0] = False, f"{type(e).__name__}: {e}"
+        return ok
+
+    support.wait_for(holds, what, timeout_seconds, seen=lambda: last[0], every_seconds=0.1)
+    return last[0]

@@ -23,12 +23,13 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests import hostneeds
+from tests.support import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("VLLM_GUARDIAN_CI_CACHE", "/var/cache/vllm-guardian-ci"))
@@ -77,13 +78,8 @@ def _rootfs(debootstrap: str) -> Path:
     return rootfs
 
 
-def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+# Each check runs a process in the container: polled less often than the default.
+POLL_SECONDS = 0.2
 
 
 class Container:
@@ -145,9 +141,17 @@ def container(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
                 text=True,
                 timeout=10,
             ).stdout.strip()
+            states.append(state)
             return state in ("running", "degraded")
 
-        wait_for(booted, 60, "the container to boot")
+        states: list[str] = []
+        wait_for(
+            booted,
+            "the container to boot",
+            60,
+            seen=lambda: (leader, states[-3:], log.read_text()[-2000:]),
+            every_seconds=POLL_SECONDS,
+        )
         yield Container(tools["nsenter"], leader[0])
     finally:
         proc.terminate()  # nspawn halts the container's systemd cleanly on SIGTERM
@@ -236,7 +240,10 @@ def test_hardened_unit_under_real_systemd(container: Container) -> None:
 
     # The STATUS= line shows vLLM up; the sandbox still reaches the bus, journal and /proc.
     wait_for(
-        lambda: "vllm: up" in c.prop("vllm-guardian", "StatusText"), 60, "STATUS= to show vLLM up"
+        lambda: "vllm: up" in c.prop("vllm-guardian", "StatusText"),
+        "STATUS= to show vLLM up",
+        60,
+        every_seconds=POLL_SECONDS,
     )
     assert 'Status: "vllm: up' in c.sh("systemctl status --no-pager vllm-guardian", check=False)
     metrics = c.sh(FETCH_METRICS)
@@ -269,15 +276,21 @@ def test_hardened_unit_under_real_systemd(container: Container) -> None:
     status = c.sh(f"grep -E '^(Uid|CapBnd|NoNewPrivs):' /proc/{gate_pid}/status")
     assert f"Uid:\t{uid}\t" in status and "CapBnd:\t0000000000000000" in status, status
     # vLLM was just restarted (polkit above): a GET is never held, so wait for the twin first.
-    wait_for(lambda: c.sh(HEALTH_THROUGH_THE_GATE, check=False).strip() == "200", 60, "vLLM up")
+    wait_for(
+        lambda: c.sh(HEALTH_THROUGH_THE_GATE, check=False).strip() == "200",
+        "vLLM up",
+        60,
+        every_seconds=POLL_SECONDS,
+    )
     answer = c.sh(THROUGH_THE_GATE, timeout=60)
     assert answer.startswith("200 "), answer
     assert '"object": "text_completion"' in answer or '"object":"text_completion"' in answer, answer
     # The guardian reads the gate's status from inside its own sandbox.
     wait_for(
         lambda: 'vllm_guardian_gate_up{service="vllm"} 1.0' in c.sh(FETCH_METRICS),
-        60,
         "the guardian to see the gate",
+        60,
+        every_seconds=POLL_SECONDS,
     )
     assert 'vllm_guardian_gate_reported_in_flight{service="vllm"} 0.0' in c.sh(FETCH_METRICS)
 
@@ -290,8 +303,18 @@ def test_hardened_unit_under_real_systemd(container: Container) -> None:
     )
     frozen_gate = c.prop(GATE, "MainPID")
     c.sh(f"kill -STOP {frozen_gate}")
-    wait_for(lambda: c.prop(GATE, "NRestarts") == "1", 60, "a watchdog restart of the gate")
-    wait_for(lambda: c.prop(GATE, "ActiveState") == "active", 60, "the gate's restart")
+    wait_for(
+        lambda: c.prop(GATE, "NRestarts") == "1",
+        "a watchdog restart of the gate",
+        60,
+        every_seconds=POLL_SECONDS,
+    )
+    wait_for(
+        lambda: c.prop(GATE, "ActiveState") == "active",
+        "the gate's restart",
+        60,
+        every_seconds=POLL_SECONDS,
+    )
     assert c.prop(GATE, "MainPID") != frozen_gate
     journal = c.sh(f"journalctl -u {GATE} --no-pager")
     assert "Watchdog timeout (limit 3s)!" in journal, journal[-3000:]
@@ -306,8 +329,18 @@ def test_hardened_unit_under_real_systemd(container: Container) -> None:
     )
     frozen = c.prop("vllm-guardian", "MainPID")
     c.sh(f"kill -STOP {frozen}")
-    wait_for(lambda: c.prop("vllm-guardian", "NRestarts") == "1", 40, "a watchdog restart")
-    wait_for(lambda: c.prop("vllm-guardian", "ActiveState") == "active", 40, "the restart")
+    wait_for(
+        lambda: c.prop("vllm-guardian", "NRestarts") == "1",
+        "a watchdog restart",
+        40,
+        every_seconds=POLL_SECONDS,
+    )
+    wait_for(
+        lambda: c.prop("vllm-guardian", "ActiveState") == "active",
+        "the restart",
+        40,
+        every_seconds=POLL_SECONDS,
+    )
     assert c.prop("vllm-guardian", "MainPID") != frozen
     journal = c.sh("journalctl -u vllm-guardian --no-pager")
     assert "Watchdog timeout (limit 5s)!" in journal

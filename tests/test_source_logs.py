@@ -11,22 +11,21 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import wait_for
 from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import LogsSourceConfig, ServiceConfig
 from vllm_guardian.model import LogEventKind, LogReading, Reading
 from vllm_guardian.sources.logs import (
-    CONTINUED,
     DEDUP_WINDOW_SECONDS,
     FILE_SLICE_BYTES,
     EventCounter,
     FileFollower,
     LineSplitter,
     LogsCollector,
-    match_line,
     parse_journal_line,
-    parse_size_bytes,
     split_message,
 )
+from vllm_guardian.vllm_log_format import CONTINUED, match_line, parse_size_bytes
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 K = LogEventKind
@@ -124,7 +123,7 @@ HOSTILE_LINES = [
     "Traceback (most recent call last):",
     *HOSTILE_TEXT,
     # a header that does not start the line: what a request put after a NUL byte or a
-    # line separator, or a journal entry that continues a cut line (sources.logs.CONTINUED)
+    # line separator, or a journal entry that continues a cut line (vllm_log_format.CONTINUED)
     *(lead + ENGINE + OOM_21 for lead in (" ", "x", "\u2028", "\x00", "… ")),
     # a request id or header value a client chose, in the request logger (INFO) and in uvicorn's
     # access log
@@ -606,16 +605,6 @@ def test_parse_journal_line() -> None:
 # --- the collector, following a file ----------------------------------------------------------
 
 
-def wait_for(
-    predicate: Callable[[], bool], timeout: float = 5.0, seen: Callable[[], object] = lambda: ""
-) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not reached in {timeout:g} s; saw {seen()!r}")
-        time.sleep(0.05)
-
-
 class Gathered:
     """Sums what successive collect() calls hand out, as the daemon would see it."""
 
@@ -662,12 +651,12 @@ def test_file_starts_at_end_and_reads_complete_lines(
         f.write(OOM_LINE.format(n=2))
         f.write(ENGINE + "TimeoutError: RPC call to execute_model timed ")  # incomplete: not yet
         f.flush()
-        wait_for(g.has(1))
+        wait_for(g.has(1), "1 event(s)", seen=lambda: g.events)
         time.sleep(0.4)
         assert g.poll().payload is not None
         assert len(g.events) == 1  # the old OOM was before the guardian started
         f.write("out.\n")
-    wait_for(g.has(2))
+    wait_for(g.has(2), "2 event(s)", seen=lambda: g.events)
     assert [k for k, _ in g.events] == [K.CUDA_OOM, K.EXECUTE_TIMEOUT]
     assert g.reading is not None
     assert g.reading.lines_total == 2
@@ -681,19 +670,19 @@ def test_file_rotation_by_rename_and_truncation(
     g = Gathered(collector)
     with log.open("a") as f:
         f.write(OOM_LINE.format(n=3))
-    wait_for(g.has(1))
+    wait_for(g.has(1), "1 event(s)", seen=lambda: g.events)
     # rename rotation: the writer still has the old file open and finishes a line there first
     old = log.with_suffix(".log.1")
     with log.open("a") as writer:
         os.rename(log, old)
         writer.write(OOM_LINE.format(n=4))
     log.write_text(OOM_LINE.format(n=5))
-    wait_for(g.has(3))
+    wait_for(g.has(3), "3 event(s)", seen=lambda: g.events)
     # truncation (copytruncate): start over at the beginning
     log.write_text("")
     time.sleep(0.4)
     log.write_text(OOM_LINE.format(n=6))
-    wait_for(g.has(4))
+    wait_for(g.has(4), "4 event(s)", seen=lambda: g.events)
     tried = [m.split("allocate ")[1].split(" MiB")[0] for _, m in g.events]
     assert tried == ["3", "4", "5", "6"]
 
@@ -705,12 +694,12 @@ def test_file_missing_then_appears(tmp_path: Path) -> None:
     )
     try:
         g = Gathered(collector)
-        wait_for(lambda: g.poll().error is not None)
+        wait_for(lambda: g.poll().error is not None, "an error", seen=lambda: g.last)
         assert g.last is not None
         assert "does not exist" in (g.last.error or "")
         assert "log_file" in (g.last.hint or "")
         log.write_text(ENGINE + "TimeoutError: RPC call to x timed out.\n")  # read from its start
-        wait_for(g.has(1))
+        wait_for(g.has(1), "1 event(s)", seen=lambda: g.events)
     finally:
         collector.close()
         collector.close()  # idempotent
@@ -734,7 +723,7 @@ def test_long_lines_are_truncated(tmp_path: Path) -> None:
                 + " EngineDeadError\n"
             )
             f.write(ENGINE + "TimeoutError: RPC call to execute_model timed out.\n")
-        wait_for(g.has(2))
+        wait_for(g.has(2), "2 event(s)", seen=lambda: g.events)
         # the tail beyond 1024 bytes (with "EngineDeadError") was never seen
         assert [k for k, _ in g.events] == [K.ENGINE_FATAL, K.EXECUTE_TIMEOUT]
     finally:
@@ -756,7 +745,7 @@ def test_collect_never_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         ServiceConfig(name="a", log_file=str(log)), LogsSourceConfig(), FakeClock()
     )
     try:
-        wait_for(lambda: collector.collect().payload is not None)
+        wait_for(lambda: collector.collect().payload is not None, "a reading")
 
         def boom() -> LogReading:
             raise RuntimeError("surprise")
@@ -829,7 +818,7 @@ def test_journal_follow_with_fake_journalctl(tmp_path: Path) -> None:
     )
     try:
         g = Gathered(collector)
-        wait_for(g.has(3))
+        wait_for(g.has(3), "3 event(s)", seen=lambda: g.events)
         assert [k for k, _ in g.events] == [K.CUDA_OOM, K.ENGINE_FATAL, K.ENGINE_DEAD]
         assert (tmp_path / "args").read_text().splitlines() == [
             "-f",
@@ -870,7 +859,7 @@ def test_journal_event_time_comes_from_the_journal(tmp_path: Path) -> None:
                 got.extend(e.time_seconds for e in payload.recent)
             return bool(got)
 
-        wait_for(seen)
+        wait_for(seen, "an event")
         assert got == [pytest.approx(1_700_000_001.5)]
     finally:
         collector.close()
@@ -939,7 +928,7 @@ def test_a_header_inside_a_request_line_is_not_a_line(
     )
     try:
         g = Gathered(collector)
-        wait_for(g.has(1), seen=lambda: g.events)
+        wait_for(g.has(1), "1 event", seen=lambda: g.events)
         time.sleep(0.3)
         g.poll()
         # Only the engine's own line: the one after the hostile entries, read as usual.
@@ -967,7 +956,7 @@ def test_journalctl_missing(tmp_path: Path) -> None:
         FakeClock(),
     )
     try:
-        wait_for(lambda: collector.collect().error is not None)
+        wait_for(lambda: collector.collect().error is not None, "an error")
         reading = collector.collect()
         assert reading.payload is None
         assert "not found" in (reading.error or "")
@@ -987,14 +976,14 @@ def test_journalctl_exits_and_is_restarted(tmp_path: Path) -> None:
         FakeClock(),
     )
     try:
-        wait_for(lambda: collector.collect().error is not None)
+        wait_for(lambda: collector.collect().error is not None, "an error")
         reading = collector.collect()
         assert reading.payload is None
         assert "exited with status 1" in (reading.error or "")
         assert "No data available" in (reading.error or "")
         assert "systemd-journal" in (reading.hint or "")
         # restarted with backoff (1 s, then 2 s)
-        wait_for(lambda: len((tmp_path / "spawns").read_text().split()) >= 2, timeout=5)
+        wait_for(lambda: len((tmp_path / "spawns").read_text().split()) >= 2, "a second spawn")
     finally:
         collector.close()
 
@@ -1012,7 +1001,7 @@ def test_journalctl_that_cannot_read_the_journal(tmp_path: Path) -> None:
         FakeClock(),
     )
     try:
-        wait_for(lambda: collector.collect().error is not None)
+        wait_for(lambda: collector.collect().error is not None, "an error")
         reading = collector.collect()
         assert "cannot read the system journal" in (reading.error or "")
         assert "systemd-journal" in (reading.hint or "")
@@ -1029,7 +1018,8 @@ def test_close_stops_journalctl_children(tmp_path: Path) -> None:
         FakeClock(),
     )
     wait_for(
-        lambda: (tmp_path / "child").exists() and (tmp_path / "child").read_text().strip() != ""
+        lambda: (tmp_path / "child").exists() and (tmp_path / "child").read_text().strip() != "",
+        "the child's pid",
     )
     child = int((tmp_path / "child").read_text())
     t0 = time.monotonic()
@@ -1037,7 +1027,7 @@ def test_close_stops_journalctl_children(tmp_path: Path) -> None:
     # SIGTERM reached the group at once; not the SIGKILL that close() sends after 5 s.
     took = time.monotonic() - t0
     assert took < 4.5, f"close() took {took:.2f} s"
-    wait_for(lambda: not _alive(child), timeout=30)
+    wait_for(lambda: not _alive(child), "the child to exit")
 
 
 # --- a restarted journalctl resumes after the last entry it handed over ----------------------
@@ -1111,7 +1101,7 @@ def test_restarted_journalctl_resumes_after_the_last_entry(tmp_path: Path) -> No
         # after the cursor, the line logged now when it starts from now).
         wait_for(
             lambda: g.poll() is not None and g.reading is not None and g.reading.lines_total >= 2,
-            timeout=60,
+            "2 lines",
             seen=lambda: (g.reading, _runs(tmp_path)),
         )
         runs = _runs(tmp_path)
@@ -1141,7 +1131,7 @@ def test_a_cursor_journalctl_rejects_is_dropped(tmp_path: Path) -> None:
     )
     try:
         # Restarts back off 1 s, then 2 s: the third run starts about 3 s in.
-        wait_for(lambda: len(_runs(tmp_path)) >= 3, timeout=60, seen=lambda: _runs(tmp_path))
+        wait_for(lambda: len(_runs(tmp_path)) >= 3, "3 runs", seen=lambda: _runs(tmp_path))
         runs = _runs(tmp_path)
         assert runs[1] == "-f -o json --all --after-cursor=s=1;i=1 --unit=vllm.service", runs
         assert runs[2] == "-f -o json --all -n 0 --unit=vllm.service", runs
@@ -1168,12 +1158,12 @@ def _step_journalctl(tmp_path: Path, steps: list[str]) -> Path:
 
 def _run_step(tmp_path: Path, i: int) -> None:
     (tmp_path / f"go-{i}").touch()
-    wait_for((tmp_path / f"done-{i}").exists, timeout=60)
+    wait_for((tmp_path / f"done-{i}").exists, f"done-{i}")
 
 
 def _following(collector: LogsCollector) -> None:
     """Wait until the collector holds the journalctl it started."""
-    wait_for(lambda: collector._proc is not None, timeout=60)  # a test looks inside
+    wait_for(lambda: collector._proc is not None, "journalctl")  # a test looks inside
 
 
 def _printf(tmp_path: Path, name: str, data: str) -> str:
@@ -1206,7 +1196,7 @@ def test_an_entry_split_across_ticks_is_read_whole(tmp_path: Path) -> None:
         _run_step(tmp_path, 1)
         wait_for(
             lambda: g.poll() is not None and g.reading is not None and g.reading.lines_total >= 1,
-            timeout=60,
+            "1 line",
             seen=lambda: g.reading,
         )
         assert (g.reading.lines_total, [k for k, _ in g.events]) == (1, [K.CUDA_OOM])
@@ -1244,7 +1234,7 @@ def test_an_entry_too_long_is_counted_once_across_reads(tmp_path: Path) -> None:
             g.poll()
         wait_for(
             lambda: g.poll() is not None and g.reading is not None and g.reading.lines_total >= 2,
-            timeout=60,
+            "2 lines",
             seen=lambda: g.reading,
         )
         assert g.reading is not None
@@ -1274,7 +1264,7 @@ def test_a_burst_larger_than_the_pipe_is_read_whole(tmp_path: Path) -> None:
         (tmp_path / "go-0").touch()
         wait_for(
             lambda: g.poll() is not None and g.reading is not None and g.reading.lines_total >= n,
-            timeout=60,
+            f"{n} lines",
             seen=lambda: g.reading.lines_total if g.reading else None,
         )
         assert g.reading is not None
@@ -1302,7 +1292,7 @@ def test_journalctl_exiting_mid_entry(tmp_path: Path) -> None:
         FakeClock(),
     )
     try:
-        wait_for(lambda: collector.collect().error is not None, timeout=60)
+        wait_for(lambda: collector.collect().error is not None, "an error")
         assert "exited with status 3" in (collector.collect().error or "")
         # Up again after the restart: what the first run wrote is handed out.
         got: list[LogReading] = []
@@ -1313,7 +1303,7 @@ def test_journalctl_exiting_mid_entry(tmp_path: Path) -> None:
                 got.append(payload)
             return bool(got)
 
-        wait_for(up, timeout=60)
+        wait_for(up, "a reading")
         assert got[0].lines_total == 2
         assert [e.message for e in got[0].recent] == [OOM_LINE.format(n=5).strip()]
     finally:
@@ -1378,7 +1368,7 @@ def test_an_oom_behind_a_million_line_flood_reaches_a_tick(tmp_path: Path) -> No
         with log.open("a") as f:
             f.writelines(FLOOD[i % 3] for i in range(FLOOD_LINES))
             f.write(WORKER + OOM_21 + "\n")
-        wait_for(g.has(1), timeout=120, seen=lambda: g.reading)
+        wait_for(g.has(1), "the OOM", timeout_seconds=120, seen=lambda: g.reading)
         assert [k for k, _ in g.events] == [K.CUDA_OOM]
         assert g.reading is not None
         assert g.reading.lines_total == FLOOD_LINES + 1

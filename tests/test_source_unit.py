@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import wait_for
 from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import ServiceConfig, UnitSourceConfig
 from vllm_guardian.daemon import unit_may_have_changed
@@ -516,10 +517,7 @@ def test_hung_systemctl_times_out_and_is_killed_with_its_children(tmp_path: Path
     assert "timed out" in reading.error
     assert elapsed < cfg.timeout_seconds + 1.5
     sleeper = int((tmp_path / "sleeper").read_text())
-    deadline = time.monotonic() + 5
-    while _alive(sleeper) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(sleeper)
+    wait_for(lambda: not _alive(sleeper), f"systemctl's child {sleeper} killed")
 
 
 def test_collect_never_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,7 +33,7 @@ from vllm_guardian.model import (
 )
 from vllm_guardian.sim.server import Twin
 from vllm_guardian.sim.vllm_log import LogWriter
-from vllm_guardian.sources.logs import match_line, may_be_evidence
+from vllm_guardian.vllm_log_format import match_line, may_be_evidence
 
 WATCHDOG = VLLM_FIXTURES / "watchdog"
 LINES = (WATCHDOG / "watchdog-0.33.log").read_text().splitlines()

@@ -42,8 +42,8 @@ from vllm_guardian.model import (
 )
 from vllm_guardian.operator import parse_set
 from vllm_guardian.procfs import is_weight_cache_command
-from vllm_guardian.sources.logs import match_line
 from vllm_guardian.sources.nvml import _ProcReader
+from vllm_guardian.vllm_log_format import match_line
 
 GIB = 1024**3
 VENV = "/opt/vllm/bin"

@@ -50,7 +50,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from vllm_guardian.actuators import flags as flagsfile
@@ -85,7 +84,7 @@ from vllm_guardian.model import (
     UnitState,
 )
 from vllm_guardian.sim.engine import EnginePhase, RequestDelta
-from vllm_guardian.sim.exposition import HttpStats
+from vllm_guardian.sim.exposition import HttpStats, make_registry
 from vllm_guardian.sim.flags import FlagError, parse_serve_args
 from vllm_guardian.sim.load import OutcomeKind, PlannedRequest, plan_requests
 from vllm_guardian.sim.profiling import EngineConfig
@@ -251,8 +250,7 @@ class VirtualTwin(Twin):
             # scenario's zero on this engine's clock, as Twin.__init__ computes it from wall time
             self.engine.scenario_zero = (self.epoch - self.started_at) * self.opts.speed
         self.http_stats = HttpStats(self.started_at)
-        self.runtime_registry = CollectorRegistry()
-        self.runtime_registry.register(_StartTime(self.started_at))
+        self.registry = make_registry(self._metric_families, [_StartTime(self.started_at)])
         self.requests: dict[str, tuple[PlannedRequest, Queue[RequestDelta], float]] = {}
 
     def sim_now(self) -> float:

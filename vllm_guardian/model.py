@@ -290,7 +290,7 @@ class UnitState:
 
 
 class LogEventKind(StrEnum):
-    """vLLM log signatures the guardian counts (the lines each matches: ``sources/logs.py``)."""
+    """vLLM log signatures the guardian counts (the lines each matches: ``vllm_log_format.py``)."""
 
     CUDA_OOM = "cuda_oom"
     NON_TORCH_OOM = "non_torch_oom"

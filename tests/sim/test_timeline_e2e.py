@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,21 +17,11 @@ import requests
 
 from tests.sim.conftest import Starter
 from tests.sim.twinproc import TwinProc
+from tests.support import wait_for
 from vllm_guardian.sim.load import OutcomeKind, plan_requests, run_load
 from vllm_guardian.sim.scenarios import SCENARIOS
 
 pytestmark = pytest.mark.slow
-BOUND_SECONDS = 60.0
-
-
-def wait_for(what: str, check: Callable[[], Any], seen: Callable[[], object]) -> Any:
-    deadline = time.monotonic() + BOUND_SECONDS
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {BOUND_SECONDS:.0f} s; last seen: {seen()!r}")
 
 
 def clock(t: TwinProc) -> dict[str, Any] | None:
@@ -57,9 +46,9 @@ def test_a_restarted_twin_past_the_fault_time_does_not_meet_it_again(
     first = twin(*args)
     first.wait_ready()
     got = wait_for(
-        "the first process's fault in the timeline",
         lambda: (timeline(path) or {}).get("faults"),
-        lambda: timeline(path),
+        "the first process's fault in the timeline",
+        seen=lambda: timeline(path),
     )
     assert [(f["kind"], f["pid"]) for f in got] == [(kind, first.proc.pid)]
     epoch = timeline(path)["epoch_unix_seconds"]  # type: ignore[index]
@@ -70,9 +59,9 @@ def test_a_restarted_twin_past_the_fault_time_does_not_meet_it_again(
     second.wait_ready()
     # Three times the fault's scenario time (30 s) on the run's clock, waited for in simulated time.
     now = wait_for(
-        "scenario time 90 s on the restarted twin",
         lambda: (c := clock(second)) and (c["scenario_seconds"] or 0) >= 90 and c,
-        lambda: clock(second),
+        "scenario time 90 s on the restarted twin",
+        seen=lambda: clock(second),
     )
     assert now["faults"] == [] and now["phase"] == "ready", now
     resp = second.post("/v1/completions", {"model": "m", "prompt": "a b c", "max_tokens": 4})
@@ -92,9 +81,9 @@ def test_an_epoch_in_the_arguments_places_the_fault_on_the_runs_clock(
              "--sim-epoch", f"{time.time() - 3.0:.3f}")  # fmt: skip
     t.wait_ready()
     now = wait_for(
-        "scenario time 120 s",
         lambda: (c := clock(t)) and (c["scenario_seconds"] or 0) >= 120 and c,
-        lambda: clock(t),
+        "scenario time 120 s",
+        seen=lambda: clock(t),
     )
     assert now["faults"] == [] and now["phase"] == "ready", now
 

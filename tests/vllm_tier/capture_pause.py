@@ -26,6 +26,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from tests.support import wait_for
 from tests.vllm_tier import support
 from vllm_guardian.demo import free_port
 
@@ -78,7 +79,12 @@ def main() -> int:
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     done: list[support.StreamResult] = []
     try:
-        support.wait_for(lambda: support.healthy(url), 300, "vLLM /health 200")
+        wait_for(
+            lambda: support.healthy(url),
+            "vLLM /health 200",
+            300,
+            every_seconds=support.POLL_SECONDS,
+        )
         warm = support.stream_completion(url, support.prompt_ids(32, 1), 2, stream=False)
         print("warm-up:", warm.status, warm.error)
         look("serving, idle")
@@ -92,7 +98,7 @@ def main() -> int:
             daemon=True,
         )
         first.start()
-        support.wait_for(first_token.is_set, 120, "the first request's first token", every=0.1)
+        wait_for(first_token.is_set, "the first request's first token", 120, every_seconds=0.1)
         look("one request generating")
         r = s.post(url + "/pause", params={"mode": "keep"}, timeout=60)
         steps.append({"step": "POST /pause?mode=keep", "status": r.status_code, "body": r.text})

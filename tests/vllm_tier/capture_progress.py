@@ -35,6 +35,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from tests.support import wait_for
 from tests.vllm_tier import support
 from vllm_guardian.demo import free_port
 
@@ -157,7 +158,12 @@ def main() -> int:
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     rec = Recorder(url, rows)
     try:
-        support.wait_for(lambda: support.healthy(url), 300, "vLLM /health 200")
+        wait_for(
+            lambda: support.healthy(url),
+            "vLLM /health 200",
+            300,
+            every_seconds=support.POLL_SECONDS,
+        )
         # A first short request: a fresh server's first one warms it up.
         warm = support.stream_completion(url, support.prompt_ids(32, 1), 2, stream=False)
         print("warm-up:", warm.status, warm.error)
@@ -190,7 +196,7 @@ def main() -> int:
             )
             rec.mark("sent")
             t.start()
-            support.wait_for(lambda: kv(rec.last) > base, 120, "KV usage to move", every=0.1)
+            wait_for(lambda: kv(rec.last) > base, "KV usage to move", 120, every_seconds=0.1)
             time.sleep(1.0)
             os.kill(engine[0], signal.SIGSTOP)
             rec.mark("SIGSTOP EngineCore")

@@ -37,6 +37,7 @@ from typing import Any
 import requests
 from aiohttp import ClientSession, web
 
+from tests.support import wait_for
 from tests.test_gate_support import GateThread, LoopThread
 from tests.vllm_tier import support
 from vllm_guardian.demo import free_port
@@ -189,7 +190,9 @@ def twin_beside(model: Path) -> tuple[subprocess.Popen[bytes], str]:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    support.wait_for(lambda: support.healthy(url), 60, "the twin's /health")
+    wait_for(
+        lambda: support.healthy(url), "the twin's /health", 60, every_seconds=support.POLL_SECONDS
+    )
     return proc, url
 
 

@@ -20,6 +20,7 @@ from typing import IO, Any
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support import wait_for
 from tests.vllm_tier import support
 from vllm_guardian.demo import free_port
 
@@ -56,7 +57,7 @@ class GateProcess:
             stdout=self._log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         self.url = f"http://127.0.0.1:{port}"
-        support.wait_for(self._answers, 60, f"the gate on {self.url}\n{self.log()}", every=0.2)
+        wait_for(self._answers, f"the gate on {self.url}\n{self.log()}", 60, every_seconds=0.2)
 
     def _answers(self) -> bool:
         if self.proc.poll() is not None:

@@ -35,6 +35,9 @@ VERSION = "0.32.0"
 CACHE = Path(os.environ.get("VLLM_GUARDIAN_CI_CACHE", "/var/cache/vllm-guardian-ci"))
 VENV = Path(os.environ.get("VLLM_GUARDIAN_VLLM_VENV", str(CACHE / f"vllm-{VERSION}")))
 MODEL_NAME = "tiny-llama"
+# How often a wait polls a real vLLM (its /health, the guardian beside it): a check costs a
+# request to a server whose timings the tests measure.
+POLL_SECONDS = 0.5
 MARKER = "VLLM_GUARDIAN_TIER_RUN"
 # Its sitecustomize asks Linux for the AMX tile state in every vLLM process the tier starts.
 AMX_SITE = Path(__file__).resolve().parent / "amx"
@@ -370,19 +373,6 @@ def session() -> requests.Session:
     s = requests.Session()
     s.trust_env = False  # a proxy from the environment must never sit on loopback
     return s
-
-
-def wait_for(check: object, timeout: float, what: str, every: float = 0.5) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if check():  # type: ignore[operator]
-                return
-        except requests.RequestException:
-            pass
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(every)
 
 
 def healthy(url: str) -> bool:

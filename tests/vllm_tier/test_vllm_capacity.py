@@ -47,6 +47,7 @@ from typing import Any
 import pytest
 
 from tests.sim.helpers import closed_loop, shape_a_outputs
+from tests.support import wait_for
 from tests.vllm_tier import support
 from vllm_guardian.core.capacity import CapacitySettings, CapacityState, estimate
 from vllm_guardian.core.signals import capacity_samples
@@ -105,7 +106,12 @@ def serve(venv: Path, model: Path, workdir: Path, *flags: str) -> Iterator[Serve
     phases = REPORT.setdefault("phases", [])  # each server's start and stop, in seconds
     assert isinstance(phases, list)
     try:
-        support.wait_for(lambda: support.healthy(server.url), 300, "vLLM /health 200")
+        wait_for(
+            lambda: support.healthy(server.url),
+            "vLLM /health 200",
+            300,
+            every_seconds=support.POLL_SECONDS,
+        )
         phases.append({"serve": flags, "up_s": round(time.monotonic() - started, 1)})
         # The engine behind the API server and the clients, as on a GPU host where its step
         # is not on their cores (support.lower_engine_priority). Beside a CPU hog, without it:

@@ -30,11 +30,12 @@ from typing import IO
 
 import pytest
 
+from tests.support import wait_for
 from tests.vllm_tier import support
 from tests.vllm_tier.chat_continuation import check_a_cut_chat_stream_is_continued_byte_for_byte
 from vllm_guardian.demo import free_port
 from vllm_guardian.model import LogEventKind
-from vllm_guardian.sources.logs import match_line
+from vllm_guardian.vllm_log_format import match_line
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -88,8 +89,11 @@ def serving(
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     server = Server(f"http://127.0.0.1:{port}", proc, workdir / "vllm.log")
     try:
-        support.wait_for(
-            lambda: support.healthy(server.url) or proc.poll() is not None, 240, "vLLM /health"
+        wait_for(
+            lambda: support.healthy(server.url) or proc.poll() is not None,
+            "vLLM /health",
+            240,
+            every_seconds=support.POLL_SECONDS,
         )
         assert proc.poll() is None, "\n".join(server.lines()[-40:])
         yield server
@@ -130,7 +134,12 @@ def test_an_oom_in_the_forward_pass_fails_as_vllm_does_and_a_smaller_batch_cures
             warm = support.stream_completion(s.url, support.prompt_ids(32, 1), 4)
             assert warm.done, warm  # a step under the budget is served
             cut = support.stream_completion(s.url, prompt, 16)
-            support.wait_for(lambda: s.proc.poll() is not None, 120, "vLLM to exit after the OOM")
+            wait_for(
+                lambda: s.proc.poll() is not None,
+                "vLLM to exit after the OOM",
+                120,
+                every_seconds=support.POLL_SECONDS,
+            )
             events = s.events()
             REPORT["oom"] = {
                 "stream": cut.__dict__,
@@ -179,7 +188,12 @@ def test_an_oom_in_the_forward_pass_fails_as_vllm_does_and_a_smaller_batch_cures
             # 4. Then an unexpected exception in the busy loop: the engine dies as vLLM makes it.
             die.touch()
             t.join(timeout=120)
-            support.wait_for(lambda: s.proc.poll() is not None, 120, "vLLM to exit after the fault")
+            wait_for(
+                lambda: s.proc.poll() is not None,
+                "vLLM to exit after the fault",
+                120,
+                every_seconds=support.POLL_SECONDS,
+            )
             kinds = [e[0] for e in s.events()]
             REPORT["die"] = {
                 "stream": got[0].__dict__ if got else None,

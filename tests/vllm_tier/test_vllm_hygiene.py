@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import wait_for
 from tests.vllm_tier import support
 
 pytestmark = pytest.mark.vllm
@@ -56,8 +57,15 @@ def test_the_census_finds_and_kills_a_renamed_child(tmp_path: Path, parent: str)
     )
     with support.Census(run_id) as census:
         try:
-            support.wait_for(ready.exists, 60, "the child renamed itself")
-            support.wait_for(lambda: proc.pid in census.sessions, 30, "the census saw the session")
+            wait_for(
+                ready.exists, "the child renamed itself", 60, every_seconds=support.POLL_SECONDS
+            )
+            wait_for(
+                lambda: proc.pid in census.sessions,
+                "the census saw the session",
+                30,
+                every_seconds=support.POLL_SECONDS,
+            )
             seen.touch()
             if parent == "exit":
                 proc.wait(timeout=30)
@@ -92,7 +100,12 @@ def test_a_marked_helper_in_this_session_never_makes_it_a_target() -> None:
     )
     try:
         with support.Census(run_id) as census:
-            support.wait_for(lambda: helper.pid in support.marked(run_id), 30, "the helper runs")
+            wait_for(
+                lambda: helper.pid in support.marked(run_id),
+                "the helper runs",
+                30,
+                every_seconds=support.POLL_SECONDS,
+            )
             census.look()
             assert os.getsid(0) not in census.sessions, census.sessions
             assert census.members() == [helper.pid]  # the helper itself, by its marker

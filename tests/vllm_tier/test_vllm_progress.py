@@ -40,6 +40,7 @@ from typing import Any
 
 import pytest
 
+from tests.support import wait_for
 from tests.vllm_tier import support
 from tests.vllm_tier.support import StreamResult
 from tests.vllm_tier.test_vllm_real import Guarded, guardian_config
@@ -101,8 +102,18 @@ def guarded(
     census = support.Census(run_id).start()
     thread.start()
     try:
-        support.wait_for(lambda: support.healthy(g.url), 240, "vLLM /health 200")
-        support.wait_for(lambda: g.ready_status() == 200, 30, "/ready/vllm 200")
+        wait_for(
+            lambda: support.healthy(g.url),
+            "vLLM /health 200",
+            240,
+            every_seconds=support.POLL_SECONDS,
+        )
+        wait_for(
+            lambda: g.ready_status() == 200,
+            "/ready/vllm 200",
+            30,
+            every_seconds=support.POLL_SECONDS,
+        )
         # A fresh server's first request is a short one (test_vllm_real, test 0).
         first = support.stream_completion(g.url, support.prompt_ids(32, 1), 2, stream=False)
         assert first.status == 200, first
@@ -240,42 +251,50 @@ def test_a_stopped_engine_core_is_named_hung_and_restarted(guarded: Guarded) -> 
     try:
         with Watch(guarded).running() as watch:
             t.start()
-            support.wait_for(
+            wait_for(
                 lambda: any(w["running"] and (w["kv"] or 0) > 0 for w in watch.rows),
-                120,
                 "the guardian to see the prompt being prefilled",
-                every=0.1,
+                120,
+                every_seconds=0.1,
             )
             os.kill(engine, signal.SIGSTOP)
             stopped_at = time.monotonic()
-            support.wait_for(
+            wait_for(
                 lambda: any(d["what"] == "action" for d in guarded.audit()[audit_before:]),
-                120,
                 "the guardian's action on the stopped engine",
-                every=0.5,
+                120,
+                every_seconds=0.5,
             )
             named_after = time.monotonic() - stopped_at
             # The audit line is written inside the tick that acted, before that tick is
             # recorded: watch until it and the next are (leaving at once lost the very tick
             # whose stall crossed the wait: "stall_max_s 7.5", the action at 8.5-9 s).
             ticks = len(watch.rows)
-            support.wait_for(
-                lambda: len(watch.rows) >= ticks + 2, 60, "two more guardian ticks", every=0.2
+            wait_for(
+                lambda: len(watch.rows) >= ticks + 2,
+                "two more guardian ticks",
+                60,
+                every_seconds=0.2,
             )
         actions = [d for d in guarded.audit()[audit_before:] if d["what"] == "action"]
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(engine, signal.SIGCONT)  # whatever the restart has left of it
-    support.wait_for(
+    wait_for(
         lambda: any(
             d["what"] == "result" and d.get("action_id") is not None
             for d in guarded.audit()[audit_before:]
         ),
-        240,
         "the action's result",
-        every=1.0,
+        240,
+        every_seconds=1.0,
     )
-    support.wait_for(lambda: support.healthy(guarded.url), 120, "vLLM up again")
+    wait_for(
+        lambda: support.healthy(guarded.url),
+        "vLLM up again",
+        120,
+        every_seconds=support.POLL_SECONDS,
+    )
     t.join(timeout=60)
     REPORT["stopped_engine"] = {
         "named_after_stop_s": round(named_after, 1),

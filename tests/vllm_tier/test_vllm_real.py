@@ -51,6 +51,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support import wait_for
 from tests.vllm_tier import support
 from tests.vllm_tier.frontdoor import (
     GateProcess,
@@ -217,7 +218,7 @@ class Guarded:
                 seen.append(self.guardian.last)
             return len(seen) > n
 
-        support.wait_for(counted, timeout, f"{n} guardian ticks ({what})", every=0.05)
+        wait_for(counted, f"{n} guardian ticks ({what})", timeout, every_seconds=0.05)
 
     def ready_status(self) -> int | None:
         try:
@@ -289,10 +290,20 @@ def guarded(
     census = support.Census(run_id).start()
     thread.start()
     try:
-        support.wait_for(lambda: support.healthy(g.url), 240, "vLLM /health 200")
+        wait_for(
+            lambda: support.healthy(g.url),
+            "vLLM /health 200",
+            240,
+            every_seconds=support.POLL_SECONDS,
+        )
         REPORT["first_start_seconds"] = round(time.monotonic() - start, 1)
         # The first tick that saw it up: the guardian's view is what the tests compare.
-        support.wait_for(lambda: g.ready_status() == 200, 30, "/ready/vllm 200")
+        wait_for(
+            lambda: g.ready_status() == 200,
+            "/ready/vllm 200",
+            30,
+            every_seconds=support.POLL_SECONDS,
+        )
         yield g
     finally:
         guardian.request_stop()
@@ -421,13 +432,14 @@ def test_source_reads_every_value_the_server_reports(guarded: Guarded) -> None:
     # The daemon's own tick at the same moment: the server is idle, so the counters hold still
     # and the guardian's last snapshot must equal a scrape taken now, value for value.
     tick_after = time.time()
-    support.wait_for(
+    wait_for(
         lambda: (
             guarded.guardian.last is not None
             and guarded.guardian.last.snapshot.time_seconds > tick_after + 0.5
         ),
-        20,
         "a fresh tick",
+        20,
+        every_seconds=support.POLL_SECONDS,
     )
     body2 = s.get(guarded.url + "/metrics", timeout=10).text
     last = guarded.guardian.last
@@ -574,11 +586,11 @@ def test_hostile_request_text_is_not_evidence(guarded: Guarded) -> None:
     and vLLM stays up, never restarted."""
     healing = guarded.guardian.healing
     assert healing is not None
-    support.wait_for(
+    wait_for(
         lambda: support.healthy(guarded.url) and healing.state.service("vllm").action is None,
-        240,
         "vLLM up and no action under way",
-        every=1.0,
+        240,
+        every_seconds=1.0,
     )
     sup = guarded.supervisor
     starts, pid = sup.starts, sup.pid
@@ -591,7 +603,12 @@ def test_hostile_request_text_is_not_evidence(guarded: Guarded) -> None:
         svc = last.snapshot.service("vllm") if last is not None else None
         return svc.logs if svc is not None else None
 
-    support.wait_for(lambda: reading() is not None, 30, "the guardian's logs source")
+    wait_for(
+        lambda: reading() is not None,
+        "the guardian's logs source",
+        30,
+        every_seconds=support.POLL_SECONDS,
+    )
     before = reading()
     sent = _hostile_requests(guarded.url)
     # The chat handler logs every unknown model ("Error with model ..."): one line each.
@@ -604,10 +621,11 @@ def test_hostile_request_text_is_not_evidence(guarded: Guarded) -> None:
 
     # Every hostile model is in vLLM's log at ERROR before the guardian is looked at; then ten
     # more ticks, each after the log file's reader (every 0.25 s) has handed over what it read.
-    support.wait_for(
+    wait_for(
         lambda: sum(1 for line in logged() if "Error with model" in line) >= chat_models,
-        60,
         "vLLM to log the requests' models",
+        60,
+        every_seconds=support.POLL_SECONDS,
     )
     guarded.ticks_after(10, 120, "the hostile lines read")
     lines = logged()
@@ -737,7 +755,12 @@ def test_kv_pressure_is_seen_alerted_gated_and_ungated(guarded: Guarded) -> None
             results = support.burst(guarded.url, **BURST)
             seconds = time.monotonic() - t0
             # After the burst: the gate opens again below the low watermark and stays open.
-            support.wait_for(lambda: guarded.ready_status() == 200, 30, "/ready/vllm 200 again")
+            wait_for(
+                lambda: guarded.ready_status() == 200,
+                "/ready/vllm 200 again",
+                30,
+                every_seconds=support.POLL_SECONDS,
+            )
             time.sleep(3)
             gated = any(d["what"] == "gate" for d in guarded.audit()[audit_before:])
             if (gated and set(KV_RULES) & watch.fired()) or len(unsaturated) >= 2:
@@ -828,7 +851,12 @@ def test_twin_matches_the_real_server_side_by_side(guarded: Guarded, tiny_model:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        support.wait_for(lambda: support.healthy(url), 60, "the twin's /health")
+        wait_for(
+            lambda: support.healthy(url),
+            "the twin's /health",
+            60,
+            every_seconds=support.POLL_SECONDS,
+        )
         support.burst(url, 4, 64, 48)  # the same warm-up as test 1, so histograms have data
         twin_body = support.session().get(url + "/metrics", timeout=10).text
         sampler = Sampler(url)
@@ -930,11 +958,11 @@ def test_operator_relaunch_drains_in_flight_streams_and_holds_new_work(guarded: 
     healing = guarded.guardian.healing
     assert healing is not None
     sup = guarded.supervisor
-    support.wait_for(
+    wait_for(
         lambda: support.healthy(guarded.url) and healing.state.service("vllm").action is None,
-        240,
         "vLLM up and no action under way",
-        every=1.0,
+        240,
+        every_seconds=1.0,
     )
     starts, old_pid = sup.starts, sup.pid
     original = sup.restart
@@ -972,25 +1000,31 @@ def test_operator_relaunch_drains_in_flight_streams_and_holds_new_work(guarded: 
                 "relaunch", "vllm", sets=[("--max-num-seqs", "24")], who="the vllm tier"
             )
             assert reply["ok"], reply
-            support.wait_for(
+            wait_for(
                 lambda: any(
                     d["what"] in ("result", "latch") and d.get("action_id") == reply["action_id"]
                     for d in guarded.audit()[audit_before:]
                 ),
-                240,
                 "the relaunch's result",
-                every=1.0,
+                240,
+                every_seconds=1.0,
             )
             for t in streamers:
                 t.join(timeout=240)
-            support.wait_for(lambda: guarded.ready_status() == 200, 30, "/ready/vllm 200")
-            support.wait_for(
+            wait_for(
+                lambda: guarded.ready_status() == 200,
+                "/ready/vllm 200",
+                30,
+                every_seconds=support.POLL_SECONDS,
+            )
+            wait_for(
                 lambda: any(
                     guarded.sigterm_times and t > guarded.sigterm_times[0] and c == 200
                     for t, c in client.sent
                 ),
-                60,
                 "the honouring client served by the new instance",
+                60,
+                every_seconds=support.POLL_SECONDS,
             )
     finally:
         sup.restart = original
@@ -1054,13 +1088,13 @@ def test_engine_death_is_named_and_restarted_once(
     healing = guarded.guardian.healing
     assert healing is not None
     # Whatever test 5 left running (an action, a restart) ends first; then its cooldown (5 s).
-    support.wait_for(
+    wait_for(
         lambda: (
             support.healthy(guarded.url) and healing.view().state.service("vllm").in_flight is None
         ),
-        240,
         "vLLM up and no action in flight",
-        every=1.0,
+        240,
+        every_seconds=1.0,
     )
     time.sleep(6)
     starts, exits = sup.starts, len(sup.exits)
@@ -1110,7 +1144,7 @@ def test_engine_death_is_named_and_restarted_once(
     )
     gated_thread.start()
     sdk.next_wave()  # the SDK imported and the gated stream sent: its requests now
-    support.wait_for(lambda: bool(kills), 120, "the SDK client's first text", every=0.05)
+    wait_for(lambda: bool(kills), "the SDK client's first text", 120, every_seconds=0.05)
     killed_at = kills[0]
     gated_at_kill = gated.events
     sdk_in_flight_at_kill = len(SDK_IN_FLIGHT) - len(sdk.done)  # as the client saw it
@@ -1126,18 +1160,28 @@ def test_engine_death_is_named_and_restarted_once(
             statuses.append(None)
         time.sleep(0.1)
     t.join(timeout=60)
-    support.wait_for(lambda: len(sup.exits) > exits, 30, "the old API server to exit")
+    wait_for(
+        lambda: len(sup.exits) > exits,
+        "the old API server to exit",
+        30,
+        every_seconds=support.POLL_SECONDS,
+    )
     exited_after = time.monotonic() - killed_at
-    support.wait_for(
+    wait_for(
         lambda: any(
             d["what"] == "result" and d.get("action_id") is not None
             for d in guarded.audit()[audit_before:]
         ),
-        240,
         "the engine_dead action's result",
-        every=1.0,
+        240,
+        every_seconds=1.0,
     )
-    support.wait_for(lambda: support.healthy(guarded.url), 120, "vLLM up again")
+    wait_for(
+        lambda: support.healthy(guarded.url),
+        "vLLM up again",
+        120,
+        every_seconds=support.POLL_SECONDS,
+    )
     # A second restart would be decided within the action's cooldown (5 s of wall clock, which
     # the guardian counts itself) plus a few ticks that see vLLM up: wait for both.
     time.sleep(5)

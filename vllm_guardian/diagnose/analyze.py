@@ -4,7 +4,7 @@ Steps: scrapes → :class:`VllmScrape` (``sources/vllm_metrics.parse_vllm_metric
 ``health.json``, ``unit.json``, ``gpus.json`` → the last snapshot's health, unit and GPUs; the
 daemon's flight records (when present) become the earlier history; ``core/signals.derive``
 computes rates and percentiles from consecutive snapshots; journal lines → log events
-(``sources/logs.match_line``) and vLLM's sizing lines (``core/budget``); the model's
+(``vllm_log_format.match_line``) and vLLM's sizing lines (``core/budget``); the model's
 ``config.json`` and the flags → the KV budget; all of it → ``core/observations.classify``; the
 verdict → ``recommend``. Bad inputs become ``problems``, never exceptions.
 """
@@ -63,13 +63,9 @@ from vllm_guardian.model import (
 )
 from vllm_guardian.recorder import snapshot_from_record
 from vllm_guardian.sources.health import SCALING_ERROR_PREFIX, classify_status
-from vllm_guardian.sources.logs import (
-    MESSAGE_MAX_CHARS,
-    display_line,
-    engine_message,
-    match_line,
-)
+from vllm_guardian.sources.logs import MESSAGE_MAX_CHARS
 from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
+from vllm_guardian.vllm_log_format import display_line, engine_message, match_line
 
 _REQUEST_HISTOGRAMS = ("vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket")
 # Without a scrape span the stall test needs at least this much observation.
@@ -483,7 +479,7 @@ def analyze(
     for bad in flags.unknown_values:
         problems.append(f"cmdline.txt: cannot read {bad}")
     # Sizing read from the engine's own lines only: a request's text elsewhere in the log could
-    # spell "Available KV cache memory: 0.01 GiB" (sources/logs.py says who wrote a line).
+    # spell "Available KV cache memory: 0.01 GiB" (vllm_log_format.py says who wrote a line).
     sizing = parse_startup_sizing(m for line in b.journal if (m := engine_message(line)))
     events = log_events(b.journal, now)
     scrape_last = parsed[-1][1] if parsed else None

@@ -36,8 +36,8 @@ from vllm_guardian.core.forecast import ForecastSettings, MemorySample, Neighbou
 from vllm_guardian.gpucheck import report as rp
 from vllm_guardian.model import AllocatorReading, GpuDevice, GpuReading
 from vllm_guardian.sources.allocator import AllocatorCollector
-from vllm_guardian.sources.logs import match_line
 from vllm_guardian.sources.nvml import DEFAULT_INTERVAL_SECONDS, NvmlCollector
+from vllm_guardian.vllm_log_format import match_line
 
 GIB = 1 << 30
 MIB = 1 << 20

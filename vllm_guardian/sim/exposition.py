@@ -1,19 +1,30 @@
-"""vLLM 0.32's ``/metrics`` text, rendered by the twin itself.
+"""vLLM 0.32's ``/metrics``, written with prometheus_client as vLLM writes it.
 
-Same families, types, HELP texts, label names, ``_created`` samples (emitted, as
-prometheus_client does, as separate ``*_created`` gauge families after each counter or
+Same families, types, HELP texts, label names, ``_created`` samples (which prometheus_client's
+text format puts, as for vLLM, in separate ``*_created`` gauge families after each counter or
 histogram), ``vllm:cache_config_info`` labels and histogram buckets as the real captures in
-``tests/fixtures/vllm/``. ``python_*``/``process_*`` come from prometheus_client's collectors
-on a private registry; ``http_*`` from the server's own ``HttpStats``.
+``tests/fixtures/vllm/``. One registry per twin (:func:`make_registry`, never the global one):
+prometheus_client's gc, platform and process collectors give ``python_*``/``process_*``; a
+:class:`TwinCollector` reads ``vllm:*`` (from the engine's stats) and ``http_*`` (from the
+server's :class:`HttpStats`) at each scrape.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from vllm_guardian.sim.profiling import EngineConfig, StartupPlan
 from vllm_guardian.sim.scheduler import FinishReason
@@ -22,105 +33,60 @@ from vllm_guardian.sim.stats import Histogram
 Labels = tuple[tuple[str, str], ...]
 
 
-@dataclass(frozen=True)
-class Sample:
-    name: str
-    labels: Labels
-    value: float
-
-
-@dataclass(frozen=True)
-class Family:
-    name: str  # as exposed in HELP/TYPE (counters end in _total)
-    type: str
-    help: str
-    samples: tuple[Sample, ...]
-    created: tuple[Sample, ...] = ()
-    created_help_name: str = ""  # the family name whose _created gauge follows
-
-
-def float_to_go(value: float) -> str:
-    """prometheus_client's ``floatToGoString``: Go-style exponents for large numbers."""
-    if value == math.inf:
-        return "+Inf"
-    if value == -math.inf:
-        return "-Inf"
-    if math.isnan(value):
-        return "NaN"
-    s = repr(float(value))
-    dot = s.find(".")
-    if value > 0 and dot > 6:
-        mantissa = f"{s[0]}.{s[1:dot]}{s[dot + 1 :]}".rstrip("0.")
-        return f"{mantissa}e+0{dot - 1}"
-    return s
-
-
-def _escape(v: str) -> str:
-    return v.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
-
-
-def _line(s: Sample) -> str:
-    if s.labels:
-        lab = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(s.labels))
-        return f"{s.name}{{{lab}}} {float_to_go(s.value)}\n"
-    return f"{s.name} {float_to_go(s.value)}\n"
-
-
-def render(families: Iterable[Family]) -> str:
-    out: list[str] = []
-    for fam in families:
-        doc = fam.help.replace("\\", r"\\").replace("\n", r"\n")
-        out.append(f"# HELP {fam.name} {doc}\n# TYPE {fam.name} {fam.type}\n")
-        out.extend(_line(s) for s in fam.samples)
-        if fam.created:
-            base = fam.created_help_name
-            out.append(f"# HELP {base}_created {doc}\n# TYPE {base}_created gauge\n")
-            out.extend(_line(s) for s in fam.created)
-    return "".join(out)
+def _names(rows: list[Labels]) -> list[str]:
+    """The label names of a family's rows (every row of a family has the same names)."""
+    return [k for k, _ in rows[0]] if rows else []
 
 
 def counter(
     name: str, help_text: str, rows: Iterable[tuple[Labels, float]], created: float
-) -> Family:
+) -> CounterMetricFamily:
+    """``name_total`` per row, each with its ``name_created``, as vLLM's Counter has."""
     rows = list(rows)
-    return Family(
-        f"{name}_total",
-        "counter",
-        help_text,
-        tuple(Sample(f"{name}_total", lab, v) for lab, v in rows),
-        tuple(Sample(f"{name}_created", lab, created) for lab, _ in rows),
-        name,
-    )
+    fam = CounterMetricFamily(name, help_text, labels=_names([lab for lab, _ in rows]))
+    for lab, value in rows:
+        fam.add_metric([v for _, v in lab], value, created=created)
+    return fam
 
 
-def gauge(name: str, help_text: str, rows: Iterable[tuple[Labels, float]]) -> Family:
-    return Family(name, "gauge", help_text, tuple(Sample(name, lab, v) for lab, v in rows))
+def gauge(name: str, help_text: str, rows: Iterable[tuple[Labels, float]]) -> GaugeMetricFamily:
+    rows = list(rows)
+    fam = GaugeMetricFamily(name, help_text, labels=_names([lab for lab, _ in rows]))
+    for lab, value in rows:
+        fam.add_metric([v for _, v in lab], value)
+    return fam
 
 
 def histogram(
-    name: str, help_text: str, rows: Iterable[tuple[Labels, Histogram]], created: float
-) -> Family:
-    samples: list[Sample] = []
-    made: list[Sample] = []
-    for lab, h in rows:
-        for bound, count in h.cumulative():
-            samples.append(Sample(f"{name}_bucket", (*lab, ("le", float_to_go(bound))), count))
-        samples.append(Sample(f"{name}_count", lab, h.count))
-        samples.append(Sample(f"{name}_sum", lab, h.sum))
-        made.append(Sample(f"{name}_created", lab, created))
-    return Family(name, "histogram", help_text, tuple(samples), tuple(made), name)
+    name: str, help_text: str, rows: Iterable[tuple[Labels, Histogram, float]]
+) -> HistogramMetricFamily:
+    """Buckets, count and sum per row, then its ``_created`` (the family class takes no
+    created time, vLLM's Histogram has one: added as the sample prometheus_client's own
+    Histogram yields)."""
+    rows = list(rows)
+    fam = HistogramMetricFamily(name, help_text, labels=_names([lab for lab, _, _ in rows]))
+    for lab, h, created in rows:
+        values = [v for _, v in lab]
+        # ``le`` as prometheus_client's own Histogram writes it (floatToGoString has no types).
+        buckets = [
+            (floatToGoString(bound), float(n))  # type: ignore[no-untyped-call]
+            for bound, n in h.cumulative()
+        ]
+        fam.add_metric(values, buckets, h.sum)
+        fam.add_sample(f"{name}_created", dict(lab), created)
+    return fam
 
 
 def summary(
-    name: str, help_text: str, rows: Iterable[tuple[Labels, int, float]], created: float
-) -> Family:
-    samples: list[Sample] = []
-    made: list[Sample] = []
-    for lab, count, total in rows:
-        samples.append(Sample(f"{name}_count", lab, count))
-        samples.append(Sample(f"{name}_sum", lab, total))
-        made.append(Sample(f"{name}_created", lab, created))
-    return Family(name, "summary", help_text, tuple(samples), tuple(made), name)
+    name: str, help_text: str, rows: Iterable[tuple[Labels, int, float, float]]
+) -> SummaryMetricFamily:
+    """Count and sum per row, then its ``_created`` (as for :func:`histogram`)."""
+    rows = list(rows)
+    fam = SummaryMetricFamily(name, help_text, labels=_names([lab for lab, _, _, _ in rows]))
+    for lab, count, total, created in rows:
+        fam.add_metric([v for _, v in lab], count, total)
+        fam.add_sample(f"{name}_created", dict(lab), created)
+    return fam
 
 
 # ---------------------------------------------------------------------- vllm:*
@@ -248,18 +214,18 @@ class VllmView:
     sleep_level: int | None = None  # None: awake; else the level of vLLM's /sleep
 
 
-def vllm_families(v: VllmView) -> list[Family]:
+def vllm_families(v: VllmView) -> list[Metric]:
     lab: Labels = (("engine", "0"), ("model_name", v.model_name))
     c = v.counters
     t0 = v.created_unix_seconds
 
-    def ctr(name: str, value: float) -> Family:
+    def ctr(name: str, value: float) -> Metric:
         return counter(f"vllm:{name}", _HELP[name], [(lab, value)], t0)
 
-    def g(name: str, value: float) -> Family:
+    def g(name: str, value: float) -> Metric:
         return gauge(f"vllm:{name}", _HELP[name], [(lab, value)])
 
-    fams = [
+    fams: list[Metric] = [
         ctr("estimated_flops_per_gpu", 0.0),
         ctr("estimated_read_bytes_per_gpu", 0.0),
         ctr("estimated_write_bytes_per_gpu", 0.0),
@@ -334,7 +300,7 @@ def vllm_families(v: VllmView) -> list[Family]:
         ),
     ]
     fams.extend(
-        histogram(f"vllm:{name}", _HELP[name], [(lab, v.histograms[name])], t0)
+        histogram(f"vllm:{name}", _HELP[name], [(lab, v.histograms[name], t0)])
         for name in _HISTOGRAMS
     )
     fams.append(
@@ -407,85 +373,67 @@ class HttpStats:
         self.durations[(handler, method)] = (hist, hcreated)
         self.highr.observe(duration_seconds)
 
-    def families(self) -> list[Family]:
-        req_rows = [
-            (Sample("http_requests_total", (("handler", h), ("method", m), ("status", s)), n),
-             Sample("http_requests_created", (("handler", h), ("method", m), ("status", s)), t))
-            for (h, m, s), (n, t) in self.requests.items()
-        ]  # fmt: skip
+    def families(self) -> list[Metric]:
+        """The instrumentator's families, in its registration order. Read under the lock that
+        ``observe`` runs under."""
         size_help = "Content length of incoming requests by handler. Only value of header is respected. Otherwise ignored. No percentile calculated. "
         resp_help = "Content length of outgoing responses by handler. Only value of header is respected. Otherwise ignored. No percentile calculated. "
-        fams = [
-            Family(
-                "http_requests_total",
-                "counter",
-                "Total number of requests by method, status and handler.",
-                tuple(r[0] for r in req_rows),
-                tuple(r[1] for r in req_rows),
-                "http_requests",
-            ),
-            _summary_family("http_request_size_bytes", size_help,
-                            [(h, s.req_count, s.req_bytes, s.created) for h, s in self.handlers.items()]),
-            _summary_family("http_response_size_bytes", resp_help,
-                            [(h, s.resp_count, s.resp_bytes, s.created) for h, s in self.handlers.items()]),
+        requests = CounterMetricFamily(
+            "http_requests",
+            "Total number of requests by method, status and handler.",
+            labels=["handler", "method", "status"],
+        )
+        for (h, m, st), (n, t) in self.requests.items():
+            requests.add_metric([h, m, st], n, created=t)
+        return [
+            requests,
+            summary("http_request_size_bytes", size_help,
+                    [((("handler", h),), s.req_count, s.req_bytes, s.created) for h, s in self.handlers.items()]),
+            summary("http_response_size_bytes", resp_help,
+                    [((("handler", h),), s.resp_count, s.resp_bytes, s.created) for h, s in self.handlers.items()]),
             histogram(
                 "http_request_duration_highr_seconds",
                 "Latency with many buckets but no API specific labels. Made for more accurate percentile calculations. ",
-                [((), self.highr)],
-                self.created_unix_seconds,
+                [((), self.highr, self.created_unix_seconds)],
+            ),
+            histogram(
+                "http_request_duration_seconds",
+                "Latency with only few buckets by handler. Made to be only used if aggregation by handler is important. ",
+                [((("handler", h), ("method", m)), hist, t) for (h, m), (hist, t) in self.durations.items()],
             ),
         ]  # fmt: skip
-        dur_samples: list[Sample] = []
-        dur_created: list[Sample] = []
-        for (h, m), (hist, t) in self.durations.items():
-            fam = histogram(
-                "http_request_duration_seconds", "", [((("handler", h), ("method", m)), hist)], t
-            )
-            dur_samples.extend(fam.samples)
-            dur_created.extend(fam.created)
-        fams.append(
-            Family(
-                "http_request_duration_seconds",
-                "histogram",
-                "Latency with only few buckets by handler. Made to be only used if aggregation by handler is important. ",
-                tuple(dur_samples),
-                tuple(dur_created),
-                "http_request_duration_seconds",
-            )
-        )  # fmt: skip
-        return fams
 
 
-def _summary_family(name: str, help_text: str, rows: list[tuple[str, int, float, float]]) -> Family:
-    samples: list[Sample] = []
-    made: list[Sample] = []
-    for handler, count, total, created in rows:
-        lab: Labels = (("handler", handler),)
-        samples += [Sample(f"{name}_count", lab, count), Sample(f"{name}_sum", lab, total)]
-        made.append(Sample(f"{name}_created", lab, created))
-    return Family(name, "summary", help_text, tuple(samples), tuple(made), name)
+class TwinCollector:
+    """``vllm:*`` and ``http_*`` at each scrape, from ``read``: the server's callable that takes
+    its lock and returns the families (a prometheus_client custom collector)."""
+
+    def __init__(self, read: Callable[[], list[Metric]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[Metric]:
+        return self._read()
 
 
-def make_runtime_registry() -> CollectorRegistry:
-    """A private registry with the gc, platform and process collectors (never the global one)."""
+def make_registry(
+    read: Callable[[], list[Metric]], runtime: Iterable[Collector] | None = None
+) -> CollectorRegistry:
+    """The twin's page: a private registry (never the global one) with, in vLLM's order, the
+    runtime's collectors (None: prometheus_client's gc, platform and process collectors, as
+    vLLM has; the virtual-time harness passes its own, on its fake clock), then ``vllm:*``
+    (absent with --disable-log-stats) and ``http_*`` from ``read``."""
     registry = CollectorRegistry()
-    GCCollector(registry=registry)
-    PlatformCollector(registry=registry)
-    ProcessCollector(registry=registry)
+    if runtime is None:
+        GCCollector(registry=registry)
+        PlatformCollector(registry=registry)
+        ProcessCollector(registry=registry)
+    else:
+        for collector in runtime:
+            registry.register(collector)
+    registry.register(TwinCollector(read))
     return registry
 
 
-def runtime_families(registry: CollectorRegistry) -> list[Family]:
-    fams = []
-    for metric in registry.collect():
-        name = f"{metric.name}_total" if metric.type == "counter" else metric.name
-        mtype = "gauge" if metric.type == "info" else metric.type
-        samples = tuple(Sample(s.name, tuple(s.labels.items()), s.value) for s in metric.samples)
-        fams.append(Family(name, mtype, metric.documentation, samples))
-    return fams
-
-
-def render_metrics(runtime: list[Family], vllm: VllmView | None, http: HttpStats) -> str:
-    """The whole page: runtime, then vllm:* (absent with --disable-log-stats), then http_*."""
-    fams = [*runtime, *(vllm_families(vllm) if vllm is not None else []), *http.families()]
-    return render(fams)
+def render_metrics(registry: CollectorRegistry) -> str:
+    """The whole page, in prometheus_client's text format."""
+    return generate_latest(registry).decode("utf-8")

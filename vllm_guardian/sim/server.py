@@ -42,6 +42,7 @@ from types import FrameType
 from typing import Any
 
 from aiohttp import web
+from prometheus_client.core import Metric
 
 from vllm_guardian import allocator_format as fmt
 from vllm_guardian.atomicfile import write_atomic
@@ -59,9 +60,9 @@ from vllm_guardian.sim.exposition import (
     HttpStats,
     VllmView,
     cache_config_labels,
-    make_runtime_registry,
+    make_registry,
     render_metrics,
-    runtime_families,
+    vllm_families,
 )
 from vllm_guardian.sim.flags import ServeOptions
 from vllm_guardian.sim.gpu_state import (
@@ -240,7 +241,7 @@ class Twin:
         # The HTTP server's event loop (its own thread): deltas reach the streams through it.
         self.loop: asyncio.AbstractEventLoop | None = None
         self.http_stats = HttpStats(self.wall0)
-        self.runtime_registry = make_runtime_registry()
+        self.registry = make_registry(self._metric_families)
         self.server_load = 0
         self.ids = itertools.count()
         self.signal_received: int | None = None
@@ -512,6 +513,11 @@ class Twin:
     # ---------------------------------------------------------------- metrics
 
     def metrics_text(self) -> str:
+        return render_metrics(self.registry)
+
+    def _metric_families(self) -> list[Metric]:
+        """``vllm:*`` and ``http_*`` for a scrape (the registry's collector calls it), read under
+        the lock the engine and the HTTP handlers update them under."""
         with self.lock:
             view = None
             e = self.engine
@@ -542,7 +548,7 @@ class Twin:
                     created_unix_seconds=self.ready_wall or self.wall0,
                     sleep_level=e.sleep_level,
                 )
-            return render_metrics(runtime_families(self.runtime_registry), view, self.http_stats)
+            return [*(vllm_families(view) if view is not None else []), *self.http_stats.families()]
 
     # ---------------------------------------------------------------- lifecycle
 
