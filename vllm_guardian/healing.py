@@ -452,11 +452,11 @@ class Healing:
                                 bool(args.get("reset")), who, bool(args.get("force")))
             )  # fmt: skip
             s = out.state.service(service)
-            if out.actions and not s.gate_open:
+            if out.actions and not s.front_door.open:
                 # The front door closes with the command, not at the next tick: that tick may
                 # wait on the bundle's capture, and a client honouring /ready must not be sent
                 # in meanwhile (the drain would not count it; vLLM's SIGTERM would fail it).
-                self._gates[service] = GateState(False, s.gate_reason, _restarting(s))
+                self._gates[service] = GateState(False, s.front_door.reason, _restarting(s))
             for action in out.actions:
                 self._started[action.id] = action
             for req in out.ops:
