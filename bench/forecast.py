@@ -300,7 +300,7 @@ def run(scenario: str, seed: int, minutes: float, guarded: bool) -> Result:
             while i < len(plan) and first_ready + plan[i].at_seconds <= t:
                 held.append(plan[i])
                 i += 1
-        if not guarded or driver.state.policy.service("vllm").gate_open:
+        if not guarded or driver.state.policy.service("vllm").front_door.open:
             if svc.ready:
                 e = svc.engine
                 assert e is not None
@@ -328,7 +328,8 @@ def run(scenario: str, seed: int, minutes: float, guarded: bool) -> Result:
             if tr.current is AlertState.FIRING and tr.alert.name in EXHAUSTION_RULES:
                 res.exhaustion_alerts.append((since_ready, tr.alert.name))
         for d in fx.decisions:
-            if d.what == "gate" and "forecast:" in d.reason:
+            # The forecast's gate names the forecast as its evidence (the KV gate its gauge).
+            if d.what == "gate" and "forecast" in d.evidence:
                 res.forecast_gates.append((since_ready, d.reason))
         for a in fx.actions:
             res.actions.append((since_ready, a.kind.value, a.reason))

@@ -100,8 +100,10 @@ class FakeCompletions:
     healthy: bool = True
     token_ids_known: bool = True  # False: return_token_ids is ignored (an older server)
     reasoning_chunks: int = 0  # chat: the first chunks are reasoning, not content
+    models_answer: bool = True  # False: /v1/models answers 503 (a server going down)
     paths: list[str] = field(default_factory=list)  # of the generation requests, in order
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)  # of the same requests
     detokenized: list[list[int]] = field(default_factory=list)
     _cuts: list[CutSpec | None] = field(default_factory=list)
 
@@ -128,8 +130,10 @@ class FakeCompletions:
         self.healthy = True
         self.token_ids_known = True
         self.reasoning_chunks = 0
+        self.models_answer = True
         self.paths.clear()
         self.bodies.clear()
+        self.headers.clear()
         self.detokenized.clear()
         self._cuts.clear()
 
@@ -159,6 +163,8 @@ class FakeCompletions:
             self.detokenized.append(list(doc["tokens"]))
             text = b"".join(piece(t) for t in doc["tokens"]).decode("utf-8", "replace")
             return web.json_response({"prompt": text})
+        if request.path == "/v1/models" and not self.models_answer:
+            return web.Response(status=503)
         if request.path == "/v1/models":
             card = {"id": "tiny", "object": "model", "max_model_len": MAX_MODEL_LEN}
             return web.json_response({"object": "list", "data": [card]})
@@ -166,6 +172,7 @@ class FakeCompletions:
         if request.path in ("/v1/completions", "/v1/chat/completions") and request.method == "POST":
             body = await request.json()
             self.bodies.append(body)
+            self.headers.append(dict(request.headers))
             self.paths.append(request.path)
             cut = self._cuts.pop(0) if self._cuts else None
             if not self.healthy:

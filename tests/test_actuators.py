@@ -19,7 +19,7 @@ from vllm_guardian.actuators.executor import OpRunner
 from vllm_guardian.actuators.procmgr import Supervisor
 from vllm_guardian.actuators.systemd import SystemdBackend
 from vllm_guardian.clock import SystemClock
-from vllm_guardian.core.policy import Lever, PolicyState, ServiceState
+from vllm_guardian.core.policy import HoldOff, Levels, Lever, PolicyState, ServiceState
 from vllm_guardian.healing import load_state, save_state
 from vllm_guardian.model import Cause, Op, OpRequest, OpResult
 
@@ -499,7 +499,7 @@ def test_policy_state_round_trip_and_corrupt_file_set_aside(tmp_path: Path):
         (
             ServiceState(
                 "vllm",
-                rungs=((Lever.MAX_NUM_SEQS, 2),),
+                levels=Levels(rungs=((Lever.MAX_NUM_SEQS, 2),)),
                 breaker_latched=True,
                 breaker_reason="budget",
                 restarts=(1.0, 2.0),
@@ -513,6 +513,63 @@ def test_policy_state_round_trip_and_corrupt_file_set_aside(tmp_path: Path):
     assert load_state(path) is None
     assert (tmp_path / "policy-state.json.corrupt").read_text() == "{not json"
     assert not path.exists()
+
+
+def test_a_state_saved_with_flat_levels_keeps_its_rungs_flags_and_hold_off(tmp_path: Path):
+    """The rungs, pins, operator flags and baseline, the cooldown and the backoff were flat
+    fields of a service's state before they were grouped (ServiceState.levels, .hold_off); an
+    upgrade reads them into the groups: the flags vLLM runs with, and the time the next action
+    waits, are not forgotten."""
+    path = tmp_path / "policy-state.json"
+    old = {
+        "format": 1,
+        "state": {
+            "services": [
+                {
+                    "service": "vllm",
+                    "rungs": [["max_num_seqs", 2]],
+                    "last_step_up": [["max_num_seqs", 5.0]],
+                    "pinned_until": [["max_num_seqs", 9.0]],
+                    "operator_flags": [["--max-model-len", "4096"]],
+                    "restarts": [1.0],
+                    "cooldown_until": 40.0,
+                    "backoff_until": 30.0,
+                    "backoff_seconds": 20.0,
+                    "backoff_voluntary_only": True,
+                }
+            ],
+            "next_action_id": 3,
+        },
+    }
+    path.write_text(json.dumps(old))
+    state = load_state(path)
+    assert state is not None
+    s = state.service("vllm")
+    assert s.levels == Levels(
+        rungs=((Lever.MAX_NUM_SEQS, 2),),
+        last_step_up=((Lever.MAX_NUM_SEQS, 5.0),),
+        pinned_until=((Lever.MAX_NUM_SEQS, 9.0),),
+        operator_flags=(("--max-model-len", "4096"),),
+    )
+    assert s.restarts == (1.0,)
+    assert s.hold_off == HoldOff(40.0, 30.0, 20.0, backoff_voluntary_only=True)
+
+
+def test_status_reads_the_rungs_from_the_policy_state_the_daemon_sends():
+    """`vllm-guardian status` renders the policy state as the control socket sends it
+    (to_jsonable): the rungs are under the service's levels, the cooldown under its hold-off."""
+    from vllm_guardian.cli import render_status
+    from vllm_guardian.recorder import to_jsonable
+
+    levels = Levels(rungs=((Lever.MAX_NUM_SEQS, 2),))
+    state = PolicyState((ServiceState("vllm", levels=levels, hold_off=HoldOff(130.0)),))
+    reply = {"version": "x", "time": 100.0, "signals": {"services": [{"service": "vllm"}]}}
+    text = render_status({**reply, "policy": to_jsonable(state)})
+    print(text)
+    assert "max_num_seqs rung 2" in text
+    assert "cooldown 30s" in text
+    fresh = PolicyState((ServiceState("vllm"),))
+    assert "flags: operator baseline" in render_status({**reply, "policy": to_jsonable(fresh)})
 
 
 def test_a_state_saved_before_log_items_keeps_its_breaker(tmp_path: Path):

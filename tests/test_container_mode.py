@@ -248,7 +248,7 @@ def _gpu_case(
     by_device: bool, gpus: tuple[int, ...] | None
 ) -> tuple[list[int], int | None, int | None]:
     from vllm_guardian.config import ServiceConfig
-    from vllm_guardian.core.signals import _gpu_signals, _service_gpus
+    from vllm_guardian.core.gpu_signals import _gpu_signals, _service_gpus
     from vllm_guardian.model import GpuDevice, GpuProcess, UnitState
 
     # vLLM is pid 7 in the pod; NVML names it by its host pid 48213, which /proc here lacks.

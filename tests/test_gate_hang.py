@@ -19,6 +19,7 @@ request at 20 simulated seconds a second.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -108,8 +109,11 @@ class HungGate:
         self.lt.close()
 
 
-def stream(url: str, tokens: int = TOKENS) -> dict[str, Any]:
-    """A streamed completion read to its end: its text, last finish_reason, usage, events."""
+def stream(
+    url: str, tokens: int = TOKENS, first_text: threading.Event | None = None
+) -> dict[str, Any]:
+    """A streamed completion read to its end: its text, last finish_reason, usage, events;
+    ``first_text`` is set when its first text arrives."""
     doc = {"model": "tiny", "prompt": PROMPT, "max_tokens": tokens, "stream": True,
            "temperature": 0, "ignore_eos": True,
            "stream_options": {"include_usage": True}}  # fmt: skip
@@ -125,6 +129,8 @@ def stream(url: str, tokens: int = TOKENS) -> dict[str, Any]:
                 for c in chunk["choices"]:
                     if c["text"] and first_text_at is None:
                         first_text_at = time.monotonic()
+                        if first_text is not None:
+                            first_text.set()
                     text += c["text"]
                     finish = c["finish_reason"] or finish
                 usage = chunk.get("usage") or usage
@@ -265,9 +271,15 @@ def test_a_restarts_aborted_answers_are_continued_or_sent_again(
 
     with ThreadPoolExecutor(4) as pool:
         try:
-            futures = [pool.submit(stream, url, ABORTED_TOKENS), pool.submit(stream, url, ABORTED_TOKENS),
+            texts = [threading.Event(), threading.Event()]
+            futures = [pool.submit(stream, url, ABORTED_TOKENS, texts[0]),
+                       pool.submit(stream, url, ABORTED_TOKENS, texts[1]),
                        pool.submit(unary, url, ABORTED_TOKENS)]  # fmt: skip
-            wait_for(lambda: generated() >= 300, lambda: f"tokens generated: {generated()}")
+            # Both clients hold text (not only the twin's counter: on a busy host the gate's
+            # relay may lag it), so the SIGTERM cuts streams that have started.
+            wait_for(lambda: generated() >= 300 and all(e.is_set() for e in texts),
+                     lambda: f"tokens generated: {generated()}, "
+                             f"clients with text: {[e.is_set() for e in texts]}")  # fmt: skip
             assert not any(f.done() for f in futures), [f.result() for f in futures if f.done()]
             stopped_at = time.monotonic()
             print(f"generating {time.monotonic() - t0:.1f} s")

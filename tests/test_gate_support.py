@@ -120,6 +120,7 @@ class Stub:
         self.slow_health_answers = 0  # the next N /health answers come after health_delay_seconds
         self.health_delay_seconds = 0.0
         self.ready = True  # what /ready/vllm answers (the stub doubles as the guardian)
+        self.restarting = False  # ...and whether it says a restart is in progress
         self.metrics_text: str | None = None  # what /metrics answers (None: 404)
         self.calls: dict[str, int] = {}
         self.active = 0
@@ -152,7 +153,7 @@ class Stub:
             self.release = asyncio.Event()
 
         self.lt.run(fresh())
-        self.healthy, self.ready = True, True
+        self.healthy, self.ready, self.restarting = True, True, False
         self.slow_health_answers, self.health_delay_seconds = 0, 0.0
         self.metrics_text = None
         self.calls.clear()
@@ -171,7 +172,12 @@ class Stub:
                 return web.Response(status=404)
             return web.Response(text=self.metrics_text, content_type="text/plain")
         if path == "/ready/vllm":
-            answer = ReadyAnswer("vllm", self.ready, "open" if self.ready else "draining")
+            answer = ReadyAnswer(
+                "vllm",
+                self.ready,
+                "open" if self.ready else "restart in progress" if self.restarting else "draining",
+                self.restarting,
+            )
             return web.Response(
                 body=encode(answer), status=answer.status, content_type="application/json"
             )

@@ -223,7 +223,12 @@ def test_an_operators_command_closes_the_front_door_at_once(tmp_path: Path) -> N
     assert reply["ok"], reply
     gate = g.healing.gates()["vllm"]
     assert not gate.ready and gate.reason, gate
+    # ...and says a restart is in progress: the gate lets what it holds wait longer for it.
+    assert gate.restart_in_progress, gate
     g.healing.runner.join(30)
+    g.tick()
+    under_way = g.healing.state.service("vllm").action is not None
+    assert g.healing.gates()["vllm"].restart_in_progress is under_way
     g.close()
 
 

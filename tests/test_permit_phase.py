@@ -185,7 +185,7 @@ def test_a_step_up_waits_for_the_permit_with_the_front_door_open(permit_run: typ
     r.refuse = True
     r.run(Row(500), Row(1002))  # stable: a step up is due, voluntary
     assert r.svc.action is not None and r.svc.action.phase is Phase.AWAITING_PERMIT
-    assert r.svc.gate_open, "the front door stays open while waiting for a permit"
+    assert r.svc.front_door.open, "the front door stays open while waiting for a permit"
     step_up = r.svc.action.action_id
     waiting = [d for d in r.decisions if d.phase is Phase.AWAITING_PERMIT]
     # Entered, then a try refused: both on record, the refusal with the cluster's answer.
@@ -245,10 +245,10 @@ def test_a_crash_while_waiting_for_a_permit_ends_the_wait_and_acts_at_once(
     log = "\n".join(f"{d.what} {d.action_id} {d.phase}: {d.reason}" for d in r.decisions)
     ended = [d for d in r.decisions if d.what == "result" and d.action_id == waiting]
     assert [d.ok for d in ended] == [False], log
-    assert r.svc.backoff_until <= 1010, "no backoff: the crash is acted on now\n" + log
+    assert r.svc.hold_off.backoff_until <= 1010, "no backoff: the crash is acted on now\n" + log
     assert r.svc.action is not None and r.svc.action.action_id != waiting, log
     assert r.svc.action.phase is not Phase.AWAITING_PERMIT, "a crash needs no permit\n" + log
-    assert not r.svc.gate_open, "the crash action holds the front door"
+    assert not r.svc.front_door.open, "the crash action holds the front door"
     assert (waiting, Op.RELEASE_PERMIT) in {(o.action_id, o.op) for o in r.ops}, (
         "whatever the wait may hold is given back\n" + log
     )
@@ -286,8 +286,8 @@ def test_a_permit_wait_that_times_out_spends_no_budget_and_holds_no_crash(
     from vllm_guardian.core.policy import Lever
 
     assert r.svc.rung(Lever.MAX_NUM_BATCHED_TOKENS) == 1, "vLLM still runs one rung down"
-    assert r.svc.last_step_up == (), "nothing stepped up"
-    assert r.svc.backoff_until > t, "a voluntary action backs off after a fruitless wait"
+    assert r.svc.levels.last_step_up == (), "nothing stepped up"
+    assert r.svc.hold_off.backoff_until > t, "a voluntary action backs off after a fruitless wait"
     r.tick(_row(t + 2, logs=("oom",), health="dead"))
     log = "\n".join(f"{d.what} {d.action_id} {d.phase}: {d.reason}" for d in r.decisions)
     assert r.svc.action is not None and r.svc.action.phase is not Phase.AWAITING_PERMIT, log

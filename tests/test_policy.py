@@ -273,7 +273,7 @@ def test_dead_engine_is_restarted_once_then_cooldown_then_budget_latches():
     assert [(a.kind, a.cause) for a in r.actions] == [(ActionKind.RESTART, Cause.ENGINE_DEAD)]
     assert r.actions[0].evidence == ("EngineDead",)
     r.tick(Row(2, alerts=("EngineDead",)))  # result arrives: ok
-    assert r.svc.in_flight is None and r.svc.cooldown_until == 102
+    assert r.svc.in_flight is None and r.svc.hold_off.cooldown_until == 102
     r.tick(Row(60, alerts=("EngineDead",), health=HealthState.ENGINE_DEAD))  # within cooldown
     assert len(r.actions) == 1 and r.decisions[-1].what == "suppressed"
     for t in (200, 400):  # restarts 2 and 3, outside cooldown and not early failures
@@ -484,7 +484,7 @@ def test_step_down_then_back_up_after_a_stable_period_and_pinning():
 
 def test_failed_action_backs_off_and_terminal_failure_latches():
     r = Run().run(Row(0, alerts=("EngineStalled",)), Row(2, alerts=("EngineStalled",), fail=True))
-    assert r.svc.backoff_until == 32
+    assert r.svc.hold_off.backoff_until == 32
     r.tick(Row(20, alerts=("EngineStalled",)))
     assert len(r.actions) == 1
     r.run(Row(40, alerts=("EngineStalled",)), Row(42, fail=True, terminal=True))
@@ -502,7 +502,7 @@ def test_pause_holds_everything():
     r = Run()
     r.state, _ = pause(r.state, None, 0)
     r.run(Row(1, kv=0.99, alerts=("EngineDead",), health=HealthState.ENGINE_DEAD))
-    assert r.actions == [] and r.svc.gate_open
+    assert r.actions == [] and r.svc.front_door.open
 
 
 # --- a log line alone acts on nothing --------------------------------------------------------

@@ -16,6 +16,7 @@ from vllm_guardian.config import PolicyConfig
 from vllm_guardian.core.forecast import Forecast, Neighbour
 from vllm_guardian.core.policy import (
     Baseline,
+    Levels,
     Lever,
     PolicySettings,
     PolicyState,
@@ -101,7 +102,7 @@ CASES = [
      (ActionKind.RELAUNCH, Lever.GPU_MEMORY_UTILIZATION, 5, True, True, False)),
     ("a persistent neighbour at the floor: page only, the front door stays open",
      signals(fc(Cause.GPU_MEMORY_OVERCOMMIT, 200, neighbour=NB)),
-     replace(PERSISTED, rungs=((Lever.GPU_MEMORY_UTILIZATION, 5),)), 100.0,
+     replace(PERSISTED, levels=Levels(rungs=((Lever.GPU_MEMORY_UTILIZATION, 5),))), 100.0,
      (None, None, 0, False, False, True)),
     ("a persistent neighbour: relaunch with a lower utilization, enough rungs for the horizon",
      signals(fc(Cause.GPU_MEMORY_OVERCOMMIT, 200, slope=-10.0 * MIB, neighbour=NB)), PERSISTED, 100.0,
@@ -113,7 +114,7 @@ CASES = [
      signals(fc(Cause.PREFILL_BURST, 200)), S0, 100.0,
      (ActionKind.RELAUNCH, Lever.MAX_NUM_BATCHED_TOKENS, 1, False, False, False)),
     ("prefill at the floor: alert only",
-     signals(fc(Cause.PREFILL_BURST, 200)), replace(S0, rungs=((Lever.MAX_NUM_BATCHED_TOKENS, 2),)), 100.0,
+     signals(fc(Cause.PREFILL_BURST, 200)), replace(S0, levels=Levels(rungs=((Lever.MAX_NUM_BATCHED_TOKENS, 2),))), 100.0,
      (None, None, 0, False, False, True)),
 ]  # fmt: skip
 
@@ -236,7 +237,7 @@ def test_a_neighbour_is_not_gated_around_while_its_forecast_stands() -> None:
     for t in range(0, 20, 2):
         run.tick(float(t), replace(nb, kv_cache_usage_ratio=0.1))
     s = run.state.service("vllm")
-    assert s.gate_open
+    assert s.front_door.open
     assert [d for d in run.decisions if d.what == "gate"] == []
     assert run.actions == []
     notes = [d for d in run.decisions if d.withheld is Withheld.FORECAST_WAIT]

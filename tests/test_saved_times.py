@@ -25,10 +25,20 @@ from vllm_guardian.core.phases import (
     Phase,
     phase_limit_seconds,
 )
-from vllm_guardian.core.policy import Lever, LogItem, PolicyState, ServiceState
+from vllm_guardian.core.policy import (
+    FrontDoor,
+    FrontDoorHolder,
+    HoldOff,
+    Levels,
+    Lever,
+    LogItem,
+    PolicyState,
+    ServiceState,
+)
 from vllm_guardian.healing import Healing
 from vllm_guardian.model import ActionKind, Cause
-from vllm_guardian.statefile import save_state
+from vllm_guardian.recorder import to_jsonable
+from vllm_guardian.statefile import load_state, save_state
 
 DAY = 86400.0
 FLEET_WAIT_SECONDS = 300.0
@@ -40,17 +50,20 @@ def _saved(at: float, phase: Phase = Phase.DRAINING) -> ServiceState:
     p = PolicyConfig()
     return ServiceState(
         "vllm",
-        gate_open=False,
-        gate_closed_at=at,
-        cooldown_until=at + p.cooldown_seconds,
-        backoff_until=at + p.backoff_max_seconds,
-        backoff_seconds=p.backoff_max_seconds,
+        front_door=FrontDoor(FrontDoorHolder.ACTION, "restart in progress", at),
+        hold_off=HoldOff(
+            cooldown_until=at + p.cooldown_seconds,
+            backoff_until=at + p.backoff_max_seconds,
+            backoff_seconds=p.backoff_max_seconds,
+        ),
         restarts=(at - 10, at),
         ready_since=at,
         started_seconds=at,
-        rungs=((Lever.MAX_NUM_SEQS, 1),),
-        last_step_up=((Lever.MAX_NUM_SEQS, at),),
-        pinned_until=((Lever.MAX_NUM_SEQS, at + p.pin_seconds),),
+        levels=Levels(
+            rungs=((Lever.MAX_NUM_SEQS, 1),),
+            last_step_up=((Lever.MAX_NUM_SEQS, at),),
+            pinned_until=((Lever.MAX_NUM_SEQS, at + p.pin_seconds),),
+        ),
         episodes=((Cause.CONCURRENCY_OVERCOMMIT, at),),
         last_pressure_seconds=at,
         log_items=(LogItem(Cause.ENGINE_DEAD, "EngineDeadError", "the engine died", at),),
@@ -107,18 +120,18 @@ Times = Callable[[ServiceState], list[float]]
 Bound = Callable[[PolicyConfig], float]
 # (what, its times in the loaded state, how far past now each may lie)
 BOUNDS: list[tuple[str, Times, Bound]] = [
-    ("cooldown_until", lambda s: [s.cooldown_until], lambda p: p.cooldown_seconds),
-    ("backoff_until", lambda s: [s.backoff_until], lambda p: p.backoff_max_seconds),
-    ("pinned_until", lambda s: _second(s.pinned_until), lambda p: p.pin_seconds),
+    ("cooldown_until", lambda s: [s.hold_off.cooldown_until], lambda p: p.cooldown_seconds),
+    ("backoff_until", lambda s: [s.hold_off.backoff_until], lambda p: p.backoff_max_seconds),
+    ("pinned_until", lambda s: _second(s.levels.pinned_until), lambda p: p.pin_seconds),
     ("action.deadline (draining)", lambda s: [s.action.deadline] if s.action else [],
      lambda p: p.drain_timeout_seconds),
     ("action.permit_retry_at", lambda s: [s.action.permit_retry_at] if s.action else [],
      lambda p: PERMIT_RETRY_SECONDS),
-    ("gate_closed_at", lambda s: [s.gate_closed_at or 0.0], lambda p: 0.0),
+    ("gate_closed_at", lambda s: [s.front_door.closed_at or 0.0], lambda p: 0.0),
     ("restarts", lambda s: list(s.restarts), lambda p: 0.0),
     ("ready_since", lambda s: [s.ready_since or 0.0], lambda p: 0.0),
     ("started_seconds", lambda s: [s.started_seconds or 0.0], lambda p: 0.0),
-    ("last_step_up", lambda s: _second(s.last_step_up), lambda p: 0.0),
+    ("last_step_up", lambda s: _second(s.levels.last_step_up), lambda p: 0.0),
     ("episodes", lambda s: _second(s.episodes), lambda p: 0.0),
     ("last_pressure_seconds", lambda s: [s.last_pressure_seconds or 0.0], lambda p: 0.0),
     ("log_items", lambda s: [x.seen_at for x in s.log_items], lambda p: 0.0),
@@ -188,3 +201,36 @@ def test_a_state_saved_on_a_sound_clock_loads_unchanged(
     assert loaded == replace(saved, action=loaded.action)
     assert replace(loaded.action, orphaned=False) == saved.action  # orphaned: a new guardian
     assert "ahead" not in caplog.text
+
+
+# A state saved before the front door was a record saved it flat, without who closed it.
+# (its gate_open, gate_reason, whether an action was under way and in what phase, the holder
+# it loads with)
+OLD_DOORS: list[tuple[bool, str, Phase | None, FrontDoorHolder | None]] = [
+    (True, "open", None, None),
+    (True, "paused: gate held open", Phase.DRAINING, None),
+    (False, "forecast: pid 7 is growing on the GPU", None, FrontDoorHolder.FORECAST),
+    (False, "restart in progress", Phase.DRAINING, FrontDoorHolder.ACTION),
+    (False, "KV cache usage 95% at or above the high watermark 90%", None,
+     FrontDoorHolder.KV_PRESSURE),
+    (False, "KV cache usage 95% at or above the high watermark 90%", Phase.AWAITING_PERMIT,
+     FrontDoorHolder.KV_PRESSURE),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("is_open", "reason", "phase", "holder"), OLD_DOORS)
+def test_a_state_saved_with_a_flat_front_door_names_who_holds_it(
+    tmp_path: Path, is_open: bool, reason: str, phase: Phase | None, holder: FrontDoorHolder | None
+) -> None:
+    saved = _saved(1000.0)
+    saved = replace(saved, action=replace(saved.action, phase=phase) if phase else None)
+    service = to_jsonable(saved)
+    del service["front_door"]
+    service.update(gate_open=is_open, gate_reason=reason, gate_closed_at=990.0)
+    path = tmp_path / "policy-state.json"
+    path.write_text(json.dumps({"format": 1, "state": {"services": [service]}}))
+    state = load_state(path)
+    assert state is not None
+    door = state.service("vllm").front_door
+    assert door == FrontDoor(holder, reason, 990.0)
+    assert door.open is is_open

@@ -12,6 +12,7 @@ from vllm_guardian.config import ServiceConfig, SignalsConfig
 from vllm_guardian.core import signals as sig
 from vllm_guardian.model import (
     CacheConfig,
+    Cause,
     EngineMetrics,
     GpuDevice,
     GpuProcess,
@@ -422,7 +423,7 @@ def test_forecast_names_the_growing_neighbour():
     s = derive(*_neighbour_series(120))
     # 13 GiB free at t=0, falling 0.05 GiB/s: 0 at t=260, i.e. ~140 s after the newest tick.
     assert s.seconds_to_headroom_exhaustion == pytest.approx(140, abs=10)
-    assert s.forecast_cause is sig.Cause.GPU_MEMORY_OVERCOMMIT
+    assert s.forecast_cause is Cause.GPU_MEMORY_OVERCOMMIT
     assert s.seconds_to_exhaustion_gpu_memory_overcommit == s.seconds_to_headroom_exhaustion
     assert s.seconds_to_exhaustion_allocator_fragmentation is None
     (f,) = s.forecasts

@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 
 from vllm_guardian.config import ServiceConfig, SignalsConfig
+from vllm_guardian.core import engine_signals, series
 from vllm_guardian.core import signals as sig
 from vllm_guardian.model import (
     EngineMetrics,
@@ -235,7 +236,9 @@ def test_latency_sums_by_column_as_by_dict(name: str, restarted: bool) -> None:
         for t, s in ((0.0, first), (2.0, last))
     ]
     keys = [e.key for e in last.engines]
-    assert sig._latency(window, "vllm", keys) == _latency_by_dicts(first, last, restarted)
+    assert engine_signals._latency(window, "vllm", keys) == _latency_by_dicts(
+        first, last, restarted
+    )
 
 
 # --- the rates, windows and log counts against the plain readings they replace ---------------
@@ -250,8 +253,8 @@ def _engine_rates_point_by_point(
     out = {}
     for key in keys:
         values = []
-        for field in sig._RATE_FIELDS:
-            points: list[sig.Point] = []
+        for field in engine_signals._RATE_FIELDS:
+            points: list[series.Point] = []
             for s in window:
                 scrape = s.services[0].vllm
                 e = next((e for e in scrape.engines if e.key == key), None) if scrape else None
@@ -334,7 +337,7 @@ def test_engine_rates_equal_the_point_by_point_rates(name: str) -> None:
         window = _window_by_scan(history[:i], CFG.rate_window_seconds)
         scrape = window[-1].services[0].vllm
         keys = [e.key for e in scrape.engines] if scrape is not None else [("m", "0")]
-        got = sig._engine_rates(window, "vllm", keys)
+        got = engine_signals._engine_rates(window, "vllm", keys)
         assert got == _engine_rates_point_by_point(window, keys), f"tick {i - 1} ({name})"
 
 
@@ -343,10 +346,10 @@ def test_a_steady_window_reads_the_kept_increases() -> None:
     about them), and not where an engine comes or goes."""
     history = RATE_HISTORIES["steady load on two engines"]
     keys = [e.key for e in history[-1].services[0].vllm.engines]  # type: ignore[union-attr]
-    assert sig._kept_rates(history[-6:], "vllm", keys) is not None
+    assert engine_signals._kept_rates(history[-6:], "vllm", keys) is not None
     joined = RATE_HISTORIES["an engine joins"][6:14]
     keys = [e.key for e in joined[-1].services[0].vllm.engines]  # type: ignore[union-attr]
-    assert sig._kept_rates(joined, "vllm", keys) is None
+    assert engine_signals._kept_rates(joined, "vllm", keys) is None
 
 
 @pytest.mark.parametrize("seconds", [0.0, 1.0, 3.0, 10.0, 100.0, -5.0])
@@ -354,7 +357,7 @@ def test_a_steady_window_reads_the_kept_increases() -> None:
 def test_a_window_is_the_scan_from_the_oldest(name: str, seconds: float) -> None:
     history = RATE_HISTORIES[name]
     for i in range(1, len(history) + 1):
-        assert list(sig._window(history[:i], seconds)) == _window_by_scan(history[:i], seconds)
+        assert list(series.window_of(history[:i], seconds)) == _window_by_scan(history[:i], seconds)
 
 
 @pytest.mark.parametrize("seconds", [0.0, 4.0, 10.0, 100.0, -5.0])

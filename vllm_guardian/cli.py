@@ -286,7 +286,10 @@ def render_status(st: dict[str, Any]) -> str:
     for svc in (st.get("policy") or {}).get("services", []):
         name = svc["service"]
         gate = (st.get("gates") or {}).get(name) or {}
-        rungs = ", ".join(f"{lv} rung {r}" for lv, r in svc.get("rungs", [])) or "operator baseline"
+        levels = svc.get("levels") or {}
+        rungs = (
+            ", ".join(f"{lv} rung {r}" for lv, r in levels.get("rungs", [])) or "operator baseline"
+        )
         budget = st.get("restart_budget")
         now = st.get("time") or 0
         used = len([t for t in svc.get("restarts", []) if now - t < 3600])
@@ -313,8 +316,8 @@ def render_status(st: dict[str, Any]) -> str:
         lines.append(
             f"  restarts in the last hour: {used} of {budget}"
             + (
-                f"  cooldown {svc['cooldown_until'] - now:.0f}s"
-                if svc.get("cooldown_until", 0) > now
+                f"  cooldown {cooldown - now:.0f}s"
+                if (cooldown := (svc.get("hold_off") or {}).get("cooldown_until", 0)) > now
                 else ""
             )
         )

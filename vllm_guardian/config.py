@@ -26,6 +26,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from vllm_guardian.redact import redact_text
+
 DEFAULT_CONFIG_PATH = "/etc/vllm-guardian/config.yaml"
 
 _MIB = 1024 * 1024
@@ -111,6 +113,25 @@ def _check_listen(v: str) -> str | None:
     return None
 
 
+def check_fallback_url(v: str) -> str | None:
+    """The gate's fallback upstream (gate.fallback_url, --fallback-url): an http:// or
+    https:// base URL with a host, and nothing a request could be steered by or that would
+    leak: no credentials (the gate never sends URL userinfo; a header carries a key), no query
+    or fragment. The problem says nothing of the value: it may hold a secret."""
+    try:
+        parts = urlsplit(v)
+        parts.port  # noqa: B018 (a bad port raises here)
+    except ValueError:
+        return "is not a URL"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "must be an http:// or https:// URL with a host"
+    if parts.username is not None or parts.password is not None:
+        return "must not hold credentials (user:password@): the gate forwards the client's own"
+    if parts.query or parts.fragment:
+        return "must be a base URL, without a query or fragment"
+    return None
+
+
 # --- the schema ------------------------------------------------------------------------------
 
 
@@ -160,6 +181,14 @@ class GateConfig:
     max_queued_tokens: int = field(default=1_000_000, metadata=_bounds(0, 10**10))
     # A held request gets its 503 after this long (--max-wait): a restart with model load fits.
     max_wait_seconds: float = field(default=60.0, metadata=_bounds(0.1, 3600))
+    # A request held while the guardian's /ready says a restart or relaunch is in progress
+    # waits up to this much longer (--restart-extra-wait; 0: not at all), while the restart
+    # lasts and the reopened gate releases the queue, never past the client's own timeout
+    # (the X-Stainless-Timeout of OpenAI's SDKs). 30 s: a hung engine's new arrivals are held
+    # from 10 s after the hang, the guardian restarts it at 30 s and the twin's new engine
+    # serves at ~71 s, 1 s after their 60 s ran out (bench/outcome.py, engine_hang); a real
+    # model load is longer and varies, and 90 s in all stays under the SDKs' 600 s.
+    restart_extra_wait_seconds: float = field(default=30.0, metadata=_bounds(0, 3600))
     # Queued requests released per second once open, in bursts of release_burst (0: no limit),
     # so a reopening does not cause the next spike.
     release_rate_per_second: float = field(default=50.0, metadata=_bounds(0, 100_000))
@@ -229,6 +258,16 @@ class GateConfig:
     continuation_off_routes: tuple[str, ...] = field(
         default=(), metadata=_bounds(check=_check_continuation_route)
     )
+    # Another replica of the same model (e.g. its Kubernetes Service: --fallback-url), off by
+    # default: a continuation, or a held /v1/completions or /v1/chat/completions, that has
+    # waited fallback_after_seconds for this server is sent there instead (a continuation at
+    # most max_continuations times, never what continuation refuses); refused or answered 5xx
+    # there, it waits on for this server within max_wait_seconds (docs/gate.md, "A fallback
+    # replica"). Only from this file or the flag, never from a request.
+    fallback_url: str | None = field(default=None, metadata=_bounds(check=check_fallback_url))
+    # 10 s: a blip (a /health miss, a suspect upstream) passes here first; a restart (30-70 s)
+    # does not.
+    fallback_after_seconds: float = field(default=10.0, metadata=_bounds(0, 3600))
 
     @property
     def listen_address(self) -> tuple[str, int]:
@@ -783,7 +822,8 @@ class _Loader:
         if check is not None:
             problem = check(value)
             if problem:
-                self.err(path, node, f"{problem} (got {node.value!r})")
+                # Redacted: a URL's credentials or a token must not reach a terminal or a log.
+                self.err(path, node, f"{problem} (got {redact_text(repr(node.value))})")
                 return _INVALID
         return value
 

@@ -334,7 +334,7 @@ def frame(g: Guardian, opts: DemoOptions, elapsed: float, workdir: Path) -> Fram
         s = view.state.service("vllm")
         gate = g.exposition.gate("vllm")
         ready = f"{'200' if gate and gate.ready else '503'} ({gate.reason if gate else '?'})"
-        flags = " ".join(f"{lv.value}-rung{r}" for lv, r in s.rungs) or "operator baseline"
+        flags = " ".join(f"{lv.value}-rung{r}" for lv, r in s.levels.rungs) or "operator baseline"
         status.append(
             f"Guard  /ready {ready}  flags: {flags}  breaker: {'LATCHED' if s.breaker_latched else 'ok'}"
             + (f"  ACTION: {s.action.kind.value} {s.action.phase.value}" if s.action else "")

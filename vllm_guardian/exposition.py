@@ -359,9 +359,9 @@ def _healing_families(view: HealingView, now: float) -> Iterator[Metric]:
         recent = [t for t in s.restarts if now - t < view.budget_window_seconds]
         f.add("restart_budget_remaining", svc, max(0, view.budget - len(recent)))
         f.add("dry_run", svc, _bool(view.dry_run))
-        for lever, rung in s.rungs:
+        for lever, rung in s.levels.rungs:
             f.add("policy_rung", [s.service, lever.value], rung)
-        cooldown = max(0.0, s.cooldown_until - now)
+        cooldown = max(0.0, s.hold_off.cooldown_until - now)
         f.add("cooldown_remaining_seconds", svc, cooldown)
     yield from f
     actions = catalogue.counter("actions")
@@ -439,7 +439,9 @@ class ExpositionServer:
                 # before the guardian has seen vLLM serve).
                 answer = ready_format.ReadyAnswer(name, False, "starting: no tick yet")
             else:
-                answer = ready_format.ReadyAnswer(name, gate.ready, gate.reason)
+                answer = ready_format.ReadyAnswer(
+                    name, gate.ready, gate.reason, gate.restart_in_progress
+                )
             return answer.status, ready_format.encode(answer), ready_format.CONTENT_TYPE
         if path == "/":
             links = b"<html><body><a href='/metrics'>/metrics</a> <a href='/healthz'>/healthz</a></body></html>"

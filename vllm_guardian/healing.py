@@ -46,6 +46,7 @@ from vllm_guardian.container import container_mode, pod_identity
 from vllm_guardian.core import alerting, inhibition, policy
 from vllm_guardian.core import step as core_step
 from vllm_guardian.core.driver import Driver, history_span_seconds, settings_from_config
+from vllm_guardian.core.phases import Phase
 from vllm_guardian.core.signals import Signals
 from vllm_guardian.model import (
     Action,
@@ -321,7 +322,7 @@ class Healing:
                 self.bundles.redraw(Path(bundle), r.service)
             self._count(r.service, r.kind.value, r.ok, r.dry_run)
         self._audit(fx.decisions)
-        self._gates = dict(fx.gates)
+        self._gates = with_restarts(fx.gates, self.state)
         self._windows = fx.windows
         self._save()
 
@@ -451,11 +452,11 @@ class Healing:
                                 bool(args.get("reset")), who, bool(args.get("force")))
             )  # fmt: skip
             s = out.state.service(service)
-            if out.actions and not s.gate_open:
+            if out.actions and not s.front_door.open:
                 # The front door closes with the command, not at the next tick: that tick may
                 # wait on the bundle's capture, and a client honouring /ready must not be sent
                 # in meanwhile (the drain would not count it; vLLM's SIGTERM would fail it).
-                self._gates[service] = GateState(False, s.gate_reason)
+                self._gates[service] = GateState(False, s.front_door.reason, _restarting(s))
             for action in out.actions:
                 self._started[action.id] = action
             for req in out.ops:
@@ -481,3 +482,24 @@ class Healing:
             self.tick_state = replace(
                 self.tick_state, policy=policy.initial_state(names, self.state, restarted=False)
             )
+
+
+def _restarting(s: policy.ServiceState) -> bool:
+    """A restart or relaunch of the service holds its front door (past its fleet permit's
+    wait, during which the door stays open)."""
+    a = s.action
+    return a is not None and a.phase is not Phase.AWAITING_PERMIT
+
+
+def with_restarts(
+    gates: Sequence[tuple[str, GateState]], state: policy.PolicyState
+) -> dict[str, GateState]:
+    """/ready/<service> as the step decided it, saying where a restart or relaunch is in
+    progress (whatever the reason given: "vLLM is not up" while it restarts, too): the gate
+    lets the requests it holds then wait longer for the new engine (gate/admission.py)."""
+    by_name = {s.service: s for s in state.services}
+    out = {}
+    for name, gate in gates:
+        s = by_name.get(name)
+        out[name] = replace(gate, restart_in_progress=s is not None and _restarting(s))
+    return out

@@ -389,7 +389,7 @@ class GateObservation:
     rejected_total: int | None = None
     # Requests forwarded to vLLM that have had no byte of their answer's body yet, and the age
     # of the oldest: with the engine reporting nothing in it, requests that never reached its
-    # scheduler (core/signals.py, ``unreached_seconds``). None: a gate that does not say.
+    # scheduler (core/engine_signals.py, ``unreached_seconds``). None: a gate that does not say.
     unanswered: int | None = None
     oldest_unanswered_seconds: float | None = None
     error: str | None = None
@@ -625,7 +625,9 @@ class OpResult:
 
 @dataclass(frozen=True)
 class GateState:
-    """What /ready/<service> answers: 200 when ready, 503 with the reason when not."""
+    """What /ready/<service> answers: 200 when ready, 503 with the reason when not; whether
+    a restart or relaunch is in progress (the gate waits longer for it: ready_format.py)."""
 
     ready: bool
     reason: str
+    restart_in_progress: bool = False

@@ -4,7 +4,10 @@ Where it sits: the exposition (``exposition.py``) answers ``/ready/<service>`` w
 :func:`encode`; the admission gate's follower (``gate/follower.py``) reads the reason with
 :func:`reason_of`. The status code carries the verdict (200 ready, 503 held back, 404 no such
 service); the JSON body says which service and why, for a person and for the gate's
-``/gate/status``. Like ``gpu_state_format.py``, one module owns the format, so the writer and
+``/gate/status``, and in ``restart_in_progress`` whether the guardian is restarting or
+relaunching it (its action holds the front door: :func:`restart_in_progress_of` reads it; the
+gate lets what it holds wait longer for the new engine then). A field, not the reason's prose,
+so a rewording cannot change what the gate does. Like ``gpu_state_format.py``, one module owns the format, so the writer and
 the reader cannot drift apart. Pure: no I/O here.
 """
 
@@ -21,6 +24,7 @@ class ReadyAnswer:
     service: str
     ready: bool
     reason: str  # "open", or why new work is held back
+    restart_in_progress: bool = False  # a restart or relaunch holds the front door
 
     @property
     def status(self) -> int:
@@ -29,7 +33,12 @@ class ReadyAnswer:
 
 def encode(answer: ReadyAnswer) -> bytes:
     return json.dumps(
-        {"service": answer.service, "ready": answer.ready, "reason": answer.reason}
+        {
+            "service": answer.service,
+            "ready": answer.ready,
+            "reason": answer.reason,
+            "restart_in_progress": answer.restart_in_progress,
+        }
     ).encode()
 
 
@@ -46,3 +55,13 @@ def reason_of(body: bytes, default: str) -> str:
         return default
     reason = doc.get("reason") if isinstance(doc, dict) else None
     return str(reason) if reason is not None else default
+
+
+def restart_in_progress_of(body: bytes) -> bool:
+    """Whether the answer says a restart or relaunch is in progress; False for a body that is
+    not an answer, or one from a guardian that does not say (older than the field)."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and doc.get("restart_in_progress") is True

@@ -18,6 +18,7 @@ import logging
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from vllm_guardian.atomicfile import write_atomic
 from vllm_guardian.core import policy
@@ -59,6 +60,7 @@ def load_state(path: Path) -> policy.PolicyState | None:
             raise _Unusable(f"a JSON {type(raw).__name__}, not an object")
         if raw.get("format") != STATE_FORMAT:
             raise _Unusable(f"unknown format {raw.get('format')!r}")
+        _group_flat_fields(raw["state"])
         state: policy.PolicyState = from_jsonable(policy.PolicyState, raw["state"])
         return state
     except FileNotFoundError:
@@ -68,6 +70,49 @@ def load_state(path: Path) -> policy.PolicyState | None:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         _set_aside(path, str(e))
     return None
+
+
+# A state saved before a service's levels and hold-off were records (ServiceState.levels,
+# ServiceState.hold_off) has their fields flat.
+_GROUPS = {
+    "levels": ("rungs", "last_step_up", "pinned_until", "operator_flags", "baseline"),
+    "hold_off": ("cooldown_until", "backoff_until", "backoff_seconds", "backoff_voluntary_only"),
+}
+
+
+def _group_flat_fields(state: object) -> None:
+    """A state saved before the levels, the hold-off and the front door were records of their
+    own: each saved service's flat fields moved into them (in place)."""
+    services = state.get("services") if isinstance(state, dict) else None
+    for svc in services if isinstance(services, list) else ():
+        if not isinstance(svc, dict):
+            continue
+        for group, names in _GROUPS.items():
+            if group not in svc:
+                flat = {k: svc.pop(k) for k in names if k in svc}
+                if flat:
+                    svc[group] = flat
+        if "front_door" not in svc and "gate_open" in svc:
+            svc["front_door"] = _front_door(svc)
+
+
+def _front_door(svc: dict[str, Any]) -> dict[str, Any]:
+    """The front door of a service saved with ``gate_open``, ``gate_reason`` and
+    ``gate_closed_at``. Who closed it was not saved: its reason says when the exhaustion
+    forecast did (it wrote its own prefix); else an action past its wait for a permit did; else
+    KV pressure (the only other closer)."""
+    is_open = svc.pop("gate_open")
+    reason = svc.pop("gate_reason", "open")
+    door: dict[str, Any] = {"reason": reason, "closed_at": svc.pop("gate_closed_at", None)}
+    if is_open is False:
+        action = svc.get("action")
+        if isinstance(reason, str) and reason.startswith("forecast:"):
+            door["holder"] = policy.FrontDoorHolder.FORECAST.value
+        elif isinstance(action, dict) and action.get("phase") != "awaiting_permit":
+            door["holder"] = policy.FrontDoorHolder.ACTION.value
+        else:
+            door["holder"] = policy.FrontDoorHolder.KV_PRESSURE.value
+    return door
 
 
 def _set_aside(path: Path, why: str) -> None:

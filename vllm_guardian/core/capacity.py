@@ -167,35 +167,14 @@ def estimate(
     """The estimate over ``samples`` (oldest first; the caller passes the window's samples)."""
     st = settings or CapacitySettings()
     scraped = [s for s in samples if s.scraped]
-    if not scraped:
-        return CapacityEstimate(CapacityState.NO_DATA, "no /metrics scrape in the window")
-    if any(s.stats_enabled is False for s in scraped):
-        return CapacityEstimate(
-            CapacityState.NO_STATS, "vLLM runs with --disable-log-stats: no vllm:* series"
-        )
     counted = [
         s
         for s in scraped
         if s.finished_total is not None and s.running is not None and s.waiting is not None
     ]
-    if not counted or counted[-1] is not scraped[-1]:
-        return CapacityEstimate(
-            CapacityState.NO_STATS,
-            "vLLM exports no request_success_total / num_requests_running / waiting",
-        )
-    starts = {s.process_start_seconds for s in scraped if s.process_start_seconds is not None}
-    counters = ("finished_total", "failed_total", "prompt_tokens_total", "generation_tokens_total")
-    went_down = any(
-        (a := getattr(p, c)) is not None and (b := getattr(q, c)) is not None and b < a
-        for p, q in itertools.pairwise(counted)
-        for c in counters
-    )
-    if len(starts) > 1 or went_down:
-        return CapacityEstimate(
-            CapacityState.RESTARTED,
-            "vLLM restarted within the window (its counters reset): no estimate until a whole "
-            "window has passed since",
-        )
+    refused = _unreadable(scraped, counted)
+    if refused is not None:
+        return refused
     first, last = counted[0], counted[-1]
     span = last.time_seconds - first.time_seconds
     if span < st.min_span_ratio * st.window_seconds or len(counted) < 3:
@@ -243,6 +222,53 @@ def estimate(
             span,
             waited,
         )
+    return _estimated(counted, st, span, waited, growth, finished, served, turned_away)
+
+
+def _unreadable(
+    scraped: Sequence[CapacitySample], counted: Sequence[CapacitySample]
+) -> CapacityEstimate | None:
+    """Why the window's scrapes cannot give an estimate at all (no data, no stats, a restart),
+    or None."""
+    if not scraped:
+        return CapacityEstimate(CapacityState.NO_DATA, "no /metrics scrape in the window")
+    if any(s.stats_enabled is False for s in scraped):
+        return CapacityEstimate(
+            CapacityState.NO_STATS, "vLLM runs with --disable-log-stats: no vllm:* series"
+        )
+    if not counted or counted[-1] is not scraped[-1]:
+        return CapacityEstimate(
+            CapacityState.NO_STATS,
+            "vLLM exports no request_success_total / num_requests_running / waiting",
+        )
+    starts = {s.process_start_seconds for s in scraped if s.process_start_seconds is not None}
+    counters = ("finished_total", "failed_total", "prompt_tokens_total", "generation_tokens_total")
+    went_down = any(
+        (a := getattr(p, c)) is not None and (b := getattr(q, c)) is not None and b < a
+        for p, q in itertools.pairwise(counted)
+        for c in counters
+    )
+    if len(starts) > 1 or went_down:
+        return CapacityEstimate(
+            CapacityState.RESTARTED,
+            "vLLM restarted within the window (its counters reset): no estimate until a whole "
+            "window has passed since",
+        )
+    return None
+
+
+def _estimated(
+    counted: Sequence[CapacitySample],
+    st: CapacitySettings,
+    span: float,
+    waited: float,
+    growth: float,
+    finished: float,
+    served: float,
+    turned_away: float,
+) -> CapacityEstimate:
+    """The estimate of a saturated window: what arrived against what was served."""
+    first, last = counted[0], counted[-1]
     arrivals = finished + growth + turned_away
     ratio = max(0.0, arrivals / served)
     tokens = [

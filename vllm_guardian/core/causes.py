@@ -2,7 +2,7 @@
 
 Where it sits: a leaf of the pure core. Read by ``core/diagnosis.py`` (the ranking's
 tie-break, which causes are ever a verdict, which evidence a model that cannot fit explains),
-``core/policy.py`` (the lever a cause moves, whether it escalates and with what sentence,
+``core/ladder.py`` (the lever a cause moves, whether it escalates and with what sentence,
 whether it crashes the engine, how many episodes before the lever steps) and
 ``diagnose/recommend.py`` (which remedy it writes). Adding a cause is a member of
 :class:`~vllm_guardian.model.Cause` and a row here; ``tests/test_causes.py`` fails when a
@@ -164,7 +164,7 @@ CAUSES: Mapping[Cause, CauseSpec] = {
             Cause.CONCURRENCY_OVERCOMMIT,
             specificity=5,
             pressure=Pressure.KV_CACHE,
-            # Only through the guarded relaunch (the policy's ``_concurrency_relaunch``): a cap
+            # Only through the guarded relaunch (``core/ladder.py``'s ``_concurrency_relaunch``): a cap
             # below what the pool hosts costs throughput (``core/levers.py``).
             lever=Lever.MAX_NUM_SEQS,
             crashes=False,

@@ -29,122 +29,43 @@ forever. Deadlines are in the same clock as ``now``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from enum import StrEnum
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from vllm_guardian.config import PolicyConfig
+from vllm_guardian.core.phase_records import (
+    BEFORE_RESTART,
+    PERMIT_CALL_TIMEOUT_SECONDS,
+    PERMIT_RETRY_SECONDS,
+    RESTART_CALL_MARGIN_SECONDS,
+    ActionProgress,
+    Advance,
+    Move,
+    Outcome,
+    Phase,
+    Seen,
+    phase_limit_seconds,
+)
 from vllm_guardian.model import ActionKind, Cause, Op, OpRequest, OpResult
 
-# A restart call that has not returned this long after its own timeout is a lost call.
-RESTART_CALL_MARGIN_SECONDS = 60.0
-# A fleet permit that was refused ("not now") is asked for again after this.
-PERMIT_RETRY_SECONDS = 15.0
-# One try for a permit is a few API calls.
-PERMIT_CALL_TIMEOUT_SECONDS = 30.0
-
-
-class Phase(StrEnum):
-    # A voluntary action (no crash) with fleet.permit: lease first waits for one of the fleet's
-    # permits (core/permit.py); the front door stays open meanwhile. Released when it ends.
-    AWAITING_PERMIT = "awaiting_permit"
-    PREPARING = "preparing"  # the bundle is captured and (relaunch) the flags file written
-    AWAITING_SELF_RESTART = "awaiting_self_restart"  # vLLM died: its supervisor may restart it
-    DRAINING = "draining"  # front door closed: waiting for the requests in flight to finish
-    RESTARTING = "restarting"  # the restart call is running
-    AWAITING_VRAM = "awaiting_vram"  # the old instance's GPU memory must be freed
-    AWAITING_READY = "awaiting_ready"  # /health 200 and a fresh scrape after the restart
-
-
-# The front door is closed and the instance that was running when the action began is still
-# the one vLLM's logs speak of. (AWAITING_PERMIT is not here: it still serves, and a crash
-# while it waits for a permit is news.)
-BEFORE_RESTART = frozenset({Phase.PREPARING, Phase.DRAINING, Phase.RESTARTING})
-
-
-def phase_limit_seconds(
-    phase: Phase, p: PolicyConfig, permit_timeout_seconds: float | None = None
-) -> float:
-    """How long an action may stay in ``phase``: its deadline is this after it entered it.
-    The one table: :func:`start` and :func:`advance` set deadlines from it, and a restored
-    action's deadline is bounded by it (a saved state from a clock that ran ahead)."""
-    if phase is Phase.AWAITING_PERMIT:
-        return permit_timeout_seconds or 0.0
-    if phase is Phase.PREPARING:
-        return p.bundle_timeout_seconds + 10.0
-    if phase in (Phase.AWAITING_SELF_RESTART, Phase.AWAITING_VRAM):
-        return p.vram_release_timeout_seconds
-    if phase is Phase.DRAINING:
-        return p.drain_timeout_seconds
-    if phase is Phase.RESTARTING:  # the call's own timeout, then a lost call
-        return p.drain_timeout_seconds + p.ready_timeout_seconds + RESTART_CALL_MARGIN_SECONDS
-    return p.ready_timeout_seconds  # AWAITING_READY
-
-
-@dataclass(frozen=True)
-class Seen:
-    """What this tick shows of one service, as far as the phases care."""
-
-    time_seconds: float
-    in_flight: float | None  # requests still being served (None: nothing to wait for / unknown)
-    # "gate" (the front door's own count) | "vllm" (running + waiting; with why, when a
-    # configured gate did not answer) | "" (nothing to count)
-    in_flight_from: str
-    health_up: bool | None
-    listening: bool | None  # False: nothing answers on vLLM's port (exited, or starting)
-    main_pid: int | None
-    gpu_pids: frozenset[int] | None  # pids holding memory on the GPUs (None: cannot tell)
-    metrics_up: bool
-    stalled: bool = False  # requests in the engine and no progress (core/progress.py): hung
-    engine_dead: bool = False  # /health answers 503 (a slow /health under load is not this)
-    # services[].gpu_memory_by_device (a pod): NVML's pids are the host's, never vLLM's main
-    # pid, so the old instance's memory is waited for on the service's devices instead:
-    # (GPU index, the host pids NVML shows holding memory on it; None: it would not say).
-    # None: NVML was not read this tick.
-    by_device: bool = False
-    device_pids: tuple[tuple[int, tuple[int, ...] | None], ...] | None = None
-    # When vLLM's main process started (the snapshot's clock; None: unknown). A relaunch's
-    # flags reach only a process started after its flags file was written.
-    main_started_seconds: float | None = None
-
-
-@dataclass(frozen=True)
-class ActionProgress:
-    """A restart or relaunch under way. Persisted with the policy state, so a guardian that is
-    restarted mid-action finds it again (``orphaned``) instead of deciding it a second time."""
-
-    action_id: int
-    kind: ActionKind
-    cause: Cause | None
-    reason: str
-    phase: Phase
-    phase_since: float
-    deadline: float
-    started_seconds: float
-    flags: tuple[tuple[str, str], ...] = ()
-    env: tuple[tuple[str, str], ...] = ()
-    old_pid: int | None = None  # vLLM's main pid when the action began
-    waiting_ops: tuple[Op, ...] = ()  # calls asked for and not yet reported
-    ready_after: float = 0.0  # only a scrape newer than this shows the new instance
-    notes: tuple[str, ...] = ()  # what happened so far, for the result's detail
-    operator: str | None = None  # who asked, when an operator command started it
-    orphaned: bool = False  # the guardian restarted while this was under way
-    permit_held: bool = False  # a fleet permit was granted: released when the action ends
-    permit_retry_at: float = 0.0  # AWAITING_PERMIT: when to ask again after a "not now"
-    permit_reason: str = ""  # AWAITING_PERMIT: why the last try was refused
-    # A permit held: when to renew it (an action may outlast its Lease); None: never.
-    permit_renew_at: float | None = None
-    # When the guardian's restart call began: vLLM is down on purpose from here until it is
-    # ready (core/inhibition.py holds the vLLM-down alerts meanwhile). None: not restarted by
-    # the guardian (yet), e.g. its supervisor restarted it after a crash.
-    stopped_seconds: float | None = None
-    # By device (a pod): what each of the service's GPUs held when the restart was asked for:
-    # the old instance (every process on a pod's GPU is its vLLM). AWAITING_VRAM waits until
-    # none of those pids is left on its device. None: waits by ``old_pid`` (a host).
-    old_device_pids: tuple[tuple[int, tuple[int, ...] | None], ...] | None = None
-    # When the relaunch's flags file was written (the call's finish time); None: not yet.
-    flags_written_seconds: float | None = None
-
+__all__ = [
+    "BEFORE_RESTART",
+    "PERMIT_CALL_TIMEOUT_SECONDS",
+    "PERMIT_RETRY_SECONDS",
+    "RESTART_CALL_MARGIN_SECONDS",
+    "ActionProgress",
+    "Advance",
+    "Move",
+    "Outcome",
+    "Phase",
+    "Seen",
+    "advance",
+    "phase_limit_seconds",
+    "release",
+    "runs_old_flags",
+    "start",
+    "supersede",
+]
 
 _OLD_FLAGS = (
     "its supervisor started vLLM again (pid {pid}) before the new flags were written: "
@@ -164,29 +85,6 @@ def runs_old_flags(a: ActionProgress, seen: Seen) -> bool:
         and seen.main_started_seconds is not None
         and seen.main_started_seconds < a.flags_written_seconds
     )
-
-
-@dataclass(frozen=True)
-class Outcome:
-    ok: bool
-    terminal: bool
-    detail: str
-
-
-@dataclass(frozen=True)
-class Move:
-    """One phase change, for the audit log."""
-
-    phase: Phase
-    why: str
-
-
-@dataclass(frozen=True)
-class Advance:
-    progress: ActionProgress | None  # None once the action has ended
-    moves: tuple[Move, ...]
-    ops: tuple[OpRequest, ...]
-    outcome: Outcome | None
 
 
 def start(
@@ -255,7 +153,7 @@ def start(
 
 def release(action_id: int, service: str, reason: str) -> OpRequest:
     """Give back every permit this guardian holds (a try still running may yet be granted: a
-    grant for an action that is not waiting for it is given back too, policy._advance)."""
+    grant for an action that is not waiting for it is given back too, core/acting.release_stray_grants)."""
     return OpRequest(
         action_id, service, Op.RELEASE_PERMIT, (), (), PERMIT_CALL_TIMEOUT_SECONDS, reason
     )
@@ -275,6 +173,74 @@ def supersede(a: ActionProgress, service: str, why: str) -> Advance:
     )
 
 
+class _Tick:
+    """One :func:`advance` call's working copy: the action as it moves on, the phase changes
+    and the calls asked for. Each phase's handler reads and changes it."""
+
+    def __init__(
+        self,
+        a: ActionProgress,
+        service: str,
+        seen: Seen,
+        now: float,
+        p: PolicyConfig,
+        permit_renew_seconds: float | None,
+    ) -> None:
+        self.a = a
+        self.service = service
+        self.seen = seen
+        self.now = now
+        self.p = p
+        self.permit_renew_seconds = permit_renew_seconds
+        self.moves: list[Move] = []
+        self.ops: list[OpRequest] = []
+
+    def go(self, phase: Phase, why: str, **kw: object) -> None:
+        """Enter ``phase`` now, with its own deadline."""
+        deadline = self.now + phase_limit_seconds(phase, self.p)
+        self.a = replace(self.a, phase=phase, phase_since=self.now, deadline=deadline, **kw)  # type: ignore[arg-type]
+        self.moves.append(Move(phase, why))
+
+    def note(self, text: str) -> None:
+        self.a = replace(self.a, notes=(*self.a.notes, text))
+
+    def end(self, ok: bool, terminal: bool, detail: str) -> Advance:
+        """The action ends: a permit held is released; the notes go with the detail."""
+        a = self.a
+        if a.permit_held:
+            self.ops.append(release(a.action_id, self.service, a.reason))
+        parts = [*a.notes, detail] if ok else [detail, *a.notes]
+        return Advance(
+            None, tuple(self.moves), tuple(self.ops), Outcome(ok, terminal, "; ".join(parts))
+        )
+
+    def restart(self, why: str) -> None:
+        """Ask for the restart call and wait for it in RESTARTING."""
+        a, p, seen = self.a, self.p, self.seen
+        timeout = p.drain_timeout_seconds + p.ready_timeout_seconds
+        self.ops.append(
+            OpRequest(a.action_id, self.service, Op.RESTART, a.flags, a.env, timeout, a.reason)
+        )
+        self.go(
+            Phase.RESTARTING,
+            why,
+            waiting_ops=(*a.waiting_ops, Op.RESTART),
+            stopped_seconds=self.now,
+            old_device_pids=(seen.device_pids or ()) if seen.by_device else None,
+        )
+
+    def ask_permit(self) -> None:
+        """One try at the fleet permit (core/permit.plan: acquire, or renew the one held)."""
+        a = self.a
+        self.ops.append(
+            OpRequest(
+                a.action_id, self.service, Op.PERMIT, (), (), PERMIT_CALL_TIMEOUT_SECONDS,
+                a.reason, a.cause,
+            )
+        )  # fmt: skip
+        self.a = replace(a, waiting_ops=(*a.waiting_ops, Op.PERMIT))
+
+
 def advance(
     a: ActionProgress,
     service: str,
@@ -286,291 +252,317 @@ def advance(
 ) -> Advance:
     """Move the action on as far as this tick's observations allow (several phases at once
     when nothing needs waiting for). ``permit_renew_seconds``: a permit held is renewed this
-    often (a third of the Lease's duration), so an action longer than its Lease keeps it."""
-    moves: list[Move] = []
-    ops: list[OpRequest] = []
+    often (a third of the Lease's duration), so an action longer than its Lease keeps it.
 
-    def go(phase: Phase, why: str, **kw: object) -> None:
-        nonlocal a
-        deadline = now + phase_limit_seconds(phase, p)
-        a = replace(a, phase=phase, phase_since=now, deadline=deadline, **kw)  # type: ignore[arg-type]
-        moves.append(Move(phase, why))
-
-    def end(ok: bool, terminal: bool, detail: str) -> Advance:
-        if a.permit_held:
-            ops.append(release(a.action_id, service, a.reason))
-        parts = [*a.notes, detail] if ok else [detail, *a.notes]
-        return Advance(None, tuple(moves), tuple(ops), Outcome(ok, terminal, "; ".join(parts)))
-
-    def restart(why: str) -> None:
-        timeout = p.drain_timeout_seconds + p.ready_timeout_seconds
-        ops.append(OpRequest(a.action_id, service, Op.RESTART, a.flags, a.env, timeout, a.reason))
-        go(
-            Phase.RESTARTING,
-            why,
-            waiting_ops=(*a.waiting_ops, Op.RESTART),
-            stopped_seconds=now,
-            old_device_pids=(seen.device_pids or ()) if seen.by_device else None,
-        )
-
+    In order: an action a restarted guardian left (orphaned) picks up; the results of the
+    calls it asked for are read; a permit held is renewed when due; then the handler of the
+    phase it is in (:data:`_PHASES`) runs, again while each moves it to another phase."""
+    t = _Tick(a, service, seen, now, p, permit_renew_seconds)
     if a.orphaned:
-        # The guardian died mid-action: the calls it was waiting for died with it.
-        a = replace(a, orphaned=False, waiting_ops=())
-        if a.phase is Phase.AWAITING_PERMIT:
-            # The try died with the guardian: ask again now (a Lease it got meanwhile is found
-            # again as its own: core/permit.plan renews it).
-            a = replace(a, permit_retry_at=now)
-            moves.append(
-                Move(a.phase, "the guardian restarted while waiting for a permit: asking again")
-            )
-        elif a.phase is Phase.PREPARING:
-            # Nothing disruptive happened yet: prepare again.
-            fresh, again = start(
-                a.action_id, service, a.kind, a.cause, a.reason, a.flags, a.env,
-                a.old_pid, now, p, a.operator,
-            )  # fmt: skip
-            return Advance(
-                fresh,
-                (Move(Phase.PREPARING, "the guardian restarted while preparing: preparing again"),),
-                again,
-                None,
-            )
-        if a.phase is Phase.RESTARTING:
-            go(
-                Phase.AWAITING_READY,
-                "the guardian restarted during the restart call: waiting for vLLM to be ready",
-                ready_after=now,
-            )
-        else:
-            moves.append(Move(a.phase, f"the guardian restarted during {a.phase.value}: going on"))
-
+        restarted = _pick_up_orphan(t)
+        if restarted is not None:
+            return restarted
     for r in results:
-        if r.action_id != a.action_id:
-            continue
-        a = replace(a, waiting_ops=tuple(o for o in a.waiting_ops if o is not r.op))
-        if r.op is Op.PERMIT and r.ok and a.phase is Phase.AWAITING_PERMIT:
-            waited = now - a.phase_since
-            fresh, prepare = start(
-                a.action_id, service, a.kind, a.cause, a.reason, a.flags, a.env,
-                a.old_pid, now, p, a.operator,
-            )  # fmt: skip
-            ops.extend(prepare)
-            a = replace(
-                fresh,
-                started_seconds=a.started_seconds,
-                permit_held=True,
-                permit_renew_at=None
-                if permit_renew_seconds is None
-                else now + permit_renew_seconds,
-                notes=(*a.notes, f"fleet permit after {waited:.0f}s ({r.detail})"),
-            )
-            moves.append(
-                Move(Phase.PREPARING, f"fleet permit granted: {r.detail}; front door closed")
-            )
-        elif r.op is Op.PERMIT and a.phase is Phase.AWAITING_PERMIT:
-            if r.terminal:
-                return end(False, True, f"no fleet permit: {r.detail}")
-            if r.detail != a.permit_reason:  # audited when the reason changes, not every try
-                moves.append(Move(Phase.AWAITING_PERMIT, f"no fleet permit yet: {r.detail}"))
-            a = replace(a, permit_retry_at=now + PERMIT_RETRY_SECONDS, permit_reason=r.detail)
-        elif r.op is Op.PERMIT and a.permit_held and not r.ok:
-            # Audited; the action goes on: the Lease lasts its duration from the last renewal,
-            # and the next renewal tries again.
-            moves.append(Move(a.phase, f"fleet permit not renewed: {r.detail}"))
-        elif r.op is Op.BUNDLE:
-            a = replace(a, notes=(*a.notes, f"bundle {r.detail}" if r.ok else r.detail))
-        elif r.op is Op.WRITE_FLAGS and not r.ok:
-            return end(False, r.terminal, f"flags not written, nothing restarted: {r.detail}")
-        elif r.op is Op.WRITE_FLAGS:
-            a = replace(
-                a, notes=(*a.notes, "flags file written"), flags_written_seconds=r.finished_seconds
-            )
-        elif r.op is Op.RESTART:
-            if not r.ok:
-                return end(False, r.terminal, r.detail)
-            a = replace(a, notes=(*a.notes, r.detail), ready_after=r.finished_seconds)
-            if a.old_pid is not None or a.old_device_pids is not None:
-                go(Phase.AWAITING_VRAM, "restart returned")
-            else:
-                go(Phase.AWAITING_READY, "restart returned")
+        if r.action_id == t.a.action_id:
+            ended = _read_result(t, r)
+            if ended is not None:
+                return ended
+    _renew_permit(t)
+    for _ in range(len(Phase) + 1):  # each pass either waits (returns) or moves on
+        phase = t.a.phase
+        ended = _PHASES[phase](t)
+        if ended is not None:
+            return ended
+        if t.a.phase is phase:
+            break
+    return Advance(t.a, tuple(t.moves), tuple(t.ops), None)
 
+
+def _pick_up_orphan(t: _Tick) -> Advance | None:
+    """The guardian died mid-action: the calls it was waiting for died with it. An action
+    still preparing starts again (returned); the others go on from their phase."""
+    a = t.a = replace(t.a, orphaned=False, waiting_ops=())
+    if a.phase is Phase.AWAITING_PERMIT:
+        # The try died with the guardian: ask again now (a Lease it got meanwhile is found
+        # again as its own: core/permit.plan renews it).
+        t.a = replace(a, permit_retry_at=t.now)
+        t.moves.append(
+            Move(a.phase, "the guardian restarted while waiting for a permit: asking again")
+        )
+    elif a.phase is Phase.PREPARING:
+        # Nothing disruptive happened yet: prepare again.
+        fresh, again = start(
+            a.action_id, t.service, a.kind, a.cause, a.reason, a.flags, a.env,
+            a.old_pid, t.now, t.p, a.operator,
+        )  # fmt: skip
+        return Advance(
+            fresh,
+            (Move(Phase.PREPARING, "the guardian restarted while preparing: preparing again"),),
+            again,
+            None,
+        )
+    if a.phase is Phase.RESTARTING:
+        t.go(
+            Phase.AWAITING_READY,
+            "the guardian restarted during the restart call: waiting for vLLM to be ready",
+            ready_after=t.now,
+        )
+    else:
+        t.moves.append(Move(a.phase, f"the guardian restarted during {a.phase.value}: going on"))
+    return None
+
+
+def _read_result(t: _Tick, r: OpResult) -> Advance | None:
+    """One result of a call this action asked for (the action ends: returned)."""
+    a = t.a = replace(t.a, waiting_ops=tuple(o for o in t.a.waiting_ops if o is not r.op))
+    if r.op is Op.PERMIT:
+        return _read_permit(t, r)
+    if r.op is Op.BUNDLE:
+        t.note(f"bundle {r.detail}" if r.ok else r.detail)
+    elif r.op is Op.WRITE_FLAGS and not r.ok:
+        return t.end(False, r.terminal, f"flags not written, nothing restarted: {r.detail}")
+    elif r.op is Op.WRITE_FLAGS:
+        t.a = replace(
+            a, notes=(*a.notes, "flags file written"), flags_written_seconds=r.finished_seconds
+        )
+    elif r.op is Op.RESTART:
+        if not r.ok:
+            return t.end(False, r.terminal, r.detail)
+        t.a = replace(a, notes=(*a.notes, r.detail), ready_after=r.finished_seconds)
+        if t.a.old_pid is not None or t.a.old_device_pids is not None:
+            t.go(Phase.AWAITING_VRAM, "restart returned")
+        else:
+            t.go(Phase.AWAITING_READY, "restart returned")
+    return None
+
+
+def _read_permit(t: _Tick, r: OpResult) -> Advance | None:
+    """A permit call's result: granted (the action starts, the front door closes), refused
+    (wait and retry, or end when it says it never will), or a renewal that failed."""
+    a, now = t.a, t.now
+    if r.ok and a.phase is Phase.AWAITING_PERMIT:
+        waited = now - a.phase_since
+        fresh, prepare = start(
+            a.action_id, t.service, a.kind, a.cause, a.reason, a.flags, a.env,
+            a.old_pid, now, t.p, a.operator,
+        )  # fmt: skip
+        t.ops.extend(prepare)
+        t.a = replace(
+            fresh,
+            started_seconds=a.started_seconds,
+            permit_held=True,
+            permit_renew_at=None
+            if t.permit_renew_seconds is None
+            else now + t.permit_renew_seconds,
+            notes=(*a.notes, f"fleet permit after {waited:.0f}s ({r.detail})"),
+        )
+        t.moves.append(
+            Move(Phase.PREPARING, f"fleet permit granted: {r.detail}; front door closed")
+        )
+    elif a.phase is Phase.AWAITING_PERMIT:
+        if r.terminal:
+            return t.end(False, True, f"no fleet permit: {r.detail}")
+        if r.detail != a.permit_reason:  # audited when the reason changes, not every try
+            t.moves.append(Move(Phase.AWAITING_PERMIT, f"no fleet permit yet: {r.detail}"))
+        t.a = replace(a, permit_retry_at=now + PERMIT_RETRY_SECONDS, permit_reason=r.detail)
+    elif a.permit_held and not r.ok:
+        # Audited; the action goes on: the Lease lasts its duration from the last renewal,
+        # and the next renewal tries again.
+        t.moves.append(Move(a.phase, f"fleet permit not renewed: {r.detail}"))
+    return None
+
+
+def _renew_permit(t: _Tick) -> None:
+    """One try renews the Lease this guardian holds (core/permit.plan: RENEW), when due."""
+    a, every = t.a, t.permit_renew_seconds
     if (
         a.permit_held
-        and permit_renew_seconds is not None
+        and every is not None
         and a.permit_renew_at is not None
-        and now >= a.permit_renew_at
+        and t.now >= a.permit_renew_at
         and Op.PERMIT not in a.waiting_ops
     ):
-        # One try renews the Lease this guardian holds (core/permit.plan: RENEW).
-        ops.append(
-            OpRequest(
-                a.action_id, service, Op.PERMIT, (), (), PERMIT_CALL_TIMEOUT_SECONDS,
-                a.reason, a.cause,
-            )
-        )  # fmt: skip
-        a = replace(
-            a, waiting_ops=(*a.waiting_ops, Op.PERMIT), permit_renew_at=now + permit_renew_seconds
-        )
+        t.ask_permit()
+        t.a = replace(t.a, permit_renew_at=t.now + every)
 
-    for _ in range(len(Phase) + 1):  # each pass either waits (returns) or moves on
-        phase = a.phase
-        if phase is Phase.AWAITING_PERMIT:
-            if Op.PERMIT in a.waiting_ops:
-                if now >= a.deadline + PERMIT_CALL_TIMEOUT_SECONDS:
-                    return end(False, False, "the permit call did not return in time")
-            elif now >= a.deadline:
-                waited = now - a.phase_since
-                return end(
-                    False,
-                    False,
-                    f"no fleet permit within {waited:.0f}s; nothing restarted (last: "
-                    f"{a.permit_reason or 'no answer'})",
-                )
-            elif now >= a.permit_retry_at:
-                ops.append(
-                    OpRequest(
-                        a.action_id, service, Op.PERMIT, (), (),
-                        PERMIT_CALL_TIMEOUT_SECONDS, a.reason, a.cause,
-                    )
-                )  # fmt: skip
-                a = replace(a, waiting_ops=(*a.waiting_ops, Op.PERMIT))
-            break
-        if phase is Phase.PREPARING:
-            if Op.WRITE_FLAGS in a.waiting_ops and now < a.deadline:
-                break
-            if Op.WRITE_FLAGS in a.waiting_ops:
-                return end(
-                    False, False, "the flags file was not written in time; nothing restarted"
-                )
-            if Op.BUNDLE in a.waiting_ops and now < a.deadline:
-                break
-            if Op.BUNDLE in a.waiting_ops:
-                a = replace(a, notes=(*a.notes, "bundle not finished in time; going on without it"))
-            if runs_old_flags(a, seen):
-                go(Phase.DRAINING, _OLD_FLAGS.format(pid=seen.main_pid))
-            elif seen.listening is False and a.old_pid is not None:
-                # The process is gone: a supervisor (Restart=always, the process manager) may
-                # be starting it already, with the flags just written. A process that still
-                # answers (503, hung) is restarted by nobody but us.
-                go(
-                    Phase.AWAITING_SELF_RESTART,
-                    "vLLM is down: waiting for its supervisor to start it again",
-                )
-            else:
-                go(Phase.DRAINING, "front door closed")
-        elif phase is Phase.AWAITING_SELF_RESTART:
-            if runs_old_flags(a, seen):
-                go(Phase.DRAINING, _OLD_FLAGS.format(pid=seen.main_pid))
-            elif seen.main_pid is not None and (
-                seen.main_pid != a.old_pid
-                or (
-                    a.flags_written_seconds is not None
-                    and seen.main_started_seconds is not None
-                    and seen.main_started_seconds >= a.flags_written_seconds
-                )
-            ):
-                a = replace(
-                    a, notes=(*a.notes, "vLLM restarted on its own after dying (no second restart)")
-                )
-                go(
-                    Phase.AWAITING_READY,
-                    f"its supervisor started vLLM again (pid {seen.main_pid})",
-                    ready_after=now,
-                )
-            elif now >= a.deadline:
-                go(Phase.DRAINING, "nobody restarted it")
-            else:
-                break
-        elif phase is Phase.DRAINING:
-            left = seen.in_flight
-            if seen.stalled or seen.engine_dead or seen.listening is False:
-                # A hung, dead or exited engine finishes nothing: waiting out the drain would
-                # only hold the front door closed longer (the requests in it fail either way).
-                why = (
-                    "hung (no progress)"
-                    if seen.stalled
-                    else "not serving (/health 503)"
-                    if seen.engine_dead
-                    else "not serving (nothing listens)"
-                )
-                a = replace(a, notes=(*a.notes, f"not drained: the engine is {why}"))
-                restart(f"the engine is {why}: nothing in flight can finish")
-            elif left is None or left <= 0:
-                took = now - a.phase_since
-                a = replace(a, notes=(*a.notes, f"drained in {took:.0f}s"))
-                restart(f"drained (in flight per {seen.in_flight_from or 'nothing'}: 0)")
-            elif now >= a.deadline:
-                a = replace(
-                    a,
-                    notes=(
-                        *a.notes,
-                        f"drain timed out after {p.drain_timeout_seconds:.0f}s with {left:.0f} in "
-                        "flight (vLLM's --shutdown-timeout takes over)",
-                    ),
-                )
-                restart(
-                    f"drain deadline passed with {left:.0f} in flight per {seen.in_flight_from}"
-                )
-            else:
-                break
-        elif phase is Phase.RESTARTING:
-            if Op.RESTART in a.waiting_ops and now >= a.deadline:
-                return end(False, False, "the restart call did not return in time")
-            break
-        elif phase is Phase.AWAITING_VRAM and a.old_device_pids is not None:
-            held, blind = _held_by_device(a.old_device_pids, seen.device_pids)
-            if not held:
-                freed = [g for g, _ in a.old_device_pids if g not in blind]
-                said: list[str] = []
-                if freed:
-                    said.append(f"the old instance's GPU memory is free on {_gpus(freed)}")
-                if blind:
-                    said.append(f"GPU processes not visible on {_gpus(blind)}: not waiting on them")
-                if not a.old_device_pids:
-                    said.append("GPU processes not visible: not waiting on them")
-                go(Phase.AWAITING_READY, "; ".join(said))
-            elif now >= a.deadline:
-                still = ", ".join(
-                    f"GPU {g} (host pid{'s' if len(pids) > 1 else ''} {', '.join(map(str, pids))})"
-                    for g, pids in held
-                )
-                return end(
-                    False,
-                    False,
-                    f"the old instance still holds {still} after "
-                    f"{p.vram_release_timeout_seconds:.0f}s",
-                )
-            else:
-                break
-        elif phase is Phase.AWAITING_VRAM:
-            if seen.gpu_pids is None or a.old_pid not in seen.gpu_pids:
-                go(
-                    Phase.AWAITING_READY,
-                    "the old instance's GPU memory is free"
-                    if seen.gpu_pids is not None
-                    else "GPU processes not visible: not waiting on them",
-                )
-            elif now >= a.deadline:
-                return end(
-                    False,
-                    False,
-                    f"the old instance (pid {a.old_pid}) still holds GPU memory after "
-                    f"{p.vram_release_timeout_seconds:.0f}s",
-                )
-            else:
-                break
-        elif phase is Phase.AWAITING_READY:
-            if seen.time_seconds > a.ready_after and seen.health_up and seen.metrics_up:
-                took = now - a.started_seconds
-                return end(True, False, f"ready after {took:.0f}s")
-            if now >= a.deadline:
-                return end(
-                    False,
-                    False,
-                    f"not ready within {p.ready_timeout_seconds:.0f}s after the restart",
-                )
-            break
-    return Advance(a, tuple(moves), tuple(ops), None)
+
+# Each phase's handler: it moves the action to another phase (``_Tick.go``), ends it (returns
+# the Advance), or leaves it where it is to wait for a later tick.
+
+
+def _awaiting_permit(t: _Tick) -> Advance | None:
+    a, now = t.a, t.now
+    if Op.PERMIT in a.waiting_ops:
+        if now >= a.deadline + PERMIT_CALL_TIMEOUT_SECONDS:
+            return t.end(False, False, "the permit call did not return in time")
+    elif now >= a.deadline:
+        waited = now - a.phase_since
+        return t.end(
+            False,
+            False,
+            f"no fleet permit within {waited:.0f}s; nothing restarted (last: "
+            f"{a.permit_reason or 'no answer'})",
+        )
+    elif now >= a.permit_retry_at:
+        t.ask_permit()
+    return None
+
+
+def _preparing(t: _Tick) -> Advance | None:
+    a, now, seen = t.a, t.now, t.seen
+    if Op.WRITE_FLAGS in a.waiting_ops and now < a.deadline:
+        return None
+    if Op.WRITE_FLAGS in a.waiting_ops:
+        return t.end(False, False, "the flags file was not written in time; nothing restarted")
+    if Op.BUNDLE in a.waiting_ops and now < a.deadline:
+        return None
+    if Op.BUNDLE in a.waiting_ops:
+        t.note("bundle not finished in time; going on without it")
+    if runs_old_flags(t.a, seen):
+        t.go(Phase.DRAINING, _OLD_FLAGS.format(pid=seen.main_pid))
+    elif seen.listening is False and t.a.old_pid is not None:
+        # The process is gone: a supervisor (Restart=always, the process manager) may
+        # be starting it already, with the flags just written. A process that still
+        # answers (503, hung) is restarted by nobody but us.
+        t.go(
+            Phase.AWAITING_SELF_RESTART,
+            "vLLM is down: waiting for its supervisor to start it again",
+        )
+    else:
+        t.go(Phase.DRAINING, "front door closed")
+    return None
+
+
+def _awaiting_self_restart(t: _Tick) -> Advance | None:
+    a, seen = t.a, t.seen
+    if runs_old_flags(a, seen):
+        t.go(Phase.DRAINING, _OLD_FLAGS.format(pid=seen.main_pid))
+    elif seen.main_pid is not None and (
+        seen.main_pid != a.old_pid
+        or (
+            a.flags_written_seconds is not None
+            and seen.main_started_seconds is not None
+            and seen.main_started_seconds >= a.flags_written_seconds
+        )
+    ):
+        t.note("vLLM restarted on its own after dying (no second restart)")
+        t.go(
+            Phase.AWAITING_READY,
+            f"its supervisor started vLLM again (pid {seen.main_pid})",
+            ready_after=t.now,
+        )
+    elif t.now >= a.deadline:
+        t.go(Phase.DRAINING, "nobody restarted it")
+    return None
+
+
+def _draining(t: _Tick) -> Advance | None:
+    a, now, seen = t.a, t.now, t.seen
+    left = seen.in_flight
+    if seen.stalled or seen.engine_dead or seen.listening is False:
+        # A hung, dead or exited engine finishes nothing: waiting out the drain would
+        # only hold the front door closed longer (the requests in it fail either way).
+        why = (
+            "hung (no progress)"
+            if seen.stalled
+            else "not serving (/health 503)"
+            if seen.engine_dead
+            else "not serving (nothing listens)"
+        )
+        t.note(f"not drained: the engine is {why}")
+        t.restart(f"the engine is {why}: nothing in flight can finish")
+    elif left is None or left <= 0:
+        took = now - a.phase_since
+        t.note(f"drained in {took:.0f}s")
+        t.restart(f"drained (in flight per {seen.in_flight_from or 'nothing'}: 0)")
+    elif now >= a.deadline:
+        t.note(
+            f"drain timed out after {t.p.drain_timeout_seconds:.0f}s with {left:.0f} in "
+            "flight (vLLM's --shutdown-timeout takes over)"
+        )
+        t.restart(f"drain deadline passed with {left:.0f} in flight per {seen.in_flight_from}")
+    return None
+
+
+def _restarting(t: _Tick) -> Advance | None:
+    if Op.RESTART in t.a.waiting_ops and t.now >= t.a.deadline:
+        return t.end(False, False, "the restart call did not return in time")
+    return None
+
+
+def _awaiting_vram(t: _Tick) -> Advance | None:
+    """The old instance's GPU memory freed: per device where the service's GPUs are known,
+    else by its pid among the GPU processes."""
+    a, seen = t.a, t.seen
+    if a.old_device_pids is not None:
+        return _awaiting_vram_by_device(t, a.old_device_pids)
+    if seen.gpu_pids is None or a.old_pid not in seen.gpu_pids:
+        t.go(
+            Phase.AWAITING_READY,
+            "the old instance's GPU memory is free"
+            if seen.gpu_pids is not None
+            else "GPU processes not visible: not waiting on them",
+        )
+    elif t.now >= a.deadline:
+        return t.end(
+            False,
+            False,
+            f"the old instance (pid {a.old_pid}) still holds GPU memory after "
+            f"{t.p.vram_release_timeout_seconds:.0f}s",
+        )
+    return None
+
+
+def _awaiting_vram_by_device(
+    t: _Tick, old: tuple[tuple[int, tuple[int, ...] | None], ...]
+) -> Advance | None:
+    held, blind = _held_by_device(old, t.seen.device_pids)
+    if not held:
+        freed = [g for g, _ in old if g not in blind]
+        said: list[str] = []
+        if freed:
+            said.append(f"the old instance's GPU memory is free on {_gpus(freed)}")
+        if blind:
+            said.append(f"GPU processes not visible on {_gpus(blind)}: not waiting on them")
+        if not old:
+            said.append("GPU processes not visible: not waiting on them")
+        t.go(Phase.AWAITING_READY, "; ".join(said))
+    elif t.now >= t.a.deadline:
+        still = ", ".join(
+            f"GPU {g} (host pid{'s' if len(pids) > 1 else ''} {', '.join(map(str, pids))})"
+            for g, pids in held
+        )
+        return t.end(
+            False,
+            False,
+            f"the old instance still holds {still} after {t.p.vram_release_timeout_seconds:.0f}s",
+        )
+    return None
+
+
+def _awaiting_ready(t: _Tick) -> Advance | None:
+    a, seen = t.a, t.seen
+    if seen.time_seconds > a.ready_after and seen.health_up and seen.metrics_up:
+        took = t.now - a.started_seconds
+        return t.end(True, False, f"ready after {took:.0f}s")
+    if t.now >= a.deadline:
+        return t.end(
+            False,
+            False,
+            f"not ready within {t.p.ready_timeout_seconds:.0f}s after the restart",
+        )
+    return None
+
+
+_PHASES: dict[Phase, Callable[[_Tick], Advance | None]] = {
+    Phase.AWAITING_PERMIT: _awaiting_permit,
+    Phase.PREPARING: _preparing,
+    Phase.AWAITING_SELF_RESTART: _awaiting_self_restart,
+    Phase.DRAINING: _draining,
+    Phase.RESTARTING: _restarting,
+    Phase.AWAITING_VRAM: _awaiting_vram,
+    Phase.AWAITING_READY: _awaiting_ready,
+}
 
 
 def _gpus(indices: Sequence[int]) -> str:

@@ -165,12 +165,12 @@ def gate_states(
         sig = signals.service(s.service)
         if sig is not None and (sig.vllm_up is False or sig.health_state is HealthState.SCALING):
             gate = GateState(False, f"vLLM is not up ({sig.health_state})")
-        elif not s.gate_open and (not dry_run or s.action is not None):
+        elif not s.front_door.open and (not dry_run or s.action is not None):
             # An action under way is real (an operator's command acts in dry-run too): its
             # drain needs the front door really closed.
-            gate = GateState(False, s.gate_reason)
-        elif not s.gate_open:
-            gate = GateState(True, f"dry-run: would answer 503 ({s.gate_reason})")
+            gate = GateState(False, s.front_door.reason)
+        elif not s.front_door.open:
+            gate = GateState(True, f"dry-run: would answer 503 ({s.front_door.reason})")
         else:
             gate = GateState(True, "open")
         out.append((s.service, gate))

@@ -5,7 +5,7 @@
 * :mod:`.gather` collects the same files from a live host (two ``/metrics`` scrapes, ``/health``,
   GPUs, the unit, its journal, the model's ``config.json``, the daemon's recent ticks);
 * :mod:`.analyze` turns a bundle into a :class:`~.report.Report` with the pure core
-  (``core/signals.py``, ``core/diagnosis.py``, ``core/budget.py``);
+  (``core/signals.py``, ``core/diagnosis.py``, ``core/observations.py``, ``core/budget.py``);
 * :mod:`.recommend` picks the flags to change; :mod:`.report` renders text and ``--json``.
 
 Live mode and bundle mode share everything after gathering: a live diagnosis *is* the analysis

@@ -5,7 +5,7 @@ Steps: scrapes → :class:`VllmScrape` (``sources/vllm_metrics.parse_vllm_metric
 daemon's flight records (when present) become the earlier history; ``core/signals.derive``
 computes rates and percentiles from consecutive snapshots; journal lines → log events
 (``vllm_log_format.match_line``) and vLLM's sizing lines (``core/budget``); the model's
-``config.json`` and the flags → the KV budget; all of it → ``core/diagnosis.classify``; the
+``config.json`` and the flags → the KV budget; all of it → ``core/observations.classify``; the
 verdict → ``recommend``. Bad inputs become ``problems``, never exceptions.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 from vllm_guardian import promtext
 from vllm_guardian.allocator_format import AllocatorStats, FormatError, decode
 from vllm_guardian.config import PolicyConfig, ServiceConfig, SignalsConfig
-from vllm_guardian.core import diagnosis
+from vllm_guardian.core import diagnosis, observations
 from vllm_guardian.core.budget import (
     Deployment,
     KvBudget,
@@ -406,7 +406,7 @@ def _reported_pool(
 def analyze(
     b: Bundle,
     mode: str = "bundle",
-    thresholds: diagnosis.Thresholds | None = None,
+    thresholds: observations.Thresholds | None = None,
     policy: PolicyConfig | None = None,
     signals: SignalsConfig | None = None,
 ) -> Report:
@@ -415,7 +415,7 @@ def analyze(
     the config's ``policy:`` (the levers' steps and floors), the shipped one without it;
     ``signals`` the config's ``signals:``, the windows the daemon judged its flight record
     with (the stall's wait), the shipped ones without it."""
-    th = thresholds or diagnosis.Thresholds()
+    th = thresholds or observations.Thresholds()
     problems = list(b.problems)
     service = b.service
     now = b.created_seconds
@@ -497,7 +497,7 @@ def analyze(
         total = _total_from_events(events)
     bud = _budget(b, flags, cache, sizing, total, max_model_len, p95, problems)
     allocator = _allocator(b.allocator, problems)
-    obs = diagnosis.Observations(
+    obs = observations.Observations(
         signals=sig,
         scrapes=len(times),
         observed_seconds=span,
@@ -519,7 +519,7 @@ def analyze(
         model_fits=bud.fits,
         p95_request_tokens=p95,
     )
-    result = _agree_with_action(diagnosis.classify(obs), b.action, problems)
+    result = _agree_with_action(observations.classify(obs), b.action, problems)
     sleeping = [e.engine for e in (scrape_last.engines if scrape_last else ()) if e.asleep]
     if sleeping:
         # An operator's /sleep, not a fault: progress is not judged while an engine sleeps.
@@ -665,8 +665,8 @@ def analyze(
 
 
 def _agree_with_action(
-    result: diagnosis.Classification, action: dict[str, Any] | None, problems: list[str]
-) -> diagnosis.Classification:
+    result: observations.Classification, action: dict[str, Any] | None, problems: list[str]
+) -> observations.Classification:
     """A bundle the guardian saved when it acted (``action.json``) is read in agreement with
     that action: its cause leads the findings, with the guardian's reason as evidence.
 
@@ -824,10 +824,10 @@ def plan_report(
     """``vllm-guardian plan``: the budget of a deployment before it exists, and its verdict."""
     budget = compute_budget(model, d)
     fits = model_fits(model, d.gpu_memory_total_bytes, budget.tensor_parallel_size)
-    obs = diagnosis.Observations(
+    obs = observations.Observations(
         signals=None, budget=budget, model_fits=fits, p95_request_tokens=request_tokens
     )
-    result = diagnosis.classify(obs)
+    result = observations.classify(obs)
     notes = [n for n in result.notes if not n.startswith("no /metrics")]
     findings = list(result.findings)
     if request_tokens and fits and budget.fits_one_request:

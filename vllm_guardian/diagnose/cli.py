@@ -24,7 +24,7 @@ from vllm_guardian.config import (
     SignalsConfig,
     load_config,
 )
-from vllm_guardian.core import diagnosis
+from vllm_guardian.core import observations
 from vllm_guardian.core.budget import (
     DTYPE_BYTES,
     Deployment,
@@ -101,7 +101,7 @@ def _emit(report: Report, as_json: bool, verbose: bool) -> int:
     return report.exit_code
 
 
-def _read_config(path: str) -> tuple[Config, diagnosis.Thresholds] | None:
+def _read_config(path: str) -> tuple[Config, observations.Thresholds] | None:
     """The config at ``path`` and the thresholds of its rule set (shipped rules + ``rules_file``:
     one classifier's numbers), or None after saying what is wrong with either."""
     try:
@@ -114,7 +114,7 @@ def _read_config(path: str) -> tuple[Config, diagnosis.Thresholds] | None:
         print(f"vllm-guardian diagnose: {path}: {e.strerror or e}", file=sys.stderr)
         return None
     where = cfg.alerting.rules_file
-    return cfg, diagnosis.thresholds_from_rules(
+    return cfg, observations.thresholds_from_rules(
         rules, f"the shipped rules and {where}" if where else "the shipped rules"
     )
 
@@ -134,7 +134,7 @@ def diagnose(argv: Sequence[str]) -> int:
                 file=sys.stderr,
             )
             return EXIT_USAGE
-        thresholds = diagnosis.Thresholds()
+        thresholds = observations.Thresholds()
         policy: PolicyConfig | None = None
         signals: SignalsConfig | None = None
         if args.config:
@@ -152,7 +152,7 @@ def diagnose(argv: Sequence[str]) -> int:
         )
     nvml = NvmlSourceConfig()
     socket: str | None = None
-    thresholds = diagnosis.Thresholds()  # --url alone: the shipped rules' numbers
+    thresholds = observations.Thresholds()  # --url alone: the shipped rules' numbers
     policy = None  # --url alone: the shipped policy's levers
     svc: ServiceConfig
     config_path = args.config or (

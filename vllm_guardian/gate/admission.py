@@ -16,7 +16,12 @@ The rules, in the order they apply:
 * a dispatcher releases the head of the queue, in order, while the gate is open and the head's
   KV need fits, at most ``release_rate_per_second`` (with a small burst) so that a reopening
   does not itself flood vLLM; a request that waits longer than ``max_wait_seconds`` is refused
-  (503 + Retry-After);
+  (503 + Retry-After). A request held while the guardian's ``/ready`` says a restart or
+  relaunch is in progress (``set_restart_in_progress``, from the follower) waits on past it,
+  by at most ``restart_extra_wait_seconds`` and never past the client's own timeout, for as
+  long as the restart lasts or the reopened gate releases the queue: a restart takes about
+  as long as ``max_wait_seconds`` and a request held before it began ran out just before the
+  new engine was ready;
 * in-flight requests are never touched: closing the gate only stops new admissions.
 
 KV-need admission: a request's need is its estimated prompt tokens plus its ``max_tokens`` (or
@@ -36,13 +41,17 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_guardian.gate.metrics import GateMetrics
 
 log = logging.getLogger("vllm_guardian.gate")
+
+# A request waiting past max_wait_seconds for a restart checks this often whether the restart
+# still holds it (over, with the gate closed for another reason: it is refused then).
+EXTENSION_RECHECK_SECONDS = 0.25
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,9 @@ class Limits:
     kv_admission: bool = False  # the config's default and why: config.GateConfig
     kv_reserve_ratio: float = 0.05
     retry_after_seconds: int = 2
+    # How much longer than max_wait_seconds a request held during the guardian's restart may
+    # wait (0: not at all); the config's default and why: config.GateConfig.
+    restart_extra_wait_seconds: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -107,6 +119,7 @@ class _Waiter:
     cost: Cost
     future: asyncio.Future[Ticket]
     enqueued_monotonic: float
+    extended: bool = False  # waited past max_wait_seconds for a restart
 
 
 # --- estimating a request's cost from its body ----------------------------------------------
@@ -193,6 +206,10 @@ class Admission:
         self._bucket_monotonic = monotonic()
         self._dispatcher: asyncio.Task[None] | None = None
         self._closed = False
+        # The guardian's /ready says a restart or relaunch is in progress (the follower sets
+        # it), and when one was last seen in progress (None: never).
+        self.restart_in_progress = False
+        self._restart_seen_monotonic: float | None = None
         metrics.set_open(False)
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -227,6 +244,13 @@ class Admission:
         self.open, self.reason = open_, reason
         if open_:
             self._wake.set()
+
+    def set_restart_in_progress(self, on: bool) -> None:
+        """Whether the guardian says a restart or relaunch of the service is in progress (its
+        ``/ready`` field; False when there is no guardian or it does not answer)."""
+        if on:
+            self._restart_seen_monotonic = self._now()
+        self.restart_in_progress = on
 
     def set_kv(
         self, capacity_tokens: int | None, used_tokens: float, source: str | None = None
@@ -264,12 +288,20 @@ class Admission:
         return used + cost.kv_tokens <= cap * (1.0 - self.limits.kv_reserve_ratio)
 
     async def acquire(
-        self, key: str, cost: Cost, *, front: bool = False, extra_wait_seconds: float = 0.0
+        self,
+        key: str,
+        cost: Cost,
+        *,
+        front: bool = False,
+        extra_wait_seconds: float = 0.0,
+        client_timeout_seconds: float | None = None,
     ) -> Ticket:
         """Wait for admission (FIFO); raises :class:`Rejected` when the request cannot wait.
         ``front`` puts a retried request at the head: it had been admitted once already.
         ``extra_wait_seconds`` lengthens its wait past ``max_wait_seconds`` (a request taken
-        back from a hung engine keeps the time it would have waited in there)."""
+        back from a hung engine keeps the time it would have waited in there).
+        ``client_timeout_seconds``: what the client said it waits from now (None: unsaid); the
+        restart's extension never goes past it."""
         if self._closed:
             raise Rejected(RejectReason.SHUTDOWN, "the gate is shutting down", 1)
         if self.open and not self._queue and self.kv_fits(cost):
@@ -287,9 +319,12 @@ class Admission:
         self._gauges()
         self.metrics.held.inc()
         self._wake.set()
+        max_wait = self.limits.max_wait_seconds + extra_wait_seconds
+        longest = max_wait + self.limits.restart_extra_wait_seconds
+        if client_timeout_seconds is not None:
+            longest = min(longest, max(max_wait, client_timeout_seconds))
         try:
-            max_wait = self.limits.max_wait_seconds + extra_wait_seconds
-            ticket = await asyncio.wait_for(asyncio.shield(waiter.future), max_wait)
+            ticket = await self._wait(waiter, max_wait, longest)
         except TimeoutError:
             if waiter.future.done() and not waiter.future.exception():
                 ticket = waiter.future.result()  # granted in the same instant: take it
@@ -298,7 +333,9 @@ class Admission:
                 self.metrics.rejected.labels(RejectReason.WAIT_TIMEOUT.value).inc()
                 raise Rejected(
                     RejectReason.WAIT_TIMEOUT,
-                    f"the upstream did not accept new requests within {max_wait:g} s ({self.reason})",
+                    f"the upstream did not accept new requests within {max_wait:g} s"
+                    + (" and the restart's extension" if waiter.extended else "")
+                    + f" ({self.reason})",
                     self.limits.retry_after_seconds,
                 ) from None
         except asyncio.CancelledError:
@@ -314,6 +351,36 @@ class Admission:
             self.longest_wait_seconds = max(self.longest_wait_seconds, waited)
         self.metrics.admitted.inc()
         return ticket
+
+    async def _wait(self, waiter: _Waiter, max_wait: float, longest: float) -> Ticket:
+        """The waiter's grant within ``max_wait`` seconds of its arrival, or past it up to
+        ``longest`` while a restart it was held during still holds it; else TimeoutError."""
+        granted: Awaitable[Ticket] = asyncio.shield(waiter.future)
+        try:
+            return await asyncio.wait_for(granted, max_wait)
+        except TimeoutError:
+            pass
+        while self._restart_holds(waiter) and not waiter.future.done():
+            waiter.extended = True
+            left = waiter.enqueued_monotonic + longest - self._now()
+            if left <= 0:
+                break
+            try:
+                return await asyncio.wait_for(
+                    asyncio.shield(waiter.future), min(left, EXTENSION_RECHECK_SECONDS)
+                )
+            except TimeoutError:
+                continue
+        raise TimeoutError
+
+    def _restart_holds(self, waiter: _Waiter) -> bool:
+        """The restart extends this waiter's wait: one was in progress while it waited, and
+        it still is, or it ended since it came and the gate is open again, releasing the
+        queue."""
+        if self.restart_in_progress:
+            return True
+        seen = self._restart_seen_monotonic
+        return self.open and seen is not None and seen >= waiter.enqueued_monotonic
 
     def release(self, ticket: Ticket) -> None:
         if ticket.released:

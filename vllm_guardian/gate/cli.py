@@ -33,7 +33,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from vllm_guardian.config import CONTINUATION_ROUTES, ConfigInvalid, load_config
+from vllm_guardian.config import (
+    CONTINUATION_ROUTES,
+    ConfigInvalid,
+    check_fallback_url,
+    load_config,
+)
 from vllm_guardian.gate.admission import Limits
 from vllm_guardian.gate.proxy import ProxySettings
 from vllm_guardian.gate.server import Gate, GateSettings
@@ -50,6 +55,7 @@ DEFAULTS: dict[str, Any] = {
     "max_queue": 1024,
     "max_queued_tokens": 1_000_000,
     "max_wait": 60.0,
+    "restart_extra_wait": 30.0,
     "release_rate": 50.0,
     "release_burst": 8,
     "per_key_share": 0.0,
@@ -73,6 +79,8 @@ DEFAULTS: dict[str, Any] = {
     "continuation": "on",
     "max_continuations": 1,
     "continuation_off_routes": (),
+    "fallback_url": None,
+    "fallback_after": 10.0,
     "log_level": "INFO",
 }
 
@@ -157,6 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-wait",
         type=float,
         help=f"seconds a request waits at most before its 503 (default {_shown('max_wait')})",
+    )
+    q.add_argument(
+        "--restart-extra-wait",
+        type=float,
+        help="seconds longer a request held while the guardian restarts or relaunches vLLM may "
+        "wait, never past the client's own timeout "
+        f"(default {_shown('restart_extra_wait')}; 0: no longer)",
     )
     q.add_argument(
         "--release-rate",
@@ -284,6 +299,18 @@ def build_parser() -> argparse.ArgumentParser:
         choices=CONTINUATION_ROUTES,
         help="do not continue the streams of this route while --continuation is on (repeat it)",
     )
+    o.add_argument(
+        "--fallback-url",
+        help="another replica of the same model (e.g. its Kubernetes Service): a continuation "
+        "or a held completion that waited --fallback-after for this server goes there "
+        "instead (default: none, off)",
+    )
+    o.add_argument(
+        "--fallback-after",
+        type=float,
+        help="seconds a continuation or a held completion waits for this server before "
+        f"the fallback (default {_shown('fallback_after')})",
+    )
     o.add_argument("--log-level", help="DEBUG, INFO (default), WARNING, ERROR")
     return ap  # fmt: skip
 
@@ -317,6 +344,7 @@ def values_from_config(path: str, service: str) -> dict[str, Any]:
         "max_queue": g.max_queue_requests,
         "max_queued_tokens": g.max_queued_tokens,
         "max_wait": g.max_wait_seconds,
+        "restart_extra_wait": g.restart_extra_wait_seconds,
         "release_rate": g.release_rate_per_second,
         "release_burst": g.release_burst,
         "per_key_share": g.per_key_share_ratio,
@@ -340,6 +368,8 @@ def values_from_config(path: str, service: str) -> dict[str, Any]:
         "continuation": "on" if g.continuation else "off",
         "max_continuations": g.max_continuations,
         "continuation_off_routes": g.continuation_off_routes,
+        "fallback_url": g.fallback_url,
+        "fallback_after": g.fallback_after_seconds,
     }
 
 
@@ -370,6 +400,8 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
         raise UsageError("--max-wait and the poll intervals must be > 0")
     if args.stall_hold < 0:
         raise UsageError("--stall-hold must be >= 0 (0: off)")
+    if args.restart_extra_wait < 0:
+        raise UsageError("--restart-extra-wait must be >= 0 (0: no longer)")
     known = frozenset(k.lower() for k in args.known_keys_sha256)
     if any(not re.fullmatch(r"[0-9a-f]{64}", k) for k in known):
         raise UsageError("--known-key-sha256 takes a SHA-256 digest: 64 hex digits")
@@ -390,6 +422,10 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
         )
     if args.max_continuations < 0:
         raise UsageError("--max-continuations must be >= 0")
+    if args.fallback_url is not None and (problem := check_fallback_url(args.fallback_url)):
+        raise UsageError(f"--fallback-url {problem}")  # not the value: it may hold a secret
+    if args.fallback_after < 0:
+        raise UsageError("--fallback-after must be >= 0")
     return GateSettings(
         proxy=ProxySettings(
             upstream=args.upstream,
@@ -406,6 +442,8 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
             continuation=args.continuation == "on",
             max_continuations=args.max_continuations,
             continuation_off_routes=frozenset(args.continuation_off_routes),
+            fallback_url=args.fallback_url.rstrip("/") if args.fallback_url else None,
+            fallback_after_seconds=args.fallback_after,
             # The guardian's stall wait (signals.stall_seconds, 30 s) is three holds (10 s).
             taken_back_extra_wait_seconds=2 * args.stall_hold,
         ),
@@ -422,6 +460,7 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
             kv_admission=args.kv_admission == "on",
             kv_reserve_ratio=args.kv_reserve,
             retry_after_seconds=args.retry_after,
+            restart_extra_wait_seconds=args.restart_extra_wait,
         ),
         poll_interval_seconds=args.poll_interval,
         kv_poll_interval_seconds=args.kv_poll_interval,

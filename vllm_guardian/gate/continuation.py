@@ -100,6 +100,7 @@ class Refusal(enum.StrEnum):
 
 class Outcome(enum.StrEnum):
     CONTINUED = "continued"  # a continuation's answer started
+    FALLBACK = "fallback"  # ...on the fallback replica (ProxySettings.fallback_url)
     COMPLETED = "completed"  # the cut came after the last token: the gate ended the stream
     REFUSED = "refused"
     FAILED = "failed"
@@ -266,6 +267,25 @@ def plan(path: str, body: bytes | bytearray, *, enabled: bool) -> Plan | Refusal
         upstream = _encode({**req, "return_token_ids": True})
     opts = req.get("stream_options") or {}
     return Plan(req, upstream, asked is True, bool(opts.get("include_usage")), chat)
+
+
+def fallback_allowed(path: str, body: bytes | bytearray, p: Plan | Refusal | None) -> bool:
+    """Whether a held request may go to the fallback replica: a completion or chat completion
+    that continuation would not refuse (a stream the gate plans to continue; a unary one of
+    the same shape), so the fallback changes nothing the request asked for."""
+    if path not in (COMPLETIONS_PATH, CHAT_PATH) or isinstance(p, Refusal):
+        return False
+    if isinstance(p, Plan):
+        return True
+    try:
+        req = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return False
+    return (
+        isinstance(req, dict)
+        and not req.get("stream")
+        and refusal_of(req, path == CHAT_PATH) is None
+    )
 
 
 def _encode(doc: object) -> bytes:

@@ -5,6 +5,9 @@ Every ``poll_interval_seconds`` it asks, concurrently,
 
 * the guardian's ``/ready/<service>`` (when ``--guardian`` is given): 200 open, 503 closed with
   the policy's reason (KV above the high watermark, a drain or restart in flight, vLLM not up);
+  and whether a restart or relaunch of the guardian's is in progress (its ``restart_in_progress``
+  field: the admission lets what it holds then wait up to ``restart_extra_wait_seconds``
+  longer for the new engine);
 * vLLM's own ``/health``: the guardian ticks every half second or more, while a restarted vLLM
   is refused or answers 503 at once, so the gate does not wait for the next tick to notice.
 
@@ -156,6 +159,8 @@ class Follower:
         healthy, why = self._through_silence(healthy, why, time.monotonic())
         self.upstream_healthy = healthy
         self.guardian_ready = verdict[0] if verdict is not None else None
+        # An unreachable guardian says nothing of a restart: no longer wait for one.
+        self.admission.set_restart_in_progress(verdict is not None and verdict[2])
         if self._suspect_until is not None:
             if healthy and time.monotonic() >= self._suspect_until:
                 self._suspect_until = None
@@ -259,8 +264,9 @@ class Follower:
             return True, "open"
         return False, f"vLLM /health answers {status}"
 
-    async def _guardian_ready(self) -> tuple[bool, str] | None:
-        """(ready, reason), or None when there is no guardian to ask or it does not answer."""
+    async def _guardian_ready(self) -> tuple[bool, str, bool] | None:
+        """(ready, reason, restart in progress), or None when there is no guardian to ask or
+        it does not answer."""
         if self._guardian_pool is None:
             return None
         try:
@@ -274,7 +280,11 @@ class Follower:
                 log.warning("gate: the guardian knows no service %r", self.service)
                 self._warned_unknown = True
             return None
-        return status == 200, ready_format.reason_of(body, "closed")
+        return (
+            status == 200,
+            ready_format.reason_of(body, "closed"),
+            ready_format.restart_in_progress_of(body),
+        )
 
     @property
     def metrics_interval_seconds(self) -> float:

@@ -20,7 +20,11 @@ WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 3
 OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
 # Every (outcome, reason) the gate can count, present from the start.
 CONTINUATION_LABELS = (
-    [(o.value, c.value) for o in (Outcome.CONTINUED, Outcome.COMPLETED) for c in Cut]
+    [
+        (o.value, c.value)
+        for o in (Outcome.CONTINUED, Outcome.FALLBACK, Outcome.COMPLETED)
+        for c in Cut
+    ]
     + [(Outcome.REFUSED.value, r.value) for r in Refusal]
     + [(Outcome.FAILED.value, f.value) for f in Failure]
 )
@@ -121,8 +125,18 @@ class GateMetrics:
         self._continuations = Counter(
             f"{NS}_continuations",
             "Streamed completions and chat completions the upstream cut, by what the gate did "
-            "(outcome: continued, completed, refused, failed) and why (reason).",
+            "(outcome: continued, fallback (continued on the fallback replica), completed, "
+            "refused, failed) and why (reason).",
             ["service", "outcome", "reason"],
+            registry=r,
+        )
+        self._fallbacks = Counter(
+            f"{NS}_fallbacks",
+            "Held completions and chat completions offered to the fallback replica (its "
+            "fallback_url) after fallback_after_seconds, by result: sent (it answered, not "
+            "5xx) or refused (refused, broken or 5xx: the request waited on for this server). "
+            'Continuations it took: continuations_total{outcome="fallback"}.',
+            ["service", "result"],
             registry=r,
         )
         self.connections = Gauge(
@@ -159,6 +173,8 @@ class GateMetrics:
             self.client_disconnects.labels(service, phase)
         for outcome, reason in CONTINUATION_LABELS:
             self._continuations.labels(service, outcome, reason)
+        for result in ("sent", "refused"):
+            self._fallbacks.labels(service, result)
 
     class _Bound:
         def __init__(self, family: Counter, service: str) -> None:
@@ -182,6 +198,9 @@ class GateMetrics:
 
     def continuation(self, outcome: str, reason: str) -> None:
         self._continuations.labels(self._service, outcome, reason).inc()
+
+    def fallback(self, result: str) -> None:
+        self._fallbacks.labels(self._service, result).inc()
 
     def connection_closed(self, reason: str) -> None:
         self._connections_closed.labels(self._service, reason).inc()

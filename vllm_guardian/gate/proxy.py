@@ -79,8 +79,9 @@ from vllm_guardian.gate.progress import (
     abandoned,
     still_unanswered,
 )
-from vllm_guardian.gate.relay import ContinuingRelay, RelaySettings
+from vllm_guardian.gate.relay import FALLBACK_HEADER, ContinuingRelay, Fallback, RelaySettings
 from vllm_guardian.gate.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from vllm_guardian.redact import redact_text
 
 log = logging.getLogger("vllm_guardian.gate")
 
@@ -115,6 +116,27 @@ STATUS_PATH = "/gate/status"
 # The one client every request without a vouched-for key counts as (no header value can hold a
 # newline, so no client can name it).
 UNKNOWN_KEY = "\n(unknown)"
+# How long the client itself waits, in seconds, as OpenAI's SDKs (Python, Node) say it on every
+# request: the total, and the Python SDK's read timeout (the wait for the first answer bytes,
+# which is what a held request spends). The wait for a restart never goes past the shorter.
+CLIENT_TIMEOUT_HEADERS = ("X-Stainless-Timeout", "X-Stainless-Read-Timeout")
+
+
+def client_timeout_seconds(headers: Mapping[str, str]) -> float | None:
+    """The shortest positive, finite timeout the client's headers say; None when they say
+    none (or only what is not a number: ignored, never trusted to lengthen a wait)."""
+    found: list[float] = []
+    for name in CLIENT_TIMEOUT_HEADERS:
+        raw = headers.get(name)
+        if raw is None:
+            continue
+        try:
+            value = float(raw)
+        except ValueError:
+            continue
+        if 0 < value < float("inf"):
+            found.append(value)
+    return min(found, default=None)
 
 
 @dataclass(frozen=True)
@@ -171,6 +193,12 @@ class ProxySettings:
     unanswered_forget_seconds: float = UNANSWERED_FORGET_SECONDS
     # ... if it was out at least this long (gate/progress.py, GIVEN_UP_MIN_SECONDS).
     given_up_min_seconds: float = GIVEN_UP_MIN_SECONDS
+    # Another replica of the same model, from the operator's config only (None: off); a
+    # continuation, or a held completion or chat completion that continuation would not
+    # refuse, that waited fallback_after_seconds for this server is sent there instead, once
+    # (refused or answered 5xx there: it waits on here, within max_wait_seconds).
+    fallback_url: str | None = None
+    fallback_after_seconds: float = 10.0
 
 
 def openai_error(
@@ -251,8 +279,15 @@ class GateProxy:
         pool: UpstreamPool,
         metrics: GateMetrics,
         malformed: MalformedSink,
+        fallback_pool: UpstreamPool | None = None,
     ) -> None:
         self.s = settings
+        # The fallback replica (ProxySettings.fallback_url), named in logs without secrets.
+        self.fallback = (
+            Fallback(fallback_pool, redact_text(settings.fallback_url or ""))
+            if fallback_pool is not None
+            else None
+        )
         self.malformed = malformed
         self.admission = admission
         self.follower = follower
@@ -395,8 +430,11 @@ class GateProxy:
         hold = _Hold()
         cost: Cost | None = None
         key = self.client_key(request.headers.get(self.s.key_header))
+        client_timeout = client_timeout_seconds(request.headers)
+        arrived = time.monotonic()
         overhead = 0.0
         stream_plan: Plan | Refusal | None = None
+        elsewhere: UpstreamResponse | None = None
         if request.method == "POST":
             try:
                 cost = estimate_cost(body, self.s.default_output_tokens)
@@ -415,7 +453,9 @@ class GateProxy:
                 body = stream_plan.upstream_body
             overhead += time.perf_counter() - started
             try:
-                hold.ticket = await self.admission.acquire(key, cost)
+                elsewhere = await self._admit(
+                    hold, key, cost, client_timeout, request, body, stream_plan
+                )
             except Rejected as r:
                 return openai_error(
                     r.status,
@@ -436,8 +476,13 @@ class GateProxy:
             if hold.ticket is not None:
                 self.admission.release(hold.ticket)
                 hold.ticket = None
+            left = None if client_timeout is None else client_timeout - (time.monotonic() - arrived)
             hold.ticket = await self.admission.acquire(
-                key, cost, front=True, extra_wait_seconds=extra_wait_seconds
+                key,
+                cost,
+                front=True,
+                extra_wait_seconds=extra_wait_seconds,
+                client_timeout_seconds=left,
             )
 
         exchange = _Exchange(request, target, headers, body, stream_plan, wait_again)
@@ -445,11 +490,14 @@ class GateProxy:
             retried = False
             while True:
                 try:
+                    if elsewhere is not None:  # the fallback took it: its answer is relayed
+                        up, elsewhere = elsewhere, None
+                        return await self._send(exchange, started, overhead, True, up)
                     return await self._send(exchange, started, overhead, retried)
                 except _UpstreamBroke as e:
                     self.metrics.upstream_error(e.phase)
                     self.follower.suspect()
-                    if retried or hold.ticket is None or cost is None:
+                    if retried or cost is None:
                         return openai_error(502, f"the upstream failed: {e}", "BadGatewayError")
                     retried = True
                     self.metrics.retried.inc()
@@ -467,47 +515,135 @@ class GateProxy:
             if hold.ticket is not None:
                 self.admission.release(hold.ticket)
 
+    async def _admit(
+        self,
+        hold: _Hold,
+        key: str,
+        cost: Cost,
+        client_timeout: float | None,
+        request: web.BaseRequest,
+        body: bytes | bytearray,
+        plan: Plan | Refusal | None,
+    ) -> UpstreamResponse | None:
+        """The admission's wait (its ticket in ``hold``; raises ``Rejected``). With a
+        fallback, a completion or chat completion continuation would not refuse that has
+        waited ``fallback_after_seconds`` is offered there once while it keeps its place in
+        the queue: the fallback's answer when it took it (anything but a 5xx), else None once
+        this server admits it."""
+        acquiring = self.admission.acquire(key, cost, client_timeout_seconds=client_timeout)
+        if (
+            self.fallback is None
+            or FALLBACK_HEADER in request.headers  # a gate's fallback already: not again
+            or not continuation.fallback_allowed(request.rel_url.path, body, plan)
+        ):
+            hold.ticket = await acquiring  # no task of its own on the hot path
+            return None
+        waiting = asyncio.ensure_future(acquiring)
+        try:
+            done, _ = await asyncio.wait({waiting}, timeout=self.s.fallback_after_seconds)
+            if not done:
+                elsewhere = await self._on_fallback(request, body)
+                if elsewhere is not None:
+                    return elsewhere
+            hold.ticket = await waiting
+            return None
+        finally:
+            if not waiting.done():
+                waiting.cancel()  # the fallback took it: it leaves the queue
+                await asyncio.wait({waiting})
+
+    async def _on_fallback(
+        self, request: web.BaseRequest, body: bytes | bytearray
+    ) -> UpstreamResponse | None:
+        """A held request sent whole to the fallback: its answer, or None (refused, broken,
+        5xx: logged, and the request waits on for this server)."""
+        assert self.fallback is not None
+        request_id = request.headers.get("X-Request-Id", "(no X-Request-Id)")
+        try:
+            up = await self.fallback.pool.request(
+                request.method,
+                str(request.rel_url),
+                [*_forward_headers(request.headers, REQUEST_DROP).items(), (FALLBACK_HEADER, "1")],
+                body,
+            )
+        except UpstreamError as e:
+            why = f"{e.phase}: {e}"
+        else:
+            if up.status < 500:
+                self.metrics.fallback("sent")
+                log.warning(
+                    "gate: request %s held %g s for this server; sent to the fallback %s",
+                    request_id, self.s.fallback_after_seconds, self.fallback.shown,
+                )  # fmt: skip
+                return up
+            answer = await self._read_at_most(up, DYING_BODY_MAX_BYTES)
+            up.release()
+            why = f"answered {up.status}: {answer[:200].decode('utf-8', 'replace')}"
+        self.metrics.fallback("refused")
+        log.warning(
+            "gate: request %s: the fallback %s did not take it (%s); it waits on for this server",
+            request_id, self.fallback.shown, why,
+        )  # fmt: skip
+        return None
+
     async def _send(
-        self, ex: _Exchange, started: float, overhead: float, retried: bool
+        self,
+        ex: _Exchange,
+        started: float,
+        overhead: float,
+        retried: bool,
+        up: UpstreamResponse | None = None,
     ) -> web.StreamResponse:
         sent = next(self._sent_ids)
         sent_at = time.perf_counter()
         work: Unanswered | None = None
-        if ex.request.method == "POST" and ex.request.rel_url.path not in API_SERVER_ONLY_PATHS:
+        if (
+            up is None  # the fallback's answer says nothing of this engine
+            and ex.request.method == "POST"
+            and ex.request.rel_url.path not in API_SERVER_ONLY_PATHS
+        ):
             work = Unanswered(sent_at, self.follower.engine_mark(), self.follower.progress.last)
         self._sent[sent] = (sent_at, None, work)
         reached = True
         try:
-            return await self._send_once(ex, started, overhead, sent, retried)
+            return await self._send_once(ex, started, overhead, sent, retried, up)
         except _UpstreamBroke as e:
             reached = e.phase != "connect"  # refused or not accepted: vLLM never had it
             raise
         finally:
-            _, up, _ = self._sent.pop(sent)
+            _, answer, _ = self._sent.pop(sent)
             if work is not None:
-                if _answered(up):
+                if _answered(answer):
                     self._abandoned = None  # the engine's input works
-                elif reached and (up is None or not up.body_started):
+                elif reached and (answer is None or not answer.body_started):
                     self._abandoned = abandoned(
                         self._abandoned, work, time.perf_counter(), self.s.given_up_min_seconds
                     )
 
     async def _send_once(
-        self, ex: _Exchange, started: float, overhead: float, sent: int, retried: bool
+        self,
+        ex: _Exchange,
+        started: float,
+        overhead: float,
+        sent: int,
+        retried: bool,
+        up: UpstreamResponse | None = None,
     ) -> web.StreamResponse:
+        """Send the exchange to this server, or relay ``up`` (the fallback's answer)."""
         request = ex.request
         pre_send = overhead + time.perf_counter() - started
-        try:
-            up = await self.pool.request(
-                request.method,
-                ex.target,
-                ex.headers.items(),
-                ex.body if ex.body or request.body_exists else None,
-                # Until its answer is committed, a hung engine's exchange is sent again.
-                saveable=request.method == "POST" and not retried,
-            )
-        except UpstreamError as e:
-            raise _UpstreamBroke(e.phase, str(e), taken_back=e.taken_back) from None
+        if up is None:
+            try:
+                up = await self.pool.request(
+                    request.method,
+                    ex.target,
+                    ex.headers.items(),
+                    ex.body if ex.body or request.body_exists else None,
+                    # Until its answer is committed, a hung engine's exchange is sent again.
+                    saveable=request.method == "POST" and not retried,
+                )
+            except UpstreamError as e:
+                raise _UpstreamBroke(e.phase, str(e), taken_back=e.taken_back) from None
         t_sent, _, work = self._sent[sent]
         self._sent[sent] = (t_sent, up, work)
         if (
@@ -604,6 +740,7 @@ class GateProxy:
                 self.s.max_continuations,
                 self.s.keepalive_comment_seconds,
                 self.s.taken_back_extra_wait_seconds,
+                self.s.fallback_after_seconds,
             ),
             request=ex.request,
             target=ex.target,
@@ -613,6 +750,8 @@ class GateProxy:
             metrics=self.metrics,
             wait_ready=ex.wait_again,
             response_factory=self._answer_for,
+            # A gate's fallback already (it came from another gate): not again.
+            fallback=self.fallback if FALLBACK_HEADER not in ex.request.headers else None,
         )
         try:
             return await relay.run(up)

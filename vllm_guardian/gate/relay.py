@@ -66,6 +66,11 @@ from vllm_guardian.gate.upstream import UpstreamError, UpstreamPool, UpstreamRes
 log = logging.getLogger("vllm_guardian.gate")
 
 KEEPALIVE = b": keep-alive\n\n"
+# On what a gate sends to its fallback replica: a gate that gets it never sends it to a
+# fallback again. In a pod the fallback is the model's Service, which may route back to this
+# pod's gate or to another gate with a fallback: each would pass it on every
+# fallback_after_seconds, for ever, without it.
+FALLBACK_HEADER = "X-Vllm-Guardian-Fallback"
 DONE = b"data: [DONE]\n\n"
 # One event held whole at most: the first chunk carries the prompt's ids (~6 bytes a token).
 MAX_EVENT_BYTES = 16 * 1024 * 1024
@@ -78,6 +83,16 @@ class RelaySettings:
     max_continuations: int = 1
     keepalive_comment_seconds: float = 5.0
     taken_back_extra_wait_seconds: float = 0.0  # ProxySettings'
+    fallback_after_seconds: float = 10.0  # ProxySettings'
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """Another replica of the same model (ProxySettings.fallback_url): its pool, and how the
+    logs name it (redacted)."""
+
+    pool: UpstreamPool
+    shown: str
 
 
 class _GaveUp(Exception):
@@ -100,7 +115,9 @@ class ContinuingRelay:
         metrics: GateMetrics,
         wait_ready: Callable[[float], Awaitable[None]],
         response_factory: Callable[[UpstreamResponse], web.StreamResponse],
+        fallback: Fallback | None = None,
     ) -> None:
+        self.fallback = fallback
         self.state = StreamState(plan)
         self.s = settings
         self.request = request
@@ -249,6 +266,9 @@ class ContinuingRelay:
                 max_model_len = None
                 if st.needs_context_length:
                     max_model_len = await self._max_model_len()
+                    if max_model_len is None and self.fallback is not None:
+                        # This server is down: the fallback serves the same model.
+                        max_model_len = await self._max_model_len(self.fallback.pool)
                 decision = st.decide(max_model_len)
                 if isinstance(decision, Refusal):
                     await self._give_up(Outcome.REFUSED, decision, held)
@@ -258,11 +278,26 @@ class ContinuingRelay:
                 if st.continuations >= self.s.max_continuations:
                     await self._give_up(Outcome.FAILED, Failure.EXHAUSTED, held)
                 try:
-                    await self._wait_ready_telling_the_client(
-                        self.s.taken_back_extra_wait_seconds if cut is Cut.HANG else 0.0
+                    elsewhere = await self._wait_ready_telling_the_client(
+                        self.s.taken_back_extra_wait_seconds if cut is Cut.HANG else 0.0,
+                        decision,
                     )
                 except Rejected:
                     await self._give_up(Outcome.FAILED, Failure.WAIT_TIMEOUT, held)
+                if elsewhere is not None:
+                    assert self.fallback is not None
+                    st.continuations += 1
+                    st.begin_continuation(decision.settled_tokens)
+                    self._count(Outcome.FALLBACK, cut)
+                    log.warning(
+                        "gate: request %s (stream %s): the upstream cut it (%s) after %d "
+                        "tokens and was not ready within %g s; continued on the fallback %s "
+                        "(%d of at most %d)",
+                        self.request_id, st.id, cut.value, decision.settled_tokens,
+                        self.s.fallback_after_seconds, self.fallback.shown, st.continuations,
+                        self.s.max_continuations,
+                    )  # fmt: skip
+                    return elsewhere
                 if decision.check_tail and not await self._tail_settled(decision.check_tail):
                     await self._give_up(Outcome.REFUSED, Refusal.UNSETTLED_TEXT, held)
                 st.continuations += 1
@@ -297,23 +332,72 @@ class ContinuingRelay:
             self._count(Outcome.FAILED, Failure.CLIENT_GONE)
             raise
 
-    async def _wait_ready_telling_the_client(self, extra_wait_seconds: float) -> None:
+    async def _wait_ready_telling_the_client(
+        self, extra_wait_seconds: float, decision: Continue
+    ) -> UpstreamResponse | None:
         """The admission's wait (raises ``Rejected``), with a comment to the client now and
-        every ``keepalive_comment_seconds``: its connection and its proxies see a live stream."""
+        every ``keepalive_comment_seconds``: its connection and its proxies see a live stream.
+        With a fallback, once ``fallback_after_seconds`` have passed, the continuation is
+        offered there while it keeps its place in the queue: the fallback's answer (200) when
+        it took it, else None once this server is ready."""
         assert self.resp is not None
+        loop = asyncio.get_running_loop()
         waiting = asyncio.ensure_future(self.wait_ready(extra_wait_seconds))
+        fallback_at = (
+            loop.time() + self.s.fallback_after_seconds if self.fallback is not None else None
+        )
         try:
             await self.resp.write(KEEPALIVE)
             while True:
-                done, _ = await asyncio.wait({waiting}, timeout=self.s.keepalive_comment_seconds)
+                timeout = self.s.keepalive_comment_seconds
+                if fallback_at is not None:
+                    timeout = min(timeout, max(0.0, fallback_at - loop.time()))
+                done, _ = await asyncio.wait({waiting}, timeout=timeout)
                 if done:
                     waiting.result()
-                    return
+                    return None
+                if fallback_at is not None and loop.time() >= fallback_at:
+                    fallback_at = None  # offered once; refused, it waits on here
+                    elsewhere = await self._on_fallback(decision)
+                    if elsewhere is not None:
+                        return elsewhere
+                    continue
                 await self.resp.write(KEEPALIVE)
         finally:
             if not waiting.done():
                 waiting.cancel()
                 await asyncio.wait({waiting})
+
+    async def _on_fallback(self, decision: Continue) -> UpstreamResponse | None:
+        """The continuation sent to the fallback: its answer when 200, else None (logged; the
+        stream waits on for this server)."""
+        assert self.fallback is not None
+        pool, shown = self.fallback.pool, self.fallback.shown
+        why = ""
+        try:
+            if decision.check_tail and not await self._tail_settled(decision.check_tail, pool):
+                why = "its /detokenize did not settle the text's end"
+            else:
+                up = await pool.request(
+                    "POST",
+                    decision.path or self.target,
+                    [*self.headers.items(), (FALLBACK_HEADER, "1")],
+                    decision.body,
+                    saveable=self.state.continuations + 1 < self.s.max_continuations,
+                )
+                if up.status == 200:
+                    return up
+                answer = await _read_small(up)
+                up.release()
+                why = f"answered {up.status}: {answer[:200].decode('utf-8', 'replace')}"
+        except UpstreamError as e:
+            why = f"{e.phase}: {e}"
+        log.warning(
+            "gate: request %s (stream %s): the fallback %s did not take its continuation (%s); "
+            "it waits on for this server",
+            self.request_id, self.state.id, shown, why,
+        )  # fmt: skip
+        return None
 
     async def _send(self, path: str, body: bytes, *, saveable: bool) -> UpstreamResponse | None:
         try:
@@ -325,16 +409,17 @@ class ContinuingRelay:
             self.follower.suspect()
             return None
 
-    async def _max_model_len(self) -> int | None:
-        """The served model's ``max_model_len`` from vLLM's ``/v1/models`` (None when it
-        cannot be had), for a chat stream with no max of its own."""
+    async def _max_model_len(self, pool: UpstreamPool | None = None) -> int | None:
+        """The served model's ``max_model_len`` from vLLM's ``/v1/models`` (on ``pool``, this
+        server's by default; None when it cannot be had), for a chat stream with no max of its
+        own."""
         headers = []
         auth = self.headers.get("Authorization")
         if auth is not None:
             headers.append(("Authorization", auth))
         model = self.state.plan.request.get("model")
         try:
-            up = await self.pool.request("GET", "/v1/models", headers, None)
+            up = await (pool or self.pool).request("GET", "/v1/models", headers, None)
             try:
                 status, answer = up.status, await _read_small(up)
             finally:
@@ -348,9 +433,10 @@ class ContinuingRelay:
                 return value if isinstance(value, int) and value > 0 else None
         return None
 
-    async def _tail_settled(self, ids: tuple[int, ...]) -> bool:
-        """vLLM's ``/detokenize`` of the last settled ids: False when they end inside a
-        character, or when the answer cannot be had (not continued: it might have)."""
+    async def _tail_settled(self, ids: tuple[int, ...], pool: UpstreamPool | None = None) -> bool:
+        """vLLM's ``/detokenize`` of the last settled ids (on ``pool``, this server's by
+        default): False when they end inside a character, or when the answer cannot be had
+        (not continued: it might have)."""
         doc: dict[str, object] = {"tokens": list(ids)}
         model = self.state.plan.request.get("model")
         if isinstance(model, str):
@@ -360,7 +446,9 @@ class ContinuingRelay:
         if auth is not None:
             headers.append(("Authorization", auth))
         try:
-            up = await self.pool.request("POST", "/detokenize", headers, json.dumps(doc).encode())
+            up = await (pool or self.pool).request(
+                "POST", "/detokenize", headers, json.dumps(doc).encode()
+            )
             try:
                 status, answer = up.status, await _read_small(up)
             finally:

@@ -64,6 +64,7 @@ class Gate:
         self._runner: web.ServerRunner | None = None
         self._session: aiohttp.ClientSession | None = None  # the follower's /metrics reads
         self._pool: UpstreamPool | None = None  # the proxied exchanges
+        self._fallback_pool: UpstreamPool | None = None  # ProxySettings.fallback_url's
         self.admission: Admission | None = None
         self.follower: Follower | None = None
         self.proxy: GateProxy | None = None
@@ -101,9 +102,14 @@ class Gate:
             + s.proxy.taken_back_extra_wait_seconds,
         )
         malformed = MalformedRequests(self.metrics, s.malformed_log_interval_seconds)
+        if s.proxy.fallback_url is not None:
+            self._fallback_pool = UpstreamPool(
+                s.proxy.fallback_url, connect_timeout_seconds=s.proxy.connect_timeout_seconds
+            )
         self.proxy = GateProxy(
-            s.proxy, self.admission, self.follower, self._pool, self.metrics, malformed
-        )
+            s.proxy, self.admission, self.follower, self._pool, self.metrics, malformed,
+            self._fallback_pool,
+        )  # fmt: skip
         self.admission.start()
         await self.follower.poll_once()  # know the state before the first request
         self.follower.start()
@@ -143,6 +149,8 @@ class Gate:
             await self._runner.cleanup()
         if self._pool is not None:
             self._pool.close()
+        if self._fallback_pool is not None:
+            self._fallback_pool.close()
         if self._session is not None:
             await self._session.close()
 

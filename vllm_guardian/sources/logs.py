@@ -160,7 +160,7 @@ class EventCounter:
     def _note_pool(self, line: str) -> None:
         """An engine's start-up line "GPU KV cache size: N tokens, …" (INFO), kept per engine
         process, the latest: the pool's size where /metrics has no vllm:cache_config_info
-        (core/signals.py parses it). From the engine's own lines only."""
+        (core/engine_signals.py parses it). From the engine's own lines only."""
         origin = line_origin(line)
         if origin is None or origin.writer is not Writer.ENGINE or not origin.process:
             return
