@@ -9,8 +9,10 @@ scriptable stub serving real vLLM 0.32 /metrics captures, frozen (hung) and movi
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 import requests
@@ -19,8 +21,18 @@ from tests.conftest import VLLM_FIXTURES as FIXTURES
 from tests.expositions import captured_series
 from tests.hostile import wait_for
 from tests.test_gate_support import GateThread, Stub
+from vllm_guardian.config import PolicyConfig, SignalsConfig
 from vllm_guardian.core.progress import ProgressReading
-from vllm_guardian.gate.progress import EngineMark, ProgressWatch, why_send_again
+from vllm_guardian.gate.progress import (
+    GIVEN_UP_MIN_SECONDS,
+    UNANSWERED_FORGET_SECONDS,
+    EngineMark,
+    ProgressWatch,
+    Unanswered,
+    abandoned,
+    still_unanswered,
+    why_send_again,
+)
 from vllm_guardian.model import EngineMetrics, VllmScrape
 from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
 
@@ -212,6 +224,183 @@ def test_a_request_sent_and_not_yet_answered_is_counted(stub: Stub, path: str) -
             assert answer.status_code == 200 and b"[DONE]" in answer.content, answer.content
         done = status(g)
         assert (done["unanswered"], done["oldest_unanswered_seconds"]) == (0, 0.0), done
+    finally:
+        g.stop()
+
+
+# --- a request its client gave up on, before vLLM answered --------------------------------------
+
+IDLE_R = R(100, 0, kv=0.0)
+SENT = Unanswered(10.0, EngineMark.of(IDLE_R, 0), IDLE_R)
+BLIND = Unanswered(10.0, EngineMark(None, None, 0), None)  # sent with no reading of /metrics
+# (what was kept, seconds since its send, /health failures since, the reading now, kept still?)
+FORGET: list[tuple[str, Unanswered, float, int, ProgressReading | None, bool]] = [
+    ("idle and frozen: still unreached", SENT, 60, 0, IDLE_R, True),
+    ("no reading now: not forgotten on missing data", SENT, 60, 0, None, True),
+    ("just at the bound", SENT, UNANSWERED_FORGET_SECONDS, 0, IDLE_R, True),
+    ("past the bound: forgotten without news", SENT, UNANSWERED_FORGET_SECONDS + 1, 0, IDLE_R, False),
+    ("/health failed since: a restarted engine", SENT, 60, 1, IDLE_R, False),
+    ("another process (its start time)", SENT, 60, 0, replace(IDLE_R, process_start_time_seconds=2.0), False),
+    ("the engine moved since: a request reached it (KV usage)", SENT, 60, 0, R(100, 0, kv=0.01), False),
+    ("the engine generated tokens since", SENT, 60, 0, R(101, 0, kv=0.0), False),
+    ("sent with no reading: only a restart or the bound tell", BLIND, 60, 0, R(101, 0), True),
+    ("sent with no reading, /health failed since", BLIND, 60, 1, R(101, 0), False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("case", "kept", "age", "failures", "now_reading", "still"), FORGET, ids=[c[0] for c in FORGET]
+)
+def test_a_given_up_request_counts_until_the_engine_is_seen_to_take_requests(
+    case: str,
+    kept: Unanswered,
+    age: float,
+    failures: int,
+    now_reading: ProgressReading | None,
+    still: bool,
+) -> None:
+    mark = EngineMark.of(now_reading, failures)
+    got = still_unanswered(kept, kept.sent_at + age, mark, now_reading)
+    assert got == (kept if still else None)
+
+
+LATER = replace(SENT, sent_at=SENT.sent_at + 5)
+MIN = GIVEN_UP_MIN_SECONDS
+# (what was kept, the request given up, when it was given up, what is kept then)
+GIVEN_UP: list[tuple[str, Unanswered | None, Unanswered, float, Unanswered | None]] = [
+    ("the first", None, LATER, LATER.sent_at + MIN, LATER),
+    ("an earlier one replaces a later", LATER, SENT, SENT.sent_at + MIN, SENT),
+    ("a later one does not replace an earlier", SENT, LATER, LATER.sent_at + MIN, SENT),
+    ("given up too soon: vLLM may not have handed it to its engine yet", None, SENT, SENT.sent_at + MIN - 0.1, None),
+    ("given up too soon keeps what was kept", LATER, SENT, SENT.sent_at + 1, LATER),
+    ("sent with no reading: reached and dropped cannot be told from never reached", None, BLIND, BLIND.sent_at + 60, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("case", "kept", "given_up", "at", "now_kept"), GIVEN_UP, ids=[c[0] for c in GIVEN_UP]
+)
+def test_the_earliest_request_given_up_after_a_while_is_kept(
+    case: str, kept: Unanswered | None, given_up: Unanswered, at: float, now_kept: Unanswered | None
+) -> None:
+    assert abandoned(kept, given_up, at) == now_kept
+    assert still_unanswered(None, 100.0, SENT.engine, IDLE_R) is None
+
+
+def test_the_bound_outlasts_the_guardians_wait_and_ends_within_its_cooldown() -> None:
+    """Long enough for the guardian to act on the hang (its stall wait, then its first
+    backoff), short enough that an age the gate failed to tie to the old engine is gone before
+    the cooldown after a restart ends (no second restart for it)."""
+    policy, signals = PolicyConfig(), SignalsConfig()
+    assert signals.stall_seconds + policy.backoff_initial_seconds < UNANSWERED_FORGET_SECONDS
+    assert policy.cooldown_seconds > UNANSWERED_FORGET_SECONDS
+
+
+IDLE = (FIXTURES / "metrics-idle.prom").read_text()  # nothing running or waiting, frozen
+
+
+def _abandon(g: GateThread, stub: Stub, after_seconds: float = 0.0) -> None:
+    """One client sends a request the stub never answers (``/v1/hold``: no head, no body,
+    as vLLM whose engine never gets it) and gives up once the stub has had it for
+    ``after_seconds``, as a client's timeout does; the gate then closes its upstream
+    connection."""
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    before = stub.calls.get("/v1/hold", 0)
+    with socket.create_connection(("127.0.0.1", g.gate.port), timeout=60) as client:
+        client.sendall(
+            b"POST /v1/hold HTTP/1.1\r\nHost: gate\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        wait_for(
+            lambda: (stub.calls.get("/v1/hold", 0) > before and stub.active == 1, stub.calls),
+            "the request reached the upstream",
+        )
+        wait_for(
+            lambda: (
+                float(status(g)["oldest_unanswered_seconds"]) >= after_seconds,  # type: ignore[arg-type]
+                status(g),
+            ),
+            f"the request unanswered for {after_seconds} s",
+        )
+    wait_for(lambda: (stub.active == 0, stub.active), "the gate gave the request up upstream")
+
+
+# Clients give up after this; the gate counts a request given up after 0.2 s (5 s by default:
+# gate/progress.py, GIVEN_UP_MIN_SECONDS).
+PATIENCE = 0.3
+
+
+def _gate_reading_metrics(stub: Stub, **proxy: object) -> GateThread:
+    """A gate that counts requests given up after 0.2 s, once it has a reading of /metrics."""
+    g = GateThread(stub.url, proxy={"given_up_min_seconds": 0.2, **proxy})
+    follower = g.gate.follower
+    assert follower is not None
+    wait_for(lambda: (follower.progress.last is not None, stub.calls), "a reading of /metrics")
+    return g
+
+
+def test_a_request_given_up_at_once_says_nothing_about_the_engine(stub: Stub) -> None:
+    """A client that cancels at once may leave before vLLM's API server hands its request to
+    the engine: on an idle, working server nothing shows it, and it must not read as a hang."""
+    stub.metrics_text = IDLE
+    g = GateThread(stub.url)  # requests given up within 5 s do not count
+    try:
+        wait_for(lambda: (g.gate.follower.progress.last is not None, stub.calls), "a reading")  # type: ignore[union-attr]
+        _abandon(g, stub)
+        after = [status(g)["oldest_unanswered_seconds"] for _ in range(5)]
+        assert after == [0.0] * 5, after
+    finally:
+        g.stop()
+
+
+def _unanswered_for(g: GateThread, seconds: float) -> dict[str, object]:
+    seen = wait_for(
+        lambda: (
+            (s := status(g))["unanswered"] == 0
+            and float(s["oldest_unanswered_seconds"]) >= seconds,  # type: ignore[arg-type]
+            s,
+        ),
+        f"no request alive, and the oldest unanswered age past {seconds} s",
+    )
+    print(seen)
+    assert isinstance(seen, dict)
+    return seen
+
+
+def test_a_request_its_client_gave_up_on_still_counts_until_vllm_answers(stub: Stub) -> None:
+    """The hang that looks idle must show whatever the clients' patience: on the real vLLM
+    0.32 an engine core blocked while idle, clients with a 30 s timeout, and each request left
+    the gate at 30 s, so the oldest unanswered age never reached the guardian's 30 s. A request
+    that ended without a byte of its answer counts from its send until vLLM answers one."""
+    stub.metrics_text = IDLE
+    g = _gate_reading_metrics(stub)
+    try:
+        _abandon(g, stub, PATIENCE)
+        _unanswered_for(g, 1.0)  # on, past the client's patience
+        _abandon(g, stub, PATIENCE)  # a later one does not reset the age: the first is older
+        first = _unanswered_for(g, 1.5)
+        # vLLM answers a request: its engine's input works, the age is forgotten.
+        r = requests.post(g.url + "/v1/echo", json={"prompt": "hi", "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200
+        done = status(g)
+        assert (done["unanswered"], done["oldest_unanswered_seconds"]) == (0, 0.0), (first, done)
+    finally:
+        g.stop()
+
+
+def test_a_restarted_engine_forgets_the_request_given_up_on(stub: Stub) -> None:
+    """After the guardian's restart (/health failed, then 200) an idle new engine reports
+    nothing unanswered: the given-up request was the old engine's, and must not restart the
+    new one again."""
+    stub.metrics_text = IDLE
+    g = _gate_reading_metrics(stub)
+    try:
+        _abandon(g, stub, PATIENCE)
+        _unanswered_for(g, 0.5)
+        _restarted(stub, g)
+        wait_for(lambda: (status(g)["upstream_healthy"] is True, status(g)), "/health is back")
+        after = [status(g)["oldest_unanswered_seconds"] for _ in range(5)]
+        assert after == [0.0] * 5, after
     finally:
         g.stop()
 

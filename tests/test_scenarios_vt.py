@@ -222,6 +222,9 @@ CASES: list[tuple[Case, Callable[[Run], None]]] = [
     (Case("engine_hang_once", "engine_hang", 6, 45, timeline=True), check_hang_once),
     (Case("engine_input_hang", "engine_input_hang", 6, 45, timeline=True, gate=True),
      check_input_hang),
+    # Clients that give up at 6 s, before the stall wait (8 s): the hang is still acted on.
+    (Case("engine_input_hang_impatient_clients", "engine_input_hang", 6, 45, timeline=True,
+          gate=True, client_timeout_seconds=6.0), check_input_hang),
     (Case("operator_pause", "operator_pause", 4, 60, gate=True), check_operator_pause),
     (Case("operator_sleep", "operator_sleep", 4, 60, gate=True), check_operator_sleep),
     (Case("xid_fault", "xid_fault", 6, 35), check_xid),

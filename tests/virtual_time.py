@@ -61,6 +61,7 @@ from vllm_guardian.core import policy
 from vllm_guardian.core.driver import Driver
 from vllm_guardian.daemon import assemble
 from vllm_guardian.demo import DemoOptions, demo_config
+from vllm_guardian.gate.progress import GIVEN_UP_MIN_SECONDS
 from vllm_guardian.gpu_state_format import (
     StateDevice,
     StateFileError,
@@ -124,6 +125,9 @@ class Case:
     # the requests it sent and not finished, and which of them have had no answer yet (the
     # load's own requests: the gate forwards each at once).
     gate: bool = False
+    # The load's per-request timeout (guardian seconds): a client gives up, the twin never
+    # notices. With a gate, a request given up before any answer still counts as unanswered.
+    client_timeout_seconds: float = REQUEST_TIMEOUT_SECONDS
     # True: the bundle step writes the real incident bundle (actuators/bundle.BundleWriter, the
     # twin's exposition as its scrape) under the run's directory, for diagnose to read.
     bundles: bool = True
@@ -335,6 +339,10 @@ class VirtualWorld:
         self.xid_seq: dict[str, int] = {}
         self.inflight: dict[int, tuple[VirtualTwin, str, Queue[RequestDelta], float]] = {}
         self.answered: set[int] = set()  # in flight, and a byte of the answer came
+        # The gate's earliest request given up before any answer, at least GIVEN_UP_MIN_SECONDS
+        # after its send (gate/progress.py's Unanswered): kept until an answer's first byte,
+        # or the engine's restart.
+        self.given_up_at: float | None = None
         svc_cfg = self.cfg.service(SERVICE)
         self.bundle_writer = BundleWriter(
             workdir / "bundles",
@@ -379,6 +387,7 @@ class VirtualWorld:
         self.run.twin_exits.append((round(self.now - T0, 3), code))
         if twin is not None:
             self._write_gpu(force=True, process_gone=True)
+            self.given_up_at = None  # the gate sees /health fail: a new engine
             for i, (owner, _, _, _) in list(self.inflight.items()):
                 if owner is twin:  # the connection ends with the process
                     del self.inflight[i]
@@ -477,14 +486,18 @@ class VirtualWorld:
                 except QueueEmpty:
                     break
                 self.answered.add(i)
+                self.given_up_at = None  # the engine's input works
                 if d.request_id == "":  # the twin cut the stream (drain timed out)
                     kind = OutcomeKind.INCOMPLETE
                 elif d.error is not None:
                     kind = OutcomeKind.STREAM_ERROR
                 elif d.finish_reason is not None:
                     kind = OutcomeKind.OK
-            if kind is None and self.now - sent >= REQUEST_TIMEOUT_SECONDS:
+            if kind is None and self.now - sent >= self.case.client_timeout_seconds:
                 kind = OutcomeKind.TIMEOUT  # the client gives up; the twin never notices
+                if i not in self.answered and self.now - sent >= GIVEN_UP_MIN_SECONDS:
+                    kept = self.given_up_at
+                    self.given_up_at = sent if kept is None else min(kept, sent)
             if kind is not None:
                 del self.inflight[i]
                 self.answered.discard(i)
@@ -524,15 +537,17 @@ class VirtualWorld:
 
     def _gate(self) -> GateObservation:
         """The gate's status: what it sent and has not finished, and the oldest of those with
-        no answer yet (gate/proxy.py's unanswered)."""
+        no answer yet (gate/proxy.py's unanswered), the earliest given up on included."""
         waiting = [sent for i, (_, _, _, sent) in self.inflight.items() if i not in self.answered]
+        oldest = min([*waiting, self.given_up_at] if self.given_up_at is not None else waiting,
+                     default=None)  # fmt: skip
         return GateObservation(
             True,
             in_flight=len(self.inflight),
             queued=0,
             open=True,
             unanswered=len(waiting),
-            oldest_unanswered_seconds=round(self.now - min(waiting), 3) if waiting else 0.0,
+            oldest_unanswered_seconds=round(self.now - oldest, 3) if oldest is not None else 0.0,
         )
 
     def _nvml(self) -> Reading:

@@ -179,6 +179,10 @@ class Follower:
         else:
             self.admission.set_state(True, "open")
 
+    def engine_mark(self) -> EngineMark:
+        """The engine as the polls tell it now (gate/progress.py, EngineMark)."""
+        return EngineMark.of(self.progress.last, self._health_failures)
+
     def _take_back(self, why: str) -> None:
         """The engine is hung: what it holds and the gate can save is taken back (it waits
         for the restarted engine at the head of the queue; vLLM aborts what it had)."""

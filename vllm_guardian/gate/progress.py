@@ -125,3 +125,74 @@ def why_send_again(taken_from: EngineMark, now: EngineMark) -> str | None:
     ):
         return "the engine generates tokens again"
     return None
+
+
+@dataclass(frozen=True)
+class Unanswered:
+    """The earliest request sent to vLLM that ended without a byte of its answer (its client
+    gave up, or the gate did), kept for ``oldest_unanswered_seconds`` by the proxy
+    (``gate/proxy.py``): one hung engine input must show whatever the clients' timeouts. On
+    the real vLLM 0.32 an idle engine core blocked under clients with a 30 s timeout: each
+    request left the gate at 30 s, the oldest live one never reached the guardian's 30 s, and
+    the hang was never acted on."""
+
+    sent_at: float  # the proxy's clock (perf_counter)
+    engine: EngineMark  # the engine it was sent to
+    reading: ProgressReading | None  # the follower's newest reading when it was sent
+
+
+# An abandoned request's age is forgotten this long after it was sent even without news: far
+# past the guardian's wait for this shape (signals.stall_seconds, 30 s) and its first backoff
+# (60 s), so a hang is still acted on; below the guardian's cooldown after a restart
+# (policy.cooldown_seconds, 600 s), so an age the gate failed to tie to the old engine (no
+# reading of /metrics, /health never seen failing) is gone before a second restart could
+# follow it. A hang that persists with traffic sets it again with the next abandoned request.
+UNANSWERED_FORGET_SECONDS = 300.0
+
+
+# A request given up sooner than this after its send says nothing about the engine: vLLM's API
+# server may not have handed it to the engine yet (it tokenizes first; a client that cancels
+# at once is dropped before that), and on a working engine a request in it longer moves
+# /metrics (its prefill's KV blocks, its prefix-cache query, its tokens). Clients that give up
+# sooner than this are not waiting on the engine's input, and cannot show its hang.
+GIVEN_UP_MIN_SECONDS = 5.0
+
+
+def abandoned(
+    kept: Unanswered | None,
+    sent: Unanswered,
+    now: float,
+    min_seconds: float = GIVEN_UP_MIN_SECONDS,
+) -> Unanswered | None:
+    """What the proxy keeps once the request ``sent`` ended at ``now`` with no byte of its
+    answer: the earlier of the two. Not ``sent`` when it was given up within ``min_seconds``,
+    or was sent with no reading of vLLM's /metrics: then a request that reached the engine and
+    was dropped when its client left cannot be told from one that never reached it."""
+    if sent.reading is None or now - sent.sent_at < min_seconds:
+        return kept
+    return kept if kept is not None and kept.sent_at <= sent.sent_at else sent
+
+
+def still_unanswered(
+    kept: Unanswered | None,
+    now: float,
+    engine: EngineMark,
+    reading: ProgressReading | None,
+    forget_after_seconds: float = UNANSWERED_FORGET_SECONDS,
+) -> Unanswered | None:
+    """``kept``, or None once it no longer says the engine's input is stuck: a new engine
+    (``why_send_again``: /health failed since, another process, tokens generated), the engine
+    moved since it was sent (a request that reaches the scheduler moves its prefix-cache
+    queries, its KV usage, its token counters: core/progress.py, ``moved``), or older than
+    ``forget_after_seconds``. An answer's first body byte on any request also forgets it (the
+    proxy does, at once). Called by the proxy as the status is read: ``engine`` and
+    ``reading`` are the follower's newest."""
+    if kept is None:
+        return None
+    if now - kept.sent_at > forget_after_seconds:
+        return None
+    if why_send_again(kept.engine, engine) is not None:
+        return None
+    if kept.reading is not None and reading is not None and moved(kept.reading, reading):
+        return None
+    return kept

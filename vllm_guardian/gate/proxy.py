@@ -72,6 +72,13 @@ from vllm_guardian.gate.body import (
 from vllm_guardian.gate.continuation import Outcome, Plan, Refusal
 from vllm_guardian.gate.follower import Follower
 from vllm_guardian.gate.metrics import CONTENT_TYPE, GateMetrics
+from vllm_guardian.gate.progress import (
+    GIVEN_UP_MIN_SECONDS,
+    UNANSWERED_FORGET_SECONDS,
+    Unanswered,
+    abandoned,
+    still_unanswered,
+)
 from vllm_guardian.gate.relay import FALLBACK_HEADER, ContinuingRelay, Fallback, RelaySettings
 from vllm_guardian.gate.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from vllm_guardian.redact import redact_text
@@ -102,6 +109,9 @@ CUT_MARKERS = (*DYING_MARKERS, continuation.ABORT_MARKER)
 # answer that long had tokens, and is passed on as vLLM sent it).
 UNARY_CHECK_MAX_BYTES = 1024 * 1024
 UNARY_PATHS = (continuation.COMPLETIONS_PATH, continuation.CHAT_PATH)
+# POSTs vLLM's API server answers without its engine: neither their loss nor their answer
+# says anything about the engine's input (oldest_unanswered_seconds).
+API_SERVER_ONLY_PATHS = frozenset({"/tokenize", "/detokenize"})
 STATUS_PATH = "/gate/status"
 # The one client every request without a vouched-for key counts as (no header value can hold a
 # newline, so no client can name it).
@@ -178,6 +188,11 @@ class ProxySettings:
     # (its stall wait is three times the gate's hold: the CLI sets twice the hold). Taken back
     # sooner, it must not time out sooner.
     taken_back_extra_wait_seconds: float = 0.0
+    # A request sent to vLLM that ended with no answer counts in oldest_unanswered_seconds
+    # until vLLM answers, moves or is a new engine, at most this long (gate/progress.py).
+    unanswered_forget_seconds: float = UNANSWERED_FORGET_SECONDS
+    # ... if it was out at least this long (gate/progress.py, GIVEN_UP_MIN_SECONDS).
+    given_up_min_seconds: float = GIVEN_UP_MIN_SECONDS
     # Another replica of the same model, from the operator's config only (None: off); a
     # continuation, or a held completion or chat completion that continuation would not
     # refuse, that waited fallback_after_seconds for this server is sent there instead, once
@@ -241,6 +256,12 @@ class _Answer(web.StreamResponse):
     _send_headers_immediately = False
 
 
+def _answered(up: UpstreamResponse | None) -> bool:
+    """vLLM answers the request, the first byte of a 200 body in: its engine took it (an
+    error is the API server's own, or a dead engine's)."""
+    return up is not None and up.status == 200 and up.body_started
+
+
 def _forward_headers(headers: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
     for k, v in headers.items():
@@ -276,8 +297,13 @@ class GateProxy:
         # Requests sent to vLLM and not yet answered with a byte of body, by attempt: when
         # they were sent (perf_counter), and their answer once its head came. The status's
         # oldest_unanswered_seconds: vLLM idle by its metrics while this grows is a request
-        # that never reached its engine (core/progress.py, unreached_seconds).
-        self._sent: dict[int, tuple[float, UpstreamResponse | None]] = {}
+        # that never reached its engine (core/progress.py, unreached_seconds). The third: the
+        # request as work for the engine (None: a GET, or a POST vLLM's API server answers
+        # alone), what _abandoned keeps if it ends without an answer.
+        self._sent: dict[int, tuple[float, UpstreamResponse | None, Unanswered | None]] = {}
+        # The earliest request sent that ended with no answer (its client gave up): the age
+        # goes on from its send, whatever the clients' timeouts (gate/progress.py).
+        self._abandoned: Unanswered | None = None
         self._sent_ids = itertools.count()
         self.bodies = BodyBudget(settings.body_budget_bytes, metrics)
         self._body_limits = settings.body_limits
@@ -375,12 +401,26 @@ class GateProxy:
 
     def _unanswered(self) -> dict[str, object]:
         """How many requests sent to vLLM have no byte of their answer yet, and the oldest's
-        age in seconds (0 when none)."""
+        age in seconds (0 when none); the age counts from the earliest request that ended
+        without an answer too, while nothing since says the engine's input works (forgotten
+        here when something does: gate/progress.py, still_unanswered)."""
         now = time.perf_counter()
-        ages = [now - t for t, up in self._sent.values() if up is None or not up.body_started]
+        if any(w is not None and _answered(up) for _, up, w in self._sent.values()):
+            self._abandoned = None
+        self._abandoned = still_unanswered(
+            self._abandoned,
+            now,
+            self.follower.engine_mark(),
+            self.follower.progress.last,
+            self.s.unanswered_forget_seconds,
+        )
+        ages = [now - t for t, up, _ in self._sent.values() if up is None or not up.body_started]
+        oldest = max(ages, default=0.0)
+        if self._abandoned is not None:
+            oldest = max(oldest, now - self._abandoned.sent_at)
         return {
             "unanswered": len(ages),
-            "oldest_unanswered_seconds": round(max(ages, default=0.0), 3),
+            "oldest_unanswered_seconds": round(oldest, 3),
         }
 
     async def _exchange(
@@ -555,11 +595,30 @@ class GateProxy:
         up: UpstreamResponse | None = None,
     ) -> web.StreamResponse:
         sent = next(self._sent_ids)
-        self._sent[sent] = (time.perf_counter(), None)
+        sent_at = time.perf_counter()
+        work: Unanswered | None = None
+        if (
+            up is None  # the fallback's answer says nothing of this engine
+            and ex.request.method == "POST"
+            and ex.request.rel_url.path not in API_SERVER_ONLY_PATHS
+        ):
+            work = Unanswered(sent_at, self.follower.engine_mark(), self.follower.progress.last)
+        self._sent[sent] = (sent_at, None, work)
+        reached = True
         try:
             return await self._send_once(ex, started, overhead, sent, retried, up)
+        except _UpstreamBroke as e:
+            reached = e.phase != "connect"  # refused or not accepted: vLLM never had it
+            raise
         finally:
-            del self._sent[sent]
+            _, answer, _ = self._sent.pop(sent)
+            if work is not None:
+                if _answered(answer):
+                    self._abandoned = None  # the engine's input works
+                elif reached and (answer is None or not answer.body_started):
+                    self._abandoned = abandoned(
+                        self._abandoned, work, time.perf_counter(), self.s.given_up_min_seconds
+                    )
 
     async def _send_once(
         self,
@@ -585,7 +644,8 @@ class GateProxy:
                 )
             except UpstreamError as e:
                 raise _UpstreamBroke(e.phase, str(e), taken_back=e.taken_back) from None
-        self._sent[sent] = (self._sent[sent][0], up)
+        t_sent, _, work = self._sent[sent]
+        self._sent[sent] = (t_sent, up, work)
         if (
             isinstance(ex.plan, Plan)
             and up.status == 200
