@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 
-from vllm_guardian import control, operator
 from vllm_guardian.core.policy import Decision, DecisionKind
+from vllm_guardian.formats.recorder import to_jsonable
+from vllm_guardian.lowio import control
 from vllm_guardian.model import ActionKind
-from vllm_guardian.recorder import to_jsonable
+from vllm_guardian.tools import operator
 
 STARTED = Decision(
     1.0, "vllm", DecisionKind.ACTION, "restart: asked by test",

@@ -96,8 +96,8 @@ def build_parser(command: str) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str]) -> int:
-    from vllm_guardian.cli import socket_path  # noqa: PLC0415
-    from vllm_guardian.control import ControlError, request  # noqa: PLC0415
+    from vllm_guardian.lowio.control import ControlError, request  # noqa: PLC0415
+    from vllm_guardian.tools.cli import socket_path  # noqa: PLC0415
 
     command, rest = argv[0], list(argv[1:])
     args = build_parser(command).parse_args(rest)
@@ -141,7 +141,7 @@ def main(argv: Sequence[str]) -> int:
 
 def follow(path: Path, service: str, action_id: int, timeout_seconds: float) -> int:
     """Print each decision of the action as it happens; the exit code says how it ended."""
-    from vllm_guardian.control import ControlError, request  # noqa: PLC0415
+    from vllm_guardian.lowio.control import ControlError, request  # noqa: PLC0415
 
     shown = 0
     deadline = time.monotonic() + timeout_seconds
