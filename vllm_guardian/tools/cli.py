@@ -544,7 +544,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in ("restart", "relaunch"):
         from vllm_guardian.tools.operator import main as operator_main  # noqa: PLC0415
 
-        return operator_main(argv)
+        return operator_main(argv, socket_path)
     if argv and argv[0] == "replay":
         from vllm_guardian.tools.replay import main as replay_main  # noqa: PLC0415
 
