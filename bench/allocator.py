@@ -28,9 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vllm_guardian import allocator_format as fmt  # noqa: E402
-from vllm_guardian.clock import FakeClock  # noqa: E402
 from vllm_guardian.config import AllocatorSourceConfig  # noqa: E402
+from vllm_guardian.formats import allocator_format as fmt  # noqa: E402
+from vllm_guardian.lowio.clock import FakeClock  # noqa: E402
 from vllm_guardian.sources.allocator import AllocatorCollector  # noqa: E402
 
 NOW = 1_700_000_000.0

@@ -36,10 +36,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from vllm_guardian.actuators.alerts import default_rules_text  # noqa: E402
-from vllm_guardian.allocator_format import AllocatorStats  # noqa: E402
 from vllm_guardian.config import Config, PolicyConfig, ServiceConfig, SignalsConfig  # noqa: E402
 from vllm_guardian.core.alerting import parse_rules  # noqa: E402
 from vllm_guardian.core.driver import Driver  # noqa: E402
+from vllm_guardian.formats.allocator_format import AllocatorStats  # noqa: E402
+from vllm_guardian.formats.vllm_log_format import match_line  # noqa: E402
 from vllm_guardian.model import (  # noqa: E402
     AlertState,
     AllocatorProcess,
@@ -67,7 +68,6 @@ from vllm_guardian.sim.flags import parse_serve_args  # noqa: E402
 from vllm_guardian.sim.load import plan_requests  # noqa: E402
 from vllm_guardian.sim.scenarios import SCENARIOS  # noqa: E402
 from vllm_guardian.sim.vllm_log import format_line  # noqa: E402
-from vllm_guardian.vllm_log_format import match_line  # noqa: E402
 
 TICK = 2.0
 SUPERVISOR_RESTART_SECONDS = 5.0  # systemd RestartSec=5

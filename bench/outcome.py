@@ -77,8 +77,7 @@ from vllm_guardian.actuators.procmgr import Supervisor  # noqa: E402
 from vllm_guardian.config import GateConfig, PolicyConfig, SignalsConfig, parse_config  # noqa: E402
 from vllm_guardian.core.alerting import parse_rules  # noqa: E402
 from vllm_guardian.core.policy import DecisionKind  # noqa: E402
-from vllm_guardian.daemon import Guardian  # noqa: E402
-from vllm_guardian.demo import free_port  # noqa: E402
+from vllm_guardian.shell.daemon import Guardian  # noqa: E402
 from vllm_guardian.sim.load import (  # noqa: E402
     OutcomeKind,
     PlannedRequest,
@@ -89,6 +88,7 @@ from vllm_guardian.sim.load import (  # noqa: E402
 from vllm_guardian.sim.scenarios import SCENARIOS  # noqa: E402
 from vllm_guardian.sim.timeline import read_timeline  # noqa: E402
 from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics  # noqa: E402
+from vllm_guardian.tools.demo import free_port  # noqa: E402
 
 FAILURES = (
     "prefill_burst",

@@ -74,12 +74,12 @@ from tests.vllm_tier import support  # noqa: E402
 from vllm_guardian.actuators import flags as flagsfile  # noqa: E402
 from vllm_guardian.actuators.procmgr import Supervisor  # noqa: E402
 from vllm_guardian.config import parse_config  # noqa: E402
-from vllm_guardian.daemon import Guardian  # noqa: E402
-from vllm_guardian.demo import free_port  # noqa: E402
+from vllm_guardian.formats.vllm_log_format import match_line  # noqa: E402
 from vllm_guardian.model import LogEventKind  # noqa: E402
+from vllm_guardian.shell.daemon import Guardian  # noqa: E402
 from vllm_guardian.sim.load import PlannedRequest, plan_requests, run_load  # noqa: E402
 from vllm_guardian.sim.scenarios import LoadProfile  # noqa: E402
-from vllm_guardian.vllm_log_format import match_line  # noqa: E402
+from vllm_guardian.tools.demo import free_port  # noqa: E402
 
 OPERATORS = ("unguarded", "unguarded-on-failure", "sidecar", "guardian+gate")
 QUICK_OPERATORS = ("unguarded", "guardian+gate")

@@ -68,10 +68,10 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from tests.expositions import multi_engine  # noqa: E402
 from tests.nvml_fake import build_fake_nvml  # noqa: E402
-from vllm_guardian.clock import FakeClock  # noqa: E402
 from vllm_guardian.config import parse_config  # noqa: E402
 from vllm_guardian.core.driver import history_span_seconds  # noqa: E402
-from vllm_guardian.daemon import Guardian  # noqa: E402
+from vllm_guardian.lowio.clock import FakeClock  # noqa: E402
+from vllm_guardian.shell.daemon import Guardian  # noqa: E402
 
 CAPTURES = [
     ROOT / "tests" / "fixtures" / "vllm" / f"metrics-under-load-0{k}.prom" for k in (2, 5, 8)

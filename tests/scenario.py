@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from tests.conftest import read_fixture
-from vllm_guardian.allocator_format import AllocatorStats
 from vllm_guardian.config import ServiceConfig, SignalsConfig
 from vllm_guardian.core.signals import Signals, derive
+from vllm_guardian.formats.allocator_format import AllocatorStats
 from vllm_guardian.model import (
     AllocatorProcess,
     AllocatorReading,

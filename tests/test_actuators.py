@@ -18,10 +18,10 @@ from vllm_guardian.actuators import flags as flagsfile
 from vllm_guardian.actuators.executor import OpRunner
 from vllm_guardian.actuators.procmgr import Supervisor
 from vllm_guardian.actuators.systemd import SystemdBackend
-from vllm_guardian.clock import SystemClock
 from vllm_guardian.core.policy import HoldOff, Levels, Lever, PolicyState, ServiceState
-from vllm_guardian.healing import load_state, save_state
+from vllm_guardian.lowio.clock import SystemClock
 from vllm_guardian.model import Cause, Op, OpRequest, OpResult
+from vllm_guardian.shell.healing import load_state, save_state
 
 # --- the flags file --------------------------------------------------------------------------
 
@@ -334,7 +334,7 @@ def test_restart_delay_backs_off_for_quick_exits(
 def test_a_command_that_exits_at_once_is_restarted_with_backoff(tmp_path: Path) -> None:
     """A real command, on a fake clock: the supervisor measures how long each run lasted on
     the clock it is given, so every run is quick until the clock is moved on while one runs."""
-    from vllm_guardian.clock import FakeClock
+    from vllm_guardian.lowio.clock import FakeClock
 
     clock = FakeClock()
     stay = tmp_path / "stay"
@@ -558,8 +558,8 @@ def test_a_state_saved_with_flat_levels_keeps_its_rungs_flags_and_hold_off(tmp_p
 def test_status_reads_the_rungs_from_the_policy_state_the_daemon_sends():
     """`vllm-guardian status` renders the policy state as the control socket sends it
     (to_jsonable): the rungs are under the service's levels, the cooldown under its hold-off."""
-    from vllm_guardian.cli import render_status
-    from vllm_guardian.recorder import to_jsonable
+    from vllm_guardian.formats.recorder import to_jsonable
+    from vllm_guardian.tools.cli import render_status
 
     levels = Levels(rungs=((Lever.MAX_NUM_SEQS, 2),))
     state = PolicyState((ServiceState("vllm", levels=levels, hold_off=HoldOff(130.0)),))
@@ -630,7 +630,7 @@ CORRUPT_STATES = [
 
 @pytest.mark.parametrize("make", [m for _, m in CORRUPT_STATES], ids=[n for n, _ in CORRUPT_STATES])
 def test_a_corrupt_policy_state_is_set_aside_not_fatal(tmp_path: Path, make, caplog):
-    from vllm_guardian.statefile import load_state as load
+    from vllm_guardian.shell.statefile import load_state as load
 
     path = tmp_path / "policy-state.json"
     make(path)
@@ -656,9 +656,9 @@ def test_a_corrupt_policy_state_is_set_aside_not_fatal(tmp_path: Path, make, cap
 def test_process_backend_passes_the_allocator_directory(
     tmp_path: Path, allocator: dict[str, object], expected: str | None
 ) -> None:
-    from vllm_guardian.allocator_format import ENV_DIR
     from vllm_guardian.config import parse_config
-    from vllm_guardian.healing import Healing
+    from vllm_guardian.formats.allocator_format import ENV_DIR
+    from vllm_guardian.shell.healing import Healing
 
     allocator = {
         k: (v.format(tmp=tmp_path) if isinstance(v, str) else v) for k, v in allocator.items()

@@ -26,8 +26,8 @@ from vllm_guardian.core.capacity import estimate
 from vllm_guardian.diagnose.analyze import analyze
 from vllm_guardian.diagnose.bundle import Bundle
 from vllm_guardian.diagnose.report import render_text
-from vllm_guardian.exposition import GuardianCollector, Published, make_registry
 from vllm_guardian.model import ServiceSnapshot, Snapshot
+from vllm_guardian.shell.exposition import GuardianCollector, Published, make_registry
 from vllm_guardian.sim.server import ApiError, Twin
 from vllm_guardian.sim.vllm_log import LogWriter
 from vllm_guardian.sources.vllm_metrics import make_parser, parse_vllm_metrics

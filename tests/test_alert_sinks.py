@@ -23,9 +23,9 @@ from vllm_guardian.actuators.alert_log import AlertLogSink, format_transition
 from vllm_guardian.actuators.alertmanager import AlertmanagerSink
 from vllm_guardian.actuators.alerts import AlertDispatcher
 from vllm_guardian.actuators.webhook import WebhookSink
-from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import AlertingConfig
 from vllm_guardian.core.alerting import Transition
+from vllm_guardian.lowio.clock import FakeClock
 from vllm_guardian.model import Alert, AlertState, Cause, Severity
 
 NOW = 1_800_000_000.0

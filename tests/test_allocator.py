@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from vllm_guardian import allocator_format as fmt
-from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import AllocatorSourceConfig, ServiceConfig, SignalsConfig
 from vllm_guardian.core import diagnosis
 from vllm_guardian.core.allocator import attribute, physical_gpu
 from vllm_guardian.core.signals import derive
-from vllm_guardian.daemon import assemble
+from vllm_guardian.formats import allocator_format as fmt
+from vllm_guardian.lowio.clock import FakeClock
 from vllm_guardian.model import (
     AllocatorProcess,
     AllocatorReading,
@@ -31,6 +30,7 @@ from vllm_guardian.model import (
     SourceKind,
     UnitState,
 )
+from vllm_guardian.shell.daemon import assemble
 from vllm_guardian.sources.allocator import AllocatorCollector
 
 GIB = 1024**3

@@ -8,7 +8,6 @@ import json
 
 import pytest
 
-from vllm_guardian.cli import main
 from vllm_guardian.core.budget import LaunchFlags
 from vllm_guardian.core.capacity import CapacityEstimate, CapacityState
 from vllm_guardian.core.levers import (
@@ -21,6 +20,7 @@ from vllm_guardian.core.levers import (
 )
 from vllm_guardian.diagnose.recommend import Context, recommend
 from vllm_guardian.model import Cause
+from vllm_guardian.tools.cli import main
 
 from .conftest import FIXTURES
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_guardian import cli
 from vllm_guardian.config import ConfigInvalid, parse_config
+from vllm_guardian.tools import cli
 
 SERVICE = "services:\n  - name: vllm\n    url: http://127.0.0.1:8000\n"
 

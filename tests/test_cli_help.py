@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from vllm_guardian.actuators import flags as flagsfile
-from vllm_guardian.cli import build_parser, main
 from vllm_guardian.config import GateConfig
 from vllm_guardian.gate.cli import build_parser as gate_parser
+from vllm_guardian.tools.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parent.parent
 

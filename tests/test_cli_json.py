@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from vllm_guardian import cli
-from vllm_guardian.control import ControlServer
+from vllm_guardian.lowio.control import ControlServer
+from vllm_guardian.tools import cli
 
 SERVICE = "services:\n  - name: vllm\n    url: http://user:secret@127.0.0.1:8000\n"
 

@@ -11,7 +11,6 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_guardian import cli
 from vllm_guardian.config import (
     Config,
     ConfigError,
@@ -20,6 +19,7 @@ from vllm_guardian.config import (
     parse_bytes,
     parse_config,
 )
+from vllm_guardian.tools import cli
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "config.yaml"
 

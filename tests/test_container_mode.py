@@ -30,8 +30,8 @@ import requests
 from tests.support import wait_for
 from tests.test_gate_support import GateThread
 from vllm_guardian.actuators.audit import AuditLog
-from vllm_guardian.container import container_mode, pod_identity
 from vllm_guardian.core.policy import Decision, DecisionKind
+from vllm_guardian.shell.container import container_mode, pod_identity
 
 ROOT = Path(__file__).resolve().parent.parent
 POD_ENV = {
@@ -281,7 +281,7 @@ def test_gpu_memory_by_device_in_a_container(
 
 
 def test_status_says_memory_is_attributed_by_device() -> None:
-    from vllm_guardian.cli import render_status
+    from vllm_guardian.tools.cli import render_status
 
     svc = {"service": "vllm", "service_memory_bytes": 70 * GIB, "gpu_memory_by_device": True}
     text = render_status({"version": "x", "signals": {"services": [svc]}})

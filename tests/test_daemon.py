@@ -10,13 +10,13 @@ import threading
 from pathlib import Path
 
 from tests.conftest import read_fixture
-from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import parse_config
-from vllm_guardian.control import request
 from vllm_guardian.core.driver import history_span_seconds
-from vllm_guardian.daemon import Guardian, SdNotifier, assemble
+from vllm_guardian.formats.recorder import read_records, snapshot_from_record
+from vllm_guardian.lowio.clock import FakeClock
+from vllm_guardian.lowio.control import request
 from vllm_guardian.model import HealthProbe, HealthState, Reading, SourceKind
-from vllm_guardian.recorder import read_records, snapshot_from_record
+from vllm_guardian.shell.daemon import Guardian, SdNotifier, assemble
 from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
 
 CONFIG = """
@@ -234,7 +234,7 @@ def test_watchdog_pings_only_for_our_pid(monkeypatch):
 
 
 def test_control_socket_status_and_permissions(tmp_path):
-    from vllm_guardian.control import ControlServer
+    from vllm_guardian.lowio.control import ControlServer
 
     g, _ = make(tmp_path, Source(SourceKind.VLLM_METRICS, "vllm", metrics_reading()))
     g.tick()
@@ -245,7 +245,7 @@ def test_control_socket_status_and_permissions(tmp_path):
         assert mode == 0o600
         st = request(tmp_path / "run" / "control.sock", {"cmd": "status"})
         assert st["ok"] and st["signals"]["services"][0]["requests_waiting"] == 27.0
-        from vllm_guardian.cli import render_status
+        from vllm_guardian.tools.cli import render_status
 
         # One tick is not a window: the status says there is no estimate, and why.
         assert (

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from vllm_guardian.config import Config, GateConfig, SignalsConfig
-from vllm_guardian.demo import DemoOptions, demo_config
+from vllm_guardian.tools.demo import DemoOptions, demo_config
 
 
 def _shipped() -> tuple[float, float]:

@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 
 from vllm_guardian.core import policy
-from vllm_guardian.demo import DemoReport, _log_to, _Output, alerts_in_flight, summary
-from vllm_guardian.demo_view import (
+from vllm_guardian.model import ActionKind
+from vllm_guardian.tools.demo import DemoReport, _log_to, _Output, alerts_in_flight, summary
+from vllm_guardian.tools.demo_view import (
     AlertShown,
     Decision,
     EventLog,
@@ -28,7 +29,6 @@ from vllm_guardian.demo_view import (
     fill_all,
     screen,
 )
-from vllm_guardian.model import ActionKind
 
 T0 = 1_795_700_000.0
 # Reasons as the policy writes them: long, with numbers and units that must stay whole.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from vllm_guardian.core.policy import Decision, DecisionKind
-from vllm_guardian.demo import kv_gated
 from vllm_guardian.model import ActionKind, Cause
+from vllm_guardian.tools.demo import kv_gated
 
 GATE_KV = Decision(
     0.0, "vllm", DecisionKind.GATE, "KV cache usage 93%", Cause.CONCURRENCY_OVERCOMMIT

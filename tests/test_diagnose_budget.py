@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from vllm_guardian.cli import main
 from vllm_guardian.core.budget import (
     Deployment,
     ModelConfigError,
@@ -20,6 +19,7 @@ from vllm_guardian.core.budget import (
     parse_launch_flags,
     parse_startup_sizing,
 )
+from vllm_guardian.tools.cli import main
 
 GIB = 1024**3
 FIXTURES = Path(__file__).parent / "fixtures"

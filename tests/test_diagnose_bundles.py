@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from tests.test_source_logs import HOSTILE_LINES, HOSTILE_TEXT, OOM_21, model_error
-from vllm_guardian.cli import main
 from vllm_guardian.diagnose.analyze import analyze
 from vllm_guardian.diagnose.bundle import read_bundle
 from vllm_guardian.diagnose.report import render_text, to_json
+from vllm_guardian.formats.recorder import to_jsonable
 from vllm_guardian.model import Action, ActionKind, Cause
-from vllm_guardian.recorder import to_jsonable
+from vllm_guardian.tools.cli import main
 
 BUNDLES = Path(__file__).parent / "fixtures" / "bundles"
 GOLDEN = BUNDLES / "golden"

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from vllm_guardian.actuators.bundle import BundleWriter
-from vllm_guardian.cli import main
 from vllm_guardian.config import ServiceConfig
 from vllm_guardian.diagnose import bundle as bundle_mod
 from vllm_guardian.diagnose.analyze import analyze
@@ -35,6 +34,7 @@ from vllm_guardian.model import (
     Snapshot,
     UnitState,
 )
+from vllm_guardian.tools.cli import main
 
 BUNDLES = Path(__file__).parent / "fixtures" / "bundles"
 
@@ -325,7 +325,7 @@ def test_each_cap_is_reported_when_hit(
 
 def test_the_daemons_ticks_give_the_exhaustion_forecast(tmp_path: Path) -> None:
     """Live mode reads the daemon's recent ticks: a neighbour growing shows as a forecast."""
-    from vllm_guardian.recorder import to_jsonable
+    from vllm_guardian.formats.recorder import to_jsonable
 
     unit = UnitState("vllm.service", "active", "running", "success", 4242, 1, 0, None, None,
                      ("vllm", "serve", "m"), (4242,))  # fmt: skip

@@ -186,7 +186,7 @@ def run_scenario(name: str, tmp: Path) -> dict[str, Any]:
                 time.sleep(0.1)
         t0 = time.monotonic()
         out = subprocess.run(
-            [sys.executable, "-m", "vllm_guardian.cli", "diagnose", "--url", url,
+            [sys.executable, "-m", "vllm_guardian.tools.cli", "diagnose", "--url", url,
              "--log-file", str(log), "--gpu-state-file", str(state), "--interval", "2.5",
              "--json", "-q"],
             cwd=REPO, env=_env(), capture_output=True, timeout=120, check=False,

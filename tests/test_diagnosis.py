@@ -13,8 +13,8 @@ from vllm_guardian.core.diagnosis import (
     verdict,
 )
 from vllm_guardian.core.signals import ServiceSignals
+from vllm_guardian.formats.vllm_log_format import match_line
 from vllm_guardian.model import Cause, HealthState, LogEvent, LogEventKind
-from vllm_guardian.vllm_log_format import match_line
 
 GIB = 1024**3
 

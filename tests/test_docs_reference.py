@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vllm_guardian import exposition
+from vllm_guardian.formats.metric_catalogue import CATALOGUE, MetricSpec
 from vllm_guardian.gate.metrics import GateMetrics
-from vllm_guardian.metric_catalogue import CATALOGUE, MetricSpec
+from vllm_guardian.shell import exposition
 
 ROOT = Path(__file__).resolve().parents[1]
 METRICS_PAGE = ROOT / "docs" / "metrics.md"

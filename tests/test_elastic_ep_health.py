@@ -14,13 +14,13 @@ import json
 import pytest
 
 from tests.httpfixture import Script
-from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import HealthSourceConfig, ServiceConfig, SignalsConfig
 from vllm_guardian.core import signals as sig
 from vllm_guardian.core.policy import PolicyState, ServiceState
 from vllm_guardian.core.step import gate_states
 from vllm_guardian.diagnose.analyze import analyze
 from vllm_guardian.diagnose.bundle import Bundle
+from vllm_guardian.lowio.clock import FakeClock
 from vllm_guardian.model import Cause, HealthProbe, HealthState, ServiceSnapshot, Snapshot
 from vllm_guardian.sources.health import SCALING_ERROR_PREFIX, HealthCollector
 

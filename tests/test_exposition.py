@@ -14,14 +14,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests import hostneeds
 from tests.scenario import signals_for, snapshots
-from vllm_guardian.exposition import (
+from vllm_guardian.model import EngineMetrics, ServiceSnapshot, Snapshot, VllmScrape
+from vllm_guardian.shell.exposition import (
     ExpositionServer,
     GateState,
     GuardianCollector,
     Published,
     make_registry,
 )
-from vllm_guardian.model import EngineMetrics, ServiceSnapshot, Snapshot, VllmScrape
 
 GOLDEN = Path(__file__).parent / "golden" / "exposition.prom"
 REQUIRED = {
@@ -233,9 +233,9 @@ def test_inhibited_alerts_and_the_planned_restart_are_series_of_their_own() -> N
     from prometheus_client.core import Metric
 
     from vllm_guardian.core import inhibition, phases, policy
-    from vllm_guardian.exposition import _healing_families
-    from vllm_guardian.healing import HealingView
     from vllm_guardian.model import ActionKind, Alert, AlertState, Severity
+    from vllm_guardian.shell.exposition import _healing_families
+    from vllm_guardian.shell.healing import HealingView
 
     def alert(name: str, held: str | None) -> Alert:
         return Alert(name, "vllm", (), AlertState.FIRING, Severity.CRITICAL, None, 0.0, 10.0,

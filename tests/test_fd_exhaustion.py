@@ -27,7 +27,7 @@ from tests import hostneeds
 from tests.conftest import read_fixture
 from tests.hostile import idle_clients, wait_for
 from tests.httpfixture import Script, serve
-from vllm_guardian.httpget import fetch
+from vllm_guardian.lowio.httpget import fetch
 
 ROOT = Path(__file__).resolve().parent.parent
 ATTACKERS = 1100

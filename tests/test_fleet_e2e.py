@@ -46,9 +46,9 @@ from tests.test_gate_support import GateThread
 from vllm_guardian.actuators import audit as auditlog
 from vllm_guardian.core.phases import Phase
 from vllm_guardian.core.policy import DecisionKind
-from vllm_guardian.demo import free_port
 from vllm_guardian.sim.load import LoadResult, OutcomeKind, plan_requests, run_load
 from vllm_guardian.sim.scenarios import LoadProfile
+from vllm_guardian.tools.demo import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 

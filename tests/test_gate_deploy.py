@@ -32,9 +32,9 @@ import requests
 from tests.support import wait_for
 from tests.test_gate_support import Stub
 from vllm_guardian.config import ConfigInvalid, GateConfig, GateSourceConfig, parse_config
-from vllm_guardian.exposition import GuardianCollector, Published, make_registry
 from vllm_guardian.gate import cli as gate_cli
 from vllm_guardian.model import GateObservation, ServiceSnapshot, Snapshot, SourceKind
+from vllm_guardian.shell.exposition import GuardianCollector, Published, make_registry
 from vllm_guardian.sources.gate import GateCollector, parse_status, read_status
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -596,9 +596,9 @@ def test_the_guardians_gate_series_do_not_collide_with_the_gates_own() -> None:
 
 
 def test_a_gate_section_adds_the_gate_source_and_its_reading_lands_on_the_service() -> None:
-    from vllm_guardian.clock import SystemClock
-    from vllm_guardian.daemon import assemble
+    from vllm_guardian.lowio.clock import SystemClock
     from vllm_guardian.model import Reading, SourceStatus
+    from vllm_guardian.shell.daemon import assemble
     from vllm_guardian.sources.registry import build_collectors
 
     cfg = parse_config(
@@ -641,7 +641,7 @@ def test_the_example_config_spells_out_every_gate_key_with_its_default_and_a_rea
 def test_check_config_names_each_gate_and_reports_a_bad_section_with_key_and_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from vllm_guardian import cli
+    from vllm_guardian.tools import cli
 
     good = tmp_path / "good.yaml"
     good.write_text(

@@ -37,8 +37,8 @@ from tests.test_gate_continuation import (
     direct,
 )
 from vllm_guardian.config import ConfigInvalid, check_fallback_url, parse_config
-from vllm_guardian.demo import free_port
 from vllm_guardian.gate import cli as gate_cli
+from vllm_guardian.tools.demo import free_port
 
 FALLBACK_AFTER_SECONDS = 0.1
 

@@ -24,12 +24,17 @@ from tests.test_gate_support import GateThread, Stub
 from vllm_guardian.core import policy
 from vllm_guardian.core.phases import ActionProgress, Phase
 from vllm_guardian.core.policy import ServiceState
+from vllm_guardian.formats.ready_format import (
+    ReadyAnswer,
+    encode,
+    reason_of,
+    restart_in_progress_of,
+)
 from vllm_guardian.gate.admission import Admission, Cost, Limits, Rejected, RejectReason
 from vllm_guardian.gate.metrics import GateMetrics
 from vllm_guardian.gate.proxy import client_timeout_seconds
-from vllm_guardian.healing import with_restarts
 from vllm_guardian.model import ActionKind, GateState
-from vllm_guardian.ready_format import ReadyAnswer, encode, reason_of, restart_in_progress_of
+from vllm_guardian.shell.healing import with_restarts
 
 MAX_WAIT_SECONDS = 0.3
 COST = Cost(10, 10)

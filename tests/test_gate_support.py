@@ -12,10 +12,10 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from vllm_guardian.formats.ready_format import ReadyAnswer, encode
 from vllm_guardian.gate.admission import Limits
 from vllm_guardian.gate.proxy import ProxySettings
 from vllm_guardian.gate.server import Gate, GateSettings
-from vllm_guardian.ready_format import ReadyAnswer, encode
 
 T = TypeVar("T")
 

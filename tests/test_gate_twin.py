@@ -19,10 +19,10 @@ import pytest
 import requests
 
 from tests.test_gate_support import GateThread
-from vllm_guardian.daemon import Guardian
-from vllm_guardian.demo import DemoOptions, _start_gate, demo_config, free_port
+from vllm_guardian.shell.daemon import Guardian
 from vllm_guardian.sim.load import LoadResult, OutcomeKind, plan_requests, run_load
 from vllm_guardian.sim.scenarios import LoadProfile
+from vllm_guardian.tools.demo import DemoOptions, _start_gate, demo_config, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ import pytest
 
 from tests import hostneeds
 from tests.nvml_fake import FakeNvmlState, build_fake_nvml
-from vllm_guardian.allocator_format import STATS_KEYS, from_memory_stats
+from vllm_guardian.formats.allocator_format import STATS_KEYS, from_memory_stats
 from vllm_guardian.gpucheck import report as rp
 from vllm_guardian.gpucheck import steps as st
 from vllm_guardian.model import Cause, LogEventKind

@@ -17,8 +17,8 @@ import pytest
 
 from vllm_guardian.actuators import audit
 from vllm_guardian.core.policy import Decision, DecisionKind
-from vllm_guardian.demo import DemoOptions, DemoReport, run_demo
 from vllm_guardian.model import ActionKind, Cause
+from vllm_guardian.tools.demo import DemoOptions, DemoReport, run_demo
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
 """A hostile vLLM cannot hold a fetch or fill memory.
 
 Every fetch from vLLM — the metrics and health sources, ``diagnose --url``, the bundle
-actuator — goes through ``vllm_guardian.httpget``: a total deadline (not per read) and a size
+actuator — goes through ``vllm_guardian.lowio.httpget``: a total deadline (not per read) and a size
 cap. The servers here are real sockets on 127.0.0.1 that drip a byte at a time or never end
 their body. Each fetch runs in a thread so that a regression fails the test instead of hanging
 it; the bound is generous (the deadline under test is a fraction of it).
@@ -17,10 +17,10 @@ import pytest
 
 from tests.hostile import Hostility, hostile_server, wait_for
 from tests.httpfixture import Script, serve
-from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import HealthSourceConfig, ServiceConfig, VllmMetricsSourceConfig
 from vllm_guardian.diagnose.gather import GatherOptions, _Gatherer
-from vllm_guardian.httpget import Cancel, Failure, HttpGetError, Oversize, fetch
+from vllm_guardian.lowio.clock import FakeClock
+from vllm_guardian.lowio.httpget import Cancel, Failure, HttpGetError, Oversize, fetch
 from vllm_guardian.model import HealthState
 from vllm_guardian.sources.health import HealthCollector
 from vllm_guardian.sources.vllm_metrics import VllmMetricsCollector

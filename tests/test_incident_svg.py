@@ -20,15 +20,15 @@ from typing import Any
 
 import pytest
 
-from vllm_guardian import incident_svg
 from vllm_guardian.actuators.bundle import PICTURE, PICTURE_ERROR, BundleWriter
 from vllm_guardian.config import ServiceConfig
 from vllm_guardian.core import phases
 from vllm_guardian.core.alerting import Transition
 from vllm_guardian.core.policy import Decision, DecisionKind
-from vllm_guardian.demo import DemoReport, draw_picture, summary
 from vllm_guardian.diagnose.analyze import analyze
 from vllm_guardian.diagnose.bundle import read_bundle
+from vllm_guardian.formats import incident_svg
+from vllm_guardian.formats.recorder import FlightRecorder, to_jsonable
 from vllm_guardian.model import (
     Action,
     ActionKind,
@@ -44,7 +44,7 @@ from vllm_guardian.model import (
     Snapshot,
     VllmScrape,
 )
-from vllm_guardian.recorder import FlightRecorder, to_jsonable
+from vllm_guardian.tools.demo import DemoReport, draw_picture, summary
 
 GOLDEN = Path(__file__).parent / "golden" / "incident.svg"
 SVG = "{http://www.w3.org/2000/svg}"

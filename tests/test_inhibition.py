@@ -20,14 +20,12 @@ import pytest
 from tests.conftest import read_fixture
 from vllm_guardian.actuators.alert_log import AlertLogSink
 from vllm_guardian.actuators.alerts import AlertDispatcher, default_rules_text
-from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import parse_config
 from vllm_guardian.core import alerting, inhibition, policy
 from vllm_guardian.core import step as core_step
 from vllm_guardian.core.alerting import SinkResult, Transition
 from vllm_guardian.core.driver import Driver
-from vllm_guardian.daemon import assemble
-from vllm_guardian.healing import Healing
+from vllm_guardian.lowio.clock import FakeClock
 from vllm_guardian.model import (
     ActionKind,
     Alert,
@@ -44,6 +42,8 @@ from vllm_guardian.model import (
     SourceStatus,
     UnitState,
 )
+from vllm_guardian.shell.daemon import assemble
+from vllm_guardian.shell.healing import Healing
 from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
 
 T0 = 1_000_000.0
@@ -459,8 +459,8 @@ def test_the_shell_hands_the_sinks_nothing_inhibited(tmp_path: Path) -> None:
 
 
 def test_status_says_why_an_alert_is_not_delivered() -> None:
-    from vllm_guardian.cli import render_status
-    from vllm_guardian.recorder import to_jsonable
+    from vllm_guardian.formats.recorder import to_jsonable
+    from vllm_guardian.tools.cli import render_status
 
     w = World()
     planned_restart(w, load_ticks=20)

@@ -22,8 +22,13 @@ from vllm_guardian.core.budget import parse_startup_sizing
 from vllm_guardian.diagnose.analyze import analyze
 from vllm_guardian.diagnose.bundle import read_bundle
 from vllm_guardian.diagnose.report import to_json
+from vllm_guardian.formats.vllm_log_format import (
+    engine_message,
+    line_origin,
+    match_line,
+    may_be_evidence,
+)
 from vllm_guardian.sources.logs import EventCounter
-from vllm_guardian.vllm_log_format import engine_message, line_origin, match_line, may_be_evidence
 
 PAIRS = [
     (p["text"], p["json"])

@@ -249,7 +249,7 @@ def test_one_try_ends_within_its_time_budget(cluster: FakeCluster, url: str) -> 
 
 def test_the_daemon_never_imports_the_adapter() -> None:
     """With the default fleet.permit (none) nothing loads lightkube."""
-    code = "import sys, vllm_guardian.daemon, vllm_guardian.cli; print(sorted(m for m in sys.modules if m.startswith(('lightkube', 'httpx2', 'vllm_guardian.actuators.k8s'))))"
+    code = "import sys, vllm_guardian.shell.daemon, vllm_guardian.tools.cli; print(sorted(m for m in sys.modules if m.startswith(('lightkube', 'httpx2', 'vllm_guardian.actuators.k8s'))))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
     assert out.stdout.strip() == "[]"
 
@@ -260,10 +260,10 @@ def test_the_executor_takes_and_gives_back_the_permit(
     """The wiring: the policy's Op.PERMIT / Op.RELEASE_PERMIT through OpRunner to the adapter,
     built by the healing layer from fleet: {permit: lease, ...} as a pod's guardian would."""
     from vllm_guardian.actuators.executor import OpRunner
-    from vllm_guardian.clock import SystemClock
     from vllm_guardian.config import parse_config
-    from vllm_guardian.healing import Healing
+    from vllm_guardian.lowio.clock import SystemClock
     from vllm_guardian.model import Op, OpRequest
+    from vllm_guardian.shell.healing import Healing
 
     cfg = parse_config(
         "services:\n  - name: vllm\n"

@@ -22,9 +22,9 @@ import pytest
 
 from tests.hostile import wait_for
 from tests.test_httpget import finishes
-from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import HealthSourceConfig, ServiceConfig, VllmMetricsSourceConfig
-from vllm_guardian.httpget import Cancel, Failure, HttpGetError, KeepAlive, fetch
+from vllm_guardian.lowio.clock import FakeClock
+from vllm_guardian.lowio.httpget import Cancel, Failure, HttpGetError, KeepAlive, fetch
 from vllm_guardian.model import HealthState
 from vllm_guardian.sources.health import HealthCollector
 from vllm_guardian.sources.vllm_metrics import VllmMetricsCollector

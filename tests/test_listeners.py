@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 
 from tests.hostile import idle_clients, wait_for
-from vllm_guardian.boundedhttp import Limits
-from vllm_guardian.control import MAX_REQUEST_BYTES, ControlError, ControlServer, request
-from vllm_guardian.exposition import ExpositionServer, GuardianCollector
-from vllm_guardian.httpget import fetch
+from vllm_guardian.lowio.boundedhttp import Limits
+from vllm_guardian.lowio.control import MAX_REQUEST_BYTES, ControlError, ControlServer, request
+from vllm_guardian.lowio.httpget import fetch
+from vllm_guardian.shell.exposition import ExpositionServer, GuardianCollector
 
 
 def endpoint(limits: Limits) -> ExpositionServer:
@@ -262,8 +262,8 @@ def test_control_many_idle_clients_leave_room_and_the_socket_stays_private(tmp_p
 
 
 def test_the_unit_raises_the_descriptor_limit_well_past_the_listener_caps():
-    from vllm_guardian.control import MAX_CLIENTS
-    from vllm_guardian.install import GUARDIAN_SERVICE
+    from vllm_guardian.lowio.control import MAX_CLIENTS
+    from vllm_guardian.tools.install import GUARDIAN_SERVICE
 
     root = Path(__file__).resolve().parent.parent
     for text in ((root / "systemd/vllm-guardian.service").read_text(), GUARDIAN_SERVICE):

@@ -28,7 +28,6 @@ import pytest
 from tests import hostneeds
 from tests.sim import twinproc
 from vllm_guardian.config import ConfigInvalid
-from vllm_guardian.demo import free_port
 from vllm_guardian.loadtest import cli
 from vllm_guardian.loadtest.profile import (
     Limits,
@@ -50,6 +49,7 @@ from vllm_guardian.loadtest.runner import (
     server_info,
 )
 from vllm_guardian.model import LogEvent, LogEventKind
+from vllm_guardian.tools.demo import free_port
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,6 +1,6 @@
 """One tick in one place: the daemon and ``replay`` run the same tick driver (``core/driver.py``).
 
-A real :class:`~vllm_guardian.daemon.Guardian` (sources at the boundary scripted, a restart
+A real :class:`~vllm_guardian.shell.daemon.Guardian` (sources at the boundary scripted, a restart
 backend that brings vLLM back with a new pid, a fake clock) lives through a prefill OOM: it
 relaunches with fewer batched tokens, phase by phase. Its flight record is then replayed with the
 same config; replay must produce exactly the daemon's decisions, each phase at the tick it
@@ -15,12 +15,11 @@ from pathlib import Path
 
 from tests.conftest import read_fixture
 from vllm_guardian.actuators import audit
-from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import Config, parse_config
 from vllm_guardian.core.phases import Phase
 from vllm_guardian.core.policy import DecisionKind
-from vllm_guardian.daemon import Guardian
-from vllm_guardian.healing import Healing
+from vllm_guardian.formats.recorder import read_records, snapshot_from_record
+from vllm_guardian.lowio.clock import FakeClock
 from vllm_guardian.model import (
     ActionKind,
     HealthProbe,
@@ -32,9 +31,10 @@ from vllm_guardian.model import (
     SourceKind,
     UnitState,
 )
-from vllm_guardian.recorder import read_records, snapshot_from_record
-from vllm_guardian.replay import replay
+from vllm_guardian.shell.daemon import Guardian
+from vllm_guardian.shell.healing import Healing
 from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
+from vllm_guardian.tools.replay import replay
 
 GIB = 1024**3
 CONFIG = """

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests import hostneeds
-from vllm_guardian import cli, install
 from vllm_guardian.config import load_config
+from vllm_guardian.tools import cli, install
 
 ROOT = Path(__file__).resolve().parent.parent
 

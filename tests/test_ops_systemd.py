@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests import hostneeds
-from vllm_guardian import install
 from vllm_guardian.config import GateConfig, PolicyConfig, SignalsConfig
+from vllm_guardian.tools import install
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMD = ROOT / "systemd"

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from vllm_guardian import allocator_format as fmt
+from vllm_guardian.formats import allocator_format as fmt
 from vllm_guardian.plugin import publisher as pub
 
 GIB = 1024**3
@@ -122,7 +122,7 @@ def test_idle_without_torch(tmp_path):
     ]
 
 
-@pytest.mark.parametrize("module", ["vllm_guardian.daemon", "vllm_guardian.cli"])
+@pytest.mark.parametrize("module", ["vllm_guardian.shell.daemon", "vllm_guardian.tools.cli"])
 def test_the_daemon_never_imports_torch(module: str):
     proc = run_python(
         f"""

@@ -112,9 +112,9 @@ def test_the_guardian_audits_a_daemonizing_command_with_the_reason(
     so a person reading the audit learns why vLLM is no longer supervised."""
     import json
 
-    from vllm_guardian.clock import SystemClock
     from vllm_guardian.config import parse_config
-    from vllm_guardian.healing import Healing
+    from vllm_guardian.lowio.clock import SystemClock
+    from vllm_guardian.shell.healing import Healing
 
     script = tmp_path / "daemonize.py"
     script.write_text(DAEMONIZING)
@@ -168,7 +168,7 @@ def test_a_daemonizing_command_that_clears_its_environment_is_found_by_its_port(
     still serves the service's port, and it started after the command did, outside the
     command's process group: that is the command's escapee, and it is not started again on
     top of it (where a second copy could not bind the port and would exit, again and again)."""
-    from vllm_guardian.demo import free_port
+    from vllm_guardian.tools.demo import free_port
 
     port = free_port()
     script = tmp_path / "daemonize.py"

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import VLLM_FIXTURES
 from tests.expositions import multi_engine
-from vllm_guardian import promtext
+from vllm_guardian.formats import promtext
 from vllm_guardian.sources.vllm_metrics import WANTED
 
 CAPTURES = sorted(VLLM_FIXTURES.glob("metrics-*.prom"))  # real vLLM 0.32 scrapes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_guardian.ready_format import ReadyAnswer, encode, encode_unknown, reason_of
+from vllm_guardian.formats.ready_format import ReadyAnswer, encode, encode_unknown, reason_of
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,14 @@ from typing import Any
 
 import pytest
 
+from vllm_guardian.formats.recorder import (
+    FlightRecorder,
+    apply_delta,
+    delta,
+    read_records,
+    snapshot_from_record,
+    to_jsonable,
+)
 from vllm_guardian.model import (
     EngineMetrics,
     HealthProbe,
@@ -18,14 +26,6 @@ from vllm_guardian.model import (
     ServiceSnapshot,
     Snapshot,
     VllmScrape,
-)
-from vllm_guardian.recorder import (
-    FlightRecorder,
-    apply_delta,
-    delta,
-    read_records,
-    snapshot_from_record,
-    to_jsonable,
 )
 
 INF = math.inf

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from vllm_guardian.redact import REDACTED, is_secret_name, redact_argv, redact_text
+from vllm_guardian.lowio.redact import REDACTED, is_secret_name, redact_argv, redact_text
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 
@@ -531,9 +531,9 @@ def test_exit_alert_sink_log_lines(
     import requests
 
     from vllm_guardian.actuators.alerts import AlertDispatcher
-    from vllm_guardian.clock import FakeClock
     from vllm_guardian.config import AlertingConfig
     from vllm_guardian.core.alerting import Transition
+    from vllm_guardian.lowio.clock import FakeClock
     from vllm_guardian.model import Alert, AlertState, Severity
 
     target = url.format(s=SECRET, port=_dead_port())
@@ -592,7 +592,7 @@ def test_exit_audit_log(tmp_path: Path) -> None:
 
 def test_exit_check_config_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`check-config` shows each service's URL and the alert sinks it will send to."""
-    from vllm_guardian.cli import main
+    from vllm_guardian.tools.cli import main
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import read_fixture
-from vllm_guardian import replay
+from vllm_guardian.formats.recorder import KEYFRAME_EVERY, FlightRecorder
 from vllm_guardian.model import (
     GpuDevice,
     GpuReading,
@@ -24,8 +24,8 @@ from vllm_guardian.model import (
     ServiceSnapshot,
     Snapshot,
 )
-from vllm_guardian.recorder import KEYFRAME_EVERY, FlightRecorder
 from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
+from vllm_guardian.tools import replay
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).parent / "golden" / "replay-kv-then-oom.jsonl"

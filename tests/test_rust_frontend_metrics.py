@@ -19,10 +19,10 @@ from prometheus_client.openmetrics.parser import (
 )
 
 from tests.conftest import FIXTURES, read_fixture
-from vllm_guardian import promtext
 from vllm_guardian.diagnose.analyze import analyze
 from vllm_guardian.diagnose.bundle import read_bundle
 from vllm_guardian.diagnose.report import render_text, to_json
+from vllm_guardian.formats import promtext
 from vllm_guardian.sources.vllm_metrics import WANTED, make_parser, parse_vllm_metrics
 
 RUST = "rust-frontend-under-load-05.om"

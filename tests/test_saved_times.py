@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import PolicyConfig, parse_config
 from vllm_guardian.core.phases import (
     PERMIT_RETRY_SECONDS,
@@ -35,10 +34,11 @@ from vllm_guardian.core.policy import (
     PolicyState,
     ServiceState,
 )
-from vllm_guardian.healing import Healing
+from vllm_guardian.formats.recorder import to_jsonable
+from vllm_guardian.lowio.clock import FakeClock
 from vllm_guardian.model import ActionKind, Cause
-from vllm_guardian.recorder import to_jsonable
-from vllm_guardian.statefile import load_state, save_state
+from vllm_guardian.shell.healing import Healing
+from vllm_guardian.shell.statefile import load_state, save_state
 
 DAY = 86400.0
 FLEET_WAIT_SECONDS = 300.0

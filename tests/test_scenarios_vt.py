@@ -36,9 +36,14 @@ from vllm_guardian.core.policy import DecisionKind
 from vllm_guardian.diagnose.analyze import analyze
 from vllm_guardian.diagnose.bundle import read_bundle
 from vllm_guardian.diagnose.report import to_json
+from vllm_guardian.formats.recorder import (
+    FlightRecorder,
+    read_records,
+    snapshot_from_record,
+    to_jsonable,
+)
 from vllm_guardian.model import ActionKind, Cause
-from vllm_guardian.recorder import FlightRecorder, read_records, snapshot_from_record, to_jsonable
-from vllm_guardian.replay import replay
+from vllm_guardian.tools.replay import replay
 
 GOLDEN = Path(__file__).parent / "golden" / "scenarios"
 BASELINE_GPU_MEMORY_UTILIZATION = 0.92  # the twin's (and vLLM 0.32's) default

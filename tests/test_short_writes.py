@@ -24,8 +24,8 @@ import pytest
 
 from vllm_guardian.actuators.audit import AuditLog
 from vllm_guardian.core.policy import Decision, DecisionKind
+from vllm_guardian.formats.recorder import FlightRecorder, RecordError, read_records
 from vllm_guardian.model import ServiceSnapshot, Snapshot
-from vllm_guardian.recorder import FlightRecorder, RecordError, read_records
 
 FAILING_WRITE = 6  # the write that meets the full disk
 WRITES = 12

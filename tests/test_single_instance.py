@@ -19,7 +19,7 @@ import pytest
 from tests.conftest import read_fixture
 from tests.httpfixture import Script, serve
 from tests.support import wait_for
-from vllm_guardian.instancelock import acquire
+from vllm_guardian.shell.instancelock import acquire
 
 ROOT = Path(__file__).resolve().parent.parent
 

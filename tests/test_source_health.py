@@ -7,8 +7,8 @@ import json
 import pytest
 
 from tests.httpfixture import Script
-from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import HealthSourceConfig, ServiceConfig
+from vllm_guardian.lowio.clock import FakeClock
 from vllm_guardian.model import HealthState
 from vllm_guardian.sources.health import HealthCollector, classify_status
 

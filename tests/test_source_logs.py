@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from tests.support import wait_for
-from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import LogsSourceConfig, ServiceConfig
+from vllm_guardian.formats.vllm_log_format import CONTINUED, match_line, parse_size_bytes
+from vllm_guardian.lowio.clock import FakeClock
 from vllm_guardian.model import LogEventKind, LogReading, Reading
 from vllm_guardian.sources.logs import (
     DEDUP_WINDOW_SECONDS,
@@ -25,7 +26,6 @@ from vllm_guardian.sources.logs import (
     parse_journal_line,
     split_message,
 )
-from vllm_guardian.vllm_log_format import CONTINUED, match_line, parse_size_bytes
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 K = LogEventKind

@@ -23,9 +23,8 @@ import pytest
 
 from tests import hostneeds
 from tests.nvml_fake import FakeNvmlState, build_fake_nvml, make_proc_entry
-from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import NvmlSourceConfig
-from vllm_guardian.gpu_state_format import (
+from vllm_guardian.formats.gpu_state_format import (
     ParsedStateFile,
     StateDevice,
     StateFileError,
@@ -34,9 +33,10 @@ from vllm_guardian.gpu_state_format import (
     build_state,
     parse_state_file,
 )
+from vllm_guardian.lowio.clock import FakeClock
+from vllm_guardian.lowio.procfs import parse_cgroup
+from vllm_guardian.lowio.procfs import parse_ppid as parse_proc_stat_ppid
 from vllm_guardian.model import GpuDevice, GpuProcess, GpuReading, Reading, SourceKind, XidEvent
-from vllm_guardian.procfs import parse_cgroup
-from vllm_guardian.procfs import parse_ppid as parse_proc_stat_ppid
 from vllm_guardian.sources.nvml import NvmlCollector
 
 INTERVAL = 2.0
@@ -938,7 +938,7 @@ _CHILD = textwrap.dedent(
     except OSError:
         real = False
     from pathlib import Path
-    from vllm_guardian.clock import FakeClock
+    from vllm_guardian.lowio.clock import FakeClock
     from vllm_guardian.config import NvmlSourceConfig
     from vllm_guardian.sources.nvml import NvmlCollector
     c = NvmlCollector(NvmlSourceConfig(), FakeClock(), Path("/proc"))

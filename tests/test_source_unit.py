@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from tests.support import wait_for
-from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import ServiceConfig, UnitSourceConfig
-from vllm_guardian.daemon import unit_may_have_changed
+from vllm_guardian.lowio.clock import FakeClock
+from vllm_guardian.lowio.procfs import process_age_seconds
 from vllm_guardian.model import (
     HealthProbe,
     HealthState,
@@ -34,7 +34,7 @@ from vllm_guardian.model import (
     SourceKind,
     UnitState,
 )
-from vllm_guardian.procfs import process_age_seconds
+from vllm_guardian.shell.daemon import unit_may_have_changed
 from vllm_guardian.sources.unit import (
     SHOW_PROPERTIES,
     UnitCollector,

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from vllm_guardian.cli import render_status
-from vllm_guardian.control import ControlError
-from vllm_guardian.status_watch import CLEAR, EXIT_INTERRUPTED, watch
+from vllm_guardian.lowio.control import ControlError
+from vllm_guardian.tools.cli import render_status
+from vllm_guardian.tools.status_watch import CLEAR, EXIT_INTERRUPTED, watch
 
 LONG_REASON = (
     "relaunch: pre-emptive: pid 4194301 (command unknown, cgroup unknown) exhausts the GPU in "

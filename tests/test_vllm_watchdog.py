@@ -21,6 +21,7 @@ from vllm_guardian.actuators.bundle import MAX_WATCHDOG_DUMP_BYTES, BundleWriter
 from vllm_guardian.config import ServiceConfig
 from vllm_guardian.core.diagnosis import evidence_from_logs
 from vllm_guardian.diagnose.bundle import read_bundle
+from vllm_guardian.formats.vllm_log_format import match_line, may_be_evidence
 from vllm_guardian.model import (
     Action,
     ActionKind,
@@ -33,7 +34,6 @@ from vllm_guardian.model import (
 )
 from vllm_guardian.sim.server import Twin
 from vllm_guardian.sim.vllm_log import LogWriter
-from vllm_guardian.vllm_log_format import match_line, may_be_evidence
 
 WATCHDOG = VLLM_FIXTURES / "watchdog"
 LINES = (WATCHDOG / "watchdog-0.33.log").read_text().splitlines()

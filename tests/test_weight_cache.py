@@ -29,6 +29,8 @@ from vllm_guardian.core.diagnosis import evidence_from_logs
 from vllm_guardian.core.policy import seen
 from vllm_guardian.diagnose.analyze import analyze
 from vllm_guardian.diagnose.bundle import Bundle
+from vllm_guardian.formats.vllm_log_format import match_line
+from vllm_guardian.lowio.procfs import is_weight_cache_command
 from vllm_guardian.model import (
     Cause,
     GpuDevice,
@@ -40,10 +42,8 @@ from vllm_guardian.model import (
     Snapshot,
     UnitState,
 )
-from vllm_guardian.operator import parse_set
-from vllm_guardian.procfs import is_weight_cache_command
 from vllm_guardian.sources.nvml import _ProcReader
-from vllm_guardian.vllm_log_format import match_line
+from vllm_guardian.tools.operator import parse_set
 
 GIB = 1024**3
 VENV = "/opt/vllm/bin"

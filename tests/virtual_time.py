@@ -55,20 +55,18 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from vllm_guardian.actuators import flags as flagsfile
 from vllm_guardian.actuators.alerts import load_rules
 from vllm_guardian.actuators.bundle import BundleWriter
-from vllm_guardian.clock import FakeClock
 from vllm_guardian.config import Config
 from vllm_guardian.core import policy
 from vllm_guardian.core.driver import Driver
-from vllm_guardian.daemon import assemble
-from vllm_guardian.demo import DemoOptions, demo_config
-from vllm_guardian.gate.progress import GIVEN_UP_MIN_SECONDS
-from vllm_guardian.gpu_state_format import (
+from vllm_guardian.formats.gpu_state_format import (
     StateDevice,
     StateFileError,
     StateXid,
     build_state,
     parse_state_file,
 )
+from vllm_guardian.gate.progress import GIVEN_UP_MIN_SECONDS
+from vllm_guardian.lowio.clock import FakeClock
 from vllm_guardian.model import (
     Action,
     ActionResult,
@@ -84,6 +82,7 @@ from vllm_guardian.model import (
     SourceStatus,
     UnitState,
 )
+from vllm_guardian.shell.daemon import assemble
 from vllm_guardian.sim.engine import EnginePhase, RequestDelta
 from vllm_guardian.sim.exposition import HttpStats, make_registry
 from vllm_guardian.sim.flags import FlagError, parse_serve_args
@@ -96,6 +95,7 @@ from vllm_guardian.sources.health import classify_status
 from vllm_guardian.sources.logs import EventCounter
 from vllm_guardian.sources.nvml import STALE_AFTER_INTERVALS
 from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
+from vllm_guardian.tools.demo import DemoOptions, demo_config
 
 T0 = 1_800_000_000.0
 # The twin's main loop, the load's arrivals and the guardian's ticks interleave on this grain

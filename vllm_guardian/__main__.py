@@ -1,5 +1,5 @@
 import sys
 
-from vllm_guardian.cli import main
+from vllm_guardian.tools.cli import main
 
 sys.exit(main())

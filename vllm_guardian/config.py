@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from vllm_guardian.redact import redact_text
+from vllm_guardian.lowio.redact import redact_text
 
 DEFAULT_CONFIG_PATH = "/etc/vllm-guardian/config.yaml"
 

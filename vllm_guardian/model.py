@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from vllm_guardian.allocator_format import AllocatorStats
+from vllm_guardian.formats.allocator_format import AllocatorStats
 
 
 class SourceKind(StrEnum):

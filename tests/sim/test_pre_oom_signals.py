@@ -17,9 +17,9 @@ import pytest
 
 from tests.sim.helpers import ready_engine
 from tests.sim.twinproc import start, stop
-from vllm_guardian import allocator_format as fmt
-from vllm_guardian.clock import SystemClock
 from vllm_guardian.config import AllocatorSourceConfig
+from vllm_guardian.formats import allocator_format as fmt
+from vllm_guardian.lowio.clock import SystemClock
 from vllm_guardian.model import AllocatorReading
 from vllm_guardian.sim.engine import EnginePhase, SimEngine
 from vllm_guardian.sim.load import plan_requests

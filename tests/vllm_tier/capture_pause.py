@@ -28,7 +28,7 @@ from typing import Any
 
 from tests.support import wait_for
 from tests.vllm_tier import support
-from vllm_guardian.demo import free_port
+from vllm_guardian.tools.demo import free_port
 
 GAUGES = (
     "vllm:num_requests_running",

@@ -37,7 +37,7 @@ from typing import Any
 
 from tests.support import wait_for
 from tests.vllm_tier import support
-from vllm_guardian.demo import free_port
+from vllm_guardian.tools.demo import free_port
 
 EVERY_SECONDS = 0.5
 HANG_SECONDS = 12.0

@@ -40,7 +40,7 @@ from aiohttp import ClientSession, web
 from tests.support import wait_for
 from tests.test_gate_support import GateThread, LoopThread
 from tests.vllm_tier import support
-from vllm_guardian.demo import free_port
+from vllm_guardian.tools.demo import free_port
 
 CHAT = "/v1/chat/completions"
 MAX_TOKENS = 40

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import wait_for
 from tests.vllm_tier import support
-from vllm_guardian.demo import free_port
+from vllm_guardian.tools.demo import free_port
 
 ROOT = support.HERE.parents[1]
 

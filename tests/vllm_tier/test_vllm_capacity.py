@@ -51,9 +51,9 @@ from tests.support import wait_for
 from tests.vllm_tier import support
 from vllm_guardian.core.capacity import CapacitySettings, CapacityState, estimate
 from vllm_guardian.core.signals import capacity_samples
-from vllm_guardian.demo import free_port
 from vllm_guardian.model import ServiceSnapshot, Snapshot
 from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
+from vllm_guardian.tools.demo import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 

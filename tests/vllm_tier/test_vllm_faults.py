@@ -33,9 +33,9 @@ import pytest
 from tests.support import wait_for
 from tests.vllm_tier import support
 from tests.vllm_tier.chat_continuation import check_a_cut_chat_stream_is_continued_byte_for_byte
-from vllm_guardian.demo import free_port
+from vllm_guardian.formats.vllm_log_format import match_line
 from vllm_guardian.model import LogEventKind
-from vllm_guardian.vllm_log_format import match_line
+from vllm_guardian.tools.demo import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

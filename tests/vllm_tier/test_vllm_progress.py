@@ -44,9 +44,9 @@ from tests.support import wait_for
 from tests.vllm_tier import support
 from tests.vllm_tier.support import StreamResult
 from tests.vllm_tier.test_vllm_real import Guarded, guardian_config
-from vllm_guardian.daemon import Guardian, TickResult
-from vllm_guardian.demo import free_port
 from vllm_guardian.model import AlertState
+from vllm_guardian.shell.daemon import Guardian, TickResult
+from vllm_guardian.tools.demo import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

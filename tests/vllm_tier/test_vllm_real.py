@@ -61,10 +61,10 @@ from tests.vllm_tier.frontdoor import (
 )
 from tests.vllm_tier.support import MODEL_NAME, Sampler, StreamResult
 from vllm_guardian.config import Config, parse_config
-from vllm_guardian.daemon import Guardian
-from vllm_guardian.demo import DEMO_RULES, free_port
 from vllm_guardian.model import AlertState
+from vllm_guardian.shell.daemon import Guardian
 from vllm_guardian.sources.vllm_metrics import WANTED, parse_vllm_metrics
+from vllm_guardian.tools.demo import DEMO_RULES, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
 

@@ -19,8 +19,8 @@ import requests
 
 from vllm_guardian.actuators.webhook import iso8601, starts_at
 from vllm_guardian.core.alerting import AlertKey, SinkResult, Transition
+from vllm_guardian.lowio.redact import redact_text, redact_url_in
 from vllm_guardian.model import Alert, AlertState
-from vllm_guardian.redact import redact_text, redact_url_in
 
 EVALUATOR = "guardian"
 # Prometheus's own factor: endsAt = now + 4 × resend interval for a firing alert.

@@ -23,7 +23,6 @@ from typing import Protocol
 from vllm_guardian.actuators.alert_log import AlertLogSink
 from vllm_guardian.actuators.alertmanager import AlertmanagerSink
 from vllm_guardian.actuators.webhook import WebhookSink
-from vllm_guardian.clock import Clock
 from vllm_guardian.config import AlertingConfig, read_text
 from vllm_guardian.core.alerting import (
     Rule,
@@ -33,6 +32,7 @@ from vllm_guardian.core.alerting import (
     parse_rules,
     sort_alerts,
 )
+from vllm_guardian.lowio.clock import Clock
 from vllm_guardian.model import Alert
 
 log = logging.getLogger("vllm_guardian.alerts")

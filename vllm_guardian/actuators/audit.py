@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_guardian.appendfile import append_lines
 from vllm_guardian.core.phases import Phase
 from vllm_guardian.core.policy import Decision, DecisionKind, Withheld
+from vllm_guardian.formats.recorder import to_jsonable
+from vllm_guardian.lowio.appendfile import append_lines
+from vllm_guardian.lowio.redact import redact_json
 from vllm_guardian.model import ActionKind, Cause
-from vllm_guardian.recorder import to_jsonable
-from vllm_guardian.redact import redact_json
 
 
 class AuditLog:

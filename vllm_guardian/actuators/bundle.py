@@ -27,12 +27,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_guardian import httpget, incident_svg
 from vllm_guardian.config import ServiceConfig
 from vllm_guardian.diagnose.bundle import Bundle, gpus_document, unit_document, write_bundle
+from vllm_guardian.formats import incident_svg
+from vllm_guardian.formats.recorder import to_jsonable
+from vllm_guardian.lowio import httpget
+from vllm_guardian.lowio.redact import redact_text
 from vllm_guardian.model import Action, LogEventKind, Snapshot
-from vllm_guardian.recorder import to_jsonable
-from vllm_guardian.redact import redact_text
 
 log = logging.getLogger("vllm_guardian.bundle")
 

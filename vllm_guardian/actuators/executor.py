@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Protocol
 
 from vllm_guardian.actuators import flags as flagsfile
-from vllm_guardian.clock import Clock
+from vllm_guardian.lowio.clock import Clock
 from vllm_guardian.model import Op, OpRequest, OpResult
 
 log = logging.getLogger("vllm_guardian.executor")

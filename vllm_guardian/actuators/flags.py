@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_guardian.atomicfile import write_atomic
+from vllm_guardian.lowio.atomicfile import write_atomic
 
 ARGS_VARIABLE = "VLLM_GUARDIAN_ARGS"
 

@@ -50,9 +50,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_guardian.actuators import flags as flagsfile
-from vllm_guardian.clock import Clock, SystemClock
-from vllm_guardian.procfs import is_weight_cache_command, parse_pid_file
-from vllm_guardian.redact import redact_argv
+from vllm_guardian.lowio.clock import Clock, SystemClock
+from vllm_guardian.lowio.procfs import is_weight_cache_command, parse_pid_file
+from vllm_guardian.lowio.redact import redact_argv
 
 log = logging.getLogger("vllm_guardian.procmgr")
 

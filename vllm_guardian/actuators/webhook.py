@@ -16,8 +16,8 @@ from typing import Any
 import requests
 
 from vllm_guardian.core.alerting import SinkResult, Transition
+from vllm_guardian.lowio.redact import redact_text, redact_url_in
 from vllm_guardian.model import Alert
-from vllm_guardian.redact import redact_text, redact_url_in
 
 
 def iso8601(t: float) -> str:

@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vllm_guardian.allocator_format import AllocatorStats
+from vllm_guardian.formats.allocator_format import AllocatorStats
 from vllm_guardian.model import (
     AllocatorReading,
     GpuReading,

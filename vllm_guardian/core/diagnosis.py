@@ -21,9 +21,9 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from vllm_guardian.allocator_format import AllocatorStats
 from vllm_guardian.core.causes import cause_spec
 from vllm_guardian.core.signals import ServiceSignals
+from vllm_guardian.formats.allocator_format import AllocatorStats
 from vllm_guardian.model import Alert, AlertState, Cause, HealthState, LogEvent, LogEventKind
 
 GIB = 1024**3

@@ -17,8 +17,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from vllm_guardian import promtext
-from vllm_guardian.allocator_format import AllocatorStats, FormatError, decode
 from vllm_guardian.config import PolicyConfig, ServiceConfig, SignalsConfig
 from vllm_guardian.core import diagnosis, observations
 from vllm_guardian.core.budget import (
@@ -45,6 +43,10 @@ from vllm_guardian.core.signals import (
 from vllm_guardian.diagnose.bundle import Bundle
 from vllm_guardian.diagnose.recommend import Context, recommend
 from vllm_guardian.diagnose.report import CauseReport, GpuProcessReport, GpuReport, Report
+from vllm_guardian.formats import promtext
+from vllm_guardian.formats.allocator_format import AllocatorStats, FormatError, decode
+from vllm_guardian.formats.recorder import snapshot_from_record
+from vllm_guardian.formats.vllm_log_format import display_line, engine_message, match_line
 from vllm_guardian.model import (
     CacheConfig,
     Cause,
@@ -61,11 +63,9 @@ from vllm_guardian.model import (
     VllmScrape,
     XidEvent,
 )
-from vllm_guardian.recorder import snapshot_from_record
 from vllm_guardian.sources.health import SCALING_ERROR_PREFIX, classify_status
 from vllm_guardian.sources.logs import MESSAGE_MAX_CHARS
 from vllm_guardian.sources.vllm_metrics import parse_vllm_metrics
-from vllm_guardian.vllm_log_format import display_line, engine_message, match_line
 
 _REQUEST_HISTOGRAMS = ("vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket")
 # Without a scrape span the stall test needs at least this much observation.

@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from vllm_guardian import recorder
 from vllm_guardian.core.signals import belongs_to
+from vllm_guardian.formats import recorder
+from vllm_guardian.lowio.redact import redact_argv, redact_json, redact_text
 from vllm_guardian.model import GpuDevice, UnitState, XidEvent
-from vllm_guardian.redact import redact_argv, redact_json, redact_text
 
 FORMAT = 1
 # Bounded work and memory per bundle (docs/bundle.md "Reading limits"): a bundle the policy

@@ -323,7 +323,7 @@ def plan(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
-    """``argv[0]`` is ``diagnose`` or ``plan`` (as dispatched by ``vllm_guardian.cli``)."""
+    """``argv[0]`` is ``diagnose`` or ``plan`` (as dispatched by ``vllm_guardian.tools.cli``)."""
     args = list(argv)
     if args and args[0] == "plan":
         return plan(args[1:])

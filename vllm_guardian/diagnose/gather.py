@@ -27,20 +27,20 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from vllm_guardian import httpget
-from vllm_guardian.clock import SystemClock
 from vllm_guardian.config import (
     NvmlSourceConfig,
     ServiceConfig,
     UnitSourceConfig,
 )
-from vllm_guardian.control import ControlError, request
 from vllm_guardian.core.budget import parse_launch_flags
 from vllm_guardian.diagnose.bundle import Bundle, gpus_document, unit_document
-from vllm_guardian.gpu_state_format import ParsedStateFile, parse_state_file
+from vllm_guardian.formats.gpu_state_format import ParsedStateFile, parse_state_file
+from vllm_guardian.formats.recorder import to_jsonable
+from vllm_guardian.lowio import httpget
+from vllm_guardian.lowio.clock import SystemClock
+from vllm_guardian.lowio.control import ControlError, request
+from vllm_guardian.lowio.redact import redact_text
 from vllm_guardian.model import GpuReading, UnitState
-from vllm_guardian.recorder import to_jsonable
-from vllm_guardian.redact import redact_text
 from vllm_guardian.sources.nvml import NvmlCollector
 from vllm_guardian.sources.unit import UnitCollector
 

@@ -11,8 +11,8 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_guardian.lowio.redact import redact_text
 from vllm_guardian.model import Cause
-from vllm_guardian.redact import redact_text
 
 SCHEMA = "vllm-guardian/diagnose"
 SCHEMA_VERSION = 1

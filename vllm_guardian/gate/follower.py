@@ -53,8 +53,8 @@ from urllib.parse import quote
 
 import aiohttp
 
-from vllm_guardian import ready_format
 from vllm_guardian.core.progress import ProgressReading
+from vllm_guardian.formats import ready_format
 from vllm_guardian.gate.admission import Admission
 from vllm_guardian.gate.progress import EngineMark, ProgressWatch, why_send_again
 from vllm_guardian.gate.upstream import UpstreamError, UpstreamPool

@@ -81,7 +81,7 @@ from vllm_guardian.gate.progress import (
 )
 from vllm_guardian.gate.relay import FALLBACK_HEADER, ContinuingRelay, Fallback, RelaySettings
 from vllm_guardian.gate.upstream import UpstreamError, UpstreamPool, UpstreamResponse
-from vllm_guardian.redact import redact_text
+from vllm_guardian.lowio.redact import redact_text
 
 log = logging.getLogger("vllm_guardian.gate")
 

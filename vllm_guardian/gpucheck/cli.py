@@ -17,10 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_guardian.clock import SystemClock
 from vllm_guardian.config import NvmlSourceConfig
 from vllm_guardian.gpucheck import report as rp
 from vllm_guardian.gpucheck import steps as st
+from vllm_guardian.lowio.clock import SystemClock
 from vllm_guardian.model import GpuReading
 from vllm_guardian.sources.nvml import DEFAULT_INTERVAL_SECONDS, NvmlCollector
 

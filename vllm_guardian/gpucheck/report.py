@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from vllm_guardian.allocator_format import STATS_KEYS, AllocatorStats
+from vllm_guardian.formats.allocator_format import STATS_KEYS, AllocatorStats
 from vllm_guardian.model import Cause, LogEventKind
 
 SCHEMA = "vllm-guardian.gpu-check/1"

@@ -30,14 +30,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
-from vllm_guardian.clock import SystemClock
 from vllm_guardian.config import AllocatorSourceConfig, PolicyConfig
 from vllm_guardian.core.forecast import ForecastSettings, MemorySample, Neighbour, forecast
+from vllm_guardian.formats.vllm_log_format import match_line
 from vllm_guardian.gpucheck import report as rp
+from vllm_guardian.lowio.clock import SystemClock
 from vllm_guardian.model import AllocatorReading, GpuDevice, GpuReading
 from vllm_guardian.sources.allocator import AllocatorCollector
 from vllm_guardian.sources.nvml import DEFAULT_INTERVAL_SECONDS, NvmlCollector
-from vllm_guardian.vllm_log_format import match_line
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -30,7 +30,6 @@ from pathlib import Path
 
 import requests
 
-from vllm_guardian.clock import SystemClock
 from vllm_guardian.config import (
     HealthSourceConfig,
     LogsSourceConfig,
@@ -41,6 +40,7 @@ from vllm_guardian.config import (
 )
 from vllm_guardian.core.budget import LaunchFlags, parse_launch_flags
 from vllm_guardian.core.signals import ServiceSignals, derive
+from vllm_guardian.lowio.clock import SystemClock
 from vllm_guardian.model import (
     GpuReading,
     HealthProbe,

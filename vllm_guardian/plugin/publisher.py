@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from vllm_guardian import allocator_format as fmt
+from vllm_guardian.formats import allocator_format as fmt
 
 log = logging.getLogger("vllm_guardian.plugin")
 

@@ -19,7 +19,7 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from vllm_guardian.allocator_format import AllocatorStats
+from vllm_guardian.formats.allocator_format import AllocatorStats
 from vllm_guardian.sim.memory import (
     MemoryBreakdown,
     MemoryModel,

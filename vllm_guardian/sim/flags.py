@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from vllm_guardian.allocator_format import ENV_DIR as ALLOCATOR_ENV_DIR
-from vllm_guardian.allocator_format import ENV_INTERVAL as ALLOCATOR_ENV_INTERVAL
+from vllm_guardian.formats.allocator_format import ENV_DIR as ALLOCATOR_ENV_DIR
+from vllm_guardian.formats.allocator_format import ENV_INTERVAL as ALLOCATOR_ENV_INTERVAL
 from vllm_guardian.sim.modelspec import ModelSpec, resolve_model
 from vllm_guardian.sim.profiling import GIB, EngineConfig
 from vllm_guardian.sim.scenarios import SCENARIOS, Scenario

@@ -13,10 +13,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vllm_guardian.atomicfile import write_atomic
-from vllm_guardian.gpu_state_format import (
+from vllm_guardian.formats.gpu_state_format import (
     StateXid,
 )
+from vllm_guardian.lowio.atomicfile import write_atomic
 
 
 def read_previous_xids(path: Path) -> tuple[StateXid, ...]:

@@ -44,9 +44,9 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.core import Metric
 
-from vllm_guardian import allocator_format as fmt
-from vllm_guardian.atomicfile import write_atomic
-from vllm_guardian.gpu_state_format import StateDevice, StateProcess, StateXid, build_state
+from vllm_guardian.formats import allocator_format as fmt
+from vllm_guardian.formats.gpu_state_format import StateDevice, StateProcess, StateXid, build_state
+from vllm_guardian.lowio.atomicfile import write_atomic
 from vllm_guardian.sim.engine import (
     ENGINE_DEAD_MESSAGE,
     VLLM_VERSION,

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_guardian.atomicfile import write_atomic
+from vllm_guardian.lowio.atomicfile import write_atomic
 
 
 class TimelineError(ValueError):

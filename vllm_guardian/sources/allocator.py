@@ -4,7 +4,7 @@ Where it sits: collect stage of the tick, one host-wide collector. The plugin
 (:mod:`vllm_guardian.plugin`) writes ``<pid>-<device>.json`` files into
 ``sources.allocator.directory`` (or one directory level below it: the drop-in gives each vLLM
 unit its own ``<directory>/<service>``); this source reads them with the shared schema
-(:mod:`vllm_guardian.allocator_format`) and never imports torch.
+(:mod:`vllm_guardian.formats.allocator_format`) and never imports torch.
 
 What it keeps: records of live processes, grouped by pid, with the pid's cgroup and ancestors
 so the pure core can attribute each process to a service exactly as it does GPU processes
@@ -29,17 +29,17 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_guardian import allocator_format as fmt
-from vllm_guardian.allocator_format import AllocatorStats
-from vllm_guardian.clock import Clock
 from vllm_guardian.config import AllocatorSourceConfig
+from vllm_guardian.formats import allocator_format as fmt
+from vllm_guardian.formats.allocator_format import AllocatorStats
+from vllm_guardian.lowio.clock import Clock
+from vllm_guardian.lowio.procfs import parse_cgroup, parse_ppid
 from vllm_guardian.model import (
     AllocatorProcess,
     AllocatorReading,
     Reading,
     SourceKind,
 )
-from vllm_guardian.procfs import parse_cgroup, parse_ppid
 from vllm_guardian.sources.base import failed
 
 log = logging.getLogger(__name__)

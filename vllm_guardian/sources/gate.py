@@ -8,7 +8,7 @@ holds, so a drain waits on the gate's real count instead of guessing from vLLM's
 A gate that is down, wedged or answering garbage is an *observation*, not a failure of the
 source: the reading is a :class:`GateObservation` with ``reachable=False`` and the reason, and
 whoever waits on the gate (the drain) must then act as if there were none. The whole read is
-bounded by one total deadline (connect + answer, enforced by :mod:`vllm_guardian.httpget`),
+bounded by one total deadline (connect + answer, enforced by :mod:`vllm_guardian.lowio.httpget`),
 never raises, and speaks plain HTTP with the standard library's client: the daemon never
 imports the gate's aiohttp.
 """
@@ -19,8 +19,8 @@ import json
 import math
 from typing import Any
 
-from vllm_guardian import httpget
 from vllm_guardian.config import GateConfig, GateSourceConfig, ServiceConfig
+from vllm_guardian.lowio import httpget
 from vllm_guardian.model import GateObservation, Reading, SourceKind
 
 STATUS_PATH = "/gate/status"  # vllm_guardian/gate/proxy.py serves it

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 
-from vllm_guardian import httpget
-from vllm_guardian.clock import Clock
 from vllm_guardian.config import HealthSourceConfig, ServiceConfig
+from vllm_guardian.lowio import httpget
+from vllm_guardian.lowio.clock import Clock
 from vllm_guardian.model import DeepProbe, HealthProbe, HealthState, Reading, SourceKind
 
 # /health answers with an empty body; its status is the answer. A body past this is not read.

@@ -16,7 +16,7 @@ stderr: a journal vacuumed or replaced) is dropped when that run handed nothing 
 next run starts from now, as at the start.
 
 Which lines are evidence, and what each signature means, is vLLM's log vocabulary
-(:mod:`vllm_guardian.vllm_log_format`): this module reads the lines and counts what it matches.
+(:mod:`vllm_guardian.formats.vllm_log_format`): this module reads the lines and counts what it matches.
 
 A flood (a million access-log or INFO lines in front of an OOM) costs little and delays
 nothing for long: a line that cannot be evidence is dropped by its first characters before any
@@ -57,12 +57,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from vllm_guardian.clock import Clock
 from vllm_guardian.config import LogsSourceConfig, ServiceConfig
-from vllm_guardian.model import LogEvent, LogEventKind, LogReading, Reading, SourceKind
-from vllm_guardian.redact import redact_text
-from vllm_guardian.sources.base import failed
-from vllm_guardian.vllm_log_format import (
+from vllm_guardian.formats.vllm_log_format import (
     CONTINUED,
     KV_POOL_LINE,
     Details,
@@ -72,6 +68,10 @@ from vllm_guardian.vllm_log_format import (
     match_line,
     may_be_evidence,
 )
+from vllm_guardian.lowio.clock import Clock
+from vllm_guardian.lowio.redact import redact_text
+from vllm_guardian.model import LogEvent, LogEventKind, LogReading, Reading, SourceKind
+from vllm_guardian.sources.base import failed
 
 if TYPE_CHECKING:
     from vllm_guardian.sources.base import Collector

@@ -42,13 +42,14 @@ from typing import Any, Protocol, TypeVar
 
 import pynvml
 
-from vllm_guardian.clock import Clock
 from vllm_guardian.config import NvmlSourceConfig
-from vllm_guardian.gpu_state_format import (
+from vllm_guardian.formats.gpu_state_format import (
     StateFileError,
     merge_process,
     parse_state_file,
 )
+from vllm_guardian.lowio.clock import Clock
+from vllm_guardian.lowio.procfs import is_weight_cache_command, parse_cgroup, parse_ppid
 from vllm_guardian.model import (
     GpuDevice,
     GpuProcess,
@@ -57,7 +58,6 @@ from vllm_guardian.model import (
     SourceKind,
     XidEvent,
 )
-from vllm_guardian.procfs import is_weight_cache_command, parse_cgroup, parse_ppid
 from vllm_guardian.sources.base import failed
 
 log = logging.getLogger(__name__)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vllm_guardian.clock import Clock
 from vllm_guardian.config import Config
+from vllm_guardian.lowio.clock import Clock
 from vllm_guardian.sources.allocator import AllocatorCollector
 from vllm_guardian.sources.base import Collector
 from vllm_guardian.sources.gate import GateCollector

@@ -54,16 +54,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from vllm_guardian.clock import Clock, SystemClock
 from vllm_guardian.config import ServiceConfig, UnitSourceConfig
-from vllm_guardian.model import Reading, SourceKind, UnitState
-from vllm_guardian.procfs import (
+from vllm_guardian.lowio.clock import Clock, SystemClock
+from vllm_guardian.lowio.procfs import (
     parse_pid_file,
     parse_start_ticks,
     parse_stat,
     process_age_seconds,
 )
-from vllm_guardian.redact import redact_argv
+from vllm_guardian.lowio.redact import redact_argv
+from vllm_guardian.model import Reading, SourceKind, UnitState
 from vllm_guardian.sources.base import failed
 
 if TYPE_CHECKING:

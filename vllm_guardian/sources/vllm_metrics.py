@@ -24,8 +24,9 @@ import typing
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from vllm_guardian import httpget, promtext
 from vllm_guardian.config import ServiceConfig, VllmMetricsSourceConfig
+from vllm_guardian.formats import promtext
+from vllm_guardian.lowio import httpget
 from vllm_guardian.model import (
     CacheConfig,
     EngineMetrics,

@@ -18,7 +18,7 @@ import getpass
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,9 +95,10 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: Sequence[str]) -> int:
-    from vllm_guardian.cli import socket_path  # noqa: PLC0415
-    from vllm_guardian.control import ControlError, request  # noqa: PLC0415
+def main(argv: Sequence[str], socket_path: Callable[[str, str | None], Path]) -> int:
+    """``vllm-guardian restart|relaunch``; ``socket_path(config, --socket)`` is the command line's
+    own resolver, passed in so that this module does not import the one that dispatches to it."""
+    from vllm_guardian.lowio.control import ControlError, request  # noqa: PLC0415
 
     command, rest = argv[0], list(argv[1:])
     args = build_parser(command).parse_args(rest)
@@ -141,7 +142,7 @@ def main(argv: Sequence[str]) -> int:
 
 def follow(path: Path, service: str, action_id: int, timeout_seconds: float) -> int:
     """Print each decision of the action as it happens; the exit code says how it ended."""
-    from vllm_guardian.control import ControlError, request  # noqa: PLC0415
+    from vllm_guardian.lowio.control import ControlError, request  # noqa: PLC0415
 
     shown = 0
     deadline = time.monotonic() + timeout_seconds

@@ -100,7 +100,7 @@ def _error_docs(e: ConfigInvalid) -> list[dict[str, Any]]:
 def cmd_check_config(args: argparse.Namespace) -> int:
     """Validate a config and its rules file; every error at once. With ``--json`` the same as
     one object (docs/cli.md): text for people on stdout/stderr, the object for scripts."""
-    from vllm_guardian.redact import redact_text  # noqa: PLC0415
+    from vllm_guardian.lowio.redact import redact_text  # noqa: PLC0415
 
     doc: dict[str, Any] = {
         "schema": "vllm-guardian/check-config",
@@ -193,8 +193,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = _load(args.config)
     if cfg is None:
         return EXIT_CONFIG
-    from vllm_guardian.daemon import Guardian  # noqa: PLC0415  # keeps check-config light
-    from vllm_guardian.instancelock import AlreadyRunning, acquire  # noqa: PLC0415
+    from vllm_guardian.shell.daemon import Guardian  # noqa: PLC0415  # keeps check-config light
+    from vllm_guardian.shell.instancelock import AlreadyRunning, acquire  # noqa: PLC0415
 
     # Before anything is read, started or unlinked: a second guardian on these directories
     # would take over the first one's control socket, vLLM and pid files.
@@ -240,7 +240,7 @@ def _fmt(v: Any, pattern: str = "{:.0f}") -> str:
 def _capacity_line(data: Any) -> str:
     """The over-capacity estimate as one line (core/capacity.py), from its JSON form."""
     from vllm_guardian.core.capacity import CapacityEstimate  # noqa: PLC0415
-    from vllm_guardian.recorder import from_jsonable  # noqa: PLC0415
+    from vllm_guardian.formats.recorder import from_jsonable  # noqa: PLC0415
 
     try:
         est: CapacityEstimate = from_jsonable(CapacityEstimate, data)
@@ -346,10 +346,10 @@ def render_status(st: dict[str, Any]) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from vllm_guardian.control import ControlError, request  # noqa: PLC0415
+    from vllm_guardian.lowio.control import ControlError, request  # noqa: PLC0415
 
     if args.watch:
-        from vllm_guardian.status_watch import watch  # noqa: PLC0415
+        from vllm_guardian.tools.status_watch import watch  # noqa: PLC0415
 
         path = _socket_path(args)
         return watch(
@@ -368,7 +368,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_control(args: argparse.Namespace) -> int:
     """pause | resume [SERVICE]: maintenance without the guardian acting, and the one way to
     clear a latched breaker."""
-    from vllm_guardian.control import ControlError, request  # noqa: PLC0415
+    from vllm_guardian.lowio.control import ControlError, request  # noqa: PLC0415
 
     try:
         reply = request(_socket_path(args), {"cmd": args.command, "service": args.service})
@@ -542,15 +542,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] == "sim":
         return cmd_sim(argparse.Namespace(), argv[1:])
     if argv and argv[0] in ("restart", "relaunch"):
-        from vllm_guardian.operator import main as operator_main  # noqa: PLC0415
+        from vllm_guardian.tools.operator import main as operator_main  # noqa: PLC0415
 
-        return operator_main(argv)
+        return operator_main(argv, socket_path)
     if argv and argv[0] == "replay":
-        from vllm_guardian.replay import main as replay_main  # noqa: PLC0415
+        from vllm_guardian.tools.replay import main as replay_main  # noqa: PLC0415
 
         return replay_main(argv[1:])
     if argv and argv[0] == "demo":
-        from vllm_guardian.demo import main as demo_main  # noqa: PLC0415
+        from vllm_guardian.tools.demo import main as demo_main  # noqa: PLC0415
 
         return demo_main(argv[1:])
     if argv and argv[0] == "loadtest":
@@ -566,7 +566,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return diagnose_main(argv)
     if argv and argv[0] in ("install", "uninstall"):
-        from vllm_guardian.install import main as install_main  # noqa: PLC0415
+        from vllm_guardian.tools.install import main as install_main  # noqa: PLC0415
 
         return install_main(argv)
     args = build_parser().parse_args(argv)

@@ -39,16 +39,15 @@ from types import FrameType
 from typing import Any, Protocol
 
 from vllm_guardian import __version__
-from vllm_guardian.clock import Clock, SteadyClock, SystemClock
 from vllm_guardian.config import Config, ConfigInvalid, load_config
-from vllm_guardian.container import ConfigWatch, container_mode
-from vllm_guardian.control import ControlServer
 from vllm_guardian.core import policy
 from vllm_guardian.core.allocator import attribute as attribute_allocator
 from vllm_guardian.core.driver import history_span_seconds, remember
 from vllm_guardian.core.signals import ServiceSignals, Signals, derive
-from vllm_guardian.exposition import ExpositionServer, GuardianCollector, Published
-from vllm_guardian.healing import Healing
+from vllm_guardian.formats.recorder import FlightRecorder, to_jsonable
+from vllm_guardian.lowio.clock import Clock, SteadyClock, SystemClock
+from vllm_guardian.lowio.control import ControlServer
+from vllm_guardian.lowio.redact import redact_text
 from vllm_guardian.model import (
     AllocatorReading,
     GateObservation,
@@ -64,8 +63,9 @@ from vllm_guardian.model import (
     UnitState,
     VllmScrape,
 )
-from vllm_guardian.recorder import FlightRecorder, to_jsonable
-from vllm_guardian.redact import redact_text
+from vllm_guardian.shell.container import ConfigWatch, container_mode
+from vllm_guardian.shell.exposition import ExpositionServer, GuardianCollector, Published
+from vllm_guardian.shell.healing import Healing
 from vllm_guardian.sources.base import Collector
 from vllm_guardian.sources.registry import build_collectors
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from vllm_guardian.demo_view import clock, fill_all, text_width
+from vllm_guardian.tools.demo_view import clock, fill_all, text_width
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 CLEAR = "\x1b[H\x1b[2J"

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
-from vllm_guardian.recorder import read_records
+from vllm_guardian.formats.recorder import read_records
 
 # (seconds since the timeline's start, value); a NaN value is a tick without a reading (vLLM
 # down, a counter reset): the line breaks there instead of bridging the gap.

@@ -28,8 +28,13 @@ from typing import Any
 from vllm_guardian.actuators.alerts import load_rules
 from vllm_guardian.config import DEFAULT_CONFIG_PATH, Config, ConfigInvalid, load_config
 from vllm_guardian.core.driver import Driver
+from vllm_guardian.formats.recorder import (
+    RecordError,
+    read_records,
+    snapshot_from_record,
+    to_jsonable,
+)
 from vllm_guardian.model import OpRequest, OpResult, Snapshot
-from vllm_guardian.recorder import RecordError, read_records, snapshot_from_record, to_jsonable
 
 
 @dataclass(frozen=True)

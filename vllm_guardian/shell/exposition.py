@@ -23,12 +23,13 @@ from prometheus_client import CollectorRegistry, ProcessCollector, generate_late
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from vllm_guardian import __version__, ready_format
-from vllm_guardian import metric_catalogue as catalogue
-from vllm_guardian.boundedhttp import BoundedHTTPServer, Limits
+from vllm_guardian import __version__
 from vllm_guardian.core.signals import ServiceSignals, Signals
-from vllm_guardian.healing import HealingView
+from vllm_guardian.formats import metric_catalogue as catalogue
+from vllm_guardian.formats import ready_format
+from vllm_guardian.lowio.boundedhttp import BoundedHTTPServer, Limits
 from vllm_guardian.model import AlertState, GateObservation, GateState, HealthState, Snapshot
+from vllm_guardian.shell.healing import HealingView
 
 
 @dataclass(frozen=True)

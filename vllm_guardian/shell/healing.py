@@ -39,15 +39,15 @@ from vllm_guardian.actuators.bundle import BundleWriter
 from vllm_guardian.actuators.executor import OpRunner, PermitBackend, RestartBackend
 from vllm_guardian.actuators.procmgr import Supervisor
 from vllm_guardian.actuators.systemd import SystemdBackend
-from vllm_guardian.allocator_format import ENV_DIR as ALLOCATOR_ENV_DIR
-from vllm_guardian.clock import Clock
 from vllm_guardian.config import Config
-from vllm_guardian.container import container_mode, pod_identity
 from vllm_guardian.core import alerting, inhibition, policy
 from vllm_guardian.core import step as core_step
 from vllm_guardian.core.driver import Driver, history_span_seconds, settings_from_config
 from vllm_guardian.core.phases import Phase
 from vllm_guardian.core.signals import Signals
+from vllm_guardian.formats.allocator_format import ENV_DIR as ALLOCATOR_ENV_DIR
+from vllm_guardian.formats.recorder import to_jsonable
+from vllm_guardian.lowio.clock import Clock
 from vllm_guardian.model import (
     Action,
     ActionKind,
@@ -60,11 +60,11 @@ from vllm_guardian.model import (
     OpResult,
     Snapshot,
 )
-from vllm_guardian.recorder import to_jsonable
+from vllm_guardian.shell.container import container_mode, pod_identity
+from vllm_guardian.shell.statefile import load_state, save_state
 from vllm_guardian.sources.unit import port_of
-from vllm_guardian.statefile import load_state, save_state
 
-log = logging.getLogger("vllm_guardian.healing")
+log = logging.getLogger("vllm_guardian.shell.healing")
 
 # After its drain, the time vLLM gets to exit (free its GPU memory, end its workers) before the
 # process manager's SIGKILL.

@@ -1,6 +1,6 @@
 """The policy state file: rungs, budget and breaker, saved after every tick and read at start.
 
-Where it sits: the last step of the decide-and-act half (:mod:`vllm_guardian.healing` saves the
+Where it sits: the last step of the decide-and-act half (:mod:`vllm_guardian.shell.healing` saves the
 state after each tick and loads it once at start-up). Writes are atomic (``atomicfile.write_atomic``: temp file,
 fsync, rename), so a crash leaves the old state or the new one, never half of either.
 
@@ -20,11 +20,11 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from vllm_guardian.atomicfile import write_atomic
 from vllm_guardian.core import policy
-from vllm_guardian.recorder import from_jsonable, to_jsonable
+from vllm_guardian.formats.recorder import from_jsonable, to_jsonable
+from vllm_guardian.lowio.atomicfile import write_atomic
 
-log = logging.getLogger("vllm_guardian.healing")
+log = logging.getLogger("vllm_guardian.shell.healing")
 
 STATE_FORMAT = 1
 # A state with 64 services and every list at its cap is a few hundred KiB.

@@ -50,7 +50,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from vllm_guardian.appendfile import append_lines
+from vllm_guardian.lowio.appendfile import append_lines
 from vllm_guardian.model import Snapshot
 
 T = TypeVar("T")

@@ -1,7 +1,7 @@
 """A small threaded HTTP/1.0 server that hostile or idle clients cannot exhaust.
 
 Where it sits: under the guardian's own endpoint (``/metrics``, ``/healthz``, ``/ready``,
-:mod:`vllm_guardian.exposition`), outside the tick: scrapes read the last published state.
+:mod:`vllm_guardian.shell.exposition`), outside the tick: scrapes read the last published state.
 
 The standard library's ``ThreadingHTTPServer`` gives every connection a thread and waits on it
 forever: ~1,000 connections that send half a request take every descriptor the daemon has (the

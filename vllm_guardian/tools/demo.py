@@ -41,12 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TextIO
 
-from vllm_guardian import incident_svg
 from vllm_guardian.actuators import audit
 from vllm_guardian.config import Config, PolicyConfig, SignalsConfig, parse_config
 from vllm_guardian.core.policy import Decision, DecisionKind
-from vllm_guardian.daemon import Guardian
-from vllm_guardian.demo_view import (
+from vllm_guardian.formats import incident_svg
+from vllm_guardian.model import ActionKind, AlertState, Cause
+from vllm_guardian.shell.daemon import Guardian
+from vllm_guardian.tools.demo_view import (
     AlertShown,
     EventLog,
     Frame,
@@ -55,7 +56,6 @@ from vllm_guardian.demo_view import (
     screen,
     text_width,
 )
-from vllm_guardian.model import ActionKind, AlertState, Cause
 
 GIB = 1024**3
 SCENARIOS = (

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("vllm_guardian.control")
+log = logging.getLogger("vllm_guardian.lowio.control")
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 MAX_REQUEST_BYTES = 64 * 1024
