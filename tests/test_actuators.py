@@ -243,6 +243,44 @@ def test_a_restart_kills_a_vllm_that_ignores_sigterm_after_the_stop_timeout(
         t.join(timeout=60)
 
 
+def test_a_restart_with_nothing_to_drain_waits_only_for_vllms_exit(tmp_path: Path) -> None:
+    """A hung or dead engine finishes nothing in flight, so its restart does not drain
+    (core/phases.py): the stop waits only the exit time, not the drain's stop timeout. On a
+    real vLLM 0.32 a hung engine's API server, SIGTERMed, stopped its engine in 10 s, then
+    waited for the gate's open connections to the hung requests: the restart took 120 s (the
+    clients' timeout) under a 150 s stop timeout, the front door closed all along."""
+    script = tmp_path / "stubborn.py"
+    script.write_text(STUBBORN)
+    log = tmp_path / "svc.log"
+    sup = Supervisor(
+        "svc",
+        [sys.executable, str(script)],
+        tmp_path / "none.env",
+        log,
+        restart_delay_seconds=0.1,
+        stop_timeout_seconds=3600.0,  # the drain's: never reached by a restart with none
+        exit_timeout_seconds=0.5,
+    )
+    got: list[tuple[bool, bool, str]] = []
+    try:
+        sup.start()
+        wait_for(lambda: sup.pid is not None and "started" in log.read_text(), "the stub started")
+        first = sup.pid
+        t = threading.Thread(
+            target=lambda: got.append(sup.restart(timeout_seconds=1020.0, drain=False))
+        )
+        t.start()
+        # Generous against the 0.5 s exit time; far short of the 3,600 s stop timeout.
+        wait_for(lambda: bool(got), "the stop, within the exit time", timeout_seconds=120)
+        ok, terminal, detail = got[0]
+        assert ok and not terminal, detail
+        assert sup.pid is not None and sup.pid != first
+        assert sup.exits == [-9]  # SIGKILLed after the exit time: it ignored SIGTERM
+    finally:
+        sup.stop(timeout_seconds=0.5)
+        t.join(timeout=60)
+
+
 @pytest.mark.parametrize(
     "make",
     [lambda p: p.write_bytes(b"VLLM_GUARDIAN_ARGS=\xff\n"), lambda p: p.mkdir()],
@@ -424,7 +462,7 @@ class Backend:
         self.calls = 0
         self.result = result
 
-    def restart(self, timeout_seconds: float):  # type: ignore[no-untyped-def]
+    def restart(self, timeout_seconds: float, drain: bool = True):  # type: ignore[no-untyped-def]
         self.calls += 1
         return self.result
 
@@ -481,7 +519,7 @@ def test_op_runner_without_a_backend_is_terminal(tmp_path: Path):
 
 def test_op_runner_turns_a_crashing_call_into_a_result(tmp_path: Path):
     class Broken:
-        def restart(self, timeout_seconds: float):  # type: ignore[no-untyped-def]
+        def restart(self, timeout_seconds: float, drain: bool = True):  # type: ignore[no-untyped-def]
             raise RuntimeError("boom")
 
     runner = OpRunner(SystemClock(), tmp_path, {"vllm": Broken()})

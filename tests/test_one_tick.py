@@ -65,7 +65,7 @@ class World:
         self.clock: FakeClock | None = None
         self.metrics = "metrics-idle.prom"
 
-    def restart(self, timeout_seconds: float) -> tuple[bool, bool, str]:
+    def restart(self, timeout_seconds: float, drain: bool = True) -> tuple[bool, bool, str]:
         assert self.clock is not None
         self.restarts.append(self.clock.time())
         self.pid += 1

@@ -207,6 +207,29 @@ def test_phases(name: str, kind: ActionKind, ticks: list[T]) -> None:
         assert Op.RESTART not in asked
 
 
+@pytest.mark.parametrize(
+    ("tick", "drain"),
+    [
+        (T(1, in_flight=7, stalled=True, done=BUNDLE_OK), False),
+        (T(1, in_flight=7, up=False, dead=True, done=BUNDLE_OK), False),
+        (T(1, in_flight=0, done=BUNDLE_OK), True),
+    ],
+    ids=["hung", "dead", "drained"],
+)
+def test_a_restart_with_nothing_in_flight_to_finish_asks_no_drain_of_the_stop(
+    tick: T, drain: bool
+) -> None:
+    """The restart call says whether its stop drains: a hung or dead engine finishes nothing,
+    so the process manager waits only for vLLM's exit (actuators/procmgr.py), not the drain."""
+    progress, _ = phases.start(1, "vllm", ActionKind.RESTART, Cause.ENGINE_DEAD, "test", (), (),
+                               10, 0.0, P)  # fmt: skip
+    results = [OpResult(1, "vllm", o, ok, term, "call detail", tick.t - 0.5)
+               for o, ok, term in tick.done]  # fmt: skip
+    adv = phases.advance(progress, "vllm", seen(tick), results, tick.t, P)
+    (restart,) = [o for o in adv.ops if o.op is Op.RESTART]
+    assert restart.drain is drain
+
+
 def test_every_phase_change_is_a_move_with_a_reason() -> None:
     a, _ = phases.start(1, "vllm", ActionKind.RESTART, None, "r", (), (), 10, 0.0, P)
     adv = phases.advance(a, "vllm", seen(T(1, in_flight=0)), [

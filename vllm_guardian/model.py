@@ -585,6 +585,9 @@ class OpRequest:
     timeout_seconds: float = 0.0
     reason: str = ""  # the action's reason, for the bundle's manifest
     cause: Cause | None = None
+    # RESTART: False when nothing in flight can finish (a hung or dead engine): the stop
+    # waits only for vLLM's exit, not for a drain.
+    drain: bool = True
 
 
 class CommandKind(StrEnum):

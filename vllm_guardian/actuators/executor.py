@@ -30,8 +30,9 @@ log = logging.getLogger("vllm_guardian.executor")
 
 
 class RestartBackend(Protocol):
-    def restart(self, timeout_seconds: float) -> tuple[bool, bool, str]:
-        """(ok, terminal, detail); never raises."""
+    def restart(self, timeout_seconds: float, drain: bool = True) -> tuple[bool, bool, str]:
+        """(ok, terminal, detail); never raises. ``drain=False``: nothing in flight can finish
+        (a hung or dead engine), so the stop need not wait for a drain."""
         ...
 
 
@@ -134,4 +135,4 @@ class OpRunner:
         backend = self.backends.get(req.service)
         if backend is None:
             return False, True, "no restart backend for this service (unit or command missing)"
-        return backend.restart(req.timeout_seconds)
+        return backend.restart(req.timeout_seconds, drain=req.drain)

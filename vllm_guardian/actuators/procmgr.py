@@ -297,6 +297,7 @@ class Supervisor:
         restart_delay_seconds: float = 1.0,
         stop_timeout_seconds: float = 60.0,
         extra_env: Mapping[str, str] | None = None,
+        exit_timeout_seconds: float = 30.0,
         pid_path: Path | None = None,
         restart_on_clean_exit: bool = True,
         tee_stdout: bool = False,
@@ -312,7 +313,9 @@ class Supervisor:
         last time before the next start (from ``restart_delay_seconds`` up to
         ``restart_delay_max_seconds``: :func:`next_restart_delay`), measured on ``clock``.
         ``on_daemonized`` is told, once, when the command daemonized (the module docstring);
-        ``port``, the service's, finds a daemon whose environment lost the supervisor's mark."""
+        ``port``, the service's, finds a daemon whose environment lost the supervisor's mark.
+        ``stop_timeout_seconds`` bounds a stop that drains (SIGTERM, then SIGKILL);
+        ``exit_timeout_seconds`` one with nothing to drain (a restart with ``drain=False``)."""
         self.name = name
         self.command = tuple(command)
         self.flags_path = flags_path
@@ -325,6 +328,7 @@ class Supervisor:
         self._started_monotonic = 0.0  # when the process supervised now started (or was adopted)
         self.delays: list[float] = []  # each wait before a start again, oldest first
         self.stop_timeout_seconds = stop_timeout_seconds
+        self.exit_timeout_seconds = min(exit_timeout_seconds, stop_timeout_seconds)
         self.extra_env = dict(extra_env or {})
         # Beside the flags file (the state directory) unless told otherwise.
         self.pid_path = pid_path if pid_path is not None else flags_path.with_suffix(".pid")
@@ -608,13 +612,18 @@ class Supervisor:
         with contextlib.suppress(ProcessLookupError):
             signal_group(proc.pid, signal.SIGKILL)
 
-    def restart(self, timeout_seconds: float | None = None) -> tuple[bool, bool, str]:
+    def restart(
+        self, timeout_seconds: float | None = None, drain: bool = True
+    ) -> tuple[bool, bool, str]:
         """Stop (drain via SIGTERM) and start again. Returns (ok, terminal, detail).
 
         ``timeout_seconds`` bounds the whole call (the executor passes the action's drain plus
         ready timeouts); the stop within it is bounded by the stop timeout as a stop is: SIGTERM,
         at most ``stop_timeout_seconds``, SIGKILL to the process group, then the start. A vLLM
-        that ignored SIGTERM was otherwise waited on for the whole call's timeout."""
+        that ignored SIGTERM was otherwise waited on for the whole call's timeout. With
+        ``drain=False`` (a hung or dead engine: nothing in flight can finish) the stop waits
+        only ``exit_timeout_seconds``: a hung vLLM's API server, SIGTERMed, waits for its
+        clients' open connections to the hung requests (120 s on the real engine)."""
         with self._lock:
             unknown = self._proc is None
             daemonized = self.daemonized
@@ -626,7 +635,7 @@ class Supervisor:
             proc = self._proc
             self._want_running = False
         if proc is not None and proc.poll() is None:
-            stop = self.stop_timeout_seconds
+            stop = self.stop_timeout_seconds if drain else self.exit_timeout_seconds
             self._terminate(proc, stop if timeout_seconds is None else min(stop, timeout_seconds))
         if self._thread is not None:
             self._thread.join(timeout=self.restart_delay_seconds + 15)

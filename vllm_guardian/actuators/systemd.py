@@ -27,8 +27,10 @@ class SystemdBackend:
         self.unit = unit
         self.systemctl = systemctl
 
-    def restart(self, timeout_seconds: float) -> tuple[bool, bool, str]:
-        """Returns (ok, terminal, detail); never raises."""
+    def restart(self, timeout_seconds: float, drain: bool = True) -> tuple[bool, bool, str]:
+        """Returns (ok, terminal, detail); never raises. ``drain`` changes nothing here: the
+        unit's own ``TimeoutStopSec`` bounds its stop (docs/healing.md)."""
+        del drain
         # "--": a unit name can never be read as an option, whatever the config let through.
         argv = [self.systemctl, "restart", "--no-ask-password", "--", self.unit]
         try:

@@ -214,13 +214,17 @@ class _Tick:
             None, tuple(self.moves), tuple(self.ops), Outcome(ok, terminal, "; ".join(parts))
         )
 
-    def restart(self, why: str) -> None:
-        """Ask for the restart call and wait for it in RESTARTING."""
+    def restart(self, why: str, drain: bool = True) -> None:
+        """Ask for the restart call and wait for it in RESTARTING; ``drain=False`` when nothing
+        in flight can finish (the stop then waits only for vLLM's exit)."""
         a, p, seen = self.a, self.p, self.seen
         timeout = p.drain_timeout_seconds + p.ready_timeout_seconds
         self.ops.append(
-            OpRequest(a.action_id, self.service, Op.RESTART, a.flags, a.env, timeout, a.reason)
-        )
+            OpRequest(
+                a.action_id, self.service, Op.RESTART, a.flags, a.env, timeout, a.reason,
+                drain=drain,
+            )
+        )  # fmt: skip
         self.go(
             Phase.RESTARTING,
             why,
@@ -470,7 +474,7 @@ def _draining(t: _Tick) -> Advance | None:
             else "not serving (nothing listens)"
         )
         t.note(f"not drained: the engine is {why}")
-        t.restart(f"the engine is {why}: nothing in flight can finish")
+        t.restart(f"the engine is {why}: nothing in flight can finish", drain=False)
     elif left is None or left <= 0:
         took = now - a.phase_since
         t.note(f"drained in {took:.0f}s")

@@ -207,6 +207,7 @@ class Healing:
                     Path(self.cfg.state_dir) / f"{svc.name}.env",
                     log_path,
                     stop_timeout_seconds=self.cfg.policy.drain_timeout_seconds + VLLM_EXIT_SECONDS,
+                    exit_timeout_seconds=VLLM_EXIT_SECONDS,
                     tee_stdout=container_mode(os.environ),
                     extra_env=self._allocator_env(svc.name),
                     on_daemonized=functools.partial(self._audit_daemonized, svc.name),
