@@ -967,9 +967,11 @@ def test_operator_relaunch_drains_in_flight_streams_and_holds_new_work(guarded: 
     starts, old_pid = sup.starts, sup.pid
     original = sup.restart
 
-    def timed_restart(timeout_seconds: float | None = None) -> tuple[bool, bool, str]:
+    def timed_restart(
+        timeout_seconds: float | None = None, drain: bool = True
+    ) -> tuple[bool, bool, str]:
         guarded.sigterm_times.append(time.monotonic())
-        return original(timeout_seconds)  # type: ignore[no-any-return]
+        return original(timeout_seconds, drain=drain)  # type: ignore[no-any-return]
 
     sup.restart = timed_restart
     audit_before = len(guarded.audit())
