@@ -248,14 +248,16 @@ class Faults(twin._Watcher):
             return
         if self._stop.wait(max(0.0, self.load_start + at - time.time())):
             return
-        if s.hang_engine_at is not None:
-            (self.workdir / "hang").touch()
-            self.times.append(time.time())
-            return
         pid = self.api_pid()
         core = engine_core_pid(pid) if pid else None
         if core is None:
             self.notes.append(f"no EngineCore under pid {pid} at {at:g} s")
+            return
+        if s.hang_engine_at is not None:
+            # This engine core hangs, not the one a restart brings: a one-off fault, which
+            # a restart cures (the twin's hang sits on its timeline the same way).
+            (self.workdir / "hang").write_text(str(core))
+            self.times.append(time.time())
             return
         os.kill(core, signal.SIGKILL)
         self.times.append(time.time())

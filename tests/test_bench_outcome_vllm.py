@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -104,3 +105,26 @@ def test_a_corrupt_runs_file_names_its_line(tmp_path: Path) -> None:
         f.write('{"run": {"scenario": "steady"\n')
     with pytest.raises(SystemExit, match=r"outcome-vllm\.runs\.jsonl:2: not a run record"):
         b.read_runs(path)
+
+
+@pytest.mark.parametrize(
+    ("content", "hangs"),
+    [("", True), ("{me}", True), ("{other}", False), (None, False)],
+    ids=["empty: every engine core", "this engine core", "another engine core", "no file"],
+)
+def test_the_fault_plugins_hang_is_one_off_when_it_names_an_engine_core(
+    tmp_path: Path, content: str | None, hangs: bool
+) -> None:
+    """The benchmark's engine_hang names the engine core it hangs: the engine a restart brings
+    (another pid) serves, as after a real hang; a restart that cured nothing would show as
+    such (a hang file left behind hung every restarted engine in the first full run)."""
+    spec = importlib.util.spec_from_file_location(
+        "faults_plugin", ROOT / "tests" / "vllm_tier" / "faults" / "vllm_guardian_faults.py"
+    )
+    assert spec is not None and spec.loader is not None
+    plugin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plugin)
+    hang = tmp_path / "hang"
+    if content is not None:
+        hang.write_text(content.format(me=os.getpid(), other=os.getpid() + 1))
+    assert plugin._hangs_me(hang) is hangs

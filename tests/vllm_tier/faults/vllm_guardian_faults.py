@@ -13,7 +13,9 @@ these is set:
     chunked prefill) genuinely cures it; a plain restart does not.
 ``VLLM_GUARDIAN_FAULT_HANG_FILE=PATH``
     Once PATH exists, the engine core's next step blocks for good: the busy loop stops while
-    the API server still answers ``/health``.
+    the API server still answers ``/health``. A file holding a pid hangs only the engine core
+    with that pid: a one-off hang, which a restarted engine (another pid) does not meet again,
+    as a real hang is cured by the restart; an empty file hangs every engine core.
 ``VLLM_GUARDIAN_FAULT_DIE_FILE=PATH``
     Once PATH exists, the engine core's next step raises ``RuntimeError``: an unexpected
     exception in the busy loop.
@@ -80,6 +82,15 @@ def _wrap_execute_model(module: ModuleType, limit: int) -> None:
     runner.execute_model = execute_model
 
 
+def _hangs_me(hang: Path) -> bool:
+    """The hang file exists and names this process, or no process (empty)."""
+    try:
+        text = hang.read_text().strip()
+    except OSError:
+        return False
+    return not text or text == str(os.getpid())
+
+
 def _wrap_step(module: ModuleType, hang: Path | None, die: Path | None) -> None:
     core = module.EngineCore
     original = core.step
@@ -87,7 +98,7 @@ def _wrap_step(module: ModuleType, hang: Path | None, die: Path | None) -> None:
     def step(self: Any) -> Any:
         if die is not None and die.exists():
             raise RuntimeError(f"vllm-guardian test fault: {die} exists")
-        if hang is not None and hang.exists():
+        if hang is not None and _hangs_me(hang):
             # The engine core's thread stops here for good, unless the test then asks it to
             # die (one server shows both: a hang, then an unexpected exception).
             while die is None or not die.exists():
