@@ -90,7 +90,7 @@ BASE_FLAGS = (
     "--max-num-batched-tokens", "1024", "--shutdown-timeout", "10",
 )  # fmt: skip
 FAULT_AT_SECONDS = 45.0
-OVERLOAD_RATE = 1.6
+OVERLOAD_RATE = 4.0
 # The load client's bound on each request. The twin's client waits 30 s of real time at 4x
 # speed: 120 s on the engine's clock, on which its restarts, drains and holds run. The same
 # budget here, where the engine's clock is real time: 120 s (a real vLLM's restart takes
@@ -114,16 +114,20 @@ LOAD = LoadProfile(
 
 
 # An overload: about twice what the server completes with its KV pool full (longer answers,
-# more often: at 1.0 a second it served 430 of the 600 tokens a second asked, 32 of 307 timing
-# out; 1.6 asks about 2x), no fault. No restart or flag cures it; the guardian must not act, and
-# its over-capacity alert (two minutes over its two-minute window) must fire: a longer window.
+# more often), no fault. No restart or flag cures it; the guardian must not act, and its
+# over-capacity alert (two minutes over its two-minute window) must fire: a longer window.
+# The load's prompt lengths are words: the tiny model's tokenizer makes ~7.5 tokens of each
+# (60 words: 411 tokens), so a request stays within --max-model-len (2048) and under the KV
+# pool (1,024 tokens) alone: 10-30 words (75-225 tokens) and 200-400 tokens out. A first
+# calibration with 100-300 words and 400-800 out was refused (HTTP 400, over the context) for
+# 47 of 510 requests and served 722 tokens/s at 1.6 a second; 4 a second asks ~1,200.
 OVERLOAD_LOAD = dataclasses.replace(
     LOAD,
     rate_per_second=OVERLOAD_RATE,
-    prompt_tokens_min=100,
-    prompt_tokens_max=300,
-    output_tokens_min=400,
-    output_tokens_max=800,
+    prompt_tokens_min=10,
+    prompt_tokens_max=30,
+    output_tokens_min=200,
+    output_tokens_max=400,
     burst_size=0,
 )
 OVERLOAD_DURATION_SECONDS = 300.0
