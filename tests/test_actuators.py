@@ -199,6 +199,16 @@ STUBBORN = textwrap.dedent(
 )
 
 
+def stubborn(tmp_path: Path, **timeouts: float) -> tuple[Supervisor, Path]:
+    """A supervisor of the stub that ignores SIGTERM (STUBBORN), and its log."""
+    script = tmp_path / "stubborn.py"
+    script.write_text(STUBBORN)
+    log = tmp_path / "svc.log"
+    sup = Supervisor("svc", [sys.executable, str(script)], tmp_path / "none.env", log,
+                     restart_delay_seconds=0.1, **timeouts)  # fmt: skip
+    return sup, log
+
+
 def test_a_restart_kills_a_vllm_that_ignores_sigterm_after_the_stop_timeout(
     tmp_path: Path,
 ) -> None:
@@ -206,17 +216,7 @@ def test_a_restart_kills_a_vllm_that_ignores_sigterm_after_the_stop_timeout(
     by default): a vLLM that ignored SIGTERM was killed only when that ran out, the front door
     closed all along. The stop timeout bounds the stop of a restart too: SIGTERM, at most the
     stop timeout, SIGKILL to the group, then the new start."""
-    script = tmp_path / "stubborn.py"
-    script.write_text(STUBBORN)
-    log = tmp_path / "svc.log"
-    sup = Supervisor(
-        "svc",
-        [sys.executable, str(script)],
-        tmp_path / "none.env",
-        log,
-        restart_delay_seconds=0.1,
-        stop_timeout_seconds=0.5,
-    )
+    sup, log = stubborn(tmp_path, stop_timeout_seconds=0.5)
     got: list[tuple[bool, bool, str]] = []
     try:
         sup.start()
@@ -249,18 +249,8 @@ def test_a_restart_with_nothing_to_drain_waits_only_for_vllms_exit(tmp_path: Pat
     real vLLM 0.32 a hung engine's API server, SIGTERMed, stopped its engine in 10 s, then
     waited for the gate's open connections to the hung requests: the restart took 120 s (the
     clients' timeout) under a 150 s stop timeout, the front door closed all along."""
-    script = tmp_path / "stubborn.py"
-    script.write_text(STUBBORN)
-    log = tmp_path / "svc.log"
-    sup = Supervisor(
-        "svc",
-        [sys.executable, str(script)],
-        tmp_path / "none.env",
-        log,
-        restart_delay_seconds=0.1,
-        stop_timeout_seconds=3600.0,  # the drain's: never reached by a restart with none
-        exit_timeout_seconds=0.5,
-    )
+    # The drain's stop timeout is never reached by a restart with none.
+    sup, log = stubborn(tmp_path, stop_timeout_seconds=3600.0, exit_timeout_seconds=0.5)
     got: list[tuple[bool, bool, str]] = []
     try:
         sup.start()
