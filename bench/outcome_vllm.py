@@ -294,8 +294,14 @@ def _load_average() -> float:
 def run_one(
     scenario_name: str, operator: str, seed: int, duration: float, venv: Path, model: Path,
     keep: bool, request_timeout: float = REQUEST_TIMEOUT_SECONDS,
+    overload_rate: float | None = None,
 ) -> RealRun:  # fmt: skip
     scenario = SCENARIOS[scenario_name]
+    if overload_rate is not None and scenario.load is OVERLOAD_LOAD:
+        # A calibration knob: the server's capacity depends on the host (docs/benchmarks.md).
+        scenario = dataclasses.replace(
+            scenario, load=dataclasses.replace(OVERLOAD_LOAD, rate_per_second=overload_rate)
+        )
     duration = max(duration, scenario.min_duration_seconds)
     run = RealRun(scenario_name, operator, seed, request_timeout_seconds=request_timeout)
     load_before = _load_average()
@@ -687,6 +693,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep each run's directory and logs")
     p.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT_SECONDS,
                    help="the load client's bound per request, seconds")  # fmt: skip
+    p.add_argument("--overload-rate", type=float, default=None,
+                   help=f"overload's requests a second (default {OVERLOAD_RATE})")  # fmt: skip
     p.add_argument("--report-only", action="store_true",
                    help="write the report from the runs already in OUT's runs file")  # fmt: skip
     p.add_argument("--twin", type=Path, default=ROOT / "bench" / "results" / "outcome.json",
@@ -715,7 +723,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for operator in args.operators.split(","):
                     for seed in (int(s) for s in args.seeds.split(",")):
                         r = run_one(scenario, operator, seed, args.duration, venv, model,
-                                    args.keep, args.request_timeout)  # fmt: skip
+                                    args.keep, args.request_timeout,
+                                    args.overload_rate)  # fmt: skip
                         record = {"run": dataclasses.asdict(r), "invocation": invocation}
                         # Appended as it ends: a long run stopped early keeps what it measured.
                         with runs_file(args.out, args.quick).open("a") as f:
