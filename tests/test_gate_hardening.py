@@ -339,6 +339,19 @@ def test_normal_requests_are_served_while_hundreds_of_bodies_never_come(stub: St
     )
     try:
         with idle_clients("127.0.0.1", g.gate.port, 300, head=body_head(1000)):
+            # The attack in place before the normal requests come: the 32 connections left are
+            # each reading a body (1,000 bytes of the budget reserved apiece). Sent before the
+            # gate had read the last heads, the normal requests were served even with a
+            # body-reading connection counted as busy (the defect): it evicted ones whose head
+            # was still unread.
+            wait_for(
+                lambda: (
+                    g.sample("vllm_guardian_gate_body_bytes") == 32 * 1000
+                    and g.sample("vllm_guardian_gate_connections") == 32,
+                    (g.sample("vllm_guardian_gate_body_bytes"), g.closed("evicted")),
+                ),
+                "32 connections reading a body that never comes",
+            )
             ok, other = served(g.url, 20)
             assert (ok, other) == (20, []), other
             assert g.closed("evicted") >= 300 - 32, g.closed("evicted")

@@ -225,6 +225,24 @@ def test_a_huge_max_unavailable_bounds_the_work_of_one_try(cluster: FakeCluster,
     assert _lease_gets(cluster) <= MAX_PERMITS
 
 
+def test_a_renewed_permit_outlives_its_first_ttl(cluster: FakeCluster, url: str) -> None:
+    """An action longer than its Lease renews it (core/phases: the phase's renewal is one more
+    try, which plans RENEW for a Lease this holder has): the try writes a new renewTime, so
+    another replica's guardian cannot take the permit while the action lasts, and takes it one
+    TTL after the last renewal (the holder died mid-action)."""
+    now = time.time()
+    a, b = permits(url, "llama-a", ttl=60), permits(url, "llama-b", ttl=60)
+    assert a.acquire(now)[0]
+    granted, _, detail = a.acquire(now + 40)  # the renewal, before the Lease lapses
+    assert granted and "ours already" in detail, detail
+    # Past the first TTL (now + 60), inside the renewed one (now + 100): still llama-a's.
+    w = b.try_once(begin(now + 70, 60), now + 70)
+    assert w.status is WaitStatus.WAITING and cluster.holder(L0) == "llama-a", w.reason
+    w = b.try_once(begin(now + 101, 60), now + 101)
+    assert w.status is WaitStatus.GRANTED and "llama-a stopped renewing" in w.reason, w.reason
+    assert cluster.holder(L0) == "llama-b"
+
+
 def test_one_try_ends_within_its_time_budget(cluster: FakeCluster, url: str) -> None:
     """A slow API server: each call takes 5 s on the adapter's clock (a fake one, read before
     each call). A try given 30 s starts no call that could end past them (each may take the

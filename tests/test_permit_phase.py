@@ -348,3 +348,30 @@ def test_a_grant_nobody_waits_for_is_given_back(permit_run: type) -> None:
     assert (waiting, Op.RELEASE_PERMIT) in {(o.action_id, o.op) for o in r.ops}
     given_back = [d.phase for d in r.decisions[seen:] if d.action_id == waiting]
     assert given_back == [Phase.AWAITING_PERMIT], r.decisions[seen:]
+
+
+@pytest.mark.parametrize(
+    ("fleet", "renew"),
+    [
+        ("fleet:\n  permit: lease\n  model: llama\n  pdb: llama\n  lease_ttl_seconds: 90\n", 30.0),
+        ("fleet:\n  permit: lease\n  model: llama\n  pdb: llama\n", 300.0),  # the 900 s default
+        ("", None),  # no fleet permit: nothing to renew
+    ],
+    ids=["ttl 90 s", "default ttl", "no permit"],
+)
+def test_the_daemon_renews_every_third_of_the_lease_ttl(
+    fleet: str, renew: float | None, tmp_path: object
+) -> None:
+    """The daemon and replay build their settings in one place (core/driver.py): a permit held
+    is renewed every third of fleet.lease_ttl_seconds, so a renewal lost to a slow API server
+    still leaves two before the Lease lapses mid-action (docs/reliability.md). Without this
+    wiring the phase above never renews, and an action longer than its Lease loses its permit
+    to another replica."""
+    from vllm_guardian.config import parse_config
+    from vllm_guardian.core.driver import settings_from_config
+
+    cfg = parse_config(
+        f"state_dir: {tmp_path}/state\nruntime_dir: {tmp_path}/run\n"
+        "services:\n  - name: vllm\n    url: http://127.0.0.1:9\n" + fleet
+    )
+    assert settings_from_config(cfg, ()).policy.permit_renew_seconds == renew
