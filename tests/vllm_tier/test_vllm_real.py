@@ -1016,7 +1016,7 @@ def test_operator_relaunch_drains_in_flight_streams_and_holds_new_work(guarded: 
             wait_for(
                 lambda: guarded.ready_status() == 200,
                 "/ready/vllm 200",
-                30,
+                120,  # generous: a bound on a busy host, not a timing (it is 200 at once here)
                 every_seconds=support.POLL_SECONDS,
             )
             wait_for(
@@ -1025,7 +1025,7 @@ def test_operator_relaunch_drains_in_flight_streams_and_holds_new_work(guarded: 
                     for t, c in client.sent
                 ),
                 "the honouring client served by the new instance",
-                60,
+                180,
                 every_seconds=support.POLL_SECONDS,
             )
     finally:
