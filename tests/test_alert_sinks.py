@@ -190,8 +190,10 @@ def test_dispatcher_never_waits_and_reports_late_results(script: Script, http_se
         start = time.monotonic()
         results = d.dispatch([fired()], [alert()])
         took = time.monotonic() - start
-        # Generous: the point is "not the receiver's 30 s", on a busy 2-core machine.
-        assert took < 3.0, f"dispatch took {took:.2f}s with a hanging receiver"
+        # Generous (half the receiver's 30 s): the point is "not the receiver's 30 s", on a busy
+        # 2-core machine; the results, without the webhook's, say it did not wait too.
+        print(f"dispatch took {took:.2f}s with a hanging receiver")
+        assert took < 15, f"dispatch took {took:.2f}s with a hanging receiver"
         assert [(r.sink, r.ok) for r in results] == [("log", True)]
         deadline = time.monotonic() + 30
         while route.hits < 1 and time.monotonic() < deadline:
@@ -200,7 +202,8 @@ def test_dispatcher_never_waits_and_reports_late_results(script: Script, http_se
         # Still busy: this tick's transition waits in the backlog, nothing new is started.
         start = time.monotonic()
         busy = d.dispatch([resolved()], [])
-        assert time.monotonic() - start < 3.0
+        took = time.monotonic() - start
+        assert took < 15, f"a busy dispatch took {took:.2f}s"
         assert [(r.sink, r.ok) for r in busy] == [("log", True), ("webhook", False)]
         assert "1 transition(s) queued" in (busy[1].error or "")
         assert d.queued() == 1
