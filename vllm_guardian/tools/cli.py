@@ -259,11 +259,9 @@ def _capacity_line(data: Any) -> str:
 def _budget_window(st: dict[str, Any]) -> tuple[float, str]:
     """The restart budget's window (policy.restart_budget_window_seconds), in seconds and as
     words; a guardian from before its status said the window: the default, said to be it."""
-    seconds = st.get("restart_budget_window_seconds")
-    default = seconds is None
-    if default:
-        seconds = PolicyConfig().restart_budget_window_seconds
-    w = float(seconds)
+    said = st.get("restart_budget_window_seconds")
+    default = said is None
+    w = PolicyConfig().restart_budget_window_seconds if said is None else float(said)
     if w % 3600 == 0:
         words = f"{w / 3600:.0f} h"
     elif w % 60 == 0:
