@@ -148,26 +148,31 @@ def test_webhook_posts_one_json_object_per_transition(recorder):
 
 
 WEBHOOK_FAILURES = [
-    # route settings, expected status, words in the error
-    ({"status": 500}, 500, "HTTP 500"),
-    ({"status": 404}, 404, "HTTP 404"),
-    ({"delay_seconds": 30.0}, None, "timed out"),
+    # route settings, the sink's timeout, expected status, words in the error. A receiver that
+    # answers gets a timeout a busy machine cannot miss; only the hanging one gets 0.3 s.
+    ({"status": 500}, 30.0, 500, "HTTP 500"),
+    ({"status": 404}, 30.0, 404, "HTTP 404"),
+    ({"delay_seconds": 30.0}, 0.3, None, "timed out"),
 ]
 
 
-@pytest.mark.parametrize(("route", "status", "words"), WEBHOOK_FAILURES)
-def test_webhook_failures_are_results_not_exceptions(script, http_server, route, status, words):
+@pytest.mark.parametrize(("route", "timeout", "status", "words"), WEBHOOK_FAILURES)
+def test_webhook_failures_are_results_not_exceptions(
+    script, http_server, route, timeout, status, words
+):
     hook = script.set("/hook", **route)
     try:
         start = time.monotonic()
-        (r,) = WebhookSink(http_server + "/hook", timeout_seconds=0.3).deliver([fired()], [], NOW)
+        sink = WebhookSink(http_server + "/hook", timeout_seconds=timeout)
+        (r,) = sink.deliver([fired()], [], NOW)
         took = time.monotonic() - start
     finally:
         hook.release()
-    # The sink's 0.3 s timeout, not the receiver's 30 s (generous for a busy machine).
-    assert took < 10, f"delivery took {took:.2f} s"
+    print(f"delivery took {took:.2f} s: {r.error}")
     assert (r.ok, r.status_code) == (False, status)
     assert words in (r.error or "")
+    if status is None:  # the sink's 0.3 s, not the receiver's 30 s (generous: half of it)
+        assert took < 15, f"delivery took {took:.2f} s"
 
 
 def test_webhook_refused_is_a_result(free_port):
