@@ -583,6 +583,66 @@ def test_a_state_saved_with_flat_levels_keeps_its_rungs_flags_and_hold_off(tmp_p
     assert s.hold_off == HoldOff(40.0, 30.0, 20.0, backoff_voluntary_only=True)
 
 
+def _grouped_state() -> PolicyState:
+    return PolicyState(
+        (
+            ServiceState(
+                "vllm",
+                levels=Levels(rungs=((Lever.MAX_NUM_SEQS, 2),)),
+                hold_off=HoldOff(130.0),
+                restarts=(1.0,),
+            ),
+        ),
+        4,
+    )
+
+
+def test_a_state_is_saved_in_a_format_an_older_guardian_refuses(tmp_path: Path):
+    """Format 1 files were first flat, then grouped (levels, hold-off, front door) under the
+    same number: a guardian that knew only the flat fields read a grouped file and dropped
+    its rungs and cooldown without a word. Saved now as format 2, which such a guardian sets
+    aside instead (an unknown format), starting fresh, as for any file it cannot read."""
+    from vllm_guardian.shell.statefile import STATE_FORMAT
+
+    path = tmp_path / "policy-state.json"
+    save_state(path, _grouped_state())
+    assert STATE_FORMAT == 2
+    assert json.loads(path.read_text())["format"] == 2
+    assert load_state(path) == _grouped_state()
+
+
+def test_a_grouped_state_saved_as_format_1_is_read(tmp_path: Path):
+    """What guardians between the grouping and format 2 saved: grouped fields, format 1."""
+    path = tmp_path / "policy-state.json"
+    save_state(path, _grouped_state())
+    doc = json.loads(path.read_text())
+    path.write_text(json.dumps({**doc, "format": 1}))
+    assert load_state(path) == _grouped_state()
+
+
+@pytest.mark.parametrize("future", [3, 17])
+def test_a_newer_format_is_set_aside_named_and_not_overwritten(
+    tmp_path: Path, future: int, caplog: pytest.LogCaptureFixture
+):
+    """A state from a newer guardian (a downgrade): never read as if it were ours, never
+    overwritten by the next save; set aside whole, as a corrupt file is, with a warning that
+    names the file, its format and the formats this guardian reads; a fresh state goes on."""
+    path = tmp_path / "policy-state.json"
+    body = json.dumps({"format": future, "state": {"services": [], "next_action_id": 9}})
+    path.write_text(body)
+    assert load_state(path) is None
+    aside = tmp_path / "policy-state.json.corrupt"
+    assert aside.read_text() == body
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    print(warning)
+    assert str(path) in warning and str(aside) in warning, warning
+    assert f"format {future}" in warning and "formats 1 to 2" in warning, warning
+    assert "newer vllm-guardian" in warning and "starting fresh" in warning, warning
+    save_state(path, _grouped_state())  # the next tick's save
+    assert aside.read_text() == body
+    assert load_state(path) == _grouped_state()
+
+
 def test_status_reads_the_rungs_from_the_policy_state_the_daemon_sends():
     """`vllm-guardian status` renders the policy state as the control socket sends it
     (to_jsonable): the rungs are under the service's levels, the cooldown under its hold-off."""
@@ -650,6 +710,9 @@ CORRUPT_STATES = [
     ("not-utf8", lambda p: p.write_bytes(b'{"format": 1, "state": "\xff"}')),
     ("a-list", lambda p: p.write_text("[1, 2]")),
     ("wrong-format", lambda p: p.write_text('{"format": 99, "state": {}}')),
+    ("format-zero", lambda p: p.write_text('{"format": 0, "state": {}}')),
+    ("format-true", lambda p: p.write_text('{"format": true, "state": {}}')),
+    ("format-text", lambda p: p.write_text('{"format": "2", "state": {}}')),
     ("wrong-shape", lambda p: p.write_text('{"format": 1, "state": {"services": 5}}')),
     ("huge", lambda p: p.write_bytes(b" " * (17 * 1024 * 1024) + b"{}")),
     ("directory", lambda p: p.mkdir()),

@@ -148,26 +148,31 @@ def test_webhook_posts_one_json_object_per_transition(recorder):
 
 
 WEBHOOK_FAILURES = [
-    # route settings, expected status, words in the error
-    ({"status": 500}, 500, "HTTP 500"),
-    ({"status": 404}, 404, "HTTP 404"),
-    ({"delay_seconds": 30.0}, None, "timed out"),
+    # route settings, the sink's timeout, expected status, words in the error. A receiver that
+    # answers gets a timeout a busy machine cannot miss; only the hanging one gets 0.3 s.
+    ({"status": 500}, 30.0, 500, "HTTP 500"),
+    ({"status": 404}, 30.0, 404, "HTTP 404"),
+    ({"delay_seconds": 30.0}, 0.3, None, "timed out"),
 ]
 
 
-@pytest.mark.parametrize(("route", "status", "words"), WEBHOOK_FAILURES)
-def test_webhook_failures_are_results_not_exceptions(script, http_server, route, status, words):
+@pytest.mark.parametrize(("route", "timeout", "status", "words"), WEBHOOK_FAILURES)
+def test_webhook_failures_are_results_not_exceptions(
+    script, http_server, route, timeout, status, words
+):
     hook = script.set("/hook", **route)
     try:
         start = time.monotonic()
-        (r,) = WebhookSink(http_server + "/hook", timeout_seconds=0.3).deliver([fired()], [], NOW)
+        sink = WebhookSink(http_server + "/hook", timeout_seconds=timeout)
+        (r,) = sink.deliver([fired()], [], NOW)
         took = time.monotonic() - start
     finally:
         hook.release()
-    # The sink's 0.3 s timeout, not the receiver's 30 s (generous for a busy machine).
-    assert took < 10, f"delivery took {took:.2f} s"
+    print(f"delivery took {took:.2f} s: {r.error}")
     assert (r.ok, r.status_code) == (False, status)
     assert words in (r.error or "")
+    if status is None:  # the sink's 0.3 s, not the receiver's 30 s (generous: half of it)
+        assert took < 15, f"delivery took {took:.2f} s"
 
 
 def test_webhook_refused_is_a_result(free_port):
@@ -190,8 +195,10 @@ def test_dispatcher_never_waits_and_reports_late_results(script: Script, http_se
         start = time.monotonic()
         results = d.dispatch([fired()], [alert()])
         took = time.monotonic() - start
-        # Generous: the point is "not the receiver's 30 s", on a busy 2-core machine.
-        assert took < 3.0, f"dispatch took {took:.2f}s with a hanging receiver"
+        # Generous (half the receiver's 30 s): the point is "not the receiver's 30 s", on a busy
+        # 2-core machine; the results, without the webhook's, say it did not wait too.
+        print(f"dispatch took {took:.2f}s with a hanging receiver")
+        assert took < 15, f"dispatch took {took:.2f}s with a hanging receiver"
         assert [(r.sink, r.ok) for r in results] == [("log", True)]
         deadline = time.monotonic() + 30
         while route.hits < 1 and time.monotonic() < deadline:
@@ -200,7 +207,8 @@ def test_dispatcher_never_waits_and_reports_late_results(script: Script, http_se
         # Still busy: this tick's transition waits in the backlog, nothing new is started.
         start = time.monotonic()
         busy = d.dispatch([resolved()], [])
-        assert time.monotonic() - start < 3.0
+        took = time.monotonic() - start
+        assert took < 15, f"a busy dispatch took {took:.2f}s"
         assert [(r.sink, r.ok) for r in busy] == [("log", True), ("webhook", False)]
         assert "1 transition(s) queued" in (busy[1].error or "")
         assert d.queued() == 1

@@ -9,6 +9,8 @@ import stat
 import threading
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import read_fixture
 from vllm_guardian.config import parse_config
 from vllm_guardian.core.driver import history_span_seconds
@@ -348,3 +350,56 @@ def test_a_reload_that_leaves_the_sources_alone_keeps_the_collectors(tmp_path):
     assert len(built) == 2 and first.closed and not built[1].closed
     g.close()
     assert built[1].closed
+
+
+def _status_with_restarts(window_seconds: float | None, ago_seconds: list[float]) -> dict:  # type: ignore[type-arg]
+    now = 1_795_700_000.0
+    st = {
+        "time": now,
+        "signals": {"services": [{"service": "vllm"}]},
+        "policy": {"services": [{"service": "vllm", "restarts": [now - a for a in ago_seconds]}]},
+        "restart_budget": 3,
+    }
+    if window_seconds is not None:
+        st["restart_budget_window_seconds"] = window_seconds
+    return st
+
+
+@pytest.mark.parametrize(
+    ("window_seconds", "ago_seconds", "line"),
+    [
+        (600.0, [30, 500, 700, 3000], "  restarts in the last 10 min: 2 of 3"),
+        (3600.0, [30, 500, 700, 3000, 4000], "  restarts in the last 1 h: 4 of 3"),
+        (7200.0, [30, 4000, 7000, 8000], "  restarts in the last 2 h: 3 of 3"),
+        (86400.0, [30, 80000], "  restarts in the last 24 h: 2 of 3"),
+        (90.0, [30, 100], "  restarts in the last 90 s: 1 of 3"),
+        # A guardian from before the window was in its status: the default window, said so.
+        (None, [30, 3000, 4000], "  restarts in the last 1 h (the default window): 2 of 3"),
+    ],
+)
+def test_status_counts_restarts_in_the_configured_budget_window(
+    window_seconds: float | None, ago_seconds: list[float], line: str
+) -> None:
+    from vllm_guardian.tools.cli import render_status
+
+    text = render_status(_status_with_restarts(window_seconds, ago_seconds))
+    assert line in text.splitlines(), text
+
+
+def test_status_says_the_restart_budget_window_from_the_config(tmp_path):
+    cfg = parse_config(
+        CONFIG.format(recorder=tmp_path / "flight.jsonl")
+        + "policy:\n  restart_budget: 5\n  restart_budget_window_seconds: 1800\n"
+    )
+    g = Guardian(
+        cfg,
+        clock=FakeClock(),
+        collectors=[Source(SourceKind.VLLM_METRICS, "vllm", metrics_reading())],
+        notifier=Recorded(),
+    )
+    try:
+        g.tick()
+        st = g.status()
+    finally:
+        g.close()
+    assert (st["restart_budget"], st["restart_budget_window_seconds"]) == (5, 1800.0), st

@@ -224,10 +224,13 @@ class Stub:
         if path == "/v1/sse":
             n = int(request.query.get("n", "5"))
             delay = float(request.query.get("delay", "0"))
+            hold = request.query.get("hold") == "1"  # the rest only once released
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             for i in range(n):
                 await resp.write(f'data: {{"i": {i}, "pad": "{"x" * 1000}"}}\n\n'.encode())
+                if hold and i == 0:
+                    await self.release.wait()
                 if delay:
                     await asyncio.sleep(delay)
             await resp.write(b"data: [DONE]\n\n")

@@ -13,8 +13,10 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+import tomllib
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -40,14 +42,46 @@ def require_torch() -> ModuleType:
     return torch
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
 def run_python(code: str, env: dict[str, str] | None = None, cwd: Path | None = None):
-    """A fresh interpreter, isolated (-I: the installed package, not the checkout)."""
+    """A fresh interpreter, isolated (-I: no PYTHONPATH, user site or working directory), that
+    imports this checkout's vllm_guardian, never another one installed beside it (a worktree
+    sharing the main checkout's venv would otherwise test the main checkout's code).
+
+    The checkout reaches it through a directory holding only a link to the package: the
+    repository root itself may hold a vllm_guardian.egg-info (an editable install's), which
+    would be a second distribution with the same entry point. Entry points come from the
+    installed distribution's metadata, checked against pyproject.toml where they matter.
+    """
     full = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_GUARDIAN_ALLOCATOR")}
     full.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-I", "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, timeout=60, env=full, cwd=cwd or Path("/"),
-    )  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="plugin-path-") as path:
+        (Path(path) / "vllm_guardian").symlink_to(REPO / "vllm_guardian")
+        prologue = f"""
+            import importlib.util as _util, pathlib as _pathlib, sys as _sys
+            _sys.path.insert(0, {path!r})
+            _origin = _pathlib.Path(_util.find_spec("vllm_guardian").origin).resolve()
+            assert _origin.is_relative_to({str(REPO)!r}), f"vllm_guardian from {{_origin}}"
+            del _util, _pathlib, _sys, _origin
+        """
+        return subprocess.run(
+            [sys.executable, "-I", "-c", textwrap.dedent(prologue) + textwrap.dedent(code)],
+            capture_output=True, text=True, timeout=60, env=full, cwd=cwd or Path("/"),
+        )  # fmt: skip
+
+
+def test_subprocesses_import_this_checkout():
+    proc = run_python(
+        """
+        import pathlib
+        import vllm_guardian.plugin
+        print(pathlib.Path(vllm_guardian.plugin.__file__).resolve())
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert Path(proc.stdout.strip()) == REPO / "vllm_guardian/plugin/__init__.py"
 
 
 def stats(device: int) -> dict[str, int]:
@@ -82,7 +116,11 @@ def test_entry_point_is_discoverable_and_runs_without_vllm(tmp_path):
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "entry point vllm_guardian.plugin:register" in proc.stdout
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]
+    value = declared["vllm.general_plugins"]["vllm_guardian"]
+    assert value == "vllm_guardian.plugin:register"
+    # The installed metadata declares what this checkout's pyproject.toml does.
+    assert f"entry point {value}" in proc.stdout, (proc.stdout, "reinstall: pip install -e .")
     lines = [line for line in proc.stderr.splitlines() if line.startswith("vllm_guardian.plugin")]
     assert len(lines) == 1, proc.stderr  # its one line, whatever torch is there
     assert "no torch" in lines[0] or "publishing to" in lines[0]

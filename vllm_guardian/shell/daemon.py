@@ -480,6 +480,7 @@ class Guardian:
             body["alerts"] = to_jsonable(view.alerts)
             body["dry_run"] = view.dry_run
             body["restart_budget"] = view.budget
+            body["restart_budget_window_seconds"] = view.budget_window_seconds
             body["recent_decisions"] = to_jsonable(list(self.healing.recent))
             body["gates"] = {name: to_jsonable(g) for name, g in self.healing.gates().items()}
         if last.snapshot.gpus is not None:

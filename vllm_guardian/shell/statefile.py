@@ -5,7 +5,7 @@ state after each tick and loads it once at start-up). Writes are atomic (``atomi
 fsync, rename), so a crash leaves the old state or the new one, never half of either.
 
 Reading never stops start-up: a file that cannot be the state (not JSON, the wrong shape, an
-unknown format, nested deeper than any state, larger than :data:`MAX_STATE_BYTES`, not a
+unknown format or one newer than :data:`STATE_FORMAT`, nested deeper than any state, larger than :data:`MAX_STATE_BYTES`, not a
 regular file) is renamed aside to ``<name>.corrupt`` with a warning, and the guardian starts
 fresh — the conservative choice, since a fresh state has no rungs stepped down and a full
 restart budget, and the cooldown after any action it then takes still applies.
@@ -26,7 +26,11 @@ from vllm_guardian.lowio.atomicfile import write_atomic
 
 log = logging.getLogger("vllm_guardian.shell.healing")
 
-STATE_FORMAT = 1
+# 1: a service's fields flat, then (under the same number) grouped into levels, hold-off and
+# front door; 2: grouped. The number moved so that a guardian which knows only the flat
+# fields sets a grouped file aside (an unknown format) instead of reading it and silently
+# dropping its rungs, cooldown and front door. Both are read; a newer one is set aside.
+STATE_FORMAT = 2
 # A state with 64 services and every list at its cap is a few hundred KiB.
 MAX_STATE_BYTES = 16 * 1024 * 1024
 
@@ -58,8 +62,7 @@ def load_state(path: Path) -> policy.PolicyState | None:
         raw = json.loads(_read(path).decode("utf-8"))
         if not isinstance(raw, dict):
             raise _Unusable(f"a JSON {type(raw).__name__}, not an object")
-        if raw.get("format") != STATE_FORMAT:
-            raise _Unusable(f"unknown format {raw.get('format')!r}")
+        _check_format(raw.get("format"))
         _group_flat_fields(raw["state"])
         state: policy.PolicyState = from_jsonable(policy.PolicyState, raw["state"])
         return state
@@ -70,6 +73,18 @@ def load_state(path: Path) -> policy.PolicyState | None:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         _set_aside(path, str(e))
     return None
+
+
+def _check_format(found: object) -> None:
+    if type(found) is not int or found < 1:  # not bool: JSON true would pass as 1
+        raise _Unusable(f"unknown format {found!r}")
+    if found > STATE_FORMAT:
+        # Set aside, not left in place: the next tick's save would overwrite it, and a newer
+        # guardian (after the downgrade is undone) can be given it back by renaming it.
+        raise _Unusable(
+            f"format {found}, written by a newer vllm-guardian; this one reads formats 1 to "
+            f"{STATE_FORMAT}"
+        )
 
 
 # A state saved before a service's levels and hold-off were records (ServiceState.levels,

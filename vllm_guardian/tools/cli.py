@@ -18,7 +18,14 @@ from typing import Any
 import yaml
 
 from vllm_guardian import __version__
-from vllm_guardian.config import DEFAULT_CONFIG_PATH, Config, ConfigInvalid, load_config, read_text
+from vllm_guardian.config import (
+    DEFAULT_CONFIG_PATH,
+    Config,
+    ConfigInvalid,
+    PolicyConfig,
+    load_config,
+    read_text,
+)
 
 EXIT_OK, EXIT_FAIL, EXIT_CONFIG = 0, 1, 2
 
@@ -249,6 +256,21 @@ def _capacity_line(data: Any) -> str:
     return est.line()
 
 
+def _budget_window(st: dict[str, Any]) -> tuple[float, str]:
+    """The restart budget's window (policy.restart_budget_window_seconds), in seconds and as
+    words; a guardian from before its status said the window: the default, said to be it."""
+    said = st.get("restart_budget_window_seconds")
+    default = said is None
+    w = PolicyConfig().restart_budget_window_seconds if said is None else float(said)
+    if w % 3600 == 0:
+        words = f"{w / 3600:.0f} h"
+    elif w % 60 == 0:
+        words = f"{w / 60:.0f} min"
+    else:
+        words = f"{w:g} s"
+    return w, words + (" (the default window)" if default else "")
+
+
 def render_status(st: dict[str, Any]) -> str:
     lines = [f"vllm-guardian {st.get('version', '?')}"]
     if not st.get("signals"):
@@ -292,7 +314,8 @@ def render_status(st: dict[str, Any]) -> str:
         )
         budget = st.get("restart_budget")
         now = st.get("time") or 0
-        used = len([t for t in svc.get("restarts", []) if now - t < 3600])
+        window, window_said = _budget_window(st)
+        used = len([t for t in svc.get("restarts", []) if now - t < window])
         state = (
             "PAUSED"
             if svc.get("paused")
@@ -314,7 +337,7 @@ def render_status(st: dict[str, Any]) -> str:
             f"  /ready: {'200' if gate.get('ready', True) else '503'} ({gate.get('reason', '?')})  flags: {rungs}"
         )
         lines.append(
-            f"  restarts in the last hour: {used} of {budget}"
+            f"  restarts in the last {window_said}: {used} of {budget}"
             + (
                 f"  cooldown {cooldown - now:.0f}s"
                 if (cooldown := (svc.get("hold_off") or {}).get("cooldown_until", 0)) > now
