@@ -38,7 +38,8 @@ from vllm_guardian.model import Alert, AlertState, LogEventKind, Snapshot, Sourc
 GIB = 1024**3
 
 # Reset-class XIDs (NVIDIA's XID catalog: 48 DBE, 79 fell off the bus, 95 uncontained ECC,
-# 119 GSP RPC timeout): the GPU needs a reset, a vLLM restart would crash-loop.
+# 119 GSP RPC timeout): the GPU needs a reset, a vLLM restart would crash-loop. The one set:
+# the classifier, the ladder and diagnose read it here, so they and the alert cannot disagree.
 RESET_CLASS_XIDS = frozenset({48, 79, 95, 119})
 
 Labels = tuple[tuple[str, str], ...]
