@@ -1069,11 +1069,7 @@ def parse_document(
     turned here into the key path and the line of the node it names (the deepest node that
     exists when the path stops early). The YAML stays in this module: callers, the pure core
     among them, see dataclasses and paths."""
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as e:
-        line, message = yaml_error(e)
-        raise ConfigInvalid(filename, [ConfigError("", line, message)]) from None
+    root = _compose(text, filename)
     loader = _Loader()
     parsed = loader.build(cls, root, "")
     if isinstance(parsed, cls) and check is not None:
@@ -1087,6 +1083,16 @@ def parse_document(
     return parsed
 
 
+def _compose(text: str, filename: str) -> yaml.Node | None:
+    """The YAML node tree (None for an empty document), or ConfigInvalid naming the syntax
+    error's line."""
+    try:
+        return yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        line, message = yaml_error(e)
+        raise ConfigInvalid(filename, [ConfigError("", line, message)]) from None
+
+
 def _path_text(steps: tuple[str | int, ...]) -> str:
     """``("rules", 3, "signal")`` → ``rules[3].signal``, as the walker names paths."""
     out = ""
@@ -1096,11 +1102,7 @@ def _path_text(steps: tuple[str | int, ...]) -> str:
 
 
 def _parse_config(text: str, filename: str) -> Config:
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as e:
-        line, message = yaml_error(e)
-        raise ConfigInvalid(filename, [ConfigError("", line, message)]) from None
+    root = _compose(text, filename)
     loader = _Loader()
     if root is None:
         loader.errors.append(
