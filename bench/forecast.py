@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from vllm_guardian.actuators.alerts import default_rules_text  # noqa: E402
 from vllm_guardian.config import Config, PolicyConfig, ServiceConfig, SignalsConfig  # noqa: E402
-from vllm_guardian.core.alerting import parse_rules  # noqa: E402
+from vllm_guardian.core.alert_rules import parse_rules  # noqa: E402
 from vllm_guardian.core.driver import Driver  # noqa: E402
 from vllm_guardian.formats.allocator_format import AllocatorStats  # noqa: E402
 from vllm_guardian.formats.vllm_log_format import match_line  # noqa: E402

@@ -75,7 +75,7 @@ from vllm_guardian.actuators import flags as flagsfile  # noqa: E402
 from vllm_guardian.actuators.alerts import default_rules_text  # noqa: E402
 from vllm_guardian.actuators.procmgr import Supervisor  # noqa: E402
 from vllm_guardian.config import GateConfig, PolicyConfig, SignalsConfig, parse_config  # noqa: E402
-from vllm_guardian.core.alerting import parse_rules  # noqa: E402
+from vllm_guardian.core.alert_rules import parse_rules  # noqa: E402
 from vllm_guardian.core.policy import DecisionKind  # noqa: E402
 from vllm_guardian.shell.daemon import Guardian  # noqa: E402
 from vllm_guardian.sim.load import (  # noqa: E402

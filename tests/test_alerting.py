@@ -1,10 +1,12 @@
-"""core/alerting: rule evaluation in series notation, signal values, rule-file errors."""
+"""core/alerting and core/alert_rules: rule evaluation in series notation, signal values,
+rule-file errors."""
 
 from __future__ import annotations
 
 import pytest
 
 from vllm_guardian.config import ConfigInvalid
+from vllm_guardian.core import alert_rules as ar
 from vllm_guardian.core import alerting as al
 from vllm_guardian.core.signals import ServiceGpuSignals, ServiceSignals, Signals
 from vllm_guardian.model import (
@@ -24,7 +26,7 @@ GIB = 1024**3
 ABSENT = "absent"  # the service is not in the values at all
 
 
-def rule(**kw: object) -> al.Rule:
+def rule(**kw: object) -> ar.Rule:
     base: dict[str, object] = {
         "name": "KvHigh",
         "signal": "kv_cache_usage_ratio",
@@ -39,7 +41,7 @@ def rule(**kw: object) -> al.Rule:
         "runbook": "#kv",
     }
     base.update(kw)
-    return al.Rule(**base)  # type: ignore[arg-type]
+    return ar.Rule(**base)  # type: ignore[arg-type]
 
 
 def state_of(alerts: dict[al.AlertKey, Alert], name: str = "KvHigh") -> str | None:
@@ -343,7 +345,7 @@ rules:
 
 
 def test_parse_rules_reads_every_field():
-    kv, nb = al.parse_rules(GOOD, "r.yaml")
+    kv, nb = ar.parse_rules(GOOD, "r.yaml")
     assert kv == rule(
         for_seconds=60.0, summary="{service}: {value}", runbook="#kv", keep_firing_for_seconds=0.0
     )
@@ -404,7 +406,7 @@ ERRORS = [
 @pytest.mark.parametrize(("name", "text", "expected"), ERRORS, ids=[e[0] for e in ERRORS])
 def test_rule_file_errors_have_path_and_line(name, text, expected):
     with pytest.raises(ConfigInvalid) as exc:
-        al.parse_rules(text, "rules.yaml")
+        ar.parse_rules(text, "rules.yaml")
     got = [(e.line, e.path, e.message) for e in exc.value.errors]
     assert len(got) == len(expected), got
     for (line, path, msg), (want_line, want_path, words) in zip(got, expected, strict=True):
@@ -416,7 +418,7 @@ def test_rule_file_errors_have_path_and_line(name, text, expected):
 def test_all_errors_of_all_rules_at_once_and_duplicates():
     text = GOOD + GOOD.replace("rules:\n", "").replace("kv_cache_usage_ratio", "nope")
     with pytest.raises(ConfigInvalid) as exc:
-        al.parse_rules(text, "r.yaml")
+        ar.parse_rules(text, "r.yaml")
     got = [(e.line, e.path, e.message.split(" (")[0]) for e in exc.value.errors]
     assert got == [
         (21, "rules[2].name", "duplicate rule name 'KvHigh'"),
@@ -427,22 +429,22 @@ def test_all_errors_of_all_rules_at_once_and_duplicates():
 
 def test_optional_rule_may_name_an_unknown_signal_but_not_a_wrong_unit():
     ok = _rule_yaml(signal="allocator_fragmentation_ratio", optional="true")
-    (r,) = al.parse_rules(ok, "r.yaml")
+    (r,) = ar.parse_rules(ok, "r.yaml")
     assert r.optional
     with pytest.raises(ConfigInvalid, match="is in ratio"):
-        al.parse_rules(_rule_yaml(unit="count", optional="true"), "r.yaml")
+        ar.parse_rules(_rule_yaml(unit="count", optional="true"), "r.yaml")
 
 
 def test_policy_signals_are_open_but_must_look_like_names():
-    (r,) = al.parse_rules(_rule_yaml(signal="policy.breaker_latched", unit="bool",
+    (r,) = ar.parse_rules(_rule_yaml(signal="policy.breaker_latched", unit="bool",
                                      op='"=="', threshold="1"), "r")  # fmt: skip
     assert r.signal == "policy.breaker_latched"
     with pytest.raises(ConfigInvalid, match="unknown signal"):
-        al.parse_rules(_rule_yaml(signal="policy.Bad-Name"), "r")
+        ar.parse_rules(_rule_yaml(signal="policy.Bad-Name"), "r")
 
 
 def test_empty_file_has_no_rules_and_merge_replaces_by_name():
-    assert al.parse_rules("", "r") == ()
+    assert ar.parse_rules("", "r") == ()
     a, b = rule(name="Aaa"), rule(name="Bbb")
     b2, c = rule(name="Bbb", threshold=0.5), rule(name="Ccc")
-    assert al.merge_rules([a, b], [c, b2]) == (a, b2, c)
+    assert ar.merge_rules([a, b], [c, b2]) == (a, b2, c)

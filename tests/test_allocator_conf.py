@@ -18,13 +18,13 @@ import pytest
 from vllm_guardian.actuators import flags as flagsfile
 from vllm_guardian.actuators.procmgr import Supervisor
 from vllm_guardian.config import PolicyConfig
-from vllm_guardian.core.policy import Baseline, Lever, flags_for
+from vllm_guardian.core.policy import Lever, default_baseline, flags_for
 
 ON = "expandable_segments:True"
 
 
 def test_the_lever_sets_both_names_torch_reads() -> None:
-    _, env = flags_for({Lever.EXPANDABLE_SEGMENTS: 1}, Baseline(256, 8192, 0.9), PolicyConfig())
+    _, env = flags_for({Lever.EXPANDABLE_SEGMENTS: 1}, default_baseline(None, ()), PolicyConfig())
     assert dict(env) == {"PYTORCH_ALLOC_CONF": ON, "PYTORCH_CUDA_ALLOC_CONF": ON}
     flagsfile.validate((), env)  # the flags file takes both
 

@@ -6,8 +6,13 @@ first production tick that names it; a remedy without a writer in ``diagnose`` f
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
+from vllm_guardian.actuators.alerts import default_rules_text
+from vllm_guardian.core import diagnosis, observations
+from vllm_guardian.core.alert_rules import parse_rules
 from vllm_guardian.core.causes import CAUSES, Pressure, Remedy, cause_spec
 from vllm_guardian.core.levers import Lever
 from vllm_guardian.diagnose.recommend import REMEDIES
@@ -78,3 +83,17 @@ def test_the_table_above_states_every_cause() -> None:
     stated = [row[0] for row in EXPECTED]
     assert len(stated) == len(set(stated)), "a cause is stated twice"
     assert set(stated) == set(CAUSES), f"not stated: {sorted(set(CAUSES) - set(stated))}"
+
+
+@pytest.mark.parametrize("cause", [c for c, spec in CAUSES.items() if spec.verdict], ids=str)
+def test_every_cause_that_can_be_a_verdict_has_evidence(cause: Cause) -> None:
+    # A row nothing ever names is a cause the guardian can never find: the evidence is a
+    # shipped rule with ``cause:`` (a firing alert is evidence), or a branch of the log or
+    # signal evidence in core/diagnosis.py or core/observations.py that names the member.
+    # The branches are code, so the check reads their source for the member's name.
+    by_rules = {r.cause for r in parse_rules(default_rules_text(), "rules.yaml")}
+    branches = inspect.getsource(diagnosis) + inspect.getsource(observations)
+    assert cause in by_rules or f"Cause.{cause.name}" in branches, (
+        f"{cause} can be a verdict but no shipped rule names it (cause: {cause.value}) and no "
+        "evidence branch in core/diagnosis.py or core/observations.py does"
+    )

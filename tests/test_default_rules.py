@@ -7,6 +7,7 @@ import pytest
 
 from vllm_guardian.actuators.alerts import default_rules_text, load_rules
 from vllm_guardian.config import AlertingConfig, ConfigInvalid
+from vllm_guardian.core import alert_rules as ar
 from vllm_guardian.core import alerting as al
 from vllm_guardian.core.signals import ServiceGpuSignals, ServiceSignals, Signals
 from vllm_guardian.model import (
@@ -21,7 +22,7 @@ from vllm_guardian.model import (
 )
 
 GIB = 1024**3
-RULES = al.parse_rules(default_rules_text(), "rules.yaml")
+RULES = ar.parse_rules(default_rules_text(), "rules.yaml")
 BY_NAME = {r.name: r for r in RULES}
 SVC = ("vllm", ())
 GPU0 = ("vllm", (("gpu", "0"),))
@@ -159,8 +160,8 @@ def test_allocator_rules_are_silent_without_the_plugin():
     # in-vLLM plugin has no allocator values: no alert, nothing stale.
     assert not [r.name for r in RULES if r.optional]
     for name in ("VllmAllocatorFragmented", "VllmAllocatorRetries"):
-        assert al.known_signal(BY_NAME[name].signal, "service")
-        assert al.known_signal(BY_NAME[name].signal, "gpu")
+        assert ar.known_signal(BY_NAME[name].signal, "service")
+        assert ar.known_signal(BY_NAME[name].signal, "gpu")
     rows = healthy_values()
     assert rows[SVC]["allocator_fragmentation_ratio"] is None
     assert run(rows, 900) == {}

@@ -6,32 +6,23 @@ running; at the end no task and no file descriptor survives the gate."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import hashlib
 import json
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support import wait_for
 from tests.test_gate_support import GateThread, LoopThread, Stub
 from vllm_guardian.gate.admission import Cost, estimate_cost
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 30.0) -> bool:
-    """Whether cond() came true within a bound generous for a busy 2-core machine (only a
-    failing test waits it out)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 def fds() -> int:
@@ -60,33 +51,40 @@ def gate_env(stub: Stub) -> Iterator[GateThread]:
     def leftover() -> set[str]:
         return {repr(t.get_coro()) for t in g.lt.tasks() if t.get_name() not in baseline_tasks}
 
-    wait_for(lambda: not leftover())  # a client's connection may still be closing
+    # A client's connection may still be closing: wait for it, then say what is left.
+    with contextlib.suppress(AssertionError):
+        wait_for(lambda: not leftover(), "the clients' tasks gone", timeout_seconds=30)
     left = leftover()
     g.stop()
     assert left == set(), left
-    assert wait_for(lambda: fds() <= before), (fds(), before)
+    wait_for(lambda: fds() <= before, "fds() <= before", seen=lambda: (fds(), before))
 
 
 @pytest.fixture
 def gate(gate_env: GateThread, stub: Stub) -> Iterator[GateThread]:
     stub.reset()
-    assert wait_for(lambda: gate_env.gate.admission is not None and gate_env.gate.admission.open)
+    wait_for(
+        lambda: gate_env.gate.admission is not None and gate_env.gate.admission.open,
+        "gate_env.gate.admission is not None and gate_env.gate.admission.open",
+    )
     yield gate_env
     stub.set_release()
     proxy, adm = gate_env.gate.proxy, gate_env.gate.admission
     assert proxy is not None and adm is not None
-    assert wait_for(
-        lambda: proxy.open_exchanges == 0 and adm.in_flight == 0 and adm.queue_depth == 0
-    ), proxy.status()
-    assert wait_for(lambda: stub.active == 0), "an upstream request was left running"
+    wait_for(
+        lambda: proxy.open_exchanges == 0 and adm.in_flight == 0 and adm.queue_depth == 0,
+        "no exchange, request or queued request left",
+        seen=proxy.status,
+    )
+    wait_for(lambda: stub.active == 0, "no upstream request left running", seen=lambda: stub.active)
     stub.healthy = stub.ready = True
-    assert wait_for(lambda: adm.open)
+    wait_for(lambda: adm.open, "adm.open")
 
 
 def close_gate(g: GateThread, stub: Stub) -> None:
     stub.ready = False
     assert g.gate.admission is not None
-    assert wait_for(lambda: not g.gate.admission.open)  # type: ignore[union-attr]
+    wait_for(lambda: not g.gate.admission.open, "not g.gate.admission.open")  # type: ignore[union-attr]
 
 
 def error_of(r: requests.Response) -> dict:  # type: ignore[type-arg]
@@ -200,7 +198,10 @@ def test_held_while_closed_then_released_in_order(gate: GateThread, stub: Stub):
         futs = []
         for i in range(3):
             futs.append(pool.submit(send, i))
-            assert wait_for(lambda i=i: gate.gate.admission.queue_depth == i + 1)  # type: ignore[union-attr]
+            wait_for(
+                lambda i=i: gate.gate.admission.queue_depth == i + 1,
+                "gate.gate.admission.queue_depth == i + 1",
+            )  # type: ignore[union-attr]
         assert stub.calls.get("/v1/echo", 0) == 0
         stub.ready = True
         assert [f.result() for f in futs] == [200, 200, 200]
@@ -220,7 +221,9 @@ def overflow_the_queue(gate: GateThread, stub: Stub) -> None:
                         headers={"Authorization": "heavy"})
             for _ in range(2)
         ]  # fmt: skip
-        assert wait_for(lambda: gate.gate.admission.queue_depth == 2)  # type: ignore[union-attr]
+        wait_for(
+            lambda: gate.gate.admission.queue_depth == 2, "gate.gate.admission.queue_depth == 2"
+        )  # type: ignore[union-attr]
         # A third from the same key: over its share (half of a 4-deep queue) → 429.
         r = requests.post(
             f"{gate.url}/v1/echo", data=b"{}", headers={"Authorization": "heavy"}, timeout=5
@@ -232,7 +235,9 @@ def overflow_the_queue(gate: GateThread, stub: Stub) -> None:
                         headers={"Authorization": f"light-{i}"})
             for i in range(2)
         ]  # fmt: skip
-        assert wait_for(lambda: gate.gate.admission.queue_depth == 4)  # type: ignore[union-attr]
+        wait_for(
+            lambda: gate.gate.admission.queue_depth == 4, "gate.gate.admission.queue_depth == 4"
+        )  # type: ignore[union-attr]
         r = requests.post(f"{gate.url}/v1/echo", data=b"{}", timeout=5)
         assert r.status_code == 503 and "queue is full" in error_of(r)["message"]
         assert r.headers["Retry-After"] == "2"
@@ -263,7 +268,12 @@ def test_one_slow_health_answer_does_not_close_the_gate(gate: GateThread, stub: 
     try:
         stub.health_delay_seconds, stub.slow_health_answers = 1.5, 1
         before = stub.calls.get("/health", 0)
-        assert wait_for(lambda: stub.calls.get("/health", 0) >= before + 10, 30), stub.calls
+        wait_for(
+            lambda: stub.calls.get("/health", 0) >= before + 10,
+            'stub.calls.get("/health", 0) >= before + 10',
+            timeout_seconds=30,
+            seen=lambda: stub.calls,
+        )
         assert stub.slow_health_answers == 0
         assert closures == [], closures
         assert requests.post(f"{gate.url}/v1/echo", data=b"{}", timeout=10).status_code == 200
@@ -277,7 +287,7 @@ def test_a_silent_health_closes_the_gate_after_the_grace(gate: GateThread, stub:
     try:
         stub.health_delay_seconds, stub.slow_health_answers = 1.5, 10_000
         silent_from = time.monotonic()
-        assert wait_for(lambda: bool(closures), grace + 30), "the gate never closed"
+        wait_for(lambda: bool(closures), "the gate closed", timeout_seconds=grace + 30)
         waited = time.monotonic() - silent_from
         assert waited >= grace, (waited, closures)  # never sooner than the grace
         assert len(closures) == 1 and "silent for" in closures[0], closures
@@ -285,14 +295,14 @@ def test_a_silent_health_closes_the_gate_after_the_grace(gate: GateThread, stub:
     finally:
         stub.slow_health_answers = 0
         del gate.gate.admission.set_state  # type: ignore[union-attr]
-    assert wait_for(lambda: gate.gate.admission.open, 30)  # type: ignore[union-attr]
+    wait_for(lambda: gate.gate.admission.open, "gate.gate.admission.open", timeout_seconds=30)  # type: ignore[union-attr]
 
 
 def test_a_failing_health_answer_closes_the_gate_without_grace(gate: GateThread, stub: Stub):
     closures = _closures(gate)
     try:
         stub.healthy = False  # 503: vLLM says it is not healthy; no grace for a clear answer
-        assert wait_for(lambda: bool(closures), 10), "the gate never closed"
+        wait_for(lambda: bool(closures), "the gate closed", timeout_seconds=30)
         assert closures == ["vLLM /health answers 503"], closures
     finally:
         del gate.gate.admission.set_state  # type: ignore[union-attr]
@@ -300,7 +310,7 @@ def test_a_failing_health_answer_closes_the_gate_without_grace(gate: GateThread,
 
 def test_upstream_down_longer_than_the_wait_limit(gate: GateThread, stub: Stub):
     stub.healthy = False
-    assert wait_for(lambda: not gate.gate.admission.open)  # type: ignore[union-attr]
+    wait_for(lambda: not gate.gate.admission.open, "not gate.gate.admission.open")  # type: ignore[union-attr]
     start = time.monotonic()
     r = requests.post(f"{gate.url}/v1/echo", data=b"{}", timeout=30)
     waited = time.monotonic() - start
@@ -349,13 +359,13 @@ def test_client_disconnect_while_queued_leaves_the_queue(gate: GateThread, stub:
     close_gate(gate, stub)
     s = socket.create_connection(("127.0.0.1", gate.gate.port), timeout=5)
     s.sendall(b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
-    assert wait_for(lambda: gate.gate.admission.queue_depth == 1)  # type: ignore[union-attr]
+    wait_for(lambda: gate.gate.admission.queue_depth == 1, "gate.gate.admission.queue_depth == 1")  # type: ignore[union-attr]
     s.close()
-    assert wait_for(lambda: gate.gate.admission.queue_depth == 0)  # type: ignore[union-attr]
+    wait_for(lambda: gate.gate.admission.queue_depth == 0, "gate.gate.admission.queue_depth == 0")  # type: ignore[union-attr]
     stub.ready = True
     # Never sent: a request after it, sent once the gate is open again, is the only one that
     # reaches the upstream (not a fixed sleep, then a look).
-    assert wait_for(lambda: gate.gate.admission.open)  # type: ignore[union-attr]
+    wait_for(lambda: gate.gate.admission.open, "gate.gate.admission.open")  # type: ignore[union-attr]
     r = requests.post(f"{gate.url}/v1/echo", data=b"{}", timeout=10)
     assert r.status_code == 200
     assert stub.calls.get("/v1/echo", 0) == 1, stub.calls
@@ -365,10 +375,11 @@ def test_client_disconnect_while_streaming_aborts_upstream(gate: GateThread, stu
     s = socket.create_connection(("127.0.0.1", gate.gate.port), timeout=5)
     s.sendall(b"POST /v1/sse?n=200&delay=0.05 HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
     assert s.recv(4096).startswith(b"HTTP/1.1 200")
-    assert wait_for(lambda: stub.active == 1)
+    wait_for(lambda: stub.active == 1, "stub.active == 1")
     s.close()
-    assert wait_for(lambda: stub.disconnects == 1 and stub.active == 0), (
-        "vLLM would keep generating"
+    wait_for(
+        lambda: stub.disconnects == 1 and stub.active == 0,
+        "the upstream request cancelled (else vLLM would keep generating)",
     )
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ import pytest
 import requests
 
 from tests.sim.twinproc import TwinProc, start, stop
+from tests.support import wait_for
 from tests.test_gate_support import LoopThread
 from vllm_guardian.gate.admission import Limits
 from vllm_guardian.gate.proxy import ProxySettings
@@ -46,15 +47,6 @@ HANG_AT_SECONDS = 30.0  # the engine_hang scenario's, simulated
 SEND_AT_SECONDS = HANG_AT_SECONDS - 7
 PROMPT = "the quick brown fox"
 ABORTED_TOKENS = 4000  # a request's in the restart test: generating when the SIGTERM comes
-
-
-def wait_for(cond: Callable[[], bool], what: Callable[[], str], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting: {what()}")
 
 
 def twin_on(tmp: Path, port: int, *extra: str) -> TwinProc:
@@ -171,11 +163,13 @@ def test_a_hung_engines_requests_are_taken_back_and_served_by_the_restarted_one(
         g = HungGate(hung.url)
         t0 = time.monotonic()
         try:
-            wait_for(lambda: clock()["scenario_seconds"] >= SEND_AT_SECONDS, lambda: str(clock()))
+            wait_for(
+                lambda: clock()["scenario_seconds"] >= SEND_AT_SECONDS, "the send time", seen=clock
+            )
             # Generating when the engine hangs: two streams and a unary request.
             early: list[Future[dict[str, Any]]] = [pool.submit(stream, g.url) for _ in range(2)]
             early.append(pool.submit(unary, g.url))
-            wait_for(lambda: clock()["phase"] == "hung", lambda: f"the hang: {clock()}")
+            wait_for(lambda: clock()["phase"] == "hung", "the hang", seen=clock)
             assert not any(f.done() for f in early), [f.result() for f in early if f.done()]
             # Sent into the hung engine before the gate holds (its watch needs 2 s), where
             # nothing comes back for them (or held by the gate, on a slow machine).
@@ -183,7 +177,8 @@ def test_a_hung_engines_requests_are_taken_back_and_served_by_the_restarted_one(
             # All five wait in the gate's queue: none is left in the hung engine.
             wait_for(
                 lambda: (g.status()["queue_depth"], g.status()["in_flight"]) == (5, 0),
-                lambda: f"5 queued; taken back {g.taken_back}, status {g.status()}",
+                "5 queued, none in the hung engine",
+                seen=lambda: f"taken back {g.taken_back}, status {g.status()}",
             )
             taken_back_at, taken_back = time.monotonic(), g.taken_back
             print(f"taken back {time.monotonic() - t0:.1f} s after the gate started")
@@ -197,7 +192,8 @@ def test_a_hung_engines_requests_are_taken_back_and_served_by_the_restarted_one(
             polls = follower.polls
             wait_for(
                 lambda: follower.polls >= polls + 10 and follower.progress.stalled() is None,
-                lambda: f"ten polls after the hold ended: {g.status()}",
+                "ten polls after the hold ended",
+                seen=g.status,
             )
             status = g.status()
             assert (status["queue_depth"], status["in_flight"], status["open"]) == (5, 0, False)
@@ -278,8 +274,9 @@ def test_a_restarts_aborted_answers_are_continued_or_sent_again(
             # Both clients hold text (not only the twin's counter: on a busy host the gate's
             # relay may lag it), so the SIGTERM cuts streams that have started.
             wait_for(lambda: generated() >= 300 and all(e.is_set() for e in texts),
-                     lambda: f"tokens generated: {generated()}, "
-                             f"clients with text: {[e.is_set() for e in texts]}")  # fmt: skip
+                     "300 tokens generated and text at every client",
+                     seen=lambda: f"tokens generated: {generated()}, "
+                                  f"clients with text: {[e.is_set() for e in texts]}")  # fmt: skip
             assert not any(f.done() for f in futures), [f.result() for f in futures if f.done()]
             stopped_at = time.monotonic()
             print(f"generating {time.monotonic() - t0:.1f} s")

@@ -10,7 +10,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 import requests
 
+from tests.support import wait_for
 from tests.test_gate_support import GateThread
 from vllm_guardian.shell.daemon import Guardian
 from vllm_guardian.sim.load import LoadResult, OutcomeKind, plan_requests, run_load
@@ -28,13 +28,10 @@ pytestmark = pytest.mark.slow
 
 
 def wait_http(url: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(requests.RequestException):
-            if requests.get(url, timeout=1).status_code == 200:
-                return
-        time.sleep(0.1)
-    raise AssertionError(f"{url} never answered 200")
+    # A refused or failed request (requests' errors are OSErrors) counts as "not yet".
+    wait_for(
+        lambda: requests.get(url, timeout=1).status_code == 200, f"{url} to answer 200", timeout
+    )
 
 
 @contextlib.contextmanager
@@ -160,16 +157,6 @@ def test_kv_burst_is_held_at_the_gate() -> None:
     assert figures["gate"][1] <= 4 * figures["direct"][1] + 5, figures
 
 
-def wait_until(check: object, timeout: float, what: str) -> None:
-    """Wait for a condition with a generous bound; say what was awaited when it times out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():  # type: ignore[operator]
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout:.0f}s: {what}")
-
-
 def test_five_operator_restarts_under_load_through_the_gate_lose_nothing(tmp_path: Path) -> None:
     """A guardian supervises the twin; steady mixed load (streaming and unary, ~8 req/s) runs
     through the gate, which follows /ready/vllm; an operator runs `vllm-guardian restart vllm`
@@ -227,8 +214,8 @@ def test_five_operator_restarts_under_load_through_the_gate_lose_nothing(tmp_pat
             r.start()
         sup = guardian.healing.supervisors["vllm"] if guardian.healing else None
         assert sup is not None
-        wait_until(lambda: gate_status()["admitted_total"] >= 20, 60,
-                   "the load flowing through the gate")  # fmt: skip
+        wait_for(lambda: gate_status()["admitted_total"] >= 20, "the load flowing through the gate",
+                 timeout_seconds=60, seen=gate_status)  # fmt: skip
         first_pid = sup.pid
         socket = str(tmp_path / "run" / "control.sock")
         lines: list[str] = []

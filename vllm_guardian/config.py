@@ -1049,12 +1049,60 @@ def yaml_error(e: yaml.YAMLError) -> tuple[int | None, str]:
     return mark.line + 1, text
 
 
-def _parse_config(text: str, filename: str) -> Config:
+Report = Callable[[tuple[str | int, ...], str], None]
+"""Reports a problem at a path of keys and list indices, e.g. ``(("rules", 3, "signal"), why)``."""
+
+_Doc = typing.TypeVar("_Doc")
+
+
+def parse_document(
+    cls: type[_Doc],
+    text: str,
+    filename: str,
+    check: Callable[[_Doc, Report], None] | None = None,
+) -> _Doc:
+    """A YAML document (a rules file, a load profile) → an instance of the dataclass ``cls``,
+    or ConfigInvalid listing every error with its key path and line.
+
+    The walker checks what the dataclass says (keys, types, bounds); ``check`` then checks
+    what only the document's own rules know and reports each problem by its path, which is
+    turned here into the key path and the line of the node it names (the deepest node that
+    exists when the path stops early). The YAML stays in this module: callers, the pure core
+    among them, see dataclasses and paths."""
+    root = _compose(text, filename)
+    loader = _Loader()
+    parsed = loader.build(cls, root, "")
+    if isinstance(parsed, cls) and check is not None:
+
+        def report(steps: tuple[str | int, ...], message: str) -> None:
+            loader.err(_path_text(steps), _find_path(root, *steps), message)
+
+        check(parsed, report)
+    if loader.errors or not isinstance(parsed, cls):
+        raise ConfigInvalid(filename, sorted(loader.errors, key=lambda e: (e.line or 0, e.path)))
+    return parsed
+
+
+def _compose(text: str, filename: str) -> yaml.Node | None:
+    """The YAML node tree (None for an empty document), or ConfigInvalid naming the syntax
+    error's line."""
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        return yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
         line, message = yaml_error(e)
         raise ConfigInvalid(filename, [ConfigError("", line, message)]) from None
+
+
+def _path_text(steps: tuple[str | int, ...]) -> str:
+    """``("rules", 3, "signal")`` → ``rules[3].signal``, as the walker names paths."""
+    out = ""
+    for step in steps:
+        out += f"[{step}]" if isinstance(step, int) else (f".{step}" if out else step)
+    return out
+
+
+def _parse_config(text: str, filename: str) -> Config:
+    root = _compose(text, filename)
     loader = _Loader()
     if root is None:
         loader.errors.append(

@@ -129,7 +129,7 @@ LIGHT = LoadProfile(rate_per_second=0.4, prompt_tokens_min=200, prompt_tokens_ma
 
 # Alone (after the workers, tests/test_tiers.py): the twin meets its OOM only when the load's
 # long prompts arrive together; beside another worker and a CPU hog the load generator fell
-# behind, they arrived spread out, and the twin served them all without meeting it (ci15,
+# behind, they arrived spread out, and the twin served them all without meeting it (a CI run,
 # 2026-11-26: no exit in 110 s; it exits in 3-14 s here otherwise).
 @pytest.mark.alone
 @pytest.mark.parametrize(

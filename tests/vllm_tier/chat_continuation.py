@@ -262,7 +262,7 @@ def check_a_cut_chat_stream_is_continued_byte_for_byte(server: str, model: Path)
                     continue
                 if proxy.paths == [CHAT] and got.text == uncut.text:
                     # This run's stream had fewer events than the cut: vLLM merged its chunks
-                    # (its API server lagging, as beside a CPU hog: ci15, 2026-11-26), so it
+                    # (its API server lagging, as beside a CPU hog: a CI run, 2026-11-26), so it
                     # ended whole before the proxy's cut. Nothing to continue; not counted.
                     cuts -= 1
                     uncut_runs.append({"conversation": conv, "cut": cut})

@@ -767,7 +767,7 @@ def test_kv_pressure_is_seen_alerted_gated_and_ungated(guarded: Guarded) -> None
                 break
             # The burst never held the pool full long enough for the guardian's ticks: beside
             # a CPU hog the API server handed vLLM 3 requests at a time and its KV gauge read
-            # 0.9 in 1 of 11 scrapes (ci13, 2026-11-26: the guardian's peak 0.87, no gate); with
+            # 0.9 in 1 of 11 scrapes (a CI run, 2026-11-26: the guardian's peak 0.87, no gate); with
             # other work beside, a gate but no KV alert held for its `for`. That measures the
             # host, not the guardian: the burst runs again (35 s), every run reported.
             unsaturated.append(_pressure_numbers(sampler, results, seconds))
@@ -810,7 +810,7 @@ def test_kv_pressure_is_seen_alerted_gated_and_ungated(guarded: Guarded) -> None
     kv_alerts = set(KV_RULES)
     # An alert fires when the pressure holds for its `for`: required where vLLM's own gauge held
     # the pool full in at least 30 % of its scrapes. Beside a CPU hog three bursts in a row read
-    # 0.9 in 10 %, 0 % and none (ci16, 2026-11-26: gated, no alert): reported then.
+    # 0.9 in 10 %, 0 % and none (a CI run, 2026-11-26: gated, no alert): reported then.
     sustained = real["kv_usage_ge_0.9_share"] >= 0.3
     real["kv_pressure_sustained"] = sustained
     assert kv_alerts & watch.fired() or not sustained, real
@@ -1152,7 +1152,7 @@ def test_engine_death_is_named_and_restarted_once(
     sdk_in_flight_at_kill = len(SDK_IN_FLIGHT) - len(sdk.done)  # as the client saw it
     # /health until it says 503 or the API server is gone (it exits 0 some seconds after the
     # death). Each call may wait 5 s: beside a CPU hog the shutting-down server answered none
-    # within 2 s and exited 10 s after the kill (ci13, 2026-11-26), so no 503 was read.
+    # within 2 s and exited 10 s after the kill (a CI run, 2026-11-26), so no 503 was read.
     statuses: list[int | None] = []
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and 503 not in statuses and len(sup.exits) <= exits:

@@ -24,14 +24,8 @@ from vllm_guardian.actuators.alert_log import AlertLogSink
 from vllm_guardian.actuators.alertmanager import AlertmanagerSink
 from vllm_guardian.actuators.webhook import WebhookSink
 from vllm_guardian.config import AlertingConfig, read_text
-from vllm_guardian.core.alerting import (
-    Rule,
-    SinkResult,
-    Transition,
-    merge_rules,
-    parse_rules,
-    sort_alerts,
-)
+from vllm_guardian.core.alert_rules import Rule, merge_rules, parse_rules
+from vllm_guardian.core.alerting import SinkResult, Transition, sort_alerts
 from vllm_guardian.lowio.clock import Clock
 from vllm_guardian.model import Alert
 

@@ -432,9 +432,5 @@ def actionable(finding: Finding) -> bool:
     return any(e.unambiguous for e in finding.evidence) or finding.independent >= 2
 
 
-# XIDs that need a GPU reset (the same set as the VllmGpuResetRequired rule).
-RESET_CLASS_XIDS = frozenset({48, 79, 95, 119})
-
-
 def gib_text(v: float | None) -> str:
     return "?" if v is None else f"{v / GIB:.1f} GiB"

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from vllm_guardian.config import Config
-from vllm_guardian.core import alerting, policy
+from vllm_guardian.core import alert_rules, policy
 from vllm_guardian.core.step import (
     Effects,
     StepSettings,
@@ -29,7 +29,7 @@ from vllm_guardian.core.step import (
 from vllm_guardian.model import OperatorCommand, Snapshot
 
 
-def settings_from_config(cfg: Config, rules: Sequence[alerting.Rule]) -> StepSettings:
+def settings_from_config(cfg: Config, rules: Sequence[alert_rules.Rule]) -> StepSettings:
     """The step's settings from a config and its loaded rules: the only place they are built."""
     lease = cfg.fleet.permit == "lease"
     permit = cfg.fleet.wait_timeout_seconds if lease else None
@@ -99,7 +99,7 @@ class Driver:
     def for_config(
         cls,
         cfg: Config,
-        rules: Sequence[alerting.Rule],
+        rules: Sequence[alert_rules.Rule],
         history: collections.deque[Snapshot] | None = None,
     ) -> Driver:
         """A driver for ``cfg`` and its loaded rules, from the initial state (a new run)."""

@@ -39,7 +39,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from vllm_guardian.config import PolicyConfig, ServiceConfig
-from vllm_guardian.core.alerting import AlertKey, Rule, Transition
+from vllm_guardian.core.alert_rules import Rule
+from vllm_guardian.core.alerting import AlertKey, Transition
 from vllm_guardian.core.phases import Phase
 from vllm_guardian.core.policy import PolicyState
 from vllm_guardian.model import ActionResult, Alert, AlertState, Cause

@@ -13,12 +13,12 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from vllm_guardian.core.alerting import Rule
+from vllm_guardian.core.alert_rules import Rule
+from vllm_guardian.core.alerting import RESET_CLASS_XIDS
 from vllm_guardian.core.budget import MIN_DEPLOY_UTILIZATION, KvBudget
 from vllm_guardian.core.causes import cause_spec
 from vllm_guardian.core.diagnosis import (
     GIB,
-    RESET_CLASS_XIDS,
     Evidence,
     Finding,
     Structure,

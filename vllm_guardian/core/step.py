@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from vllm_guardian.config import ServiceConfig, SignalsConfig
-from vllm_guardian.core import alerting, inhibition, policy
+from vllm_guardian.core import alert_rules, alerting, inhibition, policy
 from vllm_guardian.core.signals import Signals, derive
 from vllm_guardian.model import (
     Action,
@@ -57,7 +57,7 @@ class TickState:
 
 @dataclass(frozen=True)
 class StepSettings:
-    rules: tuple[alerting.Rule, ...]
+    rules: tuple[alert_rules.Rule, ...]
     policy: policy.PolicySettings
     services: tuple[ServiceConfig, ...]
     signals: SignalsConfig
@@ -82,7 +82,7 @@ class Effects:
 
 
 def settings_for(
-    rules: Sequence[alerting.Rule],
+    rules: Sequence[alert_rules.Rule],
     policy_settings: policy.PolicySettings,
     services: Sequence[ServiceConfig],
     signals: SignalsConfig,

@@ -14,10 +14,10 @@ from dataclasses import replace
 
 from vllm_guardian.config import PolicyConfig
 from vllm_guardian.core.acting import Ctx, disrupting, gate_dry_run
+from vllm_guardian.core.alerting import RESET_CLASS_XIDS
 from vllm_guardian.core.budget import parse_launch_flags
 from vllm_guardian.core.diagnosis import (
     CORROBORATION_SECONDS,
-    RESET_CLASS_XIDS,
     Evidence,
     Finding,
     Structure,

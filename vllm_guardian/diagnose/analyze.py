@@ -19,6 +19,7 @@ from typing import Any
 
 from vllm_guardian.config import PolicyConfig, ServiceConfig, SignalsConfig
 from vllm_guardian.core import diagnosis, observations
+from vllm_guardian.core.alerting import RESET_CLASS_XIDS
 from vllm_guardian.core.budget import (
     Deployment,
     KvBudget,
@@ -608,9 +609,7 @@ def analyze(
         pool_tokens=cache.capacity_tokens if cache else None,
         p95_request_tokens=p95,
         capacity=sig.capacity,
-        hardware_gpus=tuple(
-            sorted({x.gpu_index for x in xids if x.xid in diagnosis.RESET_CLASS_XIDS})
-        ),
+        hardware_gpus=tuple(sorted({x.gpu_index for x in xids if x.xid in RESET_CLASS_XIDS})),
         policy=policy or PolicyConfig(),
     )
     rec = recommend(ctx)

@@ -1,7 +1,7 @@
 """The load shape and the limits of one loadtest: YAML profile and flags → a frozen ``Profile``.
 
-The YAML form is validated by the config loader's machinery (``config._Loader``, as
-``core/alerting.parse_rules`` does): every unknown key, wrong type and out-of-bounds value is
+The YAML form is validated by the config loader's machinery (``config.parse_document``, as
+``core/alert_rules.parse_rules`` does): every unknown key, wrong type and out-of-bounds value is
 reported at once with its key path and line. Flags override the profile's values. Everything
 is bounded (steps, step length, total time, concurrency, rate, requests), so a typo cannot turn
 a loadtest into a denial of service.
@@ -22,16 +22,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import yaml
-
 from vllm_guardian.config import (
     ConfigError,
     ConfigInvalid,
     _bounds,
     _check_url,
-    _Loader,
+    parse_document,
     read_text,
-    yaml_error,
 )
 
 GIB = 1024**3
@@ -196,16 +193,7 @@ def check(profile: Profile, filename: str = "<flags>") -> Profile:
 
 def parse_profile(text: str, filename: str) -> Profile:
     """Profile YAML → Profile, or ConfigInvalid listing every error with key path and line."""
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as e:
-        line, message = yaml_error(e)
-        raise ConfigInvalid(filename, [ConfigError("", line, message)]) from None
-    loader = _Loader()
-    parsed = loader.build(Profile, root, "")
-    if loader.errors or not isinstance(parsed, Profile):
-        raise ConfigInvalid(filename, sorted(loader.errors, key=lambda e: (e.line or 0, e.path)))
-    return check(parsed, filename)
+    return check(parse_document(Profile, text, filename), filename)
 
 
 def load_profile(path: str | Path) -> Profile:

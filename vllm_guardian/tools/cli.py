@@ -135,7 +135,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         # The rules file is checked too, so one run shows every error in both files.
         named = _named_rules_file(args.config)
         if named is not None:
-            from vllm_guardian.core.alerting import parse_rules  # noqa: PLC0415
+            from vllm_guardian.core.alert_rules import parse_rules  # noqa: PLC0415
 
             try:
                 parse_rules(read_text(named), named)
