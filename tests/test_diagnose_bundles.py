@@ -76,7 +76,9 @@ def test_bundle_verdict_and_golden_report(name: str) -> None:
 def test_text_report_fits_80_columns_and_one_screen(name: str) -> None:
     text = render_text(analyze(read_bundle(BUNDLES / name)))
     lines = text.splitlines()
-    assert all(len(line) <= 80 for line in lines)
+    # The bundle's own path is one unbreakable word, as long as the checkout's path: it may
+    # run past 80 columns on a line of its own; every other line fits.
+    assert all(len(line) <= 80 for line in lines if str(BUNDLES) not in line), text
     assert len(lines) <= 50  # one screen, fix included
     assert "VERDICT: " + VERDICTS[name] in text
     assert "FIX" in text
