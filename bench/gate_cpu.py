@@ -33,9 +33,9 @@ Measured per load point, in a window of ``--seconds`` after a ramp:
 * unary: requests/s with N keep-alive connections in a closed loop.
 
 Each point is measured ``--repeat`` times; the table gives the median and the range, and the
-host's load average beside each repeat. A window in which the proxy or the client spent more
-than ``--max-wait-share`` of it runnable but waiting for a core (``/proc/PID/schedstat``: other
-work had it), or in which a stream stalled, is measured again, up to ``--retries`` times: a
+host's load average beside each repeat. A window in which the proxy spent more than
+``--max-wait-share`` of it runnable but waiting for a core (``/proc/PID/schedstat``: other work
+had it), or in which a stream stalled, is measured again, up to ``--retries`` times: a
 starved proxy handles several events a wake-up and reads cheaper than it is, and a proxy that
 got no core at all measures nothing. Each point's JSON says how long it waited
 (``runq_wait_share``) and in which attempt it was taken (``attempts``). Results go to ``OUT.json`` and ``OUT.md`` with the
@@ -414,8 +414,8 @@ class Point:
     rss_per_stream_kib: float | None = None
     load_avg: tuple[float, float, float] = (0.0, 0.0, 0.0)
     gc: dict[str, float] = field(default_factory=dict)
-    # The largest share of the window the proxy or the client spent runnable but not running
-    # (other work had the core), and how many windows it took to get one under the bound.
+    # The share of the window the proxy spent runnable but not running (other work had its
+    # core), and how many windows it took to get one under the bound.
     runq_wait_share: float | None = None
     attempts: int = 1
 
@@ -423,8 +423,8 @@ class Point:
 async def run_point(
     port: int, pid: int, kind: str, n: int, args: argparse.Namespace, idle: tuple[float, int]
 ) -> tuple[float, int, float, int, list[float], int, float, float]:
-    """Drive one load point; (cpu_s, units, seconds, rss, gaps, stalled, ramp, the largest
-    share of the window the proxy or this client waited for a core)."""
+    """Drive one load point; (cpu_s, units, seconds, rss, gaps, stalled, ramp, the share of
+    the window the proxy waited for a core)."""
     loop = asyncio.get_running_loop()
     w = Window(args.stall_seconds)
     conns: list[asyncio.Transport] = []
@@ -445,16 +445,17 @@ async def run_point(
     await asyncio.sleep(args.warmup)
     w.on = True
     cpu0, t0 = proc_cpu_s(pid), time.perf_counter()
-    wait0 = (proc_runq_wait_s(pid), proc_runq_wait_s(os.getpid()))
+    wait0 = proc_runq_wait_s(pid)
     await asyncio.sleep(args.seconds)
     # A window with nothing received measures nothing: it goes on until something is (a
     # proxy starved of its core by other work), within a generous bound.
     while not (w.events or w.requests) and time.perf_counter() - t0 < 60:
         await asyncio.sleep(0.05)
     cpu1, t1 = proc_cpu_s(pid), time.perf_counter()
-    wait1 = (proc_runq_wait_s(pid), proc_runq_wait_s(os.getpid()))
+    # The proxy's wait only: the client shares its core with the stub by design (a closed
+    # unary loop keeps both runnable), and a client too starved to read shows as stalls.
+    waited = (proc_runq_wait_s(pid) - wait0) / (t1 - t0)
     w.on = False
-    waited = max(b - a for a, b in zip(wait0, wait1, strict=True)) / (t1 - t0)
     rss = proc_rss_bytes(pid)
     if kind == "sse":  # silent at the window's end (or never answered): stalled too
         for p in protos:
@@ -585,9 +586,9 @@ async def drive(args: argparse.Namespace, targets: dict[str, tuple[int, int]]) -
     for rep in range(args.repeat):
         for kind, n in loads:
             for t, (port, pid) in targets.items():
-                # A window in which the proxy or the client waited long for its core (other
-                # work on the machine), or a stream stalled, is measured again: a starved
-                # proxy handles several events a wake-up, which reads cheaper than it is.
+                # A window in which the proxy waited long for its core (other work on the
+                # machine), or a stream stalled, is measured again: a starved proxy handles
+                # several events a wake-up, which reads cheaper than it is.
                 attempts = 0
                 while True:
                     attempts += 1
@@ -638,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle-seconds", type=float, default=3.0)
     ap.add_argument(
         "--max-wait-share", type=float, default=0.2,
-        help="a window in which the proxy or the client waited longer than this share of it "
+        help="a window in which the proxy waited longer than this share of it "
         "for a core (/proc/PID/schedstat), or a stream stalled, is measured again",
     )  # fmt: skip
     ap.add_argument("--retries", type=int, default=3, help="how many times, at most")
