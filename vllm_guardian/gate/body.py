@@ -219,7 +219,9 @@ async def read_body(
                     BodyRefusal.TIMEOUT,
                     f"the request body did not arrive within {limits.timeout_seconds:g} s",
                 )
-            if floor > 0 and now >= window_start + limits.rate_window_seconds:
+            # A body all there is done, however late the loop saw it: the floor cuts a trickle.
+            whole = content_length is not None and len(data) >= content_length
+            if floor > 0 and not whole and now >= window_start + limits.rate_window_seconds:
                 if window_bytes < floor * limits.rate_window_seconds:
                     raise BodyRefused(
                         BodyRefusal.TOO_SLOW,
