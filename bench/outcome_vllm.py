@@ -142,6 +142,15 @@ class Scenario:
     hang_engine_at: float | None = None
     load: LoadProfile = LOAD
     min_duration_seconds: float = 0.0  # the window the scenario needs, whatever --duration says
+    flags: tuple[str, ...] = ()  # values of BASE_FLAGS this scenario's server runs with instead
+
+
+def serve_flags(scenario: Scenario) -> tuple[str, ...]:
+    """BASE_FLAGS with the scenario's own values in place (a flag it names must be there)."""
+    out = list(BASE_FLAGS)
+    for name, value in zip(scenario.flags[::2], scenario.flags[1::2], strict=True):
+        out[out.index(name) + 1] = value
+    return tuple(out)
 
 
 SCENARIOS = {
@@ -294,13 +303,17 @@ def _load_average() -> float:
 def run_one(
     scenario_name: str, operator: str, seed: int, duration: float, venv: Path, model: Path,
     keep: bool, request_timeout: float = REQUEST_TIMEOUT_SECONDS,
-    overload_rate: float | None = None,
+    overload_rate: float | None = None, overload_max_num_seqs: int | None = None,
 ) -> RealRun:  # fmt: skip
     scenario = SCENARIOS[scenario_name]
     if overload_rate is not None and scenario.load is OVERLOAD_LOAD:
         # A calibration knob: the server's capacity depends on the host (docs/benchmarks.md).
         scenario = dataclasses.replace(
             scenario, load=dataclasses.replace(OVERLOAD_LOAD, rate_per_second=overload_rate)
+        )
+    if overload_max_num_seqs is not None and scenario_name == "overload":
+        scenario = dataclasses.replace(
+            scenario, flags=("--max-num-seqs", str(overload_max_num_seqs))
         )
     duration = max(duration, scenario.min_duration_seconds)
     run = RealRun(scenario_name, operator, seed, request_timeout_seconds=request_timeout)
@@ -316,7 +329,7 @@ def run_one(
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         env = support.vllm_env(run_id, workdir, faults=fault_env(scenario, workdir))
-        command = support.serve_command(venv, model, port, env, BASE_FLAGS)
+        command = support.serve_command(venv, model, port, env, serve_flags(scenario))
         command[command.index("--served-model-name") + 1] = MODEL
         guardian: Guardian | None = None
         loop: threading.Thread | None = None
@@ -695,6 +708,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the load client's bound per request, seconds")  # fmt: skip
     p.add_argument("--overload-rate", type=float, default=None,
                    help=f"overload's requests a second (default {OVERLOAD_RATE})")  # fmt: skip
+    p.add_argument("--overload-max-num-seqs", type=int, default=None,
+                   help="overload's --max-num-seqs (a calibration knob)")  # fmt: skip
     p.add_argument("--report-only", action="store_true",
                    help="write the report from the runs already in OUT's runs file")  # fmt: skip
     p.add_argument("--twin", type=Path, default=ROOT / "bench" / "results" / "outcome.json",
@@ -724,7 +739,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for seed in (int(s) for s in args.seeds.split(",")):
                         r = run_one(scenario, operator, seed, args.duration, venv, model,
                                     args.keep, args.request_timeout,
-                                    args.overload_rate)  # fmt: skip
+                                    args.overload_rate,
+                                    args.overload_max_num_seqs)  # fmt: skip
                         record = {"run": dataclasses.asdict(r), "invocation": invocation}
                         # Appended as it ends: a long run stopped early keeps what it measured.
                         with runs_file(args.out, args.quick).open("a") as f:

@@ -128,3 +128,18 @@ def test_the_fault_plugins_hang_is_one_off_when_it_names_an_engine_core(
     if content is not None:
         hang.write_text(content.format(me=os.getpid(), other=os.getpid() + 1))
     assert plugin._hangs_me(hang) is hangs
+
+
+def test_a_scenario_runs_its_server_with_its_own_values_of_the_base_flags() -> None:
+    b = bench()
+    plain = b.serve_flags(b.SCENARIOS["steady"])
+    assert plain == b.BASE_FLAGS
+    capped = b.serve_flags(
+        dataclasses.replace(b.SCENARIOS["steady"], flags=("--max-num-seqs", "2"))
+    )
+    assert capped[capped.index("--max-num-seqs") + 1] == "2"
+    assert len(capped) == len(b.BASE_FLAGS)  # replaced, not appended: vLLM takes the last value
+    with pytest.raises(
+        ValueError
+    ):  # a flag the base set does not have is a mistake, not a new flag
+        b.serve_flags(dataclasses.replace(b.SCENARIOS["steady"], flags=("--no-such-flag", "1")))
