@@ -29,11 +29,14 @@ ROOT = support.HERE.parents[1]
 
 class GateProcess:
     """``vllm-guardian gate -c`` with a config whose service has a ``gate:`` section of
-    ``keys`` (the guardian's ``listen`` is what it follows)."""
+    ``keys`` (the guardian's ``listen`` is what it follows); its config and log are
+    ``NAME-config.yaml`` and ``NAME.log`` in ``workdir`` (one pair per test that starts one)."""
 
-    def __init__(self, workdir: Path, vllm_port: int, guardian_port: int, **keys: Any) -> None:
+    def __init__(
+        self, workdir: Path, vllm_port: int, guardian_port: int, name: str = "gate", **keys: Any
+    ) -> None:
         port = free_port()
-        self.config = workdir / "gate-config.yaml"
+        self.config = workdir / f"{name}-config.yaml"
         self.config.write_text(
             json.dumps(
                 {
@@ -48,7 +51,7 @@ class GateProcess:
                 }
             )
         )
-        self.log_path = workdir / "gate.log"
+        self.log_path = workdir / f"{name}.log"
         self._log: IO[bytes] = self.log_path.open("wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm_guardian", "gate", "-c", str(self.config),

@@ -21,7 +21,13 @@ whole module shares one guardian and one vLLM and the tests run in file order:
    (``vllm-guardian gate -c``, following the guardian) a greedy stream is cut by the same
    death and continued on the new server, its text an uncut run's byte for byte, and an
    OpenAI SDK client (retries off) with two streams generating and a unary request in flight
-   gets every answer whole.
+   gets every answer whole;
+7. engine hang (SIGSTOP of EngineCore, left stopped): the same requests through a gate whose
+   progress watch holds after 3 s and takes back what the stopped engine holds
+   (``take_back_hung``); the guardian's stall (8 s) names the hang and restarts vLLM once (the
+   stopped engine core ignores SIGTERM; the process manager's SIGKILL of the group ends it), the
+   gate continues the streams and sends the unary request again on the new server: every answer
+   whole, the greedy stream's text the uncut run's byte for byte, nothing of the old server left.
 
 Skipped (with the reason) without the vLLM venv; ``scripts/test`` builds it with
 ``scripts/vllm-setup`` and sets ``VLLM_GUARDIAN_REQUIRE_VLLM=1``, which turns the skip into a
@@ -1292,3 +1298,174 @@ def test_engine_death_is_named_and_restarted_once(
     assert gated.usage == uncut.usage, (gated.usage, uncut.usage)
     # Whether a stream was still running at the kill depends on this machine's pace (all four
     # sometimes finish first), so a cut stream is reported, not required.
+
+
+# --- 7. engine hang ------------------------------------------------------------------------
+
+# The gate's progress watch holds (and, with take-back on, takes back what the stopped engine
+# holds) after this long without progress: well inside the guardian's stall wait (the tier's
+# signals.stall_seconds, 8 s), so the gate, not the restart, is what cuts the streams.
+HANG_HOLD_SECONDS = 3.0
+
+
+def _in_engine(url: str) -> dict[str, float] | str:
+    """vLLM's running and waiting gauges as its API server reports them (or why not)."""
+    try:
+        text = support.session().get(url + "/metrics", timeout=10).text
+    except support.requests.RequestException as e:
+        return type(e).__name__
+    return support.scalar_samples(text, ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+
+
+def test_engine_hang_is_named_restarted_once_and_every_request_completes(
+    guarded: Guarded, vllm_venv: Path
+) -> None:
+    """EngineCore stopped (SIGSTOP) and left stopped, with a greedy stream and an OpenAI SDK
+    client's (retries off) two streams and unary request in flight through the deployed gate
+    (``--take-back-hung on``): the guardian sees no progress (its stall), names the hang and
+    restarts vLLM once (the stopped process ignores SIGTERM: the process manager's SIGKILL of
+    the group ends it); the gate takes the requests back, continues the streams and sends the
+    unary request again on the new server. Every answer whole, the greedy stream's text the
+    uncut run's byte for byte, nothing of the old server left."""
+    sup = guarded.supervisor
+    healing = guarded.guardian.healing
+    assert healing is not None
+    assert guarded.guardian.cfg.signals.stall_seconds > 2 * HANG_HOLD_SECONDS
+    # What test 6 left (its restart, the cooldown) ends first.
+    wait_for(
+        lambda: (
+            support.healthy(guarded.url) and healing.view().state.service("vllm").in_flight is None
+        ),
+        "vLLM up and no action in flight",
+        240,
+        every_seconds=1.0,
+    )
+    time.sleep(6)  # the cooldown (5 s)
+    starts, old_pid = sup.starts, sup.pid
+    assert old_pid is not None
+    engine = [p for p, cmd in support.children(old_pid) if cmd.startswith("VLLM::EngineCore")]
+    assert len(engine) == 1
+    audit_before = len(guarded.audit())
+    greedy = {
+        "model": MODEL_NAME, "prompt": support.prompt_ids(16, 3000), "max_tokens": GATED_TOKENS,
+        "ignore_eos": True, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    uncut = support.TextStream()
+    support.stream_text(guarded.url, greedy, uncut)
+    assert uncut.done and uncut.events > 0 and not uncut.errors, uncut
+    gate = GateProcess(
+        guarded.workdir, guarded.vllm_port, guarded.guardian_port, name="gate-hang",
+        max_wait_seconds=300, stall_hold_seconds=HANG_HOLD_SECONDS, take_back_hung=True,
+    )  # fmt: skip
+    stops: list[float] = []
+
+    def stop_engine() -> None:
+        stops.append(time.monotonic())
+        os.kill(engine[0], signal.SIGSTOP)
+
+    sdk: SdkClient | None = None
+    gated = support.TextStream()
+    try:
+        # Stopped when the SDK client's two streams have text (its unary request in flight and
+        # the gated stream sent with them), by the reader of its events, as in test 6.
+        sdk = SdkClient(
+            vllm_venv, gate.url + "/v1", [[], _sdk_wave()], on_text=({0, 1}, stop_engine)
+        )
+        gated_thread = threading.Thread(
+            target=support.stream_text, args=(gate.url, greedy, gated), daemon=True
+        )
+        gated_thread.start()
+        sdk.next_wave()
+        wait_for(lambda: bool(stops), "the SDK client's first text", 120, every_seconds=0.05)
+        stopped_at = stops[0]
+        gated_at_stop = gated.events
+        sdk_in_flight_at_stop = sorted(set(range(len(SDK_IN_FLIGHT))) - set(sdk.done))
+        # The API server still answers /metrics with the engine stopped (its last figures).
+        at_stop = _in_engine(guarded.url)
+        wait_for(
+            lambda: any(d["what"] == "action" for d in guarded.audit()[audit_before:]),
+            "the guardian's action on the stopped engine",
+            120,
+            every_seconds=0.5,
+        )
+        named_after = time.monotonic() - stopped_at
+        wait_for(
+            lambda: any(
+                d["what"] == "result" and d.get("action_id") is not None
+                for d in guarded.audit()[audit_before:]
+            ),
+            "the action's result",
+            240,
+            every_seconds=1.0,
+        )
+        wait_for(lambda: support.healthy(guarded.url), "vLLM up again", 120, every_seconds=1.0)
+        up_after = time.monotonic() - stopped_at
+        # No second restart: past the cooldown (5 s), over ticks that see the new engine serve
+        # what the gate sends it again.
+        time.sleep(5)
+        guarded.ticks_after(10, 120, "after the cooldown, vLLM up")
+        gated_thread.join(timeout=300)
+        through_gate = sdk.results(timeout=300)
+        continuations = gate.continuations()
+        status = gate.status()
+    finally:
+        if sdk is not None:
+            sdk.stop()
+        gate.stop()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(engine[0], signal.SIGCONT)  # whatever the restart left of it (nothing)
+    decisions = guarded.audit()[audit_before:]
+    actions = [d for d in decisions if d["what"] == "action"]
+    left = support.in_session(old_pid)
+    REPORT["engine_hang"] = {
+        "in_engine_at_stop": at_stop,
+        "sdk_in_flight_at_stop": sdk_in_flight_at_stop,
+        "gated_events_at_stop": gated_at_stop,
+        "named_after_stop_s": round(named_after, 1),
+        "up_after_stop_s": round(up_after, 1),
+        "actions": [(d.get("cause"), d.get("evidence"), d["reason"]) for d in actions],
+        "results": [d["reason"] for d in decisions if d["what"] == "result"],
+        "starts_added": sup.starts - starts,
+        "continuations": continuations,
+        "retried_total": status.get("retried_total"),
+        "sdk": [
+            {
+                "error": a["error"],
+                "finish": a["finish"],
+                "ids": len(a["ids"]),
+                "completion_tokens": (a["usage"] or {}).get("completion_tokens"),
+                "gap_at": a["gap_at"],
+            }
+            for a in through_gate
+        ],
+        "gated": {
+            "events": gated.events,
+            "keepalives": gated.keepalives,
+            "same_text": gated.text == uncut.text,
+            "first_difference": first_difference(gated.text, uncut.text),
+            "errors": gated.errors,
+            "failure": gated.failure,
+        },
+        "old_session_left": left,
+        "test_seconds": round(time.monotonic() - stopped_at, 1),
+    }
+    print("\nengine hang:", json.dumps(REPORT["engine_hang"], indent=1))
+    report = REPORT["engine_hang"]
+    # The hang, named as one: the guardian's stall (no progress with requests in the engine),
+    # its cause the restart's (engine_dead: a hung engine is down as a dead one is).
+    assert actions, report
+    assert all(a["cause"] == "engine_dead" and "stalled" in a["evidence"] for a in actions), report
+    assert sup.starts - starts == 1 and sup.pid not in (None, old_pid), report
+    # The stopped engine and its API server are gone (SIGKILL reaches a stopped process).
+    assert not left, report
+    assert not any(k.startswith(("failed/", "refused/")) for k in continuations), report
+    for (_, _, n), a in zip(SDK_IN_FLIGHT, through_gate, strict=True):
+        assert a["error"] is None, report
+        assert a["finish"] == "length" and a["usage"]["completion_tokens"] == n, report
+        assert len(a["ids"]) == 1, report
+    assert gated.done and not gated.errors and gated.failure is None, report
+    assert gated.text.encode() == uncut.text.encode(), (gated.text, uncut.text)
+    assert len(gated.ids) == 1 and len(gated.created) == 1, report
+    assert gated.finish_reason == "length", report
+    assert gated.usage == uncut.usage, (gated.usage, uncut.usage)
