@@ -1065,6 +1065,7 @@ def test_operator_relaunch_drains_in_flight_streams_and_holds_new_work(guarded: 
 
 
 GATED_TOKENS = 600  # the greedy stream through the gate: about 5 of the 32 blocks
+UNCUT: dict[str, support.TextStream] = {}  # the greedy stream's uncut run, sent straight to vLLM
 
 
 # --- 6. engine death -----------------------------------------------------------------------
@@ -1120,6 +1121,7 @@ def test_engine_death_is_named_and_restarted_once(
     uncut = support.TextStream()
     support.stream_text(guarded.url, greedy, uncut)
     assert uncut.done and uncut.events > 0 and not uncut.errors, uncut
+    UNCUT["greedy"] = uncut  # test 7's reference too (greedy: the same on any engine)
     # Streams in flight when the engine dies, as in production: each gets an error event.
     streams: list[StreamResult] = []
     streaming = threading.Event()
@@ -1308,13 +1310,18 @@ def test_engine_death_is_named_and_restarted_once(
 HANG_HOLD_SECONDS = 3.0
 
 
-def _in_engine(url: str) -> dict[str, float] | str:
-    """vLLM's running and waiting gauges as its API server reports them (or why not)."""
-    try:
-        text = support.session().get(url + "/metrics", timeout=10).text
-    except support.requests.RequestException as e:
-        return type(e).__name__
-    return support.scalar_samples(text, ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+HANG_IN_ENGINE = ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                  "vllm:generation_tokens_total")  # fmt: skip
+# Tokens the engine generated for the four requests before it is stopped: every stream has
+# text to continue (about 32 each), and every request has most of its tokens still to come.
+HANG_AFTER_TOKENS = 128
+
+
+def _in_engine(url: str) -> dict[str, float]:
+    """vLLM's running and waiting gauges and its generated tokens, as its API server reports
+    them (it answers with its engine core stopped: the last figures the engine sent)."""
+    text = support.session().get(url + "/metrics", timeout=10).text
+    return support.scalar_samples(text, HANG_IN_ENGINE)
 
 
 def test_engine_hang_is_named_restarted_once_and_every_request_completes(
@@ -1331,7 +1338,8 @@ def test_engine_hang_is_named_restarted_once_and_every_request_completes(
     healing = guarded.guardian.healing
     assert healing is not None
     assert guarded.guardian.cfg.signals.stall_seconds > 2 * HANG_HOLD_SECONDS
-    # What test 6 left (its restart, the cooldown) ends first.
+    # What test 6 left (its restart) ends first. Its cooldown (5 s) needs no wait: the stall
+    # wait (8 s) is longer.
     wait_for(
         lambda: (
             support.healthy(guarded.url) and healing.view().state.service("vllm").in_flight is None
@@ -1340,7 +1348,6 @@ def test_engine_hang_is_named_restarted_once_and_every_request_completes(
         240,
         every_seconds=1.0,
     )
-    time.sleep(6)  # the cooldown (5 s)
     starts, old_pid = sup.starts, sup.pid
     assert old_pid is not None
     engine = [p for p, cmd in support.children(old_pid) if cmd.startswith("VLLM::EngineCore")]
@@ -1351,42 +1358,57 @@ def test_engine_hang_is_named_restarted_once_and_every_request_completes(
         "ignore_eos": True, "temperature": 0, "stream": True,
         "stream_options": {"include_usage": True},
     }  # fmt: skip
-    uncut = support.TextStream()
-    support.stream_text(guarded.url, greedy, uncut)
+    uncut = UNCUT.get("greedy") or support.TextStream()  # test 6's, unless it did not run
+    if not uncut.done:
+        support.stream_text(guarded.url, greedy, uncut)
     assert uncut.done and uncut.events > 0 and not uncut.errors, uncut
     gate = GateProcess(
         guarded.workdir, guarded.vllm_port, guarded.guardian_port, name="gate-hang",
         max_wait_seconds=300, stall_hold_seconds=HANG_HOLD_SECONDS, take_back_hung=True,
     )  # fmt: skip
-    stops: list[float] = []
-
-    def stop_engine() -> None:
-        stops.append(time.monotonic())
-        os.kill(engine[0], signal.SIGSTOP)
-
     sdk: SdkClient | None = None
     gated = support.TextStream()
-    try:
-        # Stopped when the SDK client's two streams have text (its unary request in flight and
-        # the gated stream sent with them), by the reader of its events, as in test 6.
-        sdk = SdkClient(
-            vllm_venv, gate.url + "/v1", [[], _sdk_wave()], on_text=({0, 1}, stop_engine)
+    seen: list[dict[str, float]] = []
+    generated = _in_engine(guarded.url).get("vllm:generation_tokens_total", 0.0)
+
+    def four_generating() -> bool:
+        seen.append(_in_engine(guarded.url))
+        now = seen[-1]
+        return (
+            now.get("vllm:num_requests_running", 0.0) + now.get("vllm:num_requests_waiting", 0.0)
+            >= 1 + len(SDK_IN_FLIGHT)
+            and now.get("vllm:generation_tokens_total", 0.0) - generated >= HANG_AFTER_TOKENS
         )
+
+    try:
+        # Stopped by what the engine reports, not by what a client has read: beside other work
+        # the clients read far behind the engine (test 6: it had generated all 1,900 tokens of
+        # each request before the SDK client's first text), and a hang with nothing left in the
+        # engine is no hang.
+        sdk = SdkClient(vllm_venv, gate.url + "/v1", [[], _sdk_wave()])
         gated_thread = threading.Thread(
             target=support.stream_text, args=(gate.url, greedy, gated), daemon=True
         )
         gated_thread.start()
         sdk.next_wave()
-        wait_for(lambda: bool(stops), "the SDK client's first text", 120, every_seconds=0.05)
-        stopped_at = stops[0]
+        wait_for(
+            four_generating,
+            f"the four requests in vLLM, {HANG_AFTER_TOKENS} tokens generated",
+            120,
+            seen=lambda: seen[-3:],
+            every_seconds=0.05,
+        )
+        os.kill(engine[0], signal.SIGSTOP)
+        stopped_at = time.monotonic()
         gated_at_stop = gated.events
+        sdk_with_text_at_stop = sorted(sdk.with_text)
         sdk_in_flight_at_stop = sorted(set(range(len(SDK_IN_FLIGHT))) - set(sdk.done))
-        # The API server still answers /metrics with the engine stopped (its last figures).
-        at_stop = _in_engine(guarded.url)
+        at_stop = seen[-1]
         wait_for(
             lambda: any(d["what"] == "action" for d in guarded.audit()[audit_before:]),
             "the guardian's action on the stopped engine",
             120,
+            seen=lambda: (guarded.audit()[audit_before:][-3:], gate.log()[-1500:]),
             every_seconds=0.5,
         )
         named_after = time.monotonic() - stopped_at
@@ -1397,6 +1419,7 @@ def test_engine_hang_is_named_restarted_once_and_every_request_completes(
             ),
             "the action's result",
             240,
+            seen=lambda: guarded.audit()[audit_before:][-3:],
             every_seconds=1.0,
         )
         wait_for(lambda: support.healthy(guarded.url), "vLLM up again", 120, every_seconds=1.0)
@@ -1420,7 +1443,9 @@ def test_engine_hang_is_named_restarted_once_and_every_request_completes(
     left = support.in_session(old_pid)
     REPORT["engine_hang"] = {
         "in_engine_at_stop": at_stop,
+        "generated_before_stop": at_stop.get("vllm:generation_tokens_total", 0.0) - generated,
         "sdk_in_flight_at_stop": sdk_in_flight_at_stop,
+        "sdk_with_text_at_stop": sdk_with_text_at_stop,
         "gated_events_at_stop": gated_at_stop,
         "named_after_stop_s": round(named_after, 1),
         "up_after_stop_s": round(up_after, 1),
@@ -1448,9 +1473,10 @@ def test_engine_hang_is_named_restarted_once_and_every_request_completes(
             "failure": gated.failure,
         },
         "old_session_left": left,
-        "test_seconds": round(time.monotonic() - stopped_at, 1),
+        "after_stop_s": round(time.monotonic() - stopped_at, 1),
     }
     print("\nengine hang:", json.dumps(REPORT["engine_hang"], indent=1))
+    print("\nthe gate's log, its end:\n" + gate.log()[-3000:])
     report = REPORT["engine_hang"]
     # The hang, named as one: the guardian's stall (no progress with requests in the engine),
     # its cause the restart's (engine_dead: a hung engine is down as a dead one is).
