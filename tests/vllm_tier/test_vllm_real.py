@@ -1371,13 +1371,14 @@ def test_engine_hang_is_named_restarted_once_and_every_request_completes(
     seen: list[dict[str, float]] = []
     generated = _in_engine(guarded.url).get("vllm:generation_tokens_total", 0.0)
 
-    def four_generating() -> bool:
+    def in_vllm(n: int, tokens: float) -> bool:
+        """``n`` requests in vLLM, and ``tokens`` generated since the test began."""
         seen.append(_in_engine(guarded.url))
         now = seen[-1]
         return (
             now.get("vllm:num_requests_running", 0.0) + now.get("vllm:num_requests_waiting", 0.0)
-            >= 1 + len(SDK_IN_FLIGHT)
-            and now.get("vllm:generation_tokens_total", 0.0) - generated >= HANG_AFTER_TOKENS
+            >= n
+            and now.get("vllm:generation_tokens_total", 0.0) - generated >= tokens
         )
 
     try:
@@ -1385,14 +1386,24 @@ def test_engine_hang_is_named_restarted_once_and_every_request_completes(
         # the clients read far behind the engine (test 6: it had generated all 1,900 tokens of
         # each request before the SDK client's first text), and a hang with nothing left in the
         # engine is no hang.
+        # The greedy stream is sent once the SDK client's requests are in vLLM: sent with them,
+        # it was done (600 tokens) before the SDK client, which imports openai first, had sent
+        # its own, and the four were never in vLLM together (a quiet host, 2026-11-27).
         sdk = SdkClient(vllm_venv, gate.url + "/v1", [[], _sdk_wave()])
+        sdk.next_wave()
+        wait_for(
+            lambda: in_vllm(len(SDK_IN_FLIGHT), 0),
+            "the SDK client's requests in vLLM",
+            120,
+            seen=lambda: seen[-3:],
+            every_seconds=0.05,
+        )
         gated_thread = threading.Thread(
             target=support.stream_text, args=(gate.url, greedy, gated), daemon=True
         )
         gated_thread.start()
-        sdk.next_wave()
         wait_for(
-            four_generating,
+            lambda: in_vllm(1 + len(SDK_IN_FLIGHT), HANG_AFTER_TOKENS),
             f"the four requests in vLLM, {HANG_AFTER_TOKENS} tokens generated",
             120,
             seen=lambda: seen[-3:],
@@ -1479,9 +1490,17 @@ def test_engine_hang_is_named_restarted_once_and_every_request_completes(
     print("\nthe gate's log, its end:\n" + gate.log()[-3000:])
     report = REPORT["engine_hang"]
     # The hang, named as one: the guardian's stall (no progress with requests in the engine),
-    # its cause the restart's (engine_dead: a hung engine is down as a dead one is).
+    # as its alert VllmEngineStalled (the rule reads the signal `stalled`), and "hung" in the
+    # action's reason; its cause the restart's (engine_dead: a hung engine is down as a dead
+    # one is; the first run's action: evidence ["VllmEngineStalled"], "... it makes no
+    # progress: the engine is hung").
     assert actions, report
-    assert all(a["cause"] == "engine_dead" and "stalled" in a["evidence"] for a in actions), report
+    assert all(
+        a["cause"] == "engine_dead"
+        and {"VllmEngineStalled", "stalled"} & set(a["evidence"])
+        and "hung" in a["reason"]
+        for a in actions
+    ), report
     assert sup.starts - starts == 1 and sup.pid not in (None, old_pid), report
     # The stopped engine and its API server are gone (SIGKILL reaches a stopped process).
     assert not left, report
