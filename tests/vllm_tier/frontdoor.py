@@ -124,6 +124,7 @@ class SdkClient:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         self.with_text: set[int] = set()
+        self.ready = threading.Event()  # the client has imported openai
         self.done: dict[int, dict[str, Any]] = {}
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -132,7 +133,9 @@ class SdkClient:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             event = json.loads(line)
-            if event["event"] == "text":
+            if event["event"] == "ready":
+                self.ready.set()
+            elif event["event"] == "text":
                 self.with_text.add(event["i"])
                 if self.on_text is not None and self.on_text[0] <= self.with_text:
                     call, self.on_text = self.on_text[1], None

@@ -1386,21 +1386,16 @@ def test_engine_hang_is_named_restarted_once_and_every_request_completes(
         # the clients read far behind the engine (test 6: it had generated all 1,900 tokens of
         # each request before the SDK client's first text), and a hang with nothing left in the
         # engine is no hang.
-        # The greedy stream is sent once the SDK client's requests are in vLLM: sent with them,
-        # it was done (600 tokens) before the SDK client, which imports openai first, had sent
-        # its own, and the four were never in vLLM together (a quiet host, 2026-11-27).
+        # The four are sent at once, when the SDK client has imported openai: sent before it,
+        # the greedy stream (600 tokens) was done before the SDK client had sent its own, and
+        # sent once the SDK client's were seen in vLLM, it came after they were done (a quiet
+        # host, 2026-11-27): the four were never in vLLM together.
         sdk = SdkClient(vllm_venv, gate.url + "/v1", [[], _sdk_wave()])
-        sdk.next_wave()
-        wait_for(
-            lambda: in_vllm(len(SDK_IN_FLIGHT), 0),
-            "the SDK client's requests in vLLM",
-            120,
-            seen=lambda: seen[-3:],
-            every_seconds=0.05,
-        )
+        assert sdk.ready.wait(120), "the SDK client did not start within 120 s"
         gated_thread = threading.Thread(
             target=support.stream_text, args=(gate.url, greedy, gated), daemon=True
         )
+        sdk.next_wave()
         gated_thread.start()
         wait_for(
             lambda: in_vllm(1 + len(SDK_IN_FLIGHT), HANG_AFTER_TOKENS),
