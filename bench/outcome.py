@@ -34,7 +34,11 @@ at a fault* / *arrived during an outage* (fault → serving again) / *other* (af
 with no fault at all), time to detect (first fault → the operator's first action or vLLM's restart), time to
 recover (first fault → the first request sent after it that succeeds), downtime (``/health``
 not 200 after first ready), goodput (tokens/s of successful requests), p50/p99 latency, p50/p99
-TTFT of successful streams, OOM crashes, actions, final flags, alerts fired. Each cell
+TTFT of successful streams, OOM crashes, actions, final flags, alerts fired, and for
+``guardian+gate`` what the gate did with what the upstream cut, read from its ``/metrics`` at
+the end of the run: its ``continuations_total`` by outcome (continued, fallback, completed,
+refused, failed) and ``retried_total`` (unary requests and streams with no text yet, sent
+again whole). Each cell
 (scenario × operator) runs once per seed: the report gives the median and min–max, and the
 host's worst load average before and after the cell's runs (``busy`` when it exceeds the core
 count). ``--jobs N`` runs N runs at a time, each in its own process; the report says how many.
@@ -66,6 +70,7 @@ from typing import Any, Self
 
 import requests
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -140,6 +145,36 @@ class Run:
     alerts_fired: list[str] = dataclasses.field(default_factory=list)
     final_flags: str = ""
     wall_seconds: float = 0.0
+    # The gate's vllm_guardian_gate_continuations_total by "outcome/reason" and its
+    # retried_total at the end of the run; None without a gate, or when its /metrics could not
+    # be read.
+    continuations: dict[str, float] | None = None
+    gate_retried: float | None = None
+
+    def _continuations(self, outcome: str) -> float | None:
+        if self.continuations is None:
+            return None
+        return sum(v for k, v in self.continuations.items() if k.split("/", 1)[0] == outcome)
+
+    @property
+    def continued(self) -> float | None:
+        return self._continuations("continued")
+
+    @property
+    def continued_on_fallback(self) -> float | None:
+        return self._continuations("fallback")
+
+    @property
+    def continuation_completed(self) -> float | None:
+        return self._continuations("completed")
+
+    @property
+    def continuation_refused(self) -> float | None:
+        return self._continuations("refused")
+
+    @property
+    def continuation_failed(self) -> float | None:
+        return self._continuations("failed")
 
     @property
     def failed_pct(self) -> float:
@@ -386,6 +421,31 @@ def stop_gate(gate: subprocess.Popen[bytes]) -> None:
         gate.wait(timeout=5)
 
 
+def gate_counts(metrics_text: str) -> tuple[dict[str, float], float | None]:
+    """The gate's ``continuations_total`` by "outcome/reason" (every series it exports, the
+    zeros included) and its ``retried_total``, from its ``/metrics``."""
+    counts: dict[str, float] = {}
+    retried: float | None = None
+    for fam in text_string_to_metric_families(metrics_text):
+        for sample in fam.samples:
+            if sample.name == "vllm_guardian_gate_continuations_total":
+                key = f"{sample.labels['outcome']}/{sample.labels['reason']}"
+                counts[key] = counts.get(key, 0.0) + sample.value
+            elif sample.name == "vllm_guardian_gate_retried_total":
+                retried = (retried or 0.0) + sample.value
+    return counts, retried
+
+
+def read_gate_counts(url: str) -> tuple[dict[str, float] | None, float | None]:
+    """:func:`gate_counts` of the gate at ``url``; (None, None) when it does not answer."""
+    try:
+        r = requests.get(url + GateConfig().metrics_path, timeout=10)
+        r.raise_for_status()
+    except requests.RequestException:
+        return None, None
+    return gate_counts(r.text)
+
+
 def audited_actions(workdir: Path) -> list[tuple[float, str, str | None]]:
     """The guardian's actions from its audit log: (time, the reason's first clause as the
     results table shows it, cause)."""
@@ -500,6 +560,8 @@ def run_one(
                 sidecar.__exit__()
                 actions += sidecar.actions
             if gate is not None:
+                # Before it stops: its counters live in its process.
+                run.continuations, run.gate_retried = read_gate_counts(load_url)
                 stop_gate(gate)
             if guardian is not None and loop is not None:
                 guardian.request_stop()
@@ -592,7 +654,13 @@ def measure(
 MEASURES = ("failed_pct", "failed", "failed_in_flight", "failed_during_outage", "failed_other",
             "time_to_detect_seconds", "time_to_recover_seconds", "downtime_seconds",
             "goodput_tokens_per_second", "p50_latency_seconds", "p99_latency_seconds",
-            "p50_ttft_seconds", "p99_ttft_seconds", "oom_crashes", "restarts", "sent")  # fmt: skip
+            "p50_ttft_seconds", "p99_ttft_seconds", "oom_crashes", "restarts", "sent",
+            "continued", "continued_on_fallback", "continuation_completed",
+            "continuation_refused", "continuation_failed", "gate_retried")  # fmt: skip
+# The report's continuation column, in its order: what the gate did with the streams the
+# upstream cut, and the requests it sent again whole.
+CONTINUATION_COLUMN = ("continued", "continuation_completed", "continuation_refused",
+                       "continuation_failed", "gate_retried")  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -791,11 +859,14 @@ def markdown(cells: list[Cell], args: argparse.Namespace, wall_seconds: float) -
         *partial_note(cells, args),
         "Each value: median over the seeds (min–max). *Split*: failed in flight at a fault / "
         "arrived during an outage / other. *Detect*: first fault → the operator's first action or vLLM's restart; "
-        "*recover*: first fault → the first success among requests sent after it.",
+        "*recover*: first fault → the first success among requests sent after it. "
+        "*Continuations* (the gate's, per run): cut streams continued / completed by the gate "
+        "(cut after their last token) / refused / failed, and requests sent again whole (–: "
+        "no gate).",
         "",
         "| scenario | operator | sent | failed % | split | detect s | recover s | down s | goodput tok/s "
-        "| p50 / p99 s | TTFT p50 / p99 s | OOMs | restarts | actions | final flags | load avg before → after |",
-        "|---|---|---:|---:|---|---:|---:|---:|---:|---|---|---:|---:|---|---|---|",
+        "| p50 / p99 s | TTFT p50 / p99 s | OOMs | restarts | continuations | actions | final flags | load avg before → after |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---|---|---:|---:|---|---|---|---|",
     ]
     for c in cells:
         split = "/".join(_f(c.median(m), "{:.0f}") for m in
@@ -803,13 +874,18 @@ def markdown(cells: list[Cell], args: argparse.Namespace, wall_seconds: float) -
         acts = "; ".join(f"{a} ×{n}" for a, n in collections.Counter(a for r in c.runs for a in r.actions).items()) or "–"  # fmt: skip
         flags = sorted({r.final_flags for r in c.runs if r.final_flags}) or ["–"]
         load = f"{c.load_before[0]:.1f} → {c.load_after[0]:.1f}{' **busy**' if c.busy else ''}"
+        cont = (
+            "–"
+            if c.stat(CONTINUATION_COLUMN[0]) is None
+            else " / ".join(_mm(c, m, "{:.0f}") for m in CONTINUATION_COLUMN)
+        )
         lines.append(
             f"| {c.scenario} | {c.operator} | {_mm(c, 'sent', '{:.0f}')} | {_mm(c, 'failed_pct')} | {split} "
             f"| {_mm(c, 'time_to_detect_seconds')} | {_mm(c, 'time_to_recover_seconds')} "
             f"| {_mm(c, 'downtime_seconds')} | {_mm(c, 'goodput_tokens_per_second', '{:.0f}')} "
             f"| {_f(c.median('p50_latency_seconds'), '{:.2f}')} / {_f(c.median('p99_latency_seconds'), '{:.2f}')} "
             f"| {_f(c.median('p50_ttft_seconds'), '{:.2f}')} / {_f(c.median('p99_ttft_seconds'), '{:.2f}')} "
-            f"| {_mm(c, 'oom_crashes', '{:.0f}')} | {_mm(c, 'restarts', '{:.0f}')} | {acts} | {' / '.join(flags)} | {load} |"
+            f"| {_mm(c, 'oom_crashes', '{:.0f}')} | {_mm(c, 'restarts', '{:.0f}')} | {cont} | {acts} | {' / '.join(flags)} | {load} |"
         )  # fmt: skip
     lines += [
         "",

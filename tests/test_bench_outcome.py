@@ -7,6 +7,7 @@ what it writes, never its numbers.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 import json
@@ -16,6 +17,7 @@ from types import ModuleType
 
 import pytest
 
+from vllm_guardian.gate.metrics import GateMetrics
 from vllm_guardian.sim.load import OutcomeKind, RequestOutcome
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,8 +100,15 @@ def test_the_bench_runs_end_to_end_and_writes_its_report(tmp_path: Path) -> None
     assert [(c["scenario"], c["operator"]) for c in doc["cells"]] == [
         ("steady", "unguarded"), ("steady", "guardian+gate")]  # fmt: skip
     assert all(len(c["runs"]) == 1 and c["runs"][0]["sent"] > 0 for c in doc["cells"])
+    # The gate's continuations were read from its /metrics before it stopped (steady cuts
+    # nothing: every series it exports, at 0); without a gate there are none.
+    unguarded, gated = (c["runs"][0] for c in doc["cells"])
+    assert unguarded["continuations"] is None and unguarded["gate_retried"] is None
+    assert gated["continuations"] and set(gated["continuations"].values()) == {0.0}
+    assert "continued/hang" in gated["continuations"] and gated["gate_retried"] == 0.0
     md = (tmp_path / "outcome.md").read_text()
     assert "| steady | guardian+gate |" in md and "- steady: " in md
+    assert "| 0 / 0 / 0 / 0 / 0 |" in md
     assert (tmp_path / "outcome.svg").read_text().startswith("<svg")
 
     # One cell run again (in a worker process, --jobs), merged into the earlier report: the
@@ -142,3 +151,59 @@ def test_a_failure_a_few_milliseconds_before_the_faults_date_is_in_flight() -> N
     run = b.Run("exit_zero_death", "unguarded", 7)
     b.measure(run, [outcome(0, 99.0, 0.999, HTTP)], 1000.0, 60.0, faults=[1100.0], action_times=[])
     assert (run.failed_in_flight, run.failed_other) == (1, 0)
+
+
+def test_the_gates_continuations_are_read_by_outcome_and_reason() -> None:
+    # The gate's own exposition (its metrics class), as its /metrics serves it.
+    m = GateMetrics("vllm")
+    for outcome_, reason in [("continued", "hang"), ("continued", "hang"),
+                             ("continued", "error_event"), ("completed", "connection"),
+                             ("refused", "n"), ("failed", "wait_timeout")]:  # fmt: skip
+        m.continuation(outcome_, reason)
+    m.retried.inc(3)
+    counts, retried = bench().gate_counts(m.render().decode())
+    assert {k: v for k, v in counts.items() if v} == {
+        "continued/hang": 2.0, "continued/error_event": 1.0, "completed/connection": 1.0,
+        "refused/n": 1.0, "failed/wait_timeout": 1.0,
+    }  # fmt: skip
+    assert "fallback/hang" in counts  # every series the gate exports, its zeros too
+    assert retried == 3.0
+
+
+def _args(b: ModuleType) -> argparse.Namespace:
+    return argparse.Namespace(command="bench/outcome.py", seeds=[7, 8, 9], speed=4.0,
+                              duration=60.0, fault_every=None, jobs=1, commit="abc1234")  # fmt: skip
+
+
+def test_the_report_shows_each_cells_continuations_median_and_range() -> None:
+    b = bench()
+    # (continued by reason, completed, refused, failed, sent again) per seed.
+    seeds = [({"continued/hang": 3.0, "continued/error_event": 1.0}, 0.0, 0.0, 0.0, 5.0),
+             ({"continued/hang": 2.0}, 1.0, 0.0, 0.0, 5.0),
+             ({"continued/hang": 6.0}, 0.0, 0.0, 1.0, 9.0)]  # fmt: skip
+    gated = []
+    for seed, (cont, done, refused, failed, retried) in zip((7, 8, 9), seeds, strict=True):
+        counts = cont | {"completed/connection": done, "refused/n": refused,
+                         "failed/wait_timeout": failed}  # fmt: skip
+        gated.append(b.Run("engine_hang", "guardian+gate", seed, sent=100, continuations=counts,
+                           gate_retried=retried))  # fmt: skip
+    plain = [b.Run("engine_hang", "guardian", seed, sent=100) for seed in (7, 8, 9)]
+    load = (0.5, 0.5, 0.5)
+    cells = [b.Cell("engine_hang", "guardian", plain, load, load, False),
+             b.Cell("engine_hang", "guardian+gate", gated, load, load, False)]  # fmt: skip
+    md = b.markdown(cells, _args(b), 60.0)
+    row = {
+        line.split(" | ")[1]: line for line in md.splitlines() if line.startswith("| engine_hang")
+    }
+    # Continued 4, 2, 6: median 4 (2–6); completed 0, 1, 0; refused 0; failed 0, 0, 1; sent
+    # again 5, 5, 9.
+    assert "| 4 (2–6) / 0 (0–1) / 0 / 0 (0–1) / 5 (5–9) |" in row["guardian+gate"]
+    assert "| – |" in row["guardian"]
+    assert "continuations" in md.split("| scenario |", 1)[1].splitlines()[0]
+    stats = cells[1].to_json()["stats"]
+    assert stats["continued"] == (4.0, 2.0, 6.0)
+    assert stats["gate_retried"] == (5.0, 5.0, 9.0)
+    assert cells[0].to_json()["stats"]["continued"] is None
+    # A run written to outcome.json is read back whole (--merge, --jobs).
+    again = b.Run(**json.loads(json.dumps(dataclasses.asdict(gated[0]))))
+    assert again.continued == 4.0 and again.gate_retried == 5.0
