@@ -29,11 +29,14 @@ ROOT = support.HERE.parents[1]
 
 class GateProcess:
     """``vllm-guardian gate -c`` with a config whose service has a ``gate:`` section of
-    ``keys`` (the guardian's ``listen`` is what it follows)."""
+    ``keys`` (the guardian's ``listen`` is what it follows); its config and log are
+    ``NAME-config.yaml`` and ``NAME.log`` in ``workdir`` (one pair per test that starts one)."""
 
-    def __init__(self, workdir: Path, vllm_port: int, guardian_port: int, **keys: Any) -> None:
+    def __init__(
+        self, workdir: Path, vllm_port: int, guardian_port: int, name: str = "gate", **keys: Any
+    ) -> None:
         port = free_port()
-        self.config = workdir / "gate-config.yaml"
+        self.config = workdir / f"{name}-config.yaml"
         self.config.write_text(
             json.dumps(
                 {
@@ -48,7 +51,7 @@ class GateProcess:
                 }
             )
         )
-        self.log_path = workdir / "gate.log"
+        self.log_path = workdir / f"{name}.log"
         self._log: IO[bytes] = self.log_path.open("wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm_guardian", "gate", "-c", str(self.config),
@@ -121,6 +124,7 @@ class SdkClient:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         self.with_text: set[int] = set()
+        self.ready = threading.Event()  # the client has imported openai
         self.done: dict[int, dict[str, Any]] = {}
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -129,7 +133,9 @@ class SdkClient:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             event = json.loads(line)
-            if event["event"] == "text":
+            if event["event"] == "ready":
+                self.ready.set()
+            elif event["event"] == "text":
                 self.with_text.add(event["i"])
                 if self.on_text is not None and self.on_text[0] <= self.with_text:
                     call, self.on_text = self.on_text[1], None

@@ -10,6 +10,7 @@ The first wave starts at once; each further wave when a line arrives on stdin (t
 it when it has done what the wave must follow). Retries are off (``max_retries=0``): a request
 the server failed fails here. One JSON line on stdout per event, flushed:
 
+* ``{"event": "ready"}`` once ``openai`` is imported and the client made;
 * ``{"event": "text", "i": I}`` when request I (numbered across the waves) got its first text;
 * ``{"event": "done", "i": I, "text": ..., "finish": ..., "usage": ..., "ids": [...],
   "gap_at": ..., "error": ...}`` when it ended, ``error`` the SDK's exception (None when it
@@ -75,6 +76,7 @@ def run(client: openai.OpenAI, model: str, i: int, req: dict[str, Any]) -> None:
 def main() -> None:
     base_url, model, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600.0)
+    say({"event": "ready"})  # openai imported: a later wave is sent at once when asked
     threads: list[threading.Thread] = []
     i = 0
     for n, wave in enumerate(spec["waves"]):

@@ -266,6 +266,16 @@ class Census:
         return sorted(found)
 
 
+def in_session(sid: int) -> list[int]:
+    """Live (not zombie) processes of the session ``sid``: what is left of a vLLM the process
+    manager started (a session leader) once it is gone, its renamed EngineCore included."""
+    return [
+        int(p)
+        for p in os.listdir("/proc")
+        if p.isdigit() and session_id_of(p) == sid and _state(p) not in ("Z", "X", "?")
+    ]
+
+
 def _members(run_id: str, census: Census | None) -> list[int]:
     return census.members() if census is not None else marked(run_id)
 
