@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -107,10 +108,36 @@ def test_a_corrupt_runs_file_names_its_line(tmp_path: Path) -> None:
         b.read_runs(path)
 
 
+def fault_plugin() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "faults_plugin", ROOT / "tests" / "vllm_tier" / "faults" / "vllm_guardian_faults.py"
+    )
+    assert spec is not None and spec.loader is not None
+    plugin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plugin)
+    return plugin
+
+
 @pytest.mark.parametrize(
     ("content", "hangs"),
-    [("", True), ("{me}", True), ("{other}", False), (None, False)],
-    ids=["empty: every engine core", "this engine core", "another engine core", "no file"],
+    [
+        ("", True),
+        ("{me}", True),
+        ("{other}", False),
+        (None, False),
+        ("{me} running=4 tokens=32 step_ms=20 stop", True),
+        ("{other} running=4 stop", False),
+        ("running=2", True),
+    ],
+    ids=[
+        "empty: every engine core",
+        "this engine core",
+        "another engine core",
+        "no file",
+        "this engine core, with words",
+        "another engine core, with words",
+        "words only: every engine core",
+    ],
 )
 def test_the_fault_plugins_hang_is_one_off_when_it_names_an_engine_core(
     tmp_path: Path, content: str | None, hangs: bool
@@ -118,16 +145,43 @@ def test_the_fault_plugins_hang_is_one_off_when_it_names_an_engine_core(
     """The benchmark's engine_hang names the engine core it hangs: the engine a restart brings
     (another pid) serves, as after a real hang; a restart that cured nothing would show as
     such (a hang file left behind hung every restarted engine in the first full run)."""
-    spec = importlib.util.spec_from_file_location(
-        "faults_plugin", ROOT / "tests" / "vllm_tier" / "faults" / "vllm_guardian_faults.py"
-    )
-    assert spec is not None and spec.loader is not None
-    plugin = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plugin)
     hang = tmp_path / "hang"
     if content is not None:
         hang.write_text(content.format(me=os.getpid(), other=os.getpid() + 1))
-    assert plugin._hangs_me(hang) is hangs
+    assert (fault_plugin()._hang_for_me(hang) is not None) is hangs
+
+
+@dataclasses.dataclass
+class Running:
+    """What the hang reads of a request in vLLM's scheduler."""
+
+    num_output_tokens: int
+
+
+@pytest.mark.parametrize(
+    ("words", "output_tokens", "due"),
+    [
+        ("", [], True),
+        ("running=4 tokens=32", [40, 33, 32, 90], True),
+        ("running=4 tokens=32", [40, 33, 31, 90], False),
+        ("running=4 tokens=32", [40, 33, 32], False),
+        ("running=2", [0, 0, 0], True),
+    ],
+    ids=["at once", "the batch", "one short of tokens", "one request short", "more running"],
+)
+def test_the_fault_plugins_hang_waits_for_its_batch(
+    words: str, output_tokens: list[int], due: bool
+) -> None:
+    """Test 7 of the real tier stops the engine at the first step with its four requests in
+    it, each with text generated: the plugin, not the test, sees that moment."""
+    hang = fault_plugin().Hang(words.split())
+    assert hang.due([Running(n) for n in output_tokens]) is due
+
+
+def test_the_fault_plugins_hang_words() -> None:
+    hang = fault_plugin().Hang(["running=4", "tokens=32", "step_ms=20", "stop"])
+    assert (hang.running, hang.tokens, hang.step_seconds, hang.stop) == (4, 32, 0.02, True)
+    assert fault_plugin().Hang([]).stop is False
 
 
 def test_a_scenario_runs_its_server_with_its_own_values_of_the_base_flags() -> None:

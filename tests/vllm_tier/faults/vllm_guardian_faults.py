@@ -15,7 +15,21 @@ these is set:
     Once PATH exists, the engine core's next step blocks for good: the busy loop stops while
     the API server still answers ``/health``. A file holding a pid hangs only the engine core
     with that pid: a one-off hang, which a restarted engine (another pid) does not meet again,
-    as a real hang is cured by the restart; an empty file hangs every engine core.
+    as a real hang is cured by the restart; an empty file hangs every engine core. After the
+    pid, ``key=value`` words make the hang wait for a batch (one line, e.g.
+    ``4242 running=4 tokens=32 step_ms=20 stop``):
+
+    - ``running=N``, ``tokens=K``: the hang comes at the first step with at least N requests
+      running, each with at least K tokens generated (a test that needs requests in flight
+      at the hang cannot catch that moment from outside: a small model on a CPU finishes a
+      request in about a second);
+    - ``step_ms=M``: until then each step first sleeps M ms (a slower card), so requests sent
+      a second apart by clients on a busy host are in the engine together;
+    - ``stop``: the engine core stops itself (SIGSTOP, every thread, as ``kill -STOP`` from
+      outside would) instead of blocking its busy loop.
+
+    At the hang, ``PATH.hung`` gets one JSON line: the time, and the requests running with the
+    tokens each had generated.
 ``VLLM_GUARDIAN_FAULT_DIE_FILE=PATH``
     Once PATH exists, the engine core's next step raises ``RuntimeError``: an unexpected
     exception in the busy loop.
@@ -28,7 +42,9 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -82,13 +98,46 @@ def _wrap_execute_model(module: ModuleType, limit: int) -> None:
     runner.execute_model = execute_model
 
 
-def _hangs_me(hang: Path) -> bool:
-    """The hang file exists and names this process, or no process (empty)."""
+class Hang:
+    """What the hang file asks of this process (its module docstring: the words)."""
+
+    def __init__(self, words: list[str]) -> None:
+        options = dict(w.partition("=")[::2] for w in words)
+        self.running = int(options.get("running") or 0)
+        self.tokens = int(options.get("tokens") or 0)
+        self.step_seconds = int(options.get("step_ms") or 0) / 1000
+        self.stop = "stop" in options
+
+    def due(self, running: list[Any]) -> bool:
+        """The batch it waits for is running (always, with no ``running=``)."""
+        return len(running) >= self.running and all(
+            r.num_output_tokens >= self.tokens for r in running
+        )
+
+
+def _hang_for_me(hang: Path) -> Hang | None:
+    """The hang the file asks of this process: it exists and names this process, or no
+    process (empty, or words only)."""
     try:
-        text = hang.read_text().strip()
+        words = hang.read_text().split()
     except OSError:
-        return False
-    return not text or text == str(os.getpid())
+        return None
+    if words and words[0].isdigit():
+        if words[0] != str(os.getpid()):
+            return None
+        words = words[1:]
+    return Hang(words)
+
+
+def _record_hang(hang: Path, running: list[Any]) -> None:
+    record = {
+        "time": time.time(),
+        "pid": os.getpid(),
+        "running": [
+            {"id": str(r.request_id), "output_tokens": int(r.num_output_tokens)} for r in running
+        ],
+    }
+    hang.with_name(hang.name + ".hung").write_text(json.dumps(record) + "\n")
 
 
 def _wrap_step(module: ModuleType, hang: Path | None, die: Path | None) -> None:
@@ -98,7 +147,14 @@ def _wrap_step(module: ModuleType, hang: Path | None, die: Path | None) -> None:
     def step(self: Any) -> Any:
         if die is not None and die.exists():
             raise RuntimeError(f"vllm-guardian test fault: {die} exists")
-        if hang is not None and _hangs_me(hang):
+        if hang is not None and (asked := _hang_for_me(hang)) is not None:
+            running = list(getattr(self.scheduler, "running", []))
+            if not asked.due(running):
+                time.sleep(asked.step_seconds)
+                return original(self)
+            _record_hang(hang, running)
+            if asked.stop:
+                os.kill(os.getpid(), signal.SIGSTOP)  # every thread, until SIGCONT or SIGKILL
             # The engine core's thread stops here for good, unless the test then asks it to
             # die (one server shows both: a hang, then an unexpected exception).
             while die is None or not die.exists():
