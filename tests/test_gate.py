@@ -245,15 +245,16 @@ def overflow_the_queue(gate: GateThread, stub: Stub) -> None:
         assert [f.result().status_code for f in same_key + others] == [200] * 4
 
 
-def _closures(g: GateThread) -> list[str]:
-    """Every reason the gate closes for from now on (a spy on the admission's state)."""
+def _closures(g: GateThread, opening: bool = False) -> list[str]:
+    """Every reason the gate closes for from now on (``opening``: opens for), a spy on the
+    admission's state."""
     adm = g.gate.admission
     assert adm is not None
     seen: list[str] = []
     real = adm.set_state
 
     def spy(open_: bool, reason: str) -> None:
-        if not open_ and adm.open:
+        if open_ is opening and adm.open is not opening:
             seen.append(reason)
         real(open_, reason)
 
@@ -294,6 +295,52 @@ def test_a_silent_health_closes_the_gate_after_the_grace(gate: GateThread, stub:
         assert "within 1 s" in closures[0], closures
     finally:
         stub.slow_health_answers = 0
+        del gate.gate.admission.set_state  # type: ignore[union-attr]
+    wait_for(lambda: gate.gate.admission.open, "gate.gate.admission.open", timeout_seconds=30)  # type: ignore[union-attr]
+
+
+def test_one_slow_ready_answer_from_the_guardian_does_not_open_a_closed_gate(
+    gate: GateThread, stub: Stub
+):
+    # The guardian answers /ready between its ticks: busy, it answers late. While it holds
+    # new requests (a drain before a restart, KV above the watermark), one answer past the
+    # poll's 1 s timeout is no reason to let them into vLLM.
+    close_gate(gate, stub)
+    openings = _closures(gate, opening=True)
+    try:
+        stub.ready_delay_seconds, stub.slow_ready_answers = 1.5, 1
+        before = stub.calls.get("/ready/vllm", 0)
+        wait_for(
+            lambda: stub.calls.get("/ready/vllm", 0) >= before + 10,
+            'stub.calls.get("/ready/vllm", 0) >= before + 10',
+            timeout_seconds=30,
+            seen=lambda: stub.calls,
+        )
+        assert stub.slow_ready_answers == 0
+        assert openings == [], openings
+        assert not gate.gate.admission.open  # type: ignore[union-attr]
+    finally:
+        del gate.gate.admission.set_state  # type: ignore[union-attr]
+        stub.ready = True
+    wait_for(lambda: gate.gate.admission.open, "gate.gate.admission.open", timeout_seconds=30)  # type: ignore[union-attr]
+
+
+def test_a_silent_guardian_counts_as_gone_after_the_grace(gate: GateThread, stub: Stub):
+    # A guardian that stays silent is treated as one that is gone (the service keeps serving
+    # on vLLM's own health, as without a guardian), but never sooner than the grace.
+    close_gate(gate, stub)
+    openings = _closures(gate, opening=True)
+    grace = gate.settings.health_grace_seconds
+    try:
+        stub.ready_delay_seconds, stub.slow_ready_answers = 1.5, 10_000
+        silent_from = time.monotonic()
+        wait_for(lambda: bool(openings), "the gate open", timeout_seconds=grace + 30)
+        waited = time.monotonic() - silent_from
+        assert waited >= grace, (waited, openings)
+        assert openings == ["open"], openings
+    finally:
+        stub.slow_ready_answers = 0
+        stub.ready = True
         del gate.gate.admission.set_state  # type: ignore[union-attr]
     wait_for(lambda: gate.gate.admission.open, "gate.gate.admission.open", timeout_seconds=30)  # type: ignore[union-attr]
 

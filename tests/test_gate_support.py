@@ -120,6 +120,8 @@ class Stub:
         self.slow_health_answers = 0  # the next N /health answers come after health_delay_seconds
         self.health_delay_seconds = 0.0
         self.ready = True  # what /ready/vllm answers (the stub doubles as the guardian)
+        self.slow_ready_answers = 0  # the next N /ready answers come after ready_delay_seconds
+        self.ready_delay_seconds = 0.0
         self.restarting = False  # ...and whether it says a restart is in progress
         self.metrics_text: str | None = None  # what /metrics answers (None: 404)
         self.calls: dict[str, int] = {}
@@ -155,6 +157,7 @@ class Stub:
         self.lt.run(fresh())
         self.healthy, self.ready, self.restarting = True, True, False
         self.slow_health_answers, self.health_delay_seconds = 0, 0.0
+        self.slow_ready_answers, self.ready_delay_seconds = 0, 0.0
         self.metrics_text = None
         self.calls.clear()
         self.disconnects = 0
@@ -172,6 +175,9 @@ class Stub:
                 return web.Response(status=404)
             return web.Response(text=self.metrics_text, content_type="text/plain")
         if path == "/ready/vllm":
+            if self.slow_ready_answers > 0:
+                self.slow_ready_answers -= 1
+                await asyncio.sleep(self.ready_delay_seconds)
             answer = ReadyAnswer(
                 "vllm",
                 self.ready,

@@ -18,9 +18,13 @@ server answers it on the same event loop as the requests, so a busy server is sl
 while it serves. An open gate stays open through ``health_grace_seconds`` of such silence and
 closes when it lasts longer; a refused connection or a non-200 answer closes it at once, as
 before. (A single slow answer closed the gate, and on a busy host held new requests for up to
-20 s while vLLM served; a hung engine that still answers is the progress watch's case.) An unreachable guardian
-does not close the gate: the service keeps serving on vLLM's own health, as it would without
-the gate (a guardian restart must not take the service down with it). Both polls go through
+20 s while vLLM served; a hung engine that still answers is the progress watch's case.) An
+unreachable guardian does not close the gate: the service keeps serving on vLLM's own health,
+as it would without the gate (a guardian restart must not take the service down with it). A
+guardian that answers ``/ready`` late (busy, it answers between its ticks) is not unreachable:
+its last answer stands through ``health_grace_seconds`` of silence, then it counts as gone. (A
+single late answer opened a gate the guardian held, for a drain or KV pressure, and let new
+requests into vLLM.) A refused connection is gone at once. Both polls go through
 the proxy's own keep-alive client (``upstream.py``): ten a second, they are most of what an
 idle gate does.
 
@@ -98,6 +102,8 @@ class Follower:
         self._suspect_until: float | None = None
         self.health_grace_seconds = health_grace_seconds
         self._silent_since: float | None = None  # when /health stopped answering in time
+        self._guardian_silent_since: float | None = None  # ...and the guardian's /ready
+        self._guardian_last: tuple[bool, str, bool] | None = None  # its last answer
         self.progress = ProgressWatch(stall_hold_seconds)
         self.take_back = take_back
         self.taken_back = 0  # exchanges taken back from a hung engine, in all
@@ -152,8 +158,11 @@ class Follower:
     # --- polling -----------------------------------------------------------------------------
 
     async def poll_once(self) -> None:
-        (healthy, why), verdict = await asyncio.gather(self._health(), self._guardian_ready())
+        (healthy, why), (verdict, answered) = await asyncio.gather(
+            self._health(), self._guardian_ready()
+        )
         self.polls += 1
+        verdict = self._guardian_through_silence(verdict, answered, time.monotonic())
         if healthy is False:
             self._health_failures += 1
         healthy, why = self._through_silence(healthy, why, time.monotonic())
@@ -225,6 +234,23 @@ class Follower:
             return True, "open"
         return False, f"{why}, silent for {silent:.1f} s"
 
+    def _guardian_through_silence(
+        self, verdict: tuple[bool, str, bool] | None, answered: bool, now: float
+    ) -> tuple[bool, str, bool] | None:
+        """The guardian's verdict to follow: its answer; when it did not answer in time
+        (``answered`` False), its last answer for ``health_grace_seconds`` from the first
+        silent poll, then None (gone: the gate follows vLLM alone)."""
+        if answered:
+            self._guardian_silent_since = None
+            self._guardian_last = verdict
+            return verdict
+        if self._guardian_silent_since is None:
+            self._guardian_silent_since = now
+        if now - self._guardian_silent_since < self.health_grace_seconds:
+            return self._guardian_last
+        self._guardian_last = None
+        return None
+
     async def _state_loop(self) -> None:
         while True:
             try:
@@ -264,27 +290,31 @@ class Follower:
             return True, "open"
         return False, f"vLLM /health answers {status}"
 
-    async def _guardian_ready(self) -> tuple[bool, str, bool] | None:
-        """(ready, reason, restart in progress), or None when there is no guardian to ask or
-        it does not answer."""
+    async def _guardian_ready(self) -> tuple[tuple[bool, str, bool] | None, bool]:
+        """The guardian's verdict (ready, reason, restart in progress), or None when there is
+        none to ask, it knows no such service or it is gone (refused, broken); and whether it
+        answered (False: no answer in time, which :meth:`_guardian_through_silence` judges)."""
         if self._guardian_pool is None:
-            return None
+            return None, True
         try:
             status, body = await self._get_small(
                 self._guardian_pool, f"/ready/{quote(self.service, safe='')}"
             )
-        except (UpstreamError, TimeoutError):
-            return None
+        except UpstreamError as e:
+            # A full listen backlog (a busy guardian accepts late) is silence, not refusal.
+            return None, not (e.phase == "connect" and str(e) == "TimeoutError")
+        except TimeoutError:
+            return None, False
         if status == 404:
             if not self._warned_unknown:
                 log.warning("gate: the guardian knows no service %r", self.service)
                 self._warned_unknown = True
-            return None
+            return None, True
         return (
             status == 200,
             ready_format.reason_of(body, "closed"),
             ready_format.restart_in_progress_of(body),
-        )
+        ), True
 
     @property
     def metrics_interval_seconds(self) -> float:
