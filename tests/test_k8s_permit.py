@@ -235,12 +235,26 @@ def test_a_renewed_permit_outlives_its_first_ttl(cluster: FakeCluster, url: str)
     assert a.acquire(now)[0]
     granted, _, detail = a.acquire(now + 40)  # the renewal, before the Lease lapses
     assert granted and "ours already" in detail, detail
+    # A renewal moves renewTime only: acquireTime says since when this holder has held it
+    # (what `kubectl get lease -o yaml` shows an operator), leaseTransitions is unchanged.
+    spec = cluster.leases[L0]["spec"]
+    assert abs(_seconds(spec["renewTime"]) - (now + 40)) < 1, spec
+    assert abs(_seconds(spec["acquireTime"]) - now) < 1, spec
+    assert spec.get("leaseTransitions", 0) == 0, spec
     # Past the first TTL (now + 60), inside the renewed one (now + 100): still llama-a's.
     w = b.try_once(begin(now + 70, 60), now + 70)
     assert w.status is WaitStatus.WAITING and cluster.holder(L0) == "llama-a", w.reason
     w = b.try_once(begin(now + 101, 60), now + 101)
     assert w.status is WaitStatus.GRANTED and "llama-a stopped renewing" in w.reason, w.reason
     assert cluster.holder(L0) == "llama-b"
+    # Taken from another holder: acquired now, one transition more.
+    spec = cluster.leases[L0]["spec"]
+    assert abs(_seconds(spec["acquireTime"]) - (now + 101)) < 1, spec
+    assert spec["leaseTransitions"] == 1, spec
+
+
+def _seconds(k8s_time: str) -> float:
+    return datetime.fromisoformat(k8s_time.replace("Z", "+00:00")).timestamp()
 
 
 def test_one_try_ends_within_its_time_budget(cluster: FakeCluster, url: str) -> None:

@@ -175,31 +175,54 @@ class LeasePermits:
                 duration_seconds=None
                 if spec.leaseDurationSeconds is None
                 else float(spec.leaseDurationSeconds),
+                acquire_seconds=_unix(spec.acquireTime),
+                transitions=spec.leaseTransitions or 0,
             )
         return out
 
     # --- writes -----------------------------------------------------------------------------
 
-    def _lease(self, name: str, rv: str | None, holder: str | None, now: float) -> Lease:
+    def _lease(
+        self, name: str, rv: str | None, holder: str | None, now: float, read: LeaseRecord | None
+    ) -> Lease:
+        """The Lease to write (``rv``: the resourceVersion it replaces, None: a new one): held
+        by ``holder`` (None: released) from ``now``, over ``read``, the Lease as read. As Kubernetes' own leader election writes it: a renewal by its
+        holder moves renewTime only, a new holder sets acquireTime and counts a transition."""
         when = _time(now) if holder else None
+        renewal = read is not None and holder is not None and read.holder == holder
+        acquired = when
+        if renewal and read is not None and read.acquire_seconds is not None:
+            acquired = _time(read.acquire_seconds)
+        transitions = 0 if read is None else read.transitions
+        if holder and read is not None and read.holder and read.holder != holder:
+            transitions += 1
         return Lease(
-            metadata=ObjectMeta(name=name, namespace=self.namespace, resourceVersion=rv),
+            metadata=ObjectMeta(
+                name=name,
+                namespace=self.namespace,
+                resourceVersion=rv,
+            ),
             spec=LeaseSpec(
                 holderIdentity=holder,
-                acquireTime=when,
+                acquireTime=acquired,
                 renewTime=when,
                 leaseDurationSeconds=int(self.ttl_seconds) if holder else None,
+                leaseTransitions=transitions,
             ),
         )
 
-    def _write(self, p: Plan, now: float, deadline: float) -> tuple[WriteResult, str]:
+    def _write(
+        self, p: Plan, read: LeaseRecord | None, now: float, deadline: float
+    ) -> tuple[WriteResult, str]:
         assert p.lease is not None
         try:
             self._call(deadline)
             if p.kind is PlanKind.CREATE:
-                self.client.create(self._lease(p.lease, None, self.holder, now))
+                self.client.create(self._lease(p.lease, None, self.holder, now, None))
             else:
-                self.client.replace(self._lease(p.lease, p.resource_version, self.holder, now))
+                self.client.replace(
+                    self._lease(p.lease, p.resource_version, self.holder, now, read)
+                )
         except Exception as e:  # classified: the loop never sees an exception
             return _classify(e)
         return WriteResult.OK, ""
@@ -217,7 +240,7 @@ class LeasePermits:
         p = plan(self.model, self.holder, budget, leases, now)
         if p.kind is PlanKind.NOT_NOW:
             return settle(w, p, None, "", now)
-        write, detail = self._write(p, now, deadline)
+        write, detail = self._write(p, leases.get(p.lease or ""), now, deadline)
         return settle(w, p, write, detail, now)
 
     def acquire(self, now: float, timeout_seconds: float = math.inf) -> tuple[bool, bool, str]:
@@ -245,7 +268,9 @@ class LeasePermits:
         for lease in release_plan(self.holder, leases):
             try:
                 self._call(deadline)
-                self.client.replace(self._lease(lease.name, lease.resource_version, None, now))
+                self.client.replace(
+                    self._lease(lease.name, lease.resource_version, None, now, lease)
+                )
             except Exception as e:
                 log.warning("permit: %s not released: %s", lease.name, _classify(e)[1])
                 continue

@@ -50,6 +50,8 @@ class LeaseRecord:
     holder: str | None
     renew_seconds: float | None
     duration_seconds: float | None
+    acquire_seconds: float | None = None  # since when its holder has held it
+    transitions: int = 0  # how many times it changed holders (the Lease's leaseTransitions)
 
     def expires_seconds(self) -> float | None:
         if not self.holder or self.renew_seconds is None or self.duration_seconds is None:
