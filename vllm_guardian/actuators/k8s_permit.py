@@ -185,23 +185,21 @@ class LeasePermits:
     def _lease(
         self, name: str, rv: str | None, holder: str | None, now: float, read: LeaseRecord | None
     ) -> Lease:
-        """The Lease to write (``rv``: the resourceVersion it replaces, None: a new one): held
-        by ``holder`` (None: released) from ``now``, over ``read``, the Lease as read. As Kubernetes' own leader election writes it: a renewal by its
-        holder moves renewTime only, a new holder sets acquireTime and counts a transition."""
+        """The Lease to write (``rv``: the resourceVersion it replaces, None: a new one), held
+        by ``holder`` (None: released) from ``now``, over ``read`` (the Lease as read). As
+        Kubernetes' own leader election writes it: a renewal by its holder moves renewTime
+        only; a new holder sets acquireTime and counts a transition."""
         when = _time(now) if holder else None
-        renewal = read is not None and holder is not None and read.holder == holder
-        acquired = when
-        if renewal and read is not None and read.acquire_seconds is not None:
-            acquired = _time(read.acquire_seconds)
-        transitions = 0 if read is None else read.transitions
-        if holder and read is not None and read.holder and read.holder != holder:
-            transitions += 1
+        acquired, transitions = when, 0
+        if read is not None:
+            transitions = read.transitions
+            if holder and read.holder == holder:  # a renewal: held since its first acquire
+                if read.acquire_seconds is not None:
+                    acquired = _time(read.acquire_seconds)
+            elif holder and read.holder:  # taken from another holder
+                transitions += 1
         return Lease(
-            metadata=ObjectMeta(
-                name=name,
-                namespace=self.namespace,
-                resourceVersion=rv,
-            ),
+            metadata=ObjectMeta(name=name, namespace=self.namespace, resourceVersion=rv),
             spec=LeaseSpec(
                 holderIdentity=holder,
                 acquireTime=acquired,
