@@ -74,6 +74,28 @@ METRICS_MAX_BYTES = 16 * 1024 * 1024
 SMALL_BODY_MAX_BYTES = 64 * 1024
 
 
+def _accepts_late(e: UpstreamError) -> bool:
+    """The connect timed out: the listen backlog is full (a busy server accepts late), which
+    is silence, not a refusal."""
+    return e.phase == "connect" and str(e) == "TimeoutError"
+
+
+class _Silence:
+    """Since when a polled endpoint has not answered in time (the grace both polls get)."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None
+
+    def answered(self) -> None:
+        self._since = None
+
+    def seconds(self, now: float) -> float:
+        """How long it has been silent, this poll included (0 at its first silent poll)."""
+        if self._since is None:
+            self._since = now
+        return now - self._since
+
+
 class Follower:
     def __init__(
         self,
@@ -101,8 +123,8 @@ class Follower:
         self.suspect_seconds = suspect_seconds
         self._suspect_until: float | None = None
         self.health_grace_seconds = health_grace_seconds
-        self._silent_since: float | None = None  # when /health stopped answering in time
-        self._guardian_silent_since: float | None = None  # ...and the guardian's /ready
+        self._health_silence = _Silence()  # /health not answering in time
+        self._guardian_silence = _Silence()  # ...and the guardian's /ready
         self._guardian_last: tuple[bool, str, bool] | None = None  # its last answer
         self.progress = ProgressWatch(stall_hold_seconds)
         self.take_back = take_back
@@ -225,11 +247,9 @@ class Follower:
         """``healthy`` None (no answer in time): still healthy if the last answer was, for
         ``health_grace_seconds`` from the first silent poll; then not."""
         if healthy is not None:
-            self._silent_since = None
+            self._health_silence.answered()
             return healthy, why
-        if self._silent_since is None:
-            self._silent_since = now
-        silent = now - self._silent_since
+        silent = self._health_silence.seconds(now)
         if self.upstream_healthy and silent < self.health_grace_seconds:
             return True, "open"
         return False, f"{why}, silent for {silent:.1f} s"
@@ -241,12 +261,10 @@ class Follower:
         (``answered`` False), its last answer for ``health_grace_seconds`` from the first
         silent poll, then None (gone: the gate follows vLLM alone)."""
         if answered:
-            self._guardian_silent_since = None
+            self._guardian_silence.answered()
             self._guardian_last = verdict
             return verdict
-        if self._guardian_silent_since is None:
-            self._guardian_silent_since = now
-        if now - self._guardian_silent_since < self.health_grace_seconds:
+        if self._guardian_silence.seconds(now) < self.health_grace_seconds:
             return self._guardian_last
         self._guardian_last = None
         return None
@@ -280,8 +298,7 @@ class Follower:
         try:
             status, _ = await self._get_small(self._health_pool, "/health")
         except UpstreamError as e:
-            if e.phase == "connect" and str(e) == "TimeoutError":
-                # The listen backlog is full (a busy server accepts late), not refused: silence.
+            if _accepts_late(e):
                 return None, f"vLLM does not accept a connection within {self._timeout_seconds:g} s"
             return False, f"vLLM does not answer /health ({e})"
         except TimeoutError:
@@ -301,8 +318,7 @@ class Follower:
                 self._guardian_pool, f"/ready/{quote(self.service, safe='')}"
             )
         except UpstreamError as e:
-            # A full listen backlog (a busy guardian accepts late) is silence, not refusal.
-            return None, not (e.phase == "connect" and str(e) == "TimeoutError")
+            return None, not _accepts_late(e)
         except TimeoutError:
             return None, False
         if status == 404:
