@@ -262,19 +262,24 @@ def _closures(g: GateThread, opening: bool = False) -> list[str]:
     return seen
 
 
+def ten_more_polls(stub: Stub, path: str) -> None:
+    """Wait for the gate to poll ``path`` ten more times (a slow answer among them)."""
+    before = stub.calls.get(path, 0)
+    wait_for(
+        lambda: stub.calls.get(path, 0) >= before + 10,
+        f"ten more polls of {path}",
+        timeout_seconds=30,
+        seen=lambda: stub.calls,
+    )
+
+
 def test_one_slow_health_answer_does_not_close_the_gate(gate: GateThread, stub: Stub):
     # vLLM answers /health on the event loop that serves the requests: busy, it answers late.
     # Past the poll's 1 s timeout, once, while the requests still pass: no reason to hold them.
     closures = _closures(gate)
     try:
         stub.health_delay_seconds, stub.slow_health_answers = 1.5, 1
-        before = stub.calls.get("/health", 0)
-        wait_for(
-            lambda: stub.calls.get("/health", 0) >= before + 10,
-            'stub.calls.get("/health", 0) >= before + 10',
-            timeout_seconds=30,
-            seen=lambda: stub.calls,
-        )
+        ten_more_polls(stub, "/health")
         assert stub.slow_health_answers == 0
         assert closures == [], closures
         assert requests.post(f"{gate.url}/v1/echo", data=b"{}", timeout=10).status_code == 200
@@ -309,13 +314,7 @@ def test_one_slow_ready_answer_from_the_guardian_does_not_open_a_closed_gate(
     openings = _closures(gate, opening=True)
     try:
         stub.ready_delay_seconds, stub.slow_ready_answers = 1.5, 1
-        before = stub.calls.get("/ready/vllm", 0)
-        wait_for(
-            lambda: stub.calls.get("/ready/vllm", 0) >= before + 10,
-            'stub.calls.get("/ready/vllm", 0) >= before + 10',
-            timeout_seconds=30,
-            seen=lambda: stub.calls,
-        )
+        ten_more_polls(stub, "/ready/vllm")
         assert stub.slow_ready_answers == 0
         assert openings == [], openings
         assert not gate.gate.admission.open  # type: ignore[union-attr]
