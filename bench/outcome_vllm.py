@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -180,6 +181,12 @@ class RealRun(twin.Run):
     deaths_after_last_action: int = 0  # /health drops after the operator's last action
     request_timeout_seconds: float = 30.0  # the load client's bound (30: before it was set)
     failed_kinds: dict[str, int] = dataclasses.field(default_factory=dict)  # how each failed
+    # The same, with the client's error (an exception's name, or the answer's first words).
+    failed_errors: dict[str, int] = dataclasses.field(default_factory=dict)
+    # The gate's own account, read from its /metrics before it stops (guardian+gate only):
+    # "name{label=value}" -> value for its rejections, upstream errors, retries, stale
+    # connections and closed client connections.
+    gate_counters: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def fault_env(scenario: Scenario, workdir: Path) -> dict[str, str]:
@@ -396,6 +403,8 @@ def run_one(
                 sidecar.__exit__()
                 actions += sidecar.actions
             if gate is not None:
+                run.gate_counters = read_gate_counters(load_url)
+                run.continuations, run.gate_retried = twin.read_gate_counts(load_url)
                 twin.stop_gate(gate)
             if guardian is not None and loop is not None:
                 guardian.request_stop()
@@ -444,9 +453,46 @@ def run_one(
                 o.kind.value if o.http_status in (None, 200) else f"{o.kind.value} {o.http_status}"
             )
             run.failed_kinds[key] = run.failed_kinds.get(key, 0) + 1
+            error = f"{key}: {(o.error or '').strip()[:80]}"
+            run.failed_errors[error] = run.failed_errors.get(error, 0) + 1
     run.wall_seconds = time.monotonic() - started
     run.load_average = (load_before, _load_average())
     return run
+
+
+# The gate's counters a run records (gate_counters): what it refused, and why it held.
+GATE_COUNTERS = (
+    "vllm_guardian_gate_rejected_total",
+    "vllm_guardian_gate_upstream_errors_total",
+    "vllm_guardian_gate_retried_total",
+    "vllm_guardian_gate_upstream_stale_connections_total",
+    "vllm_guardian_gate_connections_closed_total",
+)
+
+
+def gate_counters(metrics_text: str) -> dict[str, float]:
+    """The non-zero samples of :data:`GATE_COUNTERS` in a gate's ``/metrics``, keyed
+    ``name{label=value,...}`` (the ``service`` label left out)."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(metrics_text):
+        for sample in fam.samples:
+            if sample.name not in GATE_COUNTERS or not sample.value:
+                continue
+            labels = ",".join(
+                f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "service"
+            )
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
+def read_gate_counters(url: str) -> dict[str, float]:
+    """:func:`gate_counters` of the gate at ``url``; empty when it does not answer."""
+    try:
+        r = requests.get(url + twin.GateConfig().metrics_path, timeout=10)
+        r.raise_for_status()
+    except requests.RequestException:
+        return {}
+    return gate_counters(r.text)
 
 
 def runs_file(out: Path, quick: bool) -> Path:

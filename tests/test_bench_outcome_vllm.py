@@ -197,3 +197,26 @@ def test_a_scenario_runs_its_server_with_its_own_values_of_the_base_flags() -> N
         ValueError
     ):  # a flag the base set does not have is a mistake, not a new flag
         b.serve_flags(dataclasses.replace(b.SCENARIOS["steady"], flags=("--no-such-flag", "1")))
+
+
+def test_a_run_records_the_gates_own_account_of_what_it_refused_and_why_it_held() -> None:
+    """Read from the gate's real /metrics exposition: the non-zero rejections, upstream errors
+    by phase, retries, stale connections and closed connections, the service label left out."""
+    from vllm_guardian.gate.metrics import GateMetrics
+
+    b = bench()
+    m = GateMetrics("vllm")
+    m.rejected.labels("queue_full").inc(267)
+    m.upstream_error("before_first_byte")
+    m.upstream_error("before_first_byte")
+    m.upstream_error("connect")
+    m.stale_connections.inc(3)
+    m.retried.inc(2)
+    m.admitted.inc(900)  # not one of the counters a run records
+    assert b.gate_counters(m.render().decode()) == {
+        "vllm_guardian_gate_rejected_total{reason=queue_full}": 267.0,
+        "vllm_guardian_gate_upstream_errors_total{phase=before_first_byte}": 2.0,
+        "vllm_guardian_gate_upstream_errors_total{phase=connect}": 1.0,
+        "vllm_guardian_gate_upstream_stale_connections_total": 3.0,
+        "vllm_guardian_gate_retried_total": 2.0,
+    }

@@ -289,6 +289,63 @@ def test_an_idle_connection_the_upstream_closed_is_not_used_again() -> None:
     assert server.connections == 2
 
 
+# What the upstream does with the second request, sent on the connection the first one's
+# answer left open: closed with no answer (uvicorn's keep-alive timer fired as it arrived: vLLM
+# closes a connection idle for 5 s, and on a busy server the timer and the request race), or
+# closed after part of an answer. Expected: answered on a new connection, or an UpstreamError.
+STALE = [
+    ("closed with no answer: sent again on a new connection", [CLOSE], [OK], (200, 1), 2),
+    ("closed with no answer twice: the new connection's failure is the error", [CLOSE], [CLOSE], ("before_first_byte", 1), 2),
+    ("closed after part of the head: never sent again", [b"HTTP/1.1 200", CLOSE], [OK], ("before_first_byte", 0), 1),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("second", "third", "expected", "connections"),
+    [c[1:] for c in STALE],
+    ids=[c[0] for c in STALE],
+)
+def test_a_kept_connection_closed_before_any_answer_is_sent_again_once_on_a_new_one(
+    second: list[bytes], third: list[bytes], expected: tuple[object, int], connections: int
+) -> None:
+    """Not a broken upstream: a request the server closed its idle connection on, before a
+    byte of answer, never reached vLLM's handler; a fresh connection is its first real try."""
+
+    async def test(pool: UpstreamPool, server: Server) -> None:
+        assert await body_of(pool) == (200, b"ok", 2)
+        assert pool.idle_connections == 1
+        status_or_phase, retried = expected
+        if status_or_phase == 200:
+            assert await body_of(pool) == (200, b"ok", 2)
+        else:
+            with pytest.raises(UpstreamError) as e:
+                await body_of(pool)
+            assert e.value.phase == status_or_phase
+        assert pool.stale_retries == retried
+
+    server = run([[OK], second, third], test)
+    assert server.connections == connections
+
+
+def test_an_exchange_taken_back_is_not_sent_again_on_a_new_connection() -> None:
+    """take_back closes a kept connection's exchange on purpose (the engine is hung): its
+    failure goes to the sender, who decides, not to a silent second try on this engine."""
+
+    async def test(pool: UpstreamPool, server: Server) -> None:
+        assert await body_of(pool) == (200, b"ok", 2)
+        waiting = asyncio.create_task(pool.request("POST", "/v1/a", [], b"{}", saveable=True))
+        while len(server.requests) < 2:
+            await asyncio.sleep(0.01)
+        assert pool.take_back() == 1
+        with pytest.raises(UpstreamError) as e:
+            await waiting
+        assert e.value.taken_back
+        assert pool.stale_retries == 0
+
+    server = run([[OK], [HANG], [OK]], test)
+    assert server.connections == 1
+
+
 def test_an_idle_connection_past_the_keepalive_is_closed_not_reused() -> None:
     async def test(pool: UpstreamPool, server: Server) -> None:
         pool.keepalive_seconds = 0.0

@@ -109,6 +109,13 @@ class GateMetrics:
             ["service", "phase"],
             registry=r,
         )
+        self.stale_connections = Counter(
+            f"{NS}_upstream_stale_connections",
+            "Requests sent again on a new connection because vLLM closed the kept connection "
+            "they went out on before answering (its keep-alive timer raced them): not a failure.",
+            ["service"],
+            registry=r,
+        ).labels(*s)
         self.client_disconnects = Counter(
             f"{NS}_client_disconnects",
             "Clients that went away before their answer was complete, by phase.",

@@ -25,7 +25,7 @@ from vllm_guardian.gate.connections import (
 from vllm_guardian.gate.follower import Follower
 from vllm_guardian.gate.metrics import GateMetrics
 from vllm_guardian.gate.proxy import GateProxy, ProxySettings
-from vllm_guardian.gate.upstream import UpstreamPool
+from vllm_guardian.gate.upstream import KEEPALIVE_SECONDS, UpstreamPool
 
 log = logging.getLogger("vllm_guardian.gate")
 
@@ -72,7 +72,10 @@ class Gate:
 
     async def start(self) -> None:
         s = self.settings
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, ttl_dns_cache=300)
+        # Idle connections kept under vLLM's keep-alive limit, as the proxy's pool keeps them.
+        connector = aiohttp.TCPConnector(
+            limit=0, keepalive_timeout=KEEPALIVE_SECONDS, ttl_dns_cache=300
+        )
         self._session = aiohttp.ClientSession(
             connector=connector,
             auto_decompress=False,  # bytes pass through as the upstream sent them
@@ -83,7 +86,9 @@ class Gate:
         )
         self.admission = Admission(s.limits, self.metrics)
         self._pool = UpstreamPool(
-            s.proxy.upstream, connect_timeout_seconds=s.proxy.connect_timeout_seconds
+            s.proxy.upstream,
+            connect_timeout_seconds=s.proxy.connect_timeout_seconds,
+            on_stale_retry=self.metrics.stale_connections.inc,
         )
         self.follower = Follower(
             self.admission,
@@ -104,7 +109,9 @@ class Gate:
         malformed = MalformedRequests(self.metrics, s.malformed_log_interval_seconds)
         if s.proxy.fallback_url is not None:
             self._fallback_pool = UpstreamPool(
-                s.proxy.fallback_url, connect_timeout_seconds=s.proxy.connect_timeout_seconds
+                s.proxy.fallback_url,
+                connect_timeout_seconds=s.proxy.connect_timeout_seconds,
+                on_stale_retry=self.metrics.stale_connections.inc,
             )
         self.proxy = GateProxy(
             s.proxy, self.admission, self.follower, self._pool, self.metrics, malformed,

@@ -18,6 +18,12 @@ What it does and does not do, on purpose:
   side said ``Connection: close``; an idle one the upstream closed (a restart) is dropped when
   next taken, before anything is written to it, and one idle longer than
   ``keepalive_seconds`` is closed instead of reused;
+* a request on a kept connection that the upstream closes (or resets) before a byte of answer
+  is sent again once, on a new connection (:attr:`UpstreamPool.stale_retries`): the server's
+  keep-alive timer closed it as the request arrived (vLLM closes a connection idle for 5 s, and
+  on a busy server the timer and the request race), so vLLM's handler never had it. Not on a
+  new connection, not after any byte of answer, not for an exchange taken back: those are the
+  upstream's failures, the proxy's to count and decide on;
 * errors are one type, :class:`UpstreamError`, with the phase the proxy counts them under; no
   redirects, cookies, decompression or proxies (the gate forwards, it does not browse);
 * :meth:`UpstreamPool.take_back` closes the connections of the exchanges under way that their
@@ -32,7 +38,7 @@ import contextlib
 import socket
 import ssl
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from urllib.parse import urlsplit
 
 from multidict import CIMultiDict
@@ -45,16 +51,24 @@ _NO_BODY_STATUSES = frozenset({204, 304})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 # A body up to this size goes out in the same write as the head.
 _COALESCE_BYTES = 64 * 1024
+# How long an idle connection is kept for reuse: under vLLM's own keep-alive limit
+# (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default), so that the gate, not the server, closes it.
+KEEPALIVE_SECONDS = 4.0
 
 
 class UpstreamError(Exception):
     """The exchange with the upstream failed: ``connect`` (no connection), ``before_first_byte``
     (no complete answer head) or ``streaming`` (the body was cut or malformed)."""
 
-    def __init__(self, phase: str, detail: str, *, taken_back: bool = False) -> None:
+    def __init__(
+        self, phase: str, detail: str, *, taken_back: bool = False, unanswered: bool = False
+    ) -> None:
         super().__init__(detail)
         self.phase = phase
         self.taken_back = taken_back  # the gate closed it (UpstreamPool.take_back)
+        # The connection closed or reset before a byte of answer came (on a kept connection,
+        # the server's keep-alive close racing the request: UpstreamPool sends it again).
+        self.unanswered = unanswered
 
 
 class _Conn:
@@ -250,8 +264,9 @@ class UpstreamPool:
         base_url: str,
         *,
         connect_timeout_seconds: float = 5.0,
-        keepalive_seconds: float = 30.0,
+        keepalive_seconds: float = KEEPALIVE_SECONDS,
         max_idle: int = 256,
+        on_stale_retry: Callable[[], None] | None = None,
     ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -269,6 +284,8 @@ class UpstreamPool:
         self._idle: list[_Conn] = []
         self._busy: set[_Conn] = set()  # handed out for an exchange, not released yet
         self._closed = False
+        self.stale_retries = 0  # requests sent again after a kept connection closed unanswered
+        self._on_stale_retry = on_stale_retry  # and who counts them (the gate's metric)
 
     async def request(
         self,
@@ -289,18 +306,24 @@ class UpstreamPool:
         elif method in _BODY_METHODS:
             lines.append("Content-Length: 0")  # as aiohttp's client did: an empty body, said so
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape")
-        conn = await self._take()
-        conn.saveable, conn.taken_back = saveable, False
-        self._busy.add(conn)
-        try:
-            return await self._exchange(conn, head, body, head_request=method == "HEAD")
-        except UpstreamError as e:
-            self._busy.discard(conn)
-            e.taken_back = conn.taken_back
-            raise
-        except BaseException:
-            self._busy.discard(conn)
-            raise
+        conn, kept = await self._take()
+        while True:
+            conn.saveable, conn.taken_back = saveable, False
+            self._busy.add(conn)
+            try:
+                return await self._exchange(conn, head, body, head_request=method == "HEAD")
+            except UpstreamError as e:
+                self._busy.discard(conn)
+                e.taken_back = conn.taken_back
+                if not (kept and e.unanswered and not conn.taken_back):
+                    raise
+            except BaseException:
+                self._busy.discard(conn)
+                raise
+            self.stale_retries += 1
+            if self._on_stale_retry is not None:
+                self._on_stale_retry()
+            conn, kept = await self._connect(), False
 
     def take_back(self) -> int:
         """Close the connection of every exchange under way that is marked saveable (the
@@ -325,6 +348,9 @@ class UpstreamPool:
             if writer.transport.get_write_buffer_size() > 0:
                 await writer.drain()
             return await self._read_head(conn, head_request=head_request)
+        except (ConnectionResetError, BrokenPipeError) as e:  # before a byte of answer
+            conn.close()
+            raise UpstreamError("before_first_byte", type(e).__name__, unanswered=True) from None
         except UpstreamError:
             conn.close()
             raise
@@ -336,15 +362,21 @@ class UpstreamPool:
             raise
 
     async def _read_head(self, conn: _Conn, *, head_request: bool) -> UpstreamResponse:
+        first = True  # no byte of answer yet (an interim 1xx answer is one)
         while True:
             try:
                 raw = await conn.reader.readuntil(b"\r\n\r\n")
             except asyncio.IncompleteReadError as e:
                 if not e.partial:
                     raise UpstreamError(
-                        "before_first_byte", "the upstream closed the connection"
+                        "before_first_byte", "the upstream closed the connection", unanswered=first
                     ) from None
                 raise
+            except (ConnectionResetError, BrokenPipeError) as e:
+                if first:
+                    raise
+                raise UpstreamError("before_first_byte", type(e).__name__) from None
+            first = False
             lines = raw[:-4].decode("utf-8", "surrogateescape").split("\r\n")
             version, _, rest = lines[0].partition(" ")
             code, _, reason = rest.partition(" ")
@@ -366,15 +398,21 @@ class UpstreamPool:
                 response._keep = False
             return response
 
-    async def _take(self) -> _Conn:
+    async def _take(self) -> tuple[_Conn, bool]:
+        """A connection for the next exchange, and whether it was kept from an earlier one."""
         if self._closed:
             raise UpstreamError("connect", "the gate is shutting down")
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()
             if conn.usable(now, self.keepalive_seconds):
-                return conn
+                return conn, True
             conn.close()
+        return await self._connect(), False
+
+    async def _connect(self) -> _Conn:
+        if self._closed:
+            raise UpstreamError("connect", "the gate is shutting down")
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(
