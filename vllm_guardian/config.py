@@ -268,10 +268,46 @@ class GateConfig:
     # 10 s: a blip (a /health miss, a suspect upstream) passes here first; a restart (30-70 s)
     # does not.
     fallback_after_seconds: float = field(default=10.0, metadata=_bounds(0, 3600))
+    # Worker processes on the listen port (--workers; docs/gate.md, "More than one core"), each
+    # with an even share of the limits above. 0: one per CPU this process may use (its
+    # affinity and its cgroup's CPU limit), at most 4, fewer where the limits cannot be split
+    # that far. 1: one process, no parent.
+    workers: int = field(default=0, metadata=_bounds(0, 64))
 
     @property
     def listen_address(self) -> tuple[str, int]:
         return parse_listen(self.listen)
+
+
+def workers_problem(
+    workers: int,
+    *,
+    max_queue_requests: int,
+    max_queued_tokens: int,
+    body_budget_bytes: int,
+    max_body_bytes: int,
+    kv_admission: bool,
+) -> str | None:
+    """Why the gate's limits cannot be split over ``workers`` processes, or None: each worker
+    gets an even share of every limit, so a positive limit needs at least one per worker and
+    each worker's body budget must fit a largest body; KV-need admission counts the pool as
+    one process's own."""
+    if workers <= 1:
+        return None
+    if kv_admission:
+        return "kv_admission needs workers: 1 (each worker would count the KV pool as its own)"
+    for name, value in (("max_queue_requests", max_queue_requests),
+                        ("max_queued_tokens", max_queued_tokens)):  # fmt: skip
+        if 0 < value < workers:
+            return (
+                f"{name} ({value}) must be at least workers ({workers}): each worker holds a share"
+            )
+    if body_budget_bytes // workers < max_body_bytes:
+        return (
+            f"body_budget_bytes / workers ({_show_bytes(body_budget_bytes // workers)}) must be "
+            f"at least max_body_bytes ({_show_bytes(max_body_bytes)}): each worker holds a share"
+        )
+    return None
 
 
 @dataclass(frozen=True)
@@ -938,6 +974,18 @@ def _gate_checks(cfg: Config, root: yaml.Node, loader: _Loader) -> None:
                 break
         taken.append((f"services[{i}].gate.listen", mine))
         _gate_key_checks(s.gate, i, root, loader)
+        if problem := workers_problem(
+            s.gate.workers,
+            max_queue_requests=s.gate.max_queue_requests,
+            max_queued_tokens=s.gate.max_queued_tokens,
+            body_budget_bytes=s.gate.body_budget_bytes,
+            max_body_bytes=s.gate.max_body_bytes,
+            kv_admission=s.gate.kv_admission,
+        ):
+            section = _find_path(root, "services", i, "gate")
+            loader.err(
+                f"services[{i}].gate.workers", _find_key(section, "workers") or section, problem
+            )
         if s.gate.body_budget_bytes < s.gate.max_body_bytes:
             section = _find_path(root, "services", i, "gate")
             # The budget's line, or (left at its default) the line that raised max_body_bytes.

@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import logging
 import os
 import re
 import signal
+import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -38,10 +40,19 @@ from vllm_guardian.config import (
     ConfigInvalid,
     check_fallback_url,
     load_config,
+    workers_problem,
 )
 from vllm_guardian.gate.admission import Limits
 from vllm_guardian.gate.proxy import ProxySettings
 from vllm_guardian.gate.server import Gate, GateSettings
+from vllm_guardian.gate.supervisor import CannotListen, Supervisor, hold_port
+from vllm_guardian.gate.workers import (
+    DEFAULT_WORKERS_CAP,
+    default_workers,
+    end_with_parent,
+    host_cpus,
+    split_settings,
+)
 from vllm_guardian.sources.gate import connect_host
 
 log = logging.getLogger("vllm_guardian.gate")
@@ -82,6 +93,9 @@ DEFAULTS: dict[str, Any] = {
     "fallback_url": None,
     "fallback_after": 10.0,
     "log_level": "INFO",
+    "workers": 0,
+    "worker_of": None,
+    "control_dir": None,
 }
 
 
@@ -311,6 +325,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a continuation or a held completion waits for this server before "
         f"the fallback (default {_shown('fallback_after')})",
     )
+    o.add_argument(
+        "--workers",
+        type=int,
+        help="worker processes on the listen port, each with an even share of the limits "
+        f"(default {_shown('workers')}: one per CPU this process may use, at most "
+        f"{DEFAULT_WORKERS_CAP}; 1: one process; docs/gate.md, 'More than one core')",
+    )
+    # Set by the parent on the workers it starts (gate/supervisor.py), not by hand.
+    o.add_argument("--worker-of", help=argparse.SUPPRESS)
+    o.add_argument("--control-dir", help=argparse.SUPPRESS)
     o.add_argument("--log-level", help="DEBUG, INFO (default), WARNING, ERROR")
     return ap  # fmt: skip
 
@@ -370,6 +394,7 @@ def values_from_config(path: str, service: str) -> dict[str, Any]:
         "continuation_off_routes": g.continuation_off_routes,
         "fallback_url": g.fallback_url,
         "fallback_after": g.fallback_after_seconds,
+        "workers": g.workers,
     }
 
 
@@ -500,9 +525,16 @@ class _Notifier:
 
 
 def status_line(gate: Gate) -> str:
-    st = gate.proxy.status() if gate.proxy is not None else {}
+    return merged_status_line(gate.proxy.status() if gate.proxy is not None else {})
+
+
+def merged_status_line(st: Mapping[str, object]) -> str:
+    """systemd's STATUS= line from a status document (one gate's, or the workers' sum)."""
     state = "open" if st.get("open") else f"held ({st.get('reason', '?')})"
-    return (f"{state}; in flight {st.get('in_flight', 0)}, queued {st.get('queue_depth', 0)}")[:400]
+    line = f"{state}; in flight {st.get('in_flight', 0)}, queued {st.get('queue_depth', 0)}"
+    if "workers" in st:
+        line += f"; workers {st.get('workers_answered')}/{st.get('workers')}"
+    return line[:400]
 
 
 async def _heartbeat(gate: Gate, notifier: _Notifier) -> None:
@@ -565,8 +597,82 @@ async def _serve(settings: GateSettings) -> None:
         await gate.stop()
 
 
+def worker_count(args: argparse.Namespace, settings: GateSettings) -> int:
+    """How many workers (after :func:`resolve`): ``--workers``/``workers``, or from the host
+    when 0; raises UsageError when the limits cannot be split that far."""
+    lim, proxy = settings.limits, settings.proxy
+
+    def problem(n: int) -> str | None:
+        return workers_problem(
+            n,
+            max_queue_requests=lim.max_queue_requests,
+            max_queued_tokens=lim.max_queued_tokens,
+            body_budget_bytes=proxy.body_budget_bytes,
+            max_body_bytes=proxy.max_body_bytes,
+            kv_admission=lim.kv_admission,
+        )
+
+    n = int(args.workers)
+    if n < 0:
+        raise UsageError("--workers must be >= 0 (0: from the host)")
+    if n == 0:
+        if not hasattr(socket, "SO_REUSEPORT"):
+            return 1
+        return default_workers(
+            host_cpus(),
+            max_queue_requests=lim.max_queue_requests,
+            max_queued_tokens=lim.max_queued_tokens,
+            body_budget_bytes=proxy.body_budget_bytes,
+            max_body_bytes=proxy.max_body_bytes,
+            kv_admission=lim.kv_admission,
+        )
+    if n > 1 and not hasattr(socket, "SO_REUSEPORT"):
+        raise UsageError("--workers above 1 needs SO_REUSEPORT (Linux)")
+    if why := problem(n):
+        raise UsageError(f"--workers {n}: {why}")
+    return n
+
+
+def _as_worker(args: argparse.Namespace, settings: GateSettings) -> GateSettings:
+    """A worker's settings: its share of the limits (gate/workers.py)."""
+    parts = str(args.worker_of).split("/")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts) or args.control_dir is None:
+        raise UsageError(
+            "--worker-of takes I/N/PARENT with --control-dir (set by the gate's parent)"
+        )
+    index, n, parent = (int(p) for p in parts)
+    # The parent's own SIGHUP replaces the workers; a worker is never reloaded in place.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    end_with_parent(parent)
+    return dataclasses.replace(
+        split_settings(settings, index, n), control_dir=args.control_dir, workers=n
+    )
+
+
+def _supervise(argv: Sequence[str], settings: GateSettings, n: int) -> int:
+    try:
+        held = hold_port(settings.listen_host, settings.listen_port)
+    except CannotListen as e:
+        print(f"vllm-guardian gate: {e}", file=sys.stderr)
+        return 1
+    notifier = _Notifier()
+    with held:
+        sup = Supervisor(
+            argv,
+            n,
+            settings.listen_host,
+            int(held.getsockname()[1]),
+            shutdown_timeout_seconds=settings.shutdown_timeout_seconds,
+            notify=notifier.notify,
+            watchdog_seconds=notifier.watchdog_seconds,
+            status_line=merged_status_line,
+        )
+        return sup.run()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit 0 after SIGTERM/SIGINT, 2 for bad flags or config, 1 when it cannot listen."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
         args = resolve(args)
@@ -580,6 +686,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         settings = settings_from_args(args)
+        if args.worker_of is not None:
+            settings = _as_worker(args, settings)
+        elif (n := worker_count(args, settings)) > 1:
+            return _supervise(argv, settings, n)
     except UsageError as e:
         print(f"vllm-guardian gate: {e}", file=sys.stderr)
         return 2

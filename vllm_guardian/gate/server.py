@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
@@ -23,9 +25,10 @@ from vllm_guardian.gate.connections import (
     fit_descriptor_limit,
 )
 from vllm_guardian.gate.follower import Follower
-from vllm_guardian.gate.metrics import GateMetrics
-from vllm_guardian.gate.proxy import GateProxy, ProxySettings
+from vllm_guardian.gate.metrics import CONTENT_TYPE, GateMetrics
+from vllm_guardian.gate.proxy import STATUS_PATH, GateProxy, ProxySettings
 from vllm_guardian.gate.upstream import KEEPALIVE_SECONDS, UpstreamPool
+from vllm_guardian.gate.workers import ControlServer, gate_metrics, gate_status
 
 log = logging.getLogger("vllm_guardian.gate")
 
@@ -55,6 +58,11 @@ class GateSettings:
     idle_timeout_seconds: float = 15.0
     # Malformed requests: counted, and at most one WARNING line per this long (connections.py).
     malformed_log_interval_seconds: float = 60.0
+    # One of several workers on the port (gate/workers.py): the listen socket is bound with
+    # SO_REUSEPORT, the worker answers its own status on a unix socket in control_dir, and
+    # GET /gate/status answers the sum over the workers. None: the gate is one process.
+    control_dir: str | None = None
+    workers: int = 1
 
 
 class Gate:
@@ -69,6 +77,7 @@ class Gate:
         self.follower: Follower | None = None
         self.proxy: GateProxy | None = None
         self.port = settings.listen_port
+        self._control: ControlServer | None = None
 
     async def start(self) -> None:
         s = self.settings
@@ -124,7 +133,7 @@ class Gate:
         if why is not None:
             log.warning("gate: %s", why)
         server = GuardedServer(
-            self.proxy.handle,
+            self.proxy.handle if s.control_dir is None else self._handle_as_worker,
             max_connections=cap,
             idle_timeout_seconds=s.idle_timeout_seconds,
             metrics=self.metrics,
@@ -138,6 +147,8 @@ class Gate:
         family = socket.AF_INET6 if ":" in s.listen_host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if s.control_dir is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             sock.bind((s.listen_host, s.listen_port))
         except OSError:
@@ -146,6 +157,30 @@ class Gate:
         self.port = int(sock.getsockname()[1])
         site = web.SockSite(self._runner, sock, backlog=1024)
         await site.start()
+        if s.control_dir is not None:
+            self._control = ControlServer(
+                Path(s.control_dir), self.proxy.status, self.metrics.render
+            )
+            await self._control.start()
+
+    async def _handle_as_worker(
+        self, request: web.BaseRequest, body_read: Callable[[], None] = lambda: None
+    ) -> web.StreamResponse:
+        """A worker's handler: the gate's status and metrics are the workers' sums, the rest is
+        the proxy's."""
+        if request.method == "GET" and request.rel_url.path == STATUS_PATH:
+            assert self.proxy is not None
+            assert self.settings.control_dir is not None
+            doc = await gate_status(
+                Path(self.settings.control_dir), self.settings.workers, self.proxy.status()
+            )
+            return web.json_response(doc)
+        if request.method == "GET" and request.rel_url.path == self.settings.proxy.metrics_path:
+            assert self.settings.control_dir is not None
+            body = await gate_metrics(Path(self.settings.control_dir), self.metrics.render())
+            return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+        assert self.proxy is not None
+        return await self.proxy.handle(request, body_read)
 
     async def stop(self) -> None:
         if self.follower is not None:
@@ -160,6 +195,9 @@ class Gate:
             self._fallback_pool.close()
         if self._session is not None:
             await self._session.close()
+        # Last: a draining worker's in-flight requests stay in its siblings' sum until done.
+        if self._control is not None:
+            await self._control.stop()
 
     async def serve_forever(self, stop: asyncio.Event) -> None:
         await self.start()
