@@ -1,6 +1,7 @@
 """Benchmark: what the admission gate adds per request, against direct access and nginx.
 
 Run: .venv/bin/python bench/gate.py [--requests 2000] [--repeat 5] [--seconds 3] [--concurrency 16]
+[--workers 1]
 
 In one run, all on 127.0.0.1, for two upstreams:
 
@@ -10,7 +11,8 @@ In one run, all on 127.0.0.1, for two upstreams:
 
 it measures three ways in: (a) direct, (b) ``vllm-guardian gate`` (a subprocess, defaults: KV
 admission off, uvloop), (c) Debian's nginx as a plain ``proxy_pass`` reverse proxy (generated
-config in a temp dir, one worker, ``daemon off``, HTTP/1.1 keep-alive to the upstream,
+config in a temp dir, ``--workers`` workers (1 unless given; the gate gets as many),
+``daemon off``, HTTP/1.1 keep-alive to the upstream,
 ``proxy_buffering off`` so SSE is not held back). nginx's config is the one a user would
 write for vLLM; see ``NGINX_CONF``.
 
@@ -59,7 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TARGETS = ("direct", "gate", "nginx")
 
 NGINX_CONF = """
-worker_processes 1;
+worker_processes {workers};
 pid {d}/nginx.pid;
 error_log {d}/error.log warn;
 events {{ worker_connections 4096; }}
@@ -368,6 +370,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sse-gap-ms", type=float, default=20.0)
     ap.add_argument("--twin-speed", type=float, default=100.0)
     ap.add_argument("--upstreams", default="stub,twin", help="stub,twin (default both)")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="the gate's worker processes, and nginx's (default 1: one process each)",
+    )
     ap.add_argument("--serve-stub", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve_stub:
@@ -378,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("nginx not found (apt-get install nginx)")
     py = sys.executable
     print(f"# bench/gate.py on {os.cpu_count()} cores; {args.requests} requests per path, "
-          f"rate: {args.concurrency} connections x {args.seconds:g} s")  # fmt: skip
+          f"rate: {args.concurrency} connections x {args.seconds:g} s; "
+          f"{args.workers} worker(s) for the gate and nginx")  # fmt: skip
     load_before = os.getloadavg()
     rows: list[Row] = []
     ratios: dict[str, list[float]] = {}
@@ -396,9 +405,12 @@ def main(argv: list[str] | None = None) -> int:
             d = Path(tmp) / upstream
             d.mkdir()
             conf = d / "nginx.conf"
-            conf.write_text(NGINX_CONF.format(d=d, upstream=up, port=ports["nginx"]))
+            conf.write_text(
+                NGINX_CONF.format(d=d, upstream=up, port=ports["nginx"], workers=args.workers)
+            )
             gate = [py, "-m", "vllm_guardian.gate", "--listen", f"127.0.0.1:{ports['gate']}",
-                    "--upstream", f"http://127.0.0.1:{up}", "--log-level", "WARNING"]  # fmt: skip
+                    "--upstream", f"http://127.0.0.1:{up}", "--log-level", "WARNING",
+                    "--workers", str(args.workers)]  # fmt: skip
             ngx = [nginx, "-p", str(d), "-e", str(d / "error.log"), "-c", str(conf), "-g", "daemon off;"]  # fmt: skip
             with (
                 process(server, up),

@@ -170,7 +170,13 @@ Type=notify
 NotifyAccess=main
 # The gate's loop beats every few seconds; 10 s without a beat means a wedged loop: restart.
 WatchdogSec=10s
+# The number of worker processes is the gate: section's `workers` (0: one per CPU this unit may
+# use, at most 4; CPUAffinity=, AllowedCPUs= and CPUQuota= count). With more than one, the main
+# process is their parent: it alone talks to systemd (NotifyAccess=main), and SIGHUP to it
+# (systemctl kill -s HUP --kill-whom=main) replaces the workers one at a time.
 ExecStart={exec} gate -c {config} --service %i
+# SIGTERM to the parent alone: it stops its workers, each draining; SIGKILL to all at the end.
+KillMode=mixed
 # Clients reconnect to a restarted gate; a gate that is not running refuses them all.
 Restart=always
 RestartSec=1s
