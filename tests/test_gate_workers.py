@@ -396,29 +396,50 @@ def test_a_killed_worker_is_replaced_and_its_requests_are_counted_lost(
 
 
 @pytest.mark.slow
-def test_sighup_replaces_every_worker_while_their_requests_finish(
+def test_sighup_replaces_every_worker_and_loses_nothing_they_held(
     stub: Stub, tmp_path: Path
 ) -> None:
-    gate = Workers(stub, tmp_path, "      shutdown_timeout_seconds: 120\n")
+    gate = Workers(stub, tmp_path)
     try:
-        held = gate.post("/v1/hold", 16)
+        # In flight on both workers (the stub holds them), and held in both queues (the
+        # guardian has closed the front door).
+        in_flight = gate.post("/v1/hold", 16)
         wait_for(lambda: gate.status()["in_flight"] == 16, "16 in flight", seen=gate.seen)
+        stub.ready = False
+        wait_for(lambda: not any(w["open"] for w in gate.status()["per_worker"]),
+                 "both workers closed", seen=gate.seen)  # fmt: skip
+        queued = gate.post("/v1/echo", 16)
+        wait_for(lambda: gate.status()["queue_depth"] == 16, "16 held", seen=gate.seen)
         before = gate.pids()
         gate.proc.send_signal(signal.SIGHUP)
 
         def new_workers_beside_the_old() -> bool:
             st = gate.status()
             pids = {int(w["pid"]) for w in st["per_worker"]}
-            # The retiring workers answer beside their successors until they have drained.
-            return len(pids - before) == 2 and st["in_flight"] == 16
+            # The old workers answer beside their successors while they still hold requests.
+            return len(pids - before) == 2 and (st["in_flight"], st["queue_depth"]) == (16, 16)
 
         wait_for(new_workers_beside_the_old, "two new workers", seen=gate.seen)
+        # Once retired, the old workers take no new connection: these wait in the new ones'.
+        wait_for(lambda: gate.log.read_text().count(": retiring (a reload)") == 2,
+                 "both old workers retired", seen=lambda: gate.log.read_text()[-2000:])  # fmt: skip
+        later = gate.post("/v1/echo", 8)
+
+        def held_by() -> tuple[int, int]:
+            ws = gate.status()["per_worker"]
+            old = sum(int(w["queue_depth"]) for w in ws if int(w["pid"]) in before)
+            return old, sum(int(w["queue_depth"]) for w in ws) - old
+
+        wait_for(lambda: held_by() == (16, 8), "8 more held by the new workers", seen=held_by)
+        stub.ready = True
+        assert codes(queued + later) == [200] * 24
         stub.set_release()
-        assert codes(held) == [200] * 16
+        assert codes(in_flight) == [200] * 16
         wait_for(lambda: not (gate.pids() & before) and len(gate.pids()) == 2,
                  "only the new workers", seen=gate.seen)  # fmt: skip
         assert codes(gate.post("/v1/echo", 24)) == [200] * 24
-        assert gate.status()["worker_restarts_total"] == 0
+        st = gate.status()
+        assert (st["worker_restarts_total"], st["worker_lost_requests_total"]) == (0, 0), st
     finally:
         out = gate.stop()
     assert gate.proc.returncode == 0, out

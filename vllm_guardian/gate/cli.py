@@ -45,7 +45,7 @@ from vllm_guardian.config import (
 from vllm_guardian.gate.admission import Limits
 from vllm_guardian.gate.proxy import ProxySettings
 from vllm_guardian.gate.server import Gate, GateSettings
-from vllm_guardian.gate.supervisor import CannotListen, Supervisor, hold_port
+from vllm_guardian.gate.supervisor import RETIRE_SIGNAL, CannotListen, Supervisor, hold_port
 from vllm_guardian.gate.workers import (
     DEFAULT_WORKERS_CAP,
     default_workers,
@@ -571,6 +571,9 @@ async def _serve(settings: GateSettings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    retire = asyncio.Event()
+    if settings.control_dir is not None:  # a worker: its parent's reload retires it
+        loop.add_signal_handler(RETIRE_SIGNAL, retire.set)
     gate = Gate(settings)
     notifier = _Notifier()
     try:
@@ -589,7 +592,7 @@ async def _serve(settings: GateSettings) -> None:
     notifier.notify(f"READY=1\nSTATUS={status_line(gate)}")
     beat = loop.create_task(_heartbeat(gate, notifier), name="gate-heartbeat")
     try:
-        await stop.wait()
+        await _until_stopped(gate, stop, retire)
     finally:
         notifier.notify("STOPPING=1")
         beat.cancel()
@@ -668,6 +671,23 @@ def _supervise(argv: Sequence[str], settings: GateSettings, n: int) -> int:
             status_line=merged_status_line,
         )
         return sup.run()
+
+
+async def _until_stopped(gate: Gate, stop: asyncio.Event, retire: asyncio.Event) -> None:
+    """Until SIGTERM/SIGINT, or, in a worker, until its parent's reload retired it and it
+    holds no request any more (Gate.retire)."""
+    stopped = asyncio.ensure_future(stop.wait())
+    retired = asyncio.ensure_future(retire.wait())
+    try:
+        await asyncio.wait({stopped, retired}, return_when=asyncio.FIRST_COMPLETED)
+        if retire.is_set() and not stop.is_set():
+            log.info("gate worker %d: retiring (a reload): no new connections", os.getpid())
+            drained = asyncio.ensure_future(gate.retire())
+            await asyncio.wait({stopped, drained}, return_when=asyncio.FIRST_COMPLETED)
+            drained.cancel()
+    finally:
+        stopped.cancel()
+        retired.cancel()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

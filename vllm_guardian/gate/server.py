@@ -32,6 +32,9 @@ from vllm_guardian.gate.workers import ControlServer, gate_metrics, gate_status
 
 log = logging.getLogger("vllm_guardian.gate")
 
+# A retiring worker looks this often whether its queue is empty.
+RETIRE_CHECK_SECONDS = 0.1
+
 
 @dataclass(frozen=True)
 class GateSettings:
@@ -181,6 +184,25 @@ class Gate:
             return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
         assert self.proxy is not None
         return await self.proxy.handle(request, body_read)
+
+    async def retire(self) -> None:
+        """A reload's old worker (gate/supervisor.py), before :meth:`stop`: stop taking
+        connections (its successor on the port takes them), close each open one once its
+        exchange ends, and wait until this worker has no exchange left: what it holds is
+        released to vLLM as it would have been (or refused at its own ``max_wait``), what it
+        has in flight finishes. At most the longest a held request may wait; what is left then
+        gets ``shutdown_timeout_seconds`` from :meth:`stop`, as on SIGTERM."""
+        if self._runner is None or self.proxy is None:
+            return
+        for site in list(self._runner.sites):
+            await site.stop()
+        if self._runner.server is not None:
+            self._runner.server.pre_shutdown()
+        lim = self.settings.limits
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + lim.max_wait_seconds + lim.restart_extra_wait_seconds + 1.0
+        while self.proxy.open_exchanges > 0 and loop.time() < deadline:
+            await asyncio.sleep(RETIRE_CHECK_SECONDS)
 
     async def stop(self) -> None:
         if self.follower is not None:

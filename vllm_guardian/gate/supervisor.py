@@ -17,8 +17,9 @@ share of the limits, gate/workers.py), and then, in a loop:
   requests 503, in-flight ones ``shutdown_timeout`` to finish); the parent exits 0 once all
   have;
 * SIGHUP: the workers are replaced one at a time (a reload: each new worker reads the config
-  afresh); an old worker gets SIGTERM only once its successor answers, so the port never goes
-  unserved, and it drains as on SIGTERM.
+  afresh); an old worker is told to retire only once its successor answers, so the port never
+  goes unserved: it stops taking connections, keeps the requests it holds until they are
+  released (or refused at their ``max_wait``), then stops as on SIGTERM.
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ BACKOFF_MAX_SECONDS = 30.0
 BACKOFF_RESET_SECONDS = 30.0
 # Workers still running this long after the SIGTERM past their own shutdown timeout: killed.
 STOP_GRACE_SECONDS = 10.0
+
+
+# What a reload sends an old worker: stop taking connections, keep what it holds until it is
+# released (Gate.retire), then stop as on SIGTERM.
+RETIRE_SIGNAL = signal.SIGUSR1
 
 
 class CannotListen(Exception):
@@ -280,7 +286,7 @@ class Supervisor:
             elif s is not None and s.last_answer is not None:
                 old, slot.worker, slot.successor = slot.worker, s, None
                 if old is not None:
-                    old.proc.terminate()
+                    old.proc.send_signal(RETIRE_SIGNAL)
                     self.retiring.append(old)
                 self._write_parent()
                 self._next_reload_step()
