@@ -402,6 +402,9 @@ def gate_section(port: int, speed: float) -> dict[str, Any]:
         # Not divided: 0.1 s already notices a restart before the guardian's next tick, and
         # 40 polls a second would cost the shared cores more than they tell.
         "poll_interval_seconds": GateConfig().poll_interval_seconds,
+        # One gate process, as in the runs already reported: the twin's load fits one core, and
+        # the twin, the guardian and the clients share the machine's.
+        "workers": 1,
     }
 
 

@@ -260,6 +260,13 @@ def stub() -> Iterator[Stub]:
     s.stop()
 
 
+def close_the_front_door(stub: Stub) -> None:
+    """The guardian says draining and vLLM's /health says 503: a worker that misses the
+    guardian's answer on a busy host (an unreachable guardian does not close the gate) still
+    holds, on vLLM's own."""
+    stub.ready = stub.healthy = False
+
+
 def codes(futures: list[Future[requests.Response]]) -> list[int]:
     return sorted(f.result(timeout=120).status_code for f in futures)
 
@@ -282,14 +289,14 @@ def test_two_workers_serve_hold_one_bound_and_report_one_sum(stub: Stub, tmp_pat
 
         # The guardian closes the front door; a burst of 20 against a bound of 4 (2 a worker):
         # exactly 4 held, the other 16 answered 503 at once, as a single gate answers them.
-        stub.ready = False
+        close_the_front_door(stub)
         wait_for(lambda: not any(w["open"] for w in gate.status()["per_worker"]),
                  "both workers closed", seen=gate.seen)  # fmt: skip
         burst = gate.post("/v1/echo", 20)
         wait_for(lambda: gate.status()["rejected_total"] == 16, "16 refused", seen=gate.seen)
         st = gate.status()
         assert (st["queue_depth"], per_worker(gate, "queue_depth")) == (4, [2, 2]), st
-        stub.ready = True
+        stub.ready = stub.healthy = True
         assert codes(burst) == [200] * 4 + [503] * 16
 
         # In flight on both workers, as the guardian's gate source reads it: the sum.
@@ -405,7 +412,7 @@ def test_sighup_replaces_every_worker_and_loses_nothing_they_held(
         # guardian has closed the front door).
         in_flight = gate.post("/v1/hold", 16)
         wait_for(lambda: gate.status()["in_flight"] == 16, "16 in flight", seen=gate.seen)
-        stub.ready = False
+        close_the_front_door(stub)
         wait_for(lambda: not any(w["open"] for w in gate.status()["per_worker"]),
                  "both workers closed", seen=gate.seen)  # fmt: skip
         queued = gate.post("/v1/echo", 16)
@@ -431,7 +438,7 @@ def test_sighup_replaces_every_worker_and_loses_nothing_they_held(
             return old, sum(int(w["queue_depth"]) for w in ws) - old
 
         wait_for(lambda: held_by() == (16, 8), "8 more held by the new workers", seen=held_by)
-        stub.ready = True
+        stub.ready = stub.healthy = True
         assert codes(queued + later) == [200] * 24
         stub.set_release()
         assert codes(in_flight) == [200] * 16

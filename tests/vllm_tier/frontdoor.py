@@ -45,7 +45,9 @@ class GateProcess:
                         {
                             "name": "vllm",
                             "url": f"http://127.0.0.1:{vllm_port}",
-                            "gate": {"listen": f"127.0.0.1:{port}", **keys},
+                            # One gate process unless a test asks for more: the CPU
+                            # engine takes the cores, and the tier's runs compare with earlier.
+                            "gate": {"listen": f"127.0.0.1:{port}", "workers": 1, **keys},
                         }
                     ],
                 }

@@ -6,8 +6,8 @@ stays this gate's while workers come and go), starts N worker processes (``vllm-
 ... --worker-of I/N --control-dir DIR``: each binds the port itself and runs one gate on its
 share of the limits, gate/workers.py), and then, in a loop:
 
-* sends systemd ``READY=1`` once every worker answers on its control socket, ``WATCHDOG=1``
-  and a ``STATUS=`` line of the workers' sum while it runs;
+* sends systemd ``READY=1`` once a worker answers on its control socket (the port serves from
+  then on), ``WATCHDOG=1`` and a ``STATUS=`` line of the workers' sum while it runs;
 * reads each worker's status every second; a worker that exits, or that has not answered for
   ``WORKER_WEDGED_SECONDS`` (its loop is wedged: killed), is started again after a backoff
   (0.5 s doubling to 30 s, back to 0.5 s once one ran 30 s), and what it had in flight or held
@@ -47,9 +47,11 @@ log = logging.getLogger("vllm_guardian.gate")
 
 POLL_SECONDS = 1.0
 # A worker whose control socket has not answered this long is wedged (the single gate's
-# WatchdogSec=10s): killed and started again. A new worker gets STARTUP_SECONDS first.
+# WatchdogSec=10s): killed and started again. A new worker gets STARTUP_SECONDS first: on a
+# starved host (the tests' two busy cores) starting one took over 30 s, and killing it then
+# only starts the same work again.
 WORKER_WEDGED_SECONDS = 10.0
-STARTUP_SECONDS = 30.0
+STARTUP_SECONDS = 90.0
 BACKOFF_FIRST_SECONDS = 0.5
 BACKOFF_MAX_SECONDS = 30.0
 # Past this long a worker's next death starts the backoff again from the first step.
@@ -248,12 +250,18 @@ class Supervisor:
                 if now >= next_poll:
                     next_poll = now + POLL_SECONDS
                     self._poll(now)
-                    if not ready and all(
+                    # The port serves once one worker listens (the kernel hands connections
+                    # only to listening sockets): ready then, not when the last one is up.
+                    answering = sum(
                         s.worker is not None and s.worker.last_answer is not None
                         for s in self.slots
-                    ):
+                    )
+                    if not ready and answering:
                         ready = True
-                        log.info("gate: %d workers on %s:%d", self.n, self.host, self.port)
+                        log.info(
+                            "gate: %d of %d workers on %s:%d",
+                            answering, self.n, self.host, self.port,
+                        )  # fmt: skip
                         self.notify("READY=1")
                 if ready and now >= next_beat:
                     next_beat = now + beat
@@ -290,6 +298,17 @@ class Supervisor:
                     self.retiring.append(old)
                 self._write_parent()
                 self._next_reload_step()
+        for w in self.retiring:
+            code = w.proc.poll()
+            if code is not None and code != 0:
+                # A retiring worker's held requests were to be released, not cut: count them.
+                self.counts.lost_requests_total += w.holding
+                log.warning(
+                    "gate: retiring worker pid %d ended (%s); %d requests it had in flight or "
+                    "held at its last reading are lost",
+                    w.proc.pid, f"signal {-code}" if code < 0 else f"exit {code}", w.holding,
+                )  # fmt: skip
+                self._write_parent()
         self.retiring = [w for w in self.retiring if w.proc.poll() is None]
 
     def _poll(self, now: float) -> None:
@@ -301,7 +320,7 @@ class Supervisor:
         if holding != self.counts.holding:
             self.counts.holding = holding
             self._write_parent()
-        for w in workers:
+        for w in workers + self.retiring:
             if w.proc.poll() is None and self._wedged(w, now):
                 log.warning(
                     "gate: worker %d (pid %d) has not answered for %.0f s: killed",

@@ -222,7 +222,10 @@ def demo_config(
                  **({"gate": {"listen": f"127.0.0.1:{gate_port}",
                               # The progress watch holds new requests after a third of the
                               # guardian's stall wait, as the shipped defaults do (10 of 30 s).
-                              "stall_hold_seconds": DEMO_STALL_SECONDS / 3}}
+                              "stall_hold_seconds": DEMO_STALL_SECONDS / 3,
+                              # One process: the twin, the guardian and the load share the
+                              # cores, and a tiny model's stream needs no second gate worker.
+                              "workers": 1}}
                     if gate_port else {})}
             ],
             "sources": {
