@@ -58,7 +58,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import cast
@@ -109,7 +109,16 @@ STREAM_BODY = json.dumps(
 # --- the stub upstream (this file, run with --serve-stub PORT) -------------------------------
 
 
-def serve_stub(port: int, events: int, gap_s: float) -> None:
+def serve_stub(
+    port: int,
+    events: int,
+    gap_s: float,
+    *,
+    reuse_port: bool = False,
+    on_listening: Callable[[], None] | None = None,
+) -> None:
+    """Serve until SIGTERM. ``reuse_port``: bind with SO_REUSEPORT, so several stub processes
+    share the port (bench/gate_workers.py); ``on_listening`` is called once it listens."""
     import uvloop  # noqa: PLC0415 (only the stub's process needs it)
 
     answer = json.dumps(
@@ -235,8 +244,12 @@ def serve_stub(port: int, events: int, gap_s: float) -> None:
 
     loop.call_at(t0 + TICK_S, on_tick)
     server = loop.run_until_complete(
-        loop.create_server(Conn, "127.0.0.1", port, backlog=4096, reuse_address=True)
+        loop.create_server(
+            Conn, "127.0.0.1", port, backlog=4096, reuse_address=True, reuse_port=reuse_port
+        )
     )
+    if on_listening is not None:
+        on_listening()
     loop.add_signal_handler(signal.SIGTERM, loop.stop)
     loop.run_forever()
     server.close()
