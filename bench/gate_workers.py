@@ -322,7 +322,8 @@ def start_gate(
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     log.write(f"--- gate with {n} worker(s), port {port}: {' '.join(argv)}\n".encode())
     log.flush()
-    proc = subprocess.Popen(pinned(cores, argv), stdout=log, stderr=log, env=env, start_new_session=True)  # fmt: skip
+    # cwd: ``-m`` puts the working directory first on the path; the tree measured is ROOT's.
+    proc = subprocess.Popen(pinned(cores, argv), stdout=log, stderr=log, env=env, cwd=ROOT, start_new_session=True)  # fmt: skip
     g = GateProc(n, port, proc, cores)
     deadline = time.monotonic() + args.start_timeout
     while True:
