@@ -93,6 +93,8 @@ IDLE_SHARE = 0.25
 # The gaps' histogram: 1 ms buckets up to 10 s.
 GAP_BUCKET_S = 0.001
 GAP_BUCKETS = 10_000
+# The gates' stderr kept in OUT.gate.log, at most (its end).
+GATE_LOG_KEEP = 256 * 1024
 
 
 # --- the client process (this file, run with --serve-client) ----------------------------------
@@ -783,7 +785,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{la[0]:.2f} {la[1]:.2f} {la[2]:.2f} (per point in the JSON, with each core's busy share where /proc/stat has it).\n\n"
             + "\n".join(table) + "\n"
         )  # fmt: skip
-        shutil.copyfile(gate_log_path, out.with_suffix(".gate.log"))
+        log_bytes = gate_log_path.read_bytes()
+        if len(log_bytes) > GATE_LOG_KEEP:  # its end: what went wrong last
+            log_bytes = b"[... cut ...]\n" + log_bytes[-GATE_LOG_KEEP:]
+        out.with_suffix(".gate.log").write_bytes(log_bytes)
     shutil.rmtree(tmp, ignore_errors=True)
     if error is not None:
         return 4
