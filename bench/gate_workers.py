@@ -140,19 +140,29 @@ async def client_point(cmd: dict[str, Any]) -> dict[str, Any]:
     dones: list[asyncio.Future[None]] = []
     failed = 0
     start, ramp = float(cmd["start_at"]), float(cmd["ramp_s"])
-    await _sleep_until(start)
-    for i in range(n):
+    connect_by = float(cmd["on_at"])  # a connection not made when the window opens has failed
+
+    async def connect(i: int) -> None:
+        # Each connection on its own task, at its slot in the ramp: one after another, a
+        # saturated gate's full accept queue (a dropped SYN is retried 1, 3, 7 s later) held
+        # every later stream back, and a device run's client never finished its ramp.
+        nonlocal failed
+        await _sleep_until(start + ramp * i / n)
         done: asyncio.Future[None] = loop.create_future()
         proto = CountingClient(w, req, ident0 + i, done)
         try:
-            t, _ = await loop.create_connection(lambda p=proto: p, "127.0.0.1", port)  # type: ignore[misc]
-        except OSError:
+            t, _ = await asyncio.wait_for(
+                loop.create_connection(lambda p=proto: p, "127.0.0.1", port),  # type: ignore[misc]
+                max(0.1, connect_by - time.monotonic()),
+            )
+        except (OSError, TimeoutError):
             failed += 1
-            continue
+            return
         conns.append(t)
         protos.append(proto)
         dones.append(done)
-        await _sleep_until(start + ramp * (i + 1) / n)
+
+    await asyncio.gather(*(connect(i) for i in range(n)))
     ramped = time.monotonic()
     await _sleep_until(float(cmd["on_at"]))
     w.on = True
