@@ -271,8 +271,9 @@ class GateConfig:
     # Worker processes on the listen port (--workers; docs/gate.md, "More than one core"), each
     # with an even share of the limits above. 0: one per CPU this process may use (its
     # affinity and its cgroup's CPU limit), at most 4, fewer where the limits cannot be split
-    # that far. 1: one process, no parent.
-    workers: int = field(default=0, metadata=_bounds(0, 64))
+    # that far. 1 (the default): one process, no parent; the outcome benchmarks and the real
+    # vLLM tier measure that form.
+    workers: int = field(default=1, metadata=_bounds(0, 64))
 
     @property
     def listen_address(self) -> tuple[str, int]:

@@ -93,7 +93,7 @@ DEFAULTS: dict[str, Any] = {
     "fallback_url": None,
     "fallback_after": 10.0,
     "log_level": "INFO",
-    "workers": 0,
+    "workers": 1,
     "worker_of": None,
     "control_dir": None,
 }

@@ -164,8 +164,10 @@ class Supervisor:
 
     def _spawn(self, index: int) -> _Worker:
         listen = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        # -P: not the working directory first on the path (-m would put it there), so a
+        # worker runs the parent's code even when started from a checkout of another version.
         cmd = [
-            sys.executable, "-m", "vllm_guardian.gate", *self.argv, "--listen", listen,
+            sys.executable, "-P", "-m", "vllm_guardian.gate", *self.argv, "--listen", listen,
             "--workers", str(self.n), "--worker-of", f"{index}/{self.n}/{os.getpid()}",
             "--control-dir", str(self.control_dir),
         ]  # fmt: skip
