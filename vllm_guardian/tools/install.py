@@ -170,8 +170,8 @@ Type=notify
 NotifyAccess=main
 # The gate's loop beats every few seconds; 10 s without a beat means a wedged loop: restart.
 WatchdogSec=10s
-# The number of worker processes is the gate: section's `workers` (0: one per CPU this unit may
-# use, at most 4; CPUAffinity=, AllowedCPUs= and CPUQuota= count). With more than one, the main
+# The number of worker processes is the gate: section's `workers` (1 by default; 0: one per CPU
+# this unit may use, at most 4; CPUAffinity=, AllowedCPUs= and CPUQuota= count). With more than one, the main
 # process is their parent: it alone talks to systemd (NotifyAccess=main), and SIGHUP to it
 # (systemctl kill -s HUP --kill-whom=main) replaces the workers one at a time.
 ExecStart={exec} gate -c {config} --service %i
