@@ -394,6 +394,16 @@ def upstream_dies_before_a_byte_twice(gate: GateThread, stub: Stub) -> None:
     assert r.status_code == 502 and error_of(r)["type"] == "BadGatewayError"
 
 
+def test_a_hold_on_a_broken_exchange_says_how_it_broke(gate: GateThread, stub: Stub):
+    """The reason (in the log and /gate/status) names the phase and the error: a refused or
+    timed-out connect, a cut before the answer, tell an operator different things."""
+    seen = _closures(gate)
+    requests.post(f"{gate.url}/v1/die_before", data=b"{}", timeout=10)
+    assert any(r.startswith("the upstream broke an exchange (before_first_byte: ") for r in seen), (
+        seen
+    )
+
+
 def test_a_started_stream_is_never_replayed(gate: GateThread, stub: Stub):
     with requests.post(f"{gate.url}/v1/die_mid", data=b"{}", stream=True, timeout=10) as r:
         assert r.status_code == 200

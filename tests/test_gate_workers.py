@@ -35,14 +35,13 @@ from vllm_guardian.config import ConfigInvalid, GateConfig, GateSourceConfig, pa
 from vllm_guardian.gate.admission import Limits
 from vllm_guardian.gate.metrics import GateMetrics
 from vllm_guardian.gate.proxy import ProxySettings
-from vllm_guardian.gate.server import GateSettings
+from vllm_guardian.gate.server import GateSettings, split_settings
 from vllm_guardian.gate.workers import (
     cpu_count_allowed,
     default_workers,
     merge_metrics,
     merge_status,
     share,
-    split_settings,
 )
 from vllm_guardian.model import GateObservation
 from vllm_guardian.sources.gate import GateCollector

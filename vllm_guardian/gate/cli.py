@@ -44,14 +44,13 @@ from vllm_guardian.config import (
 )
 from vllm_guardian.gate.admission import Limits
 from vllm_guardian.gate.proxy import ProxySettings
-from vllm_guardian.gate.server import Gate, GateSettings
+from vllm_guardian.gate.server import Gate, GateSettings, split_settings
 from vllm_guardian.gate.supervisor import RETIRE_SIGNAL, CannotListen, Supervisor, hold_port
 from vllm_guardian.gate.workers import (
     DEFAULT_WORKERS_CAP,
     default_workers,
     end_with_parent,
     host_cpus,
-    split_settings,
 )
 from vllm_guardian.sources.gate import connect_host
 

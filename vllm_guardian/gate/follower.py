@@ -122,6 +122,7 @@ class Follower:
         self.kv_poll_interval_seconds = kv_poll_interval_seconds
         self.suspect_seconds = suspect_seconds
         self._suspect_until: float | None = None
+        self._suspect_why = ""  # how the last exchange broke ("phase: error")
         self.health_grace_seconds = health_grace_seconds
         self._health_silence = _Silence()  # /health not answering in time
         self._guardian_silence = _Silence()  # ...and the guardian's /ready
@@ -171,11 +172,13 @@ class Follower:
         if self._guardian_pool is not None:
             self._guardian_pool.close()
 
-    def suspect(self) -> None:
-        """An exchange saw the upstream die: hold new requests until it answers /health again."""
+    def suspect(self, how: str) -> None:
+        """An exchange saw the upstream die (``how``: its phase and error): hold new requests
+        until it answers /health again."""
         self._suspect_until = time.monotonic() + self.suspect_seconds
+        self._suspect_why = f"the upstream broke an exchange ({how[:120]}); waiting for /health"
         if self.admission.open:
-            self.admission.set_state(False, "the upstream broke an exchange; waiting for /health")
+            self.admission.set_state(False, self._suspect_why)
 
     # --- polling -----------------------------------------------------------------------------
 
@@ -196,7 +199,7 @@ class Follower:
             if healthy and time.monotonic() >= self._suspect_until:
                 self._suspect_until = None
             else:
-                healthy, why = False, "the upstream broke an exchange; waiting for /health"
+                healthy, why = False, self._suspect_why
         stalled = self.progress.stalled() if healthy else None
         if not healthy:
             self.admission.set_state(False, why)

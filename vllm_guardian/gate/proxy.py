@@ -496,7 +496,7 @@ class GateProxy:
                     return await self._send(exchange, started, overhead, retried)
                 except _UpstreamBroke as e:
                     self.metrics.upstream_error(e.phase)
-                    self.follower.suspect()
+                    self.follower.suspect(f"{e.phase}: {e}")
                     if retried or cost is None:
                         return openai_error(502, f"the upstream failed: {e}", "BadGatewayError")
                     retried = True

@@ -154,7 +154,7 @@ class ContinuingRelay:
                         taken_back=up.taken_back,
                     )
                 self.metrics.upstream_error("streaming")
-                self.follower.suspect()
+                self.follower.suspect(f"streaming: {cut.value}")
                 if cut is Cut.CONNECTION and up.taken_back:
                     cut = Cut.HANG
                 try:
@@ -321,7 +321,7 @@ class ContinuingRelay:
                 answer = await _read_small(up)
                 up.release()
                 if up.status == 500 and dying_message(answer.decode("utf-8", "replace")):
-                    self.follower.suspect()
+                    self.follower.suspect("a continuation answered 500: the engine is dying")
                     continue
                 log.warning(
                     "gate: request %s (stream %s): its continuation was answered %d: %s",
@@ -406,7 +406,7 @@ class ContinuingRelay:
             )
         except UpstreamError as e:
             self.metrics.upstream_error(e.phase)
-            self.follower.suspect()
+            self.follower.suspect(f"{e.phase}: {e}")
             return None
 
     async def _max_model_len(self, pool: UpstreamPool | None = None) -> int | None:

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
@@ -28,7 +28,7 @@ from vllm_guardian.gate.follower import Follower
 from vllm_guardian.gate.metrics import CONTENT_TYPE, GateMetrics
 from vllm_guardian.gate.proxy import STATUS_PATH, GateProxy, ProxySettings
 from vllm_guardian.gate.upstream import KEEPALIVE_SECONDS, UpstreamPool
-from vllm_guardian.gate.workers import ControlServer, gate_metrics, gate_status
+from vllm_guardian.gate.workers import ControlServer, gate_metrics, gate_status, share
 
 log = logging.getLogger("vllm_guardian.gate")
 
@@ -66,6 +66,25 @@ class GateSettings:
     # GET /gate/status answers the sum over the workers. None: the gate is one process.
     control_dir: str | None = None
     workers: int = 1
+
+
+def split_settings(settings: GateSettings, index: int, workers: int) -> GateSettings:
+    """Worker ``index``'s :class:`GateSettings`: even shares of the queue's bounds, the release
+    rate and burst, the body budget and the connection cap; everything else as given. The
+    per-key share stays a ratio (of the worker's queue)."""
+    s, lim = settings, settings.limits
+    return replace(
+        s,
+        limits=replace(
+            lim,
+            max_queue_requests=share(lim.max_queue_requests, index, workers),
+            max_queued_tokens=share(lim.max_queued_tokens, index, workers),
+            release_rate_per_second=lim.release_rate_per_second / workers,
+            release_burst=max(1, share(lim.release_burst, index, workers)),
+        ),
+        proxy=replace(s.proxy, body_budget_bytes=share(s.proxy.body_budget_bytes, index, workers)),
+        max_connections=max(1, share(s.max_connections, index, workers)),
+    )
 
 
 class Gate:

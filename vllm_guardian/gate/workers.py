@@ -5,7 +5,7 @@ Where it sits: around one :class:`~vllm_guardian.gate.server.Gate`, never inside
 path. With ``workers`` > 1 the parent (``supervisor.py``) starts N worker processes; each binds
 the listen port with ``SO_REUSEPORT`` (the kernel spreads new connections over the listening
 sockets by a hash of the connection) and runs one whole gate on an even share of the global
-limits (:func:`split_settings`): the shares sum to the configured limit and none is 0, so the
+limits (``server.split_settings``): the shares sum to the configured limit and none is 0, so the
 held-request bound and the body budget hold for the gate as a whole without a lock shared
 between processes. Each worker also answers its own status on a unix socket in the control
 directory (:class:`ControlServer`); the one that receives ``GET /gate/status`` reads its
@@ -24,14 +24,10 @@ import math
 import os
 import signal
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vllm_guardian.config import workers_problem
-
-if TYPE_CHECKING:  # server.py imports this module: the type only
-    from vllm_guardian.gate.server import GateSettings
 
 log = logging.getLogger("vllm_guardian.gate")
 
@@ -112,25 +108,6 @@ def default_workers(
     ):
         n -= 1
     return n
-
-
-def split_settings(settings: GateSettings, index: int, workers: int) -> GateSettings:
-    """Worker ``index``'s :class:`GateSettings`: even shares of the queue's bounds, the release
-    rate and burst, the body budget and the connection cap; everything else as given. The
-    per-key share stays a ratio (of the worker's queue)."""
-    s, lim = settings, settings.limits
-    return replace(
-        s,
-        limits=replace(
-            lim,
-            max_queue_requests=share(lim.max_queue_requests, index, workers),
-            max_queued_tokens=share(lim.max_queued_tokens, index, workers),
-            release_rate_per_second=lim.release_rate_per_second / workers,
-            release_burst=max(1, share(lim.release_burst, index, workers)),
-        ),
-        proxy=replace(s.proxy, body_budget_bytes=share(s.proxy.body_budget_bytes, index, workers)),
-        max_connections=max(1, share(s.max_connections, index, workers)),
-    )
 
 
 def _all_true(values: Iterable[object]) -> bool | None:
