@@ -439,14 +439,20 @@ def gate_counts(metrics_text: str) -> tuple[dict[str, float], float | None]:
     return counts, retried
 
 
-def read_gate_counts(url: str) -> tuple[dict[str, float] | None, float | None]:
-    """:func:`gate_counts` of the gate at ``url``; (None, None) when it does not answer."""
+def gate_metrics_text(url: str) -> str | None:
+    """The ``/metrics`` exposition of the gate at ``url``; None when it does not answer."""
     try:
         r = requests.get(url + GateConfig().metrics_path, timeout=10)
         r.raise_for_status()
     except requests.RequestException:
-        return None, None
-    return gate_counts(r.text)
+        return None
+    return r.text
+
+
+def read_gate_counts(url: str) -> tuple[dict[str, float] | None, float | None]:
+    """:func:`gate_counts` of the gate at ``url``; (None, None) when it does not answer."""
+    text = gate_metrics_text(url)
+    return (None, None) if text is None else gate_counts(text)
 
 
 def audited_actions(workdir: Path) -> list[tuple[float, str, str | None]]:

@@ -403,8 +403,10 @@ def run_one(
                 sidecar.__exit__()
                 actions += sidecar.actions
             if gate is not None:
-                run.gate_counters = read_gate_counters(load_url)
-                run.continuations, run.gate_retried = twin.read_gate_counts(load_url)
+                # One read of the gate's /metrics for both accounts.
+                if (text := twin.gate_metrics_text(load_url)) is not None:
+                    run.gate_counters = gate_counters(text)
+                    run.continuations, run.gate_retried = twin.gate_counts(text)
                 twin.stop_gate(gate)
             if guardian is not None and loop is not None:
                 guardian.request_stop()
@@ -483,16 +485,6 @@ def gate_counters(metrics_text: str) -> dict[str, float]:
             )
             out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return out
-
-
-def read_gate_counters(url: str) -> dict[str, float]:
-    """:func:`gate_counters` of the gate at ``url``; empty when it does not answer."""
-    try:
-        r = requests.get(url + twin.GateConfig().metrics_path, timeout=10)
-        r.raise_for_status()
-    except requests.RequestException:
-        return {}
-    return gate_counters(r.text)
 
 
 def runs_file(out: Path, quick: bool) -> Path:
