@@ -400,9 +400,7 @@ class UpstreamPool:
 
     async def _take(self) -> tuple[_Conn, bool]:
         """A connection for the next exchange, and whether it was kept from an earlier one."""
-        if self._closed:
-            raise UpstreamError("connect", "the gate is shutting down")
-        now = time.monotonic()
+        now = time.monotonic()  # closed: no idle ones left, and _connect refuses
         while self._idle:
             conn = self._idle.pop()
             if conn.usable(now, self.keepalive_seconds):
