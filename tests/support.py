@@ -7,8 +7,12 @@ test that passes or fails by the clock is a defect; this waits for a condition i
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -41,3 +45,20 @@ def wait_for(
                 f"timed out after {timeout_seconds:g} s waiting for {what}{saw}{why}"
             )
         time.sleep(every_seconds)
+
+
+def run_quick_bench(script: str) -> str:
+    """``bench/SCRIPT --quick`` in a subprocess, the repository on its path: its output (stdout
+    then stderr), once it has exited 0 (else the output is the assertion's message)."""
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run(
+        [sys.executable, str(root / "bench" / script), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    return out

@@ -7,13 +7,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support import run_quick_bench
+
 HAVE_NGINX = shutil.which("nginx") is not None or Path("/usr/sbin/nginx").exists()
 
 
@@ -22,16 +21,7 @@ HAVE_NGINX = shutil.which("nginx") is not None or Path("/usr/sbin/nginx").exists
     reason="nginx is not installed (apt-get install nginx-light)",
 )
 def test_the_cpu_bench_measures_the_gate_and_nginx_per_event_and_per_request() -> None:
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gate_cpu.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    out = run.stdout + run.stderr
-    assert run.returncode == 0, out
+    out = run_quick_bench("gate_cpu.py")
     rows = {
         tuple(cells[:2]): cells
         for line in out.splitlines()

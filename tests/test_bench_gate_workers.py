@@ -4,25 +4,11 @@ tiny load: the harness works, not a figure)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support import run_quick_bench
 
 
 def test_the_workers_bench_measures_one_and_two_workers() -> None:
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gate_workers.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    out = run.stdout + run.stderr
-    assert run.returncode == 0, out
+    out = run_quick_bench("gate_workers.py")
     rows = {
         cells[0]: cells
         for line in out.splitlines()
