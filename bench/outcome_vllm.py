@@ -468,6 +468,7 @@ GATE_COUNTERS = (
     "vllm_guardian_gate_upstream_errors_total",
     "vllm_guardian_gate_retried_total",
     "vllm_guardian_gate_upstream_stale_connections_total",
+    "vllm_guardian_gate_upstream_connect_timeouts_total",
     "vllm_guardian_gate_connections_closed_total",
 )
 

@@ -207,8 +207,40 @@ def test_no_listener_is_a_connect_error() -> None:
             with pytest.raises(UpstreamError) as e:
                 await pool.request("GET", "/health", [], None)
             assert e.value.phase == "connect"
+            assert not e.value.timed_out  # refused: nobody there
 
         asyncio.run(main())
+
+
+def test_a_full_listen_queue_is_a_connect_that_timed_out() -> None:
+    """A server that does not accept (busy): the kernel drops the SYN once its queue is full."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(0)
+        port = s.getsockname()[1]
+        fillers = []
+        try:
+            while True:  # fill the queue until a connect of our own times out
+                f = socket.socket()
+                f.settimeout(0.5)
+                try:
+                    f.connect(("127.0.0.1", port))
+                except TimeoutError:
+                    f.close()
+                    break
+                fillers.append(f)
+                assert len(fillers) < 16, "the listen queue never filled"
+
+            async def main() -> None:
+                pool = UpstreamPool(f"http://127.0.0.1:{port}", connect_timeout_seconds=0.5)
+                with pytest.raises(UpstreamError) as e:
+                    await pool.request("GET", "/health", [], None)
+                assert (e.value.phase, e.value.timed_out) == ("connect", True)
+
+            asyncio.run(main())
+        finally:
+            for f in fillers:
+                f.close()
 
 
 def test_a_cancelled_exchange_closes_its_connection() -> None:

@@ -77,7 +77,7 @@ SMALL_BODY_MAX_BYTES = 64 * 1024
 def _accepts_late(e: UpstreamError) -> bool:
     """The connect timed out: the listen backlog is full (a busy server accepts late), which
     is silence, not a refusal."""
-    return e.phase == "connect" and str(e) == "TimeoutError"
+    return e.phase == "connect" and e.timed_out
 
 
 class _Silence:

@@ -116,6 +116,14 @@ class GateMetrics:
             ["service"],
             registry=r,
         ).labels(*s)
+        self.connect_timeouts = Counter(
+            f"{NS}_upstream_connect_timeouts",
+            "Connects to vLLM that timed out (its listen queue full: a busy server accepts "
+            "late): the request waited its turn again, first in line, and the gate stayed open. "
+            "Not counted as an upstream error.",
+            ["service"],
+            registry=r,
+        ).labels(*s)
         self.client_disconnects = Counter(
             f"{NS}_client_disconnects",
             "Clients that went away before their answer was complete, by phase.",

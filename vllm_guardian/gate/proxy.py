@@ -218,10 +218,13 @@ def openai_error(
 class _UpstreamBroke(Exception):
     """The upstream failed before the answer was committed (nothing sent to the client)."""
 
-    def __init__(self, phase: str, detail: str, *, taken_back: bool = False) -> None:
+    def __init__(
+        self, phase: str, detail: str, *, taken_back: bool = False, timed_out: bool = False
+    ) -> None:
         super().__init__(detail)
         self.phase = phase
         self.taken_back = taken_back
+        self.timed_out = timed_out  # a connect that timed out (UpstreamError.timed_out)
 
 
 class MalformedSink(Protocol):
@@ -495,6 +498,28 @@ class GateProxy:
                         return await self._send(exchange, started, overhead, True, up)
                     return await self._send(exchange, started, overhead, retried)
                 except _UpstreamBroke as e:
+                    if e.timed_out and cost is not None:
+                        # vLLM accepts late (busy), it did not break: the request waits its
+                        # turn again, first in line, for as long as a held one may wait; the
+                        # gate stays open and the one retry is kept for a real failure.
+                        self.metrics.connect_timeouts.inc()
+                        waited = time.monotonic() - arrived
+                        if waited >= self.admission.limits.max_wait_seconds:
+                            return openai_error(
+                                503,
+                                f"vLLM did not accept a connection within {waited:.0f} s",
+                                "ServiceUnavailableError",
+                                retry_after_seconds=self.admission.limits.retry_after_seconds,
+                            )
+                        try:
+                            await wait_again()
+                        except Rejected as r:
+                            return openai_error(
+                                r.status, r.message, "ServiceUnavailableError",
+                                retry_after_seconds=r.retry_after_seconds,
+                            )  # fmt: skip
+                        started, overhead = time.perf_counter(), 0.0
+                        continue
                     self.metrics.upstream_error(e.phase)
                     self.follower.suspect(f"{e.phase}: {e}")
                     if retried or cost is None:
@@ -643,7 +668,9 @@ class GateProxy:
                     saveable=request.method == "POST" and not retried,
                 )
             except UpstreamError as e:
-                raise _UpstreamBroke(e.phase, str(e), taken_back=e.taken_back) from None
+                raise _UpstreamBroke(
+                    e.phase, str(e), taken_back=e.taken_back, timed_out=e.timed_out
+                ) from None
         t_sent, _, work = self._sent[sent]
         self._sent[sent] = (t_sent, up, work)
         if (

@@ -405,8 +405,11 @@ class ContinuingRelay:
                 "POST", path, self.headers.items(), body, saveable=saveable
             )
         except UpstreamError as e:
-            self.metrics.upstream_error(e.phase)
-            self.follower.suspect(f"{e.phase}: {e}")
+            if e.timed_out:  # a busy vLLM accepts late: not a reason to hold the gate
+                self.metrics.connect_timeouts.inc()
+            else:
+                self.metrics.upstream_error(e.phase)
+                self.follower.suspect(f"{e.phase}: {e}")
             return None
 
     async def _max_model_len(self, pool: UpstreamPool | None = None) -> int | None:

@@ -61,11 +61,20 @@ class UpstreamError(Exception):
     (no complete answer head) or ``streaming`` (the body was cut or malformed)."""
 
     def __init__(
-        self, phase: str, detail: str, *, taken_back: bool = False, unanswered: bool = False
+        self,
+        phase: str,
+        detail: str,
+        *,
+        taken_back: bool = False,
+        unanswered: bool = False,
+        timed_out: bool = False,
     ) -> None:
         super().__init__(detail)
         self.phase = phase
         self.taken_back = taken_back  # the gate closed it (UpstreamPool.take_back)
+        # The connect timed out: the server's listen queue is full (a busy server accepts
+        # late), or it is unreachable; not a refusal. Only with phase "connect".
+        self.timed_out = timed_out
         # The connection closed or reset before a byte of answer came (on a kept connection,
         # the server's keep-alive close racing the request: UpstreamPool sends it again).
         self.unanswered = unanswered
@@ -422,7 +431,9 @@ class UpstreamPool:
                 ),
                 self.connect_timeout_seconds,
             )
-        except (OSError, TimeoutError) as e:
+        except TimeoutError:
+            raise UpstreamError("connect", "TimeoutError", timed_out=True) from None
+        except OSError as e:
             raise UpstreamError("connect", type(e).__name__) from None
         sock = writer.get_extra_info("socket")
         if sock is not None:
