@@ -26,7 +26,8 @@ KV pool. The faults (``tests/vllm_tier/faults``, a test-only vLLM plugin):
 Operators: ``unguarded`` (a supervisor that restarts vLLM like ``Restart=always``),
 ``unguarded-on-failure`` (``Restart=on-failure``: vLLM's exit 0 after an engine death leaves it
 down), ``sidecar`` (the runbook's threshold loop), ``guardian+gate`` (the deployed form: the
-armed guardian supervising vLLM, ``vllm-guardian gate`` in front, the load through the gate).
+armed guardian, ``vllm-guardian run`` in a process of its own, supervising vLLM, and
+``vllm-guardian gate`` in front, the load through the gate).
 The guardian runs its shipped rules and policy, armed, with three settings for this host, each
 an operator's knob: no NVML (no GPU), the metrics and health scrapes' timeouts at 8 s (a busy
 2-core host answers in 1-2 s), and ``max_num_batched_tokens_floor`` 256 (the tiny model's
@@ -55,7 +56,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -76,8 +76,8 @@ from vllm_guardian.actuators import flags as flagsfile  # noqa: E402
 from vllm_guardian.actuators.procmgr import Supervisor  # noqa: E402
 from vllm_guardian.config import parse_config  # noqa: E402
 from vllm_guardian.formats.vllm_log_format import match_line  # noqa: E402
+from vllm_guardian.lowio.procfs import parse_pid_file  # noqa: E402
 from vllm_guardian.model import LogEventKind  # noqa: E402
-from vllm_guardian.shell.daemon import Guardian  # noqa: E402
 from vllm_guardian.sim.load import PlannedRequest, plan_requests, run_load  # noqa: E402
 from vllm_guardian.sim.scenarios import LoadProfile  # noqa: E402
 from vllm_guardian.tools.demo import free_port  # noqa: E402
@@ -234,6 +234,51 @@ def guardian_config(
     return parse_config(path.read_text(), str(path))
 
 
+def guardian_command(workdir: Path) -> list[str]:
+    """The deployed form: ``vllm-guardian run -c CONFIG`` (as its unit runs it)."""
+    return [sys.executable, "-m", "vllm_guardian", "run", "-c", str(workdir / "config.yaml")]
+
+
+def stop_guardian(guardian: subprocess.Popen[bytes]) -> None:
+    """SIGINT: the guardian stops its loop and the vLLM it runs, without the drain a SIGTERM
+    starts (the load has ended); SIGKILL if it has not exited within 120 s."""
+    guardian.send_signal(signal.SIGINT)
+    try:
+        guardian.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        guardian.kill()
+        guardian.wait(timeout=10)
+
+
+def vllm_pid(pid_file: Path) -> int | None:
+    """The vLLM API server's pid from the guardian's supervisor's pid file, or None."""
+    try:
+        parsed = parse_pid_file(pid_file.read_text())
+    except OSError:
+        return None
+    return parsed[0] if parsed is not None else None
+
+
+class PidFileWatch(twin._Watcher):
+    """Notes when the guardian starts vLLM again (the pid in its pid file changes), every 0.1 s:
+    the guardian's own process holds the supervisor's count."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.restarts_unix_seconds: list[float] = []
+        super().__init__()
+
+    def _run(self) -> None:
+        seen: int | None = None
+        while not self._stop.wait(0.1):
+            pid = vllm_pid(self.path)
+            if pid is None or pid == seen:
+                continue
+            if seen is not None:
+                self.restarts_unix_seconds.append(time.time())
+            seen = pid
+
+
 def plan(scenario: Scenario, seed: int, duration: float) -> list[PlannedRequest]:
     out = plan_requests(scenario.load, seed, 100_000, duration)
     rng = random.Random(f"stream-{seed}")
@@ -338,12 +383,12 @@ def run_one(
         env = support.vllm_env(run_id, workdir, faults=fault_env(scenario, workdir))
         command = support.serve_command(venv, model, port, env, serve_flags(scenario))
         command[command.index("--served-model-name") + 1] = MODEL
-        guardian: Guardian | None = None
-        loop: threading.Thread | None = None
+        guardian: subprocess.Popen[bytes] | None = None
+        pid_file: Path | None = None  # the guardian's supervisor's (vLLM's pid and start)
         sup: Supervisor | None = None
         gate: subprocess.Popen[bytes] | None = None
         alert_log: twin.AlertLog | None = None
-        starts: twin.StartWatch | None = None
+        starts: twin.StartWatch | PidFileWatch | None = None
         sidecar: twin.Sidecar | None = None
         faults: Faults | None = None
         downs = DownWatch(url)
@@ -355,15 +400,17 @@ def run_one(
         try:
             if operator == "guardian+gate":
                 gport, gate_port = free_port(), free_port()
-                guardian = Guardian(guardian_config(workdir, command, port, gport, gate_port))
+                cfg = guardian_config(workdir, command, port, gport, gate_port)
+                # Its own process, as deployed: in the benchmark's, the load client's Python
+                # took the guardian's share of the GIL on a busy host (its sources timed out).
+                with (workdir / "guardian.log").open("wb") as log:
+                    guardian = subprocess.Popen(
+                        guardian_command(workdir), stdout=log, stderr=subprocess.STDOUT,
+                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                    )  # fmt: skip
                 alert_log = twin.AlertLog(f"http://127.0.0.1:{gport}").__enter__()
-                assert guardian.healing is not None
-                sup = guardian.healing.supervisors["vllm"]
-                starts = twin.StartWatch(sup).__enter__()
-                loop = threading.Thread(
-                    target=guardian.run, kwargs={"install_signals": False}, daemon=True
-                )
-                loop.start()
+                pid_file = Path(cfg.state_dir) / "vllm.pid"
+                starts = PidFileWatch(pid_file).__enter__()
                 with (workdir / "gate.log").open("wb") as log:
                     gate = subprocess.Popen(
                         twin.gate_command(workdir), stdout=log, stderr=subprocess.STDOUT,
@@ -387,6 +434,8 @@ def run_one(
                 load_start = time.time()
 
                 def api_pid() -> int | None:
+                    if pid_file is not None:
+                        return vllm_pid(pid_file)
                     return sup.pid if sup is not None else None
 
                 faults = Faults(scenario, workdir, api_pid, load_start).__enter__()
@@ -408,9 +457,8 @@ def run_one(
                     run.gate_counters = gate_counters(text)
                     run.continuations, run.gate_retried = twin.gate_counts(text)
                 twin.stop_gate(gate)
-            if guardian is not None and loop is not None:
-                guardian.request_stop()
-                loop.join(timeout=120)
+            if guardian is not None:
+                stop_guardian(guardian)
                 for t, reason, cause in twin.audited_actions(workdir):
                     actions.append((t, reason))
                     if cause:
