@@ -266,17 +266,17 @@ class PidFileWatch(twin._Watcher):
     def __init__(self, path: Path) -> None:
         self.path = path
         self.restarts_unix_seconds: list[float] = []
+        self.pid: int | None = None  # the last pid seen
         super().__init__()
 
     def _run(self) -> None:
-        seen: int | None = None
         while not self._stop.wait(0.1):
             pid = vllm_pid(self.path)
-            if pid is None or pid == seen:
+            if pid is None or pid == self.pid:
                 continue
-            if seen is not None:
+            if self.pid is not None:
                 self.restarts_unix_seconds.append(time.time())
-            seen = pid
+            self.pid = pid
 
 
 def plan(scenario: Scenario, seed: int, duration: float) -> list[PlannedRequest]:

@@ -220,3 +220,22 @@ def test_a_run_records_the_gates_own_account_of_what_it_refused_and_why_it_held(
         "vllm_guardian_gate_upstream_stale_connections_total": 3.0,
         "vllm_guardian_gate_retried_total": 2.0,
     }
+
+
+def test_the_guardians_restarts_are_read_from_its_pid_file(tmp_path: Path) -> None:
+    """The guardian runs in its own process: each new pid its supervisor writes after the
+    first is a start of vLLM again; a missing, half-written or unchanged file is none."""
+    from tests.support import wait_for
+
+    b = bench()
+    pid_file = tmp_path / "vllm.pid"
+    assert b.vllm_pid(pid_file) is None  # not written yet
+    with b.PidFileWatch(pid_file) as watch:
+        pid_file.write_text("100 5000")
+        wait_for(lambda: watch.pid == 100, "the first pid seen", timeout_seconds=30)
+        pid_file.write_text("garbage")
+        pid_file.write_text("100 5000")
+        pid_file.write_text("200 6000")  # a restart
+        wait_for(lambda: len(watch.restarts_unix_seconds) == 1, "one restart", timeout_seconds=30,
+                 seen=lambda: watch.restarts_unix_seconds)  # fmt: skip
+    assert b.vllm_pid(pid_file) == 200
