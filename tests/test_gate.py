@@ -304,6 +304,38 @@ def test_a_silent_health_closes_the_gate_after_the_grace(gate: GateThread, stub:
     wait_for(lambda: gate.gate.admission.open, "gate.gate.admission.open", timeout_seconds=30)  # type: ignore[union-attr]
 
 
+def test_a_silent_health_while_vllm_streams_answers_is_not_silence(gate: GateThread, stub: Stub):
+    """vLLM answers /health on the loop that writes its answers: overloaded, it answers late,
+    while the answers under way go on arriving. That is a busy server, not a silent one: the
+    gate holds nobody for it. Once the answers stop too, the grace runs as before."""
+    closures = _closures(gate)
+    grace = gate.settings.health_grace_seconds
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            # 16 s of events, one every 0.1 s: longer than twice the grace.
+            stream = pool.submit(
+                requests.post, f"{gate.url}/v1/sse?n=160&delay=0.1", data=b"{}", timeout=60
+            )
+            wait_for(lambda: stub.active == 1, "the stream under way", timeout_seconds=30)
+            stub.health_delay_seconds, stub.slow_health_answers = 1.5, 10_000
+            silent_from = time.monotonic()
+            wait_for(
+                lambda: time.monotonic() - silent_from > 2 * grace or stream.done(),
+                "twice the grace of silence",
+                timeout_seconds=60,
+            )
+            assert not stream.done(), "the stream ended before the silence outlasted the grace"
+            assert closures == [], closures
+            assert stream.result().status_code == 200
+        # The answers have stopped: the silence is silence now.
+        wait_for(lambda: bool(closures), "the gate closed", timeout_seconds=grace + 30)
+        assert "silent for" in closures[0], closures
+    finally:
+        stub.slow_health_answers = 0
+        del gate.gate.admission.set_state  # type: ignore[union-attr]
+    wait_for(lambda: gate.gate.admission.open, "gate.gate.admission.open", timeout_seconds=30)  # type: ignore[union-attr]
+
+
 def test_one_slow_ready_answer_from_the_guardian_does_not_open_a_closed_gate(
     gate: GateThread, stub: Stub
 ):

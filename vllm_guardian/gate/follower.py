@@ -18,7 +18,10 @@ server answers it on the same event loop as the requests, so a busy server is sl
 while it serves. An open gate stays open through ``health_grace_seconds`` of such silence and
 closes when it lasts longer; a refused connection or a non-200 answer closes it at once, as
 before. (A single slow answer closed the gate, and on a busy host held new requests for up to
-20 s while vLLM served; a hung engine that still answers is the progress watch's case.) An
+20 s while vLLM served; a hung engine that still answers is the progress watch's case.) Nor
+does the silence count while a byte of an answer has come from vLLM within the grace: its
+loop is writing, so it is busy, not gone (an overloaded CPU vLLM left /health unanswered for
+6-7 s while it streamed, and the gate held every new request). An
 unreachable guardian does not close the gate: the service keeps serving on vLLM's own health,
 as it would without the gate (a guardian restart must not take the service down with it). A
 guardian that answers ``/ready`` late (busy, it answers between its ticks) is not unreachable:
@@ -112,6 +115,7 @@ class Follower:
         health_grace_seconds: float = 3.0,
         take_back: Callable[[], int] | None = None,
         take_back_wait_seconds: float = 0.0,
+        last_answer_data: Callable[[], float | None] = lambda: None,
     ) -> None:
         self.admission = admission
         self.session = session
@@ -124,6 +128,9 @@ class Follower:
         self._suspect_until: float | None = None
         self._suspect_why = ""  # how the last exchange broke ("phase: error")
         self.health_grace_seconds = health_grace_seconds
+        # When a byte of an answer last came from vLLM (time.monotonic(); the proxy's pool):
+        # a /health that is silent while answers arrive is a busy server, not a silent one.
+        self._last_answer_data = last_answer_data
         self._health_silence = _Silence()  # /health not answering in time
         self._guardian_silence = _Silence()  # ...and the guardian's /ready
         self._guardian_last: tuple[bool, str, bool] | None = None  # its last answer
@@ -253,9 +260,17 @@ class Follower:
             self._health_silence.answered()
             return healthy, why
         silent = self._health_silence.seconds(now)
-        if self.upstream_healthy and silent < self.health_grace_seconds:
+        if self.upstream_healthy and (
+            silent < self.health_grace_seconds or self._answers_arrive(now)
+        ):
             return True, "open"
         return False, f"{why}, silent for {silent:.1f} s"
+
+    def _answers_arrive(self, now: float) -> bool:
+        """A byte of an answer came from vLLM within the last ``health_grace_seconds``: its
+        loop is writing (busy, it answers /health late), so its silence is not silence."""
+        last = self._last_answer_data()
+        return last is not None and now - last < self.health_grace_seconds
 
     def _guardian_through_silence(
         self, verdict: tuple[bool, str, bool] | None, answered: bool, now: float

@@ -136,6 +136,7 @@ class Gate:
             # What a taken back request may wait (proxy.py): the gate holds for it that long.
             take_back_wait_seconds=s.limits.max_wait_seconds
             + s.proxy.taken_back_extra_wait_seconds,
+            last_answer_data=lambda: self._pool.last_data_monotonic if self._pool else None,
         )
         malformed = MalformedRequests(self.metrics, s.malformed_log_interval_seconds)
         if s.proxy.fallback_url is not None:

@@ -170,6 +170,7 @@ class UpstreamResponse:
         data = await self._read_body()
         if data:
             self.body_started = True
+            self._pool.last_data_monotonic = time.monotonic()
         return data
 
     async def _read_body(self) -> bytes:
@@ -293,6 +294,9 @@ class UpstreamPool:
         self._idle: list[_Conn] = []
         self._busy: set[_Conn] = set()  # handed out for an exchange, not released yet
         self._closed = False
+        # When a byte of an answer's body last arrived (time.monotonic(); None: never): the
+        # server is alive and writing, whatever its /health poll says (gate/follower.py).
+        self.last_data_monotonic: float | None = None
         self.stale_retries = 0  # requests sent again after a kept connection closed unanswered
         self._on_stale_retry = on_stale_retry  # and who counts them (the gate's metric)
 

@@ -310,9 +310,11 @@ async def _send_one_async(
     except (aiohttp.ClientError, OSError) as exc:
         # After the status line, a connection that ends early is an answer cut short (as
         # requests' ChunkedEncodingError was); before it, the server was not reached or dropped us.
+        # The type and what it says (a reset, a refusal and a close read differently).
+        what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         if answered:
-            return outcome(OutcomeKind.INCOMPLETE, 200, type(exc).__name__)
-        return outcome(OutcomeKind.CONNECTION_ERROR, None, type(exc).__name__)
+            return outcome(OutcomeKind.INCOMPLETE, 200, what)
+        return outcome(OutcomeKind.CONNECTION_ERROR, None, what)
 
 
 def _not_sent(p: PlannedRequest, scheduled_seconds: float) -> RequestOutcome:
