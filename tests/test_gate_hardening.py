@@ -114,6 +114,37 @@ def test_an_idle_connection_is_closed_at_the_deadline(stub: Stub):
         g.stop()
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["new connection", "kept connection"])
+def test_a_request_that_arrived_while_the_gate_was_stalled_is_served_not_reaped(
+    stub: Stub, kept: bool
+):
+    """A starved gate (a busy host) reads what arrived late. A request that came within the
+    deadline is not idle, however late the gate gets to it: closing its connection then lost
+    it (the client saw a reset; the real-engine overload lost requests so)."""
+    g = Running(stub.url, idle_timeout_seconds=1.0)
+    try:
+        with socket.create_connection(("127.0.0.1", g.gate.port), timeout=60) as sock:
+            body = b'{"prompt": "hi", "max_tokens": 1}'
+            post = (
+                b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            if kept:  # one exchange first: the connection is kept alive, then idle
+                sock.sendall(post)
+                assert sock.recv(65536).startswith(b"HTTP/1.1 200"), "the first answer"
+            conns = g.gate._runner.server._conns  # type: ignore[union-attr]
+            wait_for(lambda: (len(conns) == 1, len(conns)), "the gate has the connection")
+            # The gate's loop stalls past the deadline; the request arrives within it.
+            g.lt.loop.call_soon_threadsafe(time.sleep, 2.5)
+            time.sleep(0.5)
+            sock.sendall(post)
+            answer = sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        assert g.closed("idle_timeout") == 0
+    finally:
+        g.stop()
+
+
 def test_a_head_dripped_a_byte_at_a_time_is_closed_at_the_idle_deadline(stub: Stub):
     # Bytes keep coming, but the head is never complete: the deadline counts from the connection's
     # start, not from its last byte (240 bytes at one per 50 ms could not finish in 0.5 s).

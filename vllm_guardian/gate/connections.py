@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import math
 import resource
+import struct
+import termios
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -83,15 +86,21 @@ class _Protocol(RequestHandler):
     def __init__(self, manager: GuardedServer, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._malformed = manager.malformed
+        self._guard = manager
 
     def data_received(self, data: bytes) -> None:
         queued = len(self._messages)
         super().data_received(data)
+        if len(self._messages) <= queued:
+            return
+        # A request's head is in: the connection is no longer idle, though its handler starts
+        # a step later (a starved loop reaped connections in between and lost their requests).
+        self._guard.head_arrived(self)
         # aiohttp's parser, failing in the middle of a body (a chunk size that is not hex),
         # drops that body without telling its reader and queues a 400 for after the handler:
         # the handler would wait for the rest forever. Tell the reader instead.
         request = self._current_request
-        if request is None or len(self._messages) <= queued:
+        if request is None:
             return
         message = self._messages[-1][0]
         if isinstance(message, _ErrInfo) and not request.content.is_eof():
@@ -115,12 +124,13 @@ class _Protocol(RequestHandler):
 
 
 class _Conn:
-    __slots__ = ("busy", "idle_since", "reading", "transport")
+    __slots__ = ("busy", "head_in", "idle_since", "reading", "transport")
 
     def __init__(self, transport: asyncio.Transport, now: float) -> None:
         self.transport = transport
         self.busy = 0
         self.reading = False  # busy, but still waiting for its request body
+        self.head_in = False  # a request's head was parsed; its handler has not started yet
         self.idle_since = now  # since when it waits for its client (idle, or reading)
 
     @property
@@ -172,6 +182,11 @@ class GuardedServer(web.Server):
         self._metrics.connections.set(len(self._conns))
         super().connection_lost(handler, exc)
 
+    def head_arrived(self, handler: RequestHandler) -> None:
+        conn = self._conns.get(handler)
+        if conn is not None:
+            conn.head_in = True
+
     def _close(self, handler: RequestHandler, reason: str) -> None:
         conn = self._conns.pop(handler, None)
         if conn is not None:
@@ -183,6 +198,7 @@ class GuardedServer(web.Server):
         if conn is not None:
             conn.busy += 1
             conn.reading = True
+            conn.head_in = False
             conn.idle_since = time.monotonic()
 
         def body_read() -> None:
@@ -203,7 +219,12 @@ class GuardedServer(web.Server):
             await asyncio.sleep(step)
             deadline = time.monotonic() - self.idle_timeout_seconds
             for handler, conn in list(self._conns.items()):
-                if not conn.busy and conn.idle_since < deadline:
+                if (
+                    not conn.busy
+                    and not conn.head_in
+                    and conn.idle_since < deadline
+                    and not _unread(conn.transport)
+                ):
                     self._close(handler, "idle_timeout")
 
     async def shutdown(self, timeout: float | None = None) -> None:
@@ -211,6 +232,21 @@ class GuardedServer(web.Server):
         with contextlib.suppress(asyncio.CancelledError):
             await self._reaper
         await super().shutdown(timeout)
+
+
+def _unread(transport: asyncio.Transport) -> bool:
+    """Bytes wait in the kernel for this connection that the gate has not read yet: the client
+    sent them (a request) before a starved loop got to them. Such a connection is not idle; it
+    is read on the loop's next turn. Closing it would reset the client's request."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        pending = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    except (OSError, ValueError):  # closed meanwhile, or not a socket that says
+        return False
+    (count,) = struct.unpack("i", pending)
+    return int(count) > 0
 
 
 def fit_descriptor_limit(max_connections: int, reserve: int = 256) -> tuple[int, str | None]:
