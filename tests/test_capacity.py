@@ -98,6 +98,28 @@ CASES = [
         2,
     ),
     (
+        "2x at the gate, the excess abandoned before vLLM's engine saw it (a busy API server's "
+        "backlog, the clients' timeouts): vLLM's counters say 1x, the gate's arrivals 2x",
+        series(gate_queued=0.0, gate_arrived_total=lambda t: 50.0 + 4.0 * t),
+        "estimated",
+        2.0,
+        2,
+    ),
+    (
+        "clients that bypass the gate: vLLM counted more than the gate did, the larger stands",
+        series(arrivals_per_s=4.0, gate_queued=0.0, gate_arrived_total=lambda t: 2.0 * t),
+        "estimated",
+        2.0,
+        2,
+    ),
+    (
+        "the gate's arrivals with a restart of the gate in the window (its counter from zero)",
+        series(gate_queued=0.0, gate_arrived_total=lambda t: 4.0 * t if t < 60 else 4.0 * (t - 60)),
+        "estimated",
+        1.97,
+        2,
+    ),
+    (
         "healthy behind a gate: nothing queued anywhere most of the time",
         series(waiting_at=lambda t: 1.0 if int(t) % 20 == 0 else 0.0, gate_queued=0.0),
         "not_saturated",

@@ -476,6 +476,20 @@ def test_client_disconnect_while_streaming_aborts_upstream(gate: GateThread, stu
     )
 
 
+def test_client_disconnect_before_any_answer_aborts_upstream(gate: GateThread, stub: Stub):
+    """A unary request still in vLLM (no byte of its answer yet) whose client leaves (its
+    timeout): vLLM must learn it, or it goes on generating for nobody."""
+    s = socket.create_connection(("127.0.0.1", gate.gate.port), timeout=5)
+    s.sendall(b"POST /v1/hold HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+    wait_for(lambda: stub.active == 1, "stub.active == 1")
+    s.close()
+    wait_for(
+        lambda: stub.disconnects == 1 and stub.active == 0,
+        "the upstream request cancelled (else vLLM would keep generating)",
+        seen=lambda: (stub.disconnects, stub.active),
+    )
+
+
 def test_slow_client_gets_everything(gate: GateThread, stub: Stub):
     direct = requests.post(f"{stub.url}/v1/sse?n=2000", data=b"{}", timeout=10).content
     s = socket.create_connection(("127.0.0.1", gate.gate.port), timeout=10)

@@ -413,13 +413,14 @@ def test_a_gate_process_reports_to_systemd_and_to_the_guardian(stub: Stub, short
         wait_for(lambda: _obs(collector).in_flight == 0, "in_flight back to 0")
         o = _obs(collector)
         assert (o.queued, o.held_total, o.rejected_total) == (0, 1, 0), o
+        assert o.arrived_total is not None and o.arrived_total >= 2, o  # the two POSTs, at least
 
         # Its /gate/status document, as the guardian's source parses it.
         doc = requests.get(f"{url}/gate/status", timeout=5).json()
         assert {"in_flight", "queue_depth", "open", "reason", "upstream_healthy",
                 "guardian_ready", "oldest_wait_seconds", "longest_wait_seconds",
-                "held_total", "retried_total", "rejected_total", "unanswered",
-                "oldest_unanswered_seconds"} <= set(doc)  # fmt: skip
+                "arrived_total", "held_total", "retried_total", "rejected_total",
+                "unanswered", "oldest_unanswered_seconds"} <= set(doc)  # fmt: skip
         assert (doc["unanswered"], doc["oldest_unanswered_seconds"]) == (0, 0.0), doc
 
         # SIGTERM: STOPPING=1 and exit 0; then the source sees no gate, quickly, and says so.
@@ -540,12 +541,12 @@ def test_a_status_document_maps_to_the_observation() -> None:
         "in_flight": 3, "queue_depth": 2, "open": False, "reason": "guardian: draining",
         "upstream_healthy": True, "guardian_ready": False, "oldest_wait_seconds": 1.5,
         "held_total": 9, "retried_total": 1, "rejected_total": 0, "unknown_key": "ignored",
-        "unanswered": 2, "oldest_unanswered_seconds": 31.5,
+        "unanswered": 2, "oldest_unanswered_seconds": 31.5, "arrived_total": 40,
     }  # fmt: skip
     assert parse_status(json.dumps(doc).encode()) == GateObservation(
         reachable=True, in_flight=3, queued=2, open=False, reason="guardian: draining",
         upstream_healthy=True, guardian_ready=False, oldest_wait_seconds=1.5,
-        held_total=9, retried_total=1, rejected_total=0, unanswered=2,
+        arrived_total=40, held_total=9, retried_total=1, rejected_total=0, unanswered=2,
         oldest_unanswered_seconds=31.5,
     )  # fmt: skip
 

@@ -384,7 +384,10 @@ class GateObservation:
     upstream_healthy: bool | None = None  # vLLM's /health as the gate last saw it
     guardian_ready: bool | None = None  # our /ready/<service> as the gate last saw it
     oldest_wait_seconds: float | None = None  # the head of the queue, now
-    held_total: int | None = None  # counters since the gate started
+    # Counters since the gate started. arrived: requests that cost vLLM work, each once as it
+    # came (the demand at the front door, held and refused ones included; core/capacity.py).
+    arrived_total: int | None = None
+    held_total: int | None = None
     retried_total: int | None = None
     rejected_total: int | None = None
     # Requests forwarded to vLLM that have had no byte of their answer's body yet, and the age

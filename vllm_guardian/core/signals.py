@@ -170,6 +170,9 @@ def _capacity_sample(snap: Snapshot, service: str) -> CapacitySample:
         gate_rejected_total=(
             None if gate is None or gate.rejected_total is None else gate.rejected_total
         ),
+        gate_arrived_total=(
+            None if gate is None or gate.arrived_total is None else float(gate.arrived_total)
+        ),
         admission_rejected_total=scrape.admission_rejections_total,
     )
 

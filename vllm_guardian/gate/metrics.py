@@ -81,6 +81,13 @@ class GateMetrics:
             buckets=OVERHEAD_BUCKETS,
             registry=r,
         ).labels(*s)
+        self.arrived = Counter(
+            f"{NS}_arrived",
+            "Requests that cost vLLM work (POSTs) received from clients, each counted once as it "
+            "arrives, before any hold or refusal: the demand at the front door.",
+            ["service"],
+            registry=r,
+        ).labels(*s)
         self.admitted = Counter(
             f"{NS}_admitted", "Requests admitted to the upstream.", ["service"], registry=r
         ).labels(*s)

@@ -394,6 +394,7 @@ class GateProxy:
             "oldest_wait_seconds": round(a.oldest_wait_seconds, 3),
             **self._unanswered(),
             "longest_wait_seconds": round(a.longest_wait_seconds, 3),
+            "arrived_total": m.total("arrived"),
             "admitted_total": m.total("admitted"),
             "held_total": m.total("held"),
             "retried_total": m.total("retried"),
@@ -441,6 +442,7 @@ class GateProxy:
         if request.method == "POST":
             try:
                 cost = estimate_cost(body, self.s.default_output_tokens)
+                self.metrics.arrived.inc()
             except RecursionError:  # json's own limit, or the walk over the prompt
                 self.metrics.rejected.labels("too_deep").inc()
                 return openai_error(

@@ -48,7 +48,7 @@ ASK_WAIT_SECONDS = 0.25
 # The status fields that add up over workers; the ages take the largest.
 SUMMED = (
     "queue_depth", "queued_tokens", "in_flight", "kv_committed_tokens", "open_exchanges",
-    "unanswered", "admitted_total", "held_total", "retried_total", "rejected_total",
+    "unanswered", "arrived_total", "admitted_total", "held_total", "retried_total", "rejected_total",
     "continued_total", "continuations_failed_total",
 )  # fmt: skip
 OLDEST = ("oldest_wait_seconds", "oldest_unanswered_seconds", "longest_wait_seconds")

@@ -78,6 +78,7 @@ def parse_status(body: bytes) -> GateObservation:
         upstream_healthy=_bool(doc, "upstream_healthy"),
         guardian_ready=_bool(doc, "guardian_ready"),
         oldest_wait_seconds=_float(doc, "oldest_wait_seconds"),
+        arrived_total=_int(doc, "arrived_total"),
         held_total=_int(doc, "held_total"),
         retried_total=_int(doc, "retried_total"),
         rejected_total=_int(doc, "rejected_total"),
