@@ -187,6 +187,35 @@ class RealRun(twin.Run):
     # "name{label=value}" -> value for its rejections, upstream errors, retries, stale
     # connections and closed client connections.
     gate_counters: dict[str, float] = dataclasses.field(default_factory=dict)
+    # CPU seconds (user + system) each party used over the load window: vLLM (its API server
+    # and every process below it), the guardian, the gate, the load client (this process). On
+    # a 2-core host they share the cores with vLLM's CPU engine; on a GPU host they would not.
+    cpu_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def process_cpu_seconds(pid: int | None, *, tree: bool = False) -> float | None:
+    """User + system CPU seconds of ``pid`` (with ``tree``, and of every live process below
+    it), from /proc; None when it is not there."""
+    if pid is None:
+        return None
+    pids = [pid, *(p for p, _ in support.descendants(pid))] if tree else [pid]
+    total, seen = 0.0, False
+    for p in pids:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        seen = True
+    return total if seen else None
+
+
+def cpu_reading(parties: dict[str, tuple[int | None, bool]]) -> dict[str, float | None]:
+    """Each party's CPU seconds now: name -> (pid, with the processes below it)."""
+    out = {name: process_cpu_seconds(pid, tree=tree) for name, (pid, tree) in parties.items()}
+    t = os.times()
+    out["load_client"] = t.user + t.system
+    return out
 
 
 def fault_env(scenario: Scenario, workdir: Path) -> dict[str, str]:
@@ -439,12 +468,29 @@ def run_one(
                     return sup.pid if sup is not None else None
 
                 faults = Faults(scenario, workdir, api_pid, load_start).__enter__()
+
+                def parties() -> dict[str, tuple[int | None, bool]]:
+                    out = {"vllm": (api_pid(), True)}
+                    if guardian is not None:
+                        out["guardian"] = (guardian.pid, False)
+                    if gate is not None:
+                        out["gate"] = (gate.pid, True)
+                    return out
+
+                cpu_before = cpu_reading(parties())
                 result = run_load(
                     load_url, plan(scenario, seed, duration), model=MODEL, stream=False,
                     max_duration_seconds=duration, max_in_flight=256,
                     request_timeout_seconds=request_timeout,
                 )  # fmt: skip
                 outcomes = list(result.outcomes)
+                cpu_after = cpu_reading(parties())
+                run.cpu_seconds = {
+                    name: round(after - before, 1)
+                    for name, after in cpu_after.items()
+                    if after is not None and (before := cpu_before.get(name)) is not None
+                    and after >= before  # a restarted process counts from its start: not given
+                }  # fmt: skip
                 faults.__exit__()
             run.downtime_seconds = health.down
         finally:

@@ -239,3 +239,26 @@ def test_the_guardians_restarts_are_read_from_its_pid_file(tmp_path: Path) -> No
         wait_for(lambda: len(watch.restarts_unix_seconds) == 1, "one restart", timeout_seconds=30,
                  seen=lambda: watch.restarts_unix_seconds)  # fmt: skip
     assert b.vllm_pid(pid_file) == 200
+
+
+def test_each_partys_cpu_is_read_from_proc() -> None:
+    """What the guardian, the gate and vLLM cost the shared cores: /proc's user + system time,
+    of a process or of its whole tree; a process that is not there reads None."""
+    import subprocess
+
+    b = bench()
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        assert b.process_cpu_seconds(None) is None
+        from tests.support import wait_for
+
+        wait_for(lambda: (b.process_cpu_seconds(busy.pid) or 0.0) >= 0.2, "the child's CPU counted",
+                 timeout_seconds=60)  # fmt: skip
+        own = b.process_cpu_seconds(os.getpid())
+        tree = b.process_cpu_seconds(os.getpid(), tree=True)
+        assert own is not None and tree is not None and tree >= own + 0.2, (own, tree)
+        assert set(b.cpu_reading({"x": (busy.pid, False)})) == {"x", "load_client"}
+    finally:
+        busy.kill()
+        busy.wait()
+    assert b.process_cpu_seconds(busy.pid) is None  # reaped: gone
