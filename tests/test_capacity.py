@@ -120,6 +120,24 @@ CASES = [
         2,
     ),
     (
+        "the gate's status missed now and then (its source's deadline on a busy host): its "
+        "arrivals over the readings it has, scaled to the window",
+        series(
+            gate_queued=0.0,
+            gate_arrived_total=lambda t: None if int(t) % 10 in (0, 8) else 50.0 + 4.0 * t,
+        ),
+        "estimated",
+        2.0,
+        2,
+    ),
+    (
+        "the gate's status read over too little of the window: vLLM's own count",
+        series(gate_queued=0.0, gate_arrived_total=lambda t: 4.0 * t if t > 90 else None),
+        "estimated",
+        1.0,
+        1,
+    ),
+    (
         "healthy behind a gate: nothing queued anywhere most of the time",
         series(waiting_at=lambda t: 1.0 if int(t) % 20 == 0 else 0.0, gate_queued=0.0),
         "not_saturated",

@@ -262,6 +262,22 @@ def _unreadable(
     return None
 
 
+def _gate_arrivals(
+    counted: Sequence[CapacitySample], st: CapacitySettings, span: float
+) -> float | None:
+    """The requests the gate counted arriving over the window's span, or None when its status
+    was read over too little of it. A busy host makes the gate's source miss some ticks (its
+    own deadline): the count over the readings it has, scaled to the span."""
+    known = [(s.time_seconds, s.gate_arrived_total) for s in counted]
+    known = [(t, v) for t, v in known if v is not None]
+    if len(known) < 2:
+        return None
+    covered = known[-1][0] - known[0][0]
+    if covered <= 0 or covered < st.min_span_ratio * span:
+        return None
+    return _increase([v for _, v in known]) * span / covered
+
+
 def _estimated(
     counted: Sequence[CapacitySample],
     st: CapacitySettings,
@@ -279,9 +295,9 @@ def _estimated(
     # engine (a busy API server's backlog, requests abandoned there by their clients' timeouts:
     # on the real CPU vLLM at ~2x demand they read 0.9-1.8x where the gate saw 2.5x). The
     # larger of the two: clients that bypass the gate are still in vLLM's count.
-    at_gate = [s.gate_arrived_total for s in counted]
-    if at_gate[0] is not None and at_gate[-1] is not None:
-        arrivals = max(arrivals, _increase(at_gate))
+    gate_arrivals = _gate_arrivals(counted, st, span)
+    if gate_arrivals is not None:
+        arrivals = max(arrivals, gate_arrivals)
     ratio = max(0.0, arrivals / served)
     tokens = [
         _delta(first.prompt_tokens_total, last.prompt_tokens_total),
