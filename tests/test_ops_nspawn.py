@@ -129,19 +129,26 @@ def container(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
         def booted() -> bool:
             assert proc.poll() is None, log.read_text()[-3000:]
             if not leader:
+                # The container's init: nspawn's child that runs systemd. Early in the boot
+                # nspawn's own transient child is there too; taken for the leader, every nsenter
+                # into it failed once it had exited, until the wait ran out (seen in CI).
                 kids = subprocess.run(
-                    ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True
-                ).stdout.split()
+                    ["pgrep", "-P", str(proc.pid), "-x", "systemd"], capture_output=True,
+                    text=True,
+                ).stdout.split()  # fmt: skip
                 if not kids:
                     return False
                 leader.append(int(kids[0]))
-            state = subprocess.run(
+            done = subprocess.run(
                 [tools["nsenter"], "-t", str(leader[0]), "-a", "systemctl", "is-system-running"],
                 capture_output=True,
                 text=True,
                 timeout=10,
-            ).stdout.strip()
-            states.append(state)
+            )
+            state = done.stdout.strip()
+            states.append(state or f"rc {done.returncode}: {done.stderr.strip()[:200]}")
+            if not state:
+                leader.clear()  # not the init (gone, or not yet systemd): look again
             return state in ("running", "degraded")
 
         states: list[str] = []
