@@ -513,25 +513,17 @@ class GateProxy:
                                 "ServiceUnavailableError",
                                 retry_after_seconds=self.admission.limits.retry_after_seconds,
                             )
-                        try:
-                            await wait_again()
-                        except Rejected as r:
-                            return openai_error(
-                                r.status, r.message, "ServiceUnavailableError",
-                                retry_after_seconds=r.retry_after_seconds,
-                            )  # fmt: skip
-                        started, overhead = time.perf_counter(), 0.0
-                        continue
-                    self.metrics.upstream_error(e.phase)
-                    self.follower.suspect(f"{e.phase}: {e}")
-                    if retried or cost is None:
-                        return openai_error(502, f"the upstream failed: {e}", "BadGatewayError")
-                    retried = True
-                    self.metrics.retried.inc()
+                        extra_wait = 0.0
+                    else:
+                        self.metrics.upstream_error(e.phase)
+                        self.follower.suspect(f"{e.phase}: {e}")
+                        if retried or cost is None:
+                            return openai_error(502, f"the upstream failed: {e}", "BadGatewayError")
+                        retried = True
+                        self.metrics.retried.inc()
+                        extra_wait = self.s.taken_back_extra_wait_seconds if e.taken_back else 0.0
                     try:
-                        await wait_again(
-                            self.s.taken_back_extra_wait_seconds if e.taken_back else 0.0
-                        )
+                        await wait_again(extra_wait)
                     except Rejected as r:
                         return openai_error(
                             r.status, r.message, "ServiceUnavailableError",
