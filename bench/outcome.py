@@ -58,6 +58,7 @@ import dataclasses
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -414,14 +415,21 @@ def gate_command(workdir: Path) -> list[str]:
             "--service", "vllm"]  # fmt: skip
 
 
+def stop_process(
+    proc: subprocess.Popen[bytes], sig: int, wait_seconds: float, kill_wait_seconds: float
+) -> None:
+    """Send ``sig``; SIGKILL the process if it has not exited within ``wait_seconds``."""
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=wait_seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=kill_wait_seconds)
+
+
 def stop_gate(gate: subprocess.Popen[bytes]) -> None:
     """SIGTERM the gate's process; SIGKILL it if it has not exited within 15 s."""
-    gate.terminate()
-    try:
-        gate.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        gate.kill()
-        gate.wait(timeout=5)
+    stop_process(gate, signal.SIGTERM, 15, 5)
 
 
 def gate_counts(metrics_text: str) -> tuple[dict[str, float], float | None]:

@@ -271,12 +271,7 @@ def guardian_command(workdir: Path) -> list[str]:
 def stop_guardian(guardian: subprocess.Popen[bytes]) -> None:
     """SIGINT: the guardian stops its loop and the vLLM it runs, without the drain a SIGTERM
     starts (the load has ended); SIGKILL if it has not exited within 120 s."""
-    guardian.send_signal(signal.SIGINT)
-    try:
-        guardian.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        guardian.kill()
-        guardian.wait(timeout=10)
+    twin.stop_process(guardian, signal.SIGINT, 120, 10)
 
 
 def vllm_pid(pid_file: Path) -> int | None:
