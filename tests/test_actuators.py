@@ -117,8 +117,9 @@ def test_an_unreadable_flags_file_is_rejected_with_its_reason(tmp_path: Path, ma
 CHILD = textwrap.dedent(
     """
     import os, signal, sys, time
-    print("argv", sys.argv[1:], "alloc", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), flush=True)
+    # The handler before the first line: the tests take "argv" to mean SIGTERM will drain.
     signal.signal(signal.SIGTERM, lambda *a: (print("draining", flush=True), sys.exit(0)))
+    print("argv", sys.argv[1:], "alloc", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), flush=True)
     mode = sys.argv[1] if len(sys.argv) > 1 else "run"
     if mode in ("exit0", "exit1"):
         time.sleep(0.3)

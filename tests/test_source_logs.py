@@ -1012,22 +1012,23 @@ def test_journalctl_that_cannot_read_the_journal(tmp_path: Path) -> None:
 def test_close_stops_journalctl_children(tmp_path: Path) -> None:
     # Not exec: the shell's child holds stdout; close() must stop the whole group. The child
     # says when SIGTERM reaches it (a SIGKILL, which close() sends only if SIGTERM did not
-    # work, cannot be caught): a condition, not a measure of how long close() took.
+    # work, cannot be caught): a condition, not a measure of how long close() took. It also
+    # says when its trap is set: a SIGTERM sent before that kills it by default, unrecorded,
+    # which on a busy host made this test fail without close() being wrong.
     termed = tmp_path / "termed"
-    child_body = f'trap "echo TERM > {termed}; exit 0" TERM; sleep 60 & wait'
-    journalctl = _fake_journalctl(
-        tmp_path, f"sh -c '{child_body}' &\necho $! > \"{tmp_path}/child\"\nwait"
-    )
+    trapped = tmp_path / "trapped"
+    child_body = f'trap "echo TERM > {termed}; exit 0" TERM; echo $$ > {trapped}; sleep 60 & wait'
+    journalctl = _fake_journalctl(tmp_path, f"sh -c '{child_body}' &\nwait")
     collector = LogsCollector(
         ServiceConfig(name="a", unit="vllm.service"),
         LogsSourceConfig(journalctl=str(journalctl)),
         FakeClock(),
     )
     wait_for(
-        lambda: (tmp_path / "child").exists() and (tmp_path / "child").read_text().strip() != "",
-        "the child's pid",
+        lambda: trapped.exists() and trapped.read_text().strip() != "",
+        "the child to set its SIGTERM trap",
     )
-    child = int((tmp_path / "child").read_text())
+    child = int(trapped.read_text())
     t0 = time.monotonic()
     collector.close()
     print(f"close() took {time.monotonic() - t0:.2f} s")
