@@ -114,6 +114,45 @@ def test_an_idle_connection_is_closed_at_the_deadline(stub: Stub):
         g.stop()
 
 
+ECHO_POST = (
+    b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    b"Content-Length: 33\r\n\r\n"
+    b'{"prompt": "hi", "max_tokens": 1}'
+)
+
+
+@pytest.mark.parametrize(
+    ("send", "kind"),
+    [
+        (b"", "no byte"),
+        (HALF_POST, "part of a request head"),
+        (ECHO_POST, "kept alive after an answer"),
+    ],
+    ids=["silent", "half-head", "kept-alive"],
+)
+def test_an_idle_close_says_what_the_connection_was_waiting_for(
+    stub: Stub, caplog: pytest.LogCaptureFixture, send: bytes, kind: str
+):
+    """Closing a kept-alive connection loses nothing; one that never finished its head is a
+    client (or a gate) that stalled for the whole deadline: the log tells them apart."""
+    caplog.set_level(logging.DEBUG, "vllm_guardian.gate")
+    g = Running(stub.url, idle_timeout_seconds=0.5)
+    try:
+        with socket.create_connection(("127.0.0.1", g.gate.port), timeout=60) as sock:
+            if send:
+                sock.sendall(send)
+            if send is ECHO_POST:
+                assert sock.recv(65536).startswith(b"HTTP/1.1 200"), "the answer"
+            wait_for(lambda: (g.closed("idle_timeout") == 1, g.closed("idle_timeout")), "closed")
+        lines = [
+            r.getMessage() for r in caplog.records if "closed an idle connection" in r.getMessage()
+        ]
+        assert len(lines) == 1 and f"({kind})" in lines[0], lines
+        assert f"{len(send)} byte(s) read" in lines[0], lines
+    finally:
+        g.stop()
+
+
 @pytest.mark.parametrize("kept", [False, True], ids=["new connection", "kept connection"])
 def test_a_request_that_arrived_while_the_gate_was_stalled_is_served_not_reaped(
     stub: Stub, kept: bool

@@ -152,13 +152,15 @@ def test_the_status_sums_the_workers_and_is_open_only_when_all_are() -> None:
     a = {"service": "vllm", "pid": 11, "open": True, "reason": "open", "in_flight": 3,
          "queue_depth": 0, "admitted_total": 7, "oldest_wait_seconds": 0.0,
          "oldest_unanswered_seconds": 1.5, "upstream_healthy": True, "guardian_ready": True,
-         "kv_capacity_tokens": None}  # fmt: skip
+         "kv_capacity_tokens": None, "loop_lag_max_seconds": 0.01}  # fmt: skip
     b = {**a, "pid": 12, "open": False, "reason": "guardian: draining", "in_flight": 2,
          "queue_depth": 4, "admitted_total": 5, "oldest_wait_seconds": 2.0,
-         "oldest_unanswered_seconds": 0.5, "guardian_ready": False}  # fmt: skip
+         "oldest_unanswered_seconds": 0.5, "guardian_ready": False,
+         "loop_lag_max_seconds": 1.25}  # fmt: skip
     m = merge_status([a, b], 3, {"restarts_total": 1, "lost_requests_total": 2})
     assert (m["in_flight"], m["queue_depth"], m["admitted_total"]) == (5, 4, 12)
     assert (m["oldest_wait_seconds"], m["oldest_unanswered_seconds"]) == (2.0, 1.5)
+    assert m["loop_lag_max_seconds"] == 1.25  # the slowest worker's
     assert (m["open"], m["reason"], m["guardian_ready"]) == (False, "guardian: draining", False)
     assert (m["workers"], m["workers_answered"]) == (3, 2)
     assert (m["worker_restarts_total"], m["worker_lost_requests_total"]) == (1, 2)

@@ -395,6 +395,9 @@ class GateObservation:
     # scheduler (core/engine_signals.py, ``unreached_seconds``). None: a gate that does not say.
     unanswered: int | None = None
     oldest_unanswered_seconds: float | None = None
+    # The largest delay of the gate's event loop in its last minute (gate/looplag.py): a gate
+    # answering late (or not at all) because it was late itself, not because vLLM was.
+    loop_lag_max_seconds: float | None = None
     error: str | None = None
 
 

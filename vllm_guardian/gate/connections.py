@@ -90,6 +90,7 @@ class _Protocol(RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         queued = len(self._messages)
+        self._guard.received(self, len(data))
         super().data_received(data)
         if len(self._messages) <= queued:
             return
@@ -123,8 +124,45 @@ class _Protocol(RequestHandler):
         return resp
 
 
+class IdleCloses:
+    """The idle connections the reaper closed, by what each was waiting for: each at DEBUG, and
+    at most one INFO line per ``log_interval_seconds`` with the counts. Closing a connection
+    kept alive after its answer loses nothing; one that sent no byte, or part of a head, for
+    the whole deadline is a client that stalled (or a gate too late to read it: its loop lag,
+    gate/looplag.py, says which)."""
+
+    def __init__(self, log_interval_seconds: float) -> None:
+        self._interval = log_interval_seconds
+        self._counts: dict[str, int] = {}
+        self._next_report = -math.inf
+
+    def note(self, conn: _Conn, now: float) -> None:
+        kind = conn.idle_kind()
+        self._counts[kind] = self._counts.get(kind, 0) + 1
+        log.debug(
+            "gate: closed an idle connection (%s): open %.1f s, %d request(s), %d byte(s) "
+            "read, idle %.1f s",
+            kind, now - conn.since, conn.requests, conn.bytes_in, now - conn.idle_since,
+        )  # fmt: skip
+
+    def report(self, now: float) -> None:
+        if not self._counts or now < self._next_report:
+            return
+        log.info(
+            "gate: closed %d idle connection(s) (%s); at most one such line per %g s",
+            sum(self._counts.values()),
+            ", ".join(f"{n} {kind}" for kind, n in sorted(self._counts.items())),
+            self._interval,
+        )
+        self._counts = {}
+        self._next_report = now + self._interval
+
+
 class _Conn:
-    __slots__ = ("busy", "head_in", "idle_since", "reading", "transport")
+    __slots__ = (
+        "busy", "bytes_in", "head_in", "idle_since", "reading", "requests", "since",
+        "transport",
+    )  # fmt: skip
 
     def __init__(self, transport: asyncio.Transport, now: float) -> None:
         self.transport = transport
@@ -132,6 +170,15 @@ class _Conn:
         self.reading = False  # busy, but still waiting for its request body
         self.head_in = False  # a request's head was parsed; its handler has not started yet
         self.idle_since = now  # since when it waits for its client (idle, or reading)
+        self.since = now  # accepted
+        self.requests = 0  # requests handled on it
+        self.bytes_in = 0  # bytes read from its client
+
+    def idle_kind(self) -> str:
+        """What an idle connection was waiting for, for the log (what a close lost, if any)."""
+        if self.requests:
+            return "kept alive after an answer"
+        return "part of a request head" if self.bytes_in else "no byte"
 
     @property
     def waiting_for_client(self) -> bool:
@@ -149,6 +196,7 @@ class GuardedServer(web.Server):
         idle_timeout_seconds: float,
         metrics: GateMetrics,
         malformed: MalformedRequests,
+        idle_log_interval_seconds: float = 60.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(self._guarded, **kwargs)
@@ -158,6 +206,7 @@ class GuardedServer(web.Server):
         self._metrics = metrics
         self.malformed = malformed
         self._conns: dict[RequestHandler, _Conn] = {}
+        self._idle_closes = IdleCloses(idle_log_interval_seconds)
         self._reaper = self._loop.create_task(self._reap(), name="gate-connection-reaper")
 
     def __call__(self) -> RequestHandler:
@@ -182,6 +231,11 @@ class GuardedServer(web.Server):
         self._metrics.connections.set(len(self._conns))
         super().connection_lost(handler, exc)
 
+    def received(self, handler: RequestHandler, count: int) -> None:
+        conn = self._conns.get(handler)
+        if conn is not None:
+            conn.bytes_in += count
+
     def head_arrived(self, handler: RequestHandler) -> None:
         conn = self._conns.get(handler)
         if conn is not None:
@@ -197,6 +251,7 @@ class GuardedServer(web.Server):
         conn = self._conns.get(request.protocol)
         if conn is not None:
             conn.busy += 1
+            conn.requests += 1
             conn.reading = True
             conn.head_in = False
             conn.idle_since = time.monotonic()
@@ -217,7 +272,8 @@ class GuardedServer(web.Server):
         step = min(1.0, self.idle_timeout_seconds / 4)
         while True:
             await asyncio.sleep(step)
-            deadline = time.monotonic() - self.idle_timeout_seconds
+            now = time.monotonic()
+            deadline = now - self.idle_timeout_seconds
             for handler, conn in list(self._conns.items()):
                 if (
                     not conn.busy
@@ -225,7 +281,9 @@ class GuardedServer(web.Server):
                     and conn.idle_since < deadline
                     and not _unread(conn.transport)
                 ):
+                    self._idle_closes.note(conn, now)
                     self._close(handler, "idle_timeout")
+            self._idle_closes.report(now)
 
     async def shutdown(self, timeout: float | None = None) -> None:
         self._reaper.cancel()

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from vllm_guardian.gate.continuation import Cut, Failure, Outcome, Refusal
+from vllm_guardian.gate.looplag import LAG_BUCKETS
 
 NS = "vllm_guardian_gate"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -79,6 +80,14 @@ class GateMetrics:
             "The gate's own time per request, queue wait and upstream time excluded.",
             ["service"],
             buckets=OVERHEAD_BUCKETS,
+            registry=r,
+        ).labels(*s)
+        self.loop_lag_seconds = Histogram(
+            f"{NS}_loop_lag_seconds",
+            "How much later than asked the gate's event loop woke (every 0.1 s): while it is "
+            "late, the gate answers nothing (gate/looplag.py).",
+            ["service"],
+            buckets=LAG_BUCKETS,
             registry=r,
         ).labels(*s)
         self.arrived = Counter(

@@ -283,8 +283,10 @@ class GateProxy:
         metrics: GateMetrics,
         malformed: MalformedSink,
         fallback_pool: UpstreamPool | None = None,
+        loop_lag: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self.s = settings
+        self.loop_lag = loop_lag  # the largest recent lag of this loop (gate/looplag.py)
         # The fallback replica (ProxySettings.fallback_url), named in logs without secrets.
         self.fallback = (
             Fallback(fallback_pool, redact_text(settings.fallback_url or ""))
@@ -394,6 +396,7 @@ class GateProxy:
             "oldest_wait_seconds": round(a.oldest_wait_seconds, 3),
             **self._unanswered(),
             "longest_wait_seconds": round(a.longest_wait_seconds, 3),
+            "loop_lag_max_seconds": round(self.loop_lag(), 3),
             "arrived_total": m.total("arrived"),
             "admitted_total": m.total("admitted"),
             "held_total": m.total("held"),

@@ -25,6 +25,7 @@ from vllm_guardian.gate.connections import (
     fit_descriptor_limit,
 )
 from vllm_guardian.gate.follower import Follower
+from vllm_guardian.gate.looplag import LoopLag
 from vllm_guardian.gate.metrics import CONTENT_TYPE, GateMetrics
 from vllm_guardian.gate.proxy import STATUS_PATH, GateProxy, ProxySettings
 from vllm_guardian.gate.upstream import KEEPALIVE_SECONDS, UpstreamPool
@@ -100,6 +101,7 @@ class Gate:
         self.proxy: GateProxy | None = None
         self.port = settings.listen_port
         self._control: ControlServer | None = None
+        self.loop_lag = LoopLag(self.metrics.loop_lag_seconds)
 
     async def start(self) -> None:
         s = self.settings
@@ -147,8 +149,9 @@ class Gate:
             )
         self.proxy = GateProxy(
             s.proxy, self.admission, self.follower, self._pool, self.metrics, malformed,
-            self._fallback_pool,
+            self._fallback_pool, self.loop_lag.max_seconds,
         )  # fmt: skip
+        self.loop_lag.start()
         self.admission.start()
         await self.follower.poll_once()  # know the state before the first request
         self.follower.start()
@@ -225,6 +228,7 @@ class Gate:
             await asyncio.sleep(RETIRE_CHECK_SECONDS)
 
     async def stop(self) -> None:
+        await self.loop_lag.stop()
         if self.follower is not None:
             await self.follower.stop()
         if self.admission is not None:

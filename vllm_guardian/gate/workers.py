@@ -52,6 +52,8 @@ SUMMED = (
     "continued_total", "continuations_failed_total",
 )  # fmt: skip
 OLDEST = ("oldest_wait_seconds", "oldest_unanswered_seconds", "longest_wait_seconds")
+# The gate is as slow as its slowest worker: each answers on its own loop.
+LARGEST = ("loop_lag_max_seconds",)
 # Each worker follows the guardian and vLLM on its own: the gate is open only when all are.
 ALL_TRUE = ("open", "upstream_healthy", "guardian_ready")
 
@@ -129,7 +131,7 @@ def merge_status(
     out: dict[str, object] = dict(first)
     for key in SUMMED:
         out[key] = sum(int(d.get(key) or 0) for d in docs)
-    for key in OLDEST:
+    for key in OLDEST + LARGEST:
         out[key] = max(float(d.get(key) or 0.0) for d in docs)
     for key in ALL_TRUE:
         out[key] = _all_true(d.get(key) for d in docs)

@@ -84,6 +84,7 @@ def parse_status(body: bytes) -> GateObservation:
         rejected_total=_int(doc, "rejected_total"),
         unanswered=_int(doc, "unanswered"),
         oldest_unanswered_seconds=_float(doc, "oldest_unanswered_seconds"),
+        loop_lag_max_seconds=_float(doc, "loop_lag_max_seconds"),
     )
 
 

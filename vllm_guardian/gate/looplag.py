@@ -1,0 +1,98 @@
+"""How late the gate's event loop runs: the one measure that says whether the gate itself was
+answering, when a client or the guardian saw it slow.
+
+Everything the gate does (accepting, reading heads, relaying chunks, answering
+``/gate/status``) runs on one event loop per process. A loop that is late by a second answers
+nothing for that second: on a host whose CPUs the engine saturates (the gate descheduled), or
+when something on the loop blocked. :class:`LoopLag` wakes every ``interval_seconds`` and
+records how much later than asked it woke:
+
+* every lag into ``vllm_guardian_gate_loop_lag_seconds`` (a histogram);
+* the largest in the last ``window_seconds`` as ``loop_lag_max_seconds`` in ``/gate/status``
+  (the guardian's gate source carries it into the flight recording);
+* a WARNING for each lag of at least ``warn_seconds``, with the CPU time this process used
+  meanwhile: about the lag, the loop was busy (something ran on it that long); near zero, the
+  process was not running (the host's CPUs were taken) or blocked outside Python.
+
+Where it runs: a task of its own beside the follower, started and stopped with the gate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from prometheus_client import Histogram
+
+log = logging.getLogger("vllm_guardian.gate")
+
+# Lags from scheduler noise (a millisecond) to a starved or blocked loop (seconds).
+LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class LoopLag:
+    def __init__(
+        self,
+        histogram: Histogram,
+        *,
+        interval_seconds: float = 0.1,
+        window_seconds: float = 60.0,
+        warn_seconds: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        cpu_clock: Callable[[], float] = time.process_time,
+    ) -> None:
+        self._histogram = histogram
+        self._interval = interval_seconds
+        self._window = window_seconds
+        self._warn = warn_seconds
+        self._clock, self._cpu = clock, cpu_clock
+        # (when it ended, lag) of the lags in the window, largest kept only while it is largest
+        # of what follows it: the front is the window's maximum.
+        self._recent: collections.deque[tuple[float, float]] = collections.deque()
+        self._task: asyncio.Task[None] | None = None
+
+    def observe(self, lag_seconds: float, now: float, cpu_seconds: float) -> None:
+        """Record one wake-up ``lag_seconds`` late, ending at ``now`` (the clock's seconds),
+        during which this process used ``cpu_seconds`` of CPU."""
+        lag = max(0.0, lag_seconds)
+        self._histogram.observe(lag)
+        while self._recent and self._recent[-1][1] <= lag:
+            self._recent.pop()
+        self._recent.append((now, lag))
+        if lag >= self._warn:
+            log.warning(
+                "gate: its event loop ran %.1f s late (nothing was answered meanwhile); this "
+                "process used %.2f s of CPU in it: %s",
+                lag,
+                cpu_seconds,
+                "the loop was busy" if cpu_seconds >= 0.5 * lag else
+                "the process was not running (the host's CPUs taken) or blocked outside Python",
+            )  # fmt: skip
+
+    def max_seconds(self, now: float | None = None) -> float:
+        """The largest lag that ended within the last ``window_seconds`` (0 when none)."""
+        t = self._clock() if now is None else now
+        while self._recent and self._recent[0][0] < t - self._window:
+            self._recent.popleft()
+        return self._recent[0][1] if self._recent else 0.0
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            asked, cpu = self._clock(), self._cpu()
+            await asyncio.sleep(self._interval)
+            now = self._clock()
+            self.observe(now - asked - self._interval, now, self._cpu() - cpu)
