@@ -156,14 +156,23 @@ def command(
     return replace(state, policy=out.state), out
 
 
+# What /health says that closes /ready: vLLM answered (or refused) that it is not serving.
+NOT_SERVING = frozenset(
+    {HealthState.ENGINE_DEAD, HealthState.ERROR, HealthState.REFUSED, HealthState.SCALING}
+)
+
+
 def gate_states(
     state: policy.PolicyState, signals: Signals, dry_run: bool
 ) -> tuple[tuple[str, GateState], ...]:
-    """/ready/<service>: closed when the policy closes it (unless dry-run) or vLLM is not up."""
+    """/ready/<service>: closed when the policy closes it (unless dry-run) or vLLM says it is
+    not serving (refused, a dead engine, an error, scaling). A ``/health`` that timed out is
+    not one: a busy API server answers late while it serves, and the gate's own poll judges
+    silence with a grace (gate/follower.py); a silence that lasts is the hang detection's."""
     out = []
     for s in state.services:
         sig = signals.service(s.service)
-        if sig is not None and (sig.vllm_up is False or sig.health_state is HealthState.SCALING):
+        if sig is not None and sig.health_state in NOT_SERVING:
             gate = GateState(False, f"vLLM is not up ({sig.health_state})")
         elif not s.front_door.open and (not dry_run or s.action is not None):
             # An action under way is real (an operator's command acts in dry-run too): its
