@@ -293,9 +293,9 @@ def _estimated(
     arrivals = finished + growth + turned_away
     # The gate counts each request as it arrives; vLLM's counters miss what never reached its
     # engine (a busy API server's backlog, requests abandoned there by their clients' timeouts:
-    # on the real CPU vLLM at ~2x demand they read 0.9-1.8x, where the gate counted about four
-    # arrivals a second against under one served). The
-    # larger of the two: clients that bypass the gate are still in vLLM's count.
+    # on the real CPU vLLM at ~2x demand they read 0.9-1.8x, where the gate counted about two
+    # arrivals a second against under one served). The larger of the two: clients that bypass
+    # the gate are still in vLLM's count.
     gate_arrivals = _gate_arrivals(counted, st, span)
     if gate_arrivals is not None:
         arrivals = max(arrivals, gate_arrivals)
