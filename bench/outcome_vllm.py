@@ -551,7 +551,7 @@ def run_one(
     return run
 
 
-# The gate's counters a run records (gate_counters): what it refused, and why it held.
+# The gate's counters a run records (gate_counters): what it refused, why it held, how late it was.
 GATE_COUNTERS = (
     "vllm_guardian_gate_rejected_total",
     "vllm_guardian_gate_upstream_errors_total",
@@ -559,6 +559,10 @@ GATE_COUNTERS = (
     "vllm_guardian_gate_upstream_stale_connections_total",
     "vllm_guardian_gate_upstream_connect_timeouts_total",
     "vllm_guardian_gate_connections_closed_total",
+    # How late its loop ran: the buckets say how many wake-ups were late by more than each bound.
+    "vllm_guardian_gate_loop_lag_seconds_bucket",
+    "vllm_guardian_gate_loop_lag_seconds_count",
+    "vllm_guardian_gate_loop_lag_seconds_sum",
 )
 
 

@@ -213,7 +213,13 @@ def test_a_run_records_the_gates_own_account_of_what_it_refused_and_why_it_held(
     m.stale_connections.inc(3)
     m.retried.inc(2)
     m.admitted.inc(900)  # not one of the counters a run records
-    assert b.gate_counters(m.render().decode()) == {
+    m.loop_lag_seconds.observe(0.002)
+    m.loop_lag_seconds.observe(3.0)  # one wake-up 3 s late
+    got = b.gate_counters(m.render().decode())
+    assert got["vllm_guardian_gate_loop_lag_seconds_count"] == 2.0
+    assert got["vllm_guardian_gate_loop_lag_seconds_bucket{le=2.5}"] == 1.0
+    assert got["vllm_guardian_gate_loop_lag_seconds_bucket{le=5.0}"] == 2.0
+    assert {k: v for k, v in got.items() if "loop_lag" not in k} == {
         "vllm_guardian_gate_rejected_total{reason=queue_full}": 267.0,
         "vllm_guardian_gate_upstream_errors_total{phase=before_first_byte}": 2.0,
         "vllm_guardian_gate_upstream_errors_total{phase=connect}": 1.0,
