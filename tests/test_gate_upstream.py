@@ -243,6 +243,27 @@ def test_a_full_listen_queue_is_a_connect_that_timed_out() -> None:
                 f.close()
 
 
+def test_a_connect_done_while_the_gate_was_stalled_is_a_connect_not_a_timeout() -> None:
+    """The gate's loop is stalled past the connect deadline (a busy host deschedules it) while
+    the kernel completes the connect at once: the request goes out on it. Before, the deadline
+    fired first when the loop woke and the connect was cancelled as timed out (the real-engine
+    overload counted 15-160 such "timeouts" per run on a listener that was never full)."""
+    import time
+
+    async def test(pool: UpstreamPool, server: Server) -> None:
+        pool.connect_timeout_seconds = 0.2
+        loop = asyncio.get_running_loop()
+        exchange = asyncio.create_task(pool.request("POST", "/v1/x", [], b"{}"))
+        await asyncio.sleep(0)  # the connect is under way
+        loop.call_soon(time.sleep, 0.6)  # the loop stalls past its deadline
+        up = await exchange
+        assert up.status == 200
+        up.release()
+
+    server = run([[OK]], test)
+    assert server.connections == 1
+
+
 def test_a_cancelled_exchange_closes_its_connection() -> None:
     """How vLLM learns that the client left: its connection closes."""
 

@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import ssl
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 from urllib.parse import urlsplit
 
 from multidict import CIMultiDict
@@ -422,27 +424,53 @@ class UpstreamPool:
         return await self._connect(), False
 
     async def _connect(self) -> _Conn:
+        """A new connection within ``connect_timeout_seconds``; the TLS handshake, if any,
+        within as long again."""
         if self._closed:
             raise UpstreamError("connect", "the gate is shutting down")
+        loop = asyncio.get_running_loop()
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(
-                    self.host,
-                    self.port,
-                    ssl=self._ssl,
-                    server_hostname=self.host if self._ssl is not None else None,
-                    limit=MAX_HEAD_BYTES,
-                ),
-                self.connect_timeout_seconds,
-            )
-        except TimeoutError:
-            raise UpstreamError("connect", "TimeoutError", timed_out=True) from None
+            infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
         except OSError as e:
             raise UpstreamError("connect", type(e).__name__) from None
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock: socket.socket | None = None
+        failure: UpstreamError | None = None
+        for family, kind, proto, _, address in infos:
+            sock = socket.socket(family, kind, proto)
+            sock.setblocking(False)
+            try:
+                await _connected(loop, sock, address, self.connect_timeout_seconds)
+                break
+            except TimeoutError:
+                failure = UpstreamError("connect", "TimeoutError", timed_out=True)
+            except OSError as e:
+                failure = UpstreamError("connect", type(e).__name__)
+            except BaseException:  # cancelled: the exchange's client left
+                sock.close()
+                raise
+            sock.close()
+            sock = None
+        if sock is None:
+            raise failure or UpstreamError("connect", f"{self.host} resolves to no address")
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            reader, writer = await asyncio.open_connection(
+                sock=sock,
+                ssl=self._ssl,
+                server_hostname=self.host if self._ssl is not None else None,
+                ssl_handshake_timeout=self.connect_timeout_seconds if self._ssl else None,
+                limit=MAX_HEAD_BYTES,
+            )
+        except TimeoutError:
+            sock.close()
+            raise UpstreamError("connect", "TimeoutError", timed_out=True) from None
+        except OSError as e:
+            sock.close()
+            raise UpstreamError("connect", type(e).__name__) from None
+        except BaseException:
+            sock.close()
+            raise
         return _Conn(reader, writer)
 
     def _put(self, conn: _Conn) -> None:
@@ -462,3 +490,22 @@ class UpstreamPool:
         for conn in self._idle:
             conn.close()
         self._idle.clear()
+
+
+async def _connected(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, address: tuple[Any, ...], timeout: float
+) -> None:
+    """Connect ``sock`` (non-blocking) within ``timeout`` seconds, raising TimeoutError or the
+    connect's OSError. At the deadline the kernel is asked whether the connect is done: a loop
+    that woke late (a starved host) finds the deadline and the finished connect in the same
+    turn, and a connect that worked is not thrown away as timed out."""
+    try:
+        await asyncio.wait_for(loop.sock_connect(sock, address), timeout)
+    except TimeoutError:
+        error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if error:
+            raise OSError(error, os.strerror(error)) from None
+        try:
+            sock.getpeername()  # ENOTCONN while the handshake is still under way
+        except OSError:
+            raise TimeoutError from None
