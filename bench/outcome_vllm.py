@@ -380,6 +380,7 @@ def run_one(
     scenario_name: str, operator: str, seed: int, duration: float, venv: Path, model: Path,
     keep: bool, request_timeout: float = REQUEST_TIMEOUT_SECONDS,
     overload_rate: float | None = None, overload_max_num_seqs: int | None = None,
+    vllm_cpus: str | None = None,
 ) -> RealRun:  # fmt: skip
     scenario = SCENARIOS[scenario_name]
     if overload_rate is not None and scenario.load is OVERLOAD_LOAD:
@@ -405,7 +406,15 @@ def run_one(
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         env = support.vllm_env(run_id, workdir, faults=fault_env(scenario, workdir))
+        if vllm_cpus is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = vllm_cpus  # inference inside the allowed set
         command = support.serve_command(venv, model, port, env, serve_flags(scenario))
+        if vllm_cpus is not None:
+            # Every vLLM process on these CPUs only, for every operator alike: on this host
+            # the CPU engine under overload starves every other process for seconds at a time
+            # (the gate, the guardian, the load client; bench/results/outcome-vllm-overload-
+            # calibration), which a GPU host, where the engine is not on the CPUs, does not.
+            command = ["/usr/bin/taskset", "-c", vllm_cpus, *command]
         command[command.index("--served-model-name") + 1] = MODEL
         guardian: subprocess.Popen[bytes] | None = None
         pid_file: Path | None = None  # the guardian's supervisor's (vLLM's pid and start)
@@ -842,6 +851,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help=f"overload's requests a second (default {OVERLOAD_RATE})")  # fmt: skip
     p.add_argument("--overload-max-num-seqs", type=int, default=None,
                    help="overload's --max-num-seqs (a calibration knob)")  # fmt: skip
+    p.add_argument("--vllm-cpus", default=None,
+                   help="run every vLLM process on these CPUs only (taskset -c LIST), every "
+                   "operator alike")  # fmt: skip
     p.add_argument("--report-only", action="store_true",
                    help="write the report from the runs already in OUT's runs file")  # fmt: skip
     p.add_argument("--twin", type=Path, default=ROOT / "bench" / "results" / "outcome.json",
@@ -872,7 +884,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         r = run_one(scenario, operator, seed, args.duration, venv, model,
                                     args.keep, args.request_timeout,
                                     args.overload_rate,
-                                    args.overload_max_num_seqs)  # fmt: skip
+                                    args.overload_max_num_seqs, args.vllm_cpus)  # fmt: skip
                         record = {"run": dataclasses.asdict(r), "invocation": invocation}
                         # Appended as it ends: a long run stopped early keeps what it measured.
                         with runs_file(args.out, args.quick).open("a") as f:
