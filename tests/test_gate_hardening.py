@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+import aiohttp
 import pytest
 import requests
 
@@ -100,6 +101,25 @@ def test_a_normal_post_is_served_while_hundreds_of_clients_sit_idle(stub: Stub):
         assert post_echo(g.url).status_code == 200  # after
     finally:
         g.stop()
+
+
+def test_the_gate_keeps_an_idle_connection_longer_than_clients_keep_theirs() -> None:
+    """A server that closes a kept connection when its client's pool reuses it fails that
+    request (a POST is not sent again): the closer must be the client. aiohttp's pool keeps a
+    connection 15 s, the OpenAI SDK's (httpx) 5 s; the gate's deadline was 15 s, a race with
+    every aiohttp client. It is also how long a client may take to send its head: a client
+    starved of CPU for 15 s (seen on a saturated host) lost its request to the deadline."""
+
+    async def aiohttp_keepalive() -> float:
+        connector = aiohttp.TCPConnector()
+        try:
+            return float(connector._keepalive_timeout)
+        finally:
+            await connector.close()
+
+    clients = {"aiohttp": asyncio.run(aiohttp_keepalive()), "httpx (OpenAI SDK)": 5.0}
+    idle = GateSettings(proxy=ProxySettings(upstream="http://127.0.0.1:1")).idle_timeout_seconds
+    assert all(idle >= 4 * keep for keep in clients.values()), (idle, clients)
 
 
 def test_an_idle_connection_is_closed_at_the_deadline(stub: Stub):

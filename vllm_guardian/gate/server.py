@@ -57,9 +57,11 @@ class GateSettings:
     take_back_hung: bool = False
     shutdown_timeout_seconds: float = 5.0
     # Client connections open at once (each also holds one to vLLM while busy); past it the
-    # longest-idle one is closed. Idle (head not sent yet, or kept alive): closed after this.
+    # longest-idle one is closed. Idle (head not sent yet, or kept alive): closed after this,
+    # well past the clients' own keep-alive (aiohttp 15 s, httpx 5 s), so the client closes
+    # first and never sends on a connection being closed; nginx waits 60 s for a head too.
     max_connections: int = 4096
-    idle_timeout_seconds: float = 15.0
+    idle_timeout_seconds: float = 60.0
     # Malformed requests: counted, and at most one WARNING line per this long (connections.py).
     malformed_log_interval_seconds: float = 60.0
     # One of several workers on the port (gate/workers.py): the listen socket is bound with
