@@ -376,6 +376,15 @@ def _load_average() -> float:
     return os.getloadavg()[0]
 
 
+def on_cpus(command: list[str], cpus: str | None) -> list[str]:
+    """``command`` run on ``cpus`` only (``taskset -c``; every process it starts inherits
+    them), or as it is (None). For every operator alike: on this host the CPU engine under
+    overload starves every other process for seconds at a time (the gate, the guardian, the
+    load client: bench/results/outcome-vllm-overload-calibration), which a GPU host, whose
+    engine is not on the CPUs, does not."""
+    return command if cpus is None else ["/usr/bin/taskset", "-c", cpus, *command]
+
+
 def run_one(
     scenario_name: str, operator: str, seed: int, duration: float, venv: Path, model: Path,
     keep: bool, request_timeout: float = REQUEST_TIMEOUT_SECONDS,
@@ -408,13 +417,8 @@ def run_one(
         env = support.vllm_env(run_id, workdir, faults=fault_env(scenario, workdir))
         if vllm_cpus is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = vllm_cpus  # inference inside the allowed set
-        command = support.serve_command(venv, model, port, env, serve_flags(scenario))
-        if vllm_cpus is not None:
-            # Every vLLM process on these CPUs only, for every operator alike: on this host
-            # the CPU engine under overload starves every other process for seconds at a time
-            # (the gate, the guardian, the load client; bench/results/outcome-vllm-overload-
-            # calibration), which a GPU host, where the engine is not on the CPUs, does not.
-            command = ["/usr/bin/taskset", "-c", vllm_cpus, *command]
+        command = on_cpus(support.serve_command(venv, model, port, env, serve_flags(scenario)),
+                          vllm_cpus)  # fmt: skip
         command[command.index("--served-model-name") + 1] = MODEL
         guardian: subprocess.Popen[bytes] | None = None
         pid_file: Path | None = None  # the guardian's supervisor's (vLLM's pid and start)

@@ -268,3 +268,14 @@ def test_each_partys_cpu_is_read_from_proc() -> None:
         busy.kill()
         busy.wait()
     assert b.process_cpu_seconds(busy.pid) is None  # reaped: gone
+
+
+def test_vllm_is_put_on_the_cpus_given_and_left_alone_otherwise() -> None:
+    b = bench()
+    serve = ["/usr/bin/env", "A=1", "/venv/bin/vllm", "serve", "/m", "--max-num-seqs", "1"]
+    assert b.on_cpus(serve, None) == serve
+    assert b.on_cpus(serve, "1") == ["/usr/bin/taskset", "-c", "1", *serve]
+    # the guardian still reads vLLM's flags from the pinned command line
+    from vllm_guardian.core.budget import parse_launch_flags
+
+    assert parse_launch_flags(b.on_cpus(serve, "1")).max_num_seqs == 1
