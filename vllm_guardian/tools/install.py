@@ -106,6 +106,10 @@ WatchdogSec=30s
 # systemd's default soft limit is 1,024 descriptors. Each listener caps its own connections
 # (/metrics 64, the control socket 16), so this is headroom, not a target.
 LimitNOFILE=65536
+# Ten times the default weight: a host whose CPUs vLLM (or a neighbour) saturates otherwise
+# kept the guardian off them for many seconds. It uses a few percent of a core, so this buys
+# promptness, not vLLM's CPU.
+CPUWeight=1000
 ExecStart={exec} run -c {config}
 # SIGHUP reloads the config; a bad new config is refused and the old one keeps running.
 ExecReload=/bin/kill -HUP $MAINPID
@@ -185,6 +189,10 @@ TimeoutStartSec=30s
 TimeoutStopSec=15s
 # Two descriptors per request in flight (client and vLLM), and requests held by the hundred.
 LimitNOFILE=65536
+# Ten times the default weight: on a host whose CPUs vLLM saturated, every other process was
+# kept off them for up to 50 s at a time, and a starved gate answers nothing (nor pings the
+# watchdog). It uses a few percent of a core: this buys promptness, not vLLM's CPU.
+CPUWeight=1000
 
 User={user}
 Group={user}
