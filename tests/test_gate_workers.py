@@ -6,7 +6,9 @@
 * real processes on loopback in front of the scriptable stub (2 workers): both serve, the held
   queue's global bound holds under a burst, the guardian's gate source reads the sum, SIGTERM
   drains the in-flight requests of every worker, a killed worker is replaced and its requests
-  counted as lost, SIGHUP replaces every worker while the in-flight ones finish.
+  counted as lost, SIGHUP replaces every worker while the in-flight ones finish;
+* a silent worker: killed as wedged unless the kernel's account (/proc/<pid>/schedstat) says it
+  waited for a CPU most of its silence (starved by the host: left alone, said once a minute).
 
 The kernel spreads connections over the workers by a hash of each connection (SO_REUSEPORT):
 where a test needs both workers to get some of a burst, the burst is 16 or more connections,
@@ -16,6 +18,7 @@ so one worker getting all of them (or all but one) is a chance of about 1 in 30,
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,6 +39,13 @@ from vllm_guardian.gate.admission import Limits
 from vllm_guardian.gate.metrics import GateMetrics
 from vllm_guardian.gate.proxy import ProxySettings
 from vllm_guardian.gate.server import GateSettings, split_settings
+from vllm_guardian.gate.supervisor import (
+    Silence,
+    Supervisor,
+    _Worker,
+    judge_silence,
+    read_schedstat,
+)
 from vllm_guardian.gate.workers import (
     cpu_count_allowed,
     default_workers,
@@ -43,6 +53,7 @@ from vllm_guardian.gate.workers import (
     merge_status,
     share,
 )
+from vllm_guardian.lowio.procfs import parse_schedstat
 from vllm_guardian.model import GateObservation
 from vllm_guardian.sources.gate import GateCollector
 
@@ -473,3 +484,91 @@ def test_workers_end_with_a_parent_killed_outright(stub: Stub, tmp_path: Path) -
         wait_for(lambda: all(gone(p) for p in pids), "no worker left", seen=lambda: pids)
     finally:
         gate.stop()
+
+
+# --- a silent worker: wedged or starved ------------------------------------------------------
+#
+# The parent kills a worker whose control socket has not answered for a while (its loop is
+# stuck) and starts another. A worker that was runnable and waited for a CPU most of that time
+# was starved by the host (measured here: vLLM's CPU engine kept other processes off both cores
+# for up to 50 s), not stuck: killing it cuts every stream it carries and starts the same wait
+# again. What the task did meanwhile is the kernel's account, /proc/<pid>/schedstat.
+
+
+@pytest.mark.parametrize(
+    ("silent", "limit", "waited", "verdict"),
+    [
+        (9.0, 10.0, 0.0, None),  # not silent long enough
+        (9.0, 10.0, None, None),
+        (11.0, 10.0, 0.0, Silence.WEDGED),  # asleep the whole time: blocked
+        (11.0, 10.0, 0.5, Silence.WEDGED),  # on a CPU the whole time: spinning
+        (11.0, 10.0, 5.4, Silence.WEDGED),  # waited less than half of it
+        (11.0, 10.0, 5.5, Silence.STARVED),
+        (40.0, 10.0, 39.0, Silence.STARVED),
+        (11.0, 10.0, None, Silence.WEDGED),  # no account of it: as before there was one
+        (91.0, 90.0, 80.0, Silence.STARVED),  # a worker starting up
+    ],
+)
+def test_a_silent_worker_is_wedged_unless_it_waited_for_a_cpu_most_of_the_time(
+    silent: float, limit: float, waited: float | None, verdict: Silence | None
+) -> None:
+    assert judge_silence(silent, limit, waited) is verdict
+
+
+@pytest.mark.parametrize(
+    ("text", "parsed"),
+    [
+        ("152307944 654501203 313\n", (152307944, 654501203)),
+        ("0 0 0", (0, 0)),
+        ("", None),
+        ("12", None),
+        ("-1 2 3", None),
+        ("a b c", None),
+    ],
+)
+def test_schedstat_is_read_as_time_on_a_cpu_and_time_waiting_for_one(
+    text: str, parsed: tuple[int, int] | None
+) -> None:
+    assert parse_schedstat(text) == parsed
+
+
+def test_the_kernels_account_of_a_process_is_read_from_proc() -> None:
+    here = read_schedstat(os.getpid())
+    assert here is not None and here[0] > 0, here
+    assert read_schedstat(2**22 + 1) is None  # above pid_max: no such process
+
+
+@pytest.mark.parametrize(("waited_seconds", "killed"), [(0.0, True), (12.0, False)])
+def test_the_parent_kills_a_silent_worker_only_when_it_was_not_starved(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, waited_seconds: float, killed: bool
+) -> None:
+    # The worker: a real process that never answers on a control socket (it has none); the
+    # kernel's account of it is given, as a starved host would give it.
+    sup = Supervisor(
+        [], 1, "127.0.0.1", 0, shutdown_timeout_seconds=1.0, notify=lambda _m: None,
+        watchdog_seconds=None, status_line=lambda _d: "",
+        schedstat=lambda _pid: (10**8, int(1e9 * (waited_seconds + 1.0))),
+    )  # fmt: skip
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        now = 1000.0
+        w = _Worker(0, proc, now - 100.0, last_answer=now - 13.0, sched_at_answer=(10**8, 10**9))
+        sup.slots[0].worker = w
+        with caplog.at_level("WARNING", logger="vllm_guardian.gate"):
+            sup._poll(now)
+        assert (proc.wait(timeout=30) == -signal.SIGKILL) if killed else proc.poll() is None
+        said = caplog.text
+        if killed:
+            assert "has not answered for 13 s: killed" in said, said
+        else:
+            assert "has not answered for 13 s; it waited for a CPU 12 s of them" in said, said
+            assert "not killed" in said, said
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="vllm_guardian.gate"):
+                sup._poll(now + 1.0)  # starved still: said once a minute, not every second
+            assert "waited for a CPU" not in caplog.text
+            assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(sup.control_dir, ignore_errors=True)

@@ -9,7 +9,9 @@ share of the limits, gate/workers.py), and then, in a loop:
 * sends systemd ``READY=1`` once a worker answers on its control socket (the port serves from
   then on), ``WATCHDOG=1`` and a ``STATUS=`` line of the workers' sum while it runs;
 * reads each worker's status every second; a worker that exits, or that has not answered for
-  ``WORKER_WEDGED_SECONDS`` (its loop is wedged: killed), is started again after a backoff
+  ``WORKER_WEDGED_SECONDS`` (its loop is wedged: killed; unless the kernel's account says it
+  waited for a CPU most of that time, :func:`judge_silence`: starved by the host, it is left
+  alone and a warning says so), is started again after a backoff
   (0.5 s doubling to 30 s, back to 0.5 s once one ran 30 s), and what it had in flight or held
   at its last reading is logged and counted as lost (``worker_lost_requests_total`` in the
   status), never silently;
@@ -25,6 +27,7 @@ share of the limits, gate/workers.py), and then, in a loop:
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import logging
 import os
@@ -42,6 +45,7 @@ from types import FrameType
 from typing import Any
 
 from vllm_guardian.gate.workers import PARENT_FILE, merge_status, worker_socket
+from vllm_guardian.lowio.procfs import parse_schedstat
 
 log = logging.getLogger("vllm_guardian.gate")
 
@@ -52,6 +56,11 @@ POLL_SECONDS = 1.0
 # only starts the same work again.
 WORKER_WEDGED_SECONDS = 10.0
 STARTUP_SECONDS = 90.0
+# A silent worker that was runnable and waiting for a CPU at least this share of its silence
+# was starved by the host, not wedged: another in its place would wait the same.
+STARVED_SHARE = 0.5
+# A starved worker's warning is repeated this often while it lasts.
+STARVED_LOG_SECONDS = 60.0
 BACKOFF_FIRST_SECONDS = 0.5
 BACKOFF_MAX_SECONDS = 30.0
 # Past this long a worker's next death starts the backoff again from the first step.
@@ -69,6 +78,35 @@ class CannotListen(Exception):
     """The listen address cannot be bound (in use, not this host's)."""
 
 
+class Silence(enum.Enum):
+    """Why a worker has not answered its control socket for longer than it may."""
+
+    WEDGED = "wedged"  # asleep or on a CPU the whole time: its loop is stuck (killed)
+    STARVED = "starved"  # runnable, waiting for a CPU the host gave to others (left alone)
+
+
+def judge_silence(
+    silent_seconds: float, limit_seconds: float, waited_seconds: float | None
+) -> Silence | None:
+    """A worker silent for ``silent_seconds``, of which it spent ``waited_seconds`` runnable and
+    waiting for a CPU (None: no account of it): None while within ``limit_seconds``."""
+    if silent_seconds <= limit_seconds:
+        return None
+    if waited_seconds is not None and waited_seconds >= STARVED_SHARE * silent_seconds:
+        return Silence.STARVED
+    return Silence.WEDGED
+
+
+def read_schedstat(pid: int) -> tuple[int, int] | None:
+    """The kernel's account of ``pid``'s main thread (the worker's loop): nanoseconds on a CPU
+    and waiting for one, since it started; None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return parse_schedstat(f.read())
+    except OSError:
+        return None
+
+
 @dataclass
 class _Worker:
     index: int
@@ -78,6 +116,10 @@ class _Worker:
     # In flight + queued at its last reading: what is lost if it dies now.
     holding: int = 0
     doc: dict[str, Any] | None = None
+    # The kernel's account (on a CPU, waiting for one; ns) at its last answer (at its start,
+    # where both are 0, before the first).
+    sched_at_answer: tuple[int, int] = (0, 0)
+    starved_said: float | None = None  # when its starvation was last logged
 
 
 @dataclass
@@ -144,8 +186,10 @@ class Supervisor:
         notify: Callable[[str], None],
         watchdog_seconds: float | None,
         status_line: Callable[[Mapping[str, object]], str],
+        schedstat: Callable[[int], tuple[int, int] | None] = read_schedstat,
     ) -> None:
         self.argv = list(argv)
+        self.schedstat = schedstat
         self.n = workers
         self.host, self.port = host, port
         self.shutdown_timeout_seconds = shutdown_timeout_seconds
@@ -182,11 +226,23 @@ class Supervisor:
         if doc is not None:
             w.last_answer, w.doc = now, doc
             w.holding = int(doc.get("in_flight") or 0) + int(doc.get("queue_depth") or 0)
+            w.sched_at_answer = self.schedstat(w.proc.pid) or w.sched_at_answer
+            w.starved_said = None
 
-    def _wedged(self, w: _Worker, now: float) -> bool:
-        if w.last_answer is None:
-            return now - w.started > STARTUP_SECONDS
-        return now - w.last_answer > WORKER_WEDGED_SECONDS
+    def _silence(self, w: _Worker, now: float) -> tuple[Silence | None, float, str]:
+        """Whether ``w`` has been silent too long, and why (:func:`judge_silence`); how long,
+        and what the kernel says it did meanwhile (for the log)."""
+        since = w.started if w.last_answer is None else w.last_answer
+        limit = STARTUP_SECONDS if w.last_answer is None else WORKER_WEDGED_SECONDS
+        silent = now - since
+        if silent <= limit:
+            return None, silent, ""
+        account = self.schedstat(w.proc.pid)
+        if account is None:
+            return judge_silence(silent, limit, None), silent, ""
+        ran, waited = ((a - b) / 1e9 for a, b in zip(account, w.sched_at_answer, strict=True))
+        said = f"it waited for a CPU {waited:.0f} s of them and ran {ran:.1f} s"
+        return judge_silence(silent, limit, waited), silent, said
 
     def _write_parent(self) -> None:
         self.counts.pids = [s.worker.proc.pid for s in self.slots if s.worker is not None]
@@ -323,12 +379,25 @@ class Supervisor:
             self.counts.holding = holding
             self._write_parent()
         for w in workers + self.retiring:
-            if w.proc.poll() is None and self._wedged(w, now):
+            if w.proc.poll() is not None:
+                continue
+            verdict, silent, said = self._silence(w, now)
+            if verdict is Silence.WEDGED:
                 log.warning(
-                    "gate: worker %d (pid %d) has not answered for %.0f s: killed",
-                    w.index + 1, w.proc.pid, now - (w.last_answer or w.started),
+                    "gate: worker %d (pid %d) has not answered for %.0f s: killed%s",
+                    w.index + 1, w.proc.pid, silent, f" ({said})" if said else "",
                 )  # fmt: skip
                 w.proc.kill()
+            elif verdict is Silence.STARVED and (
+                w.starved_said is None or now - w.starved_said >= STARVED_LOG_SECONDS
+            ):
+                w.starved_said = now
+                log.warning(
+                    "gate: worker %d (pid %d) has not answered for %.0f s; %s: starved by "
+                    "the host (its CPUs go to other processes), not killed (another would "
+                    "wait the same); see docs/runbook.md, \"Gate stalled\"",
+                    w.index + 1, w.proc.pid, silent, said,
+                )  # fmt: skip
 
     def _begin_reload(self) -> None:
         if any(s.successor is not None for s in self.slots):

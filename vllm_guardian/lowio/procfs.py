@@ -1,4 +1,5 @@
-"""Parsers for the /proc files the sources read: ``/proc/<pid>/stat`` and ``/proc/<pid>/cgroup``.
+"""Parsers for the /proc files the sources read: ``/proc/<pid>/stat`` and ``/proc/<pid>/cgroup``
+(and ``/proc/<pid>/schedstat``, which the gate's parent reads of its workers).
 
 Where it sits: below the unit, NVML and allocator sources, which each walk /proc to tie a
 process to a service (its parent chain, its cgroup). Pure functions of the file's text, so each
@@ -45,6 +46,15 @@ def parse_ppid(text: str) -> int | None:
     """The parent pid from ``/proc/<pid>/stat``'s text, or None when malformed."""
     parsed = parse_stat(text)
     return parsed[1] if parsed is not None else None
+
+
+def parse_schedstat(text: str) -> tuple[int, int] | None:
+    """``/proc/<pid>/schedstat`` → (nanoseconds on a CPU, nanoseconds runnable but waiting for
+    one), the task's totals since it started; None when malformed."""
+    fields = text.split()
+    if len(fields) < 2 or not all(f.isascii() and f.isdigit() for f in fields[:2]):
+        return None
+    return int(fields[0]), int(fields[1])
 
 
 def parse_cgroup(text: str) -> str | None:
