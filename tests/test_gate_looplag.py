@@ -7,9 +7,15 @@ within 1 s in most ticks, and nothing could say whether the gate or the host was
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import select
+import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import requests
@@ -17,7 +23,7 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from tests.hostile import wait_for
 from tests.test_gate_support import GateThread, Stub
-from vllm_guardian.gate.looplag import LAG_BUCKETS, LoopLag
+from vllm_guardian.gate.looplag import LAG_BUCKETS, LoopLag, running_timeout
 
 
 def _lag(**kw: float) -> LoopLag:
@@ -111,3 +117,84 @@ def test_a_stalled_gate_reports_its_stall_in_status_metrics_and_log(
         assert warned and "not running" in warned[0], warned  # time.sleep uses no CPU
     finally:
         g.stop()
+
+
+# --- a deadline the loop was not running to see --------------------------------------------
+#
+# An answer that reached the gate's socket while its loop was not running (the host's CPUs
+# taken) is seen in the same turn of the loop as the deadline that passed meanwhile; with
+# asyncio's own timeout the deadline wins and the answer is thrown away: the follower took a
+# /health that had answered for vLLM's silence. The gate's polls give the answer that turn.
+
+
+@contextlib.contextmanager
+def _answering_server() -> Iterator[int]:
+    """A loopback server, on a thread of its own, that answers each line at once."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = srv.accept()
+            with conn:
+                while conn.recv(64):
+                    conn.sendall(b"pong\n")
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        yield port
+    finally:
+        srv.close()
+        t.join(timeout=30)
+
+
+def _ask_across_a_stall(timeout: Callable[[float], Any], port: int) -> bytes:
+    """Ask, and stall the loop for longer than the timeout while the answer arrives."""
+
+    async def ask() -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            loop = asyncio.get_running_loop()
+            sock = writer.get_extra_info("socket")
+
+            def stall(until: float) -> None:
+                # The loop does nothing (as when the process is not scheduled) from before the
+                # question until the answer is in the socket and the deadline long past.
+                writer.write(b"ping\n")
+                select.select([sock.fileno()], [], [], 30.0)
+                time.sleep(max(0.0, until - loop.time()))
+
+            async with timeout(0.3):
+                loop.call_soon(stall, loop.time() + 1.0)
+                return await reader.readline()
+        finally:
+            writer.close()
+
+    return asyncio.run(ask())
+
+
+def test_asyncios_own_timeout_throws_away_an_answer_that_came_during_a_stall() -> None:
+    # Why the gate has its own: this is what the follower's polls did.
+    with _answering_server() as port, pytest.raises(TimeoutError):
+        _ask_across_a_stall(asyncio.timeout, port)
+
+
+def test_an_answer_that_came_while_the_loop_was_stalled_is_taken_not_timed_out() -> None:
+    with _answering_server() as port:
+        assert _ask_across_a_stall(running_timeout, port) == b"pong\n"
+
+
+def test_a_deadline_with_no_answer_still_times_out() -> None:
+    async def wait(stall: bool) -> None:
+        async with running_timeout(0.2):
+            if stall:
+                asyncio.get_running_loop().call_soon(time.sleep, 0.5)
+            await asyncio.Event().wait()  # never set
+
+    for stall in (False, True):
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            asyncio.run(wait(stall))
+        # Bounded: the stall's length is added once, not without end.
+        assert time.monotonic() - started < 30

@@ -63,6 +63,7 @@ import aiohttp
 from vllm_guardian.core.progress import ProgressReading
 from vllm_guardian.formats import ready_format
 from vllm_guardian.gate.admission import Admission
+from vllm_guardian.gate.looplag import running_timeout
 from vllm_guardian.gate.progress import EngineMark, ProgressWatch, why_send_again
 from vllm_guardian.gate.upstream import UpstreamError, UpstreamPool
 from vllm_guardian.sources.vllm_metrics import VllmParser, parse_vllm_metrics
@@ -297,8 +298,9 @@ class Follower:
 
     async def _get_small(self, pool: UpstreamPool, target: str) -> tuple[int, bytes]:
         """GET a small answer: its status and at most SMALL_BODY_MAX_BYTES of its body.
-        Raises UpstreamError or TimeoutError."""
-        async with asyncio.timeout(self._timeout_seconds):
+        Raises UpstreamError or TimeoutError (not for an answer that arrived while the loop
+        was not running: looplag.running_timeout)."""
+        async with running_timeout(self._timeout_seconds):
             up = await pool.request("GET", target, (), None)
             try:
                 chunks: list[bytes] = []

@@ -15,6 +15,11 @@ records how much later than asked it woke:
   process was not running (the host's CPUs were taken) or blocked outside Python.
 
 Where it runs: a task of its own beside the follower, started and stopped with the gate.
+
+:func:`running_timeout` is ``asyncio.timeout`` for a loop that may not run: a deadline the loop
+reached late (it was not running when it passed) is not taken for silence at once, since an
+answer that arrived meanwhile is seen in the same turn of the loop and asyncio would let the
+deadline win (the follower's polls use it).
 """
 
 from __future__ import annotations
@@ -24,11 +29,14 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from prometheus_client import Histogram
 
 log = logging.getLogger("vllm_guardian.gate")
+
+# A deadline seen this much after it passed was not seen in time: the loop was not running.
+LATE_DEADLINE_SECONDS = 0.25
 
 # Lags from scheduler noise (a millisecond) to a starved or blocked loop (seconds).
 LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -96,3 +104,33 @@ class LoopLag:
             await asyncio.sleep(self._interval)
             now = self._clock()
             self.observe(now - asked - self._interval, now, self._cpu() - cpu)
+
+
+@contextlib.asynccontextmanager
+async def running_timeout(seconds: float) -> AsyncIterator[None]:
+    """``asyncio.timeout(seconds)``, except when the loop reaches the deadline more than
+    ``LATE_DEADLINE_SECONDS`` after it passed (it was not running): what arrived meanwhile is
+    handled in that turn, and the block gets ``seconds`` more, once, counted from then. Raises
+    TimeoutError as asyncio's does; bounded by twice ``seconds`` plus the stalls."""
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(None) as cm:
+        due = loop.time() + seconds
+        extended = False
+        handle: asyncio.TimerHandle | None = None
+
+        def check() -> None:
+            nonlocal due, extended, handle
+            now = loop.time()
+            if not extended and now - due > LATE_DEADLINE_SECONDS:
+                extended = True
+                due = now + seconds
+                handle = loop.call_at(due, check)
+            else:
+                cm.reschedule(now)  # expires: the block is cancelled, TimeoutError raised
+
+        handle = loop.call_at(due, check)
+        try:
+            yield
+        finally:
+            if handle is not None:
+                handle.cancel()
