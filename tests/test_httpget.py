@@ -9,8 +9,15 @@ it; the bound is generous (the deadline under test is a fraction of it).
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +32,7 @@ from vllm_guardian.model import HealthState
 from vllm_guardian.sources.health import HealthCollector
 from vllm_guardian.sources.vllm_metrics import VllmMetricsCollector
 
+ROOT = Path(__file__).resolve().parent.parent
 BOUND_SECONDS = 60.0  # a fetch with a 0.5 s deadline that is still running after this hangs
 
 
@@ -223,3 +231,59 @@ def test_a_cancel_s_fetches_share_one_deadline_thread_and_keep_their_deadlines()
     assert e.value.failure is Failure.DEADLINE
     cancel.cut()
     wait_for(lambda: (not mine.is_alive(), mine), "the deadline thread ends")
+
+
+# --- a deadline the guardian was not running to see -----------------------------------------
+#
+# A guardian process kept off the CPUs (measured here: 15-50 s beside vLLM's CPU engine under
+# overload) wakes with vLLM's answer in its socket and its fetch's deadline long past. The
+# answer came; the deadline thread must not throw it away for silence. The process is stopped
+# (SIGSTOP) from before the answer is sent until well past the deadline: starved, as the host
+# starved it.
+
+_CHILD = """
+import sys
+from vllm_guardian.lowio.httpget import Cancel, HttpGetError, fetch
+cancel = Cancel() if sys.argv[2] == "cancel" else None
+try:
+    r = fetch(sys.argv[1], deadline_seconds=3.0, max_body_bytes=1024, cancel=cancel)
+    print("answer", r.status, r.body.decode(), flush=True)
+except HttpGetError as e:
+    print("failed", e.failure.value, e.detail, flush=True)
+"""
+
+
+def _stopped(pid: int) -> tuple[bool, str]:
+    with open(f"/proc/{pid}/stat") as f:
+        state = f.read().rpartition(")")[2].split()[0]
+    return state in ("T", "t"), state
+
+
+@pytest.mark.parametrize("deadlines", ["cancel", "timer"])
+def test_an_answer_that_came_while_the_guardian_was_not_running_is_taken(deadlines: str) -> None:
+    srv = socket.create_server(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{srv.getsockname()[1]}/health"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, url, deadlines], stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    try:
+        srv.settimeout(60)
+        conn, _ = srv.accept()
+        with conn:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += conn.recv(4096)
+            os.kill(child.pid, signal.SIGSTOP)
+            wait_for(lambda: _stopped(child.pid), "the guardian's process stopped")
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+            time.sleep(5.0)  # stopped past its 3 s deadline, the answer in its socket
+            os.kill(child.pid, signal.SIGCONT)
+            out, _ = child.communicate(timeout=60)
+    finally:
+        srv.close()
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGCONT)
+            child.kill()
+            child.wait()
+    assert out.strip() == "answer 200 ok", out

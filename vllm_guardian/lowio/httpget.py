@@ -9,7 +9,10 @@ Why not ``requests``' timeout: it is per socket read, so a server that drips one
 keeps a fetch alive for as long as it drips (and the thread with it, and shutdown waiting on
 that thread). Here ``deadline_seconds`` covers connect, head and body together: the socket's
 timeout is set to the time left, and a timer shuts the socket down at the deadline whatever
-the server does; a :class:`Cancel` cuts it at once when its owner shuts down. ``max_body_bytes`` bounds memory against an endless body: past it the fetch
+the server does; a :class:`Cancel` cuts it at once when its owner shuts down. A deadline the
+timer reaches more than ``LATE_DEADLINE_SECONDS`` after it passed (the process was not running:
+a host whose CPUs another process holds) is not taken for silence at once: the answer may be in
+the socket already, and the fetch gets its time once more, counted from then. ``max_body_bytes`` bounds memory against an endless body: past it the fetch
 fails (:attr:`Oversize.FAIL`) or keeps the first bytes and says so (:attr:`Oversize.TRUNCATE`).
 
 Plain ``http.client``: no proxy from the environment (the guardian talks to loopback), no
@@ -59,6 +62,10 @@ class HttpGetError(Exception):
         self.detail = detail
 
 
+# A deadline seen this much after it passed was not seen in time: the process was not running.
+LATE_DEADLINE_SECONDS = 0.25
+
+
 class Cancel:
     """A collector's kill switch: :meth:`cut` ends the fetch in progress at once and fails
     every later one, so that shutting down never waits on a server (SIGTERM).
@@ -73,7 +80,8 @@ class Cancel:
         self._socks: set[socket.socket] = set()
         self.cut_done = False
         self._wake = threading.Condition(self._lock)
-        self._deadlines: dict[int, tuple[float, Callable[[], None]]] = {}  # → (monotonic, cut)
+        # → (monotonic, what to do then: cut, or say the new deadline)
+        self._deadlines: dict[int, tuple[float, Callable[[], float | None]]] = {}
         self._tokens = itertools.count()
         self._watcher: threading.Thread | None = None
         self._waiting_until = math.inf  # when the watcher wakes next on its own
@@ -85,11 +93,12 @@ class Cancel:
                 _shutdown(sock)
             self._wake.notify()  # the watcher ends
 
-    def _at_deadline(self, end_monotonic: float, cut: Callable[[], None]) -> int:
-        """Call ``cut`` at ``end_monotonic`` unless :meth:`_clear` comes first."""
+    def _at_deadline(self, end_monotonic: float, due: Callable[[], float | None]) -> int:
+        """Call ``due`` at ``end_monotonic`` unless :meth:`_clear` comes first, and again at
+        the deadline it returns, if any."""
         with self._lock:
             token = next(self._tokens)
-            self._deadlines[token] = (end_monotonic, cut)
+            self._deadlines[token] = (end_monotonic, due)
             if self._watcher is None:
                 self._watcher = threading.Thread(
                     target=self._watch, name="httpget-deadlines", daemon=True
@@ -107,10 +116,13 @@ class Cancel:
         with self._lock:
             while not self.cut_done:
                 now = time.monotonic()
-                for token, (end, cut) in list(self._deadlines.items()):
+                for token, (end, due) in list(self._deadlines.items()):
                     if end <= now:
-                        del self._deadlines[token]
-                        cut()
+                        later = due()
+                        if later is None:
+                            del self._deadlines[token]
+                        else:
+                            self._deadlines[token] = (later, due)
                 nearest = min((end for end, _ in self._deadlines.values()), default=math.inf)
                 self._waiting_until = nearest
                 self._wake.wait(None if nearest == math.inf else nearest - now)
@@ -236,17 +248,41 @@ def fetch(
         for sock in list(in_use):
             _shutdown(sock)
 
+    extended = False
+
+    def due() -> float | None:
+        """At the deadline: cut; or, reached late (the process was not running), once, the
+        new deadline."""
+        nonlocal end, extended
+        now = time.monotonic()
+        if not extended and now - end > LATE_DEADLINE_SECONDS:
+            extended = True
+            end = now + deadline_seconds
+            return end
+        cut()
+        return None
+
     if cancel is not None and cancel.cut_done:
         raise HttpGetError(Failure.CANCELLED, url, "shutting down")
 
-    timer: threading.Timer | None = None
+    timers: list[threading.Timer] = []
+    finished = threading.Event()
     token: int | None = None
-    if cancel is not None:
-        token = cancel._at_deadline(end, cut)
-    else:
-        timer = threading.Timer(deadline_seconds, cut)
+
+    def arm(at: float) -> None:
+        def fire() -> None:
+            if not finished.is_set() and (later := due()) is not None:
+                arm(later)
+
+        timer = threading.Timer(max(0.0, at - time.monotonic()), fire)
         timer.daemon = True
+        timers.append(timer)
         timer.start()
+
+    if cancel is not None:
+        token = cancel._at_deadline(end, due)
+    else:
+        arm(end)
     conn = keep.take(key) if keep is not None else None
     reused = conn is not None
     connected = reused
@@ -307,7 +343,8 @@ def fetch(
             raise HttpGetError(Failure.BROKEN, url, f"cannot resolve {parts.hostname}") from None
         raise HttpGetError(Failure.BROKEN, url, _short(e)) from None
     finally:
-        if timer is not None:
+        finished.set()
+        for timer in timers:
             timer.cancel()
         if cancel is not None and token is not None:
             cancel._clear(token)
