@@ -635,6 +635,28 @@ def cells_of(runs: Sequence[RealRun]) -> list[twin.Cell]:
     return out
 
 
+def gaps(runs: Sequence[RealRun]) -> list[str]:
+    """The matrix's cells (scenario × operator) that no run filled, and those with fewer seeds
+    than the fullest: said under the invocations, so a reader never takes a gap for a zero."""
+    seeds: dict[tuple[str, str], set[int]] = {}
+    for r in runs:
+        seeds.setdefault((r.scenario, r.operator), set()).add(r.seed)
+    most = max((len(v) for v in seeds.values()), default=0)
+    missing = [f"{s}/{o}" for s in SCENARIOS for o in OPERATORS if (s, o) not in seeds]
+    fewer = [
+        f"{s}/{o} ({len(seeds[s, o])} of {most})"
+        for s in SCENARIOS
+        for o in OPERATORS
+        if (s, o) in seeds and len(seeds[s, o]) < most
+    ]
+    out = []
+    if missing:
+        out.append(f"- Not run: {', '.join(missing)}.")
+    if fewer:
+        out.append(f"- Fewer seeds than the others: {', '.join(fewer)}.")
+    return ["", *out] if out else []
+
+
 def real_name(twin_name: str) -> str:
     return next(n for n, s in SCENARIOS.items() if s.twin == twin_name)
 
@@ -720,6 +742,7 @@ def markdown(
     for (cmd, commit), names in invocations.items():
         lines.append(f"- `.venv/bin/python bench/outcome_vllm.py {cmd}` at {commit}: "
                      f"{len(names)} runs ({', '.join(names)})")  # fmt: skip
+    lines += gaps(runs)
     lines += ["", "## The goal, per scenario (medians over the seeds)", ""]
     for sc in SCENARIOS.values():
         v = twin.verdict(sc.twin, by)

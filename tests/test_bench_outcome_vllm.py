@@ -79,6 +79,9 @@ def test_the_report_judges_real_runs_and_puts_the_twin_beside(tmp_path: Path) ->
     row = next(line for line in md.splitlines() if line.startswith("| prefill_oom ↔ prefill_burst | guardian+gate"))  # fmt: skip
     assert "3.0 \\| 0.7" in row, row
     assert "`.venv/bin/python bench/outcome_vllm.py --seeds 7,8` at abc1234: 8 runs" in md, md
+    # What was not run is said, not left for a reader to take as nothing failing.
+    assert "- Not run: prefill_oom/unguarded-on-failure, engine_death/unguarded," in md, md
+    assert "- Fewer seeds than the others: steady/unguarded (1 of 2), steady/guardian+gate (1 of 2)." in md, md  # fmt: skip
     svg = (tmp_path / "outcome-vllm.svg").read_text()
     assert ">prefill_oom<" in svg and ">prefill_burst<" not in svg
     saved = json.loads((tmp_path / "outcome-vllm.json").read_text())
