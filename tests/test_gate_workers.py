@@ -34,7 +34,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.support import wait_for
 from tests.test_gate_deploy import free_port
 from tests.test_gate_support import Stub
-from vllm_guardian.config import ConfigInvalid, GateConfig, GateSourceConfig, parse_config
+from vllm_guardian.config import (
+    ConfigInvalid,
+    GateConfig,
+    GateSourceConfig,
+    SplitLimits,
+    parse_config,
+)
 from vllm_guardian.gate.admission import Limits
 from vllm_guardian.gate.metrics import GateMetrics
 from vllm_guardian.gate.proxy import ProxySettings
@@ -125,7 +131,7 @@ def test_the_default_count_comes_from_the_host_and_what_the_limits_allow(
         "max_queue_requests": 1024, "max_queued_tokens": 1_000_000,
         "body_budget_bytes": 256 * MIB, "max_body_bytes": 32 * MIB, "kv_admission": False,
     }  # fmt: skip
-    assert default_workers(cpus, **{**values, **limits}) == workers
+    assert default_workers(cpus, SplitLimits(**{**values, **limits})) == workers
 
 
 @pytest.mark.parametrize(

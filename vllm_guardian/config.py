@@ -279,23 +279,36 @@ class GateConfig:
     def listen_address(self) -> tuple[str, int]:
         return parse_listen(self.listen)
 
+    @property
+    def split_limits(self) -> SplitLimits:
+        return SplitLimits(
+            self.max_queue_requests, self.max_queued_tokens, self.body_budget_bytes,
+            self.max_body_bytes, self.kv_admission,
+        )  # fmt: skip
 
-def workers_problem(
-    workers: int,
-    *,
-    max_queue_requests: int,
-    max_queued_tokens: int,
-    body_budget_bytes: int,
-    max_body_bytes: int,
-    kv_admission: bool,
-) -> str | None:
+
+@dataclass(frozen=True)
+class SplitLimits:
+    """The gate's limits that its worker processes split between them, each an even share
+    (the config's ``gate:`` keys, or the settings ``vllm-guardian gate`` resolved)."""
+
+    max_queue_requests: int
+    max_queued_tokens: int
+    body_budget_bytes: int
+    max_body_bytes: int
+    kv_admission: bool
+
+
+def workers_problem(workers: int, limits: SplitLimits) -> str | None:
     """Why the gate's limits cannot be split over ``workers`` processes, or None: each worker
     gets an even share of every limit, so a positive limit needs at least one per worker and
     each worker's body budget must fit a largest body; KV-need admission counts the pool as
     one process's own."""
     if workers <= 1:
         return None
-    if kv_admission:
+    max_queue_requests, max_queued_tokens = limits.max_queue_requests, limits.max_queued_tokens
+    body_budget_bytes, max_body_bytes = limits.body_budget_bytes, limits.max_body_bytes
+    if limits.kv_admission:
         return "kv_admission needs workers: 1 (each worker would count the KV pool as its own)"
     for name, value in (("max_queue_requests", max_queue_requests),
                         ("max_queued_tokens", max_queued_tokens)):  # fmt: skip
@@ -975,14 +988,7 @@ def _gate_checks(cfg: Config, root: yaml.Node, loader: _Loader) -> None:
                 break
         taken.append((f"services[{i}].gate.listen", mine))
         _gate_key_checks(s.gate, i, root, loader)
-        if problem := workers_problem(
-            s.gate.workers,
-            max_queue_requests=s.gate.max_queue_requests,
-            max_queued_tokens=s.gate.max_queued_tokens,
-            body_budget_bytes=s.gate.body_budget_bytes,
-            max_body_bytes=s.gate.max_body_bytes,
-            kv_admission=s.gate.kv_admission,
-        ):
+        if problem := workers_problem(s.gate.workers, s.gate.split_limits):
             section = _find_path(root, "services", i, "gate")
             loader.err(
                 f"services[{i}].gate.workers", _find_key(section, "workers") or section, problem

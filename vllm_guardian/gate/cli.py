@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 from vllm_guardian.config import (
     CONTINUATION_ROUTES,
     ConfigInvalid,
+    SplitLimits,
     check_fallback_url,
     load_config,
     workers_problem,
@@ -603,16 +604,10 @@ def worker_count(args: argparse.Namespace, settings: GateSettings) -> int:
     """How many workers (after :func:`resolve`): ``--workers``/``workers``, or from the host
     when 0; raises UsageError when the limits cannot be split that far."""
     lim, proxy = settings.limits, settings.proxy
-
-    def problem(n: int) -> str | None:
-        return workers_problem(
-            n,
-            max_queue_requests=lim.max_queue_requests,
-            max_queued_tokens=lim.max_queued_tokens,
-            body_budget_bytes=proxy.body_budget_bytes,
-            max_body_bytes=proxy.max_body_bytes,
-            kv_admission=lim.kv_admission,
-        )
+    limits = SplitLimits(
+        lim.max_queue_requests, lim.max_queued_tokens, proxy.body_budget_bytes,
+        proxy.max_body_bytes, lim.kv_admission,
+    )  # fmt: skip
 
     n = int(args.workers)
     if n < 0:
@@ -620,17 +615,10 @@ def worker_count(args: argparse.Namespace, settings: GateSettings) -> int:
     if n == 0:
         if not hasattr(socket, "SO_REUSEPORT"):
             return 1
-        return default_workers(
-            host_cpus(),
-            max_queue_requests=lim.max_queue_requests,
-            max_queued_tokens=lim.max_queued_tokens,
-            body_budget_bytes=proxy.body_budget_bytes,
-            max_body_bytes=proxy.max_body_bytes,
-            kv_admission=lim.kv_admission,
-        )
+        return default_workers(host_cpus(), limits)
     if n > 1 and not hasattr(socket, "SO_REUSEPORT"):
         raise UsageError("--workers above 1 needs SO_REUSEPORT (Linux)")
-    if why := problem(n):
+    if why := workers_problem(n, limits):
         raise UsageError(f"--workers {n}: {why}")
     return n
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_guardian.config import workers_problem
+from vllm_guardian.config import SplitLimits, workers_problem
 
 log = logging.getLogger("vllm_guardian.gate")
 
@@ -86,28 +86,13 @@ def host_cpus() -> int:
     return cpu_count_allowed(affinity, cpu_max)
 
 
-def default_workers(
-    cpus: int,
-    *,
-    max_queue_requests: int,
-    max_queued_tokens: int,
-    body_budget_bytes: int,
-    max_body_bytes: int,
-    kv_admission: bool,
-) -> int:
+def default_workers(cpus: int, limits: SplitLimits) -> int:
     """``workers: 0`` (auto): one per CPU this process may use, at most
     :data:`DEFAULT_WORKERS_CAP`, and no more than the limits can be split into (each worker's
     share of every positive limit at least 1, its body budget a whole largest body; KV-need
     admission: one)."""
     n = max(1, min(cpus, DEFAULT_WORKERS_CAP))
-    while n > 1 and workers_problem(
-        n,
-        max_queue_requests=max_queue_requests,
-        max_queued_tokens=max_queued_tokens,
-        body_budget_bytes=body_budget_bytes,
-        max_body_bytes=max_body_bytes,
-        kv_admission=kv_admission,
-    ):
+    while n > 1 and workers_problem(n, limits):
         n -= 1
     return n
 
