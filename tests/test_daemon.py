@@ -403,3 +403,22 @@ def test_status_says_the_restart_budget_window_from_the_config(tmp_path):
     finally:
         g.close()
     assert (st["restart_budget"], st["restart_budget_window_seconds"]) == (5, 1800.0), st
+
+
+def test_a_reading_that_came_while_the_guardian_was_not_running_is_taken(tmp_path):
+    # The guardian kept off the CPUs past a source's time (the clock jumps while the source
+    # collects): the reading is there, or a moment away, when the tick looks again; it is taken,
+    # not reported as "no result" (the fetch under it gives itself its time once more alike).
+    clock = FakeClock()
+    health = Reading(SourceKind.HEALTH, "vllm", HealthProbe(HealthState.UP, 200, 0.01))
+
+    class Starved(Source):
+        def collect(self) -> Reading:
+            clock.advance(10.0)
+            threading.Event().wait(0.05)  # the answer's last bytes
+            return super().collect()
+
+    g, _ = make(tmp_path, Starved(SourceKind.HEALTH, "vllm", health, timeout=2.0), clock=clock)
+    status = g.tick().snapshot.sources[0]
+    assert status.up, status
+    g.close()

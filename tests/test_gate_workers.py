@@ -502,23 +502,27 @@ def test_workers_end_with_a_parent_killed_outright(stub: Stub, tmp_path: Path) -
 
 
 @pytest.mark.parametrize(
-    ("silent", "limit", "waited", "verdict"),
+    ("silent", "limit", "waited", "ran", "verdict"),
     [
-        (9.0, 10.0, 0.0, None),  # not silent long enough
-        (9.0, 10.0, None, None),
-        (11.0, 10.0, 0.0, Silence.WEDGED),  # asleep the whole time: blocked
-        (11.0, 10.0, 0.5, Silence.WEDGED),  # on a CPU the whole time: spinning
-        (11.0, 10.0, 5.4, Silence.WEDGED),  # waited less than half of it
-        (11.0, 10.0, 5.5, Silence.STARVED),
-        (40.0, 10.0, 39.0, Silence.STARVED),
-        (11.0, 10.0, None, Silence.WEDGED),  # no account of it: as before there was one
-        (91.0, 90.0, 80.0, Silence.STARVED),  # a worker starting up
+        (9.0, 10.0, 0.0, 0.0, None),  # not silent long enough
+        (9.0, 10.0, None, None, None),
+        (11.0, 10.0, 0.0, 0.0, Silence.WEDGED),  # asleep the whole time: blocked
+        (11.0, 10.0, 0.5, 10.5, Silence.WEDGED),  # on a CPU the whole time: spinning
+        (11.0, 10.0, 5.4, 0.1, Silence.WEDGED),  # waited less than half of it
+        (11.0, 10.0, 5.5, 0.1, Silence.STARVED),
+        (40.0, 10.0, 39.0, 0.5, Silence.STARVED),
+        # Spinning beside a busy engine: it waits half the time and runs the other half.
+        (20.0, 10.0, 10.0, 9.9, Silence.WEDGED),
+        (40.0, 10.0, 37.0, 2.0, Silence.WEDGED),  # seconds of CPU and no answer: stuck
+        (40.0, 10.0, 37.0, 1.9, Silence.STARVED),
+        (11.0, 10.0, None, None, Silence.WEDGED),  # no account of it: as before there was one
+        (91.0, 90.0, 80.0, 0.2, Silence.STARVED),  # a worker starting up
     ],
 )
 def test_a_silent_worker_is_wedged_unless_it_waited_for_a_cpu_most_of_the_time(
-    silent: float, limit: float, waited: float | None, verdict: Silence | None
+    silent: float, limit: float, waited: float | None, ran: float | None, verdict: Silence | None
 ) -> None:
-    assert judge_silence(silent, limit, waited) is verdict
+    assert judge_silence(silent, limit, waited, ran) is verdict
 
 
 @pytest.mark.parametrize(

@@ -246,7 +246,7 @@ import sys
 from vllm_guardian.lowio.httpget import Cancel, HttpGetError, fetch
 cancel = Cancel() if sys.argv[2] == "cancel" else None
 try:
-    r = fetch(sys.argv[1], deadline_seconds=3.0, max_body_bytes=1024, cancel=cancel)
+    r = fetch(sys.argv[1], deadline_seconds=5.0, max_body_bytes=1024, cancel=cancel)
     print("answer", r.status, r.body.decode(), flush=True)
 except HttpGetError as e:
     print("failed", e.failure.value, e.detail, flush=True)
@@ -277,7 +277,7 @@ def test_an_answer_that_came_while_the_guardian_was_not_running_is_taken(deadlin
             os.kill(child.pid, signal.SIGSTOP)
             wait_for(lambda: _stopped(child.pid), "the guardian's process stopped")
             conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
-            time.sleep(5.0)  # stopped past its 3 s deadline, the answer in its socket
+            time.sleep(7.0)  # stopped past its 5 s deadline, the answer in its socket
             os.kill(child.pid, signal.SIGCONT)
             out, _ = child.communicate(timeout=60)
     finally:

@@ -10,8 +10,8 @@ share of the limits, gate/workers.py), and then, in a loop:
   then on), ``WATCHDOG=1`` and a ``STATUS=`` line of the workers' sum while it runs;
 * reads each worker's status every second; a worker that exits, or that has not answered for
   ``WORKER_WEDGED_SECONDS`` (its loop is wedged: killed; unless the kernel's account says it
-  waited for a CPU most of that time, :func:`judge_silence`: starved by the host, it is left
-  alone and a warning says so), is started again after a backoff
+  waited for a CPU most of that time and had almost none, :func:`judge_silence`: starved by
+  the host, it is left alone and a warning says so), is started again after a backoff
   (0.5 s doubling to 30 s, back to 0.5 s once one ran 30 s), and what it had in flight or held
   at its last reading is logged and counted as lost (``worker_lost_requests_total`` in the
   status), never silently;
@@ -59,6 +59,10 @@ STARTUP_SECONDS = 90.0
 # A silent worker that was runnable and waiting for a CPU at least this share of its silence
 # was starved by the host, not wedged: another in its place would wait the same.
 STARVED_SHARE = 0.5
+# ...unless it ran this much CPU meanwhile: a loop answers its status with milliseconds of CPU,
+# so one that had seconds of it and did not answer is stuck on the loop (spinning), however
+# long it also waited.
+RAN_WEDGED_SECONDS = 2.0
 # A starved worker's warning is repeated this often while it lasts.
 STARVED_LOG_SECONDS = 60.0
 BACKOFF_FIRST_SECONDS = 0.5
@@ -86,13 +90,22 @@ class Silence(enum.Enum):
 
 
 def judge_silence(
-    silent_seconds: float, limit_seconds: float, waited_seconds: float | None
+    silent_seconds: float,
+    limit_seconds: float,
+    waited_seconds: float | None,
+    ran_seconds: float | None = None,
 ) -> Silence | None:
     """A worker silent for ``silent_seconds``, of which it spent ``waited_seconds`` runnable and
-    waiting for a CPU (None: no account of it): None while within ``limit_seconds``."""
+    waiting for a CPU and ``ran_seconds`` on one (None: no account of it): None while within
+    ``limit_seconds``. A CPU quota that throttles it counts as waiting (another worker would be
+    throttled the same)."""
     if silent_seconds <= limit_seconds:
         return None
-    if waited_seconds is not None and waited_seconds >= STARVED_SHARE * silent_seconds:
+    if (
+        waited_seconds is not None
+        and waited_seconds >= STARVED_SHARE * silent_seconds
+        and (ran_seconds or 0.0) < RAN_WEDGED_SECONDS
+    ):
         return Silence.STARVED
     return Silence.WEDGED
 
@@ -242,7 +255,7 @@ class Supervisor:
             return judge_silence(silent, limit, None), silent, ""
         ran, waited = ((a - b) / 1e9 for a, b in zip(account, w.sched_at_answer, strict=True))
         said = f"it waited for a CPU {waited:.0f} s of them and ran {ran:.1f} s"
-        return judge_silence(silent, limit, waited), silent, said
+        return judge_silence(silent, limit, waited, ran), silent, said
 
     def _write_parent(self) -> None:
         self.counts.pids = [s.worker.proc.pid for s in self.slots if s.worker is not None]

@@ -215,7 +215,9 @@ def fetch(
     cancel: Cancel | None = None,
     keep_alive: KeepAlive | None = None,
 ) -> HttpResponse:
-    """One request, finished (or failed with :class:`HttpGetError`) within ``deadline_seconds``.
+    """One request, finished (or failed with :class:`HttpGetError`) within ``deadline_seconds``
+    (or, where the deadline was reached late because the process was not running, within
+    twice that plus the time it was not running).
 
     ``keep_alive``: reuse a connection between GETs (:class:`KeepAlive`)."""
     try:
@@ -249,11 +251,14 @@ def fetch(
             _shutdown(sock)
 
     extended = False
+    finished = threading.Event()  # the fetch returned: a deadline due now does nothing
 
     def due() -> float | None:
         """At the deadline: cut; or, reached late (the process was not running), once, the
         new deadline."""
         nonlocal end, extended
+        if finished.is_set():
+            return None
         now = time.monotonic()
         if not extended and now - end > LATE_DEADLINE_SECONDS:
             extended = True
@@ -266,18 +271,21 @@ def fetch(
         raise HttpGetError(Failure.CANCELLED, url, "shutting down")
 
     timers: list[threading.Timer] = []
-    finished = threading.Event()
+    timers_lock = threading.Lock()  # a timer armed again is cancelled with the rest
     token: int | None = None
 
     def arm(at: float) -> None:
         def fire() -> None:
-            if not finished.is_set() and (later := due()) is not None:
+            if (later := due()) is not None:
                 arm(later)
 
-        timer = threading.Timer(max(0.0, at - time.monotonic()), fire)
-        timer.daemon = True
-        timers.append(timer)
-        timer.start()
+        with timers_lock:
+            if finished.is_set():
+                return
+            timer = threading.Timer(max(0.0, at - time.monotonic()), fire)
+            timer.daemon = True
+            timers.append(timer)
+            timer.start()
 
     if cancel is not None:
         token = cancel._at_deadline(end, due)
@@ -343,9 +351,10 @@ def fetch(
             raise HttpGetError(Failure.BROKEN, url, f"cannot resolve {parts.hostname}") from None
         raise HttpGetError(Failure.BROKEN, url, _short(e)) from None
     finally:
-        finished.set()
-        for timer in timers:
-            timer.cancel()
+        with timers_lock:
+            finished.set()
+            for timer in timers:
+                timer.cancel()
         if cancel is not None and token is not None:
             cancel._clear(token)
         if cancel is not None:

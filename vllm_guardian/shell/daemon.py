@@ -25,6 +25,7 @@ the guardian stops vLLM: the front door closes first and the requests in flight 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
@@ -47,6 +48,7 @@ from vllm_guardian.core.signals import ServiceSignals, Signals, derive
 from vllm_guardian.formats.recorder import FlightRecorder, to_jsonable
 from vllm_guardian.lowio.clock import Clock, SteadyClock, SystemClock
 from vllm_guardian.lowio.control import ControlServer
+from vllm_guardian.lowio.httpget import LATE_DEADLINE_SECONDS
 from vllm_guardian.lowio.redact import redact_text
 from vllm_guardian.model import (
     AllocatorReading,
@@ -235,6 +237,13 @@ class Guardian:
                 reading = slot.future.result(timeout=max(0.0, remaining)) if i in fresh else None
             except FutureTimeout:
                 reading = None
+                due = slot.started_monotonic + c.timeout_seconds
+                if self.clock.monotonic() - due > LATE_DEADLINE_SECONDS:
+                    # Seen late: the guardian was not running when the time was up (the host's
+                    # CPUs taken), and the answer may be in, its fetch given its time once more
+                    # (lowio/httpget.py): looked for once more, not reported as no result.
+                    with contextlib.suppress(FutureTimeout):
+                        reading = slot.future.result(timeout=c.timeout_seconds)
             duration = self.clock.monotonic() - slot.started_monotonic
             if reading is None:
                 # A collector still running from an earlier tick is not started again: one hung
