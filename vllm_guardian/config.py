@@ -282,9 +282,12 @@ class GateConfig:
     @property
     def split_limits(self) -> SplitLimits:
         return SplitLimits(
-            self.max_queue_requests, self.max_queued_tokens, self.body_budget_bytes,
-            self.max_body_bytes, self.kv_admission,
-        )  # fmt: skip
+            max_queue_requests=self.max_queue_requests,
+            max_queued_tokens=self.max_queued_tokens,
+            body_budget_bytes=self.body_budget_bytes,
+            max_body_bytes=self.max_body_bytes,
+            kv_admission=self.kv_admission,
+        )
 
 
 @dataclass(frozen=True)

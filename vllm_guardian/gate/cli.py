@@ -605,9 +605,12 @@ def worker_count(args: argparse.Namespace, settings: GateSettings) -> int:
     when 0; raises UsageError when the limits cannot be split that far."""
     lim, proxy = settings.limits, settings.proxy
     limits = SplitLimits(
-        lim.max_queue_requests, lim.max_queued_tokens, proxy.body_budget_bytes,
-        proxy.max_body_bytes, lim.kv_admission,
-    )  # fmt: skip
+        max_queue_requests=lim.max_queue_requests,
+        max_queued_tokens=lim.max_queued_tokens,
+        body_budget_bytes=proxy.body_budget_bytes,
+        max_body_bytes=proxy.max_body_bytes,
+        kv_admission=lim.kv_admission,
+    )
 
     n = int(args.workers)
     if n < 0:
