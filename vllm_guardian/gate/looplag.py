@@ -33,10 +33,9 @@ from collections.abc import AsyncIterator, Callable
 
 from prometheus_client import Histogram
 
-log = logging.getLogger("vllm_guardian.gate")
+from vllm_guardian.lowio.clock import LATE_DEADLINE_SECONDS
 
-# A deadline seen this much after it passed was not seen in time: the loop was not running.
-LATE_DEADLINE_SECONDS = 0.25
+log = logging.getLogger("vllm_guardian.gate")
 
 # Lags from scheduler noise (a millisecond) to a starved or blocked loop (seconds).
 LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)

@@ -8,6 +8,12 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+# A deadline seen this much after it passed was not seen in time: the process was not running
+# (the host's CPUs taken), and what it waited for may have come meanwhile. The gate's polls,
+# the guardian's fetches and its tick give such a wait its time once more instead of taking it
+# for silence (gate/looplag.py, lowio/httpget.py, shell/daemon.py).
+LATE_DEADLINE_SECONDS = 0.25
+
 
 class Clock(Protocol):
     def time(self) -> float:

@@ -38,6 +38,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from vllm_guardian.lowio.clock import LATE_DEADLINE_SECONDS
+
 
 class Failure(enum.Enum):
     BAD_URL = "bad_url"
@@ -60,10 +62,6 @@ class HttpGetError(Exception):
         self.failure = failure
         self.url = url
         self.detail = detail
-
-
-# A deadline seen this much after it passed was not seen in time: the process was not running.
-LATE_DEADLINE_SECONDS = 0.25
 
 
 class Cancel:

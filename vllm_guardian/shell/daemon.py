@@ -46,9 +46,8 @@ from vllm_guardian.core.allocator import attribute as attribute_allocator
 from vllm_guardian.core.driver import history_span_seconds, remember
 from vllm_guardian.core.signals import ServiceSignals, Signals, derive
 from vllm_guardian.formats.recorder import FlightRecorder, to_jsonable
-from vllm_guardian.lowio.clock import Clock, SteadyClock, SystemClock
+from vllm_guardian.lowio.clock import LATE_DEADLINE_SECONDS, Clock, SteadyClock, SystemClock
 from vllm_guardian.lowio.control import ControlServer
-from vllm_guardian.lowio.httpget import LATE_DEADLINE_SECONDS
 from vllm_guardian.lowio.redact import redact_text
 from vllm_guardian.model import (
     AllocatorReading,
