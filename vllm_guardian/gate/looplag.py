@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Callable
 
 from prometheus_client import Histogram
 
-from vllm_guardian.lowio.clock import LATE_DEADLINE_SECONDS
+from vllm_guardian.lowio.clock import reached_late
 
 log = logging.getLogger("vllm_guardian.gate")
 
@@ -120,7 +120,7 @@ async def running_timeout(seconds: float) -> AsyncIterator[None]:
         def check() -> None:
             nonlocal due, extended, handle
             now = loop.time()
-            if not extended and now - due > LATE_DEADLINE_SECONDS:
+            if not extended and reached_late(now, due):
                 extended = True
                 due = now + seconds
                 handle = loop.call_at(due, check)

@@ -15,6 +15,12 @@ from typing import Protocol
 LATE_DEADLINE_SECONDS = 0.25
 
 
+def reached_late(now: float, due: float) -> bool:
+    """Whether a deadline ``due``, seen at ``now`` (the same clock), was seen too late to have
+    been seen in time: the process was not running when it passed."""
+    return now - due > LATE_DEADLINE_SECONDS
+
+
 class Clock(Protocol):
     def time(self) -> float:
         """Unix time in seconds (what snapshots and records carry)."""

@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from vllm_guardian.lowio.clock import LATE_DEADLINE_SECONDS
+from vllm_guardian.lowio.clock import reached_late
 
 
 class Failure(enum.Enum):
@@ -258,7 +258,7 @@ def fetch(
         if finished.is_set():
             return None
         now = time.monotonic()
-        if not extended and now - end > LATE_DEADLINE_SECONDS:
+        if not extended and reached_late(now, end):
             extended = True
             end = now + deadline_seconds
             return end

@@ -46,7 +46,7 @@ from vllm_guardian.core.allocator import attribute as attribute_allocator
 from vllm_guardian.core.driver import history_span_seconds, remember
 from vllm_guardian.core.signals import ServiceSignals, Signals, derive
 from vllm_guardian.formats.recorder import FlightRecorder, to_jsonable
-from vllm_guardian.lowio.clock import LATE_DEADLINE_SECONDS, Clock, SteadyClock, SystemClock
+from vllm_guardian.lowio.clock import Clock, SteadyClock, SystemClock, reached_late
 from vllm_guardian.lowio.control import ControlServer
 from vllm_guardian.lowio.redact import redact_text
 from vllm_guardian.model import (
@@ -237,7 +237,7 @@ class Guardian:
             except FutureTimeout:
                 reading = None
                 due = slot.started_monotonic + c.timeout_seconds
-                if self.clock.monotonic() - due > LATE_DEADLINE_SECONDS:
+                if reached_late(self.clock.monotonic(), due):
                     # Seen late: the guardian was not running when the time was up (the host's
                     # CPUs taken), and the answer may be in, its fetch given its time once more
                     # (lowio/httpget.py): looked for once more, not reported as no result.
