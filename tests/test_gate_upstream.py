@@ -334,7 +334,7 @@ def test_an_idle_connection_the_upstream_closed_is_not_used_again() -> None:
     async def test(pool: UpstreamPool, server: Server) -> None:
         assert await body_of(pool) == (200, b"ok", 2)
         assert pool.idle_connections == 1
-        while server.connections == 1 and not pool._idle[0].reader.at_eof():
+        while server.connections == 1 and not pool._idle[0].link.at_eof():
             await asyncio.sleep(0.01)  # the upstream's close reaches the idle connection
         assert await body_of(pool) == (200, b"ok", 2)
 

@@ -40,7 +40,7 @@ import socket
 import ssl
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from multidict import CIMultiDict
@@ -82,12 +82,181 @@ class UpstreamError(Exception):
         self.unanswered = unanswered
 
 
-class _Conn:
-    __slots__ = ("idle_since", "reader", "saveable", "taken_back", "writer")
+class BodySink(Protocol):
+    """Where :meth:`UpstreamResponse.stream` hands an answer's body, in the event loop's own
+    callbacks (no task switch per piece)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
+    def body(self, data: bytes) -> None:
+        """The next piece of the body (its framing removed)."""
+
+    def end(self, error: UpstreamError | None) -> None:
+        """The body is complete (None), or failed: called once, and nothing after it."""
+
+
+class _Link(asyncio.Protocol):
+    """One upstream connection's bytes. Read by awaiting (:meth:`read`, :meth:`readuntil`, with
+    asyncio.StreamReader's results and errors) for an answer's head and a small body, or handed
+    to a sink as they arrive for a streamed body (:meth:`UpstreamResponse.stream`): an SSE
+    event then costs a callback, not a future, a task switch and a chain of awaits."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._eof = False
+        self._error: Exception | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._write_paused = False
+        self._drain_waiter: asyncio.Future[None] | None = None
+        self._read_paused = False  # by this link's buffer limit, not by a sink's owner
+        self.sink: UpstreamResponse | None = None
+
+    # --- the transport's callbacks -------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        sink = self.sink
+        if sink is not None:
+            sink._feed(data)
+            return
+        self._buf += data
+        self._wake()
+        if len(self._buf) > 2 * MAX_HEAD_BYTES and not self._read_paused:
+            assert self.transport is not None
+            self._read_paused = True
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        self._eof = True
+        self._wake()
+        if self.sink is not None:
+            self.sink._lost(None)
+        return False  # close the transport: a half-closed upstream answers nothing more
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if exc is None:
+            self._eof = True
+        else:
+            self._error = exc
+        self._wake()
+        drain, self._drain_waiter = self._drain_waiter, None
+        if drain is not None and not drain.done():
+            if exc is None:
+                drain.set_result(None)
+            else:
+                drain.set_exception(exc)
+        if self.sink is not None:
+            self.sink._lost(exc)
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        drain, self._drain_waiter = self._drain_waiter, None
+        if drain is not None and not drain.done():
+            drain.set_result(None)
+
+    # --- reading by awaiting ---------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        if self._error is not None:
+            raise self._error
+        self._waiter = self._loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _taken(self, n: int) -> bytes:
+        data = bytes(self._buf[:n])
+        del self._buf[:n]
+        if self._read_paused and len(self._buf) <= MAX_HEAD_BYTES:
+            assert self.transport is not None
+            self._read_paused = False
+            self.transport.resume_reading()
+        return data
+
+    def at_eof(self) -> bool:
+        return self._eof and not self._buf
+
+    async def read(self, n: int) -> bytes:
+        """Up to ``n`` bytes as they come; ``b""`` at the end; the connection's error if it
+        failed (asyncio.StreamReader.read's results)."""
+        while not self._buf:
+            if self._eof:
+                return b""
+            await self._wait()
+        if self._error is not None:
+            raise self._error
+        return self._taken(n)
+
+    async def readuntil(self, separator: bytes) -> bytes:
+        """Up to and including ``separator`` (asyncio.StreamReader.readuntil's results and
+        errors, with MAX_HEAD_BYTES as its limit)."""
+        offset = 0
+        while True:
+            found = self._buf.find(separator, offset)
+            if found >= 0:
+                end = found + len(separator)
+                if end > MAX_HEAD_BYTES:
+                    raise asyncio.LimitOverrunError("separator found past the limit", found)
+                return self._taken(end)
+            if len(self._buf) > MAX_HEAD_BYTES:
+                raise asyncio.LimitOverrunError("separator not found within the limit", offset)
+            if self._error is not None:
+                raise self._error
+            if self._eof:
+                partial = bytes(self._buf)
+                self._buf.clear()
+                raise asyncio.IncompleteReadError(partial, None)
+            offset = max(0, len(self._buf) - len(separator) + 1)
+            await self._wait()
+
+    def take_buffered(self) -> bytes:
+        """What arrived and was not read yet (a sink's owner takes it first)."""
+        return self._taken(len(self._buf)) if self._buf else b""
+
+    # --- writing ---------------------------------------------------------------------------------
+
+    def write(self, data: bytes | bytearray) -> None:
+        assert self.transport is not None
+        self.transport.write(data)
+
+    async def drain(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self.transport is None or self.transport.is_closing():
+            raise ConnectionResetError("the connection is closed")
+        if self._write_paused:
+            self._drain_waiter = self._loop.create_future()
+            await self._drain_waiter
+
+    def write_buffer_size(self) -> int:
+        return self.transport.get_write_buffer_size() if self.transport is not None else 0
+
+    def is_closing(self) -> bool:
+        return self.transport is None or self.transport.is_closing()
+
+    def close(self) -> None:
+        self.sink = None
+        if self.transport is not None:
+            self.transport.close()
+
+
+class _Conn:
+    __slots__ = ("idle_since", "link", "saveable", "taken_back")
+
+    def __init__(self, link: _Link) -> None:
+        self.link = link
         self.idle_since = 0.0
         # While busy: whether take_back may close it (its exchange can be sent again or
         # continued), and whether it did.
@@ -96,13 +265,13 @@ class _Conn:
 
     def usable(self, now: float, keepalive_seconds: float) -> bool:
         return (
-            not self.writer.is_closing()
-            and not self.reader.at_eof()
+            not self.link.is_closing()
+            and not self.link.at_eof()
             and now - self.idle_since < keepalive_seconds
         )
 
     def close(self) -> None:
-        self.writer.close()
+        self.link.close()
 
 
 class UpstreamResponse:
@@ -143,7 +312,10 @@ class UpstreamResponse:
         self._chunk_left = 0  # chunked: bytes left in the current chunk
         self._crlf_due = False  # chunked: the CRLF after a chunk's data is next
         self._trailers = False  # chunked: the last chunk was read, trailers follow
+        self._left = 0  # Content-Length: bytes left (-1: until the upstream closes)
         self._raw = b""  # chunked: bytes read and not parsed yet
+        self._sink: BodySink | None = None  # stream(): who gets the body as it arrives
+        self._paused = False  # pause(): the upstream's reads stopped for the sink's reader
         if head_request or status in _NO_BODY_STATUSES or 100 <= status < 200:
             self._eof = True
         elif self.chunked:
@@ -183,13 +355,13 @@ class UpstreamResponse:
             raise UpstreamError("streaming", "the connection is closed")
         try:
             if self.chunked:
-                return await self._read_chunked(conn.reader)
+                return await self._read_chunked(conn.link)
             if self._left < 0:  # until the upstream closes
-                data = await conn.reader.read(READ_BYTES)
+                data = await conn.link.read(READ_BYTES)
                 if not data:
                     self._eof = True
                 return data
-            data = await conn.reader.read(min(self._left, READ_BYTES))
+            data = await conn.link.read(min(self._left, READ_BYTES))
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as e:
             raise UpstreamError("streaming", type(e).__name__) from None
         if not data:
@@ -198,7 +370,7 @@ class UpstreamResponse:
         self._eof = self._left == 0
         return data
 
-    async def _read_chunked(self, reader: asyncio.StreamReader) -> bytes:
+    async def _read_chunked(self, reader: _Link) -> bytes:
         # One read of what has arrived, its framing parsed here: one await per piece (an SSE
         # event is one chunk), not three (size line, data, CRLF), and every chunk that came in
         # one packet handed on at once.
@@ -255,12 +427,105 @@ class UpstreamResponse:
             return pieces[0]
         return b"".join(pieces)
 
+    # --- the body handed to a sink as it arrives ------------------------------------------------
+
+    def stream(self, sink: BodySink) -> None:
+        """Hand the rest of the body to ``sink`` as it arrives, in the loop's callbacks: what
+        has arrived already at once, then each read. Ends with ``sink.end`` (also when the
+        body was complete already); :meth:`unstream` hands it back to :meth:`read`."""
+        conn = self._conn
+        if conn is None:
+            sink.end(UpstreamError("streaming", "the connection is closed"))
+            return
+        self._sink = sink
+        link = conn.link
+        link.sink = self
+        buffered = link.take_buffered()
+        if buffered or self._raw:
+            self._feed(buffered)
+        if self._sink is not None and self._eof:
+            self._finish(None)
+        elif self._sink is not None and (link._eof or link._error is not None):
+            self._lost(link._error)
+
+    def unstream(self) -> None:
+        """Reads go back to :meth:`read` (what arrives from now on waits for it)."""
+        self._sink = None
+        if self._conn is not None:
+            self._conn.link.sink = None
+            self.resume()
+
+    def pause(self) -> None:
+        """Stop reading from the upstream (its sink's reader is slower than it)."""
+        conn = self._conn
+        if conn is not None and conn.link.transport is not None and not self._paused:
+            self._paused = True
+            conn.link.transport.pause_reading()
+
+    def resume(self) -> None:
+        conn = self._conn
+        if conn is not None and conn.link.transport is not None and self._paused:
+            self._paused = False
+            conn.link.transport.resume_reading()
+
+    def _feed(self, data: bytes) -> None:
+        sink = self._sink
+        if sink is None:
+            return
+        if self.chunked:
+            self._raw = self._raw + data if self._raw else data
+            try:
+                data = self._parse_chunks()
+            except ValueError as e:
+                self._finish(UpstreamError("streaming", type(e).__name__))
+                return
+        elif self._left >= 0:
+            data = data[: self._left]  # bytes past the answer: not the body's
+            self._left -= len(data)
+            self._eof = self._left == 0
+        if data:
+            self.body_started = True
+            self._pool.last_data_monotonic = time.monotonic()
+            sink.body(data)
+        if self._eof and self._sink is sink:
+            self._finish(None)
+
+    def _lost(self, error: Exception | None) -> None:
+        """The connection ended under a sink: the body's end when it is delimited by the close,
+        else a cut."""
+        if self._sink is None:
+            return
+        if error is None and not self.chunked and self._left < 0:
+            self._eof = True
+            self._finish(None)
+            return
+        detail = (
+            type(error).__name__
+            if error is not None
+            else "the upstream closed the connection mid-answer"
+        )
+        self._finish(UpstreamError("streaming", detail))
+
+    def _finish(self, error: UpstreamError | None) -> None:
+        sink, self._sink = self._sink, None
+        if self._conn is not None:
+            self._conn.link.sink = None
+        if sink is not None:
+            sink.end(error)
+
     def release(self) -> None:
         """The exchange is over: a complete answer's connection is kept for the next one,
         any other is closed (for an unfinished answer, how vLLM learns to abort it)."""
         conn, self._conn = self._conn, None
         if conn is None:
             return
+        self._sink = None
+        conn.link.sink = None
+        if self._paused:  # a kept connection reads again for its next exchange
+            self._paused = False
+            if not conn.link.is_closing():
+                assert conn.link.transport is not None
+                conn.link.transport.resume_reading()
         self._pool._busy.discard(conn)
         if self._eof and self._keep:
             self._pool._put(conn)
@@ -354,14 +619,14 @@ class UpstreamPool:
         self, conn: _Conn, head: bytes, body: bytes | bytearray | None, *, head_request: bool
     ) -> UpstreamResponse:
         try:
-            writer = conn.writer
+            link = conn.link
             if body and len(body) > _COALESCE_BYTES:
-                writer.write(head)  # no copy of a large body just to save a write
-                writer.write(body)
+                link.write(head)  # no copy of a large body just to save a write
+                link.write(body)
             else:
-                writer.write(head + body if body else head)
-            if writer.transport.get_write_buffer_size() > 0:
-                await writer.drain()
+                link.write(head + body if body else head)
+            if link.write_buffer_size() > 0:
+                await link.drain()
             return await self._read_head(conn, head_request=head_request)
         except (ConnectionResetError, BrokenPipeError) as e:  # before a byte of answer
             conn.close()
@@ -380,7 +645,7 @@ class UpstreamPool:
         first = True  # no byte of answer yet (an interim 1xx answer is one)
         while True:
             try:
-                raw = await conn.reader.readuntil(b"\r\n\r\n")
+                raw = await conn.link.readuntil(b"\r\n\r\n")
             except asyncio.IncompleteReadError as e:
                 if not e.partial:
                     raise UpstreamError(
@@ -455,12 +720,12 @@ class UpstreamPool:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            reader, writer = await asyncio.open_connection(
+            _, link = await loop.create_connection(
+                lambda: _Link(loop),
                 sock=sock,
                 ssl=self._ssl,
                 server_hostname=self.host if self._ssl is not None else None,
                 ssl_handshake_timeout=self.connect_timeout_seconds if self._ssl else None,
-                limit=MAX_HEAD_BYTES,
             )
         except TimeoutError:
             sock.close()
@@ -471,7 +736,7 @@ class UpstreamPool:
         except BaseException:
             sock.close()
             raise
-        return _Conn(reader, writer)
+        return _Conn(link)
 
     def _put(self, conn: _Conn) -> None:
         if self._closed or len(self._idle) >= self.max_idle:
