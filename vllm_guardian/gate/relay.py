@@ -38,10 +38,11 @@ import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NoReturn
 
 from aiohttp import web
+from aiohttp.http_writer import StreamWriter
 from multidict import CIMultiDict
 
 from vllm_guardian.gate.admission import Rejected
@@ -55,6 +56,7 @@ from vllm_guardian.gate.continuation import (
     Plan,
     Refusal,
     SseSplitter,
+    Step,
     StreamState,
     dying_message,
     tail_is_settled,
@@ -97,6 +99,86 @@ class Fallback:
 
 class _GaveUp(Exception):
     """The stream ends here; what the client gets was written already."""
+
+
+@dataclass(frozen=True)
+class _Stop:
+    """Why :class:`_Streamer` handed the stream back to the relay's coroutine."""
+
+    step: Step | None = None  # an event that is not relayed as it is ([DONE] written already)
+    rest: list[bytes] = field(default_factory=list)  # the events after it in the same read
+    ended: bool = False  # the body ended, or the connection failed, without [DONE]
+    drain: bool = False  # the client's connection is full: wait for it (the upstream paused)
+    client_gone: bool = False
+
+
+class _Streamer:
+    """The relay's steady state, in the upstream connection's callbacks: each read's events
+    through :meth:`StreamState.on_event` and straight to the client's transport, framed as
+    aiohttp frames them, one write per read. No future, task switch or await per event: the
+    coroutine waits once, for the event or condition that needs it (:class:`_Stop`)."""
+
+    def __init__(
+        self, state: StreamState, splitter: SseSplitter, up: UpstreamResponse, writer: StreamWriter
+    ) -> None:
+        self.state = state
+        self.splitter = splitter
+        self.up = up
+        self.writer = writer
+        self.stopped: asyncio.Future[_Stop] = asyncio.get_running_loop().create_future()
+
+    def body(self, data: bytes) -> None:
+        if self.stopped.done():
+            return
+        events = self.splitter.feed(data)
+        out: list[bytes] = []
+        on_event = self.state.on_event
+        for i, event in enumerate(events):
+            step = on_event(event)
+            if step.kind is Kind.RELAY:
+                if step.data:
+                    out.append(step.data)
+                continue
+            if step.kind is Kind.DONE:
+                out.append(step.data)
+                if not self._write(out):
+                    return
+                out = []
+            self._stop(_Stop(step=step, rest=events[i + 1 :]), out)
+            return
+        if out and not self._write(out):
+            return
+        if self.splitter.overflowing:
+            self._stop(_Stop())
+        elif self.writer.protocol.writing_paused:
+            self.up.pause()
+            self._stop(_Stop(drain=True))
+
+    def end(self, error: UpstreamError | None) -> None:
+        if not self.stopped.done():
+            self.stopped.set_result(_Stop(ended=True))
+
+    def _write(self, out: list[bytes]) -> bool:
+        data = out[0] if len(out) == 1 else b"".join(out)
+        writer = self.writer
+        transport = writer.transport
+        if transport is None or transport.is_closing():
+            self._stop(_Stop(client_gone=True))
+            return False
+        if writer.chunked:
+            transport.write(b"".join((b"%x\r\n" % len(data), data, b"\r\n")))
+        else:
+            transport.write(data)
+        writer.output_size += len(data)
+        return True
+
+    def _stop(self, stop: _Stop, out: list[bytes] | None = None) -> None:
+        """Hand the stream back; ``out`` (events before a cut) is written first."""
+        if out and not self._write(out):
+            return
+        self.up.unstream()
+        if not self.stopped.done():
+            self.stopped.set_result(stop)
 
 
 class ContinuingRelay:
@@ -180,6 +262,26 @@ class ContinuingRelay:
         followed it before ``[DONE]``)."""
         splitter = SseSplitter(MAX_EVENT_BYTES)
         while True:
+            direct = self._direct_writer()
+            if direct is not None:
+                # Committed to the client: its events go out from the upstream's callbacks.
+                stop = await self._stream(up, splitter, direct)
+                if stop.client_gone:
+                    raise ConnectionResetError("the client's connection is closed")
+                if stop.drain:
+                    await direct.drain()  # the client reads slower than the upstream writes
+                    up.resume()
+                    continue
+                if stop.step is None:
+                    if stop.ended:
+                        return Cut.CONNECTION, None  # without [DONE]; a partial event is dropped
+                    self.state.unreadable = True  # overflowing: not SSE as vLLM writes it
+                    await self._write(splitter.take_rest(), first)
+                    continue
+                if stop.step.kind is Kind.DONE:  # written with the events before it
+                    await self._drain(up)
+                    return None, None
+                return await self._stopped(stop.step, stop.rest, up, splitter, first, [])
             try:
                 data = await up.read()
             except UpstreamError:
@@ -191,27 +293,61 @@ class ContinuingRelay:
             events = splitter.feed(data)
             for i, event in enumerate(events):
                 step = self.state.on_event(event)
-                if step.kind is Kind.CUT:
-                    if out:
-                        await self._write(b"".join(out), first)
-                    return Cut.ERROR_EVENT, step.data
-                if step.kind is Kind.ABORT:
-                    if out:
-                        await self._write(b"".join(out), first)
-                    return Cut.ABORT, step.data + await self._after_abort(
-                        up, splitter, events[i + 1 :]
-                    )
+                if step.kind is not Kind.RELAY:
+                    return await self._stopped(step, events[i + 1 :], up, splitter, first, out)
                 if step.data:
                     out.append(step.data)
-                if step.kind is Kind.DONE:
-                    await self._write(b"".join(out), first)
-                    await self._drain(up)
-                    return None, None
             if out:
                 await self._write(out[0] if len(out) == 1 else b"".join(out), first)
             if splitter.overflowing:  # not SSE as vLLM writes it: passed on as it is
                 self.state.unreadable = True
                 await self._write(splitter.take_rest(), first)
+
+    async def _stopped(
+        self,
+        step: Step,
+        rest: list[bytes],
+        up: UpstreamResponse,
+        splitter: SseSplitter,
+        first: UpstreamResponse,
+        out: list[bytes],
+    ) -> tuple[Cut | None, bytes | None]:
+        """An event that ends the answer (``[DONE]``, vLLM's error event, its abort chunk),
+        with ``out`` (the events before it, not written yet) and ``rest`` (the ones after it
+        in the same read)."""
+        if step.kind is Kind.DONE:
+            out.append(step.data)
+        if out:
+            await self._write(b"".join(out), first)
+        if step.kind is Kind.CUT:
+            return Cut.ERROR_EVENT, step.data
+        if step.kind is Kind.ABORT:
+            return Cut.ABORT, step.data + await self._after_abort(up, splitter, rest)
+        await self._drain(up)
+        return None, None
+
+    def _direct_writer(self) -> StreamWriter | None:
+        """The client's writer when events may go to its transport directly: the answer's
+        head went out (through aiohttp), nothing rewrites the body (compression, a length)."""
+        resp = self.resp
+        if resp is None or resp.compression:
+            return None
+        writer = self.request.writer
+        if not isinstance(writer, StreamWriter) or writer.length is not None:
+            return None
+        return writer
+
+    async def _stream(
+        self, up: UpstreamResponse, splitter: SseSplitter, writer: StreamWriter
+    ) -> _Stop:
+        """Relay events from the upstream's callbacks until one the relay must act on."""
+        streamer = _Streamer(self.state, splitter, up, writer)
+        up.stream(streamer)
+        try:
+            return await streamer.stopped
+        finally:
+            if not streamer.stopped.done():  # cancelled: the client left
+                up.unstream()
 
     async def _after_abort(
         self, up: UpstreamResponse, splitter: SseSplitter, events: list[bytes]

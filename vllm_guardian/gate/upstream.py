@@ -40,7 +40,7 @@ import socket
 import ssl
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 from urllib.parse import urlsplit
 
 from multidict import CIMultiDict
@@ -114,8 +114,8 @@ class _Link(asyncio.Protocol):
     # --- the transport's callbacks -------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         sink = self.sink
@@ -247,7 +247,7 @@ class _Link(asyncio.Protocol):
         return self.transport is None or self.transport.is_closing()
 
     def close(self) -> None:
-        self.sink = None
+        # A sink still set hears of it (connection_lost): take_back cuts a streamed answer so.
         if self.transport is not None:
             self.transport.close()
 
