@@ -386,9 +386,9 @@ class StreamState:
         payload = line[5:].strip()
         if payload == b"[DONE]":
             return Step(Kind.DONE, self._flush(raw))
-        step = self._token_chunk(raw, payload)
-        if step is not None:
-            return step
+        data = self._token_chunk(raw, payload)
+        if data is not None:
+            return Step(Kind.RELAY, self._flush(data) if data else b"")
         try:
             doc = json.loads(payload)
         except (ValueError, UnicodeDecodeError, RecursionError):
@@ -429,13 +429,28 @@ class StreamState:
             return Step(Kind.RELAY, b"")
         return self._relay(out)
 
-    def _token_chunk(self, raw: bytes, payload: bytes) -> Step | None:
+    def relay_common(self, raw: bytes) -> bytes | None:
+        """:meth:`on_event` for the common event (see :meth:`_token_chunk`) written as vLLM
+        writes it (``data: {...}`` and its blank line), without building a :class:`Step`: the
+        bytes to relay (``b""``: held back for now), or None for any other event (then
+        :meth:`on_event`). The relay's hot path: once per token."""
+        if not (raw.startswith(b"data: {") and raw.endswith(b"}\n\n")):
+            return None
+        # The payload's patterns are the same in the whole event: "data: " and the blank
+        # line hold none of them.
+        data = self._token_chunk(raw, raw)
+        if data is None:
+            return None
+        return self._flush(data) if data else b""
+
+    def _token_chunk(self, raw: bytes, payload: bytes) -> bytes | None:
         """The common event read without decoding it: one choice, its text (or chat content)
         and ids, nothing else the stream keeps (no usage, finish, prompt ids, tool calls,
         reasoning, error), past the first chunk of a first attempt. What :meth:`_chunk` would
         do with it, on the bytes: keep the ids, strip them unless the client asked for them.
-        None: any other event (decoded in full). A key's pattern cannot occur inside a JSON
-        string, whose quotes are escaped."""
+        Returns what to relay before any held events are flushed (``b""``: held back until
+        text settles it), or None: any other event (decoded in full). A key's pattern cannot
+        occur inside a JSON string, whose quotes are escaped."""
         if self.id is None or self.continuing or payload.count(b'"index":') != 1:
             return None
         at = payload.find(b'"token_ids":[')
@@ -475,8 +490,8 @@ class StreamState:
             self.last_text_tokens = len(ids)
         elif ids:
             self._pending.append(out)
-            return Step(Kind.RELAY, b"")
-        return self._relay(out)
+            return b""
+        return out
 
     def _relay(self, data: bytes) -> Step:
         return Step(Kind.RELAY, self._flush(data))

@@ -126,15 +126,24 @@ class _Streamer:
         self.up = up
         self.writer = writer
         self.stopped: asyncio.Future[_Stop] = asyncio.get_running_loop().create_future()
+        # Fixed for the answer's life: looked up once, not per event.
+        self._transport = writer.transport
+        self._protocol = writer.protocol
+        self._chunked = writer.chunked
 
     def body(self, data: bytes) -> None:
         if self.stopped.done():
             return
         events = self.splitter.feed(data)
         out: list[bytes] = []
-        on_event = self.state.on_event
+        state = self.state
         for i, event in enumerate(events):
-            step = on_event(event)
+            common = state.relay_common(event)
+            if common is not None:
+                if common:
+                    out.append(common)
+                continue
+            step = state.on_event(event)
             if step.kind is Kind.RELAY:
                 if step.data:
                     out.append(step.data)
@@ -150,7 +159,7 @@ class _Streamer:
             return
         if self.splitter.overflowing:
             self._stop(_Stop())
-        elif self.writer.protocol.writing_paused:
+        elif self._protocol.writing_paused:
             self.up.pause()
             self._stop(_Stop(drain=True))
 
@@ -160,16 +169,15 @@ class _Streamer:
 
     def _write(self, out: list[bytes]) -> bool:
         data = out[0] if len(out) == 1 else b"".join(out)
-        writer = self.writer
-        transport = writer.transport
+        transport = self._transport
         if transport is None or transport.is_closing():
             self._stop(_Stop(client_gone=True))
             return False
-        if writer.chunked:
-            transport.write(b"".join((b"%x\r\n" % len(data), data, b"\r\n")))
+        if self._chunked:
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data))
         else:
             transport.write(data)
-        writer.output_size += len(data)
+        self.writer.output_size += len(data)
         return True
 
     def _stop(self, stop: _Stop, out: list[bytes] | None = None) -> None:

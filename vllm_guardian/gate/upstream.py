@@ -473,12 +473,16 @@ class UpstreamResponse:
         if sink is None:
             return
         if self.chunked:
-            self._raw = self._raw + data if self._raw else data
-            try:
-                data = self._parse_chunks()
-            except ValueError as e:
-                self._finish(UpstreamError("streaming", type(e).__name__))
-                return
+            whole = self._one_chunk(data)
+            if whole is not None:
+                data = whole
+            else:
+                self._raw = self._raw + data if self._raw else data
+                try:
+                    data = self._parse_chunks()
+                except ValueError as e:
+                    self._finish(UpstreamError("streaming", type(e).__name__))
+                    return
         elif self._left >= 0:
             data = data[: self._left]  # bytes past the answer: not the body's
             self._left -= len(data)
@@ -489,6 +493,24 @@ class UpstreamResponse:
             sink.body(data)
         if self._eof and self._sink is sink:
             self._finish(None)
+
+    def _one_chunk(self, data: bytes) -> bytes | None:
+        """The payload when ``data`` is exactly one whole chunk and nothing is pending (an SSE
+        event as vLLM writes it, read as it came): what :meth:`_parse_chunks` would return,
+        without its general walk. None: anything else (then that walk)."""
+        if self._raw or self._chunk_left or self._crlf_due or self._trailers:
+            return None
+        eol = data.find(b"\r\n", 0, 18)
+        if eol <= 0:
+            return None
+        try:
+            size = int(data[:eol], 16)
+        except ValueError:
+            return None  # an extension, or malformed: the walk says which
+        end = eol + 2 + size
+        if size <= 0 or len(data) != end + 2 or data[end:] != b"\r\n":
+            return None
+        return data[eol + 2 : end]
 
     def _lost(self, error: Exception | None) -> None:
         """The connection ended under a sink: the body's end when it is delimited by the close,

@@ -1,0 +1,145 @@
+"""The relay's per-event shortcuts do exactly what the general code does.
+
+Each event of a streamed answer passes two shortcuts on the gate's hot path: the upstream's
+one-whole-chunk de-chunking (``UpstreamResponse._one_chunk`` before ``_parse_chunks``) and the
+common token chunk read without building a step (``StreamState.relay_common`` before
+``on_event``). Both must give what the general code gives, byte for byte and in the stream's
+state, or decline. Checked here on vLLM-shaped streams (tests/fake_completions.py: completions
+and chat, ids asked for or not, several tokens a chunk, a character split across tokens,
+usage chunks, reasoning) and on hand-made framings.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import requests
+
+from tests.fake_completions import FakeCompletions
+from vllm_guardian.gate.continuation import Plan, SseSplitter, StreamState, plan
+from vllm_guardian.gate.upstream import UpstreamResponse
+
+PROMPT = "the quick brown fox jumps"
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeCompletions]:
+    f = FakeCompletions()
+    yield f
+    f.stop()
+
+
+STREAMS: list[tuple[str, str, dict[str, Any], int, int]] = [
+    # id, path, the client's request fields, tokens per chunk, reasoning chunks
+    ("plain", "/v1/completions", {}, 1, 0),
+    ("client_ids", "/v1/completions", {"return_token_ids": True}, 1, 0),
+    ("usage", "/v1/completions", {"stream_options": {"include_usage": True}}, 1, 0),
+    ("continuous_usage", "/v1/completions",
+     {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}, 1, 0),
+    ("three_a_chunk", "/v1/completions", {}, 3, 0),
+    ("chat", "/v1/chat/completions", {}, 1, 0),
+    ("chat_client_ids", "/v1/chat/completions", {"return_token_ids": True}, 2, 0),
+    ("chat_reasoning", "/v1/chat/completions", {}, 1, 4),
+]  # fmt: skip
+
+
+def snapshot(st: StreamState) -> tuple[object, ...]:
+    return (st.id, st.created, st.model, st.prompt_ids, list(st.token_ids), st.settled,
+            st.last_text_tokens, st.finish_reason, st.usage_seen, st.unreadable,
+            st.ids_missing, st.unhonest, list(st._pending))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "per_chunk", "reasoning"),
+    [s[1:] for s in STREAMS],
+    ids=[s[0] for s in STREAMS],
+)
+def test_the_common_event_shortcut_relays_what_on_event_relays(
+    fake: FakeCompletions, path: str, fields: dict[str, Any], per_chunk: int, reasoning: int
+) -> None:
+    fake.reset(tokens_per_chunk=per_chunk)
+    fake.reasoning_chunks = reasoning
+    doc: dict[str, Any] = {"model": "tiny", "max_tokens": 60, "stream": True, **fields}
+    if path.endswith("chat/completions"):
+        doc["messages"] = [{"role": "user", "content": PROMPT}]
+    else:
+        doc["prompt"] = PROMPT
+    p = plan(path, json.dumps(doc).encode(), enabled=True)
+    assert isinstance(p, Plan)
+    upstream = requests.post(f"{fake.url}{path}", data=p.upstream_body, timeout=30).content
+    events = SseSplitter(2**24).feed(upstream)
+    assert len(events) > 20
+
+    general, shortcut = StreamState(p), StreamState(p)
+    taken = 0
+    for event in events:
+        expected = general.on_event(event)
+        got = shortcut.relay_common(event)
+        if got is None:
+            step = shortcut.on_event(event)
+            assert (step.kind, step.data) == (expected.kind, expected.data), event
+        else:
+            taken += 1
+            assert got == expected.data, event
+        assert snapshot(shortcut) == snapshot(general), event
+    # The shortcut carries the stream (every token chunk past the first), unless every chunk
+    # has usage in it, which the stream's state keeps.
+    if "continuous_usage_stats" in json.dumps(fields):
+        assert taken == 0
+    else:
+        assert taken >= len(events) - 4 - reasoning
+
+
+def response(chunked: bool = True) -> UpstreamResponse:
+    """An answer's body state with no connection behind it (only its parsing is used)."""
+    r = UpstreamResponse.__new__(UpstreamResponse)
+    r.chunked = chunked
+    r._raw, r._chunk_left, r._crlf_due, r._trailers = b"", 0, False, False
+    r._eof, r._keep = False, True
+    return r
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"e\r\ndata: [DONE]\n\n\r\n",
+        b"E\r\ndata: [DONE]\n\n\r\n",
+        b"5\r\nhello\r\n",
+        b"5\r\nhello\r\n0\r\n\r\n",  # the last chunk with it
+        b"5\r\nhello\r\n3\r\nabc\r\n",  # two chunks in one read
+        b"5\r\nhel",  # part of a chunk
+        b"5\r\nhello",  # its CRLF not yet
+        b"5;ext=1\r\nhello\r\n",  # an extension
+        b"0\r\n\r\n",  # the end
+        b" 5 \r\nhello\r\n",
+        b"6\r\nhello\r\n",  # a size that does not match: the walk decides
+        b"zz\r\nhello\r\n",  # malformed
+        b"-5\r\nhello\r\n",
+        b"5\r\nhelloXY",  # no CRLF after the data
+    ],
+)
+def test_the_one_chunk_shortcut_gives_what_the_chunk_walk_gives(data: bytes) -> None:
+    walked, short = response(), response()
+    walked._raw = data
+    try:
+        expected: bytes | str = walked._parse_chunks()
+    except ValueError:
+        expected = "ValueError"
+    got = short._one_chunk(data)
+    if got is None:
+        return  # declined: the walk handles it
+    assert got == expected
+    assert (short._raw, short._chunk_left, short._crlf_due, short._trailers, short._eof) == (
+        walked._raw, walked._chunk_left, walked._crlf_due, walked._trailers, walked._eof,
+    )  # fmt: skip
+
+
+def test_the_one_chunk_shortcut_takes_an_event_as_vllm_writes_it() -> None:
+    event = b'data: {"id":"cmpl-1","choices":[{"index":0,"text":"x","token_ids":[5]}]}\n\n'
+    assert response()._one_chunk(b"%x\r\n%b\r\n" % (len(event), event)) == event
+    mid = response()
+    mid._chunk_left = 3  # inside a chunk: never
+    assert mid._one_chunk(b"5\r\nhello\r\n") is None
