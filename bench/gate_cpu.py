@@ -504,9 +504,9 @@ def pct(xs: list[float], q: float) -> float:
 
 @contextlib.contextmanager
 def process(
-    argv: list[str], port: int, env: dict[str, str] | None = None
+    argv: list[str], port: int, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env, cwd=cwd)  # fmt: skip
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -718,7 +718,8 @@ def main(argv: list[str] | None = None) -> int:
         targets: dict[str, tuple[int, int]] = {}
         for name in names:
             port = free_port()
-            env = None
+            env: dict[str, str] | None = None
+            cwd: Path | None = None
             if name.startswith("gate"):
                 argv_ = [py, "-m", "vllm_guardian.gate", "--listen", f"127.0.0.1:{port}",
                          "--upstream", f"http://127.0.0.1:{up}", "--log-level", "WARNING",
@@ -727,19 +728,22 @@ def main(argv: list[str] | None = None) -> int:
                     argv_[1:3] = ["-m", "cProfile", "-o", args.profile, "-m", "vllm_guardian.gate"]
                 elif args.gc_log:
                     argv_[1:3] = [
-                        __file__,
+                        str(Path(__file__).resolve()),
                         "--gate-gc-log",
                         str(Path(args.gc_log) / f"{name}.json"),
                     ]
                 tree = Path(args.base).resolve() if name == "gate-base" else ROOT
-                env = {**os.environ, "PYTHONPATH": str(tree)}
+                # Run from the tree too: ``python -m`` puts the working directory first on
+                # sys.path, ahead of PYTHONPATH (from another checkout, the base would be that
+                # checkout's code, not its own).
+                env, cwd = {**os.environ, "PYTHONPATH": str(tree)}, tree
             else:
                 d = Path(tmp) / "nginx"
                 d.mkdir()
                 conf = d / "nginx.conf"
                 conf.write_text(NGINX_CONF.format(d=d, upstream=up, port=port))
                 argv_ = [nginx, "-p", str(d), "-e", str(d / "error.log"), "-c", str(conf), "-g", "daemon off;"]  # fmt: skip
-            proc = stack.enter_context(process(pinned(proxy_core, argv_), port, env))
+            proc = stack.enter_context(process(pinned(proxy_core, argv_), port, env, cwd))
             targets[name] = (port, proc.pid)
         import uvloop  # noqa: PLC0415
 
