@@ -26,7 +26,14 @@ from tests.conftest import read_fixture
 from tests.hostile import Hostility, hostile_server, idle_clients, partial_bodies, wait_for
 from tests.test_gate_support import LoopThread, Stub
 from vllm_guardian.gate.admission import Limits
-from vllm_guardian.gate.body import BodyBudget, BodyLimits, NoRoom, read_body
+from vllm_guardian.gate.body import (
+    BodyBudget,
+    BodyLimits,
+    BodyMalformed,
+    BodyRefused,
+    NoRoom,
+    read_body,
+)
 from vllm_guardian.gate.follower import METRICS_MAX_BYTES
 from vllm_guardian.gate.metrics import GateMetrics
 from vllm_guardian.gate.proxy import ProxySettings
@@ -548,6 +555,9 @@ class _StalledBody:
             self.parts.pop(0)
         return part
 
+    def read_nowait(self, n: int) -> bytes:
+        return b""  # nothing buffered: each read waits, as on a host that is behind
+
     def feed_eof(self) -> None:
         pass
 
@@ -567,6 +577,86 @@ def test_a_body_that_has_all_arrived_is_never_too_slow():
         return bytes(held.data)
 
     assert asyncio.run(scenario()) == body
+
+
+class _BufferedBody:
+    """aiohttp's request stream as read_body sees it: ``buffered`` already there (read_nowait),
+    the rest by awaiting; or a broken body (``error``)."""
+
+    def __init__(self, buffered: bytes, rest: bytes = b"", error: Exception | None = None):
+        self.buffered, self.parts, self.error = buffered, [rest, b""] if rest else [b""], error
+        self.awaited_reads = 0
+        self.ended = False
+
+    def read_nowait(self, n: int) -> bytes:
+        if self.error is not None:
+            raise self.error
+        got, self.buffered = self.buffered[:n], self.buffered[n:]
+        return got
+
+    async def read(self, n: int) -> bytes:
+        self.awaited_reads += 1
+        part = self.parts[0][:n]
+        self.parts[0] = self.parts[0][n:]
+        if not self.parts[0]:
+            self.parts.pop(0)
+        return part
+
+    def feed_eof(self) -> None:
+        self.ended = True
+
+
+@pytest.mark.parametrize(
+    ("buffered", "rest", "awaited_reads"),
+    [
+        (b'{"prompt": "hi"}', b"", 0),  # all there with the head: no await at all
+        (b'{"prompt"', b': "hi"}', 2),  # the rest read as it comes, then the end
+        (b"", b'{"prompt": "hi"}', 2),  # nothing yet
+    ],
+    ids=["whole", "part", "none"],
+)
+def test_a_small_body_is_taken_whole_from_the_buffer_and_held_in_the_budget(
+    buffered: bytes, rest: bytes, awaited_reads: int
+) -> None:
+    async def scenario() -> tuple[bytes, int, int, int]:
+        budget = BodyBudget(1024, GateMetrics("vllm"))
+        stream = _BufferedBody(buffered, rest)
+        held = await read_body(stream, len(buffered + rest), BodyLimits(), budget)  # type: ignore[arg-type]
+        holding = budget.held_bytes
+        held.release()
+        return bytes(held.data), holding, budget.held_bytes, stream.awaited_reads
+
+    body = buffered + rest
+    assert asyncio.run(scenario()) == (body, len(body), 0, awaited_reads)
+
+
+def test_a_small_body_finds_the_budget_full_and_waits_its_turn_then_is_refused():
+    async def scenario() -> tuple[str, int]:
+        budget = BodyBudget(100, GateMetrics("vllm"))
+        await budget.take(90, 1)
+        limits = BodyLimits(budget_wait_seconds=0.01)
+        try:
+            await read_body(_BufferedBody(b"x" * 20), 20, limits, budget)  # type: ignore[arg-type]
+        except BodyRefused as e:
+            return e.refusal.value, budget.held_bytes
+        return "read", budget.held_bytes
+
+    assert asyncio.run(scenario()) == ("body_budget", 90)
+
+
+def test_a_broken_small_body_gives_its_budget_back():
+    from aiohttp.web_protocol import RequestPayloadError
+
+    async def scenario() -> tuple[str, int, bool]:
+        budget = BodyBudget(1024, GateMetrics("vllm"))
+        stream = _BufferedBody(b"", error=RequestPayloadError("bad chunk"))
+        try:
+            await read_body(stream, 20, BodyLimits(), budget)  # type: ignore[arg-type]
+        except BodyMalformed as e:
+            return str(e), budget.held_bytes, stream.ended
+        return "read", budget.held_bytes, stream.ended
+
+    assert asyncio.run(scenario()) == ("bad chunk", 0, True)
 
 
 def test_the_body_budget_grants_in_order_and_leaves_nothing_behind():

@@ -86,6 +86,13 @@ class BodyBudget:
         self._metrics = metrics
         self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
 
+    def try_take(self, n: int) -> bool:
+        """Reserve ``n`` bytes if they are free now and nobody waits before; whether it did."""
+        if not self._waiters and self.held_bytes + n <= self.capacity_bytes:
+            self._add(n)
+            return True
+        return False
+
     async def take(self, n: int, wait_seconds: float) -> float:
         """Reserve ``n`` bytes; the seconds it waited for them. Raises :class:`NoRoom` when
         there is none within ``wait_seconds``."""
@@ -161,9 +168,27 @@ async def read_body(
             BodyRefusal.TOO_LARGE,
             f"request body larger than the gate's limit of {limits.max_bytes} bytes",
         )
-    loop = asyncio.get_running_loop()
     data = bytearray()
     reserved = 0  # of the budget: len(data) plus the read in progress
+    # A small body is usually all in aiohttp's buffer with its head: taken in one piece, no
+    # wait, no timer. What is not there yet is read below, as any body is.
+    small = content_length is not None and 0 < content_length <= READ_BYTES
+    if small and content_length is not None and budget.try_take(content_length):
+        try:
+            first = stream.read_nowait(content_length)
+        except RequestPayloadError as e:
+            budget.give(content_length)
+            stream.feed_eof()
+            raise BodyMalformed(str(e)) from None
+        except BaseException:
+            budget.give(content_length)
+            raise
+        if len(first) == content_length:
+            return HeldBody(bytearray(first), budget)
+        budget.give(content_length - len(first))
+        data += first
+        reserved = len(first)
+    loop = asyncio.get_running_loop()
     try:
         now = loop.time()
         deadline = now + limits.timeout_seconds
