@@ -404,6 +404,12 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def proc_sys_s(pid: int) -> float:
+    """System (kernel) CPU seconds of the process: the sockets' share of its CPU."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[12]) / CLK_TCK
+
+
 def proc_rss_bytes(pid: int) -> int:
     return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
 
@@ -431,13 +437,16 @@ class Point:
     # core), and how many windows it took to get one under the bound.
     runq_wait_share: float | None = None
     attempts: int = 1
+    # Of us_per_unit, the kernel's (system time): the sockets' work, which a proxy's own code
+    # does not change; the rest is the proxy's user time.
+    sys_us_per_unit: float | None = None
 
 
 async def run_point(
     port: int, pid: int, kind: str, n: int, args: argparse.Namespace, idle: tuple[float, int]
-) -> tuple[float, int, float, int, list[float], int, float, float]:
+) -> tuple[float, int, float, int, list[float], int, float, float, float]:
     """Drive one load point; (cpu_s, units, seconds, rss, gaps, stalled, ramp, the share of
-    the window the proxy waited for a core)."""
+    the window the proxy waited for a core, its system CPU seconds)."""
     loop = asyncio.get_running_loop()
     w = Window(args.stall_seconds)
     conns: list[asyncio.Transport] = []
@@ -458,13 +467,14 @@ async def run_point(
     await asyncio.sleep(args.warmup)
     w.on = True
     cpu0, t0 = proc_cpu_s(pid), time.perf_counter()
-    wait0 = proc_runq_wait_s(pid)
+    sys0, wait0 = proc_sys_s(pid), proc_runq_wait_s(pid)
     await asyncio.sleep(args.seconds)
     # A window with nothing received measures nothing: it goes on until something is (a
     # proxy starved of its core by other work), within a generous bound.
     while not (w.events or w.requests) and time.perf_counter() - t0 < 60:
         await asyncio.sleep(0.05)
     cpu1, t1 = proc_cpu_s(pid), time.perf_counter()
+    sys_s = proc_sys_s(pid) - sys0
     # The proxy's wait only: the client shares its core with the stub by design (a closed
     # unary loop keeps both runnable), and a client too starved to read shows as stalls.
     waited = (proc_runq_wait_s(pid) - wait0) / (t1 - t0)
@@ -479,7 +489,7 @@ async def run_point(
     await asyncio.wait(dones, timeout=10)
     await asyncio.sleep(0.5)  # the proxy closes its side
     units = w.events if kind == "sse" else w.requests
-    return cpu1 - cpu0, units, t1 - t0, rss, w.gaps, len(w.stalled), ramp, waited
+    return cpu1 - cpu0, units, t1 - t0, rss, w.gaps, len(w.stalled), ramp, waited, sys_s
 
 
 def proc_runq_wait_s(pid: int) -> float:
@@ -550,9 +560,9 @@ def commit(tree: Path = ROOT) -> str:
 def summarize(points: list[Point]) -> list[str]:
     """The markdown table: per load, the median over repeats (range) for each target."""
     lines = [
-        "| load | target | µs/unit (median, range) | net of idle | core busy | rate/s | "
-        "offered/s | +gap p99 ms | stalled | RSS KiB/stream |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| load | target | µs/unit (median, range) | net of idle | of it kernel | core busy | "
+        "rate/s | offered/s | +gap p99 ms | stalled | RSS KiB/stream |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     loads = list(dict.fromkeys((p.kind, p.concurrency) for p in points))
     targets = list(dict.fromkeys(p.target for p in points))
@@ -574,6 +584,7 @@ def summarize(points: list[Point]) -> list[str]:
             lines.append(
                 f"| {kind} × {n} | {t} | {med[t]:.1f} µs/{unit} ({min(us):.1f}–{max(us):.1f}) | "
                 f"{m([p.us_per_unit_net for p in ps], '.1f')} | "
+                f"{m([p.sys_us_per_unit for p in ps], '.1f')} | "
                 f"{m([p.core_busy for p in ps], '.0%')} | {m([p.rate_per_s for p in ps], '.0f')} | "
                 f"{m([p.offered_per_s for p in ps], '.0f')} | "
                 f"{m([p.gap_p99_added_ms for p in ps], '.1f')} | "
@@ -606,7 +617,7 @@ async def drive(args: argparse.Namespace, targets: dict[str, tuple[int, int]]) -
                 while True:
                     attempts += 1
                     la = os.getloadavg()
-                    cpu, units, secs, rss, gaps, stalled, _, waited = await run_point(port, pid, kind, n, args, idle[t])  # fmt: skip
+                    cpu, units, secs, rss, gaps, stalled, _, waited, sys_s = await run_point(port, pid, kind, n, args, idle[t])  # fmt: skip
                     starved = waited > args.max_wait_share or (kind == "sse" and stalled > 0)
                     if not starved or attempts > args.retries:
                         break
@@ -620,6 +631,7 @@ async def drive(args: argparse.Namespace, targets: dict[str, tuple[int, int]]) -
                     core_busy=round(cpu / secs, 3), rate_per_s=round(units / secs, 1),
                     load_avg=(round(la[0], 2), round(la[1], 2), round(la[2], 2)),
                     runq_wait_share=round(waited, 3), attempts=attempts,
+                    sys_us_per_unit=round(sys_s / units * 1e6, 2) if units else None,
                 )  # fmt: skip
                 if kind == "sse":
                     p.offered_per_s = n * args.event_rate
@@ -630,7 +642,8 @@ async def drive(args: argparse.Namespace, targets: dict[str, tuple[int, int]]) -
                 points.append(p)
                 print(
                     f"rep {rep} {kind:5} × {n:5} {t:6} {p.us_per_unit:8.1f} µs/unit "
-                    f"(net {p.us_per_unit_net:6.1f}) busy {p.core_busy:5.0%} {p.rate_per_s:8.0f}/s"
+                    f"(net {p.us_per_unit_net:6.1f}, sys {p.sys_us_per_unit or 0:5.1f}) "
+                    f"busy {p.core_busy:5.0%} {p.rate_per_s:8.0f}/s"
                     + (f" +gap p99 {p.gap_p99_added_ms:6.1f} ms stalled {stalled}" if kind == "sse" else "")
                     + (f" rss/stream {p.rss_per_stream_kib:.1f} KiB" if p.rss_per_stream_kib is not None else "")
                     + f"  load {la[0]:.2f} waited {waited:.0%}",
