@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,9 @@ REPLACEMENT_CHARACTER = "\ufffd"
 # How many settled ids /detokenize is asked about: a character is at most 4 bytes, a token at
 # least one, so 4 ids before a chunk's own reach back to the start of any character it ends in.
 TAIL_CONTEXT_TOKENS = 4
+# What keeps an event off the common path (_token_chunk), found in one pass: usage, the
+# prompt's ids, an error.
+_KEPT_KEYS = re.compile(rb'"(?:usage":\{|prompt_token_ids":\[|error")')
 
 
 class Refusal(enum.StrEnum):
@@ -454,13 +458,7 @@ class StreamState:
         if self.id is None or self.continuing or payload.count(b'"index":') != 1:
             return None
         at = payload.find(b'"token_ids":[')
-        if (
-            at < 0
-            or b'"finish_reason":null' not in payload
-            or b'"usage":{' in payload
-            or b'"prompt_token_ids":[' in payload
-            or b'"error"' in payload
-        ):
+        if at < 0 or b'"finish_reason":null' not in payload or _KEPT_KEYS.search(payload):
             return None
         if self.plan.chat:
             if b'"tool_calls"' in payload or b'"reasoning' in payload:
@@ -477,7 +475,10 @@ class StreamState:
         end = payload.find(b"]", at)
         listed = payload[at + 13 : end]
         try:
-            ids = [int(t) for t in listed.split(b",")] if listed.strip() else []
+            if b"," in listed:
+                ids = [int(t) for t in listed.split(b",")]
+            else:  # one token a chunk, vLLM's usual
+                ids = [int(listed)] if listed.strip() else []
         except ValueError:
             return None
         out = raw
