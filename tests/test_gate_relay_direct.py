@@ -12,10 +12,11 @@ import asyncio
 import json
 import socket
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
+import uvloop
 
 from tests.support import wait_for
 from tests.test_gate_support import LoopThread
@@ -85,8 +86,10 @@ class Upstream:
 
 
 class Setup:
-    def __init__(self, events: int) -> None:
-        self.lt = LoopThread("relay-direct")
+    def __init__(self, events: int, loop: str) -> None:
+        self.lt = LoopThread(
+            "relay-direct", uvloop.new_event_loop if loop == "uvloop" else asyncio.new_event_loop
+        )
         self.up = Upstream(events)
 
         async def start() -> asyncio.Server:
@@ -147,10 +150,17 @@ class Setup:
         self.lt.close()
 
 
-@pytest.fixture
-def setup_of() -> Iterator[list[Setup]]:
+@pytest.fixture(params=["asyncio", "uvloop"])
+def setup_of(request: pytest.FixtureRequest) -> Iterator[Callable[[int], Setup]]:
+    """A gate and its upstream on the loop named (uvloop: the gate's own when deployed, whose
+    transports are not asyncio's classes)."""
     made: list[Setup] = []
-    yield made
+
+    def make(events: int) -> Setup:
+        made.append(Setup(events, request.param))
+        return made[-1]
+
+    yield make
     for s in made:
         s.stop()
 
@@ -177,11 +187,10 @@ def dechunk(body: bytes) -> bytes:
 
 
 def test_a_client_that_stops_reading_stops_the_upstream_and_then_gets_every_event(
-    setup_of: list[Setup],
+    setup_of: Callable[[int], Setup],
 ) -> None:
     n = 32000  # ~30 MiB: more than the kernel's buffers on both sides of the gate hold
-    st = Setup(n)
-    setup_of.append(st)
+    st = setup_of(n)
     s = st.request(rcvbuf=4096)
     first = s.recv(64)
     assert first.startswith(b"HTTP/1.1 200")  # then it reads nothing for a while
@@ -202,11 +211,10 @@ def test_a_client_that_stops_reading_stops_the_upstream_and_then_gets_every_even
 
 
 def test_an_http_1_0_client_gets_the_stream_unframed_until_the_close(
-    setup_of: list[Setup],
+    setup_of: Callable[[int], Setup],
 ) -> None:
     n = 300
-    st = Setup(n)
-    setup_of.append(st)
+    st = setup_of(n)
     head, _, body = read_all(st.request(version="1.0")).partition(b"\r\n\r\n")
     assert head.startswith((b"HTTP/1.0 200", b"HTTP/1.1 200")), head
     assert b"chunked" not in head.lower()
@@ -215,10 +223,9 @@ def test_an_http_1_0_client_gets_the_stream_unframed_until_the_close(
 
 @pytest.mark.parametrize("reset", [True, False], ids=["reset", "close"])
 def test_a_client_leaving_mid_stream_closes_the_upstream_connection(
-    setup_of: list[Setup], reset: bool
+    setup_of: Callable[[int], Setup], reset: bool
 ) -> None:
-    st = Setup(10**6)  # longer than the test: only the client's leaving ends it
-    setup_of.append(st)
+    st = setup_of(10**6)  # longer than the test: only the client's leaving ends it
     s = st.request()
     got = b""
     while got.count(b"data: ") < 50:  # well into the steady state
