@@ -83,8 +83,8 @@ class BodyBudget:
         self.capacity_bytes = capacity_bytes
         self.held_bytes = 0
         self.peak_bytes = 0
-        self._metrics = metrics
         self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+        metrics.body_bytes.set_function(lambda: self.held_bytes)  # read when scraped
 
     def try_take(self, n: int) -> bool:
         """Reserve ``n`` bytes if they are free now and nobody waits before; whether it did."""
@@ -121,13 +121,11 @@ class BodyBudget:
 
     def give(self, n: int) -> None:
         self.held_bytes -= n
-        self._metrics.body_bytes.set(self.held_bytes)
         self._grant()
 
     def _add(self, n: int) -> None:
         self.held_bytes += n
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
-        self._metrics.body_bytes.set(self.held_bytes)
 
     def _forget(self, entry: tuple[int, asyncio.Future[None]]) -> None:
         self._waiters.remove(entry)
