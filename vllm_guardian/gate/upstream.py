@@ -449,11 +449,11 @@ class UpstreamResponse:
             self._lost(link._error)
 
     def unstream(self) -> None:
-        """Reads go back to :meth:`read` (what arrives from now on waits for it)."""
+        """Reads go back to :meth:`read` (what arrives from now on waits for it). A pause
+        stays: the reader resumes when it is ready for more (:meth:`resume`)."""
         self._sink = None
         if self._conn is not None:
             self._conn.link.sink = None
-            self.resume()
 
     def pause(self) -> None:
         """Stop reading from the upstream (its sink's reader is slower than it)."""
