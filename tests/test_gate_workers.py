@@ -237,7 +237,15 @@ class Workers:
                 stderr=subprocess.STDOUT,
             )  # fmt: skip
         self.pool = ThreadPoolExecutor(48)
-        wait_for(lambda: self.status()["workers_answered"] == 2, "both workers up", seen=self.seen)
+        try:
+            wait_for(
+                lambda: self.status()["workers_answered"] == 2, "both workers up", seen=self.seen
+            )
+        except BaseException:
+            # The test never gets the object to stop: a gate left running here outlived the
+            # session and took CPU from every later test and benchmark on the host.
+            self.stop()
+            raise
 
     def status(self) -> dict[str, Any]:
         doc: dict[str, Any] = requests.get(f"{self.url}/gate/status", timeout=5).json()
