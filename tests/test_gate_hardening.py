@@ -7,6 +7,7 @@ hostile server (tests/hostile.py); real sockets that send half a request and wai
 from __future__ import annotations
 
 import asyncio
+import gzip
 import hashlib
 import json
 import logging
@@ -337,6 +338,24 @@ def test_with_every_slot_busy_a_new_connection_is_closed_at_once(stub: Stub):
         stub.reset()
 
 
+def test_a_compressed_body_is_read_whole_after_its_content_length(stub: Stub) -> None:
+    """aiohttp decompresses a request body (Content-Encoding: gzip), so more bytes come out
+    than its Content-Length counts: all of them go upstream, not the first Content-Length."""
+    doc = json.dumps({"model": "m", "prompt": "word " * 200}).encode()
+    packed = gzip.compress(doc)
+    assert len(packed) < len(doc)
+    g = Running(stub.url)
+    try:
+        r = requests.post(
+            f"{g.url}/v1/echo", data=packed, timeout=30,
+            headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+        )  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert r.json()["body_bytes"] == len(doc)
+    finally:
+        g.stop()
+
+
 CHUNKED_HEAD = (
     b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     b"Transfer-Encoding: chunked\r\n\r\n"
@@ -558,6 +577,9 @@ class _StalledBody:
     def read_nowait(self, n: int) -> bytes:
         return b""  # nothing buffered: each read waits, as on a host that is behind
 
+    def at_eof(self) -> bool:
+        return False
+
     def feed_eof(self) -> None:
         pass
 
@@ -593,6 +615,9 @@ class _BufferedBody:
             raise self.error
         got, self.buffered = self.buffered[:n], self.buffered[n:]
         return got
+
+    def at_eof(self) -> bool:
+        return not self.buffered and self.parts == [b""]
 
     async def read(self, n: int) -> bytes:
         self.awaited_reads += 1

@@ -181,7 +181,9 @@ async def read_body(
         except BaseException:
             budget.give(content_length)
             raise
-        if len(first) == content_length:
+        # Whole only when nothing follows: aiohttp decodes a compressed body as it reads,
+        # and more bytes come out than its Content-Length counts.
+        if len(first) == content_length and stream.at_eof():
             return HeldBody(bytearray(first), budget)
         budget.give(content_length - len(first))
         data += first
@@ -193,9 +195,9 @@ async def read_body(
         window_start, window_bytes = now, 0
         floor = limits.min_rate_bytes_per_second
         while True:
-            if content_length is not None:
+            if content_length is not None and len(data) <= content_length:
                 want = min(READ_BYTES, max(1, content_length - len(data)))
-            else:
+            else:  # no length, or a decoded body longer than it: up to the limit
                 want = min(READ_BYTES, limits.max_bytes + 1 - len(data))
             try:
                 waited = await budget.take(want, limits.budget_wait_seconds)

@@ -95,6 +95,9 @@ HOP_BY_HOP = frozenset(
     }
 )  # fmt: skip
 REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}
+# The request body encodings aiohttp's parser decodes as it reads (its auto_decompress): such a
+# body is forwarded decoded, so without the header that named the encoding.
+DECODED_ENCODINGS = frozenset({"gzip", "deflate", "br", "zstd"})
 RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
 # vLLM's answers that mean "this server is going away, or its engine died under the request":
 # a request without an answer yet is safe to send once more to the next instance.
@@ -263,6 +266,16 @@ def _answered(up: UpstreamResponse | None) -> bool:
     """vLLM answers the request, the first byte of a 200 body in: its engine took it (an
     error is the API server's own, or a dead engine's)."""
     return up is not None and up.status == 200 and up.body_started
+
+
+def _request_headers(request: web.BaseRequest) -> CIMultiDict[str]:
+    """The client's headers as they go upstream: hop-by-hop ones, the length (the pool sets it)
+    and the encoding of a body aiohttp decoded (the same test as its parser's) left out."""
+    headers = _forward_headers(request.headers, REQUEST_DROP)
+    encoding = request.headers.get("Content-Encoding", "")
+    if encoding.isascii() and encoding.lower() in DECODED_ENCODINGS:
+        headers.popall("Content-Encoding")
+    return headers
 
 
 def _forward_headers(headers: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str]:
@@ -475,7 +488,7 @@ class GateProxy:
                 self.metrics.client_disconnect("queued")
                 raise
             started = time.perf_counter()
-        headers = _forward_headers(request.headers, REQUEST_DROP)
+        headers = _request_headers(request)
         target = str(request.rel_url)
 
         async def wait_again(extra_wait_seconds: float = 0.0) -> None:
@@ -585,7 +598,7 @@ class GateProxy:
             up = await self.fallback.pool.request(
                 request.method,
                 str(request.rel_url),
-                [*_forward_headers(request.headers, REQUEST_DROP).items(), (FALLBACK_HEADER, "1")],
+                [*_request_headers(request).items(), (FALLBACK_HEADER, "1")],
                 body,
             )
         except UpstreamError as e:
