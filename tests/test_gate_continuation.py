@@ -699,6 +699,43 @@ def test_reading_a_token_chunk_from_its_bytes_does_what_decoding_it_does(
     assert fast == run()
 
 
+FIRST_CHUNK = (
+    b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{'
+    b'"index":0,"text":"","logprobs":null,"finish_reason":null,"prompt_token_ids":[1,2],'
+    b'"token_ids":[]}]}\n\n'
+)
+ODD_EVENTS = [
+    # Text that decodes to a lone surrogate: the chunk cannot be written again as UTF-8.
+    ("lone_surrogate", "/v1/completions", False,
+     b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{'
+     b'"index":0,"text":"\\ud800","logprobs":null,"finish_reason":"length",'
+     b'"token_ids":[5]}]}\n\n'),
+    # A continuation's chunk for a chat stream whose choice is not an object.
+    ("chat_choice_not_an_object", "/v1/chat/completions", True,
+     b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m",'
+     b'"choices":[1]}\n\n'),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "continuing", "event"), [e[1:] for e in ODD_EVENTS], ids=[e[0] for e in ODD_EVENTS]
+)
+def test_an_event_the_gate_cannot_rewrite_is_passed_on_as_it_came(
+    path: str, continuing: bool, event: bytes
+) -> None:
+    doc: dict[str, Any] = {"model": "m", "stream": True, "max_tokens": 9}
+    doc.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else
+               {"prompt": "hi"})  # fmt: skip
+    p = plan(path, json.dumps(doc).encode(), enabled=True)
+    assert isinstance(p, Plan)
+    st = StreamState(p)
+    if "chat" not in path:
+        st.on_event(FIRST_CHUNK)
+    st.continuing = continuing
+    step = st.on_event(event)
+    assert (step.kind, step.data, st.unreadable) == (Kind.RELAY, event, True)
+
+
 def test_sse_events_are_cut_where_they_end() -> None:
     sp = SseSplitter(100)
     assert sp.feed(b"data: 1\n\nda") == [b"data: 1\n\n"]

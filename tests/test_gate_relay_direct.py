@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import struct
 from collections.abc import Callable, Iterator
@@ -21,6 +22,7 @@ import uvloop
 from tests.support import wait_for
 from tests.test_gate_support import LoopThread
 from vllm_guardian.gate.admission import Limits
+from vllm_guardian.gate.continuation import StreamState
 from vllm_guardian.gate.proxy import ProxySettings
 from vllm_guardian.gate.server import Gate, GateSettings
 
@@ -51,6 +53,7 @@ class Upstream:
     events: int
     port: int = 0
     written: int = 0  # body bytes handed to the socket so far
+    completions: int = 0  # completion requests answered (a continuation is a second one)
     done: bool = False  # the whole stream was written
     gone: bool = False  # the gate closed the connection before the end
 
@@ -67,6 +70,7 @@ class Upstream:
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
                     await writer.drain()
                     continue
+                self.completions += 1
                 writer.write(
                     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                     b"Transfer-Encoding: chunked\r\n\r\n"
@@ -238,3 +242,36 @@ def test_a_client_leaving_mid_stream_closes_the_upstream_connection(
         "the upstream connection closed (vLLM aborts the request) and the exchange ended",
         seen=lambda: (st.up.gone, st.open_exchanges()),
     )
+
+
+def test_a_failure_reading_an_event_ends_the_exchange_and_is_not_taken_for_a_cut(
+    setup_of: Callable[[int], Setup],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An exception in the relay's own code while it reads an event (a defect, or input no
+    test foresaw) ends the client's stream as any error of the gate's does. It must not reach
+    the upstream connection's callback: the loop would close that connection, and the relay
+    would take it for vLLM cutting the stream and continue it against a healthy engine."""
+    calls = [0]
+    relay_common = StreamState.relay_common
+
+    def failing(self: StreamState, raw: bytes) -> bytes | None:
+        calls[0] += 1
+        if calls[0] == 50:
+            raise RuntimeError("a defect reading event 50")
+        return relay_common(self, raw)
+
+    monkeypatch.setattr(StreamState, "relay_common", failing)
+    st = setup_of(10**6)  # still being written when the gate fails: its close is seen
+    with caplog.at_level(logging.ERROR):
+        got = read_all(st.request())
+        wait_for(
+            lambda: st.up.gone and st.open_exchanges() == 0,
+            "the upstream connection closed and the exchange ended",
+            seen=lambda: (st.up.gone, st.open_exchanges(), st.up.completions),
+        )
+    assert b"data: [DONE]" not in got and b"0\r\n\r\n" not in got  # cut, not ended
+    assert st.up.completions == 1  # no continuation
+    assert "a defect reading event 50" in caplog.text  # said, with its traceback
+    assert "Fatal error" not in caplog.text  # not the upstream connection's failure

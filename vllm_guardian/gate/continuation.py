@@ -406,19 +406,20 @@ class StreamState:
             if dying_message(message):
                 return Step(Kind.CUT, raw)
             return self._relay(raw)  # vLLM's answer: not the gate's to change
-        converted = False
-        if self.plan.chat and self.continuing:
-            # A chat stream's continuation is a completion: its chunks become the chat's.
-            doc = _chat_chunk_of(doc)
-            converted = True
-        aborted = _aborted(doc)
         before = (len(self.token_ids), self.finish_reason)
         try:
+            converted = False
+            if self.plan.chat and self.continuing:
+                # A chat stream's continuation is a completion: its chunks become the chat's.
+                doc = _chat_chunk_of(doc)
+                converted = True
+            aborted = _aborted(doc)
             changed, textless = self._chunk(doc)
+            # (UnicodeEncodeError, a ValueError: text with a lone surrogate, "\ud800")
+            out = b"data: " + _encode(doc) + b"\n\n" if changed or converted else raw
         except (TypeError, ValueError, AttributeError):
-            self.unreadable = True
+            self.unreadable = True  # not the shape read here: passed on as it came
             return self._relay(raw)
-        out = b"data: " + _encode(doc) + b"\n\n" if changed or converted else raw
         if aborted:
             # Not the stream's end: a cut. vLLM's abort carries no token; one that did would
             # not be the client's whole text, so the stream is not continued then.

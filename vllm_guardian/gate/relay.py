@@ -110,6 +110,7 @@ class _Stop:
     ended: bool = False  # the body ended, or the connection failed, without [DONE]
     drain: bool = False  # the client's connection is full: wait for it (the upstream paused)
     client_gone: bool = False
+    error: Exception | None = None  # raised reading an event: the relay raises it
 
 
 class _Streamer:
@@ -134,6 +135,15 @@ class _Streamer:
     def body(self, data: bytes) -> None:
         if self.stopped.done():
             return
+        try:
+            self._body(data)
+        except Exception as e:
+            # Raised here, in the upstream's callback, the loop would close that connection and
+            # the relay would take it for a cut (and continue the stream against a healthy
+            # engine); raised in the relay, it ends the exchange as any error of the gate's does.
+            self._stop(_Stop(error=e))
+
+    def _body(self, data: bytes) -> None:
         events = self.splitter.feed(data)
         out: list[bytes] = []
         state = self.state
@@ -274,6 +284,8 @@ class ContinuingRelay:
             if direct is not None:
                 # Committed to the client: its events go out from the upstream's callbacks.
                 stop = await self._stream(up, splitter, direct)
+                if stop.error is not None:
+                    raise stop.error
                 if stop.client_gone:
                     raise ConnectionResetError("the client's connection is closed")
                 if stop.drain:
