@@ -11,16 +11,18 @@ usage chunks, reasoning) and on hand-made framings.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import requests
+from multidict import CIMultiDict
 
 from tests.fake_completions import FakeCompletions
 from vllm_guardian.gate.continuation import Plan, SseSplitter, StreamState, plan
-from vllm_guardian.gate.upstream import UpstreamResponse
+from vllm_guardian.gate.upstream import UpstreamPool, UpstreamResponse, _Conn, _Link
 
 PROMPT = "the quick brown fox jumps"
 
@@ -143,3 +145,61 @@ def test_the_one_chunk_shortcut_takes_an_event_as_vllm_writes_it() -> None:
     mid = response()
     mid._chunk_left = 3  # inside a chunk: never
     assert mid._one_chunk(b"5\r\nhello\r\n") is None
+
+
+class _Transport:
+    """Enough of a transport for an upstream connection nobody writes to."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.got: list[bytes] = []
+        self.ended: list[object] = []
+
+    def body(self, data: bytes) -> None:
+        self.got.append(data)
+
+    def end(self, error: object) -> None:
+        self.ended.append(error)
+
+
+@pytest.mark.parametrize(
+    ("arrives", "kept"),
+    [([b"hel", b"lo"], True), ([b"helloEXTRA"], False), ([b"hel", b"loEXTRA"], False)],
+    ids=["exact", "more_at_once", "more_after"],
+)
+def test_a_streamed_answer_followed_by_bytes_it_did_not_announce_is_not_kept(
+    arrives: list[bytes], kept: bool
+) -> None:
+    async def scenario() -> tuple[list[bytes], list[object], int, bool]:
+        pool = UpstreamPool("http://127.0.0.1:1")
+        link = _Link(asyncio.get_running_loop())
+        transport = _Transport()
+        link.connection_made(transport)  # type: ignore[arg-type]
+        up = UpstreamResponse(pool, _Conn(link), 200, "OK", CIMultiDict({"Content-Length": "5"}),
+                              head_request=False)  # fmt: skip
+        sink = _Sink()
+        up.stream(sink)
+        for piece in arrives:
+            link.data_received(piece)
+        up.release()
+        return sink.got, sink.ended, pool.idle_connections, transport.closed
+
+    got, ended, idle, closed = asyncio.run(scenario())
+    assert (b"".join(got), ended) == (b"hello", [None])
+    assert (idle, closed) == ((1, False) if kept else (0, True))

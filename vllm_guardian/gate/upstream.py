@@ -484,7 +484,9 @@ class UpstreamResponse:
                     self._finish(UpstreamError("streaming", type(e).__name__))
                     return
         elif self._left >= 0:
-            data = data[: self._left]  # bytes past the answer: not the body's
+            if len(data) > self._left:  # bytes past the answer: not the body's, and the
+                self._keep = False  # connection is out of step for the next exchange
+                data = data[: self._left]
             self._left -= len(data)
             self._eof = self._left == 0
         if data:
