@@ -96,8 +96,7 @@ class BodyBudget:
     async def take(self, n: int, wait_seconds: float) -> float:
         """Reserve ``n`` bytes; the seconds it waited for them. Raises :class:`NoRoom` when
         there is none within ``wait_seconds``."""
-        if not self._waiters and self.held_bytes + n <= self.capacity_bytes:
-            self._add(n)
+        if self.try_take(n):
             return 0.0
         if n > self.capacity_bytes:
             raise NoRoom
@@ -170,8 +169,11 @@ async def read_body(
     reserved = 0  # of the budget: len(data) plus the read in progress
     # A small body is usually all in aiohttp's buffer with its head: taken in one piece, no
     # wait, no timer. What is not there yet is read below, as any body is.
-    small = content_length is not None and 0 < content_length <= READ_BYTES
-    if small and content_length is not None and budget.try_take(content_length):
+    if (
+        content_length is not None
+        and 0 < content_length <= READ_BYTES
+        and budget.try_take(content_length)
+    ):
         try:
             first = stream.read_nowait(content_length)
         except RequestPayloadError as e:

@@ -390,9 +390,9 @@ class StreamState:
         payload = line[5:].strip()
         if payload == b"[DONE]":
             return Step(Kind.DONE, self._flush(raw))
-        data = self._token_chunk(raw, payload)
-        if data is not None:
-            return Step(Kind.RELAY, self._flush(data) if data else b"")
+        common = self._token_chunk(raw, payload)
+        if common is not None:
+            return Step(Kind.RELAY, common)
         try:
             doc = json.loads(payload)
         except (ValueError, UnicodeDecodeError, RecursionError):
@@ -443,18 +443,15 @@ class StreamState:
             return None
         # The payload's patterns are the same in the whole event: "data: " and the blank
         # line hold none of them.
-        data = self._token_chunk(raw, raw)
-        if data is None:
-            return None
-        return self._flush(data) if data else b""
+        return self._token_chunk(raw, raw)
 
     def _token_chunk(self, raw: bytes, payload: bytes) -> bytes | None:
         """The common event read without decoding it: one choice, its text (or chat content)
         and ids, nothing else the stream keeps (no usage, finish, prompt ids, tool calls,
         reasoning, error), past the first chunk of a first attempt. What :meth:`_chunk` would
         do with it, on the bytes: keep the ids, strip them unless the client asked for them.
-        Returns what to relay before any held events are flushed (``b""``: held back until
-        text settles it), or None: any other event (decoded in full). A key's pattern cannot
+        Returns what to relay, held events first (``b""``: held back until text settles it),
+        or None: any other event (decoded in full). A key's pattern cannot
         occur inside a JSON string, whose quotes are escaped."""
         if self.id is None or self.continuing or payload.count(b'"index":') != 1:
             return None
@@ -493,7 +490,7 @@ class StreamState:
         elif ids:
             self._pending.append(out)
             return b""
-        return out
+        return self._flush(out)
 
     def _relay(self, data: bytes) -> Step:
         return Step(Kind.RELAY, self._flush(data))

@@ -159,10 +159,7 @@ class _Streamer:
                     out.append(step.data)
                 continue
             if step.kind is Kind.DONE:
-                out.append(step.data)
-                if not self._write(out):
-                    return
-                out = []
+                out.append(step.data)  # written with the events before it
             self._stop(_Stop(step=step, rest=events[i + 1 :]), out)
             return
         if out and not self._write(out):
@@ -191,7 +188,8 @@ class _Streamer:
         return True
 
     def _stop(self, stop: _Stop, out: list[bytes] | None = None) -> None:
-        """Hand the stream back; ``out`` (events before a cut) is written first."""
+        """Hand the stream back; ``out`` (the events before the one that stops it, and
+        ``[DONE]``) is written first."""
         if out and not self._write(out):
             return
         self.up.unstream()

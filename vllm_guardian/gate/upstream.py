@@ -540,16 +540,11 @@ class UpstreamResponse:
     def release(self) -> None:
         """The exchange is over: a complete answer's connection is kept for the next one,
         any other is closed (for an unfinished answer, how vLLM learns to abort it)."""
+        self.unstream()
+        self.resume()  # a kept connection reads again for its next exchange
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        self._sink = None
-        conn.link.sink = None
-        if self._paused:  # a kept connection reads again for its next exchange
-            self._paused = False
-            if not conn.link.is_closing():
-                assert conn.link.transport is not None
-                conn.link.transport.resume_reading()
         self._pool._busy.discard(conn)
         if self._eof and self._keep:
             self._pool._put(conn)
