@@ -21,7 +21,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import wait_for
-from tests.test_gate_support import GateThread, LoopThread, Stub
+from tests.test_gate_support import GateThread, LoopThread, Stub, dechunk
 from vllm_guardian.gate.admission import Cost, estimate_cost
 
 
@@ -508,15 +508,7 @@ def test_slow_client_gets_everything(gate: GateThread, stub: Stub):
     s.close()
     head, _, body = bytes(got).partition(b"\r\n\r\n")
     assert b"Transfer-Encoding: chunked" in head
-    decoded = bytearray()
-    while body:
-        size_line, _, body = body.partition(b"\r\n")
-        size = int(size_line, 16)
-        if size == 0:
-            break
-        decoded += body[:size]
-        body = body[size + 2 :]
-    assert hashlib.sha256(decoded).digest() == hashlib.sha256(direct).digest()
+    assert hashlib.sha256(dechunk(body)).digest() == hashlib.sha256(direct).digest()
 
 
 def _gate_samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

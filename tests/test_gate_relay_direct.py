@@ -20,7 +20,7 @@ import pytest
 import uvloop
 
 from tests.support import wait_for
-from tests.test_gate_support import LoopThread
+from tests.test_gate_support import LoopThread, dechunk
 from vllm_guardian.gate.admission import Limits
 from vllm_guardian.gate.continuation import StreamState
 from vllm_guardian.gate.proxy import ProxySettings
@@ -175,19 +175,6 @@ def read_all(s: socket.socket) -> bytes:
         got += chunk
     s.close()
     return bytes(got)
-
-
-def dechunk(body: bytes) -> bytes:
-    out = bytearray()
-    while body:
-        size_line, _, body = body.partition(b"\r\n")
-        size = int(size_line, 16)
-        if size == 0:
-            break
-        out += body[:size]
-        assert body[size : size + 2] == b"\r\n"
-        body = body[size + 2 :]
-    return bytes(out)
 
 
 def test_a_client_that_stops_reading_stops_the_upstream_and_then_gets_every_event(

@@ -269,3 +269,17 @@ class Stub:
                 return web.Response(status=500, body=json.dumps(err).encode(), content_type="application/json")  # fmt: skip
             return web.json_response({"ok": True, "call": self.calls[path]})
         return web.json_response({"detail": "Not Found"}, status=404)
+
+
+def dechunk(body: bytes) -> bytes:
+    """A chunked HTTP/1.1 body's payload (its framing checked), up to its last chunk."""
+    out = bytearray()
+    while body:
+        size_line, _, body = body.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        out += body[:size]
+        assert body[size : size + 2] == b"\r\n"
+        body = body[size + 2 :]
+    return bytes(out)
