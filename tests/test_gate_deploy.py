@@ -542,13 +542,13 @@ def test_a_status_document_maps_to_the_observation() -> None:
         "upstream_healthy": True, "guardian_ready": False, "oldest_wait_seconds": 1.5,
         "held_total": 9, "retried_total": 1, "rejected_total": 0, "unknown_key": "ignored",
         "unanswered": 2, "oldest_unanswered_seconds": 31.5, "arrived_total": 40,
-        "loop_lag_max_seconds": 2.5,
+        "loop_lag_max_seconds": 2.5, "cpu_busy_share": 0.93,
     }  # fmt: skip
     assert parse_status(json.dumps(doc).encode()) == GateObservation(
         reachable=True, in_flight=3, queued=2, open=False, reason="guardian: draining",
         upstream_healthy=True, guardian_ready=False, oldest_wait_seconds=1.5,
         arrived_total=40, held_total=9, retried_total=1, rejected_total=0, unanswered=2,
-        oldest_unanswered_seconds=31.5, loop_lag_max_seconds=2.5,
+        oldest_unanswered_seconds=31.5, loop_lag_max_seconds=2.5, cpu_busy_share=0.93,
     )  # fmt: skip
 
 

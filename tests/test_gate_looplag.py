@@ -74,6 +74,85 @@ def test_a_late_loop_is_logged_with_the_cpu_it_used(
         assert f"{lag_seconds:.1f} s late" in lines[0], lines
 
 
+# --- how busy the process keeps its core ------------------------------------------------------
+#
+# One gate process relays on one core; near all of it streams stall long before the loop is a
+# second late (2,000 streams on one process: 99 % busy, 621 stalled, lag well under a second).
+
+
+@pytest.mark.parametrize(
+    ("readings", "share", "warned"),
+    [
+        ([], None, 0),  # nothing read yet
+        ([(0.0, 5.0), (30.0, 34.0)], None, 0),  # half a window: no figure yet
+        ([(0.0, 5.0), (60.0, 62.0)], 0.95, 1),  # 57 s of CPU in 60 s
+        ([(0.0, 5.0), (60.0, 35.0)], 0.5, 0),
+        ([(0.0, 5.0), (60.0, 59.0)], 0.9, 1),  # at the threshold: warned
+        ([(0.0, 5.0), (60.0, 62.0), (120.0, 74.0)], 0.2, 1),  # the last window's, not a mean
+        ([(0.0, 5.0), (60.0, 62.0), (90.0, 90.0)], 0.95, 1),  # the next window is not over
+        ([(0.0, 5.0), (61.0, 4.0)], 0.0, 0),  # a CPU clock that went back: never negative
+        ([(0.0, 0.0), (100.0, 99.0)], 0.99, 1),  # a late reading: its own window's length
+    ],
+    ids=["none", "partial", "busy", "half", "threshold", "last-window", "next-partial",
+         "clock-back", "long-window"],
+)  # fmt: skip
+def test_the_busy_share_is_the_last_whole_windows_and_a_busy_one_is_logged(
+    caplog: pytest.LogCaptureFixture,
+    readings: list[tuple[float, float]],
+    share: float | None,
+    warned: int,
+) -> None:
+    caplog.set_level(logging.WARNING, "vllm_guardian.gate")
+    lag = _lag(busy_window_seconds=60.0, busy_warn_share=0.9)
+    for now, cpu in readings:
+        lag.note_cpu(now, cpu)
+    assert lag.busy_share == (None if share is None else pytest.approx(share))
+    lines = [r.getMessage() for r in caplog.records if "was on a CPU" in r.getMessage()]
+    assert len(lines) == warned, lines
+    if warned:
+        assert "run more workers" in lines[0] and "gate.workers" in lines[0], lines
+
+
+def test_a_loop_kept_busy_is_measured_busy_and_an_idle_one_not() -> None:
+    """The running ticker with the real clocks: a loop whose callbacks spin shows most of its
+    process's CPU as busy; the same ticker on an idle loop, little."""
+    shares: dict[str, float] = {}
+    for spin in (True, False):
+        loop = asyncio.new_event_loop()
+        began = (time.monotonic(), time.process_time())
+        try:
+            lag = _lag_real(busy_window_seconds=0.5)
+
+            async def run(lag: LoopLag = lag, spin: bool = spin) -> None:
+                lag.start()
+                deadline = time.monotonic() + 60.0  # bound: a host this busy says so below
+                while lag.busy_share is None and time.monotonic() < deadline:
+                    if spin:
+                        t = time.process_time()
+                        while time.process_time() - t < 0.02:  # 20 ms of CPU, then yield
+                            pass
+                    await asyncio.sleep(0 if spin else 0.05)
+                await lag.stop()
+
+            loop.run_until_complete(run())
+        finally:
+            loop.close()
+        assert lag.busy_share is not None, "no window completed within 60 s"
+        shares["spin" if spin else "idle"] = lag.busy_share
+        # The same measure over the whole run, taken here: as much as a busy host lets the
+        # spinning process run, it is on a CPU; the figure must follow that, not the host.
+        wall, cpu = time.monotonic() - began[0], time.process_time() - began[1]
+        shares["spin_whole_run" if spin else "idle_whole_run"] = cpu / wall
+    print(shares)
+    assert shares["spin"] >= 0.5 * shares["spin_whole_run"] > 0, shares
+    assert shares["idle"] < 0.2, shares
+
+
+def _lag_real(**kw: float) -> LoopLag:
+    h = Histogram("lag_seconds", "test", buckets=LAG_BUCKETS, registry=CollectorRegistry())
+    return LoopLag(h, interval_seconds=0.05, **kw)
+
+
 @pytest.fixture(scope="module")
 def stub() -> Iterator[Stub]:
     s = Stub()
@@ -91,6 +170,7 @@ def test_a_stalled_gate_reports_its_stall_in_status_metrics_and_log(
     try:
         before = requests.get(g.url + "/gate/status", timeout=60).json()
         print("before:", before["loop_lag_max_seconds"])
+        assert before["cpu_busy_share"] is None  # its first minute is not over
         g.lt.loop.call_soon_threadsafe(time.sleep, 1.5)
         doc: dict[str, object] = {}
 

@@ -173,11 +173,13 @@ def test_the_status_sums_the_workers_and_is_open_only_when_all_are() -> None:
     b = {**a, "pid": 12, "open": False, "reason": "guardian: draining", "in_flight": 2,
          "queue_depth": 4, "admitted_total": 5, "oldest_wait_seconds": 2.0,
          "oldest_unanswered_seconds": 0.5, "guardian_ready": False,
-         "loop_lag_max_seconds": 1.25}  # fmt: skip
+         "loop_lag_max_seconds": 1.25, "cpu_busy_share": 0.93}  # fmt: skip
     m = merge_status([a, b], 3, {"restarts_total": 1, "lost_requests_total": 2})
     assert (m["in_flight"], m["queue_depth"], m["admitted_total"]) == (5, 4, 12)
     assert (m["oldest_wait_seconds"], m["oldest_unanswered_seconds"]) == (2.0, 1.5)
     assert m["loop_lag_max_seconds"] == 1.25  # the slowest worker's
+    assert m["cpu_busy_share"] == 0.93  # the busiest worker's (a's is not known yet)
+    assert merge_status([a, a], 2, None)["cpu_busy_share"] is None  # no worker can say yet
     assert (m["open"], m["reason"], m["guardian_ready"]) == (False, "guardian: draining", False)
     assert (m["workers"], m["workers_answered"]) == (3, 2)
     assert (m["worker_restarts_total"], m["worker_lost_requests_total"]) == (1, 2)
@@ -313,6 +315,11 @@ def test_two_workers_serve_hold_one_bound_and_report_one_sum(stub: Stub, tmp_pat
         # The gate's own /metrics, whichever worker answers it, counts both.
         metrics = requests.get(f"{gate.url}/metrics", timeout=5).text
         assert 'vllm_guardian_gate_admitted_total{service="vllm"} 24.0' in metrics, metrics
+        # Two processes, each with its own CPU clock: VllmGateBusy divides the one by the other.
+        assert 'vllm_guardian_gate_processes{service="vllm"} 2.0' in metrics, metrics
+        cpu = [line for line in metrics.splitlines() if line.startswith(
+            'vllm_guardian_gate_cpu_seconds_total{service="vllm"}')]  # fmt: skip
+        assert len(cpu) == 1 and float(cpu[0].split()[-1]) > 0, cpu
 
         # The guardian closes the front door; a burst of 20 against a bound of 4 (2 a worker):
         # exactly 4 held, the other 16 answered 503 at once, as a single gate answers them.

@@ -182,7 +182,7 @@ def test_structure():
     for needed in ("Policy rung", "Gate", "Breaker", "Firing alerts", "GPU memory by owner",
                    "Allocator fragmentation", "Latency quantiles", "Throughput", "Preemptions",
                    "Gate queue", "Gate decisions", "Gate queue wait", "Gate overhead",
-                   "Gate cut streams",
+                   "Gate cut streams", "Gate CPU per process",
                    "Capacity: demand vs served"):  # fmt: skip
         assert needed in titles
     annotations = {a["name"]: a for a in dash["annotations"]["list"]}

@@ -398,6 +398,9 @@ class GateObservation:
     # The largest delay of the gate's event loop in its last minute (gate/looplag.py): a gate
     # answering late (or not at all) because it was late itself, not because vLLM was.
     loop_lag_max_seconds: float | None = None
+    # The share of its last minute the gate's process spent on a CPU (with workers, the
+    # busiest's): near 1 its streams stall for want of a core (gate/looplag.py).
+    cpu_busy_share: float | None = None
     error: str | None = None
 
 

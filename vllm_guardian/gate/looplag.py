@@ -14,6 +14,12 @@ records how much later than asked it woke:
   meanwhile: about the lag, the loop was busy (something ran on it that long); near zero, the
   process was not running (the host's CPUs were taken) or blocked outside Python.
 
+And how busy the process keeps its core: every ``busy_window_seconds`` the share of that window
+it spent on a CPU, as ``cpu_busy_share`` in ``/gate/status``, and a WARNING at
+``busy_warn_share`` or more. One gate process relays on one core; near all of it, events queue
+behind each other and streams stall (2,000 streams of 20 events/s on one process: 621 stalled,
+docs/benchmarks.md), long before the loop is a second late. The remedy is more workers.
+
 Where it runs: a task of its own beside the follower, started and stopped with the gate.
 
 :func:`running_timeout` is ``asyncio.timeout`` for a loop that may not run: a deadline the loop
@@ -49,6 +55,8 @@ class LoopLag:
         interval_seconds: float = 0.1,
         window_seconds: float = 60.0,
         warn_seconds: float = 1.0,
+        busy_window_seconds: float = 60.0,
+        busy_warn_share: float = 0.9,
         clock: Callable[[], float] = time.monotonic,
         cpu_clock: Callable[[], float] = time.process_time,
     ) -> None:
@@ -56,6 +64,10 @@ class LoopLag:
         self._interval = interval_seconds
         self._window = window_seconds
         self._warn = warn_seconds
+        self._busy_window, self._busy_warn = busy_window_seconds, busy_warn_share
+        self._busy_from: tuple[float, float] | None = None  # (clock, CPU clock) at its start
+        # The share of the last whole busy window this process was on a CPU (None before one).
+        self.busy_share: float | None = None
         self._clock, self._cpu = clock, cpu_clock
         # (when it ended, lag) of the lags in the window, largest kept only while it is largest
         # of what follows it: the front is the window's maximum.
@@ -80,6 +92,27 @@ class LoopLag:
                 "the process was not running (the host's CPUs taken) or blocked outside Python",
             )  # fmt: skip
 
+    def note_cpu(self, now: float, cpu_seconds: float) -> None:
+        """This process's CPU clock read at ``now``: once a busy window has passed since the
+        last, its share of that window on a CPU becomes :attr:`busy_share`, with a WARNING when
+        it is ``busy_warn_share`` or more."""
+        if self._busy_from is None:
+            self._busy_from = (now, cpu_seconds)
+            return
+        began, cpu_then = self._busy_from
+        if now - began < self._busy_window:
+            return
+        self.busy_share = max(0.0, cpu_seconds - cpu_then) / (now - began)
+        self._busy_from = (now, cpu_seconds)
+        if self.busy_share >= self._busy_warn:
+            log.warning(
+                "gate: this process was on a CPU %.0f%% of the last %.0f s; one gate process "
+                "relays on one core, and near all of it events queue and streams stall: run "
+                'more workers (gate.workers, docs/gate.md "More than one core")',
+                100 * self.busy_share,
+                now - began,
+            )
+
     def max_seconds(self, now: float | None = None) -> float:
         """The largest lag that ended within the last ``window_seconds`` (0 when none)."""
         t = self._clock() if now is None else now
@@ -101,8 +134,9 @@ class LoopLag:
         while True:
             asked, cpu = self._clock(), self._cpu()
             await asyncio.sleep(self._interval)
-            now = self._clock()
-            self.observe(now - asked - self._interval, now, self._cpu() - cpu)
+            now, cpu_now = self._clock(), self._cpu()
+            self.observe(now - asked - self._interval, now, cpu_now - cpu)
+            self.note_cpu(now, cpu_now)
 
 
 @contextlib.asynccontextmanager

@@ -7,7 +7,11 @@ with, so one Prometheus job can scrape several gates beside the guardian's serie
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from vllm_guardian.gate.continuation import Cut, Failure, Outcome, Refusal
@@ -31,10 +35,36 @@ CONTINUATION_LABELS = (
 )
 
 
+class _ProcessCpu:
+    """``vllm_guardian_gate_cpu_seconds_total``: this process's CPU clock, read at scrape."""
+
+    def __init__(self, service: str, cpu_clock: Callable[[], float]) -> None:
+        self._service, self._cpu = service, cpu_clock
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            f"{NS}_cpu_seconds",
+            "CPU time this gate process used (user and system), summed over its workers. One "
+            "gate process relays on one core: rate() over vllm_guardian_gate_processes is the "
+            "share of its core each keeps busy, and at 1 its streams stall (docs/gate.md, "
+            '"More than one core").',
+            labels=["service"],
+        )
+        family.add_metric([self._service], self._cpu())
+        yield family
+
+
 class GateMetrics:
-    def __init__(self, service: str) -> None:
+    def __init__(self, service: str, cpu_clock: Callable[[], float] = time.process_time) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r, s = self.registry, [service]
+        self.registry.register(_ProcessCpu(service, cpu_clock))
+        Gauge(
+            f"{NS}_processes",
+            "Gate processes serving the listen port: 1, or its workers (summed over them).",
+            ["service"],
+            registry=r,
+        ).labels(*s).set(1)
         self._open = Gauge(
             f"{NS}_open",
             "1 while the gate admits new requests, 0 while it holds them.",

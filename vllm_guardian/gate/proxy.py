@@ -297,9 +297,11 @@ class GateProxy:
         malformed: MalformedSink,
         fallback_pool: UpstreamPool | None = None,
         loop_lag: Callable[[], float] = lambda: 0.0,
+        busy_share: Callable[[], float | None] = lambda: None,
     ) -> None:
         self.s = settings
         self.loop_lag = loop_lag  # the largest recent lag of this loop (gate/looplag.py)
+        self.busy_share = busy_share  # the share of its core this process keeps busy (idem)
         # The fallback replica (ProxySettings.fallback_url), named in logs without secrets.
         self.fallback = (
             Fallback(fallback_pool, redact_text(settings.fallback_url or ""))
@@ -410,6 +412,7 @@ class GateProxy:
             **self._unanswered(),
             "longest_wait_seconds": round(a.longest_wait_seconds, 3),
             "loop_lag_max_seconds": round(self.loop_lag(), 3),
+            "cpu_busy_share": None if (busy := self.busy_share()) is None else round(busy, 3),
             "arrived_total": m.total("arrived"),
             "admitted_total": m.total("admitted"),
             "held_total": m.total("held"),

@@ -151,7 +151,7 @@ class Gate:
             )
         self.proxy = GateProxy(
             s.proxy, self.admission, self.follower, self._pool, self.metrics, malformed,
-            self._fallback_pool, self.loop_lag.max_seconds,
+            self._fallback_pool, self.loop_lag.max_seconds, lambda: self.loop_lag.busy_share,
         )  # fmt: skip
         self.loop_lag.start()
         self.admission.start()

@@ -52,8 +52,9 @@ SUMMED = (
     "continued_total", "continuations_failed_total",
 )  # fmt: skip
 OLDEST = ("oldest_wait_seconds", "oldest_unanswered_seconds", "longest_wait_seconds")
-# The gate is as slow as its slowest worker: each answers on its own loop.
-LARGEST = ("loop_lag_max_seconds",)
+# The gate is as slow as its slowest worker, and as close to stalling as its busiest: each
+# answers on its own loop, on its own core.
+LARGEST = ("loop_lag_max_seconds", "cpu_busy_share")
 # Each worker follows the guardian and vLLM on its own: the gate is open only when all are.
 ALL_TRUE = ("open", "upstream_healthy", "guardian_ready")
 
@@ -116,8 +117,11 @@ def merge_status(
     out: dict[str, object] = dict(first)
     for key in SUMMED:
         out[key] = sum(int(d.get(key) or 0) for d in docs)
-    for key in OLDEST + LARGEST:
+    for key in OLDEST:
         out[key] = max(float(d.get(key) or 0.0) for d in docs)
+    for key in LARGEST:
+        known = [float(d[key]) for d in docs if d.get(key) is not None]
+        out[key] = max(known) if known else None  # None: no worker can say yet
     for key in ALL_TRUE:
         out[key] = _all_true(d.get(key) for d in docs)
     closed = [d for d in docs if d.get("open") is False]

@@ -85,6 +85,7 @@ def parse_status(body: bytes) -> GateObservation:
         unanswered=_int(doc, "unanswered"),
         oldest_unanswered_seconds=_float(doc, "oldest_unanswered_seconds"),
         loop_lag_max_seconds=_float(doc, "loop_lag_max_seconds"),
+        cpu_busy_share=_float(doc, "cpu_busy_share"),
     )
 
 
