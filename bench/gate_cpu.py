@@ -652,6 +652,35 @@ async def drive(args: argparse.Namespace, targets: dict[str, tuple[int, int]]) -
     return points
 
 
+# A fixed pure-Python loop, best of 5, in the gates' interpreter: how fast it runs bytecode,
+# recorded beside the results so runs on other hosts or interpreters can be told apart. (On one
+# host Debian's python3.11 ran it in ~0.65x the time of a pyenv 3.11.7, yet the gate's CPU per
+# event and per request were about the same under both in back-to-back runs: 39 vs 41 µs per
+# event at 512 streams, 195 vs 171 µs per request.)
+_PROBE = """
+import json, sys, time
+def f(n):
+    s = 0
+    for i in range(n):
+        s += i * 2 % 7
+    return s
+took = []
+for _ in range(5):
+    t = time.process_time()
+    f(2_000_000)
+    took.append(time.process_time() - t)
+print(json.dumps({"version": sys.version.split()[0], "executable": sys.executable,
+                  "loop_ms": round(min(took) * 1e3)}))
+"""
+
+
+def interpreter(python: str) -> dict[str, object]:
+    """Which Python the gates ran under, and how fast it runs bytecode (:data:`_PROBE`)."""
+    out = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, check=True)
+    doc: dict[str, object] = json.loads(out.stdout)
+    return doc
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--streams", default="16,128,512,2000", help="concurrent SSE streams per point")
@@ -681,6 +710,12 @@ def main(argv: list[str] | None = None) -> int:
         "run cannot leave a queue released at 50 requests/s; this measures the data path)",
     )  # fmt: skip
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gate-cpu"))
+    ap.add_argument(
+        "--gate-python",
+        metavar="PYTHON",
+        help="the interpreter the gates run under (default: this one; it needs the gate's "
+        "dependencies)",
+    )
     ap.add_argument("--profile", metavar="FILE", help="run the gate under cProfile, into FILE")
     ap.add_argument(
         "--gc-log", metavar="DIR", help="log every gate's collections into DIR and summarise them"
@@ -720,6 +755,7 @@ def main(argv: list[str] | None = None) -> int:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     py = sys.executable
+    gate_py = args.gate_python or py
     up = free_port()
     stub = pinned(client_core, [py, __file__, "--serve-stub", str(up),
                                 "--events-per-stream", str(args.events_per_stream),
@@ -734,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
             env: dict[str, str] | None = None
             cwd: Path | None = None
             if name.startswith("gate"):
-                argv_ = [py, "-m", "vllm_guardian.gate", "--listen", f"127.0.0.1:{port}",
+                argv_ = [gate_py, "-m", "vllm_guardian.gate", "--listen", f"127.0.0.1:{port}",
                          "--upstream", f"http://127.0.0.1:{up}", "--log-level", "WARNING",
                          *args.gate_args.split()]  # fmt: skip
                 if args.profile and name == "gate":  # cProfile's cost inflates the figures
@@ -778,12 +814,16 @@ def main(argv: list[str] | None = None) -> int:
             "event_rate": args.event_rate, "events_per_stream": args.events_per_stream,
             "seconds": args.seconds, "repeat": args.repeat, "load_avg_end": os.getloadavg(),
             "gate_args": args.gate_args, "base": args.base and commit(Path(args.base)),
-            "max_wait_share": args.max_wait_share, "retries": args.retries}  # fmt: skip
+            "max_wait_share": args.max_wait_share, "retries": args.retries,
+            "gate_python": interpreter(gate_py)}  # fmt: skip
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "points": [asdict(p) for p in points]}, indent=1) + "\n")  # fmt: skip
     out.with_suffix(".md").write_text(
         f"# gate vs nginx: CPU per SSE event and per unary request\n\n`{command}` at `{meta['commit']}`; "
         f"proxy pinned to core {proxy_core}, client and stub on core {client_core}; "
         f"{args.repeat} repeats of {args.seconds:g} s per point; "
+        f"the gates on Python {meta['gate_python']['version']} "
+        f"({meta['gate_python']['executable']}, {meta['gate_python']['loop_ms']} ms for the "
+        "interpreter probe in `interpreter()`); "
         f"load average per repeat in the JSON (`load_avg`), at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}.\n\n"
         + "\n".join(table) + "\n"
     )  # fmt: skip
