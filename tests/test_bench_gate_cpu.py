@@ -7,10 +7,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
+from bench import gate_cpu
 from tests.support import run_quick_bench
 
 HAVE_NGINX = shutil.which("nginx") is not None or Path("/usr/sbin/nginx").exists()
@@ -39,3 +41,11 @@ def test_the_cpu_bench_measures_the_gate_and_nginx_per_event_and_per_request() -
         assert re.fullmatch(r"[\d.]+ µs/request \(.*\)", unary[2]), unary
         assert float(unary[6]) > 0, unary
     assert re.search(r"unary × 2: gate ÷ nginx = [\d.]+×", out), out
+
+
+def test_each_run_records_the_interpreter_the_gates_ran_under() -> None:
+    """Which Python, and how fast it runs bytecode: runs on other hosts or interpreters differ."""
+    doc = gate_cpu.interpreter(sys.executable)
+    assert doc["version"] == sys.version.split()[0], doc
+    assert doc["executable"] == sys.executable, doc
+    assert isinstance(doc["loop_ms"], int) and doc["loop_ms"] > 0, doc
