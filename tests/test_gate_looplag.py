@@ -53,25 +53,40 @@ def test_the_status_figure_is_the_largest_lag_of_the_last_minute(
 
 
 @pytest.mark.parametrize(
-    ("lag_seconds", "cpu_seconds", "says"),
+    ("lag_seconds", "cpu_seconds", "busy_minute", "says"),
     [
-        (2.0, 1.9, "the loop was busy"),
-        (2.0, 0.05, "the process was not running (the host's CPUs taken) or blocked"),
-        (0.5, 0.5, None),  # under warn_seconds: counted, not logged
+        (2.0, 1.9, None, "the loop was busy"),
+        (2.0, 1.9, 0.5, "the loop was busy"),
+        # The process was on a CPU nearly all its last minute: saturated, not one long callback.
+        (2.0, 1.9, 0.95, "saturated, its work queues (run more workers)"),
+        (2.0, 0.05, 0.95, "the process was not running (the host's CPUs taken) or blocked"),
+        (2.0, 0.05, None, "the process was not running (the host's CPUs taken) or blocked"),
+        (0.5, 0.5, None, None),  # under warn_seconds: counted, not logged
     ],
-    ids=["busy", "descheduled", "small"],
-)
+    ids=["busy", "busy-half-minute", "saturated", "descheduled-busy-minute", "descheduled",
+         "small"],
+)  # fmt: skip
 def test_a_late_loop_is_logged_with_the_cpu_it_used(
-    caplog: pytest.LogCaptureFixture, lag_seconds: float, cpu_seconds: float, says: str | None
+    caplog: pytest.LogCaptureFixture,
+    lag_seconds: float,
+    cpu_seconds: float,
+    busy_minute: float | None,
+    says: str | None,
 ) -> None:
     caplog.set_level(logging.WARNING, "vllm_guardian.gate")
-    _lag(warn_seconds=1.0).observe(lag_seconds, 10.0, cpu_seconds)
+    lag = _lag(warn_seconds=1.0, busy_window_seconds=60.0, busy_warn_share=0.9)
+    if busy_minute is not None:
+        lag.note_cpu(0.0, 0.0)
+        lag.note_cpu(60.0, 60.0 * busy_minute)
+    caplog.clear()
+    lag.observe(lag_seconds, 70.0, cpu_seconds)
     lines = [r.getMessage() for r in caplog.records if "event loop ran" in r.getMessage()]
     if says is None:
         assert lines == []
     else:
         assert len(lines) == 1 and says in lines[0], lines
         assert f"{lag_seconds:.1f} s late" in lines[0], lines
+        assert ("saturated" in lines[0]) == ("saturated" in says), lines
 
 
 # --- how busy the process keeps its core ------------------------------------------------------

@@ -83,14 +83,26 @@ class LoopLag:
             self._recent.pop()
         self._recent.append((now, lag))
         if lag >= self._warn:
+            if cpu_seconds < 0.5 * lag:
+                why = (
+                    "the process was not running (the host's CPUs taken) or blocked outside Python"
+                )
+            elif self.busy_share is not None and self.busy_share >= self._busy_warn:
+                # No one callback need have run that long: a saturated loop reaches its timers
+                # only after the reads queued before them (2,000 streams on one process).
+                why = (
+                    f"the loop was busy, in a process on a CPU {self.busy_share:.0%} of its last "
+                    "minute: saturated, its work queues (run more workers)"
+                )
+            else:
+                why = "the loop was busy"
             log.warning(
                 "gate: its event loop ran %.1f s late (nothing was answered meanwhile); this "
                 "process used %.2f s of CPU in it: %s",
                 lag,
                 cpu_seconds,
-                "the loop was busy" if cpu_seconds >= 0.5 * lag else
-                "the process was not running (the host's CPUs taken) or blocked outside Python",
-            )  # fmt: skip
+                why,
+            )
 
     def note_cpu(self, now: float, cpu_seconds: float) -> None:
         """This process's CPU clock read at ``now``: once a busy window has passed since the
