@@ -3,9 +3,11 @@
 Run: .venv/bin/python bench/gate_cpu.py [--repeat 3] [--seconds 5] [--out bench/results/gate-cpu]
      (``--quick``: one repeat, small loads, no files written: what tests/test_bench_gate_cpu.py runs)
 
-Layout, all on 127.0.0.1: the proxy under test (``vllm-guardian gate`` with its defaults, or
+Layout, all on 127.0.0.1: the proxy under test (``vllm-guardian gate`` with its defaults,
 Debian's nginx with one process, ``master_process off``, ``proxy_buffering off``, HTTP/1.1
-keep-alive to the upstream) is pinned to core 0 with ``taskset``; the client (this process)
+keep-alive to the upstream, or with ``--targets ...,splice`` the floor of the gate's own stack:
+a byte relay in Python on uvloop that passes each connection's bytes through unchanged, with
+no HTTP at all, see :func:`serve_splice`) is pinned to core 0 with ``taskset``; the client (this process)
 and a cheap upstream stub (a raw asyncio protocol on uvloop, a subprocess) are pinned to
 core 1. Both proxies run side by side the whole time and take turns, load point by load
 point, so drift on a shared machine hits both alike.
@@ -104,6 +106,68 @@ UNARY_BODY = json.dumps(
 STREAM_BODY = json.dumps(
     {"model": "demo", "prompt": "the quick brown fox", "max_tokens": 100, "stream": True}
 ).encode()
+
+
+# --- the floor: a byte relay on the gate's stack (this file, --serve-splice PORT UPSTREAM) -----
+
+
+def serve_splice(port: int, upstream_port: int) -> None:
+    """Until SIGTERM: each client connection gets its own connection to the upstream, and the
+    bytes pass through unchanged both ways (no HTTP parsing, no admission, no continuation).
+    What Python and uvloop cost a relay with nothing else to do: the gate's own work is what
+    it costs above this."""
+    import uvloop  # noqa: PLC0415 (only this process needs it)
+
+    class Upstream(asyncio.Protocol):
+        def __init__(self, client: asyncio.Transport) -> None:
+            self.client = client
+
+        def data_received(self, data: bytes) -> None:
+            self.client.write(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.client.close()
+
+    class Client(asyncio.Protocol):
+        def __init__(self) -> None:
+            self.up: asyncio.Transport | None = None
+            self.early: list[bytes] = []  # what the client sent before the upstream connected
+            self.t: asyncio.Transport | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.t = cast("asyncio.Transport", transport)
+            asyncio.get_running_loop().create_task(self.connect())
+
+        async def connect(self) -> None:
+            assert self.t is not None
+            client = self.t
+            up, _ = await asyncio.get_running_loop().create_connection(
+                lambda: Upstream(client), "127.0.0.1", upstream_port
+            )
+            self.up = cast("asyncio.Transport", up)
+            for data in self.early:
+                self.up.write(data)
+            self.early.clear()
+
+        def data_received(self, data: bytes) -> None:
+            if self.up is None:
+                self.early.append(data)
+            else:
+                self.up.write(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.up is not None:
+                self.up.close()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(Client, "127.0.0.1", port, backlog=4096)
+        stop = asyncio.Event()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
+        server.close()
+
+    uvloop.run(main())
 
 
 # --- the stub upstream (this file, run with --serve-stub PORT) -------------------------------
@@ -592,7 +656,7 @@ def summarize(points: list[Point]) -> list[str]:
                 f"{m([p.rss_per_stream_kib for p in ps], '.1f')} |"
             )
         if "nginx" in med and med["nginx"] > 0:
-            for g in ("gate", "gate-base"):
+            for g in ("gate", "gate-base", "splice"):
                 if g in med:
                     ratios.append(f"- {kind} × {n}: {g} ÷ nginx = {med[g] / med['nginx']:.2f}×")
     return [*lines, "", *ratios]
@@ -698,7 +762,11 @@ def main(argv: list[str] | None = None) -> int:
         "for a core (/proc/PID/schedstat), or a stream stalled, is measured again",
     )  # fmt: skip
     ap.add_argument("--retries", type=int, default=3, help="how many times, at most")
-    ap.add_argument("--targets", default="gate,nginx")
+    ap.add_argument(
+        "--targets",
+        default="gate,nginx,splice",
+        help="what to measure: gate, nginx, splice (a bare byte relay on the gate's stack)",
+    )
     ap.add_argument(
         "--base", metavar="TREE",
         help="also measure the gate of another checkout (target gate-base), e.g. the commit "
@@ -723,11 +791,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gate-gc-log", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="a smoke run: tiny loads, nothing written")
     ap.add_argument("--serve-stub", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--serve-splice", type=int, nargs=2, help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args(argv)
     if rest and not args.gate_gc_log:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.serve_stub:
         serve_stub(args.serve_stub, args.events_per_stream, 1 / args.event_rate)
+        return 0
+    if args.serve_splice:
+        serve_splice(*args.serve_splice)
         return 0
     if args.gate_gc_log:
         gate_with_gc_log(args.gate_gc_log, rest)
@@ -786,6 +858,8 @@ def main(argv: list[str] | None = None) -> int:
                 # sys.path, ahead of PYTHONPATH (from another checkout, the base would be that
                 # checkout's code, not its own).
                 env, cwd = {**os.environ, "PYTHONPATH": str(tree)}, tree
+            elif name == "splice":
+                argv_ = [py, __file__, "--serve-splice", str(port), str(up)]
             else:
                 d = Path(tmp) / "nginx"
                 d.mkdir()
