@@ -3,14 +3,14 @@
 Run: .venv/bin/python bench/gate_cpu.py [--repeat 3] [--seconds 5] [--out bench/results/gate-cpu]
      (``--quick``: one repeat, small loads, no files written: what tests/test_bench_gate_cpu.py runs)
 
-Layout, all on 127.0.0.1: the proxy under test (``vllm-guardian gate`` with its defaults,
-Debian's nginx with one process, ``master_process off``, ``proxy_buffering off``, HTTP/1.1
-keep-alive to the upstream, or with ``--targets ...,splice`` the floor of the gate's own stack:
-a byte relay in Python on uvloop that passes each connection's bytes through unchanged, with
-no HTTP at all, see :func:`serve_splice`) is pinned to core 0 with ``taskset``; the client (this process)
-and a cheap upstream stub (a raw asyncio protocol on uvloop, a subprocess) are pinned to
-core 1. Both proxies run side by side the whole time and take turns, load point by load
-point, so drift on a shared machine hits both alike.
+Layout, all on 127.0.0.1: the proxy under test is pinned to core 0 with ``taskset``: the gate
+(``vllm-guardian gate`` with its defaults), Debian's nginx (one process, ``master_process
+off``, ``proxy_buffering off``, HTTP/1.1 keep-alive to the upstream), and ``splice``, the floor
+of the gate's own stack (a byte relay in Python on uvloop that passes each connection's bytes
+through unchanged, no HTTP at all: :func:`serve_splice`). The client (this process) and a
+cheap upstream stub (a raw asyncio protocol on uvloop, a subprocess) are pinned to core 1.
+The proxies run side by side the whole time and take turns, load point by load point, so
+drift on a shared machine hits them all alike.
 
 The stub answers ``POST /v1/completions`` like vLLM: a ~300-byte JSON answer, or with
 ``"stream": true`` a chunked ``text/event-stream`` of ``--events-per-stream`` completion

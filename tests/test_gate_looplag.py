@@ -26,9 +26,11 @@ from tests.test_gate_support import GateThread, Stub
 from vllm_guardian.gate.looplag import LAG_BUCKETS, LoopLag, running_timeout
 
 
-def _lag(**kw: float) -> LoopLag:
+def _lag(**kw: Any) -> LoopLag:
+    """A ticker on its own histogram; virtual time (a clock at 0) unless ``clock`` is given."""
+    kw.setdefault("clock", lambda: 0.0)
     h = Histogram("lag_seconds", "test", buckets=LAG_BUCKETS, registry=CollectorRegistry())
-    return LoopLag(h, clock=lambda: 0.0, **kw)
+    return LoopLag(h, **kw)
 
 
 @pytest.mark.parametrize(
@@ -136,7 +138,7 @@ def test_a_loop_kept_busy_is_measured_busy_and_an_idle_one_not() -> None:
         loop = asyncio.new_event_loop()
         began = (time.monotonic(), time.process_time())
         try:
-            lag = _lag_real(busy_window_seconds=0.5)
+            lag = _lag(clock=time.monotonic, interval_seconds=0.05, busy_window_seconds=0.5)
 
             async def run(lag: LoopLag = lag, spin: bool = spin) -> None:
                 lag.start()
@@ -161,11 +163,6 @@ def test_a_loop_kept_busy_is_measured_busy_and_an_idle_one_not() -> None:
     print(shares)
     assert shares["spin"] >= 0.5 * shares["spin_whole_run"] > 0, shares
     assert shares["idle"] < 0.2, shares
-
-
-def _lag_real(**kw: float) -> LoopLag:
-    h = Histogram("lag_seconds", "test", buckets=LAG_BUCKETS, registry=CollectorRegistry())
-    return LoopLag(h, interval_seconds=0.05, **kw)
 
 
 @pytest.fixture(scope="module")
