@@ -596,6 +596,30 @@ def test_the_guardians_gate_series_do_not_collide_with_the_gates_own() -> None:
     assert not own & ours, own & ours
 
 
+def test_each_counters_total_is_what_its_scrape_says() -> None:
+    """The status reads counters one by one (not the whole registry for each): every counter
+    family is found, its labels summed, and only this gate's service counted."""
+    from vllm_guardian.gate.metrics import NS, GateMetrics
+
+    m = GateMetrics("vllm")
+    other = GateMetrics("other")
+    m.arrived.inc(5)
+    m.rejected.labels("queue_full").inc(2)
+    m.rejected.labels("too_large").inc(1)
+    m.upstream_error("streaming")
+    m.continuation("continued", "connection")
+    m.continuation("failed", "client_gone")
+    other.arrived.inc(7)
+    counters = [f for f in m.registry.collect() if f.type == "counter"]
+    assert len(counters) > 10, [f.name for f in counters]
+    for family in counters:
+        scraped = sum(s.value for s in family.samples if s.name.endswith("_total"))
+        assert m.total(family.name.removeprefix(f"{NS}_")) == int(scraped), family.name
+    assert (m.total("arrived"), m.total("rejected"), m.total("upstream_errors")) == (5, 3, 1)
+    assert (m.continuations("continued"), m.continuations("failed")) == (1, 1)
+    assert m.total("no_such_counter") == 0
+
+
 # --- registry and snapshot ---------------------------------------------------------------------
 
 
