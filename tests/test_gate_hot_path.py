@@ -203,3 +203,43 @@ def test_a_streamed_answer_followed_by_bytes_it_did_not_announce_is_not_kept(
     got, ended, idle, closed = asyncio.run(scenario())
     assert (b"".join(got), ended) == (b"hello", [None])
     assert (idle, closed) == ((1, False) if kept else (0, True))
+
+
+@pytest.mark.parametrize(
+    ("path", "stream"),
+    [("/v1/completions", True), ("/v1/chat/completions", True), ("/v1/completions", False)],
+)
+def test_a_requests_body_is_read_as_json_once_on_its_way(
+    fake: FakeCompletions, monkeypatch: pytest.MonkeyPatch, path: str, stream: bool
+) -> None:
+    """Its cost, its stream's plan and its fallback all read one parse of the client's body."""
+    from tests.support import wait_for
+    from tests.test_gate_support import GateThread
+
+    fake.reset()
+    fields = (
+        {"messages": [{"role": "user", "content": PROMPT}]}
+        if "chat" in path
+        else {"prompt": PROMPT}
+    )
+    body = json.dumps({"model": "m", **fields, "stream": stream, "max_tokens": 4}).encode()
+    reads: list[int] = []
+    real_loads = json.loads
+
+    def counting(s: str | bytes | bytearray, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(s, bytes | bytearray) and s == body:
+            reads.append(1)
+        return real_loads(s, *args, **kwargs)
+
+    monkeypatch.setattr(json, "loads", counting)
+    gate = GateThread(fake.url, proxy={"fallback_url": fake.url, "fallback_after_seconds": 60})
+    try:
+        adm = gate.gate.admission
+        wait_for(lambda: adm is not None and adm.open, "the gate open")
+        with requests.post(gate.url + path, data=body, stream=True, timeout=60) as r:
+            text = r.content.decode()
+        done = "data: [DONE]" in text if stream else '"choices"' in text
+        assert r.status_code == 200 and done, (r.status_code, text[-400:])
+    finally:
+        gate.stop()
+    assert len(reads) == 1, f"the client's body was parsed {len(reads)} times"

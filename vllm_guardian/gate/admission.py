@@ -37,7 +37,6 @@ import asyncio
 import collections
 import enum
 import itertools
-import json
 import logging
 import math
 import time
@@ -45,6 +44,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_guardian.gate.continuation import body_json
 from vllm_guardian.gate.metrics import GateMetrics
 
 log = logging.getLogger("vllm_guardian.gate")
@@ -158,11 +158,14 @@ def _message_tokens(messages: Any) -> int:
 
 
 def estimate_cost(body: bytes | bytearray, default_output_tokens: int) -> Cost:
-    """Prompt tokens estimated from an OpenAI-style JSON body, plus the output it may produce."""
-    try:
-        doc = json.loads(body) if body else None
-    except (ValueError, UnicodeDecodeError):
-        doc = None
+    """:func:`cost_of` a body not read yet."""
+    return cost_of(body, body_json(body), default_output_tokens)
+
+
+def cost_of(body: bytes | bytearray, doc: object | None, default_output_tokens: int) -> Cost:
+    """Prompt tokens estimated from an OpenAI-style JSON body (``doc``: as
+    :func:`~vllm_guardian.gate.continuation.body_json` read it), plus the output it may
+    produce."""
     if not isinstance(doc, dict):
         return Cost(_text_tokens(body.decode("utf-8", "replace")) if body else 0, 0)
     prompt = _prompt_tokens(doc.get("prompt")) + _message_tokens(doc.get("messages"))

@@ -241,17 +241,39 @@ def refusal_of(req: Mapping[str, Any], chat: bool = False) -> Refusal | None:
     return None
 
 
+def body_json(body: bytes | bytearray) -> object | None:
+    """A request body read as JSON, once for the whole gate (its cost, its stream's plan, its
+    fallback): None when it is empty, not JSON or not UTF-8. Raises RecursionError (json's own
+    nesting limit), which the proxy answers with 400."""
+    if not body:
+        return None
+    try:
+        doc: object = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return doc
+
+
 def plan(path: str, body: bytes | bytearray, *, enabled: bool) -> Plan | Refusal | None:
-    """What the gate does with this request's stream: None for anything but a streamed
-    ``/v1/completions`` or ``/v1/chat/completions`` (relayed as bytes, nothing to decide), a
-    :class:`Refusal` (relayed as bytes; the reason is counted if the upstream cuts it), or a
-    :class:`Plan`."""
+    """:func:`plan_of` for a body not read yet."""
     if path not in (COMPLETIONS_PATH, CHAT_PATH) or b'"stream"' not in body:
         return None
     try:
-        req = json.loads(body)
-    except (ValueError, UnicodeDecodeError, RecursionError):
+        req = body_json(body)
+    except RecursionError:
         return None  # not a request vLLM will stream either
+    return plan_of(path, body, req, enabled=enabled)
+
+
+def plan_of(
+    path: str, body: bytes | bytearray, req: object | None, *, enabled: bool
+) -> Plan | Refusal | None:
+    """What the gate does with this request's stream (``req``: ``body`` as
+    :func:`body_json` read it): None for anything but a streamed ``/v1/completions`` or
+    ``/v1/chat/completions`` (relayed as bytes, nothing to decide), a :class:`Refusal`
+    (relayed as bytes; the reason is counted if the upstream cuts it), or a :class:`Plan`."""
+    if path not in (COMPLETIONS_PATH, CHAT_PATH) or b'"stream"' not in body:
+        return None
     if not isinstance(req, dict) or req.get("stream") is not True:
         return None
     if not enabled:
@@ -273,18 +295,15 @@ def plan(path: str, body: bytes | bytearray, *, enabled: bool) -> Plan | Refusal
     return Plan(req, upstream, asked is True, bool(opts.get("include_usage")), chat)
 
 
-def fallback_allowed(path: str, body: bytes | bytearray, p: Plan | Refusal | None) -> bool:
-    """Whether a held request may go to the fallback replica: a completion or chat completion
-    that continuation would not refuse (a stream the gate plans to continue; a unary one of
-    the same shape), so the fallback changes nothing the request asked for."""
+def fallback_allowed(path: str, req: object | None, p: Plan | Refusal | None) -> bool:
+    """Whether a held request may go to the fallback replica (``req``: its body as
+    :func:`body_json` read it): a completion or chat completion that continuation would not
+    refuse (a stream the gate plans to continue; a unary one of the same shape), so the
+    fallback changes nothing the request asked for."""
     if path not in (COMPLETIONS_PATH, CHAT_PATH) or isinstance(p, Refusal):
         return False
     if isinstance(p, Plan):
         return True
-    try:
-        req = json.loads(body)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return False
     return (
         isinstance(req, dict)
         and not req.get("stream")

@@ -59,7 +59,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from vllm_guardian.gate import continuation
-from vllm_guardian.gate.admission import Admission, Cost, Rejected, Ticket, estimate_cost
+from vllm_guardian.gate.admission import Admission, Cost, Rejected, Ticket, cost_of
 from vllm_guardian.gate.body import (
     BodyBudget,
     BodyLimits,
@@ -460,7 +460,8 @@ class GateProxy:
         elsewhere: UpstreamResponse | None = None
         if request.method == "POST":
             try:
-                cost = estimate_cost(body, self.s.default_output_tokens)
+                doc = continuation.body_json(body)  # read once: the cost, the plan, the fallback
+                cost = cost_of(body, doc, self.s.default_output_tokens)
                 self.metrics.arrived.inc()
             except RecursionError:  # json's own limit, or the walk over the prompt
                 self.metrics.rejected.labels("too_deep").inc()
@@ -468,9 +469,10 @@ class GateProxy:
                     400, "request JSON nested too deeply for the gate to read", "BadRequestError"
                 )
             path = request.rel_url.path
-            stream_plan = continuation.plan(
+            stream_plan = continuation.plan_of(
                 path,
                 body,
+                doc,
                 enabled=self.s.continuation and path not in self.s.continuation_off_routes,
             )
             if isinstance(stream_plan, Plan):
@@ -478,7 +480,7 @@ class GateProxy:
             overhead += time.perf_counter() - started
             try:
                 elsewhere = await self._admit(
-                    hold, key, cost, client_timeout, request, body, stream_plan
+                    hold, key, cost, client_timeout, request, body, doc, stream_plan
                 )
             except Rejected as r:
                 return openai_error(
@@ -561,6 +563,7 @@ class GateProxy:
         client_timeout: float | None,
         request: web.BaseRequest,
         body: bytes | bytearray,
+        doc: object | None,
         plan: Plan | Refusal | None,
     ) -> UpstreamResponse | None:
         """The admission's wait (its ticket in ``hold``; raises ``Rejected``). With a
@@ -572,7 +575,7 @@ class GateProxy:
         if (
             self.fallback is None
             or FALLBACK_HEADER in request.headers  # a gate's fallback already: not again
-            or not continuation.fallback_allowed(request.rel_url.path, body, plan)
+            or not continuation.fallback_allowed(request.rel_url.path, doc, plan)
         ):
             hold.ticket = await acquiring  # no task of its own on the hot path
             return None
