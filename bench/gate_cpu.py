@@ -170,6 +170,176 @@ def serve_splice(port: int, upstream_port: int) -> None:
     uvloop.run(main())
 
 
+# --- an HTTP proxy with nothing else in it (this file, --serve-lean PORT UPSTREAM) -----------
+
+# Hop-by-hop headers (RFC 9110 §7.6.1) and the framing the lean proxy sets itself.
+_LEAN_DROP = frozenset(
+    {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"upgrade",
+     b"transfer-encoding", b"content-length", b"host"}
+)  # fmt: skip
+
+
+def serve_lean(port: int, upstream_port: int) -> None:
+    """Until SIGTERM: an HTTP/1.1 reverse proxy on the gate's stack, with the HTTP work a proxy
+    cannot skip and nothing of the gate's: each request parsed (llhttp, through ``httptools``,
+    the parser uvicorn uses), its head rebuilt without hop-by-hop headers and sent on the
+    client connection's own kept-alive upstream connection; the answer's head parsed and
+    rebuilt the same way, its chunked body de-chunked and chunked again for the client (as
+    nginx does with ``proxy_http_version 1.1``). No admission, continuation, metrics or logs.
+    What a gate on asyncio protocols and an llhttp parser would cost before its own work:
+    the budget that leaves the gate's work under a ratio to nginx is that ratio minus this
+    one. Not hardened (no limits, one request at a time per connection): a measuring stick."""
+    import httptools  # noqa: PLC0415 (only this process needs it)
+    import uvloop  # noqa: PLC0415
+
+    class Upstream(asyncio.Protocol):
+        head: bytes | None  # the answer's head, until its first body bytes go with it
+
+        def __init__(self, client: Client) -> None:
+            self.client = client
+            self.parser = httptools.HttpResponseParser(self)
+            self.headers: list[tuple[bytes, bytes]] = []
+            self.head = None
+            self.chunked = False
+
+        def data_received(self, data: bytes) -> None:
+            self.parser.feed_data(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.client.upstream_lost()
+
+        # httptools' callbacks
+        def on_message_begin(self) -> None:
+            self.headers.clear()
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self.headers.append((name, value))
+
+        def on_headers_complete(self) -> None:
+            status = self.parser.get_status_code()
+            lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))]
+            length: bytes | None = None
+            for k, v in self.headers:
+                lk = k.lower()
+                if lk == b"content-length":
+                    length = v
+                elif lk not in _LEAN_DROP:
+                    lines.append(k + b": " + v + b"\r\n")
+            self.chunked = length is None
+            if length is None:
+                lines.append(b"Transfer-Encoding: chunked\r\n\r\n")
+            else:
+                lines.append(b"Content-Length: " + length + b"\r\n\r\n")
+            self.head = b"".join(lines)  # written with the first body bytes
+
+        def with_head(self, out: bytes) -> bytes:
+            head = self.head
+            if head is None:
+                return out
+            self.head = None
+            return head + out
+
+        def on_body(self, body: bytes) -> None:
+            out = b"%x\r\n%b\r\n" % (len(body), body) if self.chunked else body
+            self.client.write(self.with_head(out))
+
+        def on_message_complete(self) -> None:
+            out = self.with_head(b"0\r\n\r\n" if self.chunked else b"")
+            if out:
+                self.client.write(out)
+            self.client.answered()
+
+    class Client(asyncio.Protocol):
+        def __init__(self) -> None:
+            self.parser = httptools.HttpRequestParser(self)
+            self.t: asyncio.Transport | None = None
+            self.up: asyncio.Transport | None = None
+            self.pending: list[bytes] = []  # requests ready before the upstream connected
+            self.url = b""
+            self.headers: list[tuple[bytes, bytes]] = []
+            self.body: list[bytes] = []
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.t = cast("asyncio.Transport", transport)
+            asyncio.get_running_loop().create_task(self.connect())
+
+        async def connect(self) -> None:
+            up, _ = await asyncio.get_running_loop().create_connection(
+                lambda: Upstream(self), "127.0.0.1", upstream_port
+            )
+            self.up = cast("asyncio.Transport", up)
+            for request in self.pending:
+                self.up.write(request)
+            self.pending.clear()
+
+        def data_received(self, data: bytes) -> None:
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserError:
+                assert self.t is not None
+                self.t.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+                self.t.close()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.up is not None:
+                self.up.close()
+
+        def write(self, data: bytes) -> None:
+            assert self.t is not None
+            self.t.write(data)
+
+        def answered(self) -> None:
+            """The answer is whole: the next request may go (one at a time, no pipelining)."""
+            assert self.t is not None
+            self.t.resume_reading()
+
+        def upstream_lost(self) -> None:
+            assert self.t is not None
+            self.t.close()
+
+        # httptools' callbacks
+        def on_message_begin(self) -> None:
+            self.url = b""
+            self.headers.clear()
+            self.body.clear()
+
+        def on_url(self, url: bytes) -> None:
+            self.url += url
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self.headers.append((name, value))
+
+        def on_body(self, body: bytes) -> None:
+            self.body.append(body)
+
+        def on_message_complete(self) -> None:
+            assert self.t is not None
+            self.t.pause_reading()  # until the answer is whole
+            body = b"".join(self.body)
+            lines = [self.parser.get_method() + b" " + self.url + b" HTTP/1.1\r\n"]
+            lines.append(b"Host: 127.0.0.1:%d\r\n" % upstream_port)
+            lines += [k + b": " + v + b"\r\n" for k, v in self.headers if k.lower() not in _LEAN_DROP]  # fmt: skip
+            lines.append(b"Content-Length: %d\r\n\r\n" % len(body))
+            request = b"".join(lines) + body
+            if self.up is None:
+                self.pending.append(request)
+            else:
+                self.up.write(request)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(Client, "127.0.0.1", port, backlog=4096)
+        stop = asyncio.Event()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
+        server.close()
+
+    uvloop.run(main())
+
+
+_REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 500: b"Internal Server Error"}
+
+
 # --- the stub upstream (this file, run with --serve-stub PORT) -------------------------------
 
 
@@ -656,7 +826,7 @@ def summarize(points: list[Point]) -> list[str]:
                 f"{m([p.rss_per_stream_kib for p in ps], '.1f')} |"
             )
         if "nginx" in med and med["nginx"] > 0:
-            for g in ("gate", "gate-base", "splice"):
+            for g in ("gate", "gate-base", "splice", "lean"):
                 if g in med:
                     ratios.append(f"- {kind} × {n}: {g} ÷ nginx = {med[g] / med['nginx']:.2f}×")
     return [*lines, "", *ratios]
@@ -764,8 +934,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--retries", type=int, default=3, help="how many times, at most")
     ap.add_argument(
         "--targets",
-        default="gate,nginx,splice",
-        help="what to measure: gate, nginx, splice (a bare byte relay on the gate's stack)",
+        default="gate,nginx,splice,lean",
+        help="what to measure: gate, nginx, splice (a bare byte relay on the gate's stack), "
+        "lean (an HTTP proxy on the gate's stack with nothing of the gate's: serve_lean)",
     )
     ap.add_argument(
         "--base", metavar="TREE",
@@ -792,6 +963,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a smoke run: tiny loads, nothing written")
     ap.add_argument("--serve-stub", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--serve-splice", type=int, nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--serve-lean", type=int, nargs=2, help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args(argv)
     if rest and not args.gate_gc_log:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -800,6 +972,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.serve_splice:
         serve_splice(*args.serve_splice)
+        return 0
+    if args.serve_lean:
+        serve_lean(*args.serve_lean)
         return 0
     if args.gate_gc_log:
         gate_with_gc_log(args.gate_gc_log, rest)
@@ -860,6 +1035,8 @@ def main(argv: list[str] | None = None) -> int:
                 env, cwd = {**os.environ, "PYTHONPATH": str(tree)}, tree
             elif name == "splice":
                 argv_ = [py, __file__, "--serve-splice", str(port), str(up)]
+            elif name == "lean":
+                argv_ = [py, __file__, "--serve-lean", str(port), str(up)]
             else:
                 d = Path(tmp) / "nginx"
                 d.mkdir()

@@ -30,7 +30,7 @@ def test_the_cpu_bench_measures_the_gate_and_nginx_per_event_and_per_request() -
         if line.startswith("| ")
         and len(cells := [c.strip() for c in line.strip("|").split("|")]) == 11
     }
-    for target in ("gate", "nginx", "splice"):
+    for target in ("gate", "nginx", "splice", "lean"):
         # Events and requests reached the client through each proxy, stalls are counted, and
         # the proxy's CPU per unit is a number (0 when it used less than a clock tick).
         sse = rows[("sse × 4", target)]
@@ -41,8 +41,10 @@ def test_the_cpu_bench_measures_the_gate_and_nginx_per_event_and_per_request() -
         assert re.fullmatch(r"[\d.]+ µs/request \(.*\)", unary[2]), unary
         assert float(unary[6]) > 0, unary
     assert re.search(r"unary × 2: gate ÷ nginx = [\d.]+×", out), out
-    # The floor of the gate's stack, measured beside it: a relay with nothing to do.
+    # The floor of the gate's stack, measured beside it: a relay with nothing to do, and an
+    # HTTP proxy with nothing of the gate's.
     assert re.search(r"unary × 2: splice ÷ nginx = [\d.]+×", out), out
+    assert re.search(r"unary × 2: lean ÷ nginx = [\d.]+×", out), out
 
 
 def test_each_run_records_the_interpreter_the_gates_ran_under() -> None:
