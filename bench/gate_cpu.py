@@ -179,7 +179,7 @@ _LEAN_DROP = frozenset(
 )  # fmt: skip
 
 
-def serve_lean(port: int, upstream_port: int) -> None:
+def serve_lean(port: int, upstream_port: int, *, gate_core: bool = False) -> None:
     """Until SIGTERM: an HTTP/1.1 reverse proxy on the gate's stack, with the HTTP work a proxy
     cannot skip and nothing of the gate's: each request parsed (llhttp, through ``httptools``,
     the parser uvicorn uses), its head rebuilt without hop-by-hop headers and sent on the
@@ -188,12 +188,31 @@ def serve_lean(port: int, upstream_port: int) -> None:
     nginx does with ``proxy_http_version 1.1``). No admission, continuation, metrics or logs.
     What a gate on asyncio protocols and an llhttp parser would cost before its own work:
     the budget that leaves the gate's work under a ratio to nginx is that ratio minus this
-    one. Not hardened (no limits, one request at a time per connection): a measuring stick."""
+    one. Not hardened (no limits, one request at a time per connection): a measuring stick.
+
+    ``gate_core`` (target ``lean-gate``): the same proxy with the core of the gate's work, done
+    by the gate's own modules: each POST as a task that reads its body as JSON once, estimates
+    its cost, plans its stream (``return_token_ids`` asked of the upstream), counts it and
+    waits for the admission (open, so at once) and gives its ticket back at the answer's end;
+    each event of a planned stream cut from the chunks and read for its token ids
+    (``StreamState``), stripped of them unless the client asked. Not in it: the retry and
+    fallback paths, the hung-engine bookkeeping, the connection guard, the body budget, the
+    client's timeout, the status. What is left of a ratio to nginx after this one is what
+    those may cost."""
     import httptools  # noqa: PLC0415 (only this process needs it)
     import uvloop  # noqa: PLC0415
 
+    from vllm_guardian.gate import continuation  # noqa: PLC0415
+    from vllm_guardian.gate.admission import Admission, Limits, Ticket, cost_of  # noqa: PLC0415
+    from vllm_guardian.gate.metrics import GateMetrics  # noqa: PLC0415
+
+    metrics = GateMetrics("bench")
+    admission = Admission(Limits(release_rate_per_second=0), metrics)
+
     class Upstream(asyncio.Protocol):
         head: bytes | None  # the answer's head, until its first body bytes go with it
+        state: continuation.StreamState | None = None  # gate_core: a planned stream's
+        splitter: continuation.SseSplitter | None = None
 
         def __init__(self, client: Client) -> None:
             self.client = client
@@ -217,6 +236,11 @@ def serve_lean(port: int, upstream_port: int) -> None:
 
         def on_headers_complete(self) -> None:
             status = self.parser.get_status_code()
+            self.state = self.splitter = None
+            plan = self.client.plan
+            if plan is not None and status == 200:
+                self.state = continuation.StreamState(plan)
+                self.splitter = continuation.SseSplitter(1 << 20)
             lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))]
             length: bytes | None = None
             for k, v in self.headers:
@@ -240,16 +264,35 @@ def serve_lean(port: int, upstream_port: int) -> None:
             return head + out
 
         def on_body(self, body: bytes) -> None:
+            if self.state is not None and self.splitter is not None:
+                body = self.events(self.state, self.splitter, body)
+                if not body:
+                    return
             out = b"%x\r\n%b\r\n" % (len(body), body) if self.chunked else body
             self.client.write(self.with_head(out))
+
+        @staticmethod
+        def events(state: continuation.StreamState, splitter: continuation.SseSplitter, data: bytes) -> bytes:  # fmt: skip
+            out = []
+            for event in splitter.feed(data):
+                common = state.relay_common(event)
+                if common is None:
+                    common = state.on_event(event).data
+                if common:
+                    out.append(common)
+            return out[0] if len(out) == 1 else b"".join(out)
 
         def on_message_complete(self) -> None:
             out = self.with_head(b"0\r\n\r\n" if self.chunked else b"")
             if out:
                 self.client.write(out)
             self.client.answered()
+            self.state = self.splitter = None
 
     class Client(asyncio.Protocol):
+        plan: continuation.Plan | None = None  # gate_core: the request's stream plan
+        ticket: Ticket | None = None  # gate_core: its hold on the admission
+
         def __init__(self) -> None:
             self.parser = httptools.HttpRequestParser(self)
             self.t: asyncio.Transport | None = None
@@ -291,7 +334,30 @@ def serve_lean(port: int, upstream_port: int) -> None:
         def answered(self) -> None:
             """The answer is whole: the next request may go (one at a time, no pipelining)."""
             assert self.t is not None
+            if self.ticket is not None:
+                admission.release(self.ticket)
+                self.ticket = None
             self.t.resume_reading()
+
+        async def exchange(self, method: bytes, head: list[bytes], body: bytes) -> None:
+            """gate_core: the gate's work on one request, before it goes upstream."""
+            started = time.perf_counter()
+            path = self.url.split(b"?", 1)[0].decode("latin-1")
+            doc = continuation.body_json(body)
+            cost = cost_of(body, doc, 256)
+            metrics.arrived.inc()
+            plan = continuation.plan_of(path, body, doc, enabled=True)
+            if isinstance(plan, continuation.Plan):
+                self.plan, body = plan, plan.upstream_body
+            self.ticket = await admission.acquire("bench", cost)
+            metrics.overhead_seconds.observe(time.perf_counter() - started)
+            self.send(b"".join(head) + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+        def send(self, request: bytes) -> None:
+            if self.up is None:
+                self.pending.append(request)
+            else:
+                self.up.write(request)
 
         def upstream_lost(self) -> None:
             assert self.t is not None
@@ -316,18 +382,21 @@ def serve_lean(port: int, upstream_port: int) -> None:
             assert self.t is not None
             self.t.pause_reading()  # until the answer is whole
             body = b"".join(self.body)
-            lines = [self.parser.get_method() + b" " + self.url + b" HTTP/1.1\r\n"]
+            method = self.parser.get_method()
+            lines = [method + b" " + self.url + b" HTTP/1.1\r\n"]
             lines.append(b"Host: 127.0.0.1:%d\r\n" % upstream_port)
             lines += [k + b": " + v + b"\r\n" for k, v in self.headers if k.lower() not in _LEAN_DROP]  # fmt: skip
+            self.plan = None
+            if gate_core and method == b"POST":
+                asyncio.get_running_loop().create_task(self.exchange(method, lines, body))
+                return
             lines.append(b"Content-Length: %d\r\n\r\n" % len(body))
-            request = b"".join(lines) + body
-            if self.up is None:
-                self.pending.append(request)
-            else:
-                self.up.write(request)
+            self.send(b"".join(lines) + body)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
+        admission.start()
+        admission.set_state(True, "open")
         server = await loop.create_server(Client, "127.0.0.1", port, backlog=4096)
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -826,7 +895,7 @@ def summarize(points: list[Point]) -> list[str]:
                 f"{m([p.rss_per_stream_kib for p in ps], '.1f')} |"
             )
         if "nginx" in med and med["nginx"] > 0:
-            for g in ("gate", "gate-base", "splice", "lean"):
+            for g in ("gate", "gate-base", "splice", "lean", "lean-gate"):
                 if g in med:
                     ratios.append(f"- {kind} × {n}: {g} ÷ nginx = {med[g] / med['nginx']:.2f}×")
     return [*lines, "", *ratios]
@@ -934,9 +1003,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--retries", type=int, default=3, help="how many times, at most")
     ap.add_argument(
         "--targets",
-        default="gate,nginx,splice,lean",
+        default="gate,nginx,splice,lean,lean-gate",
         help="what to measure: gate, nginx, splice (a bare byte relay on the gate's stack), "
-        "lean (an HTTP proxy on the gate's stack with nothing of the gate's: serve_lean)",
+        "lean (an HTTP proxy on the gate's stack with nothing of the gate's: serve_lean), "
+        "lean-gate (the same with the core of the gate's work)",
     )
     ap.add_argument(
         "--base", metavar="TREE",
@@ -964,6 +1034,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve-stub", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--serve-splice", type=int, nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--serve-lean", type=int, nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--serve-lean-gate", type=int, nargs=2, help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args(argv)
     if rest and not args.gate_gc_log:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -975,6 +1046,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.serve_lean:
         serve_lean(*args.serve_lean)
+        return 0
+    if args.serve_lean_gate:
+        serve_lean(*args.serve_lean_gate, gate_core=True)
         return 0
     if args.gate_gc_log:
         gate_with_gc_log(args.gate_gc_log, rest)
@@ -1037,6 +1111,9 @@ def main(argv: list[str] | None = None) -> int:
                 argv_ = [py, __file__, "--serve-splice", str(port), str(up)]
             elif name == "lean":
                 argv_ = [py, __file__, "--serve-lean", str(port), str(up)]
+            elif name == "lean-gate":  # the gate's modules from this tree, as the gate runs
+                argv_ = [py, __file__, "--serve-lean-gate", str(port), str(up)]
+                env, cwd = {**os.environ, "PYTHONPATH": str(ROOT)}, ROOT
             else:
                 d = Path(tmp) / "nginx"
                 d.mkdir()

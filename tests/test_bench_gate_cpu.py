@@ -30,7 +30,7 @@ def test_the_cpu_bench_measures_the_gate_and_nginx_per_event_and_per_request() -
         if line.startswith("| ")
         and len(cells := [c.strip() for c in line.strip("|").split("|")]) == 11
     }
-    for target in ("gate", "nginx", "splice", "lean"):
+    for target in ("gate", "nginx", "splice", "lean", "lean-gate"):
         # Events and requests reached the client through each proxy, stalls are counted, and
         # the proxy's CPU per unit is a number (0 when it used less than a clock tick).
         sse = rows[("sse × 4", target)]
@@ -45,6 +45,7 @@ def test_the_cpu_bench_measures_the_gate_and_nginx_per_event_and_per_request() -
     # HTTP proxy with nothing of the gate's.
     assert re.search(r"unary × 2: splice ÷ nginx = [\d.]+×", out), out
     assert re.search(r"unary × 2: lean ÷ nginx = [\d.]+×", out), out
+    assert re.search(r"unary × 2: lean-gate ÷ nginx = [\d.]+×", out), out
 
 
 def test_each_run_records_the_interpreter_the_gates_ran_under() -> None:
