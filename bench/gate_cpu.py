@@ -5,9 +5,11 @@ Run: .venv/bin/python bench/gate_cpu.py [--repeat 3] [--seconds 5] [--out bench/
 
 Layout, all on 127.0.0.1: the proxy under test is pinned to core 0 with ``taskset``: the gate
 (``vllm-guardian gate`` with its defaults), Debian's nginx (one process, ``master_process
-off``, ``proxy_buffering off``, HTTP/1.1 keep-alive to the upstream), and ``splice``, the floor
+off``, ``proxy_buffering off``, HTTP/1.1 keep-alive to the upstream), ``splice``, the floor
 of the gate's own stack (a byte relay in Python on uvloop that passes each connection's bytes
-through unchanged, no HTTP at all: :func:`serve_splice`). The client (this process) and a
+through unchanged, no HTTP at all: :func:`serve_splice`), ``lean``, an HTTP/1.1 proxy on that
+stack with an llhttp parser and nothing of the gate's, and ``lean-gate``, the same with the
+core of the gate's work done by its own modules (:func:`serve_lean`). The client (this process) and a
 cheap upstream stub (a raw asyncio protocol on uvloop, a subprocess) are pinned to core 1.
 The proxies run side by side the whole time and take turns, load point by load point, so
 drift on a shared machine hits them all alike.
