@@ -21,6 +21,7 @@ import os
 import random
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -116,6 +117,23 @@ def logging_config(path: Path) -> Path:
     return path
 
 
+# A Unix socket's path is at most 107 bytes (sun_path); vLLM names each of its ZMQ IPC sockets
+# "<VLLM_RPC_BASE_PATH>/<uuid4>", 37 more.
+SOCKET_PATH_MAX = 107
+
+
+def rpc_dir(workdir: Path) -> Path:
+    """Where a vLLM of the tier puts its ZMQ IPC sockets (``VLLM_RPC_BASE_PATH``): the test's
+    own directory, so the sockets of a vLLM that was killed go with it. vLLM's default is the
+    temporary directory, where every killed one left its sockets (~70 a tier run; 1,800 had
+    collected on one host). A directory too deep for vLLM's socket names gets a short one."""
+    d = workdir / "rpc"
+    if len(str(d)) + 37 > SOCKET_PATH_MAX:
+        d = Path(tempfile.mkdtemp(prefix="vg-rpc-"))
+    d.mkdir(exist_ok=True)
+    return d
+
+
 def vllm_env(run_id: str, workdir: Path, faults: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of every vLLM the tier starts; ``faults`` arms the test-only fault plugin
     (faults/vllm_guardian_faults.py: its variables), which is on the path only then."""
@@ -133,6 +151,7 @@ def vllm_env(run_id: str, workdir: Path, faults: Mapping[str, str] | None = None
         "PYTHONUNBUFFERED": "1",  # the guardian's log source must see lines as they happen
         "VLLM_LOGGING_CONFIG_PATH": str(logging_config(workdir / "vllm-logging.json")),
         "VLLM_GUARDIAN_ALLOCATOR_DIR": str(workdir / "allocator"),
+        "VLLM_RPC_BASE_PATH": str(rpc_dir(workdir)),
         # Each process asks for the AMX tile state before vLLM's bf16 attention kernel runs a
         # tile instruction; without it, on an AMX CPU, the worker dies of SIGILL (amx/sitecustomize.py).
         "PYTHONPATH": str(AMX_SITE),

@@ -112,3 +112,17 @@ def test_a_marked_helper_in_this_session_never_makes_it_a_target() -> None:
     finally:
         helper.kill()
         helper.wait(timeout=30)
+
+
+@pytest.mark.parametrize("depth", [1, 40])
+def test_vllms_ipc_sockets_get_a_directory_their_names_fit_in(tmp_path: Path, depth: int) -> None:
+    """In the test's directory when vLLM's socket names fit under the 107-byte limit there,
+    else in a short one of its own."""
+    workdir = tmp_path.joinpath(*["d"] * depth)
+    workdir.mkdir(parents=True)
+    rpc = Path(support.vllm_env("run", workdir)["VLLM_RPC_BASE_PATH"])
+    assert rpc.is_dir(), rpc
+    assert len(str(rpc / str(uuid.uuid4()))) <= support.SOCKET_PATH_MAX, rpc
+    assert rpc.is_relative_to(workdir) == (depth == 1), (rpc, workdir)
+    if depth != 1:
+        rpc.rmdir()

@@ -374,6 +374,17 @@ def test_a_short_first_request_is_served_by_a_fresh_server(guarded: Guarded) -> 
     assert r.status_code == 200 and not died, (r.status_code, r.text[:300], died)
 
 
+def test_vllms_ipc_sockets_are_in_the_tests_directory(guarded: Guarded) -> None:
+    """vLLM's ZMQ IPC sockets (API server to engine core) go where VLLM_RPC_BASE_PATH says:
+    the test's directory (support.rpc_dir), not the host's temporary directory, where every
+    vLLM the tier killed left its own."""
+    rpc = support.rpc_dir(guarded.workdir)
+    assert rpc.is_relative_to(guarded.workdir), rpc
+    sockets = [p for p in rpc.iterdir() if p.is_socket()]
+    assert sockets, sorted(p.name for p in rpc.iterdir())
+    assert all(len(str(p)) <= support.SOCKET_PATH_MAX for p in sockets), sockets
+
+
 # --- 1. the source reads what the server says ----------------------------------------------
 
 
