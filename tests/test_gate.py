@@ -181,6 +181,55 @@ def test_body_over_the_limit_gets_413_before_it_is_read(gate: GateThread, stub: 
     assert r.json()["body_bytes"] == len(mid)
 
 
+def _read_head(s: socket.socket) -> bytes:
+    """Bytes up to and including the first blank line (a head), read as they come."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def test_a_client_that_expects_100_continue_is_told_to_send_its_body(gate: GateThread, stub: Stub):
+    """RFC 9110 §10.1.1: the gate answers "100 Continue" before it waits for the body, so a
+    client that asks (libcurl with a large body, PHP's curl) sends it at once, not after its
+    own wait (curl's: 1 s a request). The Expect header does not go upstream."""
+    body = json.dumps({"prompt": "x" * 5000}).encode()
+    head = (
+        b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body)
+    )
+    with socket.create_connection(("127.0.0.1", gate.gate.port), timeout=30) as s:
+        s.sendall(head)
+        interim = _read_head(s)  # the body is not sent until this arrives
+        assert interim.startswith(b"HTTP/1.1 100 Continue\r\n"), interim[:200]
+        s.sendall(body)
+        answer = interim.split(b"\r\n\r\n", 1)[1] + _read_head(s)
+        while not answer.rstrip().endswith(b"}"):
+            answer += s.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+    echoed = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+    assert echoed["body_bytes"] == len(body), echoed
+    assert "expect" not in {k.lower() for k, _ in echoed["headers"]}, echoed["headers"]
+
+
+def test_a_body_too_large_is_refused_before_the_client_is_told_to_send_it(
+    gate: GateThread, stub: Stub
+):
+    """An Expect whose body is over the limit gets the 413 at once, and no 100."""
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+        b"Content-Length: %d\r\n\r\n" % (50 * 1024 * 1024)
+    )
+    with socket.create_connection(("127.0.0.1", gate.gate.port), timeout=30) as s:
+        s.sendall(head)
+        answer = _read_head(s)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert stub.calls.get("/v1/completions", 0) == 0
+
+
 # --- holding and overflow ----------------------------------------------------------------------
 
 

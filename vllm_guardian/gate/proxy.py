@@ -262,6 +262,20 @@ class _Answer(web.StreamResponse):
     _send_headers_immediately = False
 
 
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+def _expects_continue(request: web.BaseRequest) -> bool:
+    """The client waits for "100 Continue" before it sends its body (an HTTP/1.1 request with
+    ``Expect: 100-continue``; HTTP/1.0 has no interim answers)."""
+    expect = request.headers.get("Expect")
+    return (
+        expect is not None
+        and expect.strip().lower() == "100-continue"
+        and request.version >= (1, 1)
+    )
+
+
 def _answered(up: UpstreamResponse | None) -> bool:
     """vLLM answers the request, the first byte of a 200 body in: its engine took it (an
     error is the API server's own, or a dead engine's)."""
@@ -362,9 +376,14 @@ class GateProxy:
     async def _read_body(self, request: web.BaseRequest) -> HeldBody:
         if not request.body_exists:
             return HeldBody(bytearray(), self.bodies)
-        return await read_body(
-            request.content, request.content_length, self._body_limits, self.bodies
-        )
+        length = request.content_length
+        if _expects_continue(request) and (length is None or length <= self._body_limits.max_bytes):
+            # RFC 9110 §10.1.1: told before the gate waits for the body (aiohttp's router does
+            # this; its bare server, the gate's, does not). A body over the limit gets its 413
+            # instead, unsent. The Expect header itself is not forwarded (REQUEST_DROP).
+            await request.writer.write(CONTINUE)
+            request.writer.output_size = 0  # no answer started: the guard's cue
+        return await read_body(request.content, length, self._body_limits, self.bodies)
 
     def _refuse_body(self, e: BodyRefused) -> web.Response:
         self.metrics.rejected.labels(e.refusal.value).inc()
