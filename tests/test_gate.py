@@ -11,6 +11,7 @@ import gc
 import hashlib
 import json
 import os
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -213,6 +214,37 @@ def test_a_client_that_expects_100_continue_is_told_to_send_its_body(gate: GateT
     echoed = json.loads(answer.split(b"\r\n\r\n", 1)[1])
     assert echoed["body_bytes"] == len(body), echoed
     assert "expect" not in {k.lower() for k, _ in echoed["headers"]}, echoed["headers"]
+
+
+def test_pipelined_requests_are_answered_in_order_on_their_connection(gate: GateThread, stub: Stub):
+    """RFC 9112 §9.3.2: requests a client sends without waiting for the answers get them in
+    the order it sent them, on the same connection."""
+    bodies = [b"a" * 10, b"b" * 2000, b"c" * 300]
+    raw = b"".join(
+        b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%b" % (len(b), b)
+        for b in bodies
+    )
+    answers: list[dict[str, object]] = []
+    with socket.create_connection(("127.0.0.1", gate.gate.port), timeout=30) as s:
+        s.sendall(raw)  # all three at once
+        data = b""
+        while len(answers) < len(bodies):
+            head_end = data.find(b"\r\n\r\n")
+            length = (
+                re.search(rb"(?i)content-length: *(\d+)", data[:head_end])
+                if head_end >= 0
+                else None
+            )
+            if length is not None and len(data) >= head_end + 4 + int(length[1]):
+                end = head_end + 4 + int(length[1])
+                assert data.startswith(b"HTTP/1.1 200"), data[:200]
+                answers.append(json.loads(data[head_end + 4 : end]))
+                data = data[end:]
+                continue
+            chunk = s.recv(65536)
+            assert chunk, (answers, data[:300])
+            data += chunk
+    assert [a["body_bytes"] for a in answers] == [len(b) for b in bodies], answers
 
 
 def test_a_body_too_large_is_refused_before_the_client_is_told_to_send_it(
