@@ -635,6 +635,21 @@ def test_cost_estimate():
     assert estimate_cost(b"not json at all", 256).output_tokens == 0
     long_word = "y" * 400
     assert estimate_cost(json.dumps({"prompt": long_word}).encode(), 0).prompt_tokens == 100
+    # A lone surrogate is valid JSON and no UTF-8: counted as the bytes its escape stands for,
+    # not an exception (which was the client's 500).
+    lone = b'{"prompt": "a \\ud800 b", "messages": [{"content": "\\udfff"}]}'
+    assert estimate_cost(lone, 0).prompt_tokens == 3 + (4 + 1 + 2)  # words; role, 3 bytes; chat
+
+
+def test_a_prompt_no_utf_8_can_carry_is_forwarded_not_a_500(gate: GateThread, stub: Stub):
+    r = requests.post(
+        f"{gate.url}/v1/echo",
+        data=b'{"prompt": "\\ud800", "max_tokens": 1}',
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 200, (r.status_code, r.text[:300])
+    assert r.json()["body_bytes"] == 37, r.text[:300]
 
 
 # --- the harness ---------------------------------------------------------------------------------

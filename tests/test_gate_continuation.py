@@ -582,6 +582,16 @@ def test_the_upstream_body_gains_return_token_ids_and_nothing_else() -> None:
     declined = plan("/v1/completions", b'{"prompt": "hi", "stream": true, "return_token_ids": false}',
                     enabled=True)  # fmt: skip
     assert isinstance(declined, Plan) and json.loads(declined.upstream_body)["return_token_ids"]
+    # A lone surrogate is valid JSON (an escape) and no UTF-8: written again as an escape, the
+    # same request to vLLM, not an exception (which was the client's 500).
+    lone = plan("/v1/completions", b'{"prompt": "a\\ud800", "stream": true, "return_token_ids": null}',
+                enabled=True)  # fmt: skip
+    assert isinstance(lone, Plan), lone
+    assert json.loads(lone.upstream_body) == {
+        "prompt": "a\ud800",
+        "stream": True,
+        "return_token_ids": True,
+    }
     assert plan("/v1/chat/completions", b'{"stream": true}', enabled=True) is Refusal.UNPARSEABLE
     for path, raw in [("/v1/chat/completions", b'{"messages": []}'),
                       ("/v1/completions", b'{"prompt": "hi"}'),
@@ -622,6 +632,19 @@ def test_the_state_settles_only_what_has_text() -> None:
     assert doc["id"] == "cmpl-a" and doc["choices"][0]["prompt_token_ids"] is None
     assert doc["choices"][0]["token_ids"] is None
     assert isinstance(st.decide(), Complete)
+
+
+def test_a_continuation_keeps_a_lone_surrogate_the_client_sent() -> None:
+    """Valid JSON that no UTF-8 carries ("\\ud800") in a field the continuation sends again:
+    written as an escape, the same request, not an exception at the cut."""
+    p = plan("/v1/completions", json.dumps(body(max_tokens=10, user="x\ud800")).encode(),
+             enabled=True)  # fmt: skip
+    assert isinstance(p, Plan)
+    st = StreamState(p)
+    st.on_event(_chunk([7], " a", prompt=[1, 2]))
+    d = st.decide()
+    assert isinstance(d, Continue), d
+    assert json.loads(d.body)["user"] == "x\ud800"
 
 
 def _chat_chunk(delta: str, ids: list[int] | None = None, finish: str | None = None) -> bytes:

@@ -598,25 +598,40 @@ def test_the_guardians_gate_series_do_not_collide_with_the_gates_own() -> None:
 
 def test_each_counters_total_is_what_its_scrape_says() -> None:
     """The status reads counters one by one (not the whole registry for each): every counter
-    family is found, its labels summed, and only this gate's service counted."""
+    family is found and its labels summed. Each is counted a different number of times, so a
+    counter read as another, or not found (0), shows."""
     from vllm_guardian.gate.metrics import NS, GateMetrics
 
-    m = GateMetrics("vllm")
-    other = GateMetrics("other")
-    m.arrived.inc(5)
-    m.rejected.labels("queue_full").inc(2)
-    m.rejected.labels("too_large").inc(1)
-    m.upstream_error("streaming")
-    m.continuation("continued", "connection")
+    m = GateMetrics("vllm", cpu_clock=lambda: 41.0)
+    bumps = [
+        m.arrived.inc,
+        m.admitted.inc,
+        m.held.inc,
+        m.retried.inc,
+        m.stale_connections.inc,
+        m.connect_timeouts.inc,
+        lambda: m.rejected.labels("queue_full").inc(),
+        lambda: m.upstream_error("streaming"),
+        lambda: m.client_disconnect("queued"),
+        lambda: m.malformed("head"),
+        lambda: m.continuation("continued", "connection"),
+        lambda: m.fallback("sent"),
+        lambda: m.connection_closed("evicted"),
+    ]
+    for times, bump in enumerate(bumps, start=1):
+        for _ in range(times):
+            bump()
+    m.rejected.labels("too_large").inc(100)
     m.continuation("failed", "client_gone")
-    other.arrived.inc(7)
-    counters = [f for f in m.registry.collect() if f.type == "counter"]
-    assert len(counters) > 10, [f.name for f in counters]
-    for family in counters:
+    counters = {f.name: f for f in m.registry.collect() if f.type == "counter"}
+    assert len(counters) == len(bumps) + 1, sorted(counters)  # and cpu_seconds
+    for name, family in counters.items():
         scraped = sum(s.value for s in family.samples if s.name.endswith("_total"))
-        assert m.total(family.name.removeprefix(f"{NS}_")) == int(scraped), family.name
-    assert (m.total("arrived"), m.total("rejected"), m.total("upstream_errors")) == (5, 3, 1)
-    assert (m.continuations("continued"), m.continuations("failed")) == (1, 1)
+        assert scraped > 0, name  # every counter counted: none compares 0 with 0
+        assert m.total(name.removeprefix(f"{NS}_")) == int(scraped), name
+    assert (m.total("arrived"), m.total("held"), m.total("rejected")) == (1, 3, 107)
+    assert m.total("cpu_seconds") == 41
+    assert (m.continuations("continued"), m.continuations("failed")) == (11, 1)
     assert m.total("no_such_counter") == 0
 
 

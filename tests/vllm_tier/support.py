@@ -128,7 +128,7 @@ def rpc_dir(workdir: Path) -> Path:
     temporary directory, where every killed one left its sockets (~70 a tier run; 1,800 had
     collected on one host). A directory too deep for vLLM's socket names gets a short one."""
     d = workdir / "rpc"
-    if len(str(d)) + 37 > SOCKET_PATH_MAX:
+    if len(os.fsencode(d)) + 37 > SOCKET_PATH_MAX:
         d = Path(tempfile.mkdtemp(prefix="vg-rpc-"))
     d.mkdir(exist_ok=True)
     return d

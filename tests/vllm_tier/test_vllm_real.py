@@ -378,7 +378,9 @@ def test_vllms_ipc_sockets_are_in_the_tests_directory(guarded: Guarded) -> None:
     """vLLM's ZMQ IPC sockets (API server to engine core) go where VLLM_RPC_BASE_PATH says:
     the test's directory (support.rpc_dir), not the host's temporary directory, where every
     vLLM the tier killed left its own."""
-    rpc = support.rpc_dir(guarded.workdir)
+    given = [a for a in guarded.command if a.startswith("VLLM_RPC_BASE_PATH=")]
+    assert len(given) == 1, guarded.command
+    rpc = Path(given[0].split("=", 1)[1])
     assert rpc.is_relative_to(guarded.workdir), rpc
     sockets = [p for p in rpc.iterdir() if p.is_socket()]
     assert sockets, sorted(p.name for p in rpc.iterdir())

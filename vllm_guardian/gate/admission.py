@@ -128,7 +128,8 @@ class _Waiter:
 def _text_tokens(text: str) -> int:
     # No tokenizer here on purpose (the gate must stay light): ~4 bytes per token for English
     # BPE vocabularies, never fewer tokens than words. An over-estimate only admits later.
-    return max(len(text.split()), math.ceil(len(text.encode()) / 4))
+    # surrogatepass: a lone surrogate (valid JSON, "\ud800") counts as its 3 bytes, not an error.
+    return max(len(text.split()), math.ceil(len(text.encode("utf-8", "surrogatepass")) / 4))
 
 
 def _prompt_tokens(value: Any) -> int:

@@ -290,7 +290,7 @@ def plan_of(
         start = len(body) - len(body.lstrip())
         upstream = bytes(body[: start + 1]) + b'"return_token_ids":true,' + body[start + 1 :]
     else:
-        upstream = _encode({**req, "return_token_ids": True})
+        upstream = _encode_request({**req, "return_token_ids": True})
     opts = req.get("stream_options") or {}
     return Plan(req, upstream, asked is True, bool(opts.get("include_usage")), chat)
 
@@ -314,6 +314,16 @@ def fallback_allowed(path: str, req: object | None, p: Plan | Refusal | None) ->
 def _encode(doc: object) -> bytes:
     # vLLM's own serialisation (pydantic's model_dump_json): compact, non-ASCII as UTF-8.
     return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _encode_request(doc: object) -> bytes:
+    """A request body for vLLM: :func:`_encode`, or with every non-ASCII character escaped when
+    the client's JSON held a lone surrogate ("\\ud800", valid JSON that no UTF-8 carries): the
+    same document to vLLM. (An event is not written again then: passed on as it came.)"""
+    try:
+        return _encode(doc)
+    except UnicodeEncodeError:
+        return json.dumps(doc, separators=(",", ":")).encode()
 
 
 def dying_message(message: str) -> bool:
@@ -690,7 +700,7 @@ class StreamState:
         if self.last_text_tokens > 1:
             start = max(0, self.settled - self.last_text_tokens - TAIL_CONTEXT_TOKENS)
             tail = tuple(self.token_ids[start : self.settled])
-        return Continue(_encode(body), self.settled, rolled_back, tail, path)
+        return Continue(_encode_request(body), self.settled, rolled_back, tail, path)
 
     def begin_continuation(self, settled: int) -> None:
         """The continuation's answer started: what was rolled back is forgotten."""
