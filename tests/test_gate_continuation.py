@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 import requests
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from tests.fake_completions import (
     FINGERPRINT,
@@ -32,8 +34,10 @@ from tests.fake_completions import (
 )
 from tests.support import wait_for
 from tests.test_gate_support import LoopThread
-from vllm_guardian.gate.admission import Limits
+from vllm_guardian.gate.admission import Limits, cost_of
 from vllm_guardian.gate.continuation import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
     Complete,
     Continue,
     Kind,
@@ -41,7 +45,10 @@ from vllm_guardian.gate.continuation import (
     Refusal,
     SseSplitter,
     StreamState,
+    body_json,
+    fallback_allowed,
     plan,
+    plan_of,
 )
 from vllm_guardian.gate.proxy import ProxySettings
 from vllm_guardian.gate.server import Gate, GateSettings
@@ -968,3 +975,56 @@ def test_an_abort_chunk_is_a_cut_of_its_own() -> None:
     assert st.finish_reason is None
     decision = st.decide()
     assert isinstance(decision, Continue) and decision.settled_tokens == 1
+
+
+# --- any body a client may send -----------------------------------------------------------------
+
+# Lone surrogates (valid JSON as escapes, no UTF-8), astral and combining characters, escapes
+# and whitespace, often; any other character too.
+# (Joined from a list: st.text() leaves surrogates out.)
+_TEXT = st.lists(
+    st.sampled_from(["a", " ", "\n", "é", "\u0301", "\ud800", "\udfff", "😀", "\\", '"'])
+    | st.characters(codec=None, exclude_categories=()),
+    max_size=8,
+).map("".join)
+_LEAF = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | _TEXT
+_JSON = st.recursive(
+    _LEAF,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_TEXT, inner, max_size=4),
+    max_leaves=12,
+)
+_MESSAGES = st.lists(
+    st.fixed_dictionaries(
+        {"role": _LEAF, "content": _LEAF | st.lists(st.fixed_dictionaries({"text": _LEAF}))}
+    ),
+    max_size=3,
+)
+_FIELDS = ["prompt", "messages", "stream", "return_token_ids", "n", "max_tokens",
+           "max_completion_tokens", "min_tokens", "stream_options", "input", "content", "role",
+           "text", "stop", "response_format", "tools", "echo", "logprobs"]  # fmt: skip
+# Values as the fields hold them (a string, a number, messages) more often than nested JSON;
+# a third of the bodies streamed (the plan's paths).
+_REQUEST = st.dictionaries(st.sampled_from(_FIELDS), _LEAF | _MESSAGES | _JSON, max_size=6)
+_BODY = _REQUEST | _REQUEST.map(lambda d: {**d, "stream": True}) | _JSON
+
+
+@settings(max_examples=400, deadline=None)
+@example(doc={"prompt": "a\ud800", "stream": True, "return_token_ids": None},
+         path=COMPLETIONS_PATH, ascii_only=True)  # fmt: skip
+@example(doc={"messages": [{"role": "user", "content": "\udfff"}], "stream": True,
+              "return_token_ids": False}, path=CHAT_PATH, ascii_only=True)  # fmt: skip
+@given(doc=_BODY, path=st.sampled_from([COMPLETIONS_PATH, CHAT_PATH, "/v1/embeddings"]),
+       ascii_only=st.booleans())  # fmt: skip
+def test_whatever_json_a_client_sends_the_gate_reads_without_an_exception(
+    doc: object, path: str, ascii_only: bool
+) -> None:
+    """The gate's reads of a body before it goes upstream (its cost, its stream's plan, the
+    fallback's check) end in a decision for any JSON at all, strings no UTF-8 carries
+    included: an exception there was the client's 500."""
+    raw = json.dumps(doc, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
+    parsed = body_json(raw)
+    cost_of(raw, parsed, 16)
+    p = plan_of(path, raw, parsed, enabled=True)
+    fallback_allowed(path, parsed, p)
+    if isinstance(p, Plan):
+        assert json.loads(p.upstream_body)["return_token_ids"] is True
