@@ -1028,3 +1028,56 @@ def test_whatever_json_a_client_sends_the_gate_reads_without_an_exception(
     fallback_allowed(path, parsed, p)
     if isinstance(p, Plan):
         assert json.loads(p.upstream_body)["return_token_ids"] is True
+
+
+# --- whatever vLLM sends back ------------------------------------------------------------------
+
+_CHOICE_KEYS = ["index", "text", "delta", "content", "role", "token_ids", "prompt_token_ids",
+                "finish_reason", "stop_reason", "logprobs", "tool_calls", "reasoning_content"]  # fmt: skip
+_ID = st.lists(st.integers(-5, 2**40) | _LEAF, max_size=3)
+_CHOICE = st.dictionaries(st.sampled_from(_CHOICE_KEYS), _LEAF | _ID | _JSON, max_size=6)
+_CHUNK = st.fixed_dictionaries(
+    {"id": _LEAF, "choices": st.lists(_CHOICE | _LEAF, max_size=2)},
+    optional={"created": _LEAF, "model": _LEAF, "usage": _LEAF | _JSON, "error": _LEAF | _JSON},
+)
+_EVENT = (
+    _CHUNK.map(lambda d: b"data: " + json.dumps(d).encode() + b"\n\n")
+    | _CHUNK.map(
+        lambda d: (
+            b"data: " + json.dumps(d, ensure_ascii=False).encode("utf-8", "surrogatepass") + b"\n\n"
+        )
+    )
+    | st.binary(max_size=40).map(lambda b: b"data: " + b + b"\n\n")
+    | st.sampled_from([b"data: [DONE]\n\n", b": keep-alive\n\n", b"event: x\n\n"])
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    path=st.sampled_from([COMPLETIONS_PATH, CHAT_PATH]),
+    asked_ids=st.booleans(),
+    events=st.lists(_EVENT, max_size=8),
+    cut_after=st.integers(0, 8),
+)
+def test_whatever_events_vllm_sends_the_relay_reads_without_an_exception(
+    path: str, asked_ids: bool, events: list[bytes], cut_after: int
+) -> None:
+    """Each event gives a step (relayed, held back, the end, a cut) and a cut a decision, for
+    any chunk at all: an exception there ended the client's stream as a failure of the gate."""
+    fields = (
+        {"messages": [{"role": "user", "content": "hi"}]} if path == CHAT_PATH else {"prompt": "hi"}
+    )
+    raw = json.dumps({**fields, "stream": True, "return_token_ids": asked_ids}).encode()
+    p = plan(path, raw, enabled=True)
+    assert isinstance(p, Plan), p
+    state = StreamState(p)
+    for i, event in enumerate(events):
+        if i == cut_after:
+            decision = state.decide()
+            if isinstance(decision, Continue):
+                state.begin_continuation(decision.settled_tokens)
+        if state.relay_common(event) is None:
+            step = state.on_event(event)
+            assert isinstance(step.kind, Kind) and isinstance(step.data, bytes), step
+    state.decide(max_model_len=64)
+    state.take_pending()
