@@ -10,9 +10,11 @@ import contextlib
 import gc
 import hashlib
 import json
+import logging
 import os
 import re
 import socket
+import struct
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -214,6 +216,29 @@ def test_a_client_that_expects_100_continue_is_told_to_send_its_body(gate: GateT
     echoed = json.loads(answer.split(b"\r\n\r\n", 1)[1])
     assert echoed["body_bytes"] == len(body), echoed
     assert "expect" not in {k.lower() for k, _ in echoed["headers"]}, echoed["headers"]
+
+
+def test_a_client_that_expects_100_continue_and_leaves_is_no_error_of_the_gates(
+    gate: GateThread, stub: Stub, caplog: pytest.LogCaptureFixture
+):
+    """A client gone before the gate's "100 Continue" reaches it is a client gone, as one that
+    leaves while sending its body: no traceback, no exchange left."""
+    caplog.set_level(logging.WARNING)
+    head = (
+        b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5000\r\n\r\n"
+    )
+    for _ in range(20):
+        s = socket.create_connection(("127.0.0.1", gate.gate.port), timeout=30)
+        s.sendall(head)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset
+        s.close()
+    proxy = gate.gate.proxy
+    assert proxy is not None
+    wait_for(
+        lambda: proxy.open_exchanges == 0, "no exchange left", seen=lambda: proxy.open_exchanges
+    )
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], errors[:3]
 
 
 def test_pipelined_requests_are_answered_in_order_on_their_connection(gate: GateThread, stub: Stub):

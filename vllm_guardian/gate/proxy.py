@@ -265,6 +265,10 @@ class _Answer(web.StreamResponse):
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
+class _ClientLeft(Exception):
+    """The client closed its connection before its request's body was read."""
+
+
 def _expects_continue(request: web.BaseRequest) -> bool:
     """The client waits for "100 Continue" before it sends its body (an HTTP/1.1 request with
     ``Expect: 100-continue``; HTTP/1.0 has no interim answers)."""
@@ -356,6 +360,12 @@ class GateProxy:
         try:
             try:
                 held = await self._read_body(request)
+            except _ClientLeft:
+                # Nothing to answer and no one to answer it: aiohttp closes the connection
+                # quietly when the answer's write fails.
+                resp = web.Response(status=400)
+                resp.force_close()
+                return resp
             except BodyRefused as e:
                 return self._refuse_body(e)
             except BodyMalformed as e:
@@ -381,7 +391,10 @@ class GateProxy:
             # RFC 9110 §10.1.1: told before the gate waits for the body (aiohttp's router does
             # this; its bare server, the gate's, does not). A body over the limit gets its 413
             # instead, unsent. The Expect header itself is not forwarded (REQUEST_DROP).
-            await request.writer.write(CONTINUE)
+            try:
+                await request.writer.write(CONTINUE)
+            except ConnectionError:  # gone before it sent its body: as one gone while sending
+                raise _ClientLeft from None
             request.writer.output_size = 0  # no answer started: the guard's cue
         return await read_body(request.content, length, self._body_limits, self.bodies)
 
