@@ -113,6 +113,30 @@ STREAM_BODY = json.dumps(
 # --- the floor: a byte relay on the gate's stack (this file, --serve-splice PORT UPSTREAM) -----
 
 
+async def _serve_until_sigterm(protocol: Callable[[], asyncio.Protocol], port: int) -> None:
+    """Listen on 127.0.0.1:``port`` with ``protocol`` until SIGTERM (the splice and lean
+    proxies)."""
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(protocol, "127.0.0.1", port, backlog=4096)
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    server.close()
+
+
+async def _connect_upstream(
+    protocol: Callable[[], asyncio.Protocol], port: int, queued: list[bytes]
+) -> asyncio.Transport:
+    """A client connection's own connection to the upstream, with what the client sent before
+    it was open (``queued``, emptied) written first."""
+    up, _ = await asyncio.get_running_loop().create_connection(protocol, "127.0.0.1", port)
+    transport = cast("asyncio.Transport", up)
+    for data in queued:
+        transport.write(data)
+    queued.clear()
+    return transport
+
+
 def serve_splice(port: int, upstream_port: int) -> None:
     """Until SIGTERM: each client connection gets its own connection to the upstream, and the
     bytes pass through unchanged both ways (no HTTP parsing, no admission, no continuation).
@@ -143,13 +167,7 @@ def serve_splice(port: int, upstream_port: int) -> None:
         async def connect(self) -> None:
             assert self.t is not None
             client = self.t
-            up, _ = await asyncio.get_running_loop().create_connection(
-                lambda: Upstream(client), "127.0.0.1", upstream_port
-            )
-            self.up = cast("asyncio.Transport", up)
-            for data in self.early:
-                self.up.write(data)
-            self.early.clear()
+            self.up = await _connect_upstream(lambda: Upstream(client), upstream_port, self.early)
 
         def data_received(self, data: bytes) -> None:
             if self.up is None:
@@ -161,15 +179,7 @@ def serve_splice(port: int, upstream_port: int) -> None:
             if self.up is not None:
                 self.up.close()
 
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        server = await loop.create_server(Client, "127.0.0.1", port, backlog=4096)
-        stop = asyncio.Event()
-        loop.add_signal_handler(signal.SIGTERM, stop.set)
-        await stop.wait()
-        server.close()
-
-    uvloop.run(main())
+    uvloop.run(_serve_until_sigterm(Client, port))
 
 
 # --- an HTTP proxy with nothing else in it (this file, --serve-lean PORT UPSTREAM) -----------
@@ -309,13 +319,7 @@ def serve_lean(port: int, upstream_port: int, *, gate_core: bool = False) -> Non
             asyncio.get_running_loop().create_task(self.connect())
 
         async def connect(self) -> None:
-            up, _ = await asyncio.get_running_loop().create_connection(
-                lambda: Upstream(self), "127.0.0.1", upstream_port
-            )
-            self.up = cast("asyncio.Transport", up)
-            for request in self.pending:
-                self.up.write(request)
-            self.pending.clear()
+            self.up = await _connect_upstream(lambda: Upstream(self), upstream_port, self.pending)
 
         def data_received(self, data: bytes) -> None:
             try:
@@ -396,14 +400,9 @@ def serve_lean(port: int, upstream_port: int, *, gate_core: bool = False) -> Non
             self.send(b"".join(lines) + body)
 
     async def main() -> None:
-        loop = asyncio.get_running_loop()
         admission.start()
         admission.set_state(True, "open")
-        server = await loop.create_server(Client, "127.0.0.1", port, backlog=4096)
-        stop = asyncio.Event()
-        loop.add_signal_handler(signal.SIGTERM, stop.set)
-        await stop.wait()
-        server.close()
+        await _serve_until_sigterm(Client, port)
 
     uvloop.run(main())
 

@@ -256,8 +256,6 @@ def body_json(body: bytes | bytearray) -> object | None:
 
 def plan(path: str, body: bytes | bytearray, *, enabled: bool) -> Plan | Refusal | None:
     """:func:`plan_of` for a body not read yet."""
-    if path not in (COMPLETIONS_PATH, CHAT_PATH) or b'"stream"' not in body:
-        return None
     try:
         req = body_json(body)
     except RecursionError:
