@@ -139,11 +139,14 @@ class Setup:
 
     def held_for_clients(self) -> int:
         """Bytes the gate holds for its clients, not yet taken by their sockets (white box:
-        its server's connection guard)."""
-        assert self.gate._runner is not None
-        server = self.gate._runner.server
-        conns = getattr(server, "_conns", {})
-        return sum(c.transport.get_write_buffer_size() for c in list(conns.values()))
+        its server's connections)."""
+        server = self.gate._server
+        assert server is not None
+        return sum(
+            c.transport.get_write_buffer_size()
+            for c in list(server.connections)
+            if c.transport is not None
+        )
 
     def open_exchanges(self) -> int:
         return self.gate.proxy.open_exchanges if self.gate.proxy is not None else -1

@@ -20,7 +20,8 @@ held 1.2 GB for 40 unfinished 30 MiB bodies). Here:
   ``Content-Length`` says so.
 
 What the budget counts is the bodies' bytes. Python's ``bytearray`` may hold up to an eighth
-more while a body grows, and aiohttp buffers up to 128 KiB per connection ahead of a read.
+more while a body grows, and the server buffers up to 128 KiB per connection ahead of a read
+(``http1.BUFFER_BYTES``).
 """
 
 from __future__ import annotations
@@ -29,10 +30,9 @@ import asyncio
 import collections
 import enum
 from dataclasses import dataclass
+from typing import Protocol
 
-from aiohttp import StreamReader
-from aiohttp.web_protocol import RequestPayloadError
-
+from vllm_guardian.gate.http1 import BodyError
 from vllm_guardian.gate.metrics import GateMetrics
 
 # What one read takes at most, and so what one read reserves of the budget.
@@ -155,8 +155,18 @@ class HeldBody:
             self._budget.give(held)
 
 
+class BodyStream(Protocol):
+    """A request's body as the server hands it over (``http1.RequestBody``)."""
+
+    def read_nowait(self, n: int) -> bytes: ...
+
+    async def read(self, n: int) -> bytes: ...
+
+    def at_eof(self) -> bool: ...
+
+
 async def read_body(
-    stream: StreamReader, content_length: int | None, limits: BodyLimits, budget: BodyBudget
+    stream: BodyStream, content_length: int | None, limits: BodyLimits, budget: BodyBudget
 ) -> HeldBody:
     """The whole body, within ``limits`` and ``budget`` (see the module's docstring). Raises
     :class:`BodyRefused` or :class:`BodyMalformed`; either way nothing stays reserved."""
@@ -167,7 +177,7 @@ async def read_body(
         )
     data = bytearray()
     reserved = 0  # of the budget: len(data) plus the read in progress
-    # A small body is usually all in aiohttp's buffer with its head: taken in one piece, no
+    # A small body is usually all in the server's buffer with its head: taken in one piece, no
     # wait, no timer. What is not there yet is read below, as any body is.
     if (
         content_length is not None
@@ -176,14 +186,13 @@ async def read_body(
     ):
         try:
             first = stream.read_nowait(content_length)
-        except RequestPayloadError as e:
+        except BodyError as e:
             budget.give(content_length)
-            stream.feed_eof()
             raise BodyMalformed(str(e)) from None
         except BaseException:
             budget.give(content_length)
             raise
-        # Whole only when nothing follows: aiohttp decodes a compressed body as it reads,
+        # Whole only when nothing follows: the server decodes a compressed body as it reads,
         # and more bytes come out than its Content-Length counts.
         if len(first) == content_length and stream.at_eof():
             return HeldBody(bytearray(first), budget)
@@ -206,8 +215,8 @@ async def read_body(
             except NoRoom:
                 raise BodyRefused(
                     BodyRefusal.BUDGET,
-                    f"the gate holds its limit of {budget.capacity_bytes} bytes of request "
-                    "bodies; try again",
+                    f"the gate's request body budget ({budget.capacity_bytes} bytes, all "
+                    "requests together) is full; try again",
                 ) from None
             reserved += want
             deadline += waited  # the gate's wait is not the client's
@@ -222,10 +231,7 @@ async def read_body(
                     chunk = await stream.read(want)
             except TimeoutError:
                 chunk = None
-            except RequestPayloadError as e:
-                # Nothing more of a broken body is read: marked ended, or aiohttp would read
-                # it again once the answer is out (its lingering close) and log an ERROR.
-                stream.feed_eof()
+            except BodyError as e:
                 raise BodyMalformed(str(e)) from None
             got = len(chunk) if chunk else 0
             budget.give(want - got)

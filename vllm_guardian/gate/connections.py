@@ -1,8 +1,9 @@
 """The gate's connection guard: a cap on open client connections and a deadline for idle ones.
 
-Where it sits: between the listening socket and the proxy. aiohttp's server has no deadline
-for a request head, so a client that sends half a request holds its connection (and a
-descriptor) forever; ~1,000 of them and a normal POST got no answer at all. Here:
+Where it sits: the gate's HTTP server (``http1.py``) tells it of every connection's life. A
+server with no deadline for a request head lets a client that sends half a request hold its
+connection (and a descriptor) forever; ~1,000 of them and a normal POST got no answer at all
+(measured on aiohttp's server, which the gate ran on before). Here:
 
 * a connection is *busy* from the moment its request body has been read (the proxy says so)
   until its answer is done, *reading* while the proxy waits for its body (the body's own
@@ -29,24 +30,20 @@ import resource
 import struct
 import termios
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
-
-from aiohttp import web
-from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from vllm_guardian.gate.metrics import GateMetrics
-from vllm_guardian.gate.proxy import openai_error
+
+if TYPE_CHECKING:
+    from vllm_guardian.gate.http1 import Connection
 
 log = logging.getLogger("vllm_guardian.gate")
 
-# The proxy's handler: the request, and what to call once its body is read.
-Handler = Callable[[web.BaseRequest, Callable[[], None]], Awaitable[web.StreamResponse]]
-
 
 class MalformedRequests:
-    """Requests the gate could not parse: counted by phase (``head``: aiohttp's parser refused
-    the request head; ``body``: its framing or encoding broke while the proxy read it), each
+    """Requests the gate could not parse: counted by phase (``head``: the parser refused the
+    request head; ``body``: its framing or encoding broke while the proxy read it), each
     logged at DEBUG, and at most one WARNING line per ``log_interval_seconds`` saying how many
     there were. Never a traceback: a malformed request is the client's doing, and any client
     could otherwise fill the log."""
@@ -80,50 +77,6 @@ class MalformedRequests:
         self._next_warning_monotonic = now + self._interval_seconds
 
 
-class _Protocol(RequestHandler):
-    """aiohttp's connection handler, with malformed requests answered quietly (see above)."""
-
-    def __init__(self, manager: GuardedServer, **kwargs: Any) -> None:
-        super().__init__(manager, **kwargs)
-        self._malformed = manager.malformed
-        self._guard = manager
-
-    def data_received(self, data: bytes) -> None:
-        queued = len(self._messages)
-        self._guard.received(self, len(data))
-        super().data_received(data)
-        if len(self._messages) <= queued:
-            return
-        # A request's head is in: the connection is no longer idle, though its handler starts
-        # a step later (a starved loop reaped connections in between and lost their requests).
-        self._guard.head_arrived(self)
-        # aiohttp's parser, failing in the middle of a body (a chunk size that is not hex),
-        # drops that body without telling its reader and queues a 400 for after the handler:
-        # the handler would wait for the rest forever. Tell the reader instead.
-        request = self._current_request
-        if request is None:
-            return
-        message = self._messages[-1][0]
-        if isinstance(message, _ErrInfo) and not request.content.is_eof():
-            request.content.set_exception(RequestPayloadError(message.message))
-
-    def handle_error(
-        self,
-        request: web.BaseRequest,
-        status: int = 500,
-        exc: BaseException | None = None,
-        message: str | None = None,
-    ) -> web.StreamResponse:
-        if status >= 500:  # the gate's own fault: aiohttp's ERROR with its traceback
-            return super().handle_error(request, status, exc, message)
-        self._malformed.note("head", request.remote, message or str(exc or ""))
-        if request.writer.output_size > 0:
-            raise ConnectionError("an answer was already started: the connection is closed")
-        resp = openai_error(status, "the gate could not parse the request", "BadRequestError")
-        resp.force_close()
-        return resp
-
-
 class IdleCloses:
     """The idle connections the reaper closed, by what each was waiting for: each at DEBUG, and
     at most one INFO line per ``log_interval_seconds`` with the counts. Closing a connection
@@ -136,7 +89,7 @@ class IdleCloses:
         self._counts: dict[str, int] = {}
         self._next_report = -math.inf
 
-    def note(self, conn: _Conn, now: float) -> None:
+    def note(self, conn: GuardedConn, now: float) -> None:
         kind = conn.idle_kind()
         self._counts[kind] = self._counts.get(kind, 0) + 1
         log.debug(
@@ -158,14 +111,15 @@ class IdleCloses:
         self._next_report = now + self._interval
 
 
-class _Conn:
+class GuardedConn:
+    """What the guard knows of one connection."""
+
     __slots__ = (
-        "busy", "bytes_in", "head_in", "idle_since", "reading", "requests", "since",
-        "transport",
+        "busy", "bytes_in", "conn", "head_in", "idle_since", "reading", "requests", "since",
     )  # fmt: skip
 
-    def __init__(self, transport: asyncio.Transport, now: float) -> None:
-        self.transport = transport
+    def __init__(self, conn: Connection, now: float) -> None:
+        self.conn = conn
         self.busy = 0
         self.reading = False  # busy, but still waiting for its request body
         self.head_in = False  # a request's head was parsed; its handler has not started yet
@@ -185,88 +139,71 @@ class _Conn:
         return not self.busy or self.reading
 
 
-class GuardedServer(web.Server):
-    """aiohttp's low-level server with the guard on every connection."""
+class ConnectionGuard:
+    """The cap and the idle deadline over every client connection (see the module's
+    docstring). The server calls :meth:`accepted`, :meth:`busy`, :meth:`idle` and
+    :meth:`lost`; a reaper task closes the idle ones past the deadline."""
 
     def __init__(
         self,
-        handler: Handler,
         *,
         max_connections: int,
         idle_timeout_seconds: float,
         metrics: GateMetrics,
-        malformed: MalformedRequests,
         idle_log_interval_seconds: float = 60.0,
-        **kwargs: Any,
     ) -> None:
-        super().__init__(self._guarded, **kwargs)
-        self._inner = handler
         self.max_connections = max_connections
         self.idle_timeout_seconds = idle_timeout_seconds
         self._metrics = metrics
-        self.malformed = malformed
-        self._conns: dict[RequestHandler, _Conn] = {}
+        self._conns: dict[Connection, GuardedConn] = {}
         self._idle_closes = IdleCloses(idle_log_interval_seconds)
-        self._reaper = self._loop.create_task(self._reap(), name="gate-connection-reaper")
+        self._reaper: asyncio.Task[None] | None = None
 
-    def __call__(self) -> RequestHandler:
-        return _Protocol(self, loop=self._loop, **self._kwargs)
+    def start(self) -> None:
+        self._reaper = asyncio.get_running_loop().create_task(
+            self._reap(), name="gate-connection-reaper"
+        )
 
-    def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
-        super().connection_made(handler, transport)
-        now = time.monotonic()
+    def accepted(self, conn: Connection, now: float) -> GuardedConn | None:
+        """A new connection: guarded, or closed at once (None) when every slot is busy."""
         if len(self._conns) >= self.max_connections:
-            idle = [(c.idle_since, h) for h, c in self._conns.items() if c.waiting_for_client]
+            idle = [(g.idle_since, c) for c, g in self._conns.items() if g.waiting_for_client]
             if not idle:
                 self._metrics.connection_closed("over_cap")
-                transport.abort()
-                return
+                if conn.transport is not None:
+                    conn.transport.abort()
+                return None
             _, oldest = min(idle, key=lambda pair: pair[0])
             self._close(oldest, "evicted")
-        self._conns[handler] = _Conn(transport, now)
+        guarded = self._conns[conn] = GuardedConn(conn, now)
         self._metrics.connections.set(len(self._conns))
+        return guarded
 
-    def connection_lost(self, handler: RequestHandler, exc: BaseException | None = None) -> None:
-        self._conns.pop(handler, None)
-        self._metrics.connections.set(len(self._conns))
-        super().connection_lost(handler, exc)
+    def lost(self, conn: Connection) -> None:
+        if self._conns.pop(conn, None) is not None:
+            self._metrics.connections.set(len(self._conns))
 
-    def received(self, handler: RequestHandler, count: int) -> None:
-        conn = self._conns.get(handler)
-        if conn is not None:
-            conn.bytes_in += count
+    @staticmethod
+    def busy(g: GuardedConn, now: float) -> None:
+        """Its handler starts: busy, reading its body until the proxy says it is in."""
+        g.busy += 1
+        g.requests += 1
+        g.reading = True
+        g.head_in = False
+        g.idle_since = now
 
-    def head_arrived(self, handler: RequestHandler) -> None:
-        conn = self._conns.get(handler)
-        if conn is not None:
-            conn.head_in = True
+    @staticmethod
+    def idle(g: GuardedConn, now: float) -> None:
+        """Its answer is done (or its handler ended)."""
+        g.busy -= 1
+        g.reading = False
+        g.idle_since = now
 
-    def _close(self, handler: RequestHandler, reason: str) -> None:
-        conn = self._conns.pop(handler, None)
-        if conn is not None:
+    def _close(self, conn: Connection, reason: str) -> None:
+        if self._conns.pop(conn, None) is not None:
             self._metrics.connection_closed(reason)
-            conn.transport.close()
-
-    async def _guarded(self, request: web.BaseRequest) -> web.StreamResponse:
-        conn = self._conns.get(request.protocol)
-        if conn is not None:
-            conn.busy += 1
-            conn.requests += 1
-            conn.reading = True
-            conn.head_in = False
-            conn.idle_since = time.monotonic()
-
-        def body_read() -> None:
-            if conn is not None:
-                conn.reading = False
-
-        try:
-            return await self._inner(request, body_read)
-        finally:
-            if conn is not None:
-                conn.busy -= 1
-                conn.reading = False
-                conn.idle_since = time.monotonic()
+            self._metrics.connections.set(len(self._conns))
+            conn.close()
 
     async def _reap(self) -> None:
         step = min(1.0, self.idle_timeout_seconds / 4)
@@ -274,22 +211,24 @@ class GuardedServer(web.Server):
             await asyncio.sleep(step)
             now = time.monotonic()
             deadline = now - self.idle_timeout_seconds
-            for handler, conn in list(self._conns.items()):
+            for conn, g in list(self._conns.items()):
                 if (
-                    not conn.busy
-                    and not conn.head_in
-                    and conn.idle_since < deadline
+                    not g.busy
+                    and not g.head_in
+                    and g.idle_since < deadline
+                    and conn.transport is not None
                     and not _unread(conn.transport)
                 ):
-                    self._idle_closes.note(conn, now)
-                    self._close(handler, "idle_timeout")
+                    self._idle_closes.note(g, now)
+                    self._close(conn, "idle_timeout")
             self._idle_closes.report(now)
 
-    async def shutdown(self, timeout: float | None = None) -> None:
-        self._reaper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reaper
-        await super().shutdown(timeout)
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+            self._reaper = None
 
 
 def _unread(transport: asyncio.Transport) -> bool:

@@ -35,7 +35,7 @@ One exchange, in order:
    reads as an abort, and they go the way of 4, waiting at the head of the queue for the
    restarted engine (the follower keeps the gate closed until the engine is a new one, or the
    same one generates again: ``follower.py``);
-6. a client that goes away cancels the handler (``handler_cancellation``): a queued request
+6. a client that goes away cancels the handler (``http1.py``): a queued request
    leaves the queue; a forwarded one has its upstream connection closed, which is how vLLM
    learns to abort it and free its KV blocks.
 
@@ -48,14 +48,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from aiohttp import web
 from multidict import CIMultiDict
 
 from vllm_guardian.gate import continuation
@@ -71,6 +69,15 @@ from vllm_guardian.gate.body import (
 )
 from vllm_guardian.gate.continuation import Outcome, Plan, Refusal
 from vllm_guardian.gate.follower import Follower
+from vllm_guardian.gate.http1 import (
+    DECODED_CODINGS,
+    ClientGone,
+    Request,
+    Response,
+    StreamResponse,
+    json_response,
+    openai_error,
+)
 from vllm_guardian.gate.metrics import CONTENT_TYPE, GateMetrics
 from vllm_guardian.gate.progress import (
     GIVEN_UP_MIN_SECONDS,
@@ -95,9 +102,6 @@ HOP_BY_HOP = frozenset(
     }
 )  # fmt: skip
 REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}
-# The request body encodings aiohttp's parser decodes as it reads (its auto_decompress): such a
-# body is forwarded decoded, so without the header that named the encoding.
-DECODED_ENCODINGS = frozenset({"gzip", "deflate", "br", "zstd"})
 RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
 # vLLM's answers that mean "this server is going away, or its engine died under the request":
 # a request without an answer yet is safe to send once more to the next instance.
@@ -204,20 +208,6 @@ class ProxySettings:
     fallback_after_seconds: float = 10.0
 
 
-def openai_error(
-    status: int, message: str, kind: str, *, retry_after_seconds: int | None = None
-) -> web.Response:
-    """An answer of the gate's own, in the shape vLLM and OpenAI use for errors."""
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    headers = {"Retry-After": str(retry_after_seconds)} if retry_after_seconds else None
-    return web.Response(
-        status=status,
-        body=json.dumps(body).encode(),
-        content_type="application/json",
-        headers=headers,
-    )
-
-
 class _UpstreamBroke(Exception):
     """The upstream failed before the answer was committed (nothing sent to the client)."""
 
@@ -240,7 +230,7 @@ class MalformedSink(Protocol):
 class _Exchange:
     """One client request as the proxy sends it upstream (again, after a failure)."""
 
-    request: web.BaseRequest
+    request: Request
     target: str
     headers: CIMultiDict[str]
     body: bytes | bytearray
@@ -255,43 +245,18 @@ class _Hold:
     ticket: Ticket | None = None
 
 
-class _Answer(web.StreamResponse):
-    """A streamed answer whose status line and headers wait for the first body bytes and go
-    out with them in one write: one packet and one wake-up of the client instead of two."""
-
-    _send_headers_immediately = False
-
-
-CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-
-
-class _ClientLeft(Exception):
-    """The client closed its connection before its request's body was read."""
-
-
-def _expects_continue(request: web.BaseRequest) -> bool:
-    """The client waits for "100 Continue" before it sends its body (an HTTP/1.1 request with
-    ``Expect: 100-continue``; HTTP/1.0 has no interim answers)."""
-    expect = request.headers.get("Expect")
-    return (
-        expect is not None
-        and expect.strip().lower() == "100-continue"
-        and request.version >= (1, 1)
-    )
-
-
 def _answered(up: UpstreamResponse | None) -> bool:
     """vLLM answers the request, the first byte of a 200 body in: its engine took it (an
     error is the API server's own, or a dead engine's)."""
     return up is not None and up.status == 200 and up.body_started
 
 
-def _request_headers(request: web.BaseRequest) -> CIMultiDict[str]:
+def _request_headers(request: Request) -> CIMultiDict[str]:
     """The client's headers as they go upstream: hop-by-hop ones, the length (the pool sets it)
-    and the encoding of a body aiohttp decoded (the same test as its parser's) left out."""
+    and the coding of a body the server decoded (http1.py) left out."""
     headers = _forward_headers(request.headers, REQUEST_DROP)
-    encoding = request.headers.get("Content-Encoding", "")
-    if encoding.isascii() and encoding.lower() in DECODED_ENCODINGS:
+    coding = request.headers.get("Content-Encoding", "").strip().lower()
+    if request.body_exists and coding in DECODED_CODINGS:
         headers.popall("Content-Encoding")
     return headers
 
@@ -347,23 +312,22 @@ class GateProxy:
         self._body_limits = settings.body_limits
 
     async def handle(
-        self, request: web.BaseRequest, body_read: Callable[[], None] = lambda: None
-    ) -> web.StreamResponse:
+        self, request: Request, body_read: Callable[[], None] = lambda: None
+    ) -> Response:
         """One exchange; ``body_read`` is called once the request's body is in (the connection
         guard's cue that this connection is now busy, not waiting for its client)."""
-        path = request.rel_url.path
+        path = request.path
         if request.method == "GET" and path == self.s.metrics_path:
-            return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+            return Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
         if request.method == "GET" and path == STATUS_PATH:
-            return web.json_response(self.status())
+            return json_response(self.status())
         self.open_exchanges += 1
         try:
             try:
                 held = await self._read_body(request)
-            except _ClientLeft:
-                # Nothing to answer and no one to answer it: aiohttp closes the connection
-                # quietly when the answer's write fails.
-                resp = web.Response(status=400)
+            except ClientGone:
+                # Nothing to answer and no one to answer it: the connection is closed.
+                resp = Response(status=400)
                 resp.force_close()
                 return resp
             except BodyRefused as e:
@@ -383,22 +347,18 @@ class GateProxy:
         finally:
             self.open_exchanges -= 1
 
-    async def _read_body(self, request: web.BaseRequest) -> HeldBody:
+    async def _read_body(self, request: Request) -> HeldBody:
         if not request.body_exists:
             return HeldBody(bytearray(), self.bodies)
         length = request.content_length
-        if _expects_continue(request) and (length is None or length <= self._body_limits.max_bytes):
-            # RFC 9110 §10.1.1: told before the gate waits for the body (aiohttp's router does
-            # this; its bare server, the gate's, does not). A body over the limit gets its 413
-            # instead, unsent. The Expect header itself is not forwarded (REQUEST_DROP).
-            try:
-                await request.writer.write(CONTINUE)
-            except ConnectionError:  # gone before it sent its body: as one gone while sending
-                raise _ClientLeft from None
-            request.writer.output_size = 0  # no answer started: the guard's cue
+        if request.expects_continue() and (length is None or length <= self._body_limits.max_bytes):
+            # RFC 9110 §10.1.1: told before the gate waits for the body. A body over the limit
+            # gets its 413 instead, unsent. The Expect header itself is not forwarded
+            # (REQUEST_DROP).
+            request.send_continue()
         return await read_body(request.content, length, self._body_limits, self.bodies)
 
-    def _refuse_body(self, e: BodyRefused) -> web.Response:
+    def _refuse_body(self, e: BodyRefused) -> Response:
         self.metrics.rejected.labels(e.refusal.value).inc()
         if e.refusal is BodyRefusal.BUDGET:
             resp = openai_error(
@@ -478,9 +438,7 @@ class GateProxy:
             "oldest_unanswered_seconds": round(oldest, 3),
         }
 
-    async def _exchange(
-        self, request: web.BaseRequest, body: bytes | bytearray
-    ) -> web.StreamResponse:
+    async def _exchange(self, request: Request, body: bytes | bytearray) -> Response:
         started = time.perf_counter()
         hold = _Hold()
         cost: Cost | None = None
@@ -500,7 +458,7 @@ class GateProxy:
                 return openai_error(
                     400, "request JSON nested too deeply for the gate to read", "BadRequestError"
                 )
-            path = request.rel_url.path
+            path = request.path
             stream_plan = continuation.plan_of(
                 path,
                 body,
@@ -526,7 +484,7 @@ class GateProxy:
                 raise
             started = time.perf_counter()
         headers = _request_headers(request)
-        target = str(request.rel_url)
+        target = request.target
 
         async def wait_again(extra_wait_seconds: float = 0.0) -> None:
             """Wait for the next instance like a new arrival, but first in line."""
@@ -593,7 +551,7 @@ class GateProxy:
         key: str,
         cost: Cost,
         client_timeout: float | None,
-        request: web.BaseRequest,
+        request: Request,
         body: bytes | bytearray,
         doc: object | None,
         plan: Plan | Refusal | None,
@@ -607,7 +565,7 @@ class GateProxy:
         if (
             self.fallback is None
             or FALLBACK_HEADER in request.headers  # a gate's fallback already: not again
-            or not continuation.fallback_allowed(request.rel_url.path, doc, plan)
+            or not continuation.fallback_allowed(request.path, doc, plan)
         ):
             hold.ticket = await acquiring  # no task of its own on the hot path
             return None
@@ -626,7 +584,7 @@ class GateProxy:
                 await asyncio.wait({waiting})
 
     async def _on_fallback(
-        self, request: web.BaseRequest, body: bytes | bytearray
+        self, request: Request, body: bytes | bytearray
     ) -> UpstreamResponse | None:
         """A held request sent whole to the fallback: its answer, or None (refused, broken,
         5xx: logged, and the request waits on for this server)."""
@@ -635,7 +593,7 @@ class GateProxy:
         try:
             up = await self.fallback.pool.request(
                 request.method,
-                str(request.rel_url),
+                request.target,
                 [*_request_headers(request).items(), (FALLBACK_HEADER, "1")],
                 body,
             )
@@ -666,14 +624,14 @@ class GateProxy:
         overhead: float,
         retried: bool,
         up: UpstreamResponse | None = None,
-    ) -> web.StreamResponse:
+    ) -> Response:
         sent = next(self._sent_ids)
         sent_at = time.perf_counter()
         work: Unanswered | None = None
         if (
             up is None  # the fallback's answer says nothing of this engine
             and ex.request.method == "POST"
-            and ex.request.rel_url.path not in API_SERVER_ONLY_PATHS
+            and ex.request.path not in API_SERVER_ONLY_PATHS
         ):
             work = Unanswered(sent_at, self.follower.engine_mark(), self.follower.progress.last)
         self._sent[sent] = (sent_at, None, work)
@@ -701,7 +659,7 @@ class GateProxy:
         sent: int,
         retried: bool,
         up: UpstreamResponse | None = None,
-    ) -> web.StreamResponse:
+    ) -> Response:
         """Send the exchange to this server, or relay ``up`` (the fallback's answer)."""
         request = ex.request
         pre_send = overhead + time.perf_counter() - started
@@ -738,7 +696,7 @@ class GateProxy:
                 elif (
                     up.status == 200
                     and request.method == "POST"
-                    and request.rel_url.path in UNARY_PATHS
+                    and request.path in UNARY_PATHS
                     and up.headers.get("Content-Type", "").startswith("application/json")
                 ):
                     first = await self._read_at_most(up, UNARY_CHECK_MAX_BYTES)
@@ -760,7 +718,7 @@ class GateProxy:
             if up.content_length is not None:
                 resp.content_length = up.content_length
             try:
-                # Headers go out with the first body bytes, in one write (_Answer).
+                # Headers go out with the first body bytes, in one write (http1.py).
                 await resp.prepare(request)
                 if first:
                     await resp.write(first)
@@ -806,7 +764,7 @@ class GateProxy:
             # not finished (client gone, upstream cut) tells vLLM to abort the request.
             up.release()
 
-    async def _relay(self, ex: _Exchange, p: Plan, up: UpstreamResponse) -> web.StreamResponse:
+    async def _relay(self, ex: _Exchange, p: Plan, up: UpstreamResponse) -> Response:
         """A stream the gate continues after a cut (relay.py); a failure before its first
         event is the proxy's to retry, like any other."""
         relay = ContinuingRelay(
@@ -834,8 +792,8 @@ class GateProxy:
             raise _UpstreamBroke(e.phase, str(e), taken_back=e.taken_back) from None
 
     @staticmethod
-    def _answer_for(up: UpstreamResponse) -> _Answer:
-        return _Answer(
+    def _answer_for(up: UpstreamResponse) -> StreamResponse:
+        return StreamResponse(
             status=up.status,
             reason=up.reason,
             headers=_forward_headers(up.headers, RESPONSE_DROP),

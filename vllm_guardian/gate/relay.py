@@ -41,8 +41,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import NoReturn
 
-from aiohttp import web
-from aiohttp.http_writer import StreamWriter
 from multidict import CIMultiDict
 
 from vllm_guardian.gate.admission import Rejected
@@ -62,6 +60,7 @@ from vllm_guardian.gate.continuation import (
     tail_is_settled,
 )
 from vllm_guardian.gate.follower import Follower
+from vllm_guardian.gate.http1 import Request, StreamResponse
 from vllm_guardian.gate.metrics import GateMetrics
 from vllm_guardian.gate.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
@@ -116,21 +115,21 @@ class _Stop:
 class _Streamer:
     """The relay's steady state, in the upstream connection's callbacks: each read's events
     through :meth:`StreamState.on_event` and straight to the client's transport, framed as
-    aiohttp frames them, one write per read. No future, task switch or await per event: the
+    the server frames them, one write per read. No future, task switch or await per event: the
     coroutine waits once, for the event or condition that needs it (:class:`_Stop`)."""
 
     def __init__(
-        self, state: StreamState, splitter: SseSplitter, up: UpstreamResponse, writer: StreamWriter
+        self,
+        state: StreamState,
+        splitter: SseSplitter,
+        up: UpstreamResponse,
+        resp: StreamResponse,
     ) -> None:
         self.state = state
         self.splitter = splitter
         self.up = up
-        self.writer = writer
+        self.resp = resp
         self.stopped: asyncio.Future[_Stop] = asyncio.get_running_loop().create_future()
-        # Fixed for the answer's life: looked up once, not per event.
-        self._transport = writer.transport
-        self._protocol = writer.protocol
-        self._chunked = writer.chunked
 
     def body(self, data: bytes) -> None:
         if self.stopped.done():
@@ -166,7 +165,7 @@ class _Streamer:
             return
         if self.splitter.overflowing:
             self._stop(_Stop())
-        elif self._protocol.writing_paused:
+        elif self.resp.writing_paused:
             self.up.pause()
             self._stop(_Stop(drain=True))
 
@@ -175,16 +174,11 @@ class _Streamer:
             self.stopped.set_result(_Stop(ended=True))
 
     def _write(self, out: list[bytes]) -> bool:
-        data = out[0] if len(out) == 1 else b"".join(out)
-        transport = self._transport
-        if transport is None or transport.is_closing():
+        try:
+            self.resp.write_nowait(out[0] if len(out) == 1 else b"".join(out))
+        except ConnectionResetError:
             self._stop(_Stop(client_gone=True))
             return False
-        if self._chunked:
-            transport.write(b"%x\r\n%b\r\n" % (len(data), data))
-        else:
-            transport.write(data)
-        self.writer.output_size += len(data)
         return True
 
     def _stop(self, stop: _Stop, out: list[bytes] | None = None) -> None:
@@ -205,14 +199,14 @@ class ContinuingRelay:
         *,
         plan: Plan,
         settings: RelaySettings,
-        request: web.BaseRequest,
+        request: Request,
         target: str,
         headers: CIMultiDict[str],
         pool: UpstreamPool,
         follower: Follower,
         metrics: GateMetrics,
         wait_ready: Callable[[float], Awaitable[None]],
-        response_factory: Callable[[UpstreamResponse], web.StreamResponse],
+        response_factory: Callable[[UpstreamResponse], StreamResponse],
         fallback: Fallback | None = None,
     ) -> None:
         self.fallback = fallback
@@ -226,10 +220,10 @@ class ContinuingRelay:
         self.metrics = metrics
         self.wait_ready = wait_ready
         self._response_factory = response_factory
-        self.resp: web.StreamResponse | None = None
+        self.resp: StreamResponse | None = None
         self.request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
 
-    async def run(self, up: UpstreamResponse) -> web.StreamResponse:
+    async def run(self, up: UpstreamResponse) -> StreamResponse:
         """Relay ``up`` (and what follows it) to the client. Raises ``UpstreamError`` when the
         upstream failed before a byte reached the client (the proxy retries those)."""
         first = up
@@ -344,22 +338,19 @@ class ContinuingRelay:
         await self._drain(up)
         return None, None
 
-    def _direct_writer(self) -> StreamWriter | None:
-        """The client's writer when events may go to its transport directly: the answer's
-        head went out (through aiohttp), nothing rewrites the body (compression, a length)."""
+    def _direct_writer(self) -> StreamResponse | None:
+        """The client's answer once events may go to it from the upstream's callbacks: its
+        head went out, and no length frames its body."""
         resp = self.resp
-        if resp is None or resp.compression:
+        if resp is None or resp.content_length is not None:
             return None
-        writer = self.request.writer
-        if not isinstance(writer, StreamWriter) or writer.length is not None:
-            return None
-        return writer
+        return resp
 
     async def _stream(
-        self, up: UpstreamResponse, splitter: SseSplitter, writer: StreamWriter
+        self, up: UpstreamResponse, splitter: SseSplitter, resp: StreamResponse
     ) -> _Stop:
         """Relay events from the upstream's callbacks until one the relay must act on."""
-        streamer = _Streamer(self.state, splitter, up, writer)
+        streamer = _Streamer(self.state, splitter, up, resp)
         up.stream(streamer)
         try:
             return await streamer.stopped

@@ -1,4 +1,4 @@
-"""Assembling one gate: settings, the aiohttp server, the upstream client, the follower.
+"""Assembling one gate: settings, the HTTP server, the upstream client, the follower.
 
 :class:`Gate` is what ``vllm-guardian gate`` runs and what the tests start in-process (on a
 loop of their own): ``await gate.start()`` binds and begins following the guardian,
@@ -16,15 +16,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
-from aiohttp import web
 
 from vllm_guardian.gate.admission import Admission, Limits
 from vllm_guardian.gate.connections import (
-    GuardedServer,
+    ConnectionGuard,
     MalformedRequests,
     fit_descriptor_limit,
 )
 from vllm_guardian.gate.follower import Follower
+from vllm_guardian.gate.http1 import HttpServer, Request, Response, json_response
 from vllm_guardian.gate.looplag import LoopLag
 from vllm_guardian.gate.metrics import CONTENT_TYPE, GateMetrics
 from vllm_guardian.gate.proxy import STATUS_PATH, GateProxy, ProxySettings
@@ -94,7 +94,8 @@ class Gate:
     def __init__(self, settings: GateSettings) -> None:
         self.settings = settings
         self.metrics = GateMetrics(settings.proxy.service)
-        self._runner: web.ServerRunner | None = None
+        self._server: HttpServer | None = None
+        self._listener: asyncio.Server | None = None
         self._session: aiohttp.ClientSession | None = None  # the follower's /metrics reads
         self._pool: UpstreamPool | None = None  # the proxied exchanges
         self._fallback_pool: UpstreamPool | None = None  # ProxySettings.fallback_url's
@@ -160,18 +161,18 @@ class Gate:
         cap, why = fit_descriptor_limit(s.max_connections)
         if why is not None:
             log.warning("gate: %s", why)
-        server = GuardedServer(
-            self.proxy.handle if s.control_dir is None else self._handle_as_worker,
+        guard = ConnectionGuard(
             max_connections=cap,
             idle_timeout_seconds=s.idle_timeout_seconds,
             metrics=self.metrics,
-            malformed=malformed,
-            handler_cancellation=True,
-            access_log=None,
-            keepalive_timeout=2 * s.idle_timeout_seconds,  # the guard closes them first
         )
-        self._runner = web.ServerRunner(server, shutdown_timeout=s.shutdown_timeout_seconds)
-        await self._runner.setup()
+        guard.start()
+        self._server = HttpServer(
+            self.proxy.handle if s.control_dir is None else self._handle_as_worker,
+            guard,
+            malformed,
+            asyncio.get_running_loop(),
+        )
         family = socket.AF_INET6 if ":" in s.listen_host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -181,10 +182,12 @@ class Gate:
             sock.bind((s.listen_host, s.listen_port))
         except OSError:
             sock.close()
+            await guard.stop()
             raise
         self.port = int(sock.getsockname()[1])
-        site = web.SockSite(self._runner, sock, backlog=1024)
-        await site.start()
+        self._listener = await asyncio.get_running_loop().create_server(
+            self._server, sock=sock, backlog=1024
+        )
         if s.control_dir is not None:
             self._control = ControlServer(
                 Path(s.control_dir), self.proxy.status, self.metrics.render
@@ -192,21 +195,21 @@ class Gate:
             await self._control.start()
 
     async def _handle_as_worker(
-        self, request: web.BaseRequest, body_read: Callable[[], None] = lambda: None
-    ) -> web.StreamResponse:
+        self, request: Request, body_read: Callable[[], None] = lambda: None
+    ) -> Response:
         """A worker's handler: the gate's status and metrics are the workers' sums, the rest is
         the proxy's."""
-        if request.method == "GET" and request.rel_url.path == STATUS_PATH:
+        if request.method == "GET" and request.path == STATUS_PATH:
             assert self.proxy is not None
             assert self.settings.control_dir is not None
             doc = await gate_status(
                 Path(self.settings.control_dir), self.settings.workers, self.proxy.status()
             )
-            return web.json_response(doc)
-        if request.method == "GET" and request.rel_url.path == self.settings.proxy.metrics_path:
+            return json_response(doc)
+        if request.method == "GET" and request.path == self.settings.proxy.metrics_path:
             assert self.settings.control_dir is not None
             body = await gate_metrics(Path(self.settings.control_dir), self.metrics.render())
-            return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+            return Response(body=body, headers={"Content-Type": CONTENT_TYPE})
         assert self.proxy is not None
         return await self.proxy.handle(request, body_read)
 
@@ -217,12 +220,10 @@ class Gate:
         released to vLLM as it would have been (or refused at its own ``max_wait``), what it
         has in flight finishes. At most the longest a held request may wait; what is left then
         gets ``shutdown_timeout_seconds`` from :meth:`stop`, as on SIGTERM."""
-        if self._runner is None or self.proxy is None:
+        if self._server is None or self._listener is None or self.proxy is None:
             return
-        for site in list(self._runner.sites):
-            await site.stop()
-        if self._runner.server is not None:
-            self._runner.server.pre_shutdown()
+        self._listener.close()
+        self._server.retire()
         lim = self.settings.limits
         loop = asyncio.get_running_loop()
         deadline = loop.time() + lim.max_wait_seconds + lim.restart_extra_wait_seconds + 1.0
@@ -235,8 +236,10 @@ class Gate:
             await self.follower.stop()
         if self.admission is not None:
             await self.admission.stop()
-        if self._runner is not None:
-            await self._runner.cleanup()
+        if self._listener is not None:
+            self._listener.close()
+        if self._server is not None:
+            await self._server.shutdown(self.settings.shutdown_timeout_seconds)
         if self._pool is not None:
             self._pool.close()
         if self._fallback_pool is not None:
