@@ -31,12 +31,9 @@ import struct
 import termios
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from vllm_guardian.gate.metrics import GateMetrics
-
-if TYPE_CHECKING:
-    from vllm_guardian.gate.http1 import Connection
 
 log = logging.getLogger("vllm_guardian.gate")
 
@@ -109,6 +106,14 @@ class IdleCloses:
         )
         self._counts = {}
         self._next_report = now + self._interval
+
+
+class Connection(Protocol):
+    """A client connection as the guard sees it (``http1.Connection``)."""
+
+    transport: asyncio.Transport | None
+
+    def close(self) -> None: ...
 
 
 class GuardedConn:

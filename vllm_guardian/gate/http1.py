@@ -397,7 +397,8 @@ class Connection(asyncio.Protocol):
         self._handling: Request | None = None  # its handler runs
         self._url = bytearray()
         self._headers: list[tuple[bytes, bytes]] = []
-        self._head_bytes = 0  # of the head being parsed
+        self._head_bytes = 0  # read while a head is being parsed (one that never ends)
+        self._header_bytes = 0  # of the headers parsed (a head that ends, but too long)
         self._in_head = True
         self._broken = False  # the parser refused its input: nothing more is read
         self._buffered = 0  # body bytes fed and not yet read by handlers
@@ -506,6 +507,7 @@ class Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._url.clear()
         self._headers.clear()
+        self._header_bytes = 0
         self._in_head = True
 
     def on_url(self, url: bytes) -> None:
@@ -514,8 +516,12 @@ class Connection(asyncio.Protocol):
             raise _HeadTooLong(f"a request target longer than {MAX_LINE_BYTES} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if len(name) + len(value) > MAX_LINE_BYTES:
+        size = len(name) + len(value)
+        if size > MAX_LINE_BYTES:
             raise _HeadTooLong(f"a header line longer than {MAX_LINE_BYTES} bytes")
+        self._header_bytes += size + 4
+        if self._header_bytes > MAX_HEAD_BYTES:
+            raise _HeadTooLong(f"a request head longer than {MAX_HEAD_BYTES} bytes")
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -715,12 +721,11 @@ class Connection(asyncio.Protocol):
         if t is None or t.is_closing():
             return
         resp = openai_error(400, "the gate could not parse the request", "BadRequestError")
-        resp.content_length = len(resp.body)
-        resp.force_close()
         head = "\r\n".join(
             [
                 "HTTP/1.1 400 Bad Request",
                 *(f"{k}: {v}" for k, v in resp.headers.items()),
+                f"Date: {self._server.date()}",
                 f"Content-Length: {len(resp.body)}",
                 "Connection: close",
             ]

@@ -1,0 +1,261 @@
+"""The gate's HTTP/1.1 server (gate/http1.py), byte for byte on a real socket: what a client
+sends, what it gets back, what reaches the upstream stub, and whether the connection stays
+open. One gate for the module, in front of the stub."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import socket
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support import wait_for
+from tests.test_gate_support import GateThread, Stub
+from vllm_guardian.gate.http1 import MAX_HEAD_BYTES, MAX_LINE_BYTES
+
+
+@pytest.fixture(scope="module")
+def stub() -> Iterator[Stub]:
+    s = Stub()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def gate(stub: Stub) -> Iterator[GateThread]:
+    g = GateThread(stub.url, kv_admission=False)
+    wait_for(lambda: g.gate.admission is not None and g.gate.admission.open, "the gate to open")
+    yield g
+    g.stop()
+
+
+def malformed(g: GateThread, phase: str) -> float:
+    for family in text_string_to_metric_families(g.gate.metrics.render().decode()):
+        for s in family.samples:
+            if (
+                s.name == "vllm_guardian_gate_malformed_requests_total"
+                and s.labels["phase"] == phase
+            ):
+                return s.value
+    return 0.0
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+def read_answer(s: socket.socket, buf: bytearray, *, head_request: bool = False) -> Answer:
+    """One answer off the socket (Content-Length, chunked, or to the close); what follows it
+    stays in ``buf``."""
+
+    def more() -> bool:
+        chunk = s.recv(65536)
+        buf.extend(chunk)
+        return bool(chunk)
+
+    while b"\r\n\r\n" not in buf:
+        assert more(), f"closed before an answer's head: {bytes(buf)[:300]!r}"
+    head, _, rest = bytes(buf).partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ")[1])
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+    buf[:] = rest
+    if head_request or status in (204, 304):
+        return Answer(status, headers, b"")
+    if "content-length" in headers:
+        n = int(headers["content-length"])
+        while len(buf) < n:
+            assert more(), "closed inside a body"
+        body = bytes(buf[:n])
+        del buf[:n]
+        return Answer(status, headers, body)
+    if headers.get("transfer-encoding") == "chunked":
+        while not re.search(rb"(^|\r\n)0\r\n\r\n", bytes(buf)):
+            assert more(), "closed inside a chunked body"
+        raw, _, rest2 = bytes(buf).partition(b"0\r\n\r\n")
+        buf[:] = rest2
+        out = bytearray()
+        while raw:
+            size, _, raw = raw.partition(b"\r\n")
+            out += raw[: int(size, 16)]
+            raw = raw[int(size, 16) + 2 :]
+        return Answer(status, headers, bytes(out))
+    while more():
+        pass
+    body = bytes(buf)
+    buf.clear()
+    return Answer(status, headers, body)
+
+
+def closed_after(s: socket.socket, buf: bytearray) -> bool:
+    """The gate closes the connection (nothing more comes, then the end)."""
+    s.settimeout(30)
+    while chunk := s.recv(65536):
+        buf.extend(chunk)
+    return not buf
+
+
+def exchange(g: GateThread, raw: bytes, *, head_request: bool = False) -> tuple[Answer, bool]:
+    """Send ``raw``, read one answer: it, and whether the gate then closed the connection
+    (probed by waiting for the end, or by a second request that must be answered)."""
+    with socket.create_connection(("127.0.0.1", g.gate.port), timeout=30) as s:
+        s.sendall(raw)
+        buf = bytearray()
+        answer = read_answer(s, buf, head_request=head_request)
+        if answer.headers.get("connection", "").lower() == "close":
+            return answer, closed_after(s, buf)
+        s.sendall(b"GET /gate/status HTTP/1.1\r\nHost: x\r\n\r\n")
+        second = read_answer(s, buf)
+        assert second.status == 200, second
+        return answer, False
+
+
+def echo(body: bytes, extra: bytes = b"", version: bytes = b"1.1") -> bytes:
+    return (
+        b"POST /v1/echo HTTP/" + version + b"\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + extra + b"Content-Length: %d\r\n\r\n" % len(body) + body
+    )  # fmt: skip
+
+
+BODY = json.dumps({"prompt": "hello " * 200, "max_tokens": 1}).encode()
+
+
+def raw_deflate(data: bytes) -> bytes:
+    c = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    return c.compress(data) + c.flush()
+
+
+def echoed(answer: Answer) -> dict[str, object]:
+    doc = json.loads(answer.body)
+    assert isinstance(doc, dict)
+    return doc
+
+
+def forwarded_headers(answer: Answer) -> set[str]:
+    return {str(k).lower() for k, _ in echoed(answer)["headers"]}  # type: ignore[union-attr, misc]
+
+
+@dataclass(frozen=True)
+class Case:
+    raw: bytes
+    status: int
+    closes: bool
+    check: Callable[[Answer], bool] = lambda a: True
+    head_request: bool = False
+
+
+# fmt: off
+CASES = {
+    # Bodies: as sent, or decoded (and forwarded decoded, without their coding).
+    "a body by length": Case(
+        echo(BODY), 200, False, lambda a: echoed(a)["body_bytes"] == len(BODY)
+    ),
+    "a chunked body": Case(
+        b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"".join(b"%x\r\n%b\r\n" % (len(p), p) for p in (BODY[:100], BODY[100:]))
+        + b"0\r\n\r\n",
+        200, False,
+        lambda a: echoed(a)["body_bytes"] == len(BODY)
+        and "transfer-encoding" not in forwarded_headers(a),
+    ),
+    "a gzip body": Case(
+        echo(gzip.compress(BODY), b"Content-Encoding: gzip\r\n"), 200, False,
+        lambda a: echoed(a)["body_bytes"] == len(BODY)
+        and "content-encoding" not in forwarded_headers(a),
+    ),
+    "a deflate body (zlib-wrapped)": Case(
+        echo(zlib.compress(BODY), b"Content-Encoding: deflate\r\n"), 200, False,
+        lambda a: echoed(a)["body_bytes"] == len(BODY),
+    ),
+    "a deflate body (raw)": Case(
+        echo(raw_deflate(BODY), b"Content-Encoding: deflate\r\n"), 200, False,
+        lambda a: echoed(a)["body_bytes"] == len(BODY),
+    ),
+    "a gzip body cut short": Case(
+        echo(gzip.compress(BODY)[:-20], b"Content-Encoding: gzip\r\n"), 400, True,
+        lambda a: b"could not read the request body" in a.body,
+    ),
+    "a coding the gate cannot read": Case(
+        echo(b"\x8b\x00\x80", b"Content-Encoding: br\r\n"), 400, True,
+        lambda a: b"could not read the request body" in a.body,
+    ),
+    # Versions and keep-alive.
+    "HTTP/1.0: closed after the answer": Case(
+        echo(BODY, version=b"1.0"), 200, True, lambda a: a.headers["connection"] == "close"
+    ),
+    "HTTP/1.0 asking for keep-alive": Case(
+        echo(BODY, b"Connection: keep-alive\r\n", b"1.0"), 200, False,
+        lambda a: a.headers["connection"].lower() == "keep-alive",
+    ),
+    "Connection: close": Case(echo(BODY, b"Connection: close\r\n"), 200, True),
+    # Targets.
+    "an absolute-form target": Case(
+        b"POST http://gate.example/v1/echo?a=1 HTTP/1.1\r\nHost: gate.example\r\n"
+        b"Content-Length: 2\r\n\r\n{}",
+        200, False, lambda a: echoed(a)["path_qs"] == "/v1/echo?a=1",
+    ),
+    "a query passes as sent": Case(
+        b"POST /v1/echo?x=%2F&y=a+b HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}", 200,
+        False, lambda a: echoed(a)["path_qs"] == "/v1/echo?x=%2F&y=a+b",
+    ),
+    # Answers without a body.
+    "HEAD: the length, no body, the connection reusable": Case(
+        b"HEAD /v1/echo HTTP/1.1\r\nHost: x\r\n\r\n", 200, False,
+        lambda a: int(a.headers["content-length"]) > 0, head_request=True,
+    ),
+    # What the gate does not read.
+    "a request target too long": Case(
+        b"GET /" + b"a" * MAX_LINE_BYTES + b" HTTP/1.1\r\nHost: x\r\n\r\n", 400, True,
+        lambda a: b"could not parse the request" in a.body,
+    ),
+    "a header line too long": Case(
+        b"GET /gate/status HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * MAX_LINE_BYTES
+        + b"\r\n\r\n",
+        400, True,
+    ),
+    "a head too long in all": Case(
+        b"GET /gate/status HTTP/1.1\r\nHost: x\r\n"
+        + b"".join(b"X-%d: %b\r\n" % (i, b"v" * 4000) for i in range(MAX_HEAD_BYTES // 4000 + 2))
+        + b"\r\n",
+        400, True,
+    ),
+    "an upgrade: answered, then closed": Case(
+        b"GET /gate/status HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+        b"Upgrade: websocket\r\n\r\n",
+        200, True,
+    ),
+}
+# fmt: on
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_what_a_client_sends_and_gets(gate: GateThread, stub: Stub, case: Case) -> None:
+    heads_before = malformed(gate, "head")
+    answer, closed = exchange(gate, case.raw, head_request=case.head_request)
+    assert answer.status == case.status, answer
+    assert closed == case.closes, answer
+    assert case.check(answer), answer
+    parse_error = case.status == 400 and b"could not parse" in answer.body
+    assert malformed(gate, "head") == heads_before + (1 if parse_error else 0)
+    assert "date" in answer.headers, answer.headers
+
+
+def test_a_client_that_sends_its_head_in_pieces_is_answered(gate: GateThread, stub: Stub) -> None:
+    """llhttp keeps its place between reads: a head and body cut at every byte is one request."""
+    raw = echo(BODY)
+    with socket.create_connection(("127.0.0.1", gate.gate.port), timeout=30) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i in range(300):
+            s.sendall(raw[i : i + 1])
+        s.sendall(raw[300:])
+        answer = read_answer(s, bytearray())
+    assert answer.status == 200 and echoed(answer)["body_bytes"] == len(BODY), answer
