@@ -259,3 +259,206 @@ def test_a_client_that_sends_its_head_in_pieces_is_answered(gate: GateThread, st
         s.sendall(raw[300:])
         answer = read_answer(s, bytearray())
     assert answer.status == 200 and echoed(answer)["body_bytes"] == len(BODY), answer
+
+
+# --- what a review found, each held (the first run of each failed on the server's first version)
+
+
+def conn(g: GateThread, timeout: float = 10.0) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", g.gate.port), timeout=timeout)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def status_with_body(n: int) -> bytes:
+    return b"GET /gate/status HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % n + b"x" * n
+
+
+def test_bodies_the_gate_does_not_read_never_stall_a_kept_connection(gate: GateThread) -> None:
+    """A GET with a body is answered without reading it; what it left must not count against
+    the connection's buffer (past 128 KiB of it, reading paused for good: request 15 of 20
+    got no answer)."""
+    with conn(gate) as s:
+        buf = bytearray()
+        for i in range(20):
+            s.sendall(status_with_body(10_000))
+            answer = read_answer(s, buf)
+            assert answer.status == 200, (i, answer)
+
+
+def test_a_connection_left_with_unread_bodies_is_still_closed_at_the_idle_deadline(
+    stub: Stub,
+) -> None:
+    g = GateThread(stub.url, kv_admission=False, gate={"idle_timeout_seconds": 1.0})
+    try:
+        with conn(g) as s:
+            buf = bytearray()
+            for _ in range(14):  # 140,000 bytes the handler never reads
+                s.sendall(status_with_body(10_000))
+                read_answer(s, buf)
+            s.sendall(b"GET /gate/status HTTP/1.1\r\nHost: x\r\n\r\n")
+            s.settimeout(30)
+            got = s.recv(65536)  # answered (and then closed at the deadline), never silent
+            assert got.startswith(b"HTTP/1.1 200"), got[:100]
+    finally:
+        g.stop()
+
+
+def test_a_deflate_body_whose_first_piece_is_one_byte_is_read(gate: GateThread) -> None:
+    """Raw or zlib-wrapped deflate is told by the first two bytes, whatever the pieces."""
+    data = zlib.compress(BODY)
+    raw = (
+        b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Encoding: deflate\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+        + b"".join(b"%x\r\n%b\r\n" % (len(c), c) for c in (data[:1], data[1:]))
+        + b"0\r\n\r\n"
+    )
+    with conn(gate) as s:
+        s.sendall(raw)
+        answer = read_answer(s, bytearray())
+    assert answer.status == 200 and echoed(answer)["body_bytes"] == len(BODY), answer
+
+
+def gzip_bomb(mib: int) -> bytes:
+    c = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    zeros = b"\0" * (1 << 20)
+    return b"".join(c.compress(zeros) for _ in range(mib)) + c.flush()
+
+
+def test_a_gzip_bomb_is_refused_at_the_body_limit(gate: GateThread) -> None:
+    """~200 KiB that inflate to 200 MiB: 413 at the limit (32 MiB), nothing else."""
+    bomb = gzip_bomb(200)
+    with conn(gate, timeout=60) as s:
+        s.sendall(echo(bomb, b"Content-Encoding: gzip\r\n"))
+        answer = read_answer(s, bytearray())
+    assert answer.status == 413, answer
+
+
+class _Conn:
+    """What a request body tells its connection (white box: the buffer's accounting)."""
+
+    def __init__(self) -> None:
+        self.held = 0
+        self.peak = 0
+
+    def buffered(self, n: int) -> None:
+        self.held += n
+        self.peak = max(self.peak, self.held)
+
+    def consumed(self, n: int) -> None:
+        self.held -= n
+
+
+def test_a_coded_body_is_decoded_no_further_than_the_buffer_ahead_of_its_reader() -> None:
+    """A gzip body fed in one piece is decoded a buffer at a time as it is read: the server
+    never holds more than BUFFER_BYTES of it decoded plus its coded rest (200 MiB inflated
+    whole from one read before), and the reader gets every byte."""
+    from vllm_guardian.gate.http1 import BUFFER_BYTES, RequestBody, _Decoder
+
+    bomb = gzip_bomb(8)
+    c = _Conn()
+    body = RequestBody(c, _Decoder("gzip"))  # type: ignore[arg-type]
+    body.feed(bomb)
+    body.feed_eof()
+    total = 0
+    while chunk := body.read_nowait(64 * 1024):
+        total += len(chunk)
+    assert body.at_eof() and total == 8 << 20
+    assert c.peak <= BUFFER_BYTES + len(bomb), c.peak
+    assert c.held == 0
+
+
+@pytest.mark.parametrize("behind", ["20 pipelined GETs", "a 200 KB body"])
+def test_a_client_that_leaves_while_the_gate_has_stopped_reading_it_aborts_its_request(
+    gate: GateThread, stub: Stub, behind: str
+) -> None:
+    """With reading paused (requests or a body queued behind the one answered) the gate reads
+    no FIN; the guard sees the closed socket, so vLLM is still told to abort."""
+    stub.reset()
+    s = conn(gate)
+    try:
+        s.sendall(b"POST /v1/hold HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+        wait_for(lambda: stub.active == 1, "the stub to hold the request")
+        if behind == "20 pipelined GETs":
+            s.sendall(b"GET /gate/status HTTP/1.1\r\nHost: x\r\n\r\n" * 20)
+        else:
+            s.sendall(echo(b"x" * 200_000))
+    finally:
+        s.close()
+    try:
+        wait_for(
+            lambda: stub.disconnects == 1 and stub.active == 0,
+            "the held upstream request aborted",
+            seen=lambda: (stub.disconnects, stub.active),
+        )
+    finally:
+        stub.set_release()
+        stub.reset()
+
+
+def test_bytes_after_a_request_that_closes_are_not_a_malformed_request(gate: GateThread) -> None:
+    before = malformed(gate, "head")
+    with conn(gate) as s:
+        s.sendall(
+            b"GET /gate/status HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            b"GET /gate/status HTTP/1.1\r\nHost: x\r\n\r\n"
+        )
+        buf = bytearray()
+        assert read_answer(s, buf).status == 200
+        assert closed_after(s, buf)
+    assert malformed(gate, "head") == before
+
+
+def test_a_broken_chunked_body_the_gate_does_not_read_closes_after_the_answer(
+    gate: GateThread,
+) -> None:
+    with conn(gate) as s:
+        s.sendall(
+            b"GET /gate/status HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"zz\r\nhello\r\n0\r\n\r\n"
+        )
+        buf = bytearray()
+        assert read_answer(s, buf).status == 200
+        assert closed_after(s, buf)
+
+
+def test_a_client_waiting_for_100_continue_on_a_route_that_reads_no_body_is_closed(
+    gate: GateThread,
+) -> None:
+    """Answered without its body: the connection closes, or its body would be read as the
+    next request."""
+    with conn(gate) as s:
+        s.sendall(
+            b"GET /gate/status HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+            b"Content-Length: 100\r\n\r\n"
+        )
+        buf = bytearray()
+        answer = read_answer(s, buf)
+        assert answer.status == 200 and answer.headers["connection"] == "close", answer
+        assert closed_after(s, buf)
+
+
+def test_an_answer_without_a_body_then_a_failing_handler_is_one_answer(gate: GateThread) -> None:
+    """The server's contract (a handler injected): once a head went out, a handler's failure
+    closes the connection; it never writes a 500 after it."""
+    from vllm_guardian.gate.http1 import Request, StreamResponse
+
+    server = gate.gate._server
+    assert server is not None
+    original = server.handler
+
+    async def failing(request: Request, body_read: object) -> StreamResponse:
+        resp = StreamResponse(status=200, headers={"Content-Type": "text/plain"})
+        await resp.prepare(request)
+        await resp.write(b"some body")  # HEAD: the head goes out, the body does not
+        raise RuntimeError("injected: the handler fails after its head went out")
+
+    server.handler = failing  # type: ignore[assignment]
+    try:
+        with conn(gate) as s:
+            s.sendall(b"HEAD /x HTTP/1.1\r\nHost: x\r\n\r\n")
+            got = bytearray()
+            closed_after(s, got)
+    finally:
+        server.handler = original
+    assert bytes(got).count(b"HTTP/1.1 ") == 1, got

@@ -27,6 +27,7 @@ import fcntl
 import logging
 import math
 import resource
+import socket
 import struct
 import termios
 import time
@@ -36,6 +37,9 @@ from typing import Protocol
 from vllm_guardian.gate.metrics import GateMetrics
 
 log = logging.getLogger("vllm_guardian.gate")
+
+# Linux's tcp_states.h: the peer sent its FIN, this side has not closed yet.
+_TCP_CLOSE_WAIT = 8
 
 
 class MalformedRequests:
@@ -112,6 +116,7 @@ class Connection(Protocol):
     """A client connection as the guard sees it (``http1.Connection``)."""
 
     transport: asyncio.Transport | None
+    reading_paused: bool  # the server stopped reading it (its buffer is full)
 
     def close(self) -> None: ...
 
@@ -217,6 +222,11 @@ class ConnectionGuard:
             now = time.monotonic()
             deadline = now - self.idle_timeout_seconds
             for conn, g in list(self._conns.items()):
+                if conn.reading_paused and conn.transport is not None and _peer_closed(conn):
+                    # Paused, the server reads no FIN: a client gone while its request is
+                    # answered would keep it running in vLLM. Closed as a client that left.
+                    conn.transport.abort()
+                    continue
                 if (
                     not g.busy
                     and not g.head_in
@@ -234,6 +244,18 @@ class ConnectionGuard:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
             self._reaper = None
+
+
+def _peer_closed(conn: Connection) -> bool:
+    """The client closed its side (the socket is in CLOSE_WAIT); False when it cannot say."""
+    sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
+    if sock is None:
+        return False
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)
+    except (OSError, ValueError, AttributeError):  # closed meanwhile, or not Linux TCP
+        return False
+    return bool(info) and info[0] == _TCP_CLOSE_WAIT
 
 
 def _unread(transport: asyncio.Transport) -> bool:

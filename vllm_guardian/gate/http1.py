@@ -61,8 +61,10 @@ MAX_LINE_BYTES = 8190
 # Body bytes a connection holds for its handler before reading from it pauses (aiohttp's
 # high-water mark was 128 KiB too).
 BUFFER_BYTES = 128 * 1024
-# Pipelined requests parsed ahead of the one being answered before reading pauses.
+# Pipelined requests parsed ahead of the one being answered before reading pauses; past the
+# most one read may hold, the rest of that read is refused (400) after those are answered.
 MAX_PIPELINED = 16
+MAX_QUEUED = 64
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _NO_BODY_STATUSES = frozenset({204, 304})
 _REASONS = {s.value: s.phrase for s in http.HTTPStatus}
@@ -84,17 +86,23 @@ class ClientGone(ConnectionResetError):
 
 class RequestBody:
     """A request's body as it arrives: what :func:`~vllm_guardian.gate.body.read_body` reads
-    (``read_nowait`` what is there, ``read`` waiting for more, ``at_eof``)."""
+    (``read_nowait`` what is there, ``read`` waiting for more, ``at_eof``). A coded body is
+    decoded no further than :data:`BUFFER_BYTES` ahead of its reader: a small gzip body that
+    inflates a thousandfold is refused at the body limit, never held whole."""
 
-    __slots__ = ("_buf", "_conn", "_decoder", "_eof", "_error", "_waiter", "discard")
+    __slots__ = (
+        "_buf", "_conn", "_decoder", "_ended", "_eof", "_error", "_held", "_waiter", "discard",
+    )  # fmt: skip
 
     def __init__(self, conn: Connection, decoder: _Decoder | None) -> None:
         self._conn = conn
         self._buf = bytearray()
-        self._eof = False
+        self._ended = False  # the whole body arrived (coded, maybe not decoded yet)
+        self._eof = False  # ... and all of it is in _buf or was read
         self._error: BodyError | ClientGone | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._decoder = decoder
+        self._held = 0  # bytes counted in the connection's buffer: _buf and the coded tail
         self.discard = False  # answered without reading it: what still comes is dropped
 
     # --- fed by the connection -----------------------------------------------------------------
@@ -102,32 +110,48 @@ class RequestBody:
     def feed(self, data: bytes) -> None:
         if self._error is not None or self.discard:
             return
-        if self._decoder is not None:
-            try:
-                data = self._decoder.decompress(data)
-            except zlib.error as e:
-                self.fail(BodyError(f"the body's content coding could not be decoded: {e}"))
-                return
-        if data:
+        if self._decoder is None:
             self._buf += data
-            self._conn.buffered(len(data))
-            self._wake()
+        else:
+            self._decoder.add(data)
+            self._decode()
+        self._account()
+        self._wake()
 
     def feed_eof(self) -> None:
-        if self._decoder is not None and self._error is None and not self.discard:
-            try:
-                rest = self._decoder.flush()
-            except zlib.error as e:  # pragma: no cover (flush raises only on a broken stream)
-                self.fail(BodyError(f"the body's content coding could not be decoded: {e}"))
-                return
-            if not self._decoder.eof:
-                self.fail(BodyError("the body's content coding ended before its stream did"))
-                return
-            if rest:
-                self._buf += rest
-                self._conn.buffered(len(rest))
-        self._eof = True
+        self._ended = True
+        if self._error is not None or self.discard:
+            return
+        if self._decoder is None:
+            self._eof = True
+        else:
+            self._decode()
+        self._account()
         self._wake()
+
+    def _decode(self) -> None:
+        d = self._decoder
+        assert d is not None
+        try:
+            while d.pending and len(self._buf) < BUFFER_BYTES:
+                out = d.decode(BUFFER_BYTES - len(self._buf), self._ended)
+                if not out:
+                    break  # it needs more input first
+                self._buf += out
+            if self._ended and not d.pending and not self._eof:
+                self._buf += d.finish()
+                self._eof = True
+        except zlib.error as e:
+            self.fail(BodyError(f"the body's content coding could not be decoded: {e}"))
+
+    def _account(self) -> None:
+        """Tell the connection how much this body holds now (it pauses reading past a bound)."""
+        held = len(self._buf) + (self._decoder.pending if self._decoder is not None else 0)
+        delta, self._held = held - self._held, held
+        if delta > 0:
+            self._conn.buffered(delta)
+        elif delta < 0:
+            self._conn.consumed(-delta)
 
     def fail(self, error: BodyError | ClientGone) -> None:
         if self._eof or self._error is not None:
@@ -148,7 +172,7 @@ class RequestBody:
     @property
     def complete(self) -> bool:
         """The whole body arrived (read or not)."""
-        return self._eof
+        return self._ended
 
     def read_nowait(self, n: int) -> bytes:
         """Up to ``n`` bytes of what is there; b"" when nothing is (at the end, or not yet)."""
@@ -177,16 +201,18 @@ class RequestBody:
         else:
             data = bytes(self._buf[:n])
             del self._buf[:n]
-        if data:
-            self._conn.consumed(len(data))
+        if self._decoder is not None and self._error is None:
+            self._decode()  # the next piece, as the reader makes room for it
+        self._account()
         return data
 
     def drop(self) -> None:
         """The handler is done without the rest: what is buffered and what still comes goes."""
         self.discard = True
-        if self._buf:
-            self._conn.consumed(len(self._buf))
-            self._buf.clear()
+        self._buf.clear()
+        if self._decoder is not None:
+            self._decoder.drop()
+        self._account()
 
 
 class Request:
@@ -313,6 +339,7 @@ class StreamResponse(Response):
             if self._head is not None:
                 t.write(self._head)
                 self._head = None
+                conn.answer_started = True
             return
         out = b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data
         if self._head is not None:
@@ -401,8 +428,9 @@ class Connection(asyncio.Protocol):
         self._header_bytes = 0  # of the headers parsed (a head that ends, but too long)
         self._in_head = True
         self._broken = False  # the parser refused its input: nothing more is read
+        self._last_closes = False  # the last request parsed closes the connection after it
         self._buffered = 0  # body bytes fed and not yet read by handlers
-        self._reading_paused = False
+        self.reading_paused = False
         self.writing_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
         self.closing = False  # no request after the current one
@@ -479,6 +507,11 @@ class Connection(asyncio.Protocol):
             self._broken = True
             self.closing = True
         except httptools.HttpParserError as e:
+            if self._last_closes:
+                # Bytes after a request that closes the connection (Connection: close, an
+                # HTTP/1.0 one): not read, and not the client's fault to count.
+                self._broken = True
+                return
             # A callback's own exception comes wrapped (HttpParserCallbackError).
             cause = e.__context__ if isinstance(e.__context__, _HeadTooLong) else e
             self._refused(str(cause) or type(cause).__name__)
@@ -494,7 +527,9 @@ class Connection(asyncio.Protocol):
         its turn (then the connection closes); nothing more is read."""
         self._broken = True
         if self._parsing is not None:
-            # Its head was fine, its body broke: the handler reading it answers that.
+            # Its head was fine, its body broke: the handler reading it answers that, and the
+            # connection closes after its answer.
+            self.closing = True
             self._parsing.content.fail(BodyError(f"the request body's framing broke: {detail}"))
             self._parsing = None
             return
@@ -525,6 +560,8 @@ class Connection(asyncio.Protocol):
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if len(self._queue) >= MAX_QUEUED:
+            raise _HeadTooLong(f"more than {MAX_QUEUED} requests sent ahead of their answers")
         p = self._parser
         self._in_head = False
         self._head_bytes = 0
@@ -577,6 +614,7 @@ class Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._in_head = True
+        self._last_closes = not self._parser.should_keep_alive()
         if self._parsing is not None:
             self._parsing.content.feed_eof()
             self._parsing = None
@@ -594,13 +632,13 @@ class Connection(asyncio.Protocol):
             self._resume_reading()
 
     def _pause_reading(self) -> None:
-        if not self._reading_paused and self.transport is not None:
-            self._reading_paused = True
+        if not self.reading_paused and self.transport is not None:
+            self.reading_paused = True
             self.transport.pause_reading()
 
     def _resume_reading(self) -> None:
-        if self._reading_paused and self.transport is not None and not self._broken:
-            self._reading_paused = False
+        if self.reading_paused and self.transport is not None and not self._broken:
+            self.reading_paused = False
             self.transport.resume_reading()
 
     # --- answering -----------------------------------------------------------------------------
@@ -664,11 +702,12 @@ class Connection(asyncio.Protocol):
             self._handling = None
             if guard is not None:
                 self._server.guard.idle(guard, time.monotonic())
-        if not request.content.complete:
-            # Answered before its body was all read (a refusal, a GET with a body): the rest
-            # is read and dropped, or the connection closes when the answer says so.
-            request.content.drop()
-        return resp.keep_alive and request.keep_alive and not self.closing
+        # What the handler left of the body goes: read and dropped until the request ends.
+        incomplete = not request.content.complete
+        request.content.drop()
+        # A body not all sent when the answer went (a refusal; a client still waiting for
+        # "100 Continue"): the connection closes rather than wait for the rest.
+        return resp.keep_alive and request.keep_alive and not self.closing and not incomplete
 
     async def _finish(self, request: Request, resp: Response) -> None:
         if isinstance(resp, StreamResponse):
@@ -680,6 +719,8 @@ class Connection(asyncio.Protocol):
         if t is None or t.is_closing():
             raise ConnectionResetError("the client's connection is closed")
         resp.content_length = len(resp.body)
+        if not request.content.complete:
+            resp.keep_alive = False  # see _answer: said in the head
         head, _, no_body = self.head_for(resp, request)
         t.write(head if no_body or not resp.body else head + resp.body)
         self.answer_started = True
@@ -747,27 +788,46 @@ class Connection(asyncio.Protocol):
 
 
 class _Decoder:
-    """A coded body decoded as it arrives: ``gzip``, or ``deflate`` zlib-wrapped as RFC 9110
-    says or raw as some clients send it (its first bytes tell which)."""
+    """A coded body, decoded piece by piece as its reader asks: ``gzip``, or ``deflate``
+    zlib-wrapped as RFC 9110 says or raw as some clients send it (its first two bytes tell
+    which: a zlib header's check bits)."""
 
     def __init__(self, coding: str) -> None:
-        self._gzip = coding != "deflate"
         self._d: zlib._Decompress | None = (
-            zlib.decompressobj(16 + zlib.MAX_WBITS) if self._gzip else None
+            zlib.decompressobj(16 + zlib.MAX_WBITS) if coding != "deflate" else None
         )
-
-    def decompress(self, data: bytes) -> bytes:
-        if self._d is None:
-            wrapped = len(data) >= 2 and data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0
-            self._d = zlib.decompressobj(zlib.MAX_WBITS if wrapped else -zlib.MAX_WBITS)
-        return self._d.decompress(data)
-
-    def flush(self) -> bytes:
-        return self._d.flush() if self._d is not None else b""
+        self._tail = b""  # coded bytes not decoded yet
 
     @property
-    def eof(self) -> bool:
-        return self._d is not None and self._d.eof
+    def pending(self) -> int:
+        return len(self._tail)
+
+    def add(self, data: bytes) -> None:
+        self._tail = self._tail + data if self._tail else data
+
+    def decode(self, max_bytes: int, ended: bool) -> bytes:
+        """At most ``max_bytes`` of the body; b"" when it needs more input first."""
+        if self._d is None:
+            t = self._tail
+            if len(t) < 2 and not ended:
+                return b""
+            wrapped = len(t) >= 2 and t[0] & 0x0F == 8 and (t[0] << 8 | t[1]) % 31 == 0
+            self._d = zlib.decompressobj(zlib.MAX_WBITS if wrapped else -zlib.MAX_WBITS)
+        out = self._d.decompress(self._tail, max_bytes)
+        self._tail = self._d.unconsumed_tail
+        return out
+
+    def finish(self) -> bytes:
+        """The rest, once all the coded bytes are decoded; raises zlib.error when the coded
+        stream is not complete."""
+        d = self._d if self._d is not None else zlib.decompressobj(-zlib.MAX_WBITS)
+        rest = d.flush()
+        if not d.eof:
+            raise zlib.error("the coded body ended before its stream did")
+        return rest
+
+    def drop(self) -> None:
+        self._tail = b""
 
 
 def _origin_form(target: str) -> str:
