@@ -35,15 +35,16 @@ def gate(stub: Stub) -> Iterator[GateThread]:
     g.stop()
 
 
-def malformed(g: GateThread, phase: str) -> float:
+def sample(g: GateThread, name: str, **labels: str) -> float:
     for family in text_string_to_metric_families(g.gate.metrics.render().decode()):
         for s in family.samples:
-            if (
-                s.name == "vllm_guardian_gate_malformed_requests_total"
-                and s.labels["phase"] == phase
-            ):
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 return s.value
     return 0.0
+
+
+def malformed(g: GateThread, phase: str) -> float:
+    return sample(g, "vllm_guardian_gate_malformed_requests_total", phase=phase)
 
 
 @dataclass
@@ -462,3 +463,127 @@ def test_an_answer_without_a_body_then_a_failing_handler_is_one_answer(gate: Gat
     finally:
         server.handler = original
     assert bytes(got).count(b"HTTP/1.1 ") == 1, got
+
+
+# --- what a second review found, each held (each failed before its mend)
+
+
+def decoded_whole(coding: str, coded: bytes) -> bytes:
+    """A coded body fed in one piece, read to its end (raises BodyError)."""
+    from vllm_guardian.gate.http1 import RequestBody, _Decoder
+
+    c = _Conn()
+    body = RequestBody(c, _Decoder(coding))  # type: ignore[arg-type]
+    body.feed(coded)
+    body.feed_eof()
+    out = b""
+    while chunk := body.read_nowait(1 << 20):
+        out += chunk
+    assert c.held == 0
+    return out
+
+
+GZIPPED = gzip.compress(b'{"prompt":"abc"}')
+
+
+@pytest.mark.parametrize(
+    ("coding", "coded", "decoded"),
+    [
+        ("gzip", GZIPPED, b'{"prompt":"abc"}'),
+        # RFC 1952: a gzip body may be several members (`gzip a >x; gzip b >>x`).
+        ("gzip", gzip.compress(b'{"prompt":"a') + gzip.compress(b'bc"}'), b'{"prompt":"abc"}'),
+        ("gzip", GZIPPED + b"trailing garbage", None),
+        ("gzip", GZIPPED + b"\xaa" * (1 << 20), None),  # a megabyte no accounting saw
+        ("deflate", zlib.compress(b'{"a":1}') + b"x" * 100, None),
+        ("gzip", GZIPPED[:-4], None),  # cut short
+    ],
+    ids=[
+        "one member",
+        "two members",
+        "garbage after",
+        "a megabyte after",
+        "deflate+garbage",
+        "cut short",
+    ],
+)
+def test_a_coded_body_is_all_its_members_and_nothing_after_them(
+    coding: str, coded: bytes, decoded: bytes | None
+) -> None:
+    from vllm_guardian.gate.http1 import BodyError
+
+    if decoded is None:
+        with pytest.raises(BodyError):
+            decoded_whole(coding, coded)
+    else:
+        assert decoded_whole(coding, coded) == decoded
+
+
+@pytest.mark.parametrize(
+    "codings",
+    [
+        b"Content-Encoding: identity\r\nContent-Encoding: gzip\r\n",
+        b"Content-Encoding: gzip\r\nContent-Encoding: identity\r\n",
+        b"Content-Encoding: identity, gzip\r\n",
+    ],
+    ids=["identity then gzip", "gzip then identity", "one header, two codings"],
+)
+def test_a_body_coded_once_whatever_identity_beside_it_is_decoded_and_forwarded_so(
+    gate: GateThread, codings: bytes
+) -> None:
+    """The coding is read from every Content-Encoding header, in order, the same way for the
+    decision to decode and for the header sent upstream (before: the last header decided one,
+    the first the other)."""
+    answer, _ = exchange(gate, echo(gzip.compress(BODY), codings))
+    assert answer.status == 200, answer
+    assert echoed(answer)["body_bytes"] == len(BODY), answer
+    assert "content-encoding" not in forwarded_headers(answer), answer
+
+
+def test_a_body_coded_twice_is_refused(gate: GateThread) -> None:
+    raw = echo(gzip.compress(gzip.compress(BODY)), b"Content-Encoding: gzip, gzip\r\n")
+    answer, closed = exchange(gate, raw)
+    assert answer.status == 400 and closed, answer
+
+
+def test_a_client_that_never_reads_its_answer_is_closed_at_the_deadline(stub: Stub) -> None:
+    """As nginx's send_timeout: a client that takes nothing of its answer for the idle
+    deadline is closed and its slot freed (before: such clients held every slot for good and
+    each new client was closed at once)."""
+    g = GateThread(
+        stub.url, kv_admission=False, gate={"idle_timeout_seconds": 1.0, "max_connections": 2}
+    )
+    hogs = []
+    try:
+        for _ in range(2):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", g.gate.port))
+            s.sendall(b"POST /v1/sse?n=100000 HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+            hogs.append(s)
+        server = g.gate._server
+        assert server is not None
+        wait_for(
+            lambda: sum(c.writing_paused for c in list(server.connections)) == 2,
+            "both answers stopped by clients that do not read",
+            seen=lambda: [c.writing_paused for c in list(server.connections)],
+        )
+
+        def served() -> bool:
+            with socket.create_connection(("127.0.0.1", g.gate.port), timeout=10) as s:
+                s.sendall(b"GET /gate/status HTTP/1.1\r\nHost: x\r\n\r\n")
+                try:
+                    return read_answer(s, bytearray()).status == 200
+                except AssertionError:  # closed at once: over the cap
+                    return False
+
+        wait_for(
+            served,
+            "a new client served after the readers-of-nothing were closed",
+            timeout_seconds=60,
+        )
+        closed = sample(g, "vllm_guardian_gate_connections_closed_total", reason="send_timeout")
+        assert closed == 2, closed
+    finally:
+        for s in hogs:
+            s.close()
+        g.stop()

@@ -10,7 +10,8 @@ connection (and a descriptor) forever; ~1,000 of them and a normal POST got no a
   deadline and rate floor apply: ``body.py``), and *idle* otherwise (sending its head, or
   kept alive between requests);
 * an idle connection is closed after ``idle_timeout_seconds``: the request-head deadline and
-  the keep-alive limit in one;
+  the keep-alive limit in one; so is one whose client takes nothing of its answer for as long
+  (``send_timeout``, as nginx's ``send_timeout``): a client that never reads holds no slot;
 * at ``max_connections`` open, a new connection closes the one that has waited for its client
   the longest (idle, or reading a body); when every connection is busy, the new one is closed
   at once. A real client sends its head and body at once and becomes busy at once, so it is
@@ -99,6 +100,15 @@ class IdleCloses:
             kind, now - conn.since, conn.requests, conn.bytes_in, now - conn.idle_since,
         )  # fmt: skip
 
+    def note_stalled(self, conn: GuardedConn, now: float) -> None:
+        kind = "an answer the client did not read"
+        self._counts[kind] = self._counts.get(kind, 0) + 1
+        log.debug(
+            "gate: closed a connection whose client read nothing of its answer for the "
+            "deadline: open %.1f s, %d request(s)",
+            now - conn.since, conn.requests,
+        )  # fmt: skip
+
     def report(self, now: float) -> None:
         if not self._counts or now < self._next_report:
             return
@@ -117,6 +127,7 @@ class Connection(Protocol):
 
     transport: asyncio.Transport | None
     reading_paused: bool  # the server stopped reading it (its buffer is full)
+    write_paused_since: float | None  # since when the client has taken none of its answer
 
     def close(self) -> None: ...
 
@@ -222,6 +233,15 @@ class ConnectionGuard:
             now = time.monotonic()
             deadline = now - self.idle_timeout_seconds
             for conn, g in list(self._conns.items()):
+                stalled = conn.write_paused_since
+                if stalled is not None and stalled < deadline and conn.transport is not None:
+                    # The client took nothing of its answer for the whole deadline (nginx's
+                    # send_timeout): gone, or never reading. Its slot is freed, its request
+                    # aborted in vLLM as for a client that left.
+                    self._metrics.connection_closed("send_timeout")
+                    self._idle_closes.note_stalled(g, now)
+                    conn.transport.abort()
+                    continue
                 if conn.reading_paused and conn.transport is not None and _peer_closed(conn):
                     # Paused, the server reads no FIN: a client gone while its request is
                     # answered would keep it running in vLLM. Closed as a client that left.

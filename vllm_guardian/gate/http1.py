@@ -219,8 +219,8 @@ class Request:
     """One client request, its head parsed: what the proxy reads."""
 
     __slots__ = (
-        "body_exists", "conn", "content", "content_length", "headers", "keep_alive", "method",
-        "path", "target", "version",
+        "body_exists", "conn", "content", "content_length", "decoded", "headers", "keep_alive",
+        "method", "path", "target", "version",
     )  # fmt: skip
 
     def __init__(
@@ -245,6 +245,8 @@ class Request:
         self.content_length = content_length
         self.body_exists = body_exists
         self.content = RequestBody(conn, decoder)
+        # Its body is decoded as it arrives (and forwarded so, without Content-Encoding).
+        self.decoded = decoder is not None
 
     @property
     def remote(self) -> str | None:
@@ -432,6 +434,8 @@ class Connection(asyncio.Protocol):
         self._buffered = 0  # body bytes fed and not yet read by handlers
         self.reading_paused = False
         self.writing_paused = False
+        # Since when the client has taken none of the answer (the guard's send deadline).
+        self.write_paused_since: float | None = None
         self._drain_waiter: asyncio.Future[None] | None = None
         self.closing = False  # no request after the current one
         self.answer_started = False  # a byte of the current answer went out
@@ -472,9 +476,11 @@ class Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.writing_paused = True
+        self.write_paused_since = time.monotonic()
 
     def resume_writing(self) -> None:
         self.writing_paused = False
+        self.write_paused_since = None
         self._wake_drain()
 
     def _wake_drain(self) -> None:
@@ -568,7 +574,7 @@ class Connection(asyncio.Protocol):
         headers: CIMultiDict[str] = CIMultiDict()
         length: int | None = None
         chunked = False
-        coding = ""
+        codings: list[str] = []
         for name, value in self._headers:
             k = name.decode("utf-8", "surrogateescape")
             v = value.decode("utf-8", "surrogateescape")
@@ -579,16 +585,21 @@ class Connection(asyncio.Protocol):
             elif lk == "transfer-encoding":
                 chunked = chunked or "chunked" in v.lower()
             elif lk == "content-encoding":
-                coding = v.strip().lower()
+                codings += [c for c in (c.strip().lower() for c in v.split(",")) if c]
         major, _, minor = p.get_http_version().partition(".")
         body_exists = chunked or bool(length)
         decoder: _Decoder | None = None
         refused: str | None = None
-        if coding and coding != "identity" and body_exists:
-            if coding in DECODED_CODINGS:
-                decoder = _Decoder(coding)
+        codings = [c for c in codings if c != "identity"]
+        if codings and body_exists:
+            # One coding the gate reads, or none: it must read the JSON inside, and forwards
+            # it decoded (vLLM's server decodes no request body).
+            if len(codings) == 1 and codings[0] in DECODED_CODINGS:
+                decoder = _Decoder(codings[0])
             else:
-                refused = f"the gate does not decode a body of Content-Encoding {coding!r}"
+                refused = (
+                    f"the gate does not decode a body of Content-Encoding {', '.join(codings)!r}"
+                )
         request = Request(
             self,
             p.get_method().decode("ascii", "replace"),
@@ -788,13 +799,15 @@ class Connection(asyncio.Protocol):
 
 
 class _Decoder:
-    """A coded body, decoded piece by piece as its reader asks: ``gzip``, or ``deflate``
-    zlib-wrapped as RFC 9110 says or raw as some clients send it (its first two bytes tell
-    which: a zlib header's check bits)."""
+    """A coded body, decoded piece by piece as its reader asks: ``gzip`` (one member or
+    several, as RFC 1952 allows), or ``deflate`` zlib-wrapped as RFC 9110 says or raw as some
+    clients send it (its first two bytes tell which: a zlib header's check bits). Bytes after
+    the coded stream's end that begin no gzip member are not the body's: an error."""
 
     def __init__(self, coding: str) -> None:
+        self._gzip = coding != "deflate"
         self._d: zlib._Decompress | None = (
-            zlib.decompressobj(16 + zlib.MAX_WBITS) if coding != "deflate" else None
+            zlib.decompressobj(16 + zlib.MAX_WBITS) if self._gzip else None
         )
         self._tail = b""  # coded bytes not decoded yet
 
@@ -806,16 +819,26 @@ class _Decoder:
         self._tail = self._tail + data if self._tail else data
 
     def decode(self, max_bytes: int, ended: bool) -> bytes:
-        """At most ``max_bytes`` of the body; b"" when it needs more input first."""
+        """At most ``max_bytes`` of the body; b"" when it needs more input first. Raises
+        zlib.error for a broken coding or bytes after its end."""
         if self._d is None:
             t = self._tail
             if len(t) < 2 and not ended:
                 return b""
             wrapped = len(t) >= 2 and t[0] & 0x0F == 8 and (t[0] << 8 | t[1]) % 31 == 0
             self._d = zlib.decompressobj(zlib.MAX_WBITS if wrapped else -zlib.MAX_WBITS)
-        out = self._d.decompress(self._tail, max_bytes)
-        self._tail = self._d.unconsumed_tail
-        return out
+        while True:
+            if self._d.eof:
+                if not self._tail:
+                    return b""
+                if not (self._gzip and self._tail[:1] == b"\x1f"):
+                    raise zlib.error("bytes after the end of the coded body")
+                self._d = zlib.decompressobj(16 + zlib.MAX_WBITS)  # the next gzip member
+            out = self._d.decompress(self._tail, max_bytes)
+            # After the stream's end zlib keeps what follows in unused_data: ours to judge.
+            self._tail = self._d.unused_data if self._d.eof else self._d.unconsumed_tail
+            if out or not (self._d.eof and self._tail):
+                return out
 
     def finish(self) -> bytes:
         """The rest, once all the coded bytes are decoded; raises zlib.error when the coded

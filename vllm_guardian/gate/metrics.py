@@ -224,22 +224,23 @@ class GateMetrics:
         self._connections_closed = Counter(
             f"{NS}_connections_closed",
             "Client connections the gate closed itself: idle past the deadline (idle_timeout), "
-            "closed to make room at the cap (evicted), or refused with every slot busy "
-            "(over_cap).",
+            "its client reading nothing of its answer as long (send_timeout), closed to make "
+            "room at the cap (evicted), or refused with every slot busy (over_cap).",
             ["service", "reason"],
             registry=r,
         )
         self._malformed = Counter(
             f"{NS}_malformed_requests",
             "Requests the gate could not parse and answered 400 itself, by where the fault was: "
-            "the request head (aiohttp's parser), or the body's framing or encoding (body).",
+            "the request head (llhttp refused it, or it was too long), or the body's framing or "
+            "coding (body).",
             ["service", "phase"],
             registry=r,
         )
         self._service = service
         for phase in ("head", "body"):
             self._malformed.labels(service, phase)
-        for reason in ("idle_timeout", "evicted", "over_cap"):
+        for reason in ("idle_timeout", "send_timeout", "evicted", "over_cap"):
             self._connections_closed.labels(service, reason)
         # Every known label value from the start, so rate() sees a 0 before the first event.
         for reason in ("queue_full", "queued_tokens_full", "per_key_limit", "wait_timeout",

@@ -70,7 +70,6 @@ from vllm_guardian.gate.body import (
 from vllm_guardian.gate.continuation import Outcome, Plan, Refusal
 from vllm_guardian.gate.follower import Follower
 from vllm_guardian.gate.http1 import (
-    DECODED_CODINGS,
     ClientGone,
     Request,
     Response,
@@ -255,8 +254,7 @@ def _request_headers(request: Request) -> CIMultiDict[str]:
     """The client's headers as they go upstream: hop-by-hop ones, the length (the pool sets it)
     and the coding of a body the server decoded (http1.py) left out."""
     headers = _forward_headers(request.headers, REQUEST_DROP)
-    coding = request.headers.get("Content-Encoding", "").strip().lower()
-    if request.body_exists and coding in DECODED_CODINGS:
+    if request.decoded:
         headers.popall("Content-Encoding")
     return headers
 
