@@ -8,6 +8,7 @@ import gzip
 import json
 import re
 import socket
+import struct
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -369,12 +370,14 @@ def test_a_coded_body_is_decoded_no_further_than_the_buffer_ahead_of_its_reader(
     assert c.held == 0
 
 
+@pytest.mark.parametrize("how", ["closes", "resets"])
 @pytest.mark.parametrize("behind", ["20 pipelined GETs", "a 200 KB body"])
 def test_a_client_that_leaves_while_the_gate_has_stopped_reading_it_aborts_its_request(
-    gate: GateThread, stub: Stub, behind: str
+    gate: GateThread, stub: Stub, behind: str, how: str
 ) -> None:
     """With reading paused (requests or a body queued behind the one answered) the gate reads
-    no FIN; the guard sees the closed socket, so vLLM is still told to abort."""
+    no FIN and sees no reset; the guard sees the closed socket, so vLLM is still told to
+    abort."""
     stub.reset()
     s = conn(gate)
     try:
@@ -385,6 +388,8 @@ def test_a_client_that_leaves_while_the_gate_has_stopped_reading_it_aborts_its_r
         else:
             s.sendall(echo(b"x" * 200_000))
     finally:
+        if how == "resets":
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         s.close()
     try:
         wait_for(

@@ -39,8 +39,8 @@ from vllm_guardian.gate.metrics import GateMetrics
 
 log = logging.getLogger("vllm_guardian.gate")
 
-# Linux's tcp_states.h: the peer sent its FIN, this side has not closed yet.
-_TCP_CLOSE_WAIT = 8
+# Linux's tcp_states.h: the peer sent its FIN (CLOSE_WAIT), or reset the connection (CLOSE).
+_PEER_GONE_STATES = frozenset({7, 8})
 
 
 class MalformedRequests:
@@ -267,7 +267,8 @@ class ConnectionGuard:
 
 
 def _peer_closed(conn: Connection) -> bool:
-    """The client closed its side (the socket is in CLOSE_WAIT); False when it cannot say."""
+    """The client closed its side or reset the connection (the socket is in CLOSE_WAIT or
+    CLOSE); False when it cannot say."""
     sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
     if sock is None:
         return False
@@ -275,7 +276,7 @@ def _peer_closed(conn: Connection) -> bool:
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)
     except (OSError, ValueError, AttributeError):  # closed meanwhile, or not Linux TCP
         return False
-    return bool(info) and info[0] == _TCP_CLOSE_WAIT
+    return bool(info) and info[0] in _PEER_GONE_STATES
 
 
 def _unread(transport: asyncio.Transport) -> bool:

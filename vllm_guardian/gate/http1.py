@@ -533,8 +533,9 @@ class Connection(asyncio.Protocol):
         its turn (then the connection closes); nothing more is read."""
         self._broken = True
         if self._parsing is not None:
-            # Its head was fine, its body broke: the handler reading it answers that, and the
-            # connection closes after its answer.
+            # Its head was fine, its body broke: its handler, reading it, answers 400, and the
+            # connection closes after that answer. (Queued behind another request, it is not
+            # answered: the connection closes after the one before it.)
             self.closing = True
             self._parsing.content.fail(BodyError(f"the request body's framing broke: {detail}"))
             self._parsing = None
