@@ -6,19 +6,21 @@ uvicorn uses) cuts requests out of its bytes in C and calls back here. A request
 a :class:`Request`; its body is fed to the request's :class:`RequestBody` as it arrives; one
 task per busy connection runs the handler for each request in turn and writes its answer.
 
-Why not aiohttp's server, which the gate ran on before: measured on loopback against nginx
-(docs/benchmarks.md), aiohttp's request and response objects cost the gate about 2.7× nginx's
-CPU per request before the gate did anything, and a proxy's tail on a shared core follows its
-CPU. This server does what the gate needs and nothing else:
+Why not aiohttp's server, which the gate ran on before: on loopback against nginx
+(docs/benchmarks.md, "The gate on its own server") this one took 10–25 % of the gate's CPU per
+request and 5–15 % per event, and one gate process relays 2,000 streams with none stalled
+(200 stalled before); a proxy's tail on a shared core follows its CPU. It does what the gate
+needs and nothing else (docs/gate.md, "The gate's own HTTP server"):
 
 * HTTP/1.1 keep-alive and HTTP/1.0 (kept alive only when asked); pipelined requests are
   answered in order, each after the one before it ends;
-* ``Content-Length`` and chunked request bodies, ``gzip`` and ``deflate`` bodies decoded as
-  they arrive (other codings are refused: the gate must read the JSON);
+* ``Content-Length`` and chunked request bodies; ``gzip`` and ``deflate`` bodies decoded as
+  they are read, a buffer at a time (any other coding, or bytes after the coded stream, is a
+  body error: the gate must read the JSON);
 * ``Expect: 100-continue`` (:meth:`Request.send_continue`);
 * a request head over :data:`MAX_HEAD_BYTES` (a line of it over :data:`MAX_LINE_BYTES`), or
-  one llhttp refuses, is answered 400 in
-  OpenAI's error shape and counted (``MalformedRequests``), never logged with a traceback;
+  one llhttp refuses, is answered 400 in OpenAI's error shape and counted
+  (``MalformedRequests``), never logged with a traceback;
 * answers framed by ``Content-Length``, chunked (HTTP/1.1), or by the close (HTTP/1.0), with
   none for ``HEAD``, 1xx, 204 and 304; the head goes out with the first body bytes, in one
   write;
