@@ -9,6 +9,7 @@ import json
 import re
 import socket
 import struct
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -591,4 +592,28 @@ def test_a_client_that_never_reads_its_answer_is_closed_at_the_deadline(stub: St
     finally:
         for s in hogs:
             s.close()
+        g.stop()
+
+
+def test_a_client_that_reads_its_stream_slowly_but_steadily_is_served(stub: Stub) -> None:
+    """The send deadline counts from the last bytes the client took, not from when the gate's
+    writes paused (a third review: a client taking 512 bytes every 20 ms was cut at a 1 s
+    deadline, its transport paused until it fell below its low-water mark)."""
+    g = GateThread(stub.url, kv_admission=False, gate={"idle_timeout_seconds": 1.0})
+    s = socket.socket()
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", g.gate.port))
+        s.sendall(b"POST /v1/sse?n=20000 HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+        s.settimeout(30)
+        got = 0
+        while got < 120_000:  # several deadlines long at this pace
+            chunk = s.recv(512)
+            assert chunk, f"closed after {got} bytes"
+            got += len(chunk)
+            time.sleep(0.02)
+        closed = sample(g, "vllm_guardian_gate_connections_closed_total", reason="send_timeout")
+        assert closed == 0, closed
+    finally:
+        s.close()
         g.stop()

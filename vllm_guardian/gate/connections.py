@@ -10,8 +10,9 @@ connection (and a descriptor) forever; ~1,000 of them and a normal POST got no a
   deadline and rate floor apply: ``body.py``), and *idle* otherwise (sending its head, or
   kept alive between requests);
 * an idle connection is closed after ``idle_timeout_seconds``: the request-head deadline and
-  the keep-alive limit in one; so is one whose client takes nothing of its answer for as long
-  (``send_timeout``, as nginx's ``send_timeout``): a client that never reads holds no slot;
+  the keep-alive limit in one; so is one whose client takes none of the answer bytes waiting
+  for it for as long (``send_timeout``, as nginx's ``send_timeout``): a client that never
+  reads holds no slot, one that reads slowly is served;
 * at ``max_connections`` open, a new connection closes the one that has waited for its client
   the longest (idle, or reading a body); when every connection is busy, the new one is closed
   at once. A real client sends its head and body at once and becomes busy at once, so it is
@@ -127,7 +128,7 @@ class Connection(Protocol):
 
     transport: asyncio.Transport | None
     reading_paused: bool  # the server stopped reading it (its buffer is full)
-    write_paused_since: float | None  # since when the client has taken none of its answer
+    bytes_out: int  # bytes handed to its transport (what the transport holds is not sent yet)
 
     def close(self) -> None: ...
 
@@ -136,7 +137,8 @@ class GuardedConn:
     """What the guard knows of one connection."""
 
     __slots__ = (
-        "busy", "bytes_in", "conn", "head_in", "idle_since", "reading", "requests", "since",
+        "busy", "bytes_in", "conn", "head_in", "idle_since", "reading", "requests", "sent",
+        "sent_moved", "since",
     )  # fmt: skip
 
     def __init__(self, conn: Connection, now: float) -> None:
@@ -148,6 +150,8 @@ class GuardedConn:
         self.since = now  # accepted
         self.requests = 0  # requests handled on it
         self.bytes_in = 0  # bytes read from its client
+        self.sent = 0  # bytes of answers the transport had passed on at the reaper's last look
+        self.sent_moved = now  # when that last grew, or the transport held nothing
 
     def idle_kind(self) -> str:
         """What an idle connection was waiting for, for the log (what a close lost, if any)."""
@@ -220,11 +224,21 @@ class ConnectionGuard:
         g.reading = False
         g.idle_since = now
 
-    def _close(self, conn: Connection, reason: str) -> None:
+    def _pop(self, conn: Connection, reason: str) -> None:
         if self._conns.pop(conn, None) is not None:
             self._metrics.connection_closed(reason)
             self._metrics.connections.set(len(self._conns))
-            conn.close()
+
+    def _close(self, conn: Connection, reason: str) -> None:
+        if conn in self._conns:
+            self._pop(conn, reason)
+            t = conn.transport
+            if t is not None and t.get_write_buffer_size():
+                # A close would wait to flush what a client that reads nothing never takes:
+                # the socket would stay open, outside the cap.
+                t.abort()
+            else:
+                conn.close()
 
     async def _reap(self) -> None:
         step = min(1.0, self.idle_timeout_seconds / 4)
@@ -233,14 +247,19 @@ class ConnectionGuard:
             now = time.monotonic()
             deadline = now - self.idle_timeout_seconds
             for conn, g in list(self._conns.items()):
-                stalled = conn.write_paused_since
-                if stalled is not None and stalled < deadline and conn.transport is not None:
-                    # The client took nothing of its answer for the whole deadline (nginx's
-                    # send_timeout): gone, or never reading. Its slot is freed, its request
-                    # aborted in vLLM as for a client that left.
-                    self._metrics.connection_closed("send_timeout")
+                t = conn.transport
+                # Answer bytes not taken yet: the transport's buffer, and the kernel's send
+                # queue (which hides a slow reader's progress from the transport for long).
+                held = t.get_write_buffer_size() + _unsent(t) if t is not None else 0
+                if not held or conn.bytes_out - held != g.sent:
+                    g.sent, g.sent_moved = conn.bytes_out - held, now  # the client takes it
+                elif t is not None and g.sent_moved < deadline:
+                    # Answer bytes wait and the client took none of them for the whole
+                    # deadline (nginx's send_timeout): gone, or never reading. Its slot is
+                    # freed, its request aborted in vLLM as for a client that left.
+                    self._pop(conn, "send_timeout")
                     self._idle_closes.note_stalled(g, now)
-                    conn.transport.abort()
+                    t.abort()
                     continue
                 if conn.reading_paused and conn.transport is not None and _peer_closed(conn):
                     # Paused, the server reads no FIN: a client gone while its request is
@@ -277,6 +296,20 @@ def _peer_closed(conn: Connection) -> bool:
     except (OSError, ValueError, AttributeError):  # closed meanwhile, or not Linux TCP
         return False
     return bool(info) and info[0] in _PEER_GONE_STATES
+
+
+def _unsent(transport: asyncio.Transport) -> int:
+    """Bytes in the kernel's send queue for this connection, not yet taken by the client
+    (SIOCOUTQ); 0 when it cannot say."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    except (OSError, ValueError):
+        return 0
+    (count,) = struct.unpack("i", queued)
+    return max(0, int(count))
 
 
 def _unread(transport: asyncio.Transport) -> bool:

@@ -6,11 +6,11 @@ uvicorn uses) cuts requests out of its bytes in C and calls back here. A request
 a :class:`Request`; its body is fed to the request's :class:`RequestBody` as it arrives; one
 task per busy connection runs the handler for each request in turn and writes its answer.
 
-Why not aiohttp's server, which the gate ran on before: on loopback against nginx
-(docs/benchmarks.md, "The gate on its own server") this one took 10–25 % of the gate's CPU per
-request and 5–15 % per event, and one gate process relays 2,000 streams with none stalled
-(200 stalled before); a proxy's tail on a shared core follows its CPU. It does what the gate
-needs and nothing else (docs/gate.md, "The gate's own HTTP server"):
+Why not aiohttp's server, which the gate ran on before: measured in one run on loopback
+(docs/benchmarks.md, "The gate on its own server"), the gate costs 11–28 % less CPU per request
+on this one (per event the same: the relay writes events past the server), and a proxy's tail
+on a shared core follows its CPU. It does what the gate needs and nothing else (docs/gate.md,
+"The gate's own HTTP server"):
 
 * HTTP/1.1 keep-alive and HTTP/1.0 (kept alive only when asked); pipelined requests are
   answered in order, each after the one before it ends;
@@ -275,6 +275,7 @@ class Request:
         if t is None or t.is_closing():
             raise ClientGone("the client closed its connection")
         t.write(CONTINUE)
+        self.conn.bytes_out += len(CONTINUE)
 
 
 class Response:
@@ -342,6 +343,7 @@ class StreamResponse(Response):
         if self._no_body or not data:
             if self._head is not None:
                 t.write(self._head)
+                conn.bytes_out += len(self._head)
                 self._head = None
                 conn.answer_started = True
             return
@@ -350,6 +352,7 @@ class StreamResponse(Response):
             out = self._head + out
             self._head = None
         t.write(out)
+        conn.bytes_out += len(out)
         self.output_size += len(data)
         conn.answer_started = True
 
@@ -375,6 +378,7 @@ class StreamResponse(Response):
             end, self._head = self._head + end, None
         if end:
             t.write(end)
+            conn.bytes_out += len(end)
         conn.answer_started = True
 
 
@@ -436,8 +440,9 @@ class Connection(asyncio.Protocol):
         self._buffered = 0  # body bytes fed and not yet read by handlers
         self.reading_paused = False
         self.writing_paused = False
-        # Since when the client has taken none of the answer (the guard's send deadline).
-        self.write_paused_since: float | None = None
+        # Bytes handed to the transport: less what it still holds, what the client took
+        # (the guard's send deadline watches it move).
+        self.bytes_out = 0
         self._drain_waiter: asyncio.Future[None] | None = None
         self.closing = False  # no request after the current one
         self.answer_started = False  # a byte of the current answer went out
@@ -478,11 +483,9 @@ class Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.writing_paused = True
-        self.write_paused_since = time.monotonic()
 
     def resume_writing(self) -> None:
         self.writing_paused = False
-        self.write_paused_since = None
         self._wake_drain()
 
     def _wake_drain(self) -> None:
@@ -736,7 +739,9 @@ class Connection(asyncio.Protocol):
         if not request.content.complete:
             resp.keep_alive = False  # see _answer: said in the head
         head, _, no_body = self.head_for(resp, request)
-        t.write(head if no_body or not resp.body else head + resp.body)
+        out = head if no_body or not resp.body else head + resp.body
+        t.write(out)
+        self.bytes_out += len(out)
         self.answer_started = True
         await self.drain()
 
@@ -785,7 +790,9 @@ class Connection(asyncio.Protocol):
                 "Connection: close",
             ]
         )
-        t.write(head.encode() + b"\r\n\r\n" + resp.body)
+        out = head.encode() + b"\r\n\r\n" + resp.body
+        t.write(out)
+        self.bytes_out += len(out)
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
