@@ -72,6 +72,8 @@ _NO_BODY_STATUSES = frozenset({204, 304})
 _REASONS = {s.value: s.phrase for s in http.HTTPStatus}
 # The request body codings decoded as they arrive (forwarded decoded, without the header).
 DECODED_CODINGS = frozenset({"gzip", "x-gzip", "deflate"})
+# A gzip body may be several members (RFC 1952); a client's has a few. More is refused.
+MAX_GZIP_MEMBERS = 64
 
 Handler = Callable[["Request", Callable[[], None]], Awaitable["Response"]]
 
@@ -820,6 +822,7 @@ class _Decoder:
             zlib.decompressobj(16 + zlib.MAX_WBITS) if self._gzip else None
         )
         self._tail = b""  # coded bytes not decoded yet
+        self._members = 1
 
     @property
     def pending(self) -> int:
@@ -843,6 +846,11 @@ class _Decoder:
                     return b""
                 if not (self._gzip and self._tail[:1] == b"\x1f"):
                     raise zlib.error("bytes after the end of the coded body")
+                self._members += 1
+                if self._members > MAX_GZIP_MEMBERS:
+                    # Each member's end copies what follows it (zlib's unused_data): many
+                    # tiny ones would cost CPU by the square of their number.
+                    raise zlib.error(f"more than {MAX_GZIP_MEMBERS} gzip members")
                 self._d = zlib.decompressobj(16 + zlib.MAX_WBITS)  # the next gzip member
             out = self._d.decompress(self._tail, max_bytes)
             # After the stream's end zlib keeps what follows in unused_data: ours to judge.
