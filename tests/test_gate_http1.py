@@ -4,6 +4,7 @@ open. One gate for the module, in front of the stub."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import re
@@ -623,3 +624,79 @@ def test_a_client_that_reads_its_stream_slowly_but_steadily_is_served(stub: Stub
     finally:
         s.close()
         g.stop()
+
+
+class _Gauge:
+    def set(self, value: float) -> None:
+        pass
+
+
+class _GuardMetrics:
+    def __init__(self) -> None:
+        self.closed: list[str] = []
+        self.connections = _Gauge()
+
+    def connection_closed(self, reason: str) -> None:
+        self.closed.append(reason)
+
+
+class _DrainingTransport:
+    """A transport whose client takes 1 KiB of the buffered answer each time it is looked at:
+    a slow, steady reader."""
+
+    def __init__(self, buffered: int) -> None:
+        self.buffered = buffered
+        self.aborted_with: int | None = None
+        self.closed = False
+
+    def get_write_buffer_size(self) -> int:
+        self.buffered = max(0, self.buffered - 1024)
+        return self.buffered
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return default
+
+    def abort(self) -> None:
+        self.aborted_with = self.buffered
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _GuardedConn:
+    def __init__(self, t: _DrainingTransport, bytes_out: int) -> None:
+        self.transport = t
+        self.reading_paused = False
+        self.bytes_out = bytes_out
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def test_the_idle_deadline_never_cuts_an_answer_its_client_is_still_taking() -> None:
+    """Its handler done, 1 MiB of its answer still in the transport and taken steadily: only
+    the send deadline judges it, and it moves (a fourth review: the idle deadline aborted it
+    and dropped the rest)."""
+    from vllm_guardian.gate.connections import ConnectionGuard
+
+    async def run() -> tuple[list[str], int | None, bool]:
+        metrics = _GuardMetrics()
+        guard = ConnectionGuard(
+            max_connections=10,
+            idle_timeout_seconds=0.4,
+            metrics=metrics,  # type: ignore[arg-type]
+        )
+        t = _DrainingTransport(1 << 20)
+        now = time.monotonic()
+        g = guard.accepted(_GuardedConn(t, bytes_out=2 << 20), now)  # type: ignore[arg-type]
+        assert g is not None
+        guard.busy(g, now)
+        guard.idle(g, now)  # the answer was handed to the transport whole: the handler ended
+        guard.start()
+        while time.monotonic() < now + 1.2:  # three idle deadlines
+            await asyncio.sleep(0.05)
+        await guard.stop()
+        return metrics.closed, t.aborted_with, t.closed
+
+    closed, dropped, was_closed = asyncio.run(run())
+    assert dropped is None and not was_closed, (closed, dropped)

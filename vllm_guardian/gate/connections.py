@@ -192,7 +192,14 @@ class ConnectionGuard:
     def accepted(self, conn: Connection, now: float) -> GuardedConn | None:
         """A new connection: guarded, or closed at once (None) when every slot is busy."""
         if len(self._conns) >= self.max_connections:
-            idle = [(g.idle_since, c) for c, g in self._conns.items() if g.waiting_for_client]
+            # Not one whose answer is still being taken (its transport holds some): closing
+            # it would cut that answer.
+            idle = [
+                (g.idle_since, c)
+                for c, g in self._conns.items()
+                if g.waiting_for_client
+                and not (c.transport is not None and c.transport.get_write_buffer_size())
+            ]
             if not idle:
                 self._metrics.connection_closed("over_cap")
                 if conn.transport is not None:
@@ -269,6 +276,7 @@ class ConnectionGuard:
                 if (
                     not g.busy
                     and not g.head_in
+                    and not held  # an answer still being taken is the send deadline's
                     and g.idle_since < deadline
                     and conn.transport is not None
                     and not _unread(conn.transport)
