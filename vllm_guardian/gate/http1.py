@@ -273,11 +273,10 @@ class Request:
 
     def send_continue(self) -> None:
         """Tell the client to send its body. Raises :class:`ClientGone` when it left."""
-        t = self.conn.transport
-        if t is None or t.is_closing():
-            raise ClientGone("the client closed its connection")
-        t.write(CONTINUE)
-        self.conn.bytes_out += len(CONTINUE)
+        try:
+            self.conn.send(CONTINUE, answer=False)
+        except ConnectionResetError:
+            raise ClientGone("the client closed its connection") from None
 
 
 class Response:
@@ -339,24 +338,13 @@ class StreamResponse(Response):
         """Write ``data`` now (framed); raises ConnectionResetError when the client left."""
         conn = self._conn
         assert conn is not None, "prepare() first"
-        t = conn.transport
-        if t is None or t.is_closing():
-            raise ConnectionResetError("the client's connection is closed")
-        if self._no_body or not data:
-            if self._head is not None:
-                t.write(self._head)
-                conn.bytes_out += len(self._head)
-                self._head = None
-                conn.answer_started = True
-            return
-        out = b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data
+        if self._no_body:
+            data = b""  # HEAD, 1xx, 204, 304: the head alone
+        out = b"%x\r\n%b\r\n" % (len(data), data) if data and self.chunked else data
         if self._head is not None:
-            out = self._head + out
-            self._head = None
-        t.write(out)
-        conn.bytes_out += len(out)
+            out, self._head = self._head + out, None
+        conn.send(out)
         self.output_size += len(data)
-        conn.answer_started = True
 
     async def write(self, data: bytes) -> None:
         self.write_nowait(data)
@@ -372,16 +360,10 @@ class StreamResponse(Response):
         conn = self._conn
         assert conn is not None, "prepare() first"
         self.eof = True
-        t = conn.transport
-        if t is None or t.is_closing():
-            raise ConnectionResetError("the client's connection is closed")
         end = b"0\r\n\r\n" if self.chunked else b""
         if self._head is not None:
             end, self._head = self._head + end, None
-        if end:
-            t.write(end)
-            conn.bytes_out += len(end)
-        conn.answer_started = True
+        conn.send(end)
 
 
 def openai_error(
@@ -734,17 +716,11 @@ class Connection(asyncio.Protocol):
                 await resp.prepare(request)
             await resp.write_eof()
             return
-        t = self.transport
-        if t is None or t.is_closing():
-            raise ConnectionResetError("the client's connection is closed")
         resp.content_length = len(resp.body)
         if not request.content.complete:
             resp.keep_alive = False  # see _answer: said in the head
         head, _, no_body = self.head_for(resp, request)
-        out = head if no_body or not resp.body else head + resp.body
-        t.write(out)
-        self.bytes_out += len(out)
-        self.answer_started = True
+        self.send(head if no_body or not resp.body else head + resp.body)
         await self.drain()
 
     def head_for(self, resp: Response, request: Request) -> tuple[bytes, bool, bool]:
@@ -779,9 +755,6 @@ class Connection(asyncio.Protocol):
         return head, chunked, no_body
 
     def _answer_malformed(self) -> None:
-        t = self.transport
-        if t is None or t.is_closing():
-            return
         resp = openai_error(400, "the gate could not parse the request", "BadRequestError")
         head = "\r\n".join(
             [
@@ -792,9 +765,20 @@ class Connection(asyncio.Protocol):
                 "Connection: close",
             ]
         )
-        out = head.encode() + b"\r\n\r\n" + resp.body
-        t.write(out)
-        self.bytes_out += len(out)
+        with contextlib.suppress(ConnectionResetError):  # gone: nothing to answer
+            self.send(head.encode() + b"\r\n\r\n" + resp.body)
+
+    def send(self, data: bytes, *, answer: bool = True) -> None:
+        """Every write to the client: ``data`` counted in :attr:`bytes_out` (the guard's send
+        deadline) and, for an ``answer``'s bytes, the answer marked started. Raises
+        ConnectionResetError when the client left, whether or not there is data."""
+        t = self.transport
+        if t is None or t.is_closing():
+            raise ConnectionResetError("the client's connection is closed")
+        if data:
+            t.write(data)
+            self.bytes_out += len(data)
+            self.answer_started = self.answer_started or answer
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
