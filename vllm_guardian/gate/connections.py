@@ -257,7 +257,12 @@ class ConnectionGuard:
                 t = conn.transport
                 # Answer bytes not taken yet: the transport's buffer, and the kernel's send
                 # queue (which hides a slow reader's progress from the transport for long).
-                held = t.get_write_buffer_size() + _unsent(t) if t is not None else 0
+                # None when the client had taken all at the last look and nothing was written
+                # since: no syscall for an idle or caught-up connection.
+                if t is None or conn.bytes_out == g.sent:
+                    held = 0
+                else:
+                    held = t.get_write_buffer_size() + _unsent(t)
                 if not held or conn.bytes_out - held != g.sent:
                     g.sent, g.sent_moved = conn.bytes_out - held, now  # the client takes it
                 elif t is not None and g.sent_moved < deadline:
@@ -306,33 +311,31 @@ def _peer_closed(conn: Connection) -> bool:
     return bool(info) and info[0] in _PEER_GONE_STATES
 
 
-def _unsent(transport: asyncio.Transport) -> int:
-    """Bytes in the kernel's send queue for this connection, not yet taken by the client
-    (SIOCOUTQ); 0 when it cannot say."""
+def _socket_count(transport: asyncio.Transport, request: int) -> int:
+    """A byte count the kernel keeps for this connection's socket (an ``ioctl`` such as
+    FIONREAD or SIOCOUTQ); 0 when it cannot say (closed meanwhile, or not a socket)."""
     sock = transport.get_extra_info("socket")
     if sock is None:
         return 0
     try:
-        queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+        raw = fcntl.ioctl(sock.fileno(), request, b"\0\0\0\0")
     except (OSError, ValueError):
         return 0
-    (count,) = struct.unpack("i", queued)
+    (count,) = struct.unpack("i", raw)
     return max(0, int(count))
+
+
+def _unsent(transport: asyncio.Transport) -> int:
+    """Bytes in the kernel's send queue for this connection, not yet taken by the client
+    (SIOCOUTQ)."""
+    return _socket_count(transport, termios.TIOCOUTQ)
 
 
 def _unread(transport: asyncio.Transport) -> bool:
     """Bytes wait in the kernel for this connection that the gate has not read yet: the client
     sent them (a request) before a starved loop got to them. Such a connection is not idle; it
     is read on the loop's next turn. Closing it would reset the client's request."""
-    sock = transport.get_extra_info("socket")
-    if sock is None:
-        return False
-    try:
-        pending = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
-    except (OSError, ValueError):  # closed meanwhile, or not a socket that says
-        return False
-    (count,) = struct.unpack("i", pending)
-    return int(count) > 0
+    return _socket_count(transport, termios.FIONREAD) > 0
 
 
 def fit_descriptor_limit(max_connections: int, reserve: int = 256) -> tuple[int, str | None]:
