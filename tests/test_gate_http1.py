@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import wait_for
-from tests.test_gate_support import GateThread, Stub
+from tests.test_gate_support import GateThread, Stub, dechunk
 from vllm_guardian.gate.http1 import MAX_HEAD_BYTES, MAX_LINE_BYTES
 
 
@@ -87,12 +87,7 @@ def read_answer(s: socket.socket, buf: bytearray, *, head_request: bool = False)
             assert more(), "closed inside a chunked body"
         raw, _, rest2 = bytes(buf).partition(b"0\r\n\r\n")
         buf[:] = rest2
-        out = bytearray()
-        while raw:
-            size, _, raw = raw.partition(b"\r\n")
-            out += raw[: int(size, 16)]
-            raw = raw[int(size, 16) + 2 :]
-        return Answer(status, headers, bytes(out))
+        return Answer(status, headers, dechunk(raw))
     while more():
         pass
     body = bytes(buf)
