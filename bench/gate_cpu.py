@@ -1019,6 +1019,12 @@ def main(argv: list[str] | None = None) -> int:
         help="extra gate flags (default: no release pacing, so that a moment's hold during the "
         "run cannot leave a queue released at 50 requests/s; this measures the data path)",
     )  # fmt: skip
+    ap.add_argument(
+        "--base-args", metavar="ARGS",
+        help="the flags of gate-base instead of --gate-args: with --base naming this checkout, "
+        "a same-run A/B of a flag (e.g. --base . --base-args '--release-rate 0 "
+        "--continuation off')",
+    )  # fmt: skip
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gate-cpu"))
     ap.add_argument(
         "--gate-python",
@@ -1094,7 +1100,8 @@ def main(argv: list[str] | None = None) -> int:
             if name.startswith("gate"):
                 argv_ = [gate_py, "-m", "vllm_guardian.gate", "--listen", f"127.0.0.1:{port}",
                          "--upstream", f"http://127.0.0.1:{up}", "--log-level", "WARNING",
-                         *args.gate_args.split()]  # fmt: skip
+                         *(args.base_args if name == "gate-base" and args.base_args is not None
+                           else args.gate_args).split()]  # fmt: skip
                 if args.profile and name == "gate":  # cProfile's cost inflates the figures
                     argv_[1:3] = ["-m", "cProfile", "-o", args.profile, "-m", "vllm_guardian.gate"]
                 elif args.gc_log:
@@ -1143,6 +1150,7 @@ def main(argv: list[str] | None = None) -> int:
             "event_rate": args.event_rate, "events_per_stream": args.events_per_stream,
             "seconds": args.seconds, "repeat": args.repeat, "load_avg_end": os.getloadavg(),
             "gate_args": args.gate_args, "base": args.base and commit(Path(args.base)),
+            "base_args": args.base_args,
             "max_wait_share": args.max_wait_share, "retries": args.retries,
             "gate_python": interpreter(gate_py)}  # fmt: skip
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "points": [asdict(p) for p in points]}, indent=1) + "\n")  # fmt: skip
