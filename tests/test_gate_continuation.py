@@ -44,6 +44,7 @@ from vllm_guardian.gate.continuation import (
     Plan,
     Refusal,
     SseSplitter,
+    Step,
     StreamState,
     body_json,
     fallback_allowed,
@@ -669,7 +670,10 @@ COMPLETION_EVENTS = [
     ("ids and no text yet (held back)", _chunk([5], "")),
     ("then the text that settles them", _chunk([6], "é")),
     ("no ids", _chunk([], " x")),
+    ("an empty id list with a space", _chunk([], " x").replace(b"[]", b"[ ]")),
+    ("two ids with a space", _chunk([8, 9], " b c").replace(b"[8,9]", b"[8, 9]")),
     ("a key's pattern inside the text", _chunk([3], '"token_ids":[1],"finish_reason":null')),
+    ("an id that is no number", _chunk([8], " b").replace(b"[8]", b'["8"]')),
     ("a second choice", _chunk([4], " y").replace(b'"stop_reason"', b'"index":1,"stop_reason"')),
     ("spaces (not compact)", _chunk([4], " y").replace(b'"finish_reason":null', b'"finish_reason": null')),
     ("usage", _chunk([4], " y").replace(b'"model":"m"', b'"model":"m","usage":{"prompt_tokens":2,"completion_tokens":3,"total_tokens":5}')),
@@ -688,11 +692,14 @@ CHAT_EVENTS = [
 ]  # fmt: skip
 
 
+@pytest.mark.parametrize("entry", ["on_event", "relay_common"])
 @pytest.mark.parametrize("wants_ids", [False, True], ids=["ids stripped", "client's ids"])
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
 def test_reading_a_token_chunk_from_its_bytes_does_what_decoding_it_does(
-    chat: bool, wants_ids: bool, monkeypatch: pytest.MonkeyPatch
+    chat: bool, wants_ids: bool, entry: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Through ``on_event`` (the payload cut out of the event) and ``relay_common`` (the relay's
+    hot path: the event's own bytes), the same as decoding each event in full."""
     path = "/v1/chat/completions" if chat else "/v1/completions"
     req = body(max_tokens=10, return_token_ids=True if wants_ids else None)
     if chat:
@@ -706,8 +713,9 @@ def test_reading_a_token_chunk_from_its_bytes_does_what_decoding_it_does(
     def run() -> tuple[list[Any], tuple[Any, ...]]:
         st = StreamState(p)
         out = []
-        for ev in [first, *(e for _, e in events)]:
-            step = st.on_event(ev)
+        for i, ev in enumerate([first, *(e for _, e in events)]):
+            common = st.relay_common(ev) if entry == "relay_common" and i else None
+            step = st.on_event(ev) if common is None else Step(Kind.RELAY, common)
             out.append((step.kind, [json.loads(e[6:]) for e in step.data.split(b"\n\n") if e]))
         return out, (st.token_ids, st.settled, st.last_text_tokens, st.unhonest, st.usage_seen,
                      st.finish_reason, st.take_pending())  # fmt: skip
@@ -723,8 +731,9 @@ def test_reading_a_token_chunk_from_its_bytes_does_what_decoding_it_does(
     monkeypatch.setattr(StreamState, "_token_chunk", spy)
     fast = run()
     # The plain token chunks took the byte path (the first chunk is always decoded).
-    plain = 6 if not chat else 5
-    assert read_from_bytes[1:] == [True] * plain + [False] * (len(events) - plain)
+    plain = 8 if not chat else 5
+    if entry == "on_event":  # (relay_common's declined events are tried twice)
+        assert read_from_bytes[1:] == [True] * plain + [False] * (len(events) - plain)
     monkeypatch.setattr(StreamState, "_token_chunk", lambda *_: None)
     assert fast == run()
 

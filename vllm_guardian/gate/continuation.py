@@ -480,10 +480,15 @@ class StreamState:
         Returns what to relay, held events first (``b""``: held back until text settles it),
         or None: any other event (decoded in full). A key's pattern cannot
         occur inside a JSON string, whose quotes are escaped."""
-        if self.id is None or self.continuing or payload.count(b'"index":') != 1:
+        if self.id is None or self.continuing:
             return None
         at = payload.find(b'"token_ids":[')
-        if at < 0 or b'"finish_reason":null' not in payload or _KEPT_KEYS.search(payload):
+        if (
+            at < 0
+            or payload.count(b'"index":') != 1
+            or b'"finish_reason":null' not in payload
+            or _KEPT_KEYS.search(payload)
+        ):
             return None
         if self.plan.chat:
             if b'"tool_calls"' in payload or b'"reasoning' in payload:
@@ -499,25 +504,35 @@ class StreamState:
             text = payload[key + 8 : key + 9] != b'"'
         end = payload.find(b"]", at)
         listed = payload[at + 13 : end]
+        token_ids = self.token_ids
         try:
-            if b"," in listed:
-                ids = [int(t) for t in listed.split(b",")]
-            else:  # one token a chunk, vLLM's usual
-                ids = [int(listed)] if listed.strip() else []
+            token_ids.append(int(listed))  # one token a chunk, vLLM's usual
+            n = 1
         except ValueError:
-            return None
+            if b"," in listed:
+                try:
+                    ids = [int(t) for t in listed.split(b",")]
+                except ValueError:
+                    return None
+            elif listed.strip():
+                return None
+            else:
+                ids = []
+            token_ids.extend(ids)
+            n = len(ids)
         out = raw
         if not self.plan.wants_token_ids:
-            start = raw.find(b'"token_ids":[')
-            out = raw[: start + 12] + b"null" + raw[raw.find(b"]", start) + 1 :]
-        self.token_ids.extend(ids)
+            if payload is not raw:  # on_event's: the payload's offsets are not the event's
+                at = raw.find(b'"token_ids":[')
+                end = raw.find(b"]", at)
+            out = raw[: at + 12] + b"null" + raw[end + 1 :]
         if text:
-            self.settled = len(self.token_ids)
-            self.last_text_tokens = len(ids)
-        elif ids:
+            self.settled = len(token_ids)
+            self.last_text_tokens = n
+        elif n:
             self._pending.append(out)
             return b""
-        return self._flush(out)
+        return self._flush(out) if self._pending else out
 
     def _relay(self, data: bytes) -> Step:
         return Step(Kind.RELAY, self._flush(data))

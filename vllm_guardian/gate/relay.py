@@ -135,17 +135,24 @@ class _Streamer:
         if self.stopped.done():
             return
         try:
-            self._body(data)
+            events = self.splitter.feed(data)
+            if len(events) == 1:  # one whole event a read, as vLLM writes them: no lists
+                common = self.state.relay_common(events[0])
+                if common is not None:
+                    if common and not self._write(common):
+                        return
+                    self._after_write()
+                    return
+            self._events(events)
         except Exception as e:
             # Raised here, in the upstream's callback, the loop would close that connection and
             # the relay would take it for a cut (and continue the stream against a healthy
             # engine); raised in the relay, it ends the exchange as any error of the gate's does.
             self._stop(_Stop(error=e))
 
-    def _body(self, data: bytes) -> None:
-        events = self.splitter.feed(data)
-        out: list[bytes] = []
+    def _events(self, events: list[bytes]) -> None:
         state = self.state
+        out: list[bytes] = []
         for i, event in enumerate(events):
             common = state.relay_common(event)
             if common is not None:
@@ -161,8 +168,11 @@ class _Streamer:
                 out.append(step.data)  # written with the events before it
             self._stop(_Stop(step=step, rest=events[i + 1 :]), out)
             return
-        if out and not self._write(out):
+        if out and not self._write(out[0] if len(out) == 1 else b"".join(out)):
             return
+        self._after_write()
+
+    def _after_write(self) -> None:
         if self.splitter.overflowing:
             self._stop(_Stop())
         elif self.resp.writing_paused:
@@ -173,9 +183,9 @@ class _Streamer:
         if not self.stopped.done():
             self.stopped.set_result(_Stop(ended=True))
 
-    def _write(self, out: list[bytes]) -> bool:
+    def _write(self, data: bytes) -> bool:
         try:
-            self.resp.write_nowait(out[0] if len(out) == 1 else b"".join(out))
+            self.resp.write_nowait(data)
         except ConnectionResetError:
             self._stop(_Stop(client_gone=True))
             return False
@@ -184,7 +194,7 @@ class _Streamer:
     def _stop(self, stop: _Stop, out: list[bytes] | None = None) -> None:
         """Hand the stream back; ``out`` (the events before the one that stops it, and
         ``[DONE]``) is written first."""
-        if out and not self._write(out):
+        if out and not self._write(b"".join(out)):
             return
         self.up.unstream()
         if not self.stopped.done():
