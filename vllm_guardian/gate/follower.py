@@ -191,9 +191,12 @@ class Follower:
     # --- polling -----------------------------------------------------------------------------
 
     async def poll_once(self) -> None:
-        (healthy, why), (verdict, answered) = await asyncio.gather(
-            self._health(), self._guardian_ready()
-        )
+        if self._guardian_pool is None:  # no tasks of a gather ten times a second for nothing
+            (healthy, why), (verdict, answered) = await self._health(), (None, True)
+        else:
+            (healthy, why), (verdict, answered) = await asyncio.gather(
+                self._health(), self._guardian_ready()
+            )
         self.polls += 1
         verdict = self._guardian_through_silence(verdict, answered, time.monotonic())
         if healthy is False:
