@@ -1,5 +1,5 @@
 """A continued stream's steady state: events go from the upstream's callbacks straight to the
-client (gate/relay.py's ``_Streamer``), with the flow control a relay owes both sides.
+client (gate/streamer.py's ``Streamer``), with the flow control a relay owes both sides.
 
 A real gate on 127.0.0.1 in front of a raw upstream that writes a vLLM-shaped completion stream
 (chunked, one ``data:`` event per token, ``token_ids`` as the gate asks for them) as fast as the

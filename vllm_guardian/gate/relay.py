@@ -38,7 +38,7 @@ import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NoReturn
 
 from multidict import CIMultiDict
@@ -62,6 +62,7 @@ from vllm_guardian.gate.continuation import (
 from vllm_guardian.gate.follower import Follower
 from vllm_guardian.gate.http1 import Request, StreamResponse
 from vllm_guardian.gate.metrics import GateMetrics
+from vllm_guardian.gate.streamer import Stop, Streamer
 from vllm_guardian.gate.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger("vllm_guardian.gate")
@@ -98,107 +99,6 @@ class Fallback:
 
 class _GaveUp(Exception):
     """The stream ends here; what the client gets was written already."""
-
-
-@dataclass(frozen=True)
-class _Stop:
-    """Why :class:`_Streamer` handed the stream back to the relay's coroutine."""
-
-    step: Step | None = None  # an event that is not relayed as it is ([DONE] written already)
-    rest: list[bytes] = field(default_factory=list)  # the events after it in the same read
-    ended: bool = False  # the body ended, or the connection failed, without [DONE]
-    drain: bool = False  # the client's connection is full: wait for it (the upstream paused)
-    client_gone: bool = False
-    error: Exception | None = None  # raised reading an event: the relay raises it
-
-
-class _Streamer:
-    """The relay's steady state, in the upstream connection's callbacks: each read's events
-    through :meth:`StreamState.on_event` and straight to the client's transport, framed as
-    the server frames them, one write per read. No future, task switch or await per event: the
-    coroutine waits once, for the event or condition that needs it (:class:`_Stop`)."""
-
-    def __init__(
-        self,
-        state: StreamState,
-        splitter: SseSplitter,
-        up: UpstreamResponse,
-        resp: StreamResponse,
-    ) -> None:
-        self.state = state
-        self.splitter = splitter
-        self.up = up
-        self.resp = resp
-        self.stopped: asyncio.Future[_Stop] = asyncio.get_running_loop().create_future()
-
-    def body(self, data: bytes) -> None:
-        if self.stopped.done():
-            return
-        try:
-            events = self.splitter.feed(data)
-            if len(events) == 1:  # one whole event a read, as vLLM writes them: no lists
-                common = self.state.relay_common(events[0])
-                if common is not None:
-                    if common and not self._write(common):
-                        return
-                    self._after_write()
-                    return
-            self._events(events)
-        except Exception as e:
-            # Raised here, in the upstream's callback, the loop would close that connection and
-            # the relay would take it for a cut (and continue the stream against a healthy
-            # engine); raised in the relay, it ends the exchange as any error of the gate's does.
-            self._stop(_Stop(error=e))
-
-    def _events(self, events: list[bytes]) -> None:
-        state = self.state
-        out: list[bytes] = []
-        for i, event in enumerate(events):
-            common = state.relay_common(event)
-            if common is not None:
-                if common:
-                    out.append(common)
-                continue
-            step = state.on_event(event)
-            if step.kind is Kind.RELAY:
-                if step.data:
-                    out.append(step.data)
-                continue
-            if step.kind is Kind.DONE:
-                out.append(step.data)  # written with the events before it
-            self._stop(_Stop(step=step, rest=events[i + 1 :]), out)
-            return
-        if out and not self._write(out[0] if len(out) == 1 else b"".join(out)):
-            return
-        self._after_write()
-
-    def _after_write(self) -> None:
-        if self.splitter.overflowing:
-            self._stop(_Stop())
-        elif self.resp.writing_paused:
-            self.up.pause()
-            self._stop(_Stop(drain=True))
-
-    def end(self, error: UpstreamError | None) -> None:
-        if not self.stopped.done():
-            self.stopped.set_result(_Stop(ended=True))
-
-    def _write(self, data: bytes) -> bool:
-        try:
-            self.resp.write_nowait(data)
-        except ConnectionResetError:
-            self._stop(_Stop(client_gone=True))
-            return False
-        return True
-
-    def _stop(self, stop: _Stop, out: list[bytes] | None = None) -> None:
-        """Hand the stream back; ``out`` (the events before the one that stops it, and
-        ``[DONE]``) is written first."""
-        if out and not self._write(b"".join(out)):
-            return
-        self.up.unstream()
-        if not self.stopped.done():
-            self.stopped.set_result(stop)
 
 
 class ContinuingRelay:
@@ -358,9 +258,9 @@ class ContinuingRelay:
 
     async def _stream(
         self, up: UpstreamResponse, splitter: SseSplitter, resp: StreamResponse
-    ) -> _Stop:
+    ) -> Stop:
         """Relay events from the upstream's callbacks until one the relay must act on."""
-        streamer = _Streamer(self.state, splitter, up, resp)
+        streamer = Streamer(self.state, splitter, up, resp)
         up.stream(streamer)
         try:
             return await streamer.stopped
