@@ -328,10 +328,11 @@ class GateProxy:
                 resp = Response(status=400)
                 resp.force_close()
                 return resp
-            except BodyRefused as e:
-                return self._refuse_body(e)
-            except BodyMalformed as e:
-                self.malformed.note("body", request.remote, str(e))
+            except BodyRefused as refused:
+                return self._refuse_body(refused)
+            except BodyMalformed as malformed:
+                # (Named apart: compiled by mypyc, one name is one type in the whole function.)
+                self.malformed.note("body", request.remote, str(malformed))
                 resp = openai_error(
                     400, "the gate could not read the request body", "BadRequestError"
                 )
