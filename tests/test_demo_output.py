@@ -237,3 +237,30 @@ def test_the_summary_fits_80_columns_without_cutting_a_word() -> None:
         },
     )
     assert_fits(fill_all(summary(report), 80), 80, " ".join([LONG_REASON, PATH]))
+
+
+@pytest.mark.parametrize(
+    ("requests_by_kind", "longest_wait_seconds", "explained"),
+    [
+        ({"ok": 469, "timeout": 43}, 40.7, True),  # held past the client's 30 s: said why
+        ({"ok": 500, "timeout": 3}, 12.0, False),  # not held that long: not the hold's doing
+        ({"ok": 512}, 40.7, False),
+    ],
+    ids=["held past the client's wait", "short holds", "no timeouts"],
+)
+def test_the_summary_says_when_timeouts_gave_up_while_the_gate_held_them(
+    requests_by_kind: dict[str, int], longest_wait_seconds: float, explained: bool
+) -> None:
+    report = DemoReport(
+        "prefill_burst", Path(PATH), requests=requests_by_kind, gate_url="http://127.0.0.1:1",
+        gate={"held_total": 114, "longest_wait_seconds": longest_wait_seconds},
+    )  # fmt: skip
+    text = "\n".join(summary(report))
+    line = re.search(r"The (\d+) timeouts gave up while held: .* up to ([\d.]+) s", text)
+    assert (line is not None) == explained, text
+    if line is not None:
+        assert (int(line.group(1)), float(line.group(2))) == (
+            requests_by_kind["timeout"],
+            longest_wait_seconds,
+        )
+        assert "waits 30 s" in text

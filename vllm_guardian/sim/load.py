@@ -49,6 +49,11 @@ class PlannedRequest:
     stream: bool | None = None  # None: the run's default
 
 
+# How long a request of this load waits for its answer: the default of requests' own clients,
+# shorter than what the gate may hold a request for (OpenAI's SDKs wait 600 s).
+REQUEST_TIMEOUT_SECONDS = 30.0
+
+
 class OutcomeKind(enum.Enum):
     OK = "ok"
     HTTP_ERROR = "http_error"
@@ -379,7 +384,7 @@ def run_load(
     stream: bool = True,
     max_duration_seconds: float = 60.0,
     max_in_flight: int = 64,
-    request_timeout_seconds: float = 30.0,
+    request_timeout_seconds: float = REQUEST_TIMEOUT_SECONDS,
     stop: threading.Event | None = None,
     on_outcome: Callable[[RequestOutcome], None] | None = None,
 ) -> LoadResult:

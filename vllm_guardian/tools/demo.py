@@ -47,6 +47,7 @@ from vllm_guardian.core.policy import Decision, DecisionKind
 from vllm_guardian.formats import incident_svg
 from vllm_guardian.model import ActionKind, AlertState, Cause
 from vllm_guardian.shell.daemon import Guardian
+from vllm_guardian.sim.load import REQUEST_TIMEOUT_SECONDS, OutcomeKind
 from vllm_guardian.tools.demo_view import (
     AlertShown,
     EventLog,
@@ -624,6 +625,15 @@ def summary(report: DemoReport) -> list[str]:
             f"cut streams ({g.get('continuations_failed_total')} continuations failed); "
             f"failed above: {failed}"
         )
+        timeouts = report.requests.get(OutcomeKind.TIMEOUT.value, 0)
+        wait = g.get("longest_wait_seconds")
+        if timeouts and isinstance(wait, int | float) and wait >= REQUEST_TIMEOUT_SECONDS:
+            # Not the gate's failure to serve: this load's client stops waiting first.
+            lines.append(
+                f"  The {timeouts} timeouts gave up while held: the gate held requests up to "
+                f"{wait:g} s while vLLM came back, and this demo's client waits "
+                f"{REQUEST_TIMEOUT_SECONDS:g} s for an answer (OpenAI's SDKs wait 600 s)"
+            )
     lines.append(f"vLLM twin starts: {report.twin_starts}; exit codes seen: {report.twin_exits}")
     if report.picture is not None:
         lines.append(f"Incident picture (open it in a browser): {report.picture}")
