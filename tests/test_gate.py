@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import wait_for
 from tests.test_gate_support import GateThread, LoopThread, Stub, dechunk
-from vllm_guardian.gate.admission import Cost, estimate_cost
+from vllm_guardian.gate.admission import MAX_PROMPT_DEPTH, Cost, estimate_cost
 
 
 def fds() -> int:
@@ -664,6 +664,24 @@ def test_cost_estimate():
     # not an exception (which was the client's 500).
     lone = b'{"prompt": "a \\ud800 b", "messages": [{"content": "\\udfff"}]}'
     assert estimate_cost(lone, 0).prompt_tokens == 3 + (4 + 1 + 2)  # words; role, 3 bytes; chat
+
+
+@pytest.mark.parametrize(
+    ("levels", "read"),
+    [(1, True), (2, True), (MAX_PROMPT_DEPTH, True), (MAX_PROMPT_DEPTH + 1, False), (900, False)],
+)
+def test_a_prompt_is_walked_to_a_bounded_depth_not_to_the_recursion_limit(
+    levels: int, read: bool
+) -> None:
+    """Lists around a prompt's text past MAX_PROMPT_DEPTH are no prompt vLLM reads: the walk
+    stops there (the proxy answers 400) instead of at the interpreter's recursion limit, which
+    code compiled to C does not meet."""
+    body = ('{"prompt": ' + "[" * levels + '"a b"' + "]" * levels + "}").encode()
+    if read:
+        assert estimate_cost(body, 0).prompt_tokens == 2
+    else:
+        with pytest.raises(RecursionError):
+            estimate_cost(body, 0)
 
 
 def test_a_prompt_no_utf_8_can_carry_is_forwarded_not_a_500(gate: GateThread, stub: Stub):

@@ -132,13 +132,21 @@ def _text_tokens(text: str) -> int:
     return max(len(text.split()), math.ceil(len(text.encode("utf-8", "surrogatepass")) / 4))
 
 
-def _prompt_tokens(value: Any) -> int:
+# A prompt is text, ids, or a list of either (vLLM's batch form): nested deeper than this it is
+# no prompt vLLM reads, and the gate answers 400 for it (RecursionError, as for JSON nested past
+# json's own limit) instead of walking it as deep as the interpreter's recursion limit lets it.
+MAX_PROMPT_DEPTH = 16
+
+
+def _prompt_tokens(value: Any, depth: int = 0) -> int:
     if isinstance(value, str):
         return _text_tokens(value)
     if isinstance(value, list):
         if value and all(isinstance(v, int) for v in value):
             return len(value)  # token ids
-        return sum(_prompt_tokens(v) for v in value)
+        if depth >= MAX_PROMPT_DEPTH:
+            raise RecursionError(f"a prompt nested more than {MAX_PROMPT_DEPTH} lists deep")
+        return sum(_prompt_tokens(v, depth + 1) for v in value)
     return 0
 
 
