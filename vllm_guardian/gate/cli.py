@@ -44,6 +44,7 @@ from vllm_guardian.config import (
     workers_problem,
 )
 from vllm_guardian.gate.admission import Limits
+from vllm_guardian.gate.compiled import COMPILED_MODULES, compiled_modules
 from vllm_guardian.gate.proxy import ProxySettings
 from vllm_guardian.gate.server import Gate, GateSettings, split_settings
 from vllm_guardian.gate.supervisor import RETIRE_SIGNAL, CannotListen, Supervisor, hold_port
@@ -584,10 +585,13 @@ async def _serve(settings: GateSettings) -> None:
             f"cannot listen on {settings.listen_host}:{settings.listen_port}: {e.strerror or e}"
         ) from None
     tame_collector()
+    compiled = compiled_modules()
     log.info(
-        "gate for %s on %s:%d -> %s (guardian %s)",
+        "gate for %s on %s:%d -> %s (guardian %s); %s",
         settings.proxy.service, settings.listen_host, gate.port, settings.proxy.upstream,
         settings.guardian or "none",
+        f"compiled: {len(compiled)} of {len(COMPILED_MODULES)} modules of its request path"
+        if compiled else "runs as Python (not compiled)",
     )  # fmt: skip
     notifier.notify(f"READY=1\nSTATUS={status_line(gate)}")
     beat = loop.create_task(_heartbeat(gate, notifier), name="gate-heartbeat")

@@ -51,6 +51,7 @@ import httptools
 from multidict import CIMultiDict
 
 from vllm_guardian.gate.connections import ConnectionGuard, GuardedConn, MalformedRequests
+from vllm_guardian.gate.gone import ClientGone
 
 log = logging.getLogger("vllm_guardian.gate")
 
@@ -81,11 +82,6 @@ Handler = Callable[["Request", Callable[[], None]], Awaitable["Response"]]
 class BodyError(Exception):
     """The request's body cannot be read: its framing broke (a chunk size that is not hex),
     its coding cannot be decoded, or the client left while it was being sent."""
-
-
-class ClientGone(ConnectionResetError):
-    """The client closed its connection before its request's body was all read (or before
-    "100 Continue" could be sent)."""
 
 
 class RequestBody:

@@ -69,8 +69,8 @@ from vllm_guardian.gate.body import (
 )
 from vllm_guardian.gate.continuation import Outcome, Plan, Refusal
 from vllm_guardian.gate.follower import Follower
+from vllm_guardian.gate.gone import ClientGone
 from vllm_guardian.gate.http1 import (
-    ClientGone,
     Request,
     Response,
     StreamResponse,
