@@ -379,6 +379,7 @@ def ten_more_polls(stub: Stub, path: str) -> None:
     )
 
 
+@pytest.mark.python_only
 def test_one_slow_health_answer_does_not_close_the_gate(gate: GateThread, stub: Stub):
     # vLLM answers /health on the event loop that serves the requests: busy, it answers late.
     # Past the poll's 1 s timeout, once, while the requests still pass: no reason to hold them.
@@ -393,6 +394,7 @@ def test_one_slow_health_answer_does_not_close_the_gate(gate: GateThread, stub: 
         del gate.gate.admission.set_state  # type: ignore[union-attr]
 
 
+@pytest.mark.python_only
 def test_a_silent_health_closes_the_gate_after_the_grace(gate: GateThread, stub: Stub):
     closures = _closures(gate)
     grace = gate.settings.health_grace_seconds
@@ -410,6 +412,7 @@ def test_a_silent_health_closes_the_gate_after_the_grace(gate: GateThread, stub:
     wait_for(lambda: gate.gate.admission.open, "gate.gate.admission.open", timeout_seconds=30)  # type: ignore[union-attr]
 
 
+@pytest.mark.python_only
 def test_a_silent_health_while_vllm_streams_answers_is_not_silence(gate: GateThread, stub: Stub):
     """vLLM answers /health on the loop that writes its answers: overloaded, it answers late,
     while the answers under way go on arriving. That is a busy server, not a silent one: the
@@ -442,6 +445,7 @@ def test_a_silent_health_while_vllm_streams_answers_is_not_silence(gate: GateThr
     wait_for(lambda: gate.gate.admission.open, "gate.gate.admission.open", timeout_seconds=30)  # type: ignore[union-attr]
 
 
+@pytest.mark.python_only
 def test_one_slow_ready_answer_from_the_guardian_does_not_open_a_closed_gate(
     gate: GateThread, stub: Stub
 ):
@@ -462,6 +466,7 @@ def test_one_slow_ready_answer_from_the_guardian_does_not_open_a_closed_gate(
     wait_for(lambda: gate.gate.admission.open, "gate.gate.admission.open", timeout_seconds=30)  # type: ignore[union-attr]
 
 
+@pytest.mark.python_only
 def test_a_silent_guardian_counts_as_gone_after_the_grace(gate: GateThread, stub: Stub):
     # A guardian that stays silent is treated as one that is gone (the service keeps serving
     # on vLLM's own health, as without a guardian), but never sooner than the grace.
@@ -482,6 +487,7 @@ def test_a_silent_guardian_counts_as_gone_after_the_grace(gate: GateThread, stub
     wait_for(lambda: gate.gate.admission.open, "gate.gate.admission.open", timeout_seconds=30)  # type: ignore[union-attr]
 
 
+@pytest.mark.python_only
 def test_a_failing_health_answer_closes_the_gate_without_grace(gate: GateThread, stub: Stub):
     closures = _closures(gate)
     try:
@@ -532,6 +538,7 @@ def upstream_dies_before_a_byte_twice(gate: GateThread, stub: Stub) -> None:
     assert r.status_code == 502 and error_of(r)["type"] == "BadGatewayError"
 
 
+@pytest.mark.python_only
 def test_a_hold_on_a_broken_exchange_says_how_it_broke(gate: GateThread, stub: Stub):
     """The reason (in the log and /gate/status) names the phase and the error: a refused or
     timed-out connect, a cut before the answer, tell an operator different things."""

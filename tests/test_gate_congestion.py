@@ -130,6 +130,7 @@ def closures(g: GateThread) -> list[str]:
     return seen
 
 
+@pytest.mark.python_only
 def test_a_connect_that_times_out_waits_its_turn_again_and_holds_nobody(
     relay: SlowAcceptRelay, stub: Stub
 ):
@@ -166,6 +167,7 @@ def test_a_connect_that_times_out_waits_its_turn_again_and_holds_nobody(
         g.stop()
 
 
+@pytest.mark.python_only
 def test_a_vllm_that_never_accepts_gets_the_held_requests_answer_not_a_hold(
     relay: SlowAcceptRelay, stub: Stub
 ):

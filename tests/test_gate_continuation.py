@@ -695,6 +695,7 @@ CHAT_EVENTS = [
 @pytest.mark.parametrize("entry", ["on_event", "relay_common"])
 @pytest.mark.parametrize("wants_ids", [False, True], ids=["ids stripped", "client's ids"])
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+@pytest.mark.python_only
 def test_reading_a_token_chunk_from_its_bytes_does_what_decoding_it_does(
     chat: bool, wants_ids: bool, entry: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

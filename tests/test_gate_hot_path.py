@@ -123,6 +123,7 @@ def response(chunked: bool = True) -> UpstreamResponse:
         b"5\r\nhelloXY",  # no CRLF after the data
     ],
 )
+@pytest.mark.python_only
 def test_the_one_chunk_shortcut_gives_what_the_chunk_walk_gives(data: bytes) -> None:
     walked, short = response(), response()
     walked._raw = data
@@ -139,6 +140,7 @@ def test_the_one_chunk_shortcut_gives_what_the_chunk_walk_gives(data: bytes) -> 
     )  # fmt: skip
 
 
+@pytest.mark.python_only
 def test_the_one_chunk_shortcut_takes_an_event_as_vllm_writes_it() -> None:
     event = b'data: {"id":"cmpl-1","choices":[{"index":0,"text":"x","token_ids":[5]}]}\n\n'
     assert response()._one_chunk(b"%x\r\n%b\r\n" % (len(event), event)) == event

@@ -348,6 +348,7 @@ class _Conn:
         self.held -= n
 
 
+@pytest.mark.python_only
 def test_a_coded_body_is_decoded_no_further_than_the_buffer_ahead_of_its_reader() -> None:
     """A gzip body fed in one piece is decoded a buffer at a time as it is read: the server
     never holds more than BUFFER_BYTES of it decoded plus its coded rest (200 MiB inflated
@@ -514,6 +515,7 @@ GZIPPED = gzip.compress(b'{"prompt":"abc"}')
         "65 members",
     ],
 )
+@pytest.mark.python_only
 def test_a_coded_body_is_all_its_members_and_nothing_after_them(
     coding: str, coded: bytes, decoded: bytes | None
 ) -> None:

@@ -234,6 +234,7 @@ def test_a_client_leaving_mid_stream_closes_the_upstream_connection(
     )
 
 
+@pytest.mark.python_only
 def test_a_failure_reading_an_event_ends_the_exchange_and_is_not_taken_for_a_cut(
     setup_of: Callable[[int], Setup],
     monkeypatch: pytest.MonkeyPatch,
