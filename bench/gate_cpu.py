@@ -850,34 +850,16 @@ def pinned(core: int | None, argv: list[str]) -> list[str]:
     return argv if core is None else ["taskset", "-c", str(core), *argv]
 
 
-# The gate's request and event path, compiled for the gate-mypyc target. relay.py is left out
-# (mypyc 2.4 stops on it with an internal error); its per-event part is streamer.py.
-MYPYC_MODULES = ("http1", "upstream", "continuation", "streamer", "proxy", "admission", "body",
-                 "connections")  # fmt: skip
-
-
 def compile_gate(tree: Path, into: Path) -> Path:
-    """A copy of ``tree``'s package (into ``into``) with :data:`MYPYC_MODULES` compiled to C
-    extension modules by mypyc (from the dev tools, with the C compiler), which Python imports
-    ahead of their sources: the tree the gate-mypyc target runs. An experiment: what compiling
-    the gate's own Python would save, measured beside it; the product runs it as Python."""
-    shutil.copytree(tree / "vllm_guardian", into / "vllm_guardian",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))  # fmt: skip
-    shutil.copy(tree / "pyproject.toml", into / "pyproject.toml")  # mypy's settings
-    http1 = into / "vllm_guardian" / "gate" / "http1.py"
-    # mypyc compiles no subclass of a built-in exception other than Exception's own: this one
-    # stays a Python class (mypy_extensions comes with mypy).
-    http1.write_text(http1.read_text().replace(
-        "\nclass ClientGone(ConnectionResetError):",
-        "\nfrom mypy_extensions import mypyc_attr\n\n\n@mypyc_attr(native_class=False)\n"
-        "class ClientGone(ConnectionResetError):", 1))  # fmt: skip
-    mypyc = Path(sys.executable).with_name("mypyc")
-    cmd = [str(mypyc), *(f"vllm_guardian/gate/{m}.py" for m in MYPYC_MODULES)]
-    print(f"# compiling the gate for gate-mypyc: {' '.join(cmd[1:])}", flush=True)
-    done = subprocess.run(cmd, cwd=into, capture_output=True, text=True, check=False)
-    built = list((into / "vllm_guardian" / "gate").glob("*.so"))
-    if done.returncode != 0 or len(built) != len(MYPYC_MODULES):
-        raise SystemExit(f"mypyc failed ({done.returncode}):\n{done.stdout[-4000:]}{done.stderr[-2000:]}")  # fmt: skip
+    """A copy of ``tree`` in ``into`` with the gate's request and event path compiled by mypyc
+    (``scripts/compile-gate``: the modules of ``gate/compiled.py``, as ``VLLM_GUARDIAN_COMPILE=1``
+    builds them), which Python imports ahead of their sources: the tree the gate-mypyc target
+    runs, beside the gate as Python."""
+    print("# compiling the gate for gate-mypyc (scripts/compile-gate)", flush=True)
+    done = subprocess.run([str(tree / "scripts" / "compile-gate"), str(into)],
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(f"scripts/compile-gate failed ({done.returncode}):\n{done.stdout[-4000:]}{done.stderr[-2000:]}")  # fmt: skip
     return into
 
 
@@ -1039,7 +1021,7 @@ def main(argv: list[str] | None = None) -> int:
         help="what to measure: gate, nginx, splice (a bare byte relay on the gate's stack), "
         "lean (an HTTP proxy on the gate's stack with nothing of the gate's: serve_lean), "
         "lean-gate (the same with the core of the gate's work), gate-mypyc (this checkout's "
-        "gate with its request and event path compiled by mypyc: compile_gate)",
+        "gate with its request and event path compiled by mypyc: scripts/compile-gate)",
     )
     ap.add_argument(
         "--base", metavar="TREE",
