@@ -247,6 +247,11 @@ class ControlServer:
             await writer.drain()
         except (ConnectionError, OSError, TimeoutError):
             pass  # the reader gave up: nothing to answer
+        except asyncio.CancelledError:
+            # The worker is stopping (its loop ends) while a sibling asks: the exchange ends
+            # here. Not re-raised: on Python 3.11 asyncio's callback for the handler's task
+            # calls its exception(), which raises for a cancelled task (a traceback in the log).
+            pass
         finally:
             writer.close()
 
