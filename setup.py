@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import os
+import sys
 from pathlib import Path
 
 from setuptools import setup
@@ -24,10 +25,12 @@ def compiled_sources() -> list[str]:
     raise SystemExit("setup.py: no COMPILED_MODULES in vllm_guardian/gate/compiled.py")
 
 
+# Compiled when something is built (a wheel, build_ext), not while setuptools only asks for the
+# requirements or the metadata (egg_info, dist_info), before mypy is installed for the build.
+BUILDING = {"bdist_wheel", "build", "build_ext"}  # never editable_wheel: see build_backend
+
 ext_modules = []
-if os.environ.get("VLLM_GUARDIAN_COMPILE") == "1" and not os.environ.get(
-    "VLLM_GUARDIAN_REQUIRES_ONLY"
-):
+if os.environ.get("VLLM_GUARDIAN_COMPILE") == "1" and BUILDING & set(sys.argv[1:]):
     from mypyc.build import mypycify  # the build's requirement when compiling (build_backend)
 
     ext_modules = mypycify(compiled_sources(), opt_level="3")
