@@ -642,6 +642,30 @@ def test_the_state_settles_only_what_has_text() -> None:
     assert isinstance(st.decide(), Complete)
 
 
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("created", 1700000000.5), ("created", "1700000000"), ("id", 7), ("model", ["m"])],
+)
+def test_a_first_chunk_s_odd_id_created_or_model_is_kept_as_it_came(
+    key: str, value: object
+) -> None:
+    """What a stream's first chunk says of itself is repeated to the client as it came (a
+    continuation's chunks get it back), whatever JSON it is: not a reason to give the stream up
+    (compiled, a narrower type on these attributes failed on such a value, and the stream was
+    not continued)."""
+    p = plan("/v1/completions", json.dumps(body(max_tokens=10)).encode(), enabled=True)
+    assert isinstance(p, Plan)
+    first = _chunk([7], " a", prompt=[1, 2])
+    doc = json.loads(first[6:])
+    doc[key] = value
+    st = StreamState(p)
+    st.on_event(b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n")
+    st.on_event(_chunk([8], " b"))
+    assert not st.unreadable
+    assert (st.id, st.created, st.model)[["id", "created", "model"].index(key)] == value
+    assert isinstance(st.decide(), Continue)
+
+
 def test_a_continuation_keeps_a_lone_surrogate_the_client_sent() -> None:
     """Valid JSON that no UTF-8 carries ("\\ud800") in a field the continuation sends again:
     written as an escape, the same request, not an exception at the cut."""

@@ -390,14 +390,16 @@ class StreamState:
 
     def __init__(self, p: Plan) -> None:
         self.plan = p
-        self.id: str | None = None
-        self.created: int | None = None
-        self.model: str | None = None
+        # As the upstream's JSON carried them (object: whatever it sent is kept and repeated, not
+        # judged here; compiled, a narrower type would be a check that fails on an odd value).
+        self.id: object = None
+        self.created: object = None
+        self.model: object = None
         self.prompt_ids: list[int] | None = None
         self.token_ids: list[int] = []  # generated ids, this attempt's included
         self.settled = 0  # how many of them the client's text covers
         self.last_text_tokens = 0  # ids in the chunk that settled them (0: none)
-        self.finish_reason: str | None = None
+        self.finish_reason: object = None  # (as id, above)
         self.usage_seen = False
         self.unreadable = False
         self.ids_missing = False  # text came without its ids
