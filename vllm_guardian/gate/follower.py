@@ -191,12 +191,9 @@ class Follower:
     # --- polling -----------------------------------------------------------------------------
 
     async def poll_once(self) -> None:
-        if self._guardian_pool is None:  # no tasks of a gather ten times a second for nothing
-            (healthy, why), (verdict, answered) = await self._health(), (None, True)
-        else:
-            (healthy, why), (verdict, answered) = await asyncio.gather(
-                self._health(), self._guardian_ready()
-            )
+        (healthy, why), (verdict, answered) = await asyncio.gather(
+            self._health(), self._guardian_ready()
+        )
         self.polls += 1
         verdict = self._guardian_through_silence(verdict, answered, time.monotonic())
         if healthy is False:
