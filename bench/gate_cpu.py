@@ -857,6 +857,7 @@ def compile_gate(tree: Path, into: Path) -> Path:
     runs, beside the gate as Python."""
     print("# compiling the gate for gate-mypyc (scripts/compile-gate)", flush=True)
     done = subprocess.run([str(tree / "scripts" / "compile-gate"), str(into)],
+                          env={**os.environ, "COMPILE_GATE_PYTHON": sys.executable},
                           capture_output=True, text=True, check=False)  # fmt: skip
     if done.returncode != 0:
         raise SystemExit(f"scripts/compile-gate failed ({done.returncode}):\n{done.stdout[-4000:]}{done.stderr[-2000:]}")  # fmt: skip
