@@ -534,7 +534,7 @@ class StreamState:
         elif n:
             self._pending.append(out)
             return b""
-        return self._flush(out) if self._pending else out
+        return self._flush(out)
 
     def _relay(self, data: bytes) -> Step:
         return Step(Kind.RELAY, self._flush(data))
