@@ -245,3 +245,42 @@ def test_a_requests_body_is_read_as_json_once_on_its_way(
     finally:
         gate.stop()
     assert len(reads) == 1, f"the client's body was parsed {len(reads)} times"
+
+
+# --- the admission: no dispatcher wake-up for nothing ------------------------------------------
+
+
+@pytest.mark.python_only  # reads the admission's wake-up event
+def test_a_release_wakes_the_dispatcher_only_when_a_request_waits() -> None:
+    """Every request's release used to wake the admission's dispatcher task, a task switch
+    and a new future a request, with nothing queued for it to hand a grant to. A release
+    with a request queued still hands the freed room on to it."""
+    from vllm_guardian.gate.admission import Admission, Cost, Limits
+    from vllm_guardian.gate.metrics import GateMetrics
+
+    async def run() -> tuple[bool, bool, bool]:
+        cost = Cost(600, 400)
+        a = Admission(
+            Limits(kv_admission=True, kv_reserve_ratio=0.0, release_rate_per_second=0.0),
+            GateMetrics("vllm"),
+        )
+        a.start()
+        a.set_state(True, "open")
+        a.set_kv(1500, 0.0, "test")
+        await asyncio.sleep(0)
+        first = await a.acquire("k", cost)  # admitted at once: nothing queued
+        await asyncio.sleep(0)  # the dispatcher takes the wake-up of set_kv
+        a.release(first)
+        woken_for_nothing = a._wake.is_set()
+        first = await a.acquire("k", cost)
+        second = asyncio.ensure_future(a.acquire("k", cost))  # 2,000 tokens do not fit 1,500
+        await asyncio.sleep(0.05)
+        held = not second.done()
+        a.release(first)
+        async with asyncio.timeout(30.0):
+            a.release(await second)
+        await a.stop()
+        return woken_for_nothing, held, second.done()
+
+    woken_for_nothing, held, admitted = asyncio.run(run())
+    assert (woken_for_nothing, held, admitted) == (False, True, True)

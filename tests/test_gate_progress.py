@@ -505,3 +505,56 @@ SEND_AGAIN = [  # (taken back from, now, sent again)
 @pytest.mark.parametrize(("taken_from", "now", "again"), SEND_AGAIN)
 def test_what_tells_a_new_engine(taken_from: EngineMark, now: EngineMark, again: bool) -> None:
     assert (why_send_again(taken_from, now) is not None) is again
+
+
+def test_the_followers_engine_mark_follows_every_poll_it_is_made_of() -> None:
+    """The proxy asks for the engine's mark with every request it sends; the follower makes
+    it anew only when a poll brought a new reading or counted a /health failure, and never
+    answers with a mark older than either."""
+    import asyncio
+
+    import aiohttp
+
+    from vllm_guardian.gate.admission import Admission, Limits
+    from vllm_guardian.gate.follower import Follower
+    from vllm_guardian.gate.metrics import GateMetrics
+
+    async def run() -> list[tuple[EngineMark, bool]]:
+        async with aiohttp.ClientSession() as session:
+            f = Follower(
+                Admission(Limits(), GateMetrics("vllm")), session, upstream="http://127.0.0.1:1",
+                guardian=None, service="vllm", poll_interval_seconds=1.0,
+                kv_poll_interval_seconds=1.0, suspect_seconds=1.0,
+            )  # fmt: skip
+            seen: list[tuple[EngineMark, bool]] = []
+            last: EngineMark | None = None
+
+            def note() -> None:
+                nonlocal last
+                mark = f.engine_mark()
+                seen.append((mark, mark is last))
+                last = mark
+
+            note()  # no reading yet
+            note()
+            f.progress.observe(1.0, R(100, 1))
+            note()
+            note()
+            f.progress.observe(2.0, R(150, 1))
+            note()
+            f._health_failures += 1  # a poll's count of a refused /health
+            note()
+            f.progress.observe(3.0, None)  # a poll that could not read /metrics
+            note()
+            return seen
+
+    seen = asyncio.run(run())
+    assert seen == [
+        (EngineMark(None, None, 0), False),
+        (EngineMark(None, None, 0), True),
+        (EngineMark.of(R(100, 1), 0), False),
+        (EngineMark.of(R(100, 1), 0), True),
+        (EngineMark.of(R(150, 1), 0), False),
+        (EngineMark.of(R(150, 1), 1), False),
+        (EngineMark(None, None, 1), False),
+    ]

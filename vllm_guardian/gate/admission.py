@@ -405,7 +405,10 @@ class Admission:
         ticket.released = True
         self.committed_tokens -= ticket.kv_tokens
         self.in_flight -= 1
-        self._wake.set()
+        if self._queue:
+            # The freed room may let the head go. With none waiting there is nothing to
+            # hand on: no wake-up (a task switch and a new future every request).
+            self._wake.set()
 
     # --- internals ---------------------------------------------------------------------------
 

@@ -140,6 +140,9 @@ class Follower:
         self.taken_back = 0  # exchanges taken back from a hung engine, in all
         self.take_back_wait_seconds = take_back_wait_seconds
         self._health_failures = 0  # /health refused or not 200 (not: silent), since the start
+        # engine_mark's last answer, and the reading it was made from.
+        self._mark: EngineMark | None = None
+        self._mark_of: ProgressReading | None = None
         # The engine requests were taken back from, while they wait for another (None: none
         # wait), and until when the gate holds for them.
         self._taken_back_from: EngineMark | None = None
@@ -222,8 +225,14 @@ class Follower:
             self.admission.set_state(True, "open")
 
     def engine_mark(self) -> EngineMark:
-        """The engine as the polls tell it now (gate/progress.py, EngineMark)."""
-        return EngineMark.of(self.progress.last, self._health_failures)
+        """The engine as the polls tell it now (gate/progress.py, EngineMark); asked for
+        every request sent, made anew only when a poll changed what it is made of."""
+        reading, failures = self.progress.last, self._health_failures
+        mark = self._mark
+        if mark is None or self._mark_of is not reading or mark.health_failures != failures:
+            mark = self._mark = EngineMark.of(reading, failures)
+            self._mark_of = reading
+        return mark
 
     def _take_back(self, why: str) -> None:
         """The engine is hung: what it holds and the gate can save is taken back (it waits
@@ -234,7 +243,7 @@ class Follower:
         if taken:
             self.taken_back += taken
             if self._taken_back_from is None:
-                self._taken_back_from = EngineMark.of(self.progress.last, self._health_failures)
+                self._taken_back_from = self.engine_mark()
             self._taken_back_until = time.monotonic() + self.take_back_wait_seconds
             log.warning("gate: %s; %d requests in it taken back, to be sent again", why, taken)
 
@@ -244,7 +253,7 @@ class Follower:
         mark = self._taken_back_from
         if mark is None:
             return None
-        why = why_send_again(mark, EngineMark.of(self.progress.last, self._health_failures))
+        why = why_send_again(mark, self.engine_mark())
         if why is None and now < self._taken_back_until:
             return "requests taken back from the hung engine wait for a new one"
         self._taken_back_from = None
