@@ -1030,6 +1030,12 @@ def main(argv: list[str] | None = None) -> int:
         "before a change, in the same run",
     )  # fmt: skip
     ap.add_argument(
+        "--base-compiled",
+        action="store_true",
+        help="run gate-base compiled as gate-mypyc is (its tree's scripts/compile-gate): a "
+        "same-run A/B of a change to the compiled gate",
+    )
+    ap.add_argument(
         "--gate-args", default="--release-rate 0",
         help="extra gate flags (default: no release pacing, so that a moment's hold during the "
         "run cannot leave a queue released at 50 requests/s; this measures the data path)",
@@ -1083,6 +1089,8 @@ def main(argv: list[str] | None = None) -> int:
     args.streams = [int(x) for x in str(args.streams).split(",") if x]
     args.unary = [int(x) for x in str(args.unary).split(",") if x]
     names = [t for t in args.targets.split(",") if t]
+    if args.base_compiled and not args.base:
+        ap.error("--base-compiled needs --base")
     if args.base:
         names.insert(names.index("gate") + 1 if "gate" in names else 0, "gate-base")
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
@@ -1109,6 +1117,11 @@ def main(argv: list[str] | None = None) -> int:
         stack.enter_context(process(stub, up))
         targets: dict[str, tuple[int, int]] = {}
         compiled = compile_gate(ROOT, Path(tmp) / "mypyc") if "gate-mypyc" in names else None
+        compiled_base = (
+            compile_gate(Path(args.base).resolve(), Path(tmp) / "mypyc-base")
+            if args.base and args.base_compiled
+            else None
+        )
         for name in names:
             port = free_port()
             env: dict[str, str] | None = None
@@ -1130,6 +1143,8 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "gate-mypyc":
                     assert compiled is not None
                     tree = compiled
+                elif name == "gate-base" and compiled_base is not None:
+                    tree = compiled_base
                 # Run from the tree too: ``python -m`` puts the working directory first on
                 # sys.path, ahead of PYTHONPATH (from another checkout, the base would be that
                 # checkout's code, not its own).
@@ -1169,7 +1184,7 @@ def main(argv: list[str] | None = None) -> int:
             "event_rate": args.event_rate, "events_per_stream": args.events_per_stream,
             "seconds": args.seconds, "repeat": args.repeat, "load_avg_end": os.getloadavg(),
             "gate_args": args.gate_args, "base": args.base and commit(Path(args.base)),
-            "base_args": args.base_args,
+            "base_args": args.base_args, "base_compiled": args.base_compiled,
             "max_wait_share": args.max_wait_share, "retries": args.retries,
             "gate_python": interpreter(gate_py)}  # fmt: skip
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "points": [asdict(p) for p in points]}, indent=1) + "\n")  # fmt: skip
