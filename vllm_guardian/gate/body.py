@@ -105,7 +105,10 @@ class BodyBudget:
         entry = (n, loop.create_future())
         self._waiters.append(entry)
         try:
-            await asyncio.wait_for(asyncio.shield(entry[1]), wait_seconds)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for loses a cancellation that
+            # comes in the turn the room does (tests/test_gate_cancel.py).
+            async with asyncio.timeout(wait_seconds):
+                await asyncio.shield(entry[1])
         except TimeoutError:
             if not entry[1].done():  # (granted in the same instant: keep it)
                 self._forget(entry)

@@ -784,7 +784,10 @@ async def _connected(
     that woke late (a starved host) finds the deadline and the finished connect in the same
     turn, and a connect that worked is not thrown away as timed out."""
     try:
-        await asyncio.wait_for(loop.sock_connect(sock, address), timeout)
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for loses a cancellation that
+        # comes in the turn the connect completes (tests/test_gate_cancel.py).
+        async with asyncio.timeout(timeout):
+            await loop.sock_connect(sock, address)
     except TimeoutError:
         error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
         if error:

@@ -235,7 +235,8 @@ class ControlServer:
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             try:
-                what = await asyncio.wait_for(reader.readline(), ASK_WAIT_SECONDS)
+                async with asyncio.timeout(ASK_WAIT_SECONDS):  # (not wait_for: see ask_sibling)
+                    what = await reader.readline()
             except TimeoutError:
                 # A reader that asks nothing gets the status: a parent started from an older
                 # version of this file (an upgrade under a running gate) reads it that way.
@@ -277,7 +278,10 @@ async def ask_sibling(path: Path, what: bytes, timeout_seconds: float) -> bytes 
             writer.close()
 
     try:
-        return await asyncio.wait_for(read(), timeout_seconds)
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for loses a cancellation that
+        # comes in the turn the answer does (tests/test_gate_cancel.py).
+        async with asyncio.timeout(timeout_seconds):
+            return await read()
     except (OSError, TimeoutError):
         return None
 
