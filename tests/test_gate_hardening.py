@@ -755,6 +755,44 @@ def test_an_attacker_rotating_keys_cannot_starve_a_known_key(stub: Stub, attacke
         g.stop()
 
 
+def test_a_metrics_page_is_read_whatever_the_server_would_compress() -> None:
+    """The gate asks /metrics for no compression. prometheus_client's own exposition gzips the
+    page for a client that accepts gzip; vLLM 0.32 serves its /metrics through
+    prometheus_fastapi_instrumentator, which does not by default (checked on the real one:
+    48 KB, no Content-Encoding, asked for gzip). The gate's aiohttp client used to ask for
+    gzip and parse the bytes as they came: behind a server that compressed, the KV admission
+    and the hang hold would have had no reading at all. Here prometheus_client's server with a
+    real capture's families: the gate reads its KV pool and a progress reading."""
+    import prometheus_client
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = read_fixture("metrics-pressure-07.prom")
+
+    class Capture:
+        def collect(self) -> Iterator[prometheus_client.Metric]:
+            yield from text_string_to_metric_families(text)
+
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(Capture())  # type: ignore[arg-type]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server, thread = prometheus_client.start_http_server(port, "127.0.0.1", registry)
+    asked = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=60)  # requests asks gzip
+    assert asked.headers.get("Content-Encoding") == "gzip"  # what a client asking for it gets
+    g = Running(f"http://127.0.0.1:{port}", limits=Limits(kv_admission=True))
+    try:
+        assert g.gate.follower is not None
+        g.lt.run(g.gate.follower.poll_kv(), timeout=120)
+        doc = requests.get(g.url + "/gate/status", timeout=60).json()
+        assert (doc["kv_capacity_tokens"], doc["kv_capacity_source"]) == (4096, "cache_config_info")
+        assert g.gate.follower.progress.last is not None
+    finally:
+        g.stop()
+        server.shutdown()
+        thread.join(timeout=60)
+
+
 @pytest.mark.parametrize(
     ("fixture", "capacity", "source"),
     [

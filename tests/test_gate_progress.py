@@ -513,40 +513,38 @@ def test_the_followers_engine_mark_follows_every_poll_it_is_made_of() -> None:
     answers with a mark older than either."""
     import asyncio
 
-    import aiohttp
-
     from vllm_guardian.gate.admission import Admission, Limits
     from vllm_guardian.gate.follower import Follower
     from vllm_guardian.gate.metrics import GateMetrics
 
     async def run() -> list[tuple[EngineMark, bool]]:
-        async with aiohttp.ClientSession() as session:
-            f = Follower(
-                Admission(Limits(), GateMetrics("vllm")), session, upstream="http://127.0.0.1:1",
-                guardian=None, service="vllm", poll_interval_seconds=1.0,
-                kv_poll_interval_seconds=1.0, suspect_seconds=1.0,
-            )  # fmt: skip
-            seen: list[tuple[EngineMark, bool]] = []
-            last: EngineMark | None = None
+        # (in a loop: the follower's pools are made for the running one)
+        f = Follower(
+            Admission(Limits(), GateMetrics("vllm")), upstream="http://127.0.0.1:1",
+            guardian=None, service="vllm", poll_interval_seconds=1.0,
+            kv_poll_interval_seconds=1.0, suspect_seconds=1.0,
+        )  # fmt: skip
+        seen: list[tuple[EngineMark, bool]] = []
+        last: EngineMark | None = None
 
-            def note() -> None:
-                nonlocal last
-                mark = f.engine_mark()
-                seen.append((mark, mark is last))
-                last = mark
+        def note() -> None:
+            nonlocal last
+            mark = f.engine_mark()
+            seen.append((mark, mark is last))
+            last = mark
 
-            note()  # no reading yet
-            note()
-            f.progress.observe(1.0, R(100, 1))
-            note()
-            note()
-            f.progress.observe(2.0, R(150, 1))
-            note()
-            f._health_failures += 1  # a poll's count of a refused /health
-            note()
-            f.progress.observe(3.0, None)  # a poll that could not read /metrics
-            note()
-            return seen
+        note()  # no reading yet
+        note()
+        f.progress.observe(1.0, R(100, 1))
+        note()
+        note()
+        f.progress.observe(2.0, R(150, 1))
+        note()
+        f._health_failures += 1  # a poll's count of a refused /health
+        note()
+        f.progress.observe(3.0, None)  # a poll that could not read /metrics
+        note()
+        return seen
 
     seen = asyncio.run(run())
     assert seen == [

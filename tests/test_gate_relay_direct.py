@@ -153,7 +153,14 @@ class Setup:
 
     def stop(self) -> None:
         self.lt.run(self.gate.stop())
-        self.srv.close()
+
+        async def close() -> None:
+            # On the server's loop: asyncio.Server is not thread-safe, and connections the
+            # gate's stop closed may still be leaving it (a close from this thread raced their
+            # detaching: TypeError in Server._wakeup).
+            self.srv.close()
+
+        self.lt.run(close())
         self.lt.close()
 
 

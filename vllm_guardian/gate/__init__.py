@@ -8,7 +8,7 @@ reaching vLLM, and are released in order, at a bounded rate, once it admits work
 a restart they are sent to the new instance. See docs/gate.md.
 
 Run from the service's ``gate:`` section of the guardian's config (``vllm-guardian gate -c
-CONFIG --service NAME``, the unit ``vllm-guardian-gate@NAME.service``) or from flags. aiohttp,
+CONFIG --service NAME``, the unit ``vllm-guardian-gate@NAME.service``) or from flags.
 httptools and uvloop are dependencies of the package, but nothing outside this package imports them: the
 daemon reads the gate's ``GET /gate/status`` with the standard library
 (``vllm_guardian/sources/gate.py``).

@@ -15,8 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import aiohttp
-
 from vllm_guardian.gate.admission import Admission, Limits
 from vllm_guardian.gate.connections import (
     ConnectionGuard,
@@ -28,7 +26,7 @@ from vllm_guardian.gate.http1 import HttpServer, Request, Response, json_respons
 from vllm_guardian.gate.looplag import LoopLag
 from vllm_guardian.gate.metrics import CONTENT_TYPE, GateMetrics
 from vllm_guardian.gate.proxy import STATUS_PATH, GateProxy, ProxySettings
-from vllm_guardian.gate.upstream import KEEPALIVE_SECONDS, UpstreamPool
+from vllm_guardian.gate.upstream import UpstreamPool
 from vllm_guardian.gate.workers import ControlServer, gate_metrics, gate_status, share
 
 log = logging.getLogger("vllm_guardian.gate")
@@ -96,7 +94,6 @@ class Gate:
         self.metrics = GateMetrics(settings.proxy.service)
         self._server: HttpServer | None = None
         self._listener: asyncio.Server | None = None
-        self._session: aiohttp.ClientSession | None = None  # the follower's /metrics reads
         self._pool: UpstreamPool | None = None  # the proxied exchanges
         self._fallback_pool: UpstreamPool | None = None  # ProxySettings.fallback_url's
         self.admission: Admission | None = None
@@ -108,18 +105,6 @@ class Gate:
 
     async def start(self) -> None:
         s = self.settings
-        # Idle connections kept under vLLM's keep-alive limit, as the proxy's pool keeps them.
-        connector = aiohttp.TCPConnector(
-            limit=0, keepalive_timeout=KEEPALIVE_SECONDS, ttl_dns_cache=300
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            auto_decompress=False,  # bytes pass through as the upstream sent them
-            timeout=aiohttp.ClientTimeout(
-                total=None, connect=s.proxy.connect_timeout_seconds, sock_read=None
-            ),
-            cookie_jar=aiohttp.DummyCookieJar(),  # a proxy keeps no client's cookies
-        )
         self.admission = Admission(s.limits, self.metrics)
         self._pool = UpstreamPool(
             s.proxy.upstream,
@@ -128,7 +113,6 @@ class Gate:
         )
         self.follower = Follower(
             self.admission,
-            self._session,
             upstream=s.proxy.upstream,
             guardian=s.guardian,
             service=s.proxy.service,
@@ -244,8 +228,6 @@ class Gate:
             self._pool.close()
         if self._fallback_pool is not None:
             self._fallback_pool.close()
-        if self._session is not None:
-            await self._session.close()
         # Last: a draining worker's in-flight requests stay in its siblings' sum until done.
         if self._control is not None:
             await self._control.stop()
