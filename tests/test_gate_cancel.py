@@ -7,18 +7,31 @@ meant a request whose client had left went on to vLLM with the grant it was give
 and a task told to stop (the follower's, at the gate's stop) went on polling, so the stop
 waited for it forever. Each wait here is driven to exactly that turn: its awaitable completes
 and its task is cancelled before the loop runs again.
+
+Then the same for the waits around them (found by an adversarial review, each reproduced here
+first): the exchange that offers a held request to the fallback replica while it keeps its
+place in the queue (the grant and the fallback's answer each given back, whatever the turn the
+client leaves in), the stops that cancel a task of their own and wait for it (the caller's own
+cancellation kept), and a request rejected by the gate's stop in the turn its client leaves.
+Gate-level cases run a real gate between two stand-ins on loopback, one event loop, events
+ordered by loop turns; every wait is bounded and prints what it saw.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 
-from vllm_guardian.gate.admission import Admission, Cost, Limits
+from vllm_guardian.gate.admission import Admission, Cost, Limits, Rejected
 from vllm_guardian.gate.body import BodyBudget
 from vllm_guardian.gate.metrics import GateMetrics
+from vllm_guardian.gate.proxy import ProxySettings
+from vllm_guardian.gate.server import Gate, GateSettings
 
 COST = Cost(10, 10)
 
@@ -86,5 +99,305 @@ def test_a_connect_cancelled_as_it_completes_stays_cancelled() -> None:
                 _connected(Loop(connected), sock, ("127.0.0.1", 9), 30.0)  # type: ignore[arg-type]
             )
             return await _cancelled_as_it_completes(task, lambda: connected.set_result(None))
+
+    assert asyncio.run(run()) == "cancelled"
+
+
+# --- the exchange, the fallback and the stops ----------------------------------------------------
+
+BOUND = 30.0
+DOC = {"model": "m", "prompt": "hi", "max_tokens": 4}  # a unary completion: fallback allowed
+ANSWER = b'{"id":"x","choices":[{"text":"ok"}]}'
+
+Handler = Callable[[str, str, bytes, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def until(cond: Callable[[], bool], what: str) -> None:
+    """One loop turn at a time until ``cond()``; fails after BOUND seconds."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + BOUND
+    while not cond():
+        assert loop.time() < end, f"timed out waiting for {what}"
+        await asyncio.sleep(0)
+
+
+async def http_server(handler: Handler) -> tuple[asyncio.Server, str]:
+    async def conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = (await reader.readuntil(b"\r\n\r\n")).decode()
+                method, path, _ = head.split("\r\n", 1)[0].split(" ", 2)
+                n = 0
+                for line in head.split("\r\n")[1:]:
+                    k, _, v = line.partition(":")
+                    if k.strip().lower() == "content-length":
+                        n = int(v)
+                body = await reader.readexactly(n) if n else b""
+                await handler(method, path, body, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        except asyncio.CancelledError:
+            pass  # the test's loop ends (a stand-in's own task: nothing after it)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(conn, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}"
+
+
+def answer(writer: asyncio.StreamWriter, body: bytes = ANSWER) -> None:
+    writer.write(
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+
+
+async def vllm(method: str, path: str, body: bytes, writer: asyncio.StreamWriter) -> None:
+    answer(writer, b"" if path == "/health" else ANSWER)
+
+
+class Fallback:
+    """The fallback replica: holds each request until ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.got = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def __call__(self, method: str, path: str, body: bytes, w: asyncio.StreamWriter) -> None:
+        self.got.set()
+        await self.release.wait()
+        answer(w)
+        await w.drain()
+
+
+async def held_gate(fallback_url: str, fallback_after: float) -> tuple[Gate, asyncio.Server]:
+    """A gate in front of an always-healthy vLLM stand-in, then held by the test (the follower
+    polls once more after start, then not for 1000 s)."""
+    up, up_url = await http_server(vllm)
+    gate = Gate(
+        GateSettings(
+            proxy=ProxySettings(
+                upstream=up_url,
+                fallback_url=fallback_url,
+                fallback_after_seconds=fallback_after,
+            ),
+            listen_port=0,
+            limits=Limits(max_wait_seconds=BOUND, release_rate_per_second=0),
+            poll_interval_seconds=1000.0,
+            stall_hold_seconds=0,
+            shutdown_timeout_seconds=1.0,
+        )
+    )
+    await gate.start()
+    assert gate.follower is not None and gate.admission is not None
+    follower = gate.follower
+    await until(lambda: follower.polls >= 2, "the follower's second poll")
+    gate.admission.set_state(False, "held by the test")
+    return gate, up
+
+
+async def send(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    body = json.dumps(DOC).encode()
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: gate\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    await writer.drain()
+    return reader, writer
+
+
+def acquiring_task() -> asyncio.Task[Any]:
+    """The proxy's ``waiting`` task (GateProxy._admit: ensure_future(admission.acquire(...)))."""
+    (t,) = [
+        t
+        for t in asyncio.all_tasks()
+        if getattr(t.get_coro(), "__qualname__", "") == "Admission.acquire"
+    ]
+    return t
+
+
+def handler_task(gate: Gate) -> asyncio.Task[Any]:
+    assert gate._server is not None
+    (task,) = [c.task for c in gate._server.connections if c.task is not None]
+    return task
+
+
+# --- 1. proxy.py _admit: the ticket granted to ``waiting`` is dropped ----------------------------
+
+
+@pytest.mark.python_only  # finds the proxy's waiting task by its coroutine's name
+def test_a_ticket_granted_while_the_fallback_answers_is_given_back() -> None:
+    """Held, offered to the fallback; this server admits it while the fallback works on it;
+    the fallback answers 200. The exchange ends: the admission must hold no ticket for it."""
+
+    async def run() -> tuple[int, int, int, bytes]:
+        fb = Fallback()
+        fsrv, furl = await http_server(fb)
+        gate, up = await held_gate(furl, fallback_after=0.05)
+        a, proxy = gate.admission, gate.proxy
+        assert a is not None and proxy is not None
+        reader, writer = await send(gate.port)
+        await asyncio.wait_for(fb.got.wait(), BOUND)  # offered to the fallback (still queued)
+        assert a.queue_depth == 1
+        a.set_state(True, "open")  # this server admits it meanwhile
+        await until(lambda: a.queue_depth == 0 and a.in_flight == 1, "the grant")
+        fb.release.set()  # the fallback takes it: 200
+        status_line = await asyncio.wait_for(reader.readline(), BOUND)
+        await until(lambda: proxy.open_exchanges == 0, "the exchange's end")
+        seen = (a.in_flight, a.committed_tokens, len(a._queue), status_line)
+        print(f"after the exchange: in_flight={seen[0]} committed_tokens={seen[1]} "
+              f"queued={seen[2]} client got {status_line!r}")  # fmt: skip
+        writer.close()
+        await gate.stop()
+        for s in (up, fsrv):
+            s.close()
+        return seen
+
+    in_flight, committed, _, status = asyncio.run(run())
+    assert status.startswith(b"HTTP/1.1 200")
+    assert (in_flight, committed) == (0, 0)
+
+
+@pytest.mark.python_only  # finds the proxy's waiting task by its coroutine's name
+def test_a_request_whose_client_leaves_as_it_is_admitted_gives_its_ticket_back() -> None:
+    """With a fallback set, the admission's wait runs in a task of its own; the client leaves
+    (its handler is cancelled, as connection_lost does) in the turn that task completes."""
+
+    async def run() -> tuple[str, int, int]:
+        fb = Fallback()
+        fsrv, furl = await http_server(fb)
+        gate, up = await held_gate(furl, fallback_after=BOUND)  # never reached
+        a = gate.admission
+        assert a is not None
+        _, writer = await send(gate.port)
+        await until(lambda: a.queue_depth == 1, "the request held")
+        waiting, handler = acquiring_task(), handler_task(gate)
+        a.set_state(True, "open")
+        await until(waiting.done, "the grant")
+        handler.cancel()  # the client left in this turn (http1.Connection.connection_lost)
+        await asyncio.wait({handler}, timeout=BOUND)
+        got = "cancelled" if handler.cancelled() else f"done: {handler.exception()!r}"
+        seen = (got, a.in_flight, a.committed_tokens)
+        print(f"handler {got}; waiting={waiting!r}; in_flight={a.in_flight} "
+              f"committed_tokens={a.committed_tokens}")  # fmt: skip
+        writer.close()
+        await gate.stop()
+        for s in (up, fsrv):
+            s.close()
+        return seen
+
+    _, in_flight, committed = asyncio.run(run())
+    assert (in_flight, committed) == (0, 0)
+
+
+# --- 2. proxy.py _admit: the fallback's answer is dropped on a cancel in the finally ------------
+
+
+@pytest.mark.python_only  # finds the proxy's waiting task by its coroutine's name
+def test_a_fallback_answer_is_released_when_the_client_leaves_as_the_queue_lets_go() -> None:
+    """The fallback answered; _admit's finally cancels its place in the queue and waits for
+    that; the client leaves in that wait. The fallback's connection must not stay busy."""
+
+    async def run() -> tuple[int, int]:
+        fb = Fallback()
+        fsrv, furl = await http_server(fb)
+        gate, up = await held_gate(furl, fallback_after=0.05)
+        pool = gate._fallback_pool
+        assert pool is not None
+        _, writer = await send(gate.port)
+        await asyncio.wait_for(fb.got.wait(), BOUND)
+        waiting, handler = acquiring_task(), handler_task(gate)
+        fb.release.set()  # the fallback takes it: _admit returns its answer...
+        await until(waiting.done, "the queue place given up")  # ...after this wait
+        handler.cancel()  # the client left in this turn
+        await asyncio.wait({handler}, timeout=BOUND)
+        busy = len(pool._busy)
+        print(f"handler cancelled={handler.cancelled()}; waiting cancelled="
+              f"{waiting.cancelled()}; fallback pool busy={busy}")  # fmt: skip
+        writer.close()
+        await gate.stop()
+        after_stop = len(pool._busy)
+        print(f"after gate.stop(): fallback pool busy={after_stop}")
+        for s in (up, fsrv):
+            s.close()
+        return busy, after_stop
+
+    assert asyncio.run(run()) == (0, 0)
+
+
+# --- 3. looplag.py / connections.py stop(): the caller's cancellation is swallowed --------------
+
+
+def refused_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def test_a_cancelled_gate_stop_raises_cancelled_error() -> None:
+    async def run() -> str:
+        gate = Gate(
+            GateSettings(
+                proxy=ProxySettings(upstream=refused_url()),
+                listen_port=0,
+                poll_interval_seconds=1000.0,
+                stall_hold_seconds=0,
+            )
+        )
+        await gate.start()
+        stopper = asyncio.ensure_future(gate.stop())
+        await asyncio.sleep(0)  # stopper waits for the loop-lag task it cancelled
+        stopper.cancel()
+        done, _ = await asyncio.wait({stopper}, timeout=BOUND)
+        assert done
+        got = "cancelled" if stopper.cancelled() else f"returned {stopper.result()!r}"
+        print(f"Gate.stop() cancelled in its first wait: {got}")
+        return got
+
+    assert asyncio.run(run()) == "cancelled"
+
+
+def test_a_cancelled_connection_guard_stop_raises_cancelled_error() -> None:
+    from vllm_guardian.gate.connections import ConnectionGuard
+
+    async def run() -> str:
+        guard = ConnectionGuard(
+            max_connections=4, idle_timeout_seconds=60.0, metrics=GateMetrics("vllm")
+        )
+        guard.start()
+        stopper = asyncio.ensure_future(guard.stop())
+        await asyncio.sleep(0)
+        stopper.cancel()
+        await asyncio.wait({stopper}, timeout=BOUND)
+        got = "cancelled" if stopper.cancelled() else f"returned {stopper.result()!r}"
+        print(f"ConnectionGuard.stop() cancelled in its wait: {got}")
+        return got
+
+    assert asyncio.run(run()) == "cancelled"
+
+
+# --- 4. admission.py acquire: a cancel turned into Rejected ---------------------------------------
+
+
+def test_a_request_cancelled_as_the_gate_stops_stays_cancelled() -> None:
+    async def run() -> str:
+        a = Admission(Limits(release_rate_per_second=0.0), GateMetrics("vllm"))
+        a.start()  # closed: the request waits in the queue
+        task = asyncio.ensure_future(a.acquire("k", Cost(10, 10)))
+        await until(lambda: a.queue_depth == 1, "the request queued")
+        await a.stop()  # rejects the queued request (SHUTDOWN)...
+        task.cancel()  # ...and its client leaves in the same turn
+        await asyncio.wait({task}, timeout=BOUND)
+        if task.cancelled():
+            got = "cancelled"
+        elif isinstance(e := task.exception(), Rejected):
+            got = f"Rejected({e.reason.value})"
+        else:
+            got = f"done: {task.exception()!r}"
+        print(f"acquire cancelled as stop() rejected it: {got}")
+        return got
 
     assert asyncio.run(run()) == "cancelled"

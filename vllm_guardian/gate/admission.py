@@ -357,8 +357,11 @@ class Admission:
                 ) from None
         except asyncio.CancelledError:
             # The client went away while queued: it leaves the queue, or gives its grant back.
-            if waiter.future.done() and not waiter.future.cancelled():
-                self.release(waiter.future.result())
+            # (A rejection that came in the same turn, as the gate stopped, is not raised in
+            # place of the cancellation.)
+            granted = waiter.future
+            if granted.done() and not granted.cancelled() and granted.exception() is None:
+                self.release(granted.result())
             else:
                 self._remove(wid)
             raise

@@ -293,8 +293,9 @@ class ConnectionGuard:
     async def stop(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
+            # asyncio.wait, not a suppressed await of it: that would swallow a cancellation
+            # of this stop's own caller too (tests/test_gate_cancel.py).
+            await asyncio.wait({self._reaper})
             self._reaper = None
 
 

@@ -138,8 +138,9 @@ class LoopLag:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # asyncio.wait, not a suppressed await of it: that would swallow a cancellation
+            # of this stop's own caller too (tests/test_gate_cancel.py).
+            await asyncio.wait({self._task})
             self._task = None
 
     async def _run(self) -> None:

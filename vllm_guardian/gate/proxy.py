@@ -578,9 +578,14 @@ class GateProxy:
             hold.ticket = await waiting
             return None
         finally:
+            # Nothing awaited here: a client leaving in this turn would lose the fallback's
+            # answer (not returned, so never released) and a grant made meanwhile.
             if not waiting.done():
-                waiting.cancel()  # the fallback took it: it leaves the queue
-                await asyncio.wait({waiting})
+                waiting.cancel()  # it leaves the queue (Admission.acquire gives back a grant)
+            elif not waiting.cancelled() and waiting.exception() is None and hold.ticket is None:
+                # Granted, and not taken: the fallback answered, or this client left as the
+                # grant came.
+                self.admission.release(waiting.result())
 
     async def _on_fallback(
         self, request: Request, body: bytes | bytearray
@@ -606,9 +611,13 @@ class GateProxy:
                     request_id, self.s.fallback_after_seconds, self.fallback.shown,
                 )  # fmt: skip
                 return up
-            answer = await self._read_at_most(up, DYING_BODY_MAX_BYTES)
-            up.release()
-            why = f"answered {up.status}: {answer[:200].decode('utf-8', 'replace')}"
+            try:
+                answer = await self._read_at_most(up, DYING_BODY_MAX_BYTES)
+                why = f"answered {up.status}: {answer[:200].decode('utf-8', 'replace')}"
+            except UpstreamError as e:
+                why = f"answered {up.status}, then {e.phase}: {e}"
+            finally:
+                up.release()  # also when the client leaves meanwhile
         self.metrics.fallback("refused")
         log.warning(
             "gate: request %s: the fallback %s did not take it (%s); it waits on for this server",

@@ -419,9 +419,13 @@ class ContinuingRelay:
                     continue
                 await self.resp.write(KEEPALIVE)
         finally:
+            # Nothing awaited here: a client leaving in this turn would lose the fallback's
+            # answer (not returned, so never released). The wait's own grant is in the
+            # exchange's hold (wait_ready), or given back by the admission when cancelled.
             if not waiting.done():
                 waiting.cancel()
-                await asyncio.wait({waiting})
+            elif not waiting.cancelled():
+                waiting.exception()  # seen: a rejection after the fallback took it is no error
 
     async def _on_fallback(self, decision: Continue) -> UpstreamResponse | None:
         """The continuation sent to the fallback: its answer when 200, else None (logged; the
@@ -442,8 +446,10 @@ class ContinuingRelay:
                 )
                 if up.status == 200:
                     return up
-                answer = await _read_small(up)
-                up.release()
+                try:
+                    answer = await _read_small(up)
+                finally:
+                    up.release()  # also when it breaks, or the client leaves, meanwhile
                 why = f"answered {up.status}: {answer[:200].decode('utf-8', 'replace')}"
         except UpstreamError as e:
             why = f"{e.phase}: {e}"
