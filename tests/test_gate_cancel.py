@@ -401,3 +401,41 @@ def test_a_request_cancelled_as_the_gate_stops_stays_cancelled() -> None:
         return got
 
     assert asyncio.run(run()) == "cancelled"
+
+
+def test_a_fallback_whose_5xx_answer_breaks_off_is_a_refusal_and_the_request_waits_on() -> None:
+    """The fallback answers 500 and closes before the body it announced: the gate counts a
+    refusal and the request waits on for this server, as for any 5xx (it used to escape as an
+    error of the gate's: 500 to the client)."""
+
+    async def broken(method: str, path: str, body: bytes, w: asyncio.StreamWriter) -> None:
+        w.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 100\r\n\r\nshort")
+        await w.drain()
+        w.close()
+
+    async def run() -> tuple[float, bytes]:
+        fsrv, furl = await http_server(broken)
+        gate, up = await held_gate(furl, fallback_after=0.05)
+        a = gate.admission
+        assert a is not None
+
+        def refused() -> float:
+            value = gate.metrics.registry.get_sample_value(
+                "vllm_guardian_gate_fallbacks_total", {"service": "vllm", "result": "refused"}
+            )
+            return value or 0.0
+
+        reader, writer = await send(gate.port)
+        await until(lambda: refused() == 1, "the fallback's refusal")
+        a.set_state(True, "open")
+        status_line = await asyncio.wait_for(reader.readline(), BOUND)
+        print(f"refused {refused()}, the client got {status_line!r}")
+        writer.close()
+        await gate.stop()
+        for s in (up, fsrv):
+            s.close()
+        return refused(), status_line
+
+    refusals, status = asyncio.run(run())
+    assert refusals == 1
+    assert status.startswith(b"HTTP/1.1 200")
