@@ -439,3 +439,21 @@ def test_a_fallback_whose_5xx_answer_breaks_off_is_a_refusal_and_the_request_wai
     refusals, status = asyncio.run(run())
     assert refusals == 1
     assert status.startswith(b"HTTP/1.1 200")
+
+
+def test_the_gates_stop_leaves_no_queued_tokens_or_shares_behind() -> None:
+    """The admission's stop rejects what waits and empties the queue: its queued tokens (a
+    gauge read at scrape) and per-client shares go with it, not left counting requests that
+    are gone."""
+
+    async def run() -> tuple[int, int, int]:
+        a = Admission(Limits(release_rate_per_second=0.0), GateMetrics("vllm"))
+        a.start()  # closed: requests wait in the queue
+        tasks = [asyncio.ensure_future(a.acquire(k, Cost(10, 10))) for k in ("a", "a", "b")]
+        await until(lambda: a.queue_depth == 3, "three requests queued")
+        await a.stop()
+        await asyncio.wait(tasks, timeout=BOUND)
+        assert all(isinstance(t.exception(), Rejected) for t in tasks)
+        return a.queue_depth, a.queued_tokens, len(a._per_key)
+
+    assert asyncio.run(run()) == (0, 0, 0)

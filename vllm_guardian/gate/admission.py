@@ -248,6 +248,8 @@ class Admission:
                     Rejected(RejectReason.SHUTDOWN, "the gate is shutting down", 1)
                 )
         self._queue.clear()
+        self._queued_tokens = 0
+        self._per_key.clear()
 
     # --- written by the follower -------------------------------------------------------------
 
