@@ -308,12 +308,8 @@ class Follower:
         async with running_timeout(self._timeout_seconds):
             up = await pool.request("GET", target, (), None)
             try:
-                chunks: list[bytes] = []
-                size = 0
-                while size < SMALL_BODY_MAX_BYTES and (chunk := await up.read()):
-                    chunks.append(chunk)
-                    size += len(chunk)
-                return up.status, b"".join(chunks)[:SMALL_BODY_MAX_BYTES]
+                body = await up.read_at_most(SMALL_BODY_MAX_BYTES)
+                return up.status, body[:SMALL_BODY_MAX_BYTES]
             finally:
                 up.release()  # a longer body than that: its connection is closed, not read on
 
@@ -408,23 +404,19 @@ class Follower:
                 try:
                     if up.status != 200:
                         return None
-                    chunks: list[bytes] = []
-                    size = 0
-                    while chunk := await up.read():
-                        size += len(chunk)
-                        if size > METRICS_MAX_BYTES:
-                            if not self._warned_oversize:
-                                log.warning(
-                                    "gate: vLLM's /metrics is over %d bytes: not read, the KV "
-                                    "estimate keeps its last value",
-                                    METRICS_MAX_BYTES,
-                                )
-                                self._warned_oversize = True
-                            return None
-                        chunks.append(chunk)
+                    page = await up.read_at_most(METRICS_MAX_BYTES + 1)
                 finally:
                     up.release()  # not read to its end: its connection is closed, not reused
-            self._warned_oversize = False
-            return b"".join(chunks)
         except (UpstreamError, TimeoutError):
             return None
+        if len(page) > METRICS_MAX_BYTES:
+            if not self._warned_oversize:
+                log.warning(
+                    "gate: vLLM's /metrics is over %d bytes: not read, the KV estimate keeps "
+                    "its last value",
+                    METRICS_MAX_BYTES,
+                )
+                self._warned_oversize = True
+            return None
+        self._warned_oversize = False
+        return page

@@ -612,7 +612,7 @@ class GateProxy:
                 )  # fmt: skip
                 return up
             try:
-                answer = await self._read_at_most(up, DYING_BODY_MAX_BYTES)
+                answer = await up.read_at_most(DYING_BODY_MAX_BYTES)
                 why = f"answered {up.status}: {answer[:200].decode('utf-8', 'replace')}"
             except UpstreamError as e:
                 why = f"answered {up.status}, then {e.phase}: {e}"
@@ -696,7 +696,7 @@ class GateProxy:
         try:
             try:
                 if up.status == 500:
-                    first = await self._read_at_most(up, DYING_BODY_MAX_BYTES)
+                    first = await up.read_at_most(DYING_BODY_MAX_BYTES)
                     if any(m in first for m in DYING_MARKERS):
                         raise _UpstreamBroke(
                             "before_first_byte", first.decode("utf-8", "replace")[:200]
@@ -707,7 +707,7 @@ class GateProxy:
                     and request.path in UNARY_PATHS
                     and up.headers.get("Content-Type", "").startswith("application/json")
                 ):
-                    first = await self._read_at_most(up, UNARY_CHECK_MAX_BYTES)
+                    first = await up.read_at_most(UNARY_CHECK_MAX_BYTES)
                     if (
                         not retried
                         and len(first) < UNARY_CHECK_MAX_BYTES
@@ -806,16 +806,3 @@ class GateProxy:
             reason=up.reason,
             headers=_forward_headers(up.headers, RESPONSE_DROP),
         )
-
-    @staticmethod
-    async def _read_at_most(up: UpstreamResponse, limit: int) -> bytes:
-        """The body's first ``limit`` bytes at most (all of it when shorter)."""
-        chunks: list[bytes] = []
-        size = 0
-        while size < limit:
-            chunk = await up.read()
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        return b"".join(chunks)

@@ -565,12 +565,4 @@ class ContinuingRelay:
 
 
 async def _read_small(up: UpstreamResponse) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while size < SMALL_ANSWER_BYTES:
-        chunk = await up.read()
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-    return b"".join(chunks)[:SMALL_ANSWER_BYTES]
+    return (await up.read_at_most(SMALL_ANSWER_BYTES))[:SMALL_ANSWER_BYTES]

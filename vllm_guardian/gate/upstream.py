@@ -347,6 +347,19 @@ class UpstreamResponse:
             self._pool.last_data_monotonic = time.monotonic()
         return data
 
+    async def read_at_most(self, limit: int) -> bytes:
+        """The body's pieces until it ends or ``limit`` bytes are in: all of a shorter body,
+        else at least ``limit`` bytes (the last piece whole; a caller that keeps no more cuts)."""
+        chunks: list[bytes] = []
+        size = 0
+        while size < limit:
+            chunk = await self.read()
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+
     async def _read_body(self) -> bytes:
         if self._eof:
             return b""
