@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from tests.test_gate_support import refused_url
 from vllm_guardian.gate.admission import Admission, Cost, Limits, Rejected
 from vllm_guardian.gate.body import BodyBudget
 from vllm_guardian.gate.metrics import GateMetrics
@@ -224,7 +225,7 @@ def handler_task(gate: Gate) -> asyncio.Task[Any]:
     return task
 
 
-# --- 1. proxy.py _admit: the ticket granted to ``waiting`` is dropped ----------------------------
+# --- a held request offered to the fallback gives its grant back ------------------------------
 
 
 @pytest.mark.python_only  # finds the proxy's waiting task by its coroutine's name
@@ -292,7 +293,7 @@ def test_a_request_whose_client_leaves_as_it_is_admitted_gives_its_ticket_back()
     assert (in_flight, committed) == (0, 0)
 
 
-# --- 2. proxy.py _admit: the fallback's answer is dropped on a cancel in the finally ------------
+# --- ... and the fallback's answer, whenever its client leaves --------------------------------
 
 
 @pytest.mark.python_only  # finds the proxy's waiting task by its coroutine's name
@@ -327,59 +328,54 @@ def test_a_fallback_answer_is_released_when_the_client_leaves_as_the_queue_lets_
     assert asyncio.run(run()) == (0, 0)
 
 
-# --- 3. looplag.py / connections.py stop(): the caller's cancellation is swallowed --------------
+# --- a stop keeps its caller's cancellation ----------------------------------------------------
 
 
-def refused_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
-
-
-def test_a_cancelled_gate_stop_raises_cancelled_error() -> None:
-    async def run() -> str:
-        gate = Gate(
-            GateSettings(
-                proxy=ProxySettings(upstream=refused_url()),
-                listen_port=0,
-                poll_interval_seconds=1000.0,
-                stall_hold_seconds=0,
-            )
+async def _gate() -> Gate:
+    gate = Gate(
+        GateSettings(
+            proxy=ProxySettings(upstream=refused_url()),
+            listen_port=0,
+            poll_interval_seconds=1000.0,
+            stall_hold_seconds=0,
         )
-        await gate.start()
-        stopper = asyncio.ensure_future(gate.stop())
-        await asyncio.sleep(0)  # stopper waits for the loop-lag task it cancelled
+    )
+    await gate.start()
+    return gate
+
+
+async def _guard() -> Any:
+    from vllm_guardian.gate.connections import ConnectionGuard
+
+    guard = ConnectionGuard(
+        max_connections=4, idle_timeout_seconds=60.0, metrics=GateMetrics("vllm")
+    )
+    guard.start()
+    return guard
+
+
+@pytest.mark.parametrize("started", [_gate, _guard], ids=["Gate", "ConnectionGuard"])
+def test_a_stop_cancelled_in_its_first_wait_raises_cancelled_error(
+    started: Callable[[], Awaitable[Any]],
+) -> None:
+    """Its first wait is for the task of its own it cancelled (the gate's: the loop-lag
+    watch's)."""
+
+    async def run() -> str:
+        stopping = await started()
+        stopper = asyncio.ensure_future(stopping.stop())
+        await asyncio.sleep(0)  # the stop waits for its own task now
         stopper.cancel()
         done, _ = await asyncio.wait({stopper}, timeout=BOUND)
         assert done
         got = "cancelled" if stopper.cancelled() else f"returned {stopper.result()!r}"
-        print(f"Gate.stop() cancelled in its first wait: {got}")
+        print(f"{type(stopping).__name__}.stop() cancelled in its first wait: {got}")
         return got
 
     assert asyncio.run(run()) == "cancelled"
 
 
-def test_a_cancelled_connection_guard_stop_raises_cancelled_error() -> None:
-    from vllm_guardian.gate.connections import ConnectionGuard
-
-    async def run() -> str:
-        guard = ConnectionGuard(
-            max_connections=4, idle_timeout_seconds=60.0, metrics=GateMetrics("vllm")
-        )
-        guard.start()
-        stopper = asyncio.ensure_future(guard.stop())
-        await asyncio.sleep(0)
-        stopper.cancel()
-        await asyncio.wait({stopper}, timeout=BOUND)
-        got = "cancelled" if stopper.cancelled() else f"returned {stopper.result()!r}"
-        print(f"ConnectionGuard.stop() cancelled in its wait: {got}")
-        return got
-
-    assert asyncio.run(run()) == "cancelled"
-
-
-# --- 4. admission.py acquire: a cancel turned into Rejected ---------------------------------------
+# --- a request rejected by the stop as its client leaves stays cancelled ----------------------
 
 
 def test_a_request_cancelled_as_the_gate_stops_stays_cancelled() -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import socket
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,6 +35,7 @@ from tests.test_gate_continuation import (
     chat_body,
     direct,
 )
+from tests.test_gate_support import refused_url
 from vllm_guardian.config import ConfigInvalid, check_fallback_url, parse_config
 from vllm_guardian.gate import cli as gate_cli
 from vllm_guardian.tools.demo import free_port
@@ -71,14 +71,6 @@ def gates() -> Iterator[Callable[..., GateOn]]:
     yield make
     for g in made:
         g.stop()
-
-
-def refused_url() -> str:
-    """A loopback port nothing listens on (bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
 
 
 def fallbacks(g: GateOn, result: str) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
@@ -18,6 +19,14 @@ from vllm_guardian.gate.proxy import ProxySettings
 from vllm_guardian.gate.server import Gate, GateSettings
 
 T = TypeVar("T")
+
+
+def refused_url() -> str:
+    """A loopback port nothing listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
 
 
 class LoopThread:
